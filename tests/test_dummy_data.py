@@ -1,0 +1,81 @@
+"""Tests for the deterministic dummy curriculum datasets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolkit.dummy_data import write_dummy_data
+
+ROLES = {"system", "user", "assistant"}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_writes_both_stages(tmp_path: Path) -> None:
+    paths = write_dummy_data(tmp_path / "data", 50)
+    assert set(paths) == {"stage1", "stage2"}
+    assert paths["stage1"] == tmp_path / "data" / "stage1.jsonl"
+    assert paths["stage2"] == tmp_path / "data" / "stage2.jsonl"
+    for path in paths.values():
+        assert path.is_file()
+        assert len(_rows(path)) == 50
+
+
+def test_single_sample(tmp_path: Path) -> None:
+    paths = write_dummy_data(tmp_path, 1)
+    assert [len(_rows(p)) for p in paths.values()] == [1, 1]
+
+
+def test_deterministic(tmp_path: Path) -> None:
+    a = write_dummy_data(tmp_path / "a", 40, seed=3)
+    b = write_dummy_data(tmp_path / "b", 40, seed=3)
+    c = write_dummy_data(tmp_path / "c", 40, seed=4)
+    for stage in ("stage1", "stage2"):
+        assert a[stage].read_bytes() == b[stage].read_bytes()
+        assert a[stage].read_bytes() != c[stage].read_bytes()
+
+
+def test_row_schema(tmp_path: Path) -> None:
+    paths = write_dummy_data(tmp_path, 200)
+    for path in paths.values():
+        for row in _rows(path):
+            assert set(row) == {"messages", "difficulty"}
+            assert isinstance(row["difficulty"], float)
+            messages = row["messages"]
+            assert all(set(m) == {"role", "content"} and m["role"] in ROLES for m in messages)
+            assert all(isinstance(m["content"], str) and m["content"] for m in messages)
+            assert any(m["role"] == "assistant" for m in messages)
+            assert messages[-1]["role"] == "assistant"
+            assert all(m["role"] != "system" for m in messages[1:])
+
+
+def test_stage_shapes(tmp_path: Path) -> None:
+    paths = write_dummy_data(tmp_path, 300)
+    stage1, stage2 = _rows(paths["stage1"]), _rows(paths["stage2"])
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in stage1)
+    assert any(len([m for m in r["messages"] if m["role"] == "assistant"]) > 1 for r in stage2)
+    assert any(r["messages"][0]["role"] == "system" for r in stage2)
+
+    def length(row: dict) -> int:
+        return sum(len(m["content"]) for m in row["messages"])
+
+    lengths = sorted(length(r) for r in stage2)
+    assert lengths[-1] > 3 * lengths[len(lengths) // 2]  # long tail
+    assert max(length(r) for r in stage1) < lengths[len(lengths) // 2]
+
+
+def test_arithmetic_answers_are_correct(tmp_path: Path) -> None:
+    for row in _rows(write_dummy_data(tmp_path, 100)["stage1"]):
+        a, op, b, _, value = row["messages"][1]["content"].rstrip(".").split(" ")
+        assert (int(a) + int(b) if op == "+" else int(a) - int(b)) == int(value)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_rejects_non_positive(tmp_path: Path, bad: int) -> None:
+    with pytest.raises(ValueError, match="num_samples"):
+        write_dummy_data(tmp_path, bad)

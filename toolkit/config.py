@@ -1,0 +1,250 @@
+"""The recipe: one typed schema (pydantic v2) for a whole run, loaded from YAML plus `key.sub=value` overrides.
+
+Every field has a type, a default where one makes sense and a one-line description. Unknown keys and wrong
+types fail here, before any model or data is touched, with the key's full path and the closest valid names.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from toolkit.errors import ToolkitError
+
+TINY_MODEL = "builtin:tiny-qwen3"
+"""`model.name_or_path` value that builds the tiny random Qwen3 locally (tests, demo, laptops)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(TINY_MODEL, description="Local directory or hub id loaded with from_pretrained.")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model repo.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype; auto = bfloat16 on a bf16-capable GPU, else float32."
+    )
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="auto = flash_attention_2 when flash-attn is importable and on CUDA, else sdpa."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+
+
+class LoraConfig(_Section):
+    enabled: bool = Field(True, description="Train LoRA adapters (PEFT); false = full fine-tuning.")
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the head."
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="Modules trained in full and saved with the adapter."
+    )
+
+
+class DataConfig(_Section):
+    max_seq_len: int = Field(2048, gt=1, description="Longest tokenised sample, in tokens.")
+    overlength: Literal["drop", "truncate", "error"] = Field(
+        "drop", description="What to do with a sample longer than max_seq_len (counted and reported)."
+    )
+    train_on: Literal["assistant", "all"] = Field(
+        "assistant", description="Which tokens carry loss: assistant turns only, or every token."
+    )
+    chat_template: str | None = Field(
+        None, description="Override the tokenizer's chat template: 'chatml' or a Jinja template string."
+    )
+
+
+class StageConfig(_Section):
+    name: str = Field(..., min_length=1, description="Stage name, used in logs and metrics.jsonl.")
+    data: list[str] = Field(..., min_length=1, description="JSONL files of this stage (paths from the cwd).")
+    epochs: float | None = Field(None, gt=0, description="Passes over the stage data (default 1).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps in this stage; overrides epochs.")
+    lr: float | None = Field(None, gt=0, description="Peak learning rate of this stage (default optimizer.lr).")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Override schedule.warmup_ratio.")
+    min_lr_ratio: float | None = Field(None, ge=0, le=1, description="Override schedule.min_lr_ratio.")
+
+    @model_validator(mode="after")
+    def _one_length(self) -> StageConfig:
+        if self.epochs is not None and self.max_steps is not None:
+            raise ValueError("set either epochs or max_steps, not both")
+        return self
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate (before lr_scaling).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="Scale lr by effective/reference batch (linear: Goyal et al. 2017)."
+    )
+    reference_batch_size: int | None = Field(
+        None, gt=0, description="Effective batch size the lr was tuned for (needed by lr_scaling)."
+    )
+
+    @model_validator(mode="after")
+    def _scaling_needs_reference(self) -> OptimizerConfig:
+        if self.lr_scaling != "none" and self.reference_batch_size is None:
+            raise ValueError("lr_scaling needs optimizer.reference_batch_size")
+        return self
+
+
+class ScheduleConfig(_Section):
+    kind: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="LR decay after warmup (transformers' schedules), per stage."
+    )
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of each stage's steps spent warming up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
+
+
+class TrainConfig(_Section):
+    micro_batch_size: int = Field(1, gt=0, description="Samples per process per forward pass.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    seed: int = Field(42, description="One seed for the run; each rank derives its own from it.")
+
+
+class LoggingConfig(_Section):
+    logging_steps: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
+    progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
+
+
+class DistributedConfig(_Section):
+    timeout_minutes: float = Field(30, gt=0, description="Collective timeout, so a dead rank fails the job.")
+
+
+class Recipe(_Section):
+    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Formatting and length policy.")
+    stages: list[StageConfig] = Field(..., min_length=1, description="Ordered training stages.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule per stage.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Batching and seed.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Collectives.")
+
+    @model_validator(mode="after")
+    def _unique_stage_names(self) -> Recipe:
+        names = [s.name for s in self.stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"stage names must be unique, repeated: {dupes}")
+        return self
+
+
+DEFAULT_RECIPE: dict[str, Any] = {
+    "output_dir": "outputs/demo",
+    "model": {"name_or_path": TINY_MODEL},
+    "lora": {"r": 8, "alpha": 16},
+    "data": {"max_seq_len": 256},
+    "stages": [
+        {"name": "warmup_short", "data": ["dummy:stage1"], "epochs": 1, "lr": 1e-3},
+        {"name": "longer_multiturn", "data": ["dummy:stage2"], "epochs": 1, "lr": 5e-4},
+    ],
+    "train": {"micro_batch_size": 4, "grad_accum": 2},
+    "logging": {"logging_steps": 1},
+}
+"""The embedded default: tiny local Qwen3, dummy data, a 2-stage curriculum. Runs anywhere."""
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """Parse `a.b.c=value` strings; values are YAML scalars/lists (`lr=1e-4`, `target_modules=[q_proj]`)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ToolkitError(f"Override '{item}' is not of the form key.sub=value (for example optimizer.lr=1e-4).")
+        parsed.append((key.strip().split("."), yaml.safe_load(raw) if raw else None))
+    return parsed
+
+
+def _apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node: Any = tree
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                where = ".".join(path[: i + 1])
+                raise ToolkitError(f"Override '{where}': index out of range (the list has {len(node)} items).")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+    last = path[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ToolkitError(f"Override '{'.'.join(path)}': index out of range (the list has {len(node)} items).")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Valid field names of the section at `loc` (for 'did you mean' hints)."""
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(str(part))
+        if info is None:
+            break
+        ann = info.annotation
+        inner = getattr(ann, "__args__", (ann,))
+        sub = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if sub is None:
+            break
+        model = sub
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError, source: str) -> ToolkitError:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=3, cutoff=0.5)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            lines.append(f"unknown key '{key}'.{hint} Valid keys here: {', '.join(valid)}.")
+        elif e["type"] == "missing":
+            lines.append(f"'{key}' is required.")
+        else:
+            lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r}).")
+    return ToolkitError(f"Invalid recipe {source}: " + " ".join(lines))
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Load a recipe from YAML (or the embedded default when `path` is None) and apply overrides."""
+    if path is None:
+        tree: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEFAULT_RECIPE))
+        source = "(embedded default)"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ToolkitError(f"Recipe file {path} does not exist. Pass an existing YAML file to --config.")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ToolkitError(f"Recipe file {path} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ToolkitError(f"Recipe file {path} must hold a mapping of keys at the top level.")
+        source = str(path)
+    for keys, value in parse_overrides(overrides or []):
+        _apply_override(tree, keys, value)
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise _explain(e, source) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe (defaults filled in), as saved next to the run's outputs."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,112 @@
+"""Deterministic dummy chat datasets for curriculum smoke runs.
+
+Smoke runs need two stages of easy-to-learn chat data without downloads: stage 1 is short single-turn
+arithmetic; stage 2 is longer, partly multi-turn, partly system-prompted text with a long tail of
+lengths (to exercise packing/bucketing). Each row carries a ``difficulty`` that grows with problem size
+so difficulty-ordered curricula have something to sort on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+_NAMES = ["Sam", "Mia", "Tom", "Ana", "Leo", "Eva", "Max", "Zoe"]
+_ITEMS = ["apples", "books", "cats", "coins", "cards", "pens", "boxes", "eggs"]
+_WORDS = ["cat", "dog", "tree", "house", "car", "book", "red", "blue", "sun", "fish", "bird", "apple"]
+_SYSTEMS = [
+    "You are a careful assistant. Answer briefly.",
+    "You are a helpful math tutor. Show each step.",
+    "Follow the instructions exactly.",
+]
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+def _arith(rng: random.Random, max_digits: int) -> tuple[str, str, float]:
+    """Return (question, answer, difficulty) for a +/- problem; difficulty ~ log10 of operand size."""
+    a = rng.randint(0, 10 ** rng.randint(1, max_digits) - 1)
+    b = rng.randint(0, 10 ** rng.randint(1, max_digits) - 1)
+    op = rng.choice("+-")
+    value = a + b if op == "+" else a - b
+    return f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}.", math.log10(1 + max(a, b))
+
+
+def _long_tail(rng: random.Random, scale: int = 3, cap: int = 60) -> int:
+    """Mostly small sizes with occasional ones several times larger (Pareto tail)."""
+    return min(cap, max(2, int(rng.paretovariate(1.3) * scale)))
+
+
+def _stage1_row(rng: random.Random) -> Row:
+    question, answer, difficulty = _arith(rng, max_digits=2)
+    return {
+        "messages": [_msg("user", question), _msg("assistant", answer)],
+        "difficulty": round(difficulty, 3),
+    }
+
+
+def _stage2_row(rng: random.Random) -> Row:
+    kind = rng.randrange(4)
+    messages: list[dict[str, str]] = []
+    if kind == 0:  # multi-step word problem
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        a, b = rng.randint(1, 50), rng.randint(1, 50)
+        c = rng.randint(0, a + b)
+        total, left = a + b, a + b - c
+        messages += [
+            _msg("user", f"{name} has {a} {item}, gets {b} more, then gives away {c}. How many {item} now?"),
+            _msg("assistant", f"{a} + {b} = {total}. {total} - {c} = {left}. {name} has {left} {item}."),
+        ]
+        difficulty = 2.0 + math.log10(1 + total)
+    elif kind == 1:  # reverse a word list
+        words = [rng.choice(_WORDS) for _ in range(_long_tail(rng))]
+        messages += [
+            _msg("user", "Reverse this list: " + ", ".join(words)),
+            _msg("assistant", ", ".join(reversed(words))),
+        ]
+        difficulty = float(len(words))
+    elif kind == 2:  # count words, enumerating them
+        words = [rng.choice(_WORDS) for _ in range(_long_tail(rng))]
+        steps = ", ".join(f"{i} {w}" for i, w in enumerate(words, 1))
+        messages += [
+            _msg("user", "Count the words: " + " ".join(words)),
+            _msg("assistant", f"{steps}. There are {len(words)} words."),
+        ]
+        difficulty = float(len(words))
+    else:  # multi-turn arithmetic follow-up
+        question, answer, difficulty = _arith(rng, max_digits=3)
+        value = int(answer.rsplit("= ", 1)[1].rstrip("."))
+        d = rng.randint(1, 99)
+        messages += [
+            _msg("user", question),
+            _msg("assistant", answer),
+            _msg("user", f"Now add {d} to that."),
+            _msg("assistant", f"{value} + {d} = {value + d}."),
+        ]
+        difficulty += 1.0
+    if rng.random() < 0.3:
+        messages.insert(0, _msg("system", rng.choice(_SYSTEMS)))
+    return {"messages": messages, "difficulty": round(difficulty, 3)}
+
+
+def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> dict[str, Path]:
+    """Write ``stage1.jsonl`` and ``stage2.jsonl`` with ``num_samples`` rows each; return their paths."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    paths: dict[str, Path] = {}
+    for stage, make_row in (("stage1", _stage1_row), ("stage2", _stage2_row)):
+        path = out / f"{stage}.jsonl"
+        rows = [json.dumps(make_row(rng), ensure_ascii=False) for _ in range(num_samples)]
+        path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+        paths[stage] = path
+    return paths

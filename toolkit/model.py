@@ -1,0 +1,106 @@
+"""Model building: tokenizer, base model (dtype, attention kernel), gradient checkpointing, LoRA via PEFT."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from toolkit.config import TINY_MODEL
+from toolkit.errors import ToolkitError
+from toolkit.tiny import CHATML_TEMPLATE, write_tiny_qwen3
+
+log = logging.getLogger(__name__)
+
+
+def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
+    """Turn `builtin:tiny-qwen3` into a real model directory (built once, then loaded like any checkpoint)."""
+    if name_or_path != TINY_MODEL:
+        return name_or_path
+    target = cache_dir / "tiny-qwen3"
+    if not (target / "config.json").is_file():
+        write_tiny_qwen3(target)
+    return str(target)
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Fail early on a path-like model that does not exist (a hub id is left to from_pretrained)."""
+    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
+    if looks_local and not (Path(name_or_path).expanduser() / "config.json").is_file():
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' is not a model directory (no config.json). "
+                           "Give a local directory saved with save_pretrained, or a hub id.")
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None
+                   ) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with an optional chat-template override ('chatml' or a Jinja string)."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = CHATML_TEMPLATE if chat_template == "chatml" else chat_template
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # pad positions carry no loss and no attention
+    return tokenizer
+
+
+def resolve_dtype(name: str, *, lora: bool) -> torch.dtype:
+    """`auto`: bf16 base weights for LoRA on a bf16-capable GPU (frozen, so precision is not lost to updates);
+    fp32 otherwise (full fine-tuning keeps fp32 master weights; mixed precision comes from accelerate)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if lora and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def choose_attention(requested: str) -> str:
+    """`auto`: flash_attention_2 when flash-attn is importable and CUDA is present, else sdpa."""
+    if requested != "auto":
+        if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ToolkitError("model.attn_implementation is flash_attention_2 but flash-attn is not installed: "
+                               "pip install 'curriculum-toolkit[flash]' (needs CUDA), or use auto or sdpa.")
+        return requested
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str,
+               trust_remote_code: bool) -> PreTrainedModel:
+    """The base causal LM, loaded with from_pretrained (under ZeRO-3 init when accelerate enabled it)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant checkpointing (works with LoRA, ZeRO-3 and FSDP); inputs require grad so frozen
+    embeddings still let gradients flow into the checkpointed blocks."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+
+
+def apply_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float,
+               target_modules: list[str] | str, modules_to_save: list[str]) -> PeftModel:
+    """Wrap the model with PEFT LoRA adapters; only adapters (and modules_to_save) stay trainable."""
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        modules_to_save=modules_to_save or None, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        raise ToolkitError(f"LoRA could not be applied: {e} Check lora.target_modules / lora.modules_to_save "
+                           "against the model's module names.") from None
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; correct under ZeRO-3, where local tensors are empty shards."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total

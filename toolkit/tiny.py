@@ -1,0 +1,154 @@
+"""Tiny random-weight Qwen3 model with a real, locally trained tokenizer.
+
+Tests and the demo need a genuine causal LM and a genuine fast tokenizer with a ChatML chat template
+(assistant masks, offsets, special tokens) that load through the normal ``from_pretrained`` path, yet
+there is no network. Everything here is built in-process and deterministically: a byte-level BPE
+tokenizer trained on an embedded corpus and a seeded, randomly initialised ``Qwen3ForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+VOCAB_SIZE = 1000
+
+# Each assistant turn's content + <|im_end|> is a generation block so that
+# ``return_assistant_tokens_mask=True`` marks exactly the tokens the model should learn to produce.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the a an and or but of to in on at for with from by is are was were be it this that these those "
+    "what how many much number count reverse list word words answer question total each left more less "
+    "apple apples orange bananas book books cat cats dog dogs bird tree house car train water bread box "
+    "red blue green small big fast slow happy quick brown fox jumps over lazy one two three four five "
+    "six seven eight nine ten has have had gives gave buys bought eats ate sells sold then now there "
+    "you your we they he she his her please sure here result first second last order letters sentence "
+    "model learn data train test loss step value return print function class import def self true false "
+    "sam mia tom ana leo eva zoe coins cards pens eggs fish sun gets away then add now follow careful "
+    "helpful assistant user system math tutor show instructions exactly briefly count reverse the list"
+)
+_CODE = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Counter:\n    def __init__(self):\n        self.n = 0\n",
+    "if x > 0 and y < 10:\n    result = [x, y]\nelse:\n    result = {}\n",
+    "import json\ndata = json.loads('{\"key\": 1}')\n",
+    "while n != 1:\n    n = n // 2 if n % 2 == 0 else 3 * n + 1\n",
+]
+
+
+def _corpus(num_lines: int = 1200, seed: int = 0) -> list[str]:
+    """Deterministic mix of English, arithmetic, code and ChatML text to train the BPE merges on."""
+    rng = random.Random(seed)
+    vocab = _WORDS.split()
+    lines: list[str] = []
+    for i in range(num_lines):
+        kind = i % 4
+        if kind == 0:
+            words = [rng.choice(vocab) for _ in range(rng.randint(5, 14))]
+            lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+        elif kind == 1:
+            a, b = rng.randint(0, 199), rng.randint(0, 99)
+            op = rng.choice(["+", "-", "*"])
+            value = a + b if op == "+" else a - b if op == "-" else a * b
+            lines.append(f"What is {a} {op} {b}? {a} {op} {b} = {value}.")
+        elif kind == 2:
+            lines.append(_CODE[rng.randrange(len(_CODE))])
+        else:
+            user = " ".join(rng.choice(vocab) for _ in range(rng.randint(3, 8)))
+            lines.append(f"{IM_START}user\n{user}?{IM_END}\n{IM_START}assistant\nSure: {user}.{IM_END}\n")
+    return lines
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (~1000 tokens, no unknowns) with ChatML special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=32768,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def write_tiny_qwen3(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    seed: int = 0,
+) -> Path:
+    """Save a seeded random-weight Qwen3 model, its tokenizer and generation config to ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "README.md").write_text(
+        "# Tiny random-weight Qwen3\n\n"
+        "Random-weight test model built by `toolkit.tiny.write_tiny_qwen3` "
+        f"(layers={num_layers}, hidden={hidden_size}, seed={seed}).\n"
+        "Its outputs are meaningless; it exists only for tests and offline demos.\n"
+    )
+    return out
