@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,9 @@ def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) ->
     for stage, make_row in (("stage1", _stage1_row), ("stage2", _stage2_row)):
         path = out / f"{stage}.jsonl"
         rows = [json.dumps(make_row(rng), ensure_ascii=False) for _ in range(num_samples)]
-        path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+        # Write then rename: several processes (one per node) may create the same file at once.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
         paths[stage] = path
     return paths

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,7 +25,12 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
         return name_or_path
     target = cache_dir / "tiny-qwen3"
     if not (target / "config.json").is_file():
-        write_tiny_qwen3(target)
+        # Build aside, then rename: processes on several nodes may share this directory.
+        tmp = write_tiny_qwen3(cache_dir / f".tiny-qwen3.{os.getpid()}.tmp")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
 
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the toolkit with its test dependencies. Idempotent.
+# torch is installed first and explicitly: without a pin, pip picks a multi-GB CUDA build even on CPU machines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m pip install -q torch            # CUDA build for GPU machines
+  else
+    python -m pip install -q "torch==2.13.0"  # CPU build
+  fi
+fi
+# DeepSpeed's build imports torch to decide which ops to prebuild: build it against the torch just installed.
+python -m pip install -q --no-build-isolation "deepspeed>=0.17; sys_platform == 'linux'"
+python -m pip install -q -e ".[dev]"

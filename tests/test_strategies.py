@@ -1,0 +1,104 @@
+"""The strategy matrix: every accelerate config, 2 processes over gloo on CPU, gives single-process losses.
+
+Each 2-process run trains the 2-stage smoke recipe (LoRA, gradient checkpointing on) with the same global batch
+as the 1-process reference and must reproduce its per-step losses and its final adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, train
+from toolkit.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
+# smoke.yaml: micro 2 x accum 2 x 2 processes = 8; the reference gets micro 4 x accum 2 x 1 process = 8.
+REFERENCE_OVERRIDES = ("train.micro_batch_size=4",)
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("matrix")
+
+
+@pytest.fixture(scope="module")
+def reference(runs: Path) -> Path:
+    out = runs / "single"
+    train("single", 1, out, *REFERENCE_OVERRIDES)
+    return out
+
+
+def test_reference_trains(reference: Path) -> None:
+    records = read_metrics(reference / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert [r["stage"] for r in records] == ["short"] * 4 + ["long"] * 3
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in records)
+    assert records[-1]["samples"] == 7 * 8
+    assert records[-1]["tokens"] > records[0]["tokens"] > 0
+    lora_b = [v for k, v in adapter(reference).items() if "lora_B" in k]
+    assert lora_b and max(v.abs().max().item() for v in lora_b) > 0  # B starts at zero: it trained
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_matches_single_process(strategy: str, runs: Path, reference: Path) -> None:
+    out = runs / strategy
+    train(strategy, 2, out, "model.gradient_checkpointing=true")
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    ref, got = adapter(reference), adapter(out)
+    assert got.keys() == ref.keys()
+    assert all(t.numel() > 0 for t in got.values()), "empty tensors in the saved adapter"
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")
+    base = AutoModelForCausalLM.from_pretrained(out.parent / ".toolkit-cache" / "tiny-qwen3")
+    model = PeftModel.from_pretrained(base, out / "final")
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == sum(
+        t.numel() for t in ref.values())
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_bf16_finishes_with_finite_losses(strategy: str, runs: Path) -> None:
+    out = runs / f"{strategy}-bf16"
+    train(strategy, 2, out, mixed_precision="bf16")
+    values = losses(out)
+    assert len(values) == 7 and all(math.isfinite(v) for v in values)
+
+
+def test_two_machines_on_loopback_match_two_processes(runs: Path, reference: Path) -> None:
+    """accelerate's multi-node launch (2 machines x 1 process, rendezvous on 127.0.0.1) equals 2 processes."""
+    out, port = runs / "two-machines", None
+    procs = []
+    for machine_rank in (0, 1):
+        base = launch_cmd("ddp", 2, extra=["--num_machines", "2", "--machine_rank", str(machine_rank),
+                                           "--main_process_ip", "127.0.0.1"])
+        if port is None:
+            port = base[base.index("--main_process_port") + 1]
+        base[base.index("--main_process_port") + 1] = port
+        cmd = [*base, str(REPO / "train_curriculum.py"), "--config", "recipes/smoke.yaml", "--create_dummy_data",
+               "--num_dummy_samples", "64", f"output_dir={out}"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)

@@ -1,0 +1,56 @@
+"""The `toolkit` command: helpers around training runs (`toolkit --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from toolkit.errors import ToolkitError
+
+
+def _dummy_data(args: argparse.Namespace) -> None:
+    from toolkit.dummy_data import write_dummy_data
+
+    if args.num_samples < 1:
+        raise ToolkitError(f"--num-samples must be at least 1, got {args.num_samples}.")
+    for name, path in write_dummy_data(args.out, args.num_samples, seed=args.seed).items():
+        print(f"{name}: {path}")
+
+
+def _tiny_model(args: argparse.Namespace) -> None:
+    from toolkit.tiny import write_tiny_qwen3
+
+    print(write_tiny_qwen3(args.out, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolkit", description="Curriculum fine-tuning toolkit.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("dummy-data", help="Write deterministic dummy chat JSONL files (stage1, stage2).")
+    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--num-samples", type=int, default=256, help="Rows per file.")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_dummy_data)
+
+    p = sub.add_parser("tiny-model", help="Write a tiny random Qwen3 with a real ChatML tokenizer (no network).")
+    p.add_argument("--out", required=True, help="Output directory (loadable with from_pretrained).")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ToolkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
