@@ -147,8 +147,8 @@ DEFAULT_RECIPE: dict[str, Any] = {
     "lora": {"r": 8, "alpha": 16},
     "data": {"max_seq_len": 256},
     "stages": [
-        {"name": "warmup_short", "data": ["dummy:stage1"], "epochs": 1, "lr": 1e-3},
-        {"name": "longer_multiturn", "data": ["dummy:stage2"], "epochs": 1, "lr": 5e-4},
+        {"name": "warmup_short", "data": ["dummy:stage1"], "epochs": 1, "lr": 1e-2},
+        {"name": "longer_multiturn", "data": ["dummy:stage2"], "epochs": 1, "lr": 5e-3},
     ],
     "train": {"micro_batch_size": 4, "grad_accum": 2},
     "logging": {"logging_steps": 1},
