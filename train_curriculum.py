@@ -10,6 +10,8 @@ With no --config it trains the embedded default: a tiny local Qwen3 on dummy dat
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
 import logging
 import math
 import sys
@@ -20,7 +22,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import curriculum, distributed
+from toolkit import __version__, curriculum, distributed
 from toolkit.checkpoint import save_final
 from toolkit.config import Recipe, load_recipe, recipe_to_yaml
 from toolkit.data import IGNORE_INDEX, build_collator, load_stage_data, resolve_data_paths
@@ -64,9 +66,11 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
         ratio = global_batch / recipe.optimizer.reference_batch_size
         lr_scale = ratio if recipe.optimizer.lr_scaling == "linear" else math.sqrt(ratio)
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
+    # Decided once on rank 0 and shared: clocks of different nodes disagree.
+    run_name = distributed.broadcast_from_main(accelerator, recipe.run_name or time.strftime("%Y%m%d-%H%M%S"))
     strategy = distributed.strategy_name(accelerator)
-    log.info("strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
-             strategy, world, accelerator.device, micro, accum, world, global_batch)
+    log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
+             run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
     with accelerator.local_main_process_first():  # the builtin tiny model is built once per machine
@@ -129,6 +133,11 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+        (out / "run.json").write_text(json.dumps({
+            "run_name": run_name, "strategy": strategy, "num_processes": world, "effective_batch": global_batch,
+            "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
+            "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
+            | {"toolkit": __version__}}, indent=2))
         (out / "metrics.jsonl").unlink(missing_ok=True)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=accelerator.is_main_process)
 

@@ -102,3 +102,24 @@ def test_two_machines_on_loopback_match_two_processes(runs: Path, reference: Pat
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def full_reference(runs: Path) -> Path:
+    out = runs / "single-full"
+    train("single", 1, out, "lora.enabled=false", *REFERENCE_OVERRIDES)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_reference: Path) -> None:
+    """Sharded full fine-tuning: same losses, and the gathered full model equals the single-process one."""
+    out = runs / f"{strategy}-full"
+    train(strategy, 2, out, "lora.enabled=false")
+    assert losses(out) == pytest.approx(losses(full_reference), rel=1e-4)
+    ref = load_file(full_reference / "final" / "model.safetensors")
+    got = load_file(out / "final" / "model.safetensors")
+    assert got.keys() == ref.keys() and all(t.numel() > 0 for t in got.values())
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{strategy}: {k}")
+    AutoModelForCausalLM.from_pretrained(out / "final")

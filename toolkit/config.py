@@ -65,7 +65,7 @@ class StageConfig(_Section):
     name: str = Field(..., min_length=1, description="Stage name, used in logs and metrics.jsonl.")
     data: list[str] = Field(..., min_length=1, description="JSONL files of this stage (paths from the cwd).")
     epochs: float | None = Field(None, gt=0, description="Passes over the stage data (default 1).")
-    max_steps: int | None = Field(None, gt=0, description="Optimizer steps in this stage; overrides epochs.")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps in this stage (instead of epochs).")
     lr: float | None = Field(None, gt=0, description="Peak learning rate of this stage (default optimizer.lr).")
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Override schedule.warmup_ratio.")
     min_lr_ratio: float | None = Field(None, ge=0, le=1, description="Override schedule.min_lr_ratio.")
@@ -108,7 +108,7 @@ class ScheduleConfig(_Section):
 class TrainConfig(_Section):
     micro_batch_size: int = Field(1, gt=0, description="Samples per process per forward pass.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    seed: int = Field(42, description="One seed for the run; each rank derives its own from it.")
+    seed: int = Field(42, ge=0, lt=2**32, description="One seed for the run; each rank derives its own from it.")
 
 
 class LoggingConfig(_Section):
@@ -122,6 +122,7 @@ class DistributedConfig(_Section):
 
 class Recipe(_Section):
     output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.")
+    run_name: str | None = Field(None, description="Name for logs and trackers (default: start time, from rank 0).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning.")
     data: DataConfig = Field(default_factory=DataConfig, description="Formatting and length policy.")
@@ -147,8 +148,8 @@ DEFAULT_RECIPE: dict[str, Any] = {
     "lora": {"r": 8, "alpha": 16},
     "data": {"max_seq_len": 256},
     "stages": [
-        {"name": "warmup_short", "data": ["dummy:stage1"], "epochs": 1, "lr": 1e-2},
-        {"name": "longer_multiturn", "data": ["dummy:stage2"], "epochs": 1, "lr": 5e-3},
+        {"name": "warmup_short", "data": ["dummy:stage1"], "lr": 1e-2},
+        {"name": "longer_multiturn", "data": ["dummy:stage2"], "lr": 5e-3},
     ],
     "train": {"micro_batch_size": 4, "grad_accum": 2},
     "logging": {"logging_steps": 1},
@@ -176,7 +177,12 @@ def _apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
                 raise ToolkitError(f"Override '{where}': index out of range (the list has {len(node)} items).")
             node = node[int(part)]
         else:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty YAML section
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict | list):
+                where = ".".join(path[: i + 1])
+                raise ToolkitError(f"Override '{'.'.join(path)}': '{where}' is a value, not a section.")
     last = path[-1]
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):

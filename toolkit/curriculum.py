@@ -53,8 +53,9 @@ def plan_stages(names: list[str], sizes: list[int], *, global_batch: int, epochs
                 f"Stage '{name}' has {n} usable samples, fewer than one global batch of {global_batch} "
                 "(micro_batch_size x grad_accum x processes). Add data or lower the batch size.")
         steps = max_steps[i] or max(1, round((epochs[i] or 1.0) * per_epoch))
+        warmup = math.ceil(round(warmup_ratios[i] * steps, 9))  # round first: 0.07 * 100 is 7.000000000000001
         plans.append(StagePlan(index=i, name=name, num_samples=n, steps=steps, start_step=start, lr=lrs[i],
-                               warmup_steps=math.ceil(warmup_ratios[i] * steps), min_lr_ratio=min_lr_ratios[i],
+                               warmup_steps=warmup, min_lr_ratio=min_lr_ratios[i],
                                global_batch=global_batch, steps_per_epoch=per_epoch))
         start += steps
     return plans

@@ -118,7 +118,7 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
                     f"{where}: the chat template is not prefix-stable for this conversation, so assistant turns "
                     "cannot be located. Set data.chat_template: chatml (a training template with generation "
                     "markers) or give a Jinja template with {% generation %} blocks.")
-            spans.append((len(before), len(upto)))
+            spans.append((len(before), len(upto.rstrip())))  # the newline after a turn is not trained
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]

@@ -1,0 +1,274 @@
+"""Tests for toolkit/curriculum.py: stage layout, step lookup, seeded batches, rank split and per-stage LR schedule."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from toolkit.curriculum import (
+    StagePlan,
+    build_lr_lambda,
+    global_batch_indices,
+    locate,
+    plan_stages,
+    rank_micro_batches,
+)
+from toolkit.errors import ToolkitError
+
+
+def _two_stages(**overrides) -> list[StagePlan]:
+    """Stage 'a': 100 samples, 2 epochs of 12 steps; stage 'b': 50 samples, max_steps 5 (global batch 8)."""
+    kwargs = dict(global_batch=8, epochs=[2, None], max_steps=[None, 5], lrs=[1e-3, 5e-4],
+                  warmup_ratios=[0.1, 0.2], min_lr_ratios=[0.1, 0.0])
+    kwargs.update(overrides)
+    return plan_stages(["a", "b"], [100, 50], **kwargs)
+
+
+def _one_stage(n: int, global_batch: int, *, epochs: float | None = None, max_steps: int | None = None,
+               lr: float = 1.0, warmup_ratio: float = 0.0, min_lr_ratio: float = 0.0) -> StagePlan:
+    (plan,) = plan_stages(["s"], [n], global_batch=global_batch, epochs=[epochs], max_steps=[max_steps], lrs=[lr],
+                          warmup_ratios=[warmup_ratio], min_lr_ratios=[min_lr_ratio])
+    return plan
+
+
+# --- plan_stages ---------------------------------------------------------------------------------------------------
+
+
+def test_plan_two_stages_exact() -> None:
+    a, b = _two_stages()
+    assert a == StagePlan(index=0, name="a", num_samples=100, steps=24, start_step=0, lr=1e-3, warmup_steps=3,
+                          min_lr_ratio=0.1, global_batch=8, steps_per_epoch=12)
+    assert b == StagePlan(index=1, name="b", num_samples=50, steps=5, start_step=24, lr=5e-4, warmup_steps=1,
+                          min_lr_ratio=0.0, global_batch=8, steps_per_epoch=6)
+    assert (a.end_step, b.end_step) == (24, 29)
+
+
+def test_plan_default_is_one_epoch() -> None:
+    plan = _one_stage(100, 8)
+    assert (plan.steps, plan.steps_per_epoch, plan.start_step, plan.end_step) == (12, 12, 0, 12)
+
+
+def test_plan_max_steps_beyond_an_epoch() -> None:
+    plan = _one_stage(20, 8, max_steps=7)
+    assert (plan.steps, plan.steps_per_epoch) == (7, 2)
+
+
+@pytest.mark.parametrize(("epochs", "steps"), [(0.5, 6), (1.25, 15), (2.75, 33), (0.01, 1)])
+def test_plan_fractional_epochs(epochs: float, steps: int) -> None:
+    plan = _one_stage(100, 8, epochs=epochs)  # 12 steps per epoch
+    assert plan.steps == steps
+    assert plan.steps_per_epoch == 12
+
+
+def test_plan_three_stages_are_contiguous() -> None:
+    plans = plan_stages(["x", "y", "z"], [16, 40, 9], global_batch=4, epochs=[1, 0.5, None], max_steps=[None, None, 3],
+                        lrs=[1.0, 2.0, 3.0], warmup_ratios=[0.0] * 3, min_lr_ratios=[0.0] * 3)
+    assert [(p.index, p.start_step, p.steps, p.end_step, p.steps_per_epoch) for p in plans] == [
+        (0, 0, 4, 4, 4), (1, 4, 5, 9, 10), (2, 9, 3, 12, 2)]
+
+
+def test_plan_warmup_steps_round_up() -> None:
+    assert _one_stage(100, 8, warmup_ratio=0.0).warmup_steps == 0
+    assert _one_stage(100, 8, warmup_ratio=0.05).warmup_steps == 1  # 0.6 -> 1
+    assert _one_stage(100, 8, warmup_ratio=0.25).warmup_steps == 3  # exactly 3
+    assert _one_stage(100, 8, max_steps=40, warmup_ratio=0.1).warmup_steps == 4
+
+
+def test_plan_warmup_steps_exact_product_is_not_rounded_up() -> None:
+    assert _one_stage(1000, 10, max_steps=100, warmup_ratio=0.07).warmup_steps == 7
+
+
+def test_plan_stage_smaller_than_global_batch_is_error() -> None:
+    with pytest.raises(ToolkitError, match=r"Stage 'tiny' has 7 usable samples, fewer than one global batch of 8"):
+        plan_stages(["big", "tiny"], [100, 7], global_batch=8, epochs=[None, None], max_steps=[None, None],
+                    lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0])
+
+
+def test_plan_stage_of_exactly_one_global_batch() -> None:
+    plan = _one_stage(8, 8, epochs=3)
+    assert (plan.steps, plan.steps_per_epoch) == (3, 1)
+
+
+# --- locate ------------------------------------------------------------------------------------------------------
+
+
+def test_locate_boundaries() -> None:
+    a, b = _two_stages()
+    assert locate([a, b], 0) == (a, 0)
+    assert locate([a, b], 23) == (a, 23)  # last step of stage 0
+    assert locate([a, b], 24) == (b, 0)   # first step of stage 1
+    assert locate([a, b], 28) == (b, 4)   # last step of stage 1
+    assert locate([a, b], 29) == (b, 4)   # past the end: last stage's last step
+    assert locate([a, b], 10_000) == (b, 4)
+
+
+# --- global_batch_indices ----------------------------------------------------------------------------------------
+
+
+def test_batches_within_epoch_are_disjoint_and_cover() -> None:
+    plan = _one_stage(100, 8, epochs=2)  # 12 steps per epoch, 96 of 100 samples used per epoch
+    for epoch in range(2):
+        batches = [global_batch_indices(plan, epoch * 12 + k, seed=3) for k in range(12)]
+        assert all(len(b) == 8 for b in batches)
+        flat = [i for b in batches for i in b]
+        assert len(set(flat)) == len(flat) == 12 * 8
+        assert set(flat) <= set(range(100))
+
+
+def test_new_epoch_is_a_different_permutation() -> None:
+    plan = _one_stage(100, 8, epochs=2)
+    epoch0 = [i for k in range(12) for i in global_batch_indices(plan, k, seed=3)]
+    epoch1 = [i for k in range(12, 24) for i in global_batch_indices(plan, k, seed=3)]
+    assert epoch0 != epoch1
+    assert global_batch_indices(plan, 0, seed=3) != global_batch_indices(plan, 12, seed=3)
+
+
+def test_batches_are_deterministic_and_seed_dependent() -> None:
+    plan = _one_stage(100, 8, epochs=2)
+    for step in (0, 5, 13):
+        assert global_batch_indices(plan, step, seed=11) == global_batch_indices(plan, step, seed=11)
+    assert global_batch_indices(plan, 0, seed=11) != global_batch_indices(plan, 0, seed=12)
+    # Rebuilding the identical plan (e.g. after a resume) gives the same batches.
+    assert global_batch_indices(_one_stage(100, 8, epochs=2), 7, seed=11) == global_batch_indices(plan, 7, seed=11)
+
+
+def test_batches_differ_between_stages_of_same_size() -> None:
+    plans = plan_stages(["p", "q"], [64, 64], global_batch=8, epochs=[None, None], max_steps=[None, None],
+                        lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0])
+    assert global_batch_indices(plans[0], 0, seed=0) != global_batch_indices(plans[1], 0, seed=0)
+
+
+def test_batches_full_epoch_when_size_is_multiple() -> None:
+    plan = _one_stage(64, 8)
+    flat = [i for k in range(8) for i in global_batch_indices(plan, k, seed=0)]
+    assert sorted(flat) == list(range(64))
+
+
+# --- rank_micro_batches ------------------------------------------------------------------------------------------
+
+
+def test_rank_split_exact_layout() -> None:
+    indices = list(range(100, 112))  # world 2 x micro 2 x accum 3
+    r0 = rank_micro_batches(indices, rank=0, world_size=2, micro_batch_size=2, grad_accum=3)
+    r1 = rank_micro_batches(indices, rank=1, world_size=2, micro_batch_size=2, grad_accum=3)
+    assert r0 == [[100, 101], [104, 105], [108, 109]]
+    assert r1 == [[102, 103], [106, 107], [110, 111]]
+    for r, micro in ((0, r0), (1, r1)):
+        for j, mb in enumerate(micro):
+            s = j * 2 + r
+            assert mb == indices[s * 2:(s + 1) * 2]
+
+
+def test_two_rank_split_covers_same_global_batch_as_one_rank() -> None:
+    plan = _one_stage(100, 16)
+    indices = global_batch_indices(plan, 3, seed=5)
+    single = rank_micro_batches(indices, rank=0, world_size=1, micro_batch_size=2, grad_accum=8)
+    assert [i for mb in single for i in mb] == indices
+    two = [i for r in range(2)
+           for mb in rank_micro_batches(indices, rank=r, world_size=2, micro_batch_size=2, grad_accum=4) for i in mb]
+    assert len(two) == 16
+    assert sorted(two) == sorted(indices)
+    four = [i for r in range(4)
+            for mb in rank_micro_batches(indices, rank=r, world_size=4, micro_batch_size=4, grad_accum=1) for i in mb]
+    assert sorted(four) == sorted(indices)
+
+
+# --- build_lr_lambda ---------------------------------------------------------------------------------------------
+
+
+def _cosine_min_lr(k: int, warmup: int, total: int, min_rate: float) -> float:
+    """transformers' _get_cosine_schedule_with_warmup_lr_lambda (num_cycles=0.5) with min_lr_rate."""
+    if k < warmup:
+        return k / max(1, warmup)
+    progress = (k - warmup) / max(1, total - warmup)
+    factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+    return max(0.0, factor * (1 - min_rate) + min_rate)
+
+
+def test_cosine_schedule_per_stage() -> None:
+    a, b = _two_stages()  # a: 24 steps, warmup 3, peak 1e-3, floor 0.1; b: 5 steps, warmup 1, peak 5e-4, floor 0
+    lr = build_lr_lambda([a, b], "cosine")
+    assert lr(0) == 0.0
+    assert lr(1) == pytest.approx(1e-3 / 3)
+    assert lr(2) == pytest.approx(2e-3 / 3)
+    assert lr(3) == pytest.approx(1e-3)  # end of warmup: the stage's peak
+    last_a = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 20 / 21)))
+    assert lr(23) == pytest.approx(last_a, rel=1e-12)
+    assert lr(23) == pytest.approx(1e-3 * _cosine_min_lr(23, 3, 24, 0.1), rel=1e-12)
+    assert 1e-4 < lr(23) < 1.1e-4  # close to peak * min_lr_ratio
+    # Stage b restarts its own warmup from its own peak.
+    assert lr(24) == 0.0
+    assert lr(25) == pytest.approx(5e-4)
+    assert lr(28) == pytest.approx(5e-4 * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-12)
+    for step in range(24):
+        assert lr(step) == pytest.approx(1e-3 * _cosine_min_lr(step, 3, 24, 0.1), rel=1e-12, abs=0)
+    for k in range(5):
+        assert lr(24 + k) == pytest.approx(5e-4 * _cosine_min_lr(k, 1, 5, 0.0), rel=1e-12, abs=0)
+    # Past the end: the last step's value.
+    assert lr(100) == lr(28)
+
+
+def test_cosine_is_monotone_after_warmup() -> None:
+    lr = build_lr_lambda(_two_stages(), "cosine")
+    values = [lr(s) for s in range(3, 24)]
+    assert all(x > y for x, y in itertools.pairwise(values))
+
+
+def test_cosine_without_warmup_starts_at_peak() -> None:
+    plan = _one_stage(100, 8, lr=2e-4, warmup_ratio=0.0, min_lr_ratio=0.5)  # 12 steps
+    lr = build_lr_lambda([plan], "cosine")
+    assert plan.warmup_steps == 0
+    assert lr(0) == pytest.approx(2e-4)
+    assert lr(11) == pytest.approx(2e-4 * (0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi * 11 / 12))), rel=1e-12)
+
+
+def test_cosine_matches_transformers_function() -> None:
+    import torch
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    a, b = _two_stages()
+    lr = build_lr_lambda([a, b], "cosine")
+    for plan in (a, b):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=plan.lr)
+        sched = get_cosine_with_min_lr_schedule_with_warmup(opt, plan.warmup_steps, plan.steps,
+                                                             min_lr_rate=plan.min_lr_ratio)
+        for k in range(plan.steps):
+            assert lr(plan.start_step + k) == pytest.approx(plan.lr * sched.lr_lambdas[0](k), rel=1e-12, abs=0)
+
+
+def test_linear_schedule_per_stage() -> None:
+    a, b = _two_stages()
+    lr = build_lr_lambda([a, b], "linear")
+    assert lr(0) == 0.0
+    assert lr(3) == pytest.approx(1e-3)
+    assert lr(13) == pytest.approx(1e-3 * 11 / 21)
+    assert lr(23) == pytest.approx(1e-3 / 21)  # (24 - 23) / (24 - 3)
+    assert lr(24) == 0.0
+    assert lr(25) == pytest.approx(5e-4)
+    assert lr(28) == pytest.approx(5e-4 / 4)
+
+
+def test_constant_schedule_per_stage() -> None:
+    a, b = _two_stages()
+    lr = build_lr_lambda([a, b], "constant")
+    assert [lr(s) for s in (0, 1, 2)] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3])
+    assert [lr(s) for s in range(3, 24)] == pytest.approx([1e-3] * 21)
+    assert lr(24) == 0.0
+    assert [lr(s) for s in range(25, 29)] == pytest.approx([5e-4] * 4)
+
+
+def test_lr_lambda_drives_lambda_lr() -> None:
+    import torch
+
+    plans = _two_stages()
+    lr_at = build_lr_lambda(plans, "cosine")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    seen = []
+    for _ in range(29):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_at(s) for s in range(29)])

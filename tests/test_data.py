@@ -1,0 +1,389 @@
+"""Tests for toolkit/data.py: JSONL reading, loss masks with the tiny ChatML tokenizer, length policy, collator."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from toolkit.data import (
+    IGNORE_INDEX,
+    build_collator,
+    encode_row,
+    has_generation_tags,
+    iter_jsonl,
+    load_stage_data,
+    resolve_data_paths,
+)
+from toolkit.errors import ToolkitError
+from toolkit.tiny import CHATML_TEMPLATE, build_tokenizer
+
+PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+
+# The tiny template without its {% generation %} markers: plain ChatML, which forces the prefix-diff path.
+PLAIN_CHATML = CHATML_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+
+CHAT = [
+    {"role": "system", "content": "You are a helpful math tutor."},
+    {"role": "user", "content": "What is 17 + 25?"},
+    {"role": "assistant", "content": "17 + 25 = 42."},
+]
+MULTI = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "It is 8."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def plain_tok(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    other = copy.deepcopy(tok)
+    other.chat_template = PLAIN_CHATML
+    return other
+
+
+def _write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _trained(ids: list[int], labels: list[int]) -> list[int]:
+    return [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]
+
+
+def _check_labels_match_ids(ids: list[int], labels: list[int]) -> None:
+    assert len(ids) == len(labels)
+    for t, lab in zip(ids, labels, strict=True):
+        assert lab in (IGNORE_INDEX, t)
+
+
+def _load(paths: list[Path], tok: PreTrainedTokenizerFast, *, max_seq_len: int = 512, overlength: str = "drop",
+          train_on: str = "assistant"):
+    return load_stage_data(paths, tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
+
+
+# --- chat rows ---------------------------------------------------------------------------------------------------
+
+
+def test_template_flavours(tok: PreTrainedTokenizerFast, plain_tok: PreTrainedTokenizerFast) -> None:
+    assert has_generation_tags(tok) is True
+    assert has_generation_tags(plain_tok) is False
+    no_template = copy.deepcopy(tok)
+    no_template.chat_template = None
+    assert has_generation_tags(no_template) is False
+    spaced = copy.deepcopy(tok)
+    spaced.chat_template = CHATML_TEMPLATE.replace("{%- generation %}", "{% generation -%}")
+    assert has_generation_tags(spaced) is True
+
+
+def test_chat_row_trains_exactly_assistant_content(tok: PreTrainedTokenizerFast) -> None:
+    ids, labels = encode_row({"messages": CHAT}, tok, "assistant", "f:1")
+    assert ids == tok.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
+    _check_labels_match_ids(ids, labels)
+    trained = _trained(ids, labels)
+    assert tok.decode(trained) == "17 + 25 = 42.<|im_end|>"
+    assert trained == [*tok.encode("17 + 25 = 42.", add_special_tokens=False), IM_END_ID]
+    # The trained span is one contiguous run that ends on <|im_end|>, followed only by the untrained "\n".
+    positions = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+    assert positions == list(range(positions[0], positions[0] + len(trained)))
+    assert ids[positions[-1]] == IM_END_ID
+    assert positions[-1] == len(ids) - 2 and tok.decode(ids[-1:]) == "\n"
+    assert labels[0] == IGNORE_INDEX
+
+
+def test_multi_turn_trains_both_assistant_turns_only(tok: PreTrainedTokenizerFast) -> None:
+    ids, labels = encode_row({"messages": MULTI}, tok, "assistant", "f:1")
+    _check_labels_match_ids(ids, labels)
+    assert tok.decode(_trained(ids, labels)) == "5.<|im_end|>It is 8.<|im_end|>"
+    # Decode each maximal run of trained tokens separately: one run per assistant turn.
+    runs, current = [], []
+    for t, lab in zip(ids, labels, strict=True):
+        if lab != IGNORE_INDEX:
+            current.append(t)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    if current:
+        runs.append(tok.decode(current))
+    assert runs == ["5.<|im_end|>", "It is 8.<|im_end|>"]
+    untrained = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE_INDEX])
+    assert "What is 2 + 3?" in untrained and "And 4 + 4?" in untrained
+    assert ids.count(IM_END_ID) == 4 and _trained(ids, labels).count(IM_END_ID) == 2
+
+
+def test_train_on_all_trains_every_token_but_first(tok: PreTrainedTokenizerFast) -> None:
+    ids, labels = encode_row({"messages": CHAT}, tok, "all", "f:1")
+    assert ids == encode_row({"messages": CHAT}, tok, "assistant", "f:1")[0]
+    assert labels == [IGNORE_INDEX, *ids[1:]]
+    assert ids[0] == IM_START_ID
+
+
+def test_prefix_diff_path_matches_generation_tags(tok: PreTrainedTokenizerFast,
+                                                  plain_tok: PreTrainedTokenizerFast) -> None:
+    """A template without generation markers (prefix-diff path) trains exactly the same tokens as the marked
+    one: each assistant turn's content and its <|im_end|>, not the newline the template renders after it."""
+    for messages in (CHAT, MULTI):
+        ids_gen, labels_gen = encode_row({"messages": messages}, tok, "assistant", "f:1")
+        ids_diff, labels_diff = encode_row({"messages": messages}, plain_tok, "assistant", "f:1")
+        assert ids_diff == ids_gen
+        _check_labels_match_ids(ids_diff, labels_diff)
+        assert labels_diff == labels_gen
+
+
+def test_prefix_diff_train_on_all_matches(tok: PreTrainedTokenizerFast, plain_tok: PreTrainedTokenizerFast) -> None:
+    assert encode_row({"messages": MULTI}, plain_tok, "all", "f:1") == encode_row({"messages": MULTI}, tok, "all",
+                                                                                    "f:1")
+
+
+def test_prefix_diff_rejects_unstable_template(tok: PreTrainedTokenizerFast) -> None:
+    unstable = copy.deepcopy(tok)
+    # Renders the number of messages first, so a shorter conversation is not a prefix of a longer one.
+    unstable.chat_template = "{{ messages | length }}" + PLAIN_CHATML
+    with pytest.raises(ToolkitError, match=r"f:7: the chat template is not prefix-stable"):
+        encode_row({"messages": CHAT}, unstable, "assistant", "f:7")
+
+
+# --- prompt/completion and text rows ------------------------------------------------------------------------------
+
+
+def test_prompt_completion_trains_completion_and_eos(tok: PreTrainedTokenizerFast) -> None:
+    row = {"prompt": "What is 2 + 3?", "completion": " 5."}
+    ids, labels = encode_row(row, tok, "assistant", "f:1")
+    prompt = tok.encode("What is 2 + 3?", add_special_tokens=False)
+    completion = tok.encode(" 5.", add_special_tokens=False)
+    assert ids == prompt + completion + [IM_END_ID]
+    assert labels == [IGNORE_INDEX] * len(prompt) + completion + [IM_END_ID]
+    assert tok.decode(_trained(ids, labels)) == " 5.<|im_end|>"
+
+
+def test_prompt_completion_train_on_all(tok: PreTrainedTokenizerFast) -> None:
+    ids, labels = encode_row({"prompt": "What is 2 + 3?", "completion": " 5."}, tok, "all", "f:1")
+    assert labels == [IGNORE_INDEX, *ids[1:]]
+
+
+def test_text_row_trains_all_but_first(tok: PreTrainedTokenizerFast) -> None:
+    ids, labels = encode_row({"text": "the quick brown fox"}, tok, "assistant", "f:1")
+    assert ids == [*tok.encode("the quick brown fox", add_special_tokens=False), IM_END_ID]
+    assert labels == [IGNORE_INDEX, *ids[1:]]
+    assert encode_row({"text": "the quick brown fox"}, tok, "all", "f:1") == (ids, labels)
+
+
+@pytest.mark.parametrize("row", [
+    {"messages": CHAT},
+    {"prompt": "a", "completion": "b"},
+    {"text": "x"},
+])
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_first_label_always_ignored(tok: PreTrainedTokenizerFast, row: dict[str, Any], train_on: str) -> None:
+    ids, labels = encode_row(row, tok, train_on, "f:1")
+    assert labels[0] == IGNORE_INDEX
+    assert len(ids) == len(labels)
+
+
+def test_encode_row_does_not_alias_ids_and_labels(tok: PreTrainedTokenizerFast) -> None:
+    for row in ({"messages": CHAT}, {"text": "the cat"}, {"prompt": "a", "completion": "b"}):
+        ids, labels = encode_row(row, tok, "all", "f:1")
+        assert ids[0] != IGNORE_INDEX and labels[0] == IGNORE_INDEX
+        assert ids is not labels
+
+
+# --- row validation -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("row", "match"), [
+    ({"foo": 1, "bar": 2}, r"f:4: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys \['bar'"),
+    ({"prompt": "only a prompt"}, r"f:4: a row needs"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, r"f:4: messages\[0\] must have a role"),
+    ({"messages": [{"role": "user", "content": 5}]}, r"f:4: messages\[0\] must have a role"),
+    ({"messages": []}, r"f:4: 'messages' must be a non-empty list"),
+    ({"messages": "hello"}, r"f:4: 'messages' must be a non-empty list"),
+    ({"prompt": 1, "completion": "x"}, r"f:4: 'prompt' and 'completion' must be strings"),
+    ({"text": ["a"]}, r"f:4: 'text' must be a string"),
+])
+def test_bad_rows_are_toolkit_errors(tok: PreTrainedTokenizerFast, row: dict[str, Any], match: str) -> None:
+    with pytest.raises(ToolkitError, match=match):
+        encode_row(row, tok, "assistant", "f:4")
+
+
+def test_messages_without_chat_template(tok: PreTrainedTokenizerFast) -> None:
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    with pytest.raises(ToolkitError, match=r"f:2: .*chat_template"):
+        encode_row({"messages": CHAT}, bare, "assistant", "f:2")
+    # Non-chat rows still work without a template.
+    assert encode_row({"text": "the cat"}, bare, "assistant", "f:2")[0][-1] == IM_END_ID
+
+
+# --- JSONL reading -----------------------------------------------------------------------------------------------
+
+
+def test_iter_jsonl_skips_blank_lines_and_numbers_lines(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a"}\n\n   \n{"text": "b"}\n')
+    assert list(iter_jsonl(path)) == [(1, {"text": "a"}), (4, {"text": "b"})]
+
+
+def test_malformed_json_names_file_and_line(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b"\n{"text": "c"}\n')
+    with pytest.raises(ToolkitError, match="not valid JSON") as info:
+        _load([path], tok)
+    assert f"{path}:3:" in str(info.value)
+
+
+def test_json_list_row_is_error(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "l.jsonl", [{"text": "a"}, ["text", "b"]])
+    with pytest.raises(ToolkitError, match="must be a JSON object, got list") as info:
+        list(iter_jsonl(path))
+    assert f"{path}:2:" in str(info.value)
+
+
+def test_row_without_known_keys_in_file(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path = _write_jsonl(tmp_path / "k.jsonl", [{"text": "a"}, {"question": "q", "answer": "a"}])
+    with pytest.raises(ToolkitError, match=r"found keys \['answer', 'question'\]") as info:
+        _load([path], tok)
+    assert f"{path}:2:" in str(info.value)
+
+
+def test_bad_role_in_file(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}])
+    with pytest.raises(ToolkitError, match="must have a role") as info:
+        _load([path], tok)
+    assert f"{path}:1:" in str(info.value)
+
+
+def test_missing_file_is_error(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ToolkitError, match="does not exist") as info:
+        _load([missing], tok)
+    assert str(missing) in str(info.value)
+
+
+def test_resolve_data_paths() -> None:
+    assert resolve_data_paths(["dummy:stage1", "a/b.jsonl"], Path("/d")) == [Path("/d/stage1.jsonl"),
+                                                                             Path("a/b.jsonl")]
+    assert resolve_data_paths([], Path("/d")) == []
+
+
+# --- load_stage_data: stats and length policy ---------------------------------------------------------------------
+
+
+def test_load_stage_data_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT, "difficulty": 2}, {"text": "the cat", "id": "t"}])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "What is 2 + 3?", "completion": " 5."}])
+    data = _load([a, b], tok)
+    expected = [encode_row({"messages": CHAT}, tok, "assistant", ""),
+                encode_row({"text": "the cat"}, tok, "assistant", ""),
+                encode_row({"prompt": "What is 2 + 3?", "completion": " 5."}, tok, "assistant", "")]
+    assert data.samples == [{"input_ids": i, "labels": lab} for i, lab in expected]
+    assert data.extras == [{"difficulty": 2}, {"id": "t"}, {}]
+    st = data.stats
+    assert (st.rows, st.kept, st.dropped_overlength, st.truncated, st.no_label_tokens) == (3, 3, 0, 0, 0)
+    assert st.tokens == sum(len(i) for i, _ in expected)
+    assert st.label_tokens == sum(len(_trained(i, lab)) for i, lab in expected)
+    assert st.summary().startswith(f"3 rows, 3 kept ({st.tokens} tokens, {st.label_tokens} trained)")
+
+
+def _long_and_short(tmp_path: Path, tok: PreTrainedTokenizerFast) -> tuple[Path, int, int]:
+    short = {"text": "the cat"}
+    long = {"text": "the quick brown fox jumps over the lazy dog " * 4}
+    n_short = len(encode_row(short, tok, "all", "")[0])
+    n_long = len(encode_row(long, tok, "all", "")[0])
+    return _write_jsonl(tmp_path / "len.jsonl", [short, long, short]), n_short, n_long
+
+
+def test_overlength_drop(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path, n_short, n_long = _long_and_short(tmp_path, tok)
+    assert n_short < 10 < n_long
+    data = _load([path], tok, max_seq_len=10, overlength="drop")
+    st = data.stats
+    assert (st.rows, st.kept, st.dropped_overlength, st.truncated) == (3, 2, 1, 0)
+    assert [len(s["input_ids"]) for s in data.samples] == [n_short, n_short]
+
+
+def test_overlength_truncate(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path, n_short, _ = _long_and_short(tmp_path, tok)
+    data = _load([path], tok, max_seq_len=10, overlength="truncate")
+    st = data.stats
+    assert (st.rows, st.kept, st.dropped_overlength, st.truncated) == (3, 3, 0, 1)
+    full_ids, full_labels = encode_row({"text": "the quick brown fox jumps over the lazy dog " * 4}, tok, "all", "")
+    assert data.samples[1] == {"input_ids": full_ids[:10], "labels": full_labels[:10]}
+    assert st.tokens == 2 * n_short + 10
+
+
+def test_overlength_exactly_max_is_kept(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path, n_short, _ = _long_and_short(tmp_path, tok)
+    data = _load([path], tok, max_seq_len=n_short, overlength="drop")
+    st = data.stats
+    assert (st.rows, st.kept, st.dropped_overlength, st.truncated) == (3, 2, 1, 0)
+    assert [len(s["input_ids"]) for s in data.samples] == [n_short, n_short]
+    with pytest.raises(ToolkitError, match=f"over data.max_seq_len={n_short - 1}"):
+        _load([path], tok, max_seq_len=n_short - 1, overlength="error")
+
+
+def test_overlength_error_names_file_and_line(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path, _, n_long = _long_and_short(tmp_path, tok)
+    with pytest.raises(ToolkitError, match=f"{n_long} tokens, over data.max_seq_len=10") as info:
+        _load([path], tok, max_seq_len=10, overlength="error")
+    assert str(info.value).startswith(f"{path}:2:")
+
+
+def test_truncated_away_assistant_is_skipped(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    long_user = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 4},
+                 {"role": "assistant", "content": "Sure."}]
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"messages": long_user}, {"messages": CHAT}])
+    n_chat = len(encode_row({"messages": CHAT}, tok, "assistant", "")[0])
+    data = _load([path], tok, max_seq_len=n_chat, overlength="truncate")
+    st = data.stats
+    # The first row is cut inside the user turn: it is counted as truncated and then skipped for having no loss.
+    assert (st.rows, st.kept, st.truncated, st.no_label_tokens, st.dropped_overlength) == (2, 1, 1, 1, 0)
+    assert data.samples == [dict(zip(("input_ids", "labels"), encode_row({"messages": CHAT}, tok, "assistant", ""),
+                                     strict=True))]
+
+
+def test_messages_without_assistant_is_skipped(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                               plain_tok: PreTrainedTokenizerFast) -> None:
+    rows = [{"messages": CHAT[:2]}, {"messages": CHAT}]
+    path = _write_jsonl(tmp_path / "n.jsonl", rows)
+    for tokenizer in (tok, plain_tok):
+        st = _load([path], tokenizer).stats
+        assert (st.rows, st.kept, st.no_label_tokens) == (2, 1, 1)
+    # With train_on=all the same row has loss and is kept.
+    st = _load([path], tok, train_on="all").stats
+    assert (st.rows, st.kept, st.no_label_tokens) == (2, 2, 0)
+
+
+# --- collator ----------------------------------------------------------------------------------------------------
+
+
+def test_collator_pads(tok: PreTrainedTokenizerFast) -> None:
+    collate = build_collator(tok)
+    a_ids, a_labels = encode_row({"messages": CHAT}, tok, "assistant", "")
+    b_ids, b_labels = encode_row({"text": "the cat"}, tok, "assistant", "")
+    batch = collate([{"input_ids": a_ids, "labels": a_labels}, {"input_ids": b_ids, "labels": b_labels}])
+    n, m = len(a_ids), len(b_ids)
+    assert m < n
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (2, n)
+    assert batch["input_ids"].tolist() == [a_ids, b_ids + [PAD_ID] * (n - m)]
+    assert batch["labels"].tolist() == [a_labels, b_labels + [IGNORE_INDEX] * (n - m)]
+    assert batch["attention_mask"].tolist() == [[1] * n, [1] * m + [0] * (n - m)]
+    assert batch["input_ids"].dtype == torch.long
+
+
+def test_collator_small_exact(tok: PreTrainedTokenizerFast) -> None:
+    batch = build_collator(tok)([{"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]},
+                                 {"input_ids": [8], "labels": [IGNORE_INDEX]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
