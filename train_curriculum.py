@@ -3,7 +3,8 @@
     accelerate launch --config_file accelerate_configs/zero3.yaml train_curriculum.py --config recipes/X.yaml
 
 The strategy (single, DDP, FSDP2, ZeRO-2/3, offload) comes only from the accelerate config; nothing below
-changes with it. A run reads top to bottom: config, accelerator, data, model, optimizer, prepare, loop, save.
+changes with it. A run reads top to bottom: config, accelerator, data, model, optimizer, prepare, resume, loop,
+save. Relaunching the same command resumes from the newest committed checkpoint (checkpoint.resume: auto).
 With no --config it trains the embedded default: a tiny local Qwen3 on dummy data through a 2-stage curriculum.
 """
 
@@ -16,19 +17,19 @@ import logging
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import __version__, curriculum, distributed
-from toolkit.checkpoint import save_final
-from toolkit.config import Recipe, load_recipe, recipe_to_yaml
+from toolkit import __version__, checkpoint, curriculum, distributed
+from toolkit.config import Recipe, load_recipe, recipe_to_yaml, resume_invariants
 from toolkit.data import IGNORE_INDEX, build_collator, load_stage_data, resolve_data_paths
 from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
-from toolkit.metrics import MetricsLog
+from toolkit.metrics import MetricsLog, truncate_after
 from toolkit.model import (
     apply_lora,
     check_model_source,
@@ -40,6 +41,8 @@ from toolkit.model import (
     materialize_builtin,
     resolve_dtype,
 )
+from toolkit.packing import PackedCollator, check_packing_support, pack_samples
+from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 log = logging.getLogger("toolkit")
 
@@ -53,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
+def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     out = Path(recipe.output_dir)
     lr_scale = 1.0
 
@@ -71,6 +74,11 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
     strategy = distributed.strategy_name(accelerator)
     log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
              run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
+    ck = recipe.checkpoint
+    resume_from = checkpoint.find_resume(ck.resume, out / "checkpoints")
+    if ck.resume == "none" and checkpoint.committed_checkpoints(out / "checkpoints"):
+        raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
+                           "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
     with accelerator.local_main_process_first():  # the builtin tiny model is built once per machine
@@ -82,22 +90,28 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
     if dummy_samples is not None and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
-    stage_data = []
+    stage_samples = []
     for stage in recipe.stages:
         data = load_stage_data(resolve_data_paths(stage.data, dummy_dir), tokenizer,
                                max_seq_len=recipe.data.max_seq_len, overlength=recipe.data.overlength,
                                train_on=recipe.data.train_on)
-        log.info("stage '%s' data: %s", stage.name, data.stats.summary())
-        stage_data.append(data)
+        samples = pack_samples(data.samples, recipe.data.max_seq_len) if recipe.data.packing else data.samples
+        log.info("stage '%s' data: %s%s", stage.name, data.stats.summary(),
+                 f"; packed into {len(samples)} rows" if recipe.data.packing else "")
+        stage_samples.append(samples)
     sch = recipe.schedule
     plans = curriculum.plan_stages(
-        [s.name for s in recipe.stages], [len(d.samples) for d in stage_data], global_batch=global_batch,
+        [s.name for s in recipe.stages], [len(s) for s in stage_samples], global_batch=global_batch,
         epochs=[s.epochs for s in recipe.stages], max_steps=[s.max_steps for s in recipe.stages],
         lrs=[(s.lr or recipe.optimizer.lr) * lr_scale for s in recipe.stages],
         warmup_ratios=[sch.warmup_ratio if s.warmup_ratio is None else s.warmup_ratio for s in recipe.stages],
         min_lr_ratios=[sch.min_lr_ratio if s.min_lr_ratio is None else s.min_lr_ratio for s in recipe.stages])
     total_steps = plans[-1].end_step
-    collate = build_collator(tokenizer)
+    collate = PackedCollator() if recipe.data.packing else build_collator(tokenizer)
+    invariants = checkpoint.recipe_hash(resume_invariants(recipe))
+    if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
+        checkpoint.check_resumable(checkpoint.read_meta(resume_from), resume_from, invariants_hash=invariants,
+                                   effective_batch=global_batch, force=ck.resume_force)
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
@@ -112,6 +126,8 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
         lo = recipe.lora
         model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                            modules_to_save=lo.modules_to_save)
+    if recipe.data.packing:
+        check_packing_support(model)
     trainable, total = count_parameters(model)
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
@@ -127,7 +143,22 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
     model, optimizer = accelerator.prepare(model, optimizer)
     lr_at = curriculum.build_lr_lambda(plans, sch.kind)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
     max_norm = opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf
+
+    # --- Resume: weights, optimizer, scheduler, RNG; the data position is a pure function of the step. ---
+    start_step, tokens_total, pending = 0, torch.zeros((), dtype=torch.long, device=accelerator.device), None
+    if resume_from is not None:
+        meta = checkpoint.read_meta(resume_from)
+        how = checkpoint.restore(accelerator, model, optimizer, scheduler, resume_from, strategy=strategy,
+                                 lora=recipe.lora.enabled)
+        start_step, pending = meta["step"], meta["pending"]
+        tokens_total += meta["tokens"] if accelerator.is_main_process else 0  # rank 0 carries the global count
+        log.info("resumed (%s) from %s: step %d of %d, stage '%s'", how, resume_from, start_step, total_steps,
+                 meta["stage"])
+    manager = checkpoint.CheckpointManager(out / "checkpoints", keep_last=ck.keep_last, best_metric=ck.best_metric,
+                                           best_mode=ck.best_mode, is_main=accelerator.is_main_process,
+                                           barrier=accelerator.wait_for_everyone)
 
     # --- Outputs: created only now, after every input was validated. ---
     if accelerator.is_main_process:
@@ -138,23 +169,29 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
             "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
             "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
             | {"toolkit": __version__}}, indent=2))
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        if resume_from is None:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        else:  # steps after the checkpoint will be redone
+            truncate_after(out / "metrics.jsonl", start_step)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=accelerator.is_main_process)
+    preemption = PreemptionFlag()
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
-    bar = tqdm(total=total_steps, disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
+    bar = tqdm(total=total_steps, initial=start_step,
+               disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
     loss_sum = torch.zeros((), device=accelerator.device)
-    tokens_since = torch.zeros((), device=accelerator.device, dtype=torch.long)
-    tokens_seen, samples_seen, last_log = 0, 0, time.perf_counter()
-    current_stage, grad_norm = -1, None
-    for step in range(total_steps):
+    if pending and accelerator.is_main_process:  # a logging interval cut by the save: rank 0 carries its sum
+        loss_sum += pending["loss_sum"]
+    tokens_logged, last_log, last_save = int(tokens_total), time.perf_counter(), time.monotonic()
+    current_stage, grad_norm, record = -1, None, {}
+    for step in range(start_step, total_steps):
         plan, step_in_stage = curriculum.locate(plans, step)
         if plan.index != current_stage:
             current_stage = plan.index
             log.info("stage %d/%d '%s': steps %d-%d, %d samples, peak lr %.3g", plan.index + 1, len(plans),
                      plan.name, plan.start_step + 1, plan.end_step, plan.num_samples, plan.lr)
-        samples = stage_data[plan.index].samples
+        samples = stage_samples[plan.index]
         indices = curriculum.global_batch_indices(plan, step_in_stage, recipe.train.seed)
         batches = [collate([samples[i] for i in idx]) for idx in curriculum.rank_micro_batches(
             indices, rank=rank, world_size=world, micro_batch_size=micro, grad_accum=accum)]
@@ -175,35 +212,56 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> Path:
                 optimizer.step()
                 optimizer.zero_grad()
             loss_sum += loss.detach()
-            tokens_since += batch["attention_mask"].sum()
+            tokens_total += batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
         scheduler.step()
-        samples_seen += global_batch
         bar.update(1)
+        done = step + 1
 
-        if (step + 1) % recipe.logging.logging_steps == 0 or step + 1 == total_steps:
-            # The only host syncs of the loop: once per logging interval.
-            mean_loss = accelerator.reduce(loss_sum, reduction="sum").item() / (world * accum)
-            new_tokens = int(accelerator.reduce(tokens_since, reduction="sum").item())
+        if done % recipe.logging.logging_steps == 0 or done == total_steps:
+            # Host syncs happen here, once per logging interval, not per micro-step.
             steps_logged = (step % recipe.logging.logging_steps) + 1
+            tokens_now = int(accelerator.reduce(tokens_total.clone(), reduction="sum").item())
             now = time.perf_counter()
-            tokens_seen += new_tokens
             record = {
-                "step": step + 1, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
-                "loss": mean_loss / steps_logged, "lr": lr_at(step),
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens": tokens_seen, "tokens_per_sec": new_tokens / (now - last_log), "samples": samples_seen,
+                "step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
+                "loss": accelerator.reduce(loss_sum, reduction="sum").item() / (world * accum * steps_logged),
+                "lr": lr_at(step), "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens": tokens_now, "tokens_per_sec": (tokens_now - tokens_logged) / (now - last_log),
+                "samples": done * global_batch,
             }
             metrics.write(record)
             bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}")
             loss_sum.zero_()
-            tokens_since.zero_()
-            last_log = now
+            tokens_logged, last_log = tokens_now, now
+
+        # Checkpoint: every save_steps / save_minutes, at stage ends, and on preemption (all ranks agree).
+        time_due = ck.save_minutes is not None and time.monotonic() - last_save >= 60 * ck.save_minutes
+        preempted, time_due = distributed.any_rank(accelerator, preemption.requested, time_due)
+        stage_end = ck.save_on_stage_end and done == plan.end_step
+        if preempted or time_due or stage_end or (ck.save_steps and done % ck.save_steps == 0):
+            meta = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
+                    "samples": done * global_batch, "tokens": int(accelerator.reduce(tokens_total.clone()).item()),
+                    "pending": {"loss_sum": accelerator.reduce(loss_sum.clone(), reduction="sum").item()},
+                    "metrics": record, "time": time.time(), "world_size": world, "strategy": strategy,
+                    "effective_batch": global_batch, "lora": recipe.lora.enabled, "recipe_hash": invariants,
+                    "run_name": run_name, "toolkit_version": __version__}
+            write = partial(checkpoint.write_state, accelerator, model, optimizer, step=done,
+                            portable=recipe.lora.enabled and ck.portable)
+            saved = manager.save(done, write, meta)
+            last_save = time.monotonic()
+            log.info("checkpoint %s", saved)
+        if preempted:
+            log.warning("preempted (%s): stopped after step %d, checkpoint saved; resume with the same command",
+                        preemption.signal_name or "signal on another rank", done)
+            accelerator.end_training()
+            return PREEMPTED_EXIT_CODE
     bar.close()
 
     # --- Save: gathered adapter (or full model) + tokenizer, usable with from_pretrained. ---
-    final = save_final(accelerator, model, tokenizer, out / "final")
+    final = checkpoint.save_final(accelerator, model, tokenizer, out / "final")
+    log.info("done. metrics: %s  final model: %s", out / "metrics.jsonl", final)
     accelerator.end_training()
-    return final
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,13 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.create_dummy_data:
             for i, stage in enumerate(recipe.stages):
                 stage.data = ["dummy:stage1" if i == 0 else "dummy:stage2"]
-        final = train(recipe, dummy_samples=dummy)
+        return train(recipe, dummy_samples=dummy)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger("toolkit").info("done. metrics: %s  final model: %s",
-                                      Path(recipe.output_dir) / "metrics.jsonl", final)
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,12 +43,55 @@ def launch_cmd(strategy: str, num_processes: int, *, mixed_precision: str = "no"
 def train(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
           mixed_precision: str = "no", dummy_samples: int = 64, check: bool = True) -> subprocess.CompletedProcess:
     """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
-    cmd = [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
-           str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
-           "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
+    cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
+                    dummy_samples=dummy_samples)
     proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
     if check and proc.returncode != 0:
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-6000:]}")
     return proc
+
+
+def train_cmd(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
+              mixed_precision: str = "no", dummy_samples: int = 64) -> list[str]:
+    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
+            str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
+            "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
+
+
+def last_logged_step(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except json.JSONDecodeError:  # a line being written
+        return 0
+
+
+def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S
+                     ) -> subprocess.Popen:
+    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while last_logged_step(out) < at_step:
+        if proc.poll() is not None:
+            pytest.fail(f"run ended (rc={proc.returncode}) before step {at_step}:\n{proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            signal_tree(proc.pid, signal.SIGKILL)
+            pytest.fail(f"run did not reach step {at_step} in {timeout} s")
+        time.sleep(0.05)
+    signal_tree(proc.pid, sig)
+    return proc
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Signal a launcher and every process under it: torch elastic starts each rank in its own session, so
+    a process-group kill would leave the ranks running."""
+    root = psutil.Process(pid)
+    for p in [*root.children(recursive=True), root] if sig == signal.SIGKILL else [root]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)

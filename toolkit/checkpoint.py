@@ -1,16 +1,231 @@
-"""Saving models: the final adapter (or full model) gathered correctly under every strategy, written atomically."""
+"""Checkpoints that never lose work, over accelerate's `save_state` / `load_state`.
+
+Layout: `<output_dir>/checkpoints/step-00000042/` holds accelerate's state (model, optimizer, registered LR
+scheduler, RNG per rank; DeepSpeed ZeRO and FSDP shards in their own formats), `meta.json`, for LoRA runs a
+strategy-independent `portable/` copy of the adapter and its Adam state, and last the `COMMITTED` marker.
+
+Commit protocol: every rank writes into `step-N.tmp`; after a barrier rank 0 writes `meta.json` and the marker
+(fsynced), renames the directory to `step-N`, and only then rotates old checkpoints. A directory without the
+marker is never loaded, so a crash at any moment leaves the previous committed checkpoint as the resume point.
+Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
+import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
+from toolkit import distributed
 from toolkit.errors import ToolkitError
+
+COMMIT_MARKER = "COMMITTED"
+META_FILE = "meta.json"
+BEST_FILE = "best.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoints under `root`, oldest first. Temporary and unmarked directories are ignored."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / COMMIT_MARKER).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / META_FILE).read_text())
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def recipe_hash(settings: dict[str, Any]) -> str:
+    """Hash of the recipe settings that must not change on resume (they change what the steps compute)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class CheckpointManager:
+    """Atomic saves, rotation and best tracking. Rank 0 does the file operations; all ranks write state."""
+
+    def __init__(self, root: Path, *, keep_last: int, best_metric: str | None, best_mode: str,
+                 is_main: bool, barrier: Callable[[], None]) -> None:
+        if keep_last < 1:
+            raise ValueError("keep_last must be at least 1")
+        self.root, self.keep_last = root, keep_last
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.is_main, self.barrier = is_main, barrier
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        path = self.root / BEST_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def save(self, step: int, write_state: Callable[[Path], None], meta: dict[str, Any]) -> Path:
+        """Write a checkpoint for `step` with `write_state(tmp_dir)` on every rank, then commit and rotate."""
+        final, tmp = checkpoint_dir(self.root, step), self.root / f"step-{step:08d}.tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        write_state(tmp)
+        self.barrier()  # every rank finished writing its shards
+        if self.is_main:
+            _write_durably(tmp / META_FILE, json.dumps(meta, indent=2))
+            _write_durably(tmp / COMMIT_MARKER, f"{time.time()}\n")
+            if final.exists():  # the same step saved again (e.g. end of stage right after a resume)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._update_best(step, meta.get("metrics", {}))
+            self._rotate()
+        self.barrier()
+        return final
+
+    def _update_best(self, step: int, metrics: dict[str, Any]) -> None:
+        value = metrics.get(self.best_metric) if self.best_metric else None
+        if value is None or not np.isfinite(value):
+            return
+        best = self.best
+        better = best is None or (value < best["value"] if self.best_mode == "min" else value > best["value"])
+        if better:
+            record = {"step": step, "metric": self.best_metric, "value": value,
+                      "path": checkpoint_dir(self.root, step).name}
+            tmp = self.root / (BEST_FILE + ".tmp")
+            _write_durably(tmp, json.dumps(record))
+            os.replace(tmp, self.root / BEST_FILE)
+
+    def _rotate(self) -> None:
+        """Delete committed checkpoints beyond the last `keep_last`, never the best; clear stale temp dirs."""
+        keep = {p.name for p in committed_checkpoints(self.root)[-self.keep_last:]}
+        if (best := self.best) is not None:
+            keep.add(best["path"])
+        for path in self.root.iterdir():
+            stale_tmp = path.name.endswith(".tmp") and path.is_dir()
+            old = _STEP_DIR.match(path.name) and path.name not in keep
+            if stale_tmp or old:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def find_resume(resume: str, root: Path) -> Path | None:
+    """The checkpoint to resume from: `auto` = newest committed under `root`, `none`, or an explicit path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = committed_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ToolkitError(f"checkpoint.resume: '{resume}' does not exist. Give a committed checkpoint directory "
+                           f"(e.g. {root}/step-00000100), 'auto' or 'none'.")
+    if not (path / COMMIT_MARKER).is_file():
+        raise ToolkitError(f"checkpoint.resume: '{resume}' is not a committed checkpoint (no {COMMIT_MARKER} "
+                           "marker): it was interrupted while being written. Resume from an earlier one.")
+    return path
+
+
+# --- Refusing pickled code: validate every pickle-based file before accelerate / DeepSpeed unpickle it. ---
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """For torch.distributed.checkpoint `.metadata` files: only DCP's own metadata classes and torch basics."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(("torch.distributed.checkpoint", "torch.distributed._shard")) or (
+                module in ("torch", "collections", "builtins") and name in _DCP_BASICS) or (
+                (module, name) in {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+
+_DCP_BASICS = {"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "int8", "bool",
+               "strided", "contiguous_format", "device", "OrderedDict", "dtype", "layout", "memory_format",
+               "set", "frozenset", "slice", "complex"}
+
+
+def verify_checkpoint_files(ckpt: Path) -> None:
+    """Raise ToolkitError if any file could execute code when unpickled, or is truncated/corrupt."""
+    from safetensors import safe_open
+
+    for path in sorted(ckpt.rglob("*")):
+        if not path.is_file():
+            continue
+        try:
+            if path.suffix in (".bin", ".pt", ".pkl", ".pth"):
+                with torch.serialization.safe_globals(distributed.checkpoint_safe_globals()):
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            elif path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                        f.get_slice(key)
+            elif path.name == ".metadata":
+                with path.open("rb") as f:
+                    _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            culprit = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line),
+                           str(e).splitlines()[0])
+            raise ToolkitError(f"Refusing to load checkpoint {ckpt}: {path.name} contains pickled objects that are "
+                               f"not plain tensors or known-safe types ({culprit[:300]}). Only "
+                               "load checkpoints you wrote yourself.") from None
+        except Exception as e:
+            raise ToolkitError(f"Checkpoint {ckpt} is damaged: {path.relative_to(ckpt)} cannot be read "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Resume from an earlier "
+                               "checkpoint (checkpoint.resume=<path>).") from None
+
+
+# --- Strategy-independent LoRA state: adapter weights + Adam moments, gathered to full tensors. ---
+
+def _trainable(accelerator: Accelerator, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
+
+
+def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, out_dir: Path,
+                       step: int) -> None:
+    """Every rank calls this (gathers are collective); rank 0 writes full fp32 tensors in safetensors."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in _trainable(accelerator, model):
+        for key, value in distributed.full_param_state(accelerator, optimizer, param).items():
+            tensors[f"{key}/{name}"] = value
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out_dir / "lora_state.safetensors"), metadata={"adam_step": str(step)})
+
+
+def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, src: Path) -> None:
+    """Put a portable LoRA state into a prepared model/optimizer of any strategy (every rank calls this)."""
+    from safetensors import safe_open
+
+    with safe_open(str(src / "lora_state.safetensors"), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        adam_step = int(f.metadata()["adam_step"])
+    named = _trainable(accelerator, model)
+    missing = [n for n, _ in named if f"param/{n}" not in stored]
+    if missing:
+        raise ToolkitError(f"The portable LoRA state in {src} has no entry for {missing[:3]}: the LoRA settings "
+                           "changed since the checkpoint. Resume with the same lora: section.")
+    for name, param in named:
+        values = {k: stored[f"{k}/{name}"] for k in ("param", "exp_avg", "exp_avg_sq") if f"{k}/{name}" in stored}
+        distributed.set_full_param_state(accelerator, optimizer, param, values, adam_step)
 
 
 def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
@@ -42,3 +257,54 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
             os.replace(tmp, out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+# --- What the training script calls. ---
+
+def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, tmp: Path, *, step: int,
+                portable: bool) -> None:  # tmp is positional last so that partial(...) leaves it open
+    """All of a checkpoint but meta and marker: accelerate's state (+ the portable LoRA state). All ranks."""
+    accelerator.save_state(str(tmp))
+    if portable:
+        save_portable_lora(accelerator, model, optimizer, tmp / "portable", step)
+
+
+def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
+                    force: bool) -> None:
+    """Refuse a resume that would silently change training (unless `resume_force`)."""
+    if meta["recipe_hash"] != invariants_hash and not force:
+        raise ToolkitError(
+            f"Checkpoint {ckpt} was written with different training settings (model, lora, data, stages, "
+            "optimizer, schedule or seed). Resume with the recipe it was written with (saved next to it as "
+            "recipe.yaml in the output dir), start a new output_dir, or set checkpoint.resume_force=true.")
+    if meta["effective_batch"] != effective_batch:
+        raise ToolkitError(
+            f"Checkpoint {ckpt} trained with an effective batch of {meta['effective_batch']}, this run has "
+            f"{effective_batch} (micro_batch_size x grad_accum x processes). The data order depends on it: set "
+            "train.micro_batch_size / train.grad_accum so the product with the process count matches.")
+
+
+def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
+            strategy: str, lora: bool) -> str:
+    """Load `ckpt` into the prepared objects; returns how ('exact' or 'portable'). All ranks call this.
+
+    Same strategy and process count: accelerate's load_state restores everything bit for bit (model, optimizer,
+    scheduler, RNG per rank, accumulation counter). Otherwise a LoRA run takes the portable adapter + Adam state
+    and the scheduler position; a full fine-tuning run stops with an error naming both layouts.
+    """
+    meta = read_meta(ckpt)
+    verify_checkpoint_files(ckpt)
+    if meta["world_size"] == accelerator.num_processes and meta["strategy"] == strategy:
+        accelerator.load_state(str(ckpt))
+        return "exact"
+    layout = f"{meta['strategy']} x {meta['world_size']}"
+    here = f"{strategy} x {accelerator.num_processes}"
+    if not lora or not (ckpt / "portable" / "lora_state.safetensors").is_file():
+        raise ToolkitError(
+            f"Checkpoint {ckpt} was written by {layout}; this run is {here}. Sharded full fine-tuning states "
+            f"cannot be re-partitioned: resume with {layout}, or export the weights (toolkit export "
+            f"{ckpt} --out DIR) and start a new run from them.")
+    load_portable_lora(accelerator, model, optimizer, ckpt / "portable")
+    scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
+    scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))
+    return "portable"

@@ -56,6 +56,8 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
+    packing: bool = Field(False, description="Pack samples into rows of max_seq_len tokens (no padding, no "
+                          "cross-sample attention); micro_batch_size then counts packed rows.")
     chat_template: str | None = Field(
         None, description="Override the tokenizer's chat template: 'chatml' or a Jinja template string."
     )
@@ -111,6 +113,18 @@ class TrainConfig(_Section):
     seed: int = Field(42, ge=0, lt=2**32, description="One seed for the run; each rank derives its own from it.")
 
 
+class CheckpointConfig(_Section):
+    save_steps: int | None = Field(None, gt=0, description="Save every N optimizer steps.")
+    save_minutes: float | None = Field(None, gt=0, description="Save when this many minutes passed since the last.")
+    save_on_stage_end: bool = Field(True, description="Save at the end of every stage.")
+    keep_last: int = Field(2, ge=1, description="Committed checkpoints kept (the best one is kept on top).")
+    best_metric: str | None = Field("eval_loss", description="Metric that picks the best checkpoint (never deleted).")
+    best_mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher best_metric is better.")
+    resume: str = Field("auto", description="auto (newest committed in output_dir), none, or a checkpoint path.")
+    resume_force: bool = Field(False, description="Resume even if training-relevant recipe settings changed.")
+    portable: bool = Field(True, description="LoRA: also save adapter + Adam state in a strategy-free form.")
+
+
 class LoggingConfig(_Section):
     logging_steps: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
@@ -130,6 +144,7 @@ class Recipe(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule per stage.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batching and seed.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Collectives.")
 
@@ -249,6 +264,18 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         return Recipe.model_validate(tree)
     except ValidationError as e:
         raise _explain(e, source) from None
+
+
+RESUME_INVARIANT_SECTIONS = ("model", "lora", "data", "stages", "optimizer", "schedule")
+"""Sections whose change alters what the remaining steps compute; resume refuses a change (unless forced)."""
+
+
+def resume_invariants(recipe: Recipe) -> dict[str, Any]:
+    """The settings a checkpoint is bound to. Batch split (micro x accum x processes) is checked separately
+    through the effective batch, so a run may resume on another number of GPUs with the same global batch."""
+    tree = recipe.model_dump(mode="json", include=set(RESUME_INVARIANT_SECTIONS))
+    tree["seed"] = recipe.train.seed
+    return tree
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -152,6 +152,14 @@ def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter], 
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
+def any_rank(accelerator: Accelerator, *flags: bool) -> list[bool]:
+    """For each flag, whether it is true on any rank: one small all-reduce, so all ranks take the same branch."""
+    values = torch.tensor([float(f) for f in flags], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
+
+
 def broadcast_from_main(accelerator: Accelerator, value: Any) -> Any:
     """A value decided on rank 0 (run name, timestamp), shared with every rank."""
     from accelerate.utils import broadcast_object_list
@@ -160,3 +168,84 @@ def broadcast_from_main(accelerator: Accelerator, value: Any) -> Any:
     if accelerator.num_processes > 1:
         broadcast_object_list(box, from_process=0)
     return box[0]
+
+
+# --- Full (unsharded) views of a parameter and its Adam state, for strategy-independent checkpoints. ---
+
+def _uses_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+
+
+def _to_full_cpu(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu", torch.float32).clone()
+
+
+def full_param_state(accelerator: Accelerator, optimizer: Any, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """`param`, `exp_avg`, `exp_avg_sq` of one parameter as full fp32 CPU tensors. Collective: all ranks call it.
+
+    ZeRO: DeepSpeed's safe_get_full_* gather the partitions (fp32 master weights, not the 16-bit copy);
+    FSDP2: DTensor.full_tensor(); DDP / single: the tensors themselves.
+    """
+    if _uses_deepspeed(accelerator):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        raw = {"param": safe_get_full_fp32_param(param)}
+        raw.update({k: safe_get_full_optimizer_state(param, k) for k in ("exp_avg", "exp_avg_sq")})
+    else:
+        state = _inner_optimizer(optimizer).state.get(param, {})
+        raw = {"param": param, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
+    return {k: _to_full_cpu(v) for k, v in raw.items() if v is not None}
+
+
+def set_full_param_state(accelerator: Accelerator, optimizer: Any, param: torch.nn.Parameter,
+                         values: dict[str, torch.Tensor], adam_step: int) -> None:
+    """Inverse of `full_param_state`: scatter full tensors into this rank's parameter and Adam state."""
+    if _uses_deepspeed(accelerator):
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        safe_set_full_fp32_param(param, values["param"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in values:
+                safe_set_full_optimizer_state(param, values[key], key)
+        return
+    with torch.no_grad():
+        _copy_full_into(param, values["param"])
+        if "exp_avg" in values:
+            state = _inner_optimizer(optimizer).state[param]
+            state["step"] = torch.tensor(float(adam_step))
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param)
+                _copy_full_into(state[key], values[key])
+
+
+def _copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a plain tensor, or into this rank's shard of a DTensor (FSDP2)."""
+    if hasattr(target, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements)
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(full.to(target.dtype))
+
+
+def checkpoint_safe_globals() -> list[Any]:
+    """Non-tensor types that checkpoints of our strategies legitimately pickle: numpy RNG states (accelerate)
+    and DeepSpeed's ZeRO stage enum. Anything else in a checkpoint is refused."""
+    import numpy as np
+
+    allowed: list[Any] = [np.ndarray, np.dtype, np._core.multiarray._reconstruct,
+                          type(np.dtype(np.uint32)), type(np.dtype(np.float64)), type(np.dtype(np.int64))]
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    except ImportError:
+        pass
+    return allowed

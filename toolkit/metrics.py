@@ -25,3 +25,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file (for tests, plots and resume)."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records after `step` (they are recomputed after a resume), so steps are neither missing nor doubled."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,65 @@
+"""Kill and resume: SIGKILL a multi-stage run at a random step, relaunch it, get the uninterrupted losses.
+
+The smoke recipe is stretched to 16 steps: stage 'short' runs 10 steps over 8 global batches per epoch (so
+steps 9-10 are inside its second epoch), stage 'long' 6 steps. A checkpoint is committed after every step.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LAUNCH_TIMEOUT_S, start_and_signal, train, train_cmd
+from toolkit.checkpoint import committed_checkpoints, read_meta
+from toolkit.metrics import read_metrics
+from toolkit.preemption import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+
+LONGER = ("stages.0.max_steps=10", "stages.1.max_steps=6", "checkpoint.save_steps=1", "checkpoint.keep_last=2")
+TOTAL_STEPS = 16
+
+
+def records(out: Path) -> list[dict]:
+    return read_metrics(out / "metrics.jsonl")
+
+
+def assert_same_run(resumed: Path, reference: Path) -> None:
+    got, ref = records(resumed), records(reference)
+    assert [r["step"] for r in got] == list(range(1, TOTAL_STEPS + 1)), "steps missing or doubled"
+    assert [r["stage"] for r in got] == [r["stage"] for r in ref]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
+    assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in ref], rel=1e-9)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
+def test_sigkill_and_resume_is_exact(strategy: str, tmp_path: Path) -> None:
+    reference, out = tmp_path / "uninterrupted", tmp_path / "killed"
+    train(strategy, 2, reference, *LONGER)
+    kill_at = random.Random(strategy).randint(9, TOTAL_STEPS - 2)  # epoch 2 of stage 1, or inside stage 2
+    proc = start_and_signal(train_cmd(strategy, 2, out, *LONGER), out, kill_at, signal.SIGKILL)
+    proc.wait(timeout=60)
+    # A step is logged before its checkpoint is written: the kill may land mid-save, leaving the step before.
+    resumed_from = read_meta(committed_checkpoints(out / "checkpoints")[-1])["step"]
+    assert kill_at - 1 <= resumed_from < TOTAL_STEPS
+    train(strategy, 2, out, *LONGER)  # same command: resume: auto
+    assert_same_run(out, reference)
+
+
+def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path: Path) -> None:
+    """Preemption without per-step saves: SIGTERM to the launcher makes every rank finish its step, save and
+    exit with PREEMPTED_EXIT_CODE within the launcher's grace period."""
+    reference, out = tmp_path / "uninterrupted", tmp_path / "preempted"
+    no_periodic = (*LONGER[:2], "checkpoint.save_on_stage_end=false")
+    train("zero3", 2, reference, *no_periodic)
+    proc = start_and_signal(train_cmd("zero3", 2, out, *no_periodic), out, 5, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert f"exitcode: {PREEMPTED_EXIT_CODE}" in output or "preempted" in output, output[-3000:]
+    saved = committed_checkpoints(out / "checkpoints")
+    assert len(saved) == 1 and 5 <= read_meta(saved[0])["step"] < TOTAL_STEPS
+    train("zero3", 2, out, *no_periodic)
+    assert_same_run(out, reference)
