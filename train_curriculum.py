@@ -111,7 +111,8 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     invariants = checkpoint.recipe_hash(resume_invariants(recipe))
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         checkpoint.check_resumable(checkpoint.read_meta(resume_from), resume_from, invariants_hash=invariants,
-                                   effective_batch=global_batch, force=ck.resume_force)
+                                   effective_batch=global_batch, strategy=strategy, world_size=world,
+                                   force=ck.resume_force)
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
@@ -150,8 +151,7 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     start_step, tokens_total, pending = 0, torch.zeros((), dtype=torch.long, device=accelerator.device), None
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
-        how = checkpoint.restore(accelerator, model, optimizer, scheduler, resume_from, strategy=strategy,
-                                 lora=recipe.lora.enabled)
+        how = checkpoint.restore(accelerator, model, optimizer, scheduler, resume_from, strategy=strategy)
         start_step, pending = meta["step"], meta["pending"]
         tokens_total += meta["tokens"] if accelerator.is_main_process else 0  # rank 0 carries the global count
         log.info("resumed (%s) from %s: step %d of %d, stage '%s'", how, resume_from, start_step, total_steps,
@@ -244,7 +244,7 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                     "pending": {"loss_sum": accelerator.reduce(loss_sum.clone(), reduction="sum").item()},
                     "metrics": record, "time": time.time(), "world_size": world, "strategy": strategy,
                     "effective_batch": global_batch, "lora": recipe.lora.enabled, "recipe_hash": invariants,
-                    "run_name": run_name, "toolkit_version": __version__}
+                    "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
             write = partial(checkpoint.write_state, accelerator, model, optimizer, step=done,
                             portable=recipe.lora.enabled and ck.portable)
             saved = manager.save(done, write, meta)

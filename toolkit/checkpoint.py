@@ -13,12 +13,14 @@ Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
 import re
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,11 +148,16 @@ def find_resume(resume: str, root: Path) -> Path | None:
 # --- Refusing pickled code: validate every pickle-based file before accelerate / DeepSpeed unpickle it. ---
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """For torch.distributed.checkpoint `.metadata` files: only DCP's own metadata classes and torch basics."""
+    """For torch.distributed.checkpoint `.metadata` files: DCP's own metadata classes and torch basics only."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(("torch.distributed.checkpoint", "torch.distributed._shard")) or (
-                module in ("torch", "collections", "builtins") and name in _DCP_BASICS) or (
+        if "." in name:  # protocol 4 resolves dotted names attribute by attribute: 'os.system' via any module
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+        if module.startswith(("torch.distributed.checkpoint.", "torch.distributed._shard.")):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # metadata dataclasses and enums, never functions
+                return found
+        elif (module in ("torch", "collections", "builtins") and name in _DCP_BASICS) or (
                 (module, name) in {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
@@ -159,6 +166,32 @@ class _MetadataUnpickler(pickle.Unpickler):
 _DCP_BASICS = {"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "int8", "bool",
                "strided", "contiguous_format", "device", "OrderedDict", "dtype", "layout", "memory_format",
                "set", "frozenset", "slice", "complex"}
+
+
+def _load_weights_only(source: Any, *, mmap: bool = False) -> None:
+    with torch.serialization.safe_globals(distributed.checkpoint_safe_globals()):
+        torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _verify_dcp_dir(metadata_file: Path) -> None:
+    """A DCP directory: the pickled metadata, then every non-tensor entry of its .distcp files, which DCP's
+    loader would otherwise unpickle with weights_only=False (optimizer param_groups, for example)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    with metadata_file.open("rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        info = metadata.storage_data[MetadataIndex(fqn)]
+        if getattr(info, "transform_descriptors", None):
+            raise pickle.UnpicklingError(f"entry {fqn} is stored transformed and cannot be checked")
+        with (metadata_file.parent / info.relative_path).open("rb") as f:
+            f.seek(info.offset)
+            try:
+                _load_weights_only(io.BytesIO(f.read(info.length)))
+            except pickle.UnpicklingError as e:
+                raise pickle.UnpicklingError(f"in {info.relative_path}, entry {fqn}: {e}") from None
 
 
 def verify_checkpoint_files(ckpt: Path) -> None:
@@ -170,18 +203,22 @@ def verify_checkpoint_files(ckpt: Path) -> None:
             continue
         try:
             if path.suffix in (".bin", ".pt", ".pkl", ".pth"):
-                with torch.serialization.safe_globals(distributed.checkpoint_safe_globals()):
-                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                is_zip = zipfile.is_zipfile(path)
+                with path.open("rb") as f:
+                    head = f.read(4)
+                    if not head or (not is_zip and head == b"PK\x03\x04"):
+                        raise ValueError("empty or truncated (a zip archive without its directory)")
+                _load_weights_only(path, mmap=is_zip)  # mmap: tensor data is not read
             elif path.suffix == ".safetensors":
                 with safe_open(str(path), framework="pt") as f:
                     for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                         f.get_slice(key)
             elif path.name == ".metadata":
-                with path.open("rb") as f:
-                    _MetadataUnpickler(f).load()
+                _verify_dcp_dir(path)
         except pickle.UnpicklingError as e:
-            culprit = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line),
-                           str(e).splitlines()[0])
+            lines = str(e).splitlines()
+            culprit = " ".join(line.strip() for line in lines if "GLOBAL" in line or "global" in line or
+                               ".distcp" in line) or lines[0]
             raise ToolkitError(f"Refusing to load checkpoint {ckpt}: {path.name} contains pickled objects that are "
                                f"not plain tensors or known-safe types ({culprit[:300]}). Only "
                                "load checkpoints you wrote yourself.") from None
@@ -269,9 +306,20 @@ def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any
         save_portable_lora(accelerator, model, optimizer, tmp / "portable", step)
 
 
+def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
+    """Whether the checkpoint's shards fit this run as they are (same strategy, same process count)."""
+    return meta["world_size"] == world_size and meta["strategy"] == strategy
+
+
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
-                    force: bool) -> None:
-    """Refuse a resume that would silently change training (unless `resume_force`)."""
+                    strategy: str, world_size: int, force: bool) -> None:
+    """Refuse a resume that would silently change training (unless `resume_force`) or cannot load."""
+    if not same_layout(meta, strategy, world_size) and not (ckpt / "portable" / "lora_state.safetensors").is_file():
+        layout = f"{meta['strategy']} x {meta['world_size']}"
+        raise ToolkitError(
+            f"Checkpoint {ckpt} was written by {layout}; this run is {strategy} x {world_size}. Sharded full "
+            f"fine-tuning states cannot be re-partitioned: resume with {layout}, or export the weights "
+            f"(toolkit export {ckpt} --out DIR) and start a new run from them.")
     if meta["recipe_hash"] != invariants_hash and not force:
         raise ToolkitError(
             f"Checkpoint {ckpt} was written with different training settings (model, lora, data, stages, "
@@ -285,25 +333,17 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
 
 
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
-            strategy: str, lora: bool) -> str:
+            strategy: str) -> str:
     """Load `ckpt` into the prepared objects; returns how ('exact' or 'portable'). All ranks call this.
 
     Same strategy and process count: accelerate's load_state restores everything bit for bit (model, optimizer,
-    scheduler, RNG per rank, accumulation counter). Otherwise a LoRA run takes the portable adapter + Adam state
-    and the scheduler position; a full fine-tuning run stops with an error naming both layouts.
+    scheduler, RNG per rank, accumulation counter). Otherwise (checked by `check_resumable`: a LoRA run with a
+    portable state) the adapter, its Adam moments and the scheduler position are scattered into this layout.
     """
-    meta = read_meta(ckpt)
     verify_checkpoint_files(ckpt)
-    if meta["world_size"] == accelerator.num_processes and meta["strategy"] == strategy:
+    if same_layout(read_meta(ckpt), strategy, accelerator.num_processes):
         accelerator.load_state(str(ckpt))
         return "exact"
-    layout = f"{meta['strategy']} x {meta['world_size']}"
-    here = f"{strategy} x {accelerator.num_processes}"
-    if not lora or not (ckpt / "portable" / "lora_state.safetensors").is_file():
-        raise ToolkitError(
-            f"Checkpoint {ckpt} was written by {layout}; this run is {here}. Sharded full fine-tuning states "
-            f"cannot be re-partitioned: resume with {layout}, or export the weights (toolkit export "
-            f"{ckpt} --out DIR) and start a new run from them.")
     load_portable_lora(accelerator, model, optimizer, ckpt / "portable")
     scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
     scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))

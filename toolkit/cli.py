@@ -23,6 +23,12 @@ def _tiny_model(args: argparse.Namespace) -> None:
     print(write_tiny_qwen3(args.out, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed))
 
 
+def _export(args: argparse.Namespace) -> None:
+    from toolkit.export import export
+
+    print(export(args.source, args.out, merge=args.merge))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Curriculum fine-tuning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tiny_model)
+
+    p = sub.add_parser("export", help="Export a checkpoint or run as a PEFT adapter, or a merged model (--merge).")
+    p.add_argument("source", help="<output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
+    p.add_argument("--out", required=True, help="Directory to write (replaced atomically).")
+    p.add_argument("--merge", action="store_true", help="Merge LoRA into the base weights (plain safetensors).")
+    p.set_defaults(func=_export)
     return parser
 
 

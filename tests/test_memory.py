@@ -1,0 +1,201 @@
+"""Tests for the per-GPU memory estimate: hand-computed arithmetic, and real measurements under each strategy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env
+from toolkit.errors import ToolkitError
+from toolkit.memory import (
+    estimate,
+    estimate_all,
+    format_table,
+    load_model_config,
+    measure_rank_state_bytes,
+    meta_parameter_counts,
+    recommend,
+)
+
+# The builtin tiny Qwen3 (toolkit.tiny.write_tiny_qwen3 defaults; its tokenizer pads the vocabulary to 1024).
+# Parameters: embeddings 1024*64 = 65536, LM head 65536, final norm 64, and per layer
+#   q 64*64 = 4096, k 64*32 = 2048, v 2048, o 4096, gate/up/down 3 * 64*128 = 24576,
+#   norms 64 + 64 (layer) + 16 + 16 (q_norm, k_norm) = 160                    -> 37024 per layer
+# total = 65536 + 65536 + 64 + 2 * 37024 = 205184
+TOTAL = 205184
+HALF = 102592  # every tensor here splits evenly over 2 ranks: TOTAL / 2
+# LoRA r=4 on all linear layers, r * (in + out) per layer:
+#   q 4*128 + k 4*96 + v 4*96 + o 4*128 + gate 4*192 + up 4*192 + down 4*192 = 4096 per layer, 2 layers
+LORA = 8192
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Qwen3Config:
+    return Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def _est(config: Qwen3Config, strategy: str, *, lora_r: int | None = None, param_bytes: int = 4,
+         grad_ckpt: bool = False) -> dict[str, int]:
+    return estimate(config, strategy=strategy, num_gpus=2, lora_r=lora_r, param_bytes=param_bytes,
+                    micro_batch=2, seq_len=16, grad_ckpt=grad_ckpt)
+
+
+def test_meta_counts_are_exact(tiny: Qwen3Config) -> None:
+    assert meta_parameter_counts(tiny, lora_r=None) == (TOTAL, TOTAL)
+    assert meta_parameter_counts(tiny, lora_r=4) == (TOTAL + LORA, LORA)
+    assert meta_parameter_counts(tiny, lora_r=4, lora_targets=["q_proj", "v_proj"]) == (
+        TOTAL + 2 * (512 + 384), 2 * (512 + 384))
+
+
+def test_full_finetune_sharding(tiny: Qwen3Config) -> None:
+    ddp = _est(tiny, "ddp")
+    assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (TOTAL * 4, TOTAL * 4, TOTAL * 8)
+    assert ddp["buffers"] == TOTAL * 4  # DDP's reducer buckets: a second copy of the gradients
+    zero2 = _est(tiny, "zero2")  # grads and optimizer sharded; DeepSpeed adds a 4-byte fp32 master
+    assert (zero2["params"], zero2["grads"], zero2["optimizer"]) == (TOTAL * 4, HALF * 4, HALF * (8 + 4))
+    zero3 = _est(tiny, "zero3")
+    # Weights are sharded too, except the norms (<= 10 * hidden = 640 elements), which ZeRO-3 keeps whole
+    # on every rank next to their partition: 2 * 160 + 64 = 384 elements whole plus 192 partitioned.
+    assert zero3["params"] == (HALF - 192) * 4 + (384 + 192) * 4 == 411904
+    assert (zero3["grads"], zero3["optimizer"]) == (HALF * 4, HALF * 12)
+    fsdp = _est(tiny, "fsdp")  # sharded like ZeRO-3, but no persistent weights and no master copy
+    assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == (HALF * 4, HALF * 4, HALF * 8)
+    single = estimate(tiny, strategy="single", num_gpus=8, lora_r=None, param_bytes=4, micro_batch=2,
+                      seq_len=16, grad_ckpt=False)
+    assert (single["params"], single["optimizer"], single["buffers"]) == (TOTAL * 4, TOTAL * 8, 0)
+    for est in (ddp, zero2, zero3, fsdp, single):
+        assert est["total"] == sum(est[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
+        assert est["cpu_offload"] == 0
+
+
+def test_zero3_offload_moves_state_to_cpu(tiny: Qwen3Config) -> None:
+    est = _est(tiny, "zero3_offload")
+    assert (est["params"], est["grads"], est["optimizer"]) == ((384 + 192) * 4, 0, 0)
+    # Per rank: weight partitions (409600 bytes) + gradient, master and Adam for 102592 elements; 2 ranks.
+    assert est["cpu_offload"] == 2 * ((HALF - 192) * 4 + HALF * (4 + 4 + 8)) == 4102144
+
+
+def test_lora_accounting(tiny: Qwen3Config) -> None:
+    ddp = _est(tiny, "ddp", lora_r=4, param_bytes=2)
+    # bf16 base, adapters in fp32 (PEFT upcasts them), grads and Adam only for the adapters
+    assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (TOTAL * 2 + LORA * 4, LORA * 4, LORA * 8)
+    zero2 = _est(tiny, "zero2", lora_r=4, param_bytes=2)
+    # DeepSpeed bf16 casts the adapters to bf16 too, and keeps fp32 masters of its half of them
+    assert (zero2["params"], zero2["grads"], zero2["optimizer"]) == ((TOTAL + LORA) * 2, LORA, LORA // 2 * 12)
+
+
+def test_activations_formula(tiny: Qwen3Config) -> None:
+    # e = 4*64 + 2*(4*16) + 2*(2*16) + 4*128 = 960 elements per token and layer; T = 2 * 16 = 32 tokens;
+    # logits: 1024 * (2 + 8) = 10240 bytes per token.
+    assert _est(tiny, "ddp")["activations"] == 32 * (2 * 960 * 2 + 10240) == 450560
+    assert _est(tiny, "ddp", grad_ckpt=True)["activations"] == 32 * ((2 * 64 + 960) * 2 + 10240) == 397312
+
+
+def test_unknown_strategy(tiny: Qwen3Config) -> None:
+    with pytest.raises(ToolkitError, match="zero3_offload"):
+        _est(tiny, "zero4")
+
+
+def test_table_and_recommendation(tiny: Qwen3Config) -> None:
+    rows = estimate_all(tiny, num_gpus=2, lora_r=None, param_bytes=4, micro_batch=2, seq_len=16, grad_ckpt=False)
+    assert list(rows) == ["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
+    table = format_table(rows, gpu_memory_gb=80)
+    assert "recommended: ddp" in table
+    assert format_table(list(rows.items()), gpu_memory_gb=80) == table  # (strategy, estimate) pairs work too
+    for name in rows:
+        assert name in table
+    assert "none fits" in format_table(rows, gpu_memory_gb=1e-6)
+    # Just enough for ZeRO-2 but not DDP: the next cheapest in communication is chosen.
+    budget_gb = rows["zero2"]["total"] / 1024**3 / 0.9
+    assert rows["ddp"]["total"] > rows["zero2"]["total"]
+    assert recommend(rows, budget_gb * 1.0001) == "zero2"
+
+
+def test_shipped_configs_load() -> None:
+    qwen3 = load_model_config("Qwen/Qwen3-8B")
+    assert (qwen3.model_type, qwen3.hidden_size, qwen3.num_hidden_layers, qwen3.head_dim) == ("qwen3", 4096, 36, 128)
+    assert load_model_config("qwen3-8b").to_dict() == qwen3.to_dict()
+    vl = load_model_config("Qwen/Qwen2.5-VL-7B-Instruct")
+    assert type(vl).__name__ == "Qwen2_5_VLConfig"
+    assert (vl.text_config.hidden_size, vl.text_config.num_key_value_heads, vl.vision_config.hidden_size,
+            vl.vision_config.out_hidden_size) == (3584, 4, 1280, 3584)
+    q3vl = load_model_config("qwen3-vl-8b")
+    assert type(q3vl).__name__ == "Qwen3VLConfig"
+    # Published sizes: 8.2B (Qwen3-8B), 8.29B (Qwen2.5-VL-7B), 8.77B (Qwen3-VL-8B).
+    assert meta_parameter_counts(qwen3, lora_r=None)[0] == 8190735360
+    assert meta_parameter_counts(vl, lora_r=None)[0] == pytest.approx(8.29e9, rel=0.005)
+    assert meta_parameter_counts(q3vl, lora_r=None)[0] == pytest.approx(8.77e9, rel=0.005)
+
+
+def test_local_dir_and_unknown_name(tmp_path: Path, tiny: Qwen3Config) -> None:
+    tiny.save_pretrained(tmp_path)
+    assert load_model_config(tmp_path).hidden_size == 64
+    with pytest.raises(ToolkitError, match="qwen3-8b"):
+        load_model_config("some/unknown-model")
+
+
+def test_measure_plain_torch_after_a_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 50))
+    model[0].weight.requires_grad_(False)  # a frozen part: weights but no gradient or state
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model(torch.randint(0, 50, (4, 8))).sum().backward()
+    optimizer.step()
+    trainable = 16 * 32 + 32 + 32 * 50 + 50
+    total = 50 * 16 + trainable
+    expected = {"params": total * 4, "grads": trainable * 4,
+                # exp_avg + exp_avg_sq in fp32, plus AdamW's fp32 scalar step per trainable tensor (4 tensors)
+                "optimizer": trainable * 8 + 4 * 4, "cpu_offload": 0}
+    assert measure_rank_state_bytes(model, optimizer) == expected
+
+    class Wrapper:  # stands in for accelerate's AcceleratedOptimizer, which keeps the real one in .optimizer
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.optimizer = inner
+
+    # After zero_grad(set_to_none=True) the gradients' size is still reported: what the step needs.
+    optimizer.zero_grad(set_to_none=True)
+    assert measure_rank_state_bytes(model, Wrapper(optimizer)) == expected
+
+
+def test_measure_counts_shared_storage_once() -> None:
+    flat = torch.zeros(100)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(flat[:60])  # views into one buffer, as DeepSpeed ZeRO-2 lays weights out
+    model.b = torch.nn.Parameter(flat[40:])  # overlaps a by 20 elements
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert measure_rank_state_bytes(model, optimizer)["params"] == 100 * 4
+
+
+CASES = [(s, lora) for s in ("ddp", "zero2", "zero3", "fsdp") for lora in (False, True)] + [("zero3_offload", False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "lora"), CASES, ids=[f"{s}-{'lora' if lo else 'full'}" for s, lo in CASES])
+def test_estimate_matches_measurement(strategy: str, lora: bool, tmp_path: Path) -> None:
+    """Two real processes per strategy (gloo on CPU, fp32, no mixed precision): each rank's weights, gradients
+    and optimizer state (and under offload the node's CPU RAM) must be within 10% of the estimate."""
+    from tests._measure_state import LORA_R, SEQ_LEN, tiny_config
+
+    out = tmp_path / "measured.json"
+    cmd = [*launch_cmd(strategy, 2, mixed_precision="no"), str(REPO / "tests" / "_measure_state.py"), str(out)]
+    proc = subprocess.run([*cmd, *(["--lora"] if lora else [])], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)
+    if proc.returncode != 0:
+        pytest.fail(f"{strategy} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    records = json.loads(out.read_text())
+    assert [r["rank"] for r in records] == [0, 1]
+    expected = estimate(tiny_config(), strategy=strategy, num_gpus=2, lora_r=LORA_R if lora else None,
+                        param_bytes=4, micro_batch=1, seq_len=SEQ_LEN, grad_ckpt=False, activation_bytes=4)
+    for rec in records:
+        assert rec["strategy"].startswith(strategy)
+        for key in ("params", "grads", "optimizer"):
+            assert rec[key] == pytest.approx(expected[key], rel=0.10), (
+                f"{strategy} lora={lora} rank {rec['rank']} {key}: measured {rec[key]}, estimated {expected[key]}")
+    node_cpu = sum(r["cpu_offload"] for r in records)
+    assert node_cpu == pytest.approx(expected["cpu_offload"], rel=0.10, abs=0)

@@ -1,0 +1,60 @@
+"""Tests for the training-curve plot and its stage boundaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from toolkit.errors import ToolkitError
+from toolkit.plot import plot_run, stage_boundaries
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _records() -> list[dict[str, Any]]:
+    """Three stages over 12 logged steps (stage 2 starts at step 5, stage 3 at step 9); two eval points."""
+    stages = [("warmup", 4), ("reasoning", 4), ("polish", 4)]
+    records, step = [], 0
+    for index, (name, steps) in enumerate(stages):
+        for stage_step in range(1, steps + 1):
+            step += 1
+            records.append({"step": step, "stage": name, "stage_index": index, "stage_step": stage_step,
+                            "loss": 3.0 / step, "lr": 1e-4 * stage_step / steps, "grad_norm": 1.0 + 0.1 * step,
+                            "tokens": 1000 * step, "tokens_per_sec": 500.0 + step, "samples": 8 * step})
+    records[3]["eval_loss"] = 1.0
+    records[11]["eval_loss"] = 0.5
+    return records
+
+
+def test_stage_boundaries_are_exact() -> None:
+    assert stage_boundaries(_records()) == [(5, "reasoning"), (9, "polish")]
+    assert stage_boundaries(_records()[:4]) == []
+    assert stage_boundaries([]) == []
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    png = plot_run(tmp_path)
+    assert png == tmp_path / "training.png"
+    data = png.read_bytes()
+    assert len(data) > 1000
+    assert data.startswith(PNG_SIGNATURE)
+
+
+def test_plot_tolerates_missing_values(tmp_path: Path) -> None:
+    records = _records()
+    records[0]["grad_norm"] = None  # the first logged step of a run may have no norm yet
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_missing_or_empty_metrics(tmp_path: Path) -> None:
+    with pytest.raises(ToolkitError, match="does not exist"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("\n")
+    with pytest.raises(ToolkitError, match="empty"):
+        plot_run(tmp_path)
+    assert not (tmp_path / "training.png").exists()

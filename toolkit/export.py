@@ -1,0 +1,118 @@
+"""`toolkit export`: turn a checkpoint (or a finished run) into a model anyone can load with from_pretrained.
+
+LoRA runs export the PEFT adapter (loads with `PeftModel.from_pretrained`); `--merge` folds it into the base
+weights and writes a plain safetensors model (loads with `AutoModelForCausalLM.from_pretrained`). Full
+fine-tuning checkpoints are consolidated from whatever strategy wrote them (DeepSpeed ZeRO partitions, FSDP
+shards). Tokenizer and a short model card with the curriculum summary are included.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from toolkit import distributed
+from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
+from toolkit.errors import ToolkitError
+from toolkit.model import apply_lora
+
+
+def _resolve(source: Path) -> tuple[Path, Path]:
+    """(checkpoint or final dir, run output dir) for a checkpoint, an output dir, or its final/ dir."""
+    if (source / COMMIT_MARKER).is_file():
+        return source, source.parent.parent
+    if (source / "recipe.yaml").is_file():
+        if (source / "final").is_dir():
+            return source / "final", source
+        found = committed_checkpoints(source / "checkpoints")
+        if found:
+            return found[-1], source
+    raise ToolkitError(f"{source} is neither a committed checkpoint nor a run output dir with final/ or checkpoints/. "
+                       "Pass <output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
+
+
+def _base_model(src: Path, meta: dict[str, Any] | None, recipe: dict[str, Any]) -> str:
+    """The resolved base model path the run trained from (recorded in checkpoints and adapter configs)."""
+    if meta is not None:
+        return meta["base_model"]
+    if (src / "adapter_config.json").is_file():
+        return json.loads((src / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return recipe["model"]["name_or_path"]
+
+
+def _no_empty(path: Path) -> None:
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            empty = [k for k in f.keys() if f.get_slice(k).get_shape() in ([0], [])]  # noqa: SIM118
+        if empty:
+            raise ToolkitError(f"Export wrote empty tensors to {file}: {empty[:3]}")
+
+
+def _model_card(run: Path, meta: dict[str, Any] | None, merged: bool) -> str:
+    info = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    kind = "full fine-tuning"
+    if recipe["lora"]["enabled"]:
+        kind = "LoRA merged into the weights" if merged else "LoRA adapter"
+    lines = [f"# {info.get('run_name', run.name)}", "",
+             f"Fine-tuned from `{recipe['model']['name_or_path']}` with curriculum-toolkit ({kind}).",
+             "", f"Strategy: {info.get('strategy', '?')} x {info.get('num_processes', '?')}, effective batch "
+             f"{info.get('effective_batch', '?')}." + (f" Exported at step {meta['step']}." if meta else ""),
+             "", "| stage | steps | samples | peak lr |", "|---|---|---|---|"]
+    for st in info.get("stages", []):
+        lines.append(f"| {st['name']} | {st['steps']} | {st['num_samples']} | {st['lr']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
+    """Write an exported model to `out` (see module docstring). Returns `out`."""
+    src, run = _resolve(Path(source))
+    out = Path(out)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    meta = read_meta(src) if (src / COMMIT_MARKER).is_file() else None
+    base = _base_model(src, meta, recipe)
+    if meta is not None:
+        verify_checkpoint_files(src)
+    lora = recipe["lora"]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if lora["enabled"]:
+        if meta is None:
+            model = PeftModel.from_pretrained(model, src)
+        else:
+            model = apply_lora(model, r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
+                               target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"])
+            state = src / "portable" / "lora_state.safetensors"
+            if not state.is_file():
+                raise ToolkitError(f"{src} has no portable LoRA state (checkpoint.portable was off); export "
+                                   f"{run}/final instead.")
+            with safe_open(str(state), framework="pt") as f, torch.no_grad():
+                for name, param in model.named_parameters():
+                    if param.requires_grad:
+                        param.copy_(f.get_tensor(f"param/{name}"))
+        if merge:
+            model = model.merge_and_unload()
+    elif meta is not None:
+        weights = distributed.consolidate_full_weights(src, meta["strategy"])
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
+            raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}).")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer_src = run / "final" if (run / "final" / "tokenizer_config.json").is_file() else base
+    AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tmp)
+    (tmp / "README.md").write_text(_model_card(run, meta, merge and lora["enabled"]))
+    _no_empty(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

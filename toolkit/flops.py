@@ -1,0 +1,117 @@
+"""Model FLOPs of a training step, for model FLOPs utilisation (MFU).
+
+MFU compares the *useful* work of a step with what the hardware could do at its dense bf16 peak, so it is
+comparable across strategies, kernels and sequence lengths. The count follows Kaplan et al. 2020 / PaLM
+(Chowdhery et al. 2022, appendix B) for a decoder (Llama / Qwen2 / Qwen3 layout: GQA attention, SwiGLU MLP):
+
+    N         = L * P_layer + P_head                   matmul weights; the embedding lookup is no matmul
+    P_layer   = h*(a*d) + 2*h*(k*d) + (a*d)*h + 3*h*i   q, k, v, o projections (GQA) + gate, up, down
+    P_head    = h*V                                     the LM head costs a matmul even when tied
+
+    dense     = 6*N per token (full fine-tuning: forward 2N, backward 2N for activation gradients and
+                2N for weight gradients), or 4*N with LoRA (frozen weights get no weight-gradient matmul;
+                the adapters' own FLOPs, ~6*r*(in+out) per adapted matrix, are negligible and ignored)
+    attention = 3 * L * (2 * 2 * s * a*d * 1/2) = 6*L*s*a*d per token for a causal sequence of length s:
+                QK^T and AV each cost 2*s*(a*d) per token, causality halves it, and the backward pass costs
+                twice the forward (both operands need gradients, with or without LoRA)
+
+    flops(sequence of length s) = s * (dense + 6*L*s*a*d)
+
+h hidden size, a attention heads, k key/value heads, d head dim, i MLP size, L layers, V vocabulary. Norms,
+rotary embeddings, activations and the softmax are elementwise and left out, as is the recomputation of
+gradient checkpointing (not useful work: MFU is defined without it). Padding tokens are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PEAK_TFLOPS: dict[str, float] = {
+    # Dense (no sparsity) bf16 tensor-core peak from the vendor datasheets, per device-name substring.
+    # Matched longest key first, so "H100 PCIe" wins over "H100" and "A100" over "A10".
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,  # SXM (the name reads "NVIDIA H100 80GB HBM3")
+    "H200": 989.0,
+    "A100": 312.0,  # SXM and PCIe alike
+    "L40S": 362.0,
+    "L40": 181.0,
+    "A10G": 125.0,  # AWS's A10 variant; NVIDIA publishes no separate sheet, this is the A10 figure
+    "A10": 125.0,
+    "RTX 4090": 165.0,  # bf16 with fp32 accumulation, as used in training
+}
+
+
+def _text_config(config: Any) -> Any:
+    """The decoder part of a config (the text model of a vision-language config)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def count_params(config: Any) -> dict[str, int]:
+    """Weight counts of a decoder config, split the way FLOPs and memory need them.
+
+    Keys: ``attention_per_layer``, ``mlp_per_layer``, ``per_layer`` (matmul weights of one layer),
+    ``layers`` (all layers), ``lm_head``, ``embeddings``, ``matmul`` (N above: layers + LM head) and
+    ``total`` (unique weights: layers + embeddings, + LM head unless tied). Norm weights and biases are
+    tiny and not counted.
+    """
+    c = _text_config(config)
+    h, inter, layers = int(c.hidden_size), int(c.intermediate_size), int(c.num_hidden_layers)
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or h // heads)
+    vocab = int(c.vocab_size)
+    tied = bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False)))
+    attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    mlp = 3 * h * inter
+    lm_head = h * vocab
+    return {
+        "attention_per_layer": attention,
+        "mlp_per_layer": mlp,
+        "per_layer": attention + mlp,
+        "layers": layers * (attention + mlp),
+        "lm_head": lm_head,
+        "embeddings": vocab * h,
+        "matmul": layers * (attention + mlp) + lm_head,
+        "total": layers * (attention + mlp) + vocab * h + (0 if tied else lm_head),
+    }
+
+
+def attention_flops_per_token(config: Any, seq_len: int) -> float:
+    """Causal attention score/value FLOPs per token, forward + backward: 6 * L * s * a * d."""
+    c = _text_config(config)
+    heads = int(c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    return 3.0 * int(c.num_hidden_layers) * (2 * 2 * seq_len * heads * head_dim * 0.5)
+
+
+def train_flops_per_token(config: Any, *, lora: bool, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: (4 if lora else 6) * N, plus 6*L*s*a*d when ``seq_len`` is given."""
+    dense = (4.0 if lora else 6.0) * count_params(config)["matmul"]
+    return dense + (attention_flops_per_token(config, seq_len) if seq_len else 0.0)
+
+
+def batch_train_flops(config: Any, seq_lens: list[int], *, lora: bool) -> float:
+    """Training FLOPs of a batch of real (unpadded) sample lengths; each sample's attention uses its own length."""
+    return sum(n * train_flops_per_token(config, lora=lora, seq_len=n) for n in seq_lens if n > 0)
+
+
+def peak_flops(device_name: str | None, override_tflops: float | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s of one device: the override if given, else the table; None on CPU or unknown."""
+    if override_tflops is not None:
+        return float(override_tflops) * 1e12
+    if not device_name:
+        return None
+    name = device_name.lower()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in name:
+            return PEAK_TFLOPS[key] * 1e12
+    return None
+
+
+def mfu(flops: float, seconds: float, num_devices: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the peak of all devices; None without a known peak."""
+    if peak is None or peak <= 0 or seconds <= 0 or num_devices <= 0:
+        return None
+    return flops / (seconds * num_devices * peak)

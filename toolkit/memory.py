@@ -1,0 +1,396 @@
+"""Per-GPU memory of a fine-tuning run, estimated before launch and measured after the first optimizer step.
+
+The estimate answers "which strategy fits on these GPUs?" without loading weights: the model skeleton is built
+on the meta device (exact parameter shapes, LoRA included) and each strategy's layout is applied to it.
+`measure_rank_state_bytes` counts what a rank really holds, so the estimate can be checked against reality
+(tests/test_memory.py does so for DDP, ZeRO-2, ZeRO-3 and FSDP2, LoRA and full fine-tuning).
+
+Accounting (bytes per GPU; W = number of GPUs, the data-parallel and sharding degree; "trainable" are the
+parameters the optimizer updates, "frozen" the rest):
+
+* weights: frozen weights take ``param_bytes`` each. Trainable weights too, except LoRA adapters, which PEFT
+  keeps in fp32 (4 bytes) over a 16-bit base; under DeepSpeed with 16-bit weights the engine casts the whole
+  module, adapters included, to 16 bits.
+* gradients: one per trainable weight, in the weight's dtype.
+* optimizer: AdamW's exp_avg and exp_avg_sq, 8 bytes per trainable weight, plus a 4-byte fp32 master copy
+  under DeepSpeed, which keeps one even when the weights are already fp32 (measured with deepspeed 0.19):
+  ZeRO-1/2 always clone the partition they update (``single_partition_of_fp32_groups``), and ZeRO-3's
+  ``fp32_partitioned_groups_flat`` would alias fp32 weight partitions only if a ``torch.device`` compared
+  equal to the device *string* it is checked against, which it never does, so it clones too. Plain torch
+  (single, DDP, FSDP2) steps the weights in place: no master.
+* sharding: ``single``/``ddp`` replicate everything; ``zero2`` shards gradients and optimizer state (1/W);
+  ``zero3`` and ``fsdp`` (FSDP2) shard weights too. ZeRO-3 keeps parameters with at most
+  ``persistence_threshold`` elements (accelerate's "auto": 10 * hidden) whole on every rank, in addition to
+  their partition. ``zero3_offload`` moves weight partitions, gradient partitions, masters and optimizer
+  state to CPU RAM (``cpu_offload``, summed over the node's W ranks); only persistent weights stay on the GPU.
+* buffers (working set outside the persistent state): DDP's reducer keeps a bucketed copy of all gradients
+  (``gradient_as_bucket_view`` is off by default); ZeRO-2/3 keep a reduce bucket of hidden^2 elements
+  (accelerate's "auto" ``reduce_bucket_size``); ZeRO-3 also gathers the largest single weight plus a prefetch
+  bucket of 0.9 * hidden^2 elements; FSDP2 gathers the root module (embeddings, head, final norm: kept
+  unsharded through forward and backward) plus two decoder layers (current and prefetched) and one layer's
+  unsharded gradients.
+* activations, for T = micro_batch * seq_len tokens and ``activation_bytes`` b per element (2 under bf16
+  autocast, the shipped launch configs), following Korthikanti et al. 2022 adapted to GQA + SwiGLU with an
+  SDPA/flash kernel (no seq^2 score matrix is stored). One decoder layer saves per token
+      e = 4*h + 2*a*d + 2*k*d + 4*i   elements
+  (attention: the norm's input and output, q, k, v and the attention output; MLP: the norm's input and
+  output, gate, up, silu(gate) and their product). Without checkpointing all L layers are kept: L*T*e*b.
+  With checkpointing only each layer's input is kept, L*T*h*b, plus one layer recomputed in backward, T*e*b.
+  The loss adds T*V*(b + 8): the logits and the fp32 copy and gradient the cross-entropy makes. Vision-tower
+  activations of VL models depend on the images and are not included.
+
+The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
+allocator's fragmentation and the CUDA context come on top: see ``format_table``'s headroom).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.errors import ToolkitError
+
+MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
+SHIPPED_CONFIGS: dict[str, str] = {
+    "qwen3-8b": "qwen3-8b.json",
+    "qwen/qwen3-8b": "qwen3-8b.json",
+    "qwen/qwen3-8b-base": "qwen3-8b.json",
+    "qwen2_5-vl-7b": "qwen2_5-vl-7b.json",
+    "qwen2.5-vl-7b": "qwen2_5-vl-7b.json",
+    "qwen/qwen2.5-vl-7b-instruct": "qwen2_5-vl-7b.json",
+    "qwen3-vl-8b": "qwen3-vl-8b.json",
+    "qwen/qwen3-vl-8b-instruct": "qwen3-vl-8b.json",
+    "qwen/qwen3-vl-8b-thinking": "qwen3-vl-8b.json",
+}
+"""Model names (lower case) that resolve to a config shipped in toolkit/model_configs (no download needed)."""
+
+STRATEGIES = ("single", "ddp", "zero2", "zero3", "zero3_offload", "fsdp")
+# Preference when several strategies fit: fewer and cheaper collectives first. DDP all-reduces gradients once
+# per step; ZeRO-2 replaces that with a reduce-scatter plus a weight all-gather; FSDP2 and ZeRO-3 all-gather
+# every layer's weights in forward and again in backward; offload adds PCIe traffic and a CPU optimizer step.
+# FSDP2 goes before ZeRO-3: same sharding, but per-layer collectives instead of DeepSpeed's per-module fetches.
+PREFERENCE = ("single", "ddp", "zero2", "fsdp", "zero3", "zero3_offload")
+GIB = 1024**3
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4  # fp32 master weight
+
+_LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
+
+
+# --------------------------------------------------------------------------------------------- model configs
+
+
+def load_model_config(name_or_path: str | Path) -> Any:
+    """A transformers config: a shipped name (``Qwen/Qwen3-8B``, ``qwen3-8b``, ...) or a local model directory."""
+    from transformers import AutoConfig
+
+    key = str(name_or_path).strip().lower()
+    if key in SHIPPED_CONFIGS:
+        data = json.loads((MODEL_CONFIG_DIR / SHIPPED_CONFIGS[key]).read_text(encoding="utf-8"))
+        return AutoConfig.for_model(**data)
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    raise ToolkitError(
+        f"Unknown model '{name_or_path}': not a shipped config and not a directory with config.json. "
+        f"Known names: {', '.join(sorted(SHIPPED_CONFIGS))}; or give a local model directory.")
+
+
+def _build_meta_model(config: Any, lora_r: int | None, lora_targets: str | list[str]) -> torch.nn.Module:
+    """The real model class for ``config`` on the meta device (no memory), LoRA-wrapped when ``lora_r``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT probes a deprecated transformers property
+        model = auto.from_config(config)
+        if lora_r:
+            from peft import LoraConfig, get_peft_model
+
+            targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)
+            model = get_peft_model(model, LoraConfig(r=lora_r, target_modules=targets, task_type="CAUSAL_LM"))
+    return model
+
+
+_TABLES: dict[tuple[str, int | None, str | tuple[str, ...]], tuple[tuple[str, int, bool], ...]] = {}
+
+
+def _param_table(config: Any, lora_r: int | None, lora_targets: str | Iterable[str]
+                 ) -> tuple[tuple[str, int, bool], ...]:
+    """(name, numel, trainable) of every parameter of the meta skeleton, cached per config and LoRA setup
+    (building an 8B skeleton takes a second or two; a table of strategies asks for it several times)."""
+    targets = lora_targets if isinstance(lora_targets, str) else tuple(lora_targets)
+    key = (config.to_json_string(use_diff=False), lora_r or None, targets)
+    if key not in _TABLES:
+        model = _build_meta_model(config, lora_r or None, targets if isinstance(targets, str) else list(targets))
+        _TABLES[key] = tuple((name, p.numel(), p.requires_grad) for name, p in model.named_parameters())
+    return _TABLES[key]
+
+
+def meta_parameter_counts(config: Any, *, lora_r: int | None, lora_targets: str | Iterable[str] = "all-linear"
+                          ) -> tuple[int, int]:
+    """(total, trainable) parameters, counted exactly on the real model built on the meta device."""
+    table = _param_table(config, lora_r, lora_targets)
+    return sum(n for _, n, _ in table), sum(n for _, n, t in table if t)
+
+
+# ------------------------------------------------------------------------------------------------- estimate
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _activation_bytes(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int) -> int:
+    c = config.get_text_config()
+    h, inter, layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    per_layer = 4 * h + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
+    kept = layers * h + per_layer if grad_ckpt else layers * per_layer
+    return tokens * (kept * activation_bytes + vocab * (activation_bytes + 8))
+
+
+def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, param_bytes: int,
+             micro_batch: int, seq_len: int, grad_ckpt: bool, lora_targets: str | Iterable[str] = "all-linear",
+             activation_bytes: int = 2, persistence_threshold: int | None = None) -> dict[str, int]:
+    """Bytes per GPU of ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers`` and their ``total``,
+    plus ``cpu_offload`` (CPU RAM of the whole node), for one strategy; see the module docstring.
+
+    ``param_bytes`` is the size of a weight as held during training: 4 for fp32 weights (DDP / FSDP2 under
+    autocast, or no mixed precision), 2 for bf16 weights (a bf16 LoRA base, or DeepSpeed with bf16 enabled,
+    which casts the model to bf16).
+    """
+    if strategy not in STRATEGIES:
+        raise ToolkitError(f"Unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}.")
+    world = 1 if strategy == "single" else int(num_gpus)
+    if world < 1:
+        raise ToolkitError(f"num_gpus must be at least 1, got {num_gpus}.")
+    text = config.get_text_config()
+    hidden = int(text.hidden_size)
+    table = _param_table(config, lora_r, lora_targets)
+    deepspeed = strategy.startswith("zero")
+    offload = strategy == "zero3_offload"
+    lora = bool(lora_r)
+    t_bytes = param_bytes if (not lora or (deepspeed and param_bytes < 4)) else 4
+    g_bytes = t_bytes
+    master = MASTER_BYTES if deepspeed else 0
+
+    trainable = sum(n for _, n, t in table if t)
+    weight_bytes = sum(n * (t_bytes if t else param_bytes) for _, n, t in table)
+    reduce_bucket = hidden * hidden  # accelerate's "auto" reduce_bucket_size
+    cpu = 0
+    if strategy in ("single", "ddp"):
+        params, grads = weight_bytes, trainable * g_bytes
+        optimizer = trainable * (ADAM_BYTES + master)
+        buffers = grads if strategy == "ddp" and world > 1 else 0
+    elif strategy == "zero2":
+        shard = _ceil_div(trainable, world)
+        params, grads = weight_bytes, shard * g_bytes
+        optimizer = shard * (ADAM_BYTES + master)
+        buffers = min(reduce_bucket, trainable) * g_bytes
+    elif strategy.startswith("zero3"):
+        threshold = 10 * hidden if persistence_threshold is None else persistence_threshold
+        persistent = partitions = 0
+        for _, n, t in table:
+            nbytes = t_bytes if t else param_bytes
+            part = _ceil_div(n, world) * nbytes
+            if n <= threshold:
+                persistent += n * nbytes + part  # whole weight on every rank, plus its partition
+            else:
+                partitions += part
+        shard = sum(_ceil_div(n, world) for _, n, t in table if t)
+        largest = max(n for _, n, _ in table)
+        buffers = (largest + int(0.9 * reduce_bucket)) * param_bytes + min(reduce_bucket, trainable) * g_bytes
+        if offload:
+            params, grads, optimizer = persistent, 0, 0
+            cpu = world * (partitions + shard * (g_bytes + ADAM_BYTES + master))
+        else:
+            params, grads = persistent + partitions, shard * g_bytes
+            optimizer = shard * (ADAM_BYTES + master)
+    else:  # fsdp: FSDP2 shards every parameter along dim 0 (padded to a multiple of W)
+        params = sum(_ceil_div(n, world) * (t_bytes if t else param_bytes) for _, n, t in table)
+        shard = sum(_ceil_div(n, world) for _, n, t in table if t)
+        grads, optimizer = shard * g_bytes, shard * ADAM_BYTES
+        units: dict[str, list[int]] = {}
+        for name, n, t in table:
+            match = _LAYER_RE.search(name)
+            unit = name[: match.end()] if match else "<root>"
+            units.setdefault(unit, [0, 0])
+            units[unit][0] += n * (t_bytes if t else param_bytes)
+            units[unit][1] += n * g_bytes if t else 0
+        root_bytes, root_grads = units.pop("<root>", [0, 0])
+        layer_bytes = max((u[0] for u in units.values()), default=0)
+        layer_grads = max((u[1] for u in units.values()), default=0)
+        buffers = root_bytes + 2 * layer_bytes + max(layer_grads, root_grads) if world > 1 else 0
+    activations = _activation_bytes(config, tokens=micro_batch * seq_len, grad_ckpt=grad_ckpt,
+                                    activation_bytes=activation_bytes)
+    total = params + grads + optimizer + activations + buffers
+    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+            "buffers": buffers, "total": total, "cpu_offload": cpu}
+
+
+def estimate_all(config: Any, *, num_gpus: int, strategies: Iterable[str] = STRATEGIES, **kwargs: Any
+                 ) -> dict[str, dict[str, int]]:
+    """`estimate` for several strategies (``single`` only when num_gpus is 1), keyed by strategy."""
+    return {s: estimate(config, strategy=s, num_gpus=num_gpus, **kwargs)
+            for s in strategies if s != "single" or num_gpus == 1}
+
+
+Rows = Mapping[str, Mapping[str, int]] | Iterable[tuple[str, Mapping[str, int]]]
+
+
+def recommend(rows: Rows, gpu_memory_gb: float, *, usable_fraction: float = 0.9) -> str | None:
+    """The first strategy in PREFERENCE whose total fits in ``usable_fraction`` of the GPU memory, or None."""
+    table = dict(rows)
+    budget = gpu_memory_gb * GIB * usable_fraction
+    return next((s for s in PREFERENCE if s in table and table[s]["total"] <= budget), None)
+
+
+def format_table(rows: Rows, *, gpu_memory_gb: float = 80.0, usable_fraction: float = 0.9) -> str:
+    """Plain-text table of `estimate` rows (strategy -> estimate; GiB per GPU, CPU offload for the node) with a
+    fits column and the recommended strategy for GPUs of ``gpu_memory_gb`` GiB (default: an 80 GB H100/A100).
+
+    A strategy fits when its total stays under ``usable_fraction`` of the GPU memory: the CUDA context, NCCL
+    and allocator fragmentation take the rest.
+    """
+    rows = dict(rows)
+    budget = gpu_memory_gb * GIB * usable_fraction
+    cols = ("params", "grads", "optimizer", "activations", "buffers", "total", "cpu_offload")
+    header = ["strategy", *cols, "fits?"]
+    lines = [header]
+    for name, est in rows.items():
+        lines.append([name, *(f"{est[c] / GIB:.2f}" for c in cols), "yes" if est["total"] <= budget else "no"])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    text = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    best = recommend(rows, gpu_memory_gb, usable_fraction=usable_fraction)
+    unit = f"GiB per GPU (cpu_offload: GiB of CPU RAM per node); budget {budget / GIB:.1f} of {gpu_memory_gb:g} GiB"
+    verdict = (f"recommended: {best} (the cheapest in communication that fits)" if best
+               else "recommended: none fits; add GPUs, use LoRA, enable gradient checkpointing or shorten seq_len")
+    return "\n".join([*text, unit, verdict])
+
+
+# ------------------------------------------------------------------------------------------------- measure
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The innermost optimizer that owns state: through accelerate's wrappers, down to a DeepSpeed ZeRO
+    optimizer (which itself wraps the torch optimizer holding exp_avg/exp_avg_sq) or a torch optimizer."""
+    opt = optimizer
+    for _ in range(8):
+        if hasattr(opt, "fp32_partitioned_groups_flat") or hasattr(opt, "single_partition_of_fp32_groups"):
+            return opt
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            return opt
+        opt = inner
+    return opt
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class _Ledger:
+    """Adds up tensor bytes per category, counting each byte of memory once (views and aliases share storage:
+    ZeRO-2 weights are views into a flat buffer; ZeRO-3 fp32 masters alias the weight partitions)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "cpu_offload": 0}
+        self._spans: dict[str, list[tuple[int, int]]] = {}
+        self._compute_on_cpu = not torch.accelerator.is_available()
+
+    def add(self, category: str, tensor: Any, *, offloaded: bool = False) -> None:
+        if tensor is None:
+            return
+        t = _local(tensor)
+        if t.device.type == "meta" or t.numel() == 0:
+            return
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        spans = self._spans.setdefault(str(t.device), [])
+        new = end - start - sum(max(0, min(end, e) - max(start, s)) for s, e in spans)
+        spans.append((start, end))
+        # A scalar on the CPU (AdamW's step counter) is bookkeeping, not offloaded state.
+        if offloaded or (t.device.type == "cpu" and not self._compute_on_cpu and t.numel() > 1):
+            category = "cpu_offload"
+        self.totals[category] += max(new, 0)
+
+
+def _optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    for state in opt.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def measure_rank_state_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state that this rank holds (call after an optimizer step).
+
+    Returns ``params``, ``grads``, ``optimizer`` (device-resident) and ``cpu_offload`` (offloaded to CPU RAM).
+    Works on what the training loop holds after ``accelerator.prepare``: a DDP/FSDP2/DeepSpeed-wrapped model
+    and an AcceleratedOptimizer around a torch or DeepSpeed ZeRO optimizer.
+
+    * weights: local tensors (a DTensor's shard under FSDP2; under ZeRO-3 the partition ``p.ds_tensor`` plus
+      ``p.data`` when gathered, e.g. persistent small weights).
+    * grads: the gradient storage of trainable weights at step time. Plain torch and FSDP2: the ``.grad``
+      tensors (if ``zero_grad`` already released them, their size is taken from the trainable local weights,
+      as a gradient always has its weight's shape and dtype). ZeRO-1/2 free gradients inside their step; the
+      flat per-rank gradient partition has the shape of ``single_partition_of_fp32_groups`` and the model's
+      dtype. ZeRO-3 keeps a persistent flat ``grad_partitions_flat_buffer``.
+    * optimizer: the inner optimizer's state tensors (exp_avg, exp_avg_sq, step) plus DeepSpeed's fp32
+      masters (``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``) where they are not
+      the weights themselves.
+    """
+    ledger = _Ledger()
+    opt = _unwrap_optimizer(optimizer)
+    stage3 = hasattr(opt, "fp32_partitioned_groups_flat")
+    stage12 = hasattr(opt, "single_partition_of_fp32_groups")
+    offload_param = bool(getattr(opt, "offload_param", False))
+    offload_opt = bool(getattr(opt, "offload_optimizer", False) or getattr(opt, "cpu_offload", False))
+
+    for p in model.parameters():
+        if stage3 and hasattr(p, "ds_tensor"):
+            ledger.add("params", p.ds_tensor, offloaded=offload_param and not getattr(p, "ds_persist", False))
+            ledger.add("params", p.data)
+        else:
+            ledger.add("params", p)
+    if stage12:
+        for flat in getattr(opt, "bit16_groups_flat", []):  # the buffer the weights view into (with padding)
+            ledger.add("params", flat)
+
+    if stage3:
+        ledger.add("grads", getattr(opt, "grad_partitions_flat_buffer", None), offloaded=offload_opt)
+    elif stage12:
+        flats = getattr(opt, "bit16_groups_flat", [])
+        for i, part in enumerate(opt.single_partition_of_fp32_groups):
+            if offload_opt:  # the fp32 gradient partition lives on the CPU for the whole run
+                ledger.add("grads", part.grad, offloaded=True)
+            else:
+                elem = flats[i].element_size() if i < len(flats) else part.element_size()
+                ledger.totals["grads"] += part.numel() * elem
+    else:
+        for p in model.parameters():
+            if p.grad is not None:
+                ledger.add("grads", p.grad)
+            elif p.requires_grad:
+                local = _local(p)
+                ledger.totals["grads"] += local.numel() * local.element_size()
+
+    masters = getattr(opt, "fp32_partitioned_groups_flat", None) or getattr(opt, "single_partition_of_fp32_groups",
+                                                                            None) or []
+    for master in masters:
+        ledger.add("optimizer", master, offloaded=offload_opt)
+    inner = opt.optimizer if (stage3 or stage12) else opt
+    for t in _optimizer_state_tensors(inner):
+        ledger.add("optimizer", t, offloaded=offload_opt)
+    return dict(ledger.totals)
