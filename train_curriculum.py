@@ -25,11 +25,14 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from toolkit import __version__, checkpoint, curriculum, distributed
-from toolkit.config import Recipe, load_recipe, recipe_to_yaml, resume_invariants
+from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, resume_invariants
 from toolkit.data import IGNORE_INDEX, build_collator, load_stage_data, resolve_data_paths
 from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
-from toolkit.metrics import MetricsLog, truncate_after
+from toolkit.evaluation import evaluate
+from toolkit.flops import batch_train_flops, peak_flops
+from toolkit.guards import StabilityGuard, Verdict, injected_fault
+from toolkit.metrics import Meter, MetricsLog, check_trackers, sample_lengths, truncate_after
 from toolkit.model import (
     apply_lora,
     check_model_source,
@@ -61,7 +64,9 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     lr_scale = 1.0
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
-    accelerator = distributed.build_accelerator(recipe.train.grad_accum, recipe.distributed.timeout_minutes)
+    check_trackers(recipe.logging.trackers)
+    accelerator = distributed.build_accelerator(recipe.train.grad_accum, recipe.distributed.timeout_minutes,
+                                                log_with=recipe.logging.trackers, project_dir=str(out / "trackers"))
     world, rank = accelerator.num_processes, accelerator.process_index
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     global_batch = micro * accum * world
@@ -99,6 +104,12 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
         log.info("stage '%s' data: %s%s", stage.name, data.stats.summary(),
                  f"; packed into {len(samples)} rows" if recipe.data.packing else "")
         stage_samples.append(samples)
+    stage_eval = []  # tokenised eval sets, one per stage (shared when they come from eval.data)
+    for stage in recipe.stages:
+        files = stage.eval if stage.eval is not None else recipe.eval.data
+        stage_eval.append(load_stage_data(resolve_data_paths(files, dummy_dir), tokenizer,
+                                          max_seq_len=recipe.data.max_seq_len, overlength=recipe.data.overlength,
+                                          train_on=recipe.data.train_on).samples if files else [])
     sch = recipe.schedule
     plans = curriculum.plan_stages(
         [s.name for s in recipe.stages], [len(s) for s in stage_samples], global_batch=global_batch,
@@ -148,12 +159,13 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     max_norm = opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf
 
     # --- Resume: weights, optimizer, scheduler, RNG; the data position is a pure function of the step. ---
-    start_step, tokens_total, pending = 0, torch.zeros((), dtype=torch.long, device=accelerator.device), None
+    meter = Meter(accelerator.device)
+    start_step = 0
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
         how = checkpoint.restore(accelerator, model, optimizer, scheduler, resume_from, strategy=strategy)
-        start_step, pending = meta["step"], meta["pending"]
-        tokens_total += meta["tokens"] if accelerator.is_main_process else 0  # rank 0 carries the global count
+        start_step, meter.tokens_total = meta["step"], meta["tokens"]
+        meter.losses, meter.skipped = meta["pending"]["losses"], meta["pending"]["skipped"]
         log.info("resumed (%s) from %s: step %d of %d, stage '%s'", how, resume_from, start_step, total_steps,
                  meta["stage"])
     manager = checkpoint.CheckpointManager(out / "checkpoints", keep_last=ck.keep_last, best_metric=ck.best_metric,
@@ -174,17 +186,23 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
         else:  # steps after the checkpoint will be redone
             truncate_after(out / "metrics.jsonl", start_step)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=accelerator.is_main_process)
+    accelerator.init_trackers(run_name, config=flat_config(recipe))
     preemption = PreemptionFlag()
+    guard = StabilityGuard(spike_factor=recipe.stability.loss_spike_factor,
+                           spike_window=recipe.stability.loss_spike_window,
+                           max_consecutive_skips=recipe.stability.max_consecutive_skips)
+    text_config = accelerator.unwrap_model(model).config
+    peak = peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops)
+
+    def log_record(record: dict) -> None:
+        metrics.write(record)
+        accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
     bar = tqdm(total=total_steps, initial=start_step,
                disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
-    loss_sum = torch.zeros((), device=accelerator.device)
-    if pending and accelerator.is_main_process:  # a logging interval cut by the save: rank 0 carries its sum
-        loss_sum += pending["loss_sum"]
-    tokens_logged, last_log, last_save = int(tokens_total), time.perf_counter(), time.monotonic()
-    current_stage, grad_norm, record = -1, None, {}
+    last_save, current_stage, grad_norm, latest = time.monotonic(), -1, None, {}
     for step in range(start_step, total_steps):
         plan, step_in_stage = curriculum.locate(plans, step)
         if plan.index != current_stage:
@@ -193,63 +211,86 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                      plan.name, plan.start_step + 1, plan.end_step, plan.num_samples, plan.lr)
         samples = stage_samples[plan.index]
         indices = curriculum.global_batch_indices(plan, step_in_stage, recipe.train.seed)
-        batches = [collate([samples[i] for i in idx]) for idx in curriculum.rank_micro_batches(
-            indices, rank=rank, world_size=world, micro_batch_size=micro, grad_accum=accum)]
+        rank_batches = curriculum.rank_micro_batches(indices, rank=rank, world_size=world, micro_batch_size=micro,
+                                                     grad_accum=accum)
+        batches = [collate([samples[i] for i in idx]) for idx in rank_batches]
 
         # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
         # is then independent of how the batch is split. Strategies average gradients over ranks and
         # accumulation steps, hence the world x accum factor in num_items_in_batch.
         local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(accelerator.device)
-        global_label_tokens = accelerator.reduce(local_label_tokens, reduction="sum")
-        items_per_micro = global_label_tokens / (world * accum)
-        for batch in batches:
+        items_per_micro = accelerator.reduce(local_label_tokens, reduction="sum") / (world * accum)
+        local_loss, verdict = torch.zeros((), device=accelerator.device), Verdict(skip=False)
+        for j, (idx, batch) in enumerate(zip(rank_batches, batches, strict=True)):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            lengths = [n for i in idx for n in sample_lengths(samples[i])]
+            meter.add_batch(batch, batch_train_flops(text_config, lengths, lora=recipe.lora.enabled), len(lengths))
             with accelerator.accumulate(model):
                 loss = model(**batch, num_items_in_batch=items_per_micro).loss
+                if injected_fault(step + 1, rank):
+                    loss = loss * float("nan")
+                local_loss += loss.detach()
+                if j == accum - 1:
+                    # One all-reduce per step, before the update is committed: the step's global loss (NaN if
+                    # any rank's is), preemption and timed-save flags. Every rank gets the same verdict.
+                    time_due = ck.save_minutes is not None and time.monotonic() - last_save >= 60 * ck.save_minutes
+                    summed = accelerator.reduce(torch.stack([
+                        local_loss, torch.tensor(float(preemption.requested), device=accelerator.device),
+                        torch.tensor(float(time_due), device=accelerator.device)]), reduction="sum").tolist()
+                    step_loss, preempted, time_due = summed[0] / (world * accum), summed[1] > 0, summed[2] > 0
+                    verdict = guard.judge(step_loss)
+                    if verdict.skip:
+                        loss = distributed.veto_update(loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                optimizer.step()
+                if not verdict.skip:  # outside sync steps accelerate's optimizer.step() is a no-op anyway
+                    optimizer.step()
                 optimizer.zero_grad()
-            loss_sum += loss.detach()
-            tokens_total += batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
         scheduler.step()
+        meter.add_step(step_loss, verdict.skip)
         bar.update(1)
         done = step + 1
+        if verdict.skip:
+            log.warning("step %d (stage '%s'): update skipped, %s", done, plan.name, verdict.reason)
+            if guard.exhausted:
+                last_good = checkpoint.committed_checkpoints(out / "checkpoints")
+                raise ToolkitError(
+                    f"Training diverged: {guard.consecutive} consecutive steps skipped up to step {done} in stage "
+                    f"'{plan.name}' ({verdict.reason}). Last good checkpoint: "
+                    f"{last_good[-1] if last_good else 'none'}. Lower the learning rate or check the data.")
 
         if done % recipe.logging.logging_steps == 0 or done == total_steps:
-            # Host syncs happen here, once per logging interval, not per micro-step.
-            steps_logged = (step % recipe.logging.logging_steps) + 1
-            tokens_now = int(accelerator.reduce(tokens_total.clone(), reduction="sum").item())
-            now = time.perf_counter()
-            record = {
-                "step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
-                "loss": accelerator.reduce(loss_sum, reduction="sum").item() / (world * accum * steps_logged),
-                "lr": lr_at(step), "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens": tokens_now, "tokens_per_sec": (tokens_now - tokens_logged) / (now - last_log),
-                "samples": done * global_batch,
-            }
-            metrics.write(record)
-            bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}")
-            loss_sum.zero_()
-            tokens_logged, last_log = tokens_now, now
+            record = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
+                      **meter.record(accelerator, peak_flops=peak), "lr": lr_at(step),
+                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                      "samples": done * global_batch}
+            log_record(record)
+            latest.update(record)
+            bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+
+        # Evaluation: every eval.every_steps and at the end of each stage, on the stage's (or global) eval set.
+        stage_end = done == plan.end_step
+        eval_samples = stage_eval[plan.index]
+        if eval_samples and (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
+            result = evaluate(accelerator, model, eval_samples, collate, recipe.eval.micro_batch_size or micro)
+            log_record({"step": done, "stage": plan.name, "stage_index": plan.index, **result})
+            latest.update(result)
+            log.info("step %d eval: loss %.4f, ppl %.2f", done, result["eval_loss"], result["eval_ppl"])
 
         # Checkpoint: every save_steps / save_minutes, at stage ends, and on preemption (all ranks agree).
-        time_due = ck.save_minutes is not None and time.monotonic() - last_save >= 60 * ck.save_minutes
-        preempted, time_due = distributed.any_rank(accelerator, preemption.requested, time_due)
-        stage_end = ck.save_on_stage_end and done == plan.end_step
-        if preempted or time_due or stage_end or (ck.save_steps and done % ck.save_steps == 0):
+        periodic = bool(ck.save_steps) and done % ck.save_steps == 0
+        if preempted or time_due or periodic or (ck.save_on_stage_end and stage_end):
             meta = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
-                    "samples": done * global_batch, "tokens": int(accelerator.reduce(tokens_total.clone()).item()),
-                    "pending": {"loss_sum": accelerator.reduce(loss_sum.clone(), reduction="sum").item()},
-                    "metrics": record, "time": time.time(), "world_size": world, "strategy": strategy,
+                    "samples": done * global_batch, "tokens": meter.tokens_total + meter.reduced(accelerator)[0],
+                    "pending": {"losses": meter.losses, "skipped": meter.skipped},
+                    "metrics": latest, "time": time.time(), "world_size": world, "strategy": strategy,
                     "effective_batch": global_batch, "lora": recipe.lora.enabled, "recipe_hash": invariants,
                     "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
             write = partial(checkpoint.write_state, accelerator, model, optimizer, step=done,
                             portable=recipe.lora.enabled and ck.portable)
-            saved = manager.save(done, write, meta)
+            log.info("checkpoint %s", manager.save(done, write, meta))
             last_save = time.monotonic()
-            log.info("checkpoint %s", saved)
         if preempted:
             log.warning("preempted (%s): stopped after step %d, checkpoint saved; resume with the same command",
                         preemption.signal_name or "signal on another rank", done)
@@ -259,7 +300,8 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
 
     # --- Save: gathered adapter (or full model) + tokenizer, usable with from_pretrained. ---
     final = checkpoint.save_final(accelerator, model, tokenizer, out / "final")
-    log.info("done. metrics: %s  final model: %s", out / "metrics.jsonl", final)
+    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", out / "metrics.jsonl", final,
+             guard.total_skipped)
     accelerator.end_training()
     return 0
 

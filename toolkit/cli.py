@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from toolkit.errors import ToolkitError
 
@@ -29,6 +30,21 @@ def _export(args: argparse.Namespace) -> None:
     print(export(args.source, args.out, merge=args.merge))
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    from toolkit.config import load_recipe
+    from toolkit.preflight import preflight
+
+    recipe = load_recipe(args.config, args.overrides)
+    print(preflight(recipe, Path(args.accelerate_config), num_gpus=args.num_gpus, gpu_memory_gb=args.gpu_memory_gb,
+                    scan_data=not args.no_data))
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from toolkit.plot import plot_run
+
+    print(plot_run(args.output_dir))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Curriculum fine-tuning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Directory to write (replaced atomically).")
     p.add_argument("--merge", action="store_true", help="Merge LoRA into the base weights (plain safetensors).")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("preflight", help="Per-GPU memory estimate for every strategy, and a scan of the data.")
+    p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
+    p.add_argument("--accelerate-config", default="accelerate_configs/zero3.yaml", help="Launch config to assess.")
+    p.add_argument("--num-gpus", type=int, help="GPUs in the job (default: num_processes of the launch config).")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="Memory per GPU, GiB.")
+    p.add_argument("--no-data", action="store_true", help="Skip the data scan.")
+    p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
+    p.set_defaults(func=_preflight)
+
+    p = sub.add_parser("plot", help="Write <output_dir>/training.png: loss, eval loss, LR, tokens/s by stage.")
+    p.add_argument("output_dir")
+    p.set_defaults(func=_plot)
     return parser
 
 

@@ -71,6 +71,7 @@ class StageConfig(_Section):
     lr: float | None = Field(None, gt=0, description="Peak learning rate of this stage (default optimizer.lr).")
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Override schedule.warmup_ratio.")
     min_lr_ratio: float | None = Field(None, ge=0, le=1, description="Override schedule.min_lr_ratio.")
+    eval: list[str] | None = Field(None, description="Eval JSONL files of this stage (default: eval.data).")
 
     @model_validator(mode="after")
     def _one_length(self) -> StageConfig:
@@ -128,6 +129,23 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     logging_steps: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Experiment trackers (through accelerate).")
+    peak_tflops: float | None = Field(None, gt=0, description="Accelerator peak TFLOP/s for MFU (default: "
+                                      "looked up from the device name).")
+
+
+class EvalConfig(_Section):
+    data: list[str] = Field(default_factory=list, description="Global eval JSONL files (a stage's eval: wins).")
+    every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at stage ends).")
+    micro_batch_size: int | None = Field(None, gt=0, description="Eval batch per process (default: training's).")
+
+
+class StabilityConfig(_Section):
+    loss_spike_factor: float | None = Field(None, gt=1, description="Skip a step whose loss exceeds this times "
+                                            "the mean of recent good steps (off when unset).")
+    loss_spike_window: int = Field(50, ge=2, description="Recent good steps the spike rule averages.")
+    max_consecutive_skips: int = Field(5, ge=0, description="Stop the run after this many skipped steps in a row.")
 
 
 class DistributedConfig(_Section):
@@ -144,6 +162,8 @@ class Recipe(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule per stage.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batching and seed.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    stability: StabilityConfig = Field(default_factory=StabilityConfig, description="Skipping bad steps.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Collectives.")
@@ -276,6 +296,24 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     tree = recipe.model_dump(mode="json", include=set(RESUME_INVARIANT_SECTIONS))
     tree["seed"] = recipe.train.seed
     return tree
+
+
+def flat_config(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as flat `section.key` scalars, for experiment trackers' hyperparameter tables."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(f"{prefix}.{i}", v)
+        else:
+            flat[prefix] = node if isinstance(node, int | float | str | bool) else str(node)
+
+    walk("", recipe.model_dump(mode="json"))
+    return flat
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

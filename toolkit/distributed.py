@@ -129,7 +129,8 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
     cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
     cfg["train_batch_size"] = micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
     if cfg.get("gradient_clipping", "auto") == "auto":
-        cfg["gradient_clipping"] = max_grad_norm
+        # A positive value also makes ZeRO-2 compute the norm its non-finite check uses (see veto_update).
+        cfg["gradient_clipping"] = max_grad_norm if max_grad_norm > 0 else 1e12
 
 
 def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter], *, lr: float,
@@ -158,6 +159,24 @@ def any_rank(accelerator: Accelerator, *flags: bool) -> list[bool]:
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
     return [bool(v) for v in values.tolist()]
+
+
+def veto_update(loss: torch.Tensor) -> torch.Tensor:
+    """The loss to backpropagate when every rank agreed to skip this step's update.
+
+    Under DeepSpeed, accelerate's backward() also runs engine.step(), so the update cannot be withheld by not
+    calling optimizer.step(); a NaN loss makes the gradient norm non-finite and DeepSpeed's own overflow check
+    then discards the step and zeroes the gradients (ZeRO-1/2/3, fp32 and bf16). Other strategies simply do not
+    call optimizer.step() and zero the (NaN) gradients, so the same call works everywhere.
+    """
+    return loss * float("nan")
+
+
+def device_name(accelerator: Accelerator) -> str | None:
+    """Accelerator model name (for the peak-FLOP/s lookup), None on CPU."""
+    if accelerator.device.type == "cuda":
+        return torch.cuda.get_device_name(accelerator.device)
+    return None
 
 
 def broadcast_from_main(accelerator: Accelerator, value: Any) -> Any:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
+import resource
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from toolkit.errors import ToolkitError
 
 
 class MetricsLog:
@@ -35,3 +43,85 @@ def truncate_after(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     tmp.replace(path)
+
+
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def check_trackers(names: list[str]) -> None:
+    """Fail before training when a requested tracker's package is missing (accelerate would only warn)."""
+    missing = [n for n in names if importlib.util.find_spec(TRACKER_PACKAGES[n]) is None]
+    if missing:
+        packages = " ".join(TRACKER_PACKAGES[n] for n in missing)
+        raise ToolkitError(f"logging.trackers asks for {', '.join(missing)}, which is not installed: "
+                           f"pip install {packages} (or remove it from logging.trackers).")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated by this process, or its peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def sample_lengths(sample: dict[str, list[int]]) -> list[int]:
+    """Token lengths of the samples in a row: one for a plain sample, one per packed sample (position restarts)."""
+    positions = sample.get("position_ids")
+    if positions is None:
+        return [len(sample["input_ids"])]
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    return [b - a for a, b in itertools.pairwise(starts)]
+
+
+class Meter:
+    """Counters of one logging interval. Device tensors are only added to in the step (no host sync); `record`
+    reduces them over ranks once per interval. Step losses arrive already reduced (the guard's all-reduce)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.counts = torch.zeros(2, dtype=torch.float64, device=device)  # real tokens, token slots
+        self.flops = 0.0  # this rank's useful training FLOPs (host arithmetic on known lengths)
+        self.samples = 0  # this rank's samples
+        self.losses: list[float] = []
+        self.skipped = 0
+        self.tokens_total = 0  # global, all intervals
+        self.started = time.perf_counter()
+
+    def add_batch(self, batch: dict[str, torch.Tensor], flops: float, samples: int) -> None:
+        real = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+        self.counts[0] += real
+        self.counts[1] += batch["input_ids"].numel()
+        self.flops += flops
+        self.samples += samples
+
+    def add_step(self, loss: float, skipped: bool) -> None:
+        self.losses.append(loss)
+        self.skipped += skipped
+
+    def reduced(self, accelerator: Any) -> tuple[int, int, float, int]:
+        """(real tokens, slots, flops, samples) of the interval, summed over ranks."""
+        host = torch.tensor([self.flops, float(self.samples)], dtype=torch.float64, device=self.device)
+        total = accelerator.reduce(torch.cat([self.counts, host]), reduction="sum").tolist()
+        return int(total[0]), int(total[1]), total[2], int(total[3])
+
+    def record(self, accelerator: Any, *, peak_flops: float | None) -> dict[str, Any]:
+        """Interval metrics, then reset. Call on every rank (it reduces)."""
+        tokens, slots, flops, samples = self.reduced(accelerator)
+        seconds = time.perf_counter() - self.started
+        peak = torch.tensor([float(peak_memory_bytes(self.device))], device=self.device)
+        if accelerator.num_processes > 1:
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        self.tokens_total += tokens
+        finite = [x for x in self.losses if x == x and abs(x) != float("inf")]
+        out = {
+            "loss": sum(finite) / len(finite) if finite else float("nan"),
+            "tokens": self.tokens_total, "tokens_per_sec": tokens / seconds, "samples_per_sec": samples / seconds,
+            "step_time": seconds / max(len(self.losses), 1),
+            "mfu": flops / (seconds * accelerator.num_processes * peak_flops) if peak_flops else None,
+            "padding_fraction": 1.0 - tokens / slots if slots else 0.0,
+            "peak_memory_gb": peak.item() / 1024**3, "skipped": self.skipped,
+        }
+        self.counts.zero_()
+        self.flops, self.samples, self.losses, self.skipped = 0.0, 0, [], 0
+        self.started = time.perf_counter()
+        return out

@@ -42,10 +42,11 @@ def check_model_source(name_or_path: str) -> None:
                            "Give a local directory saved with save_pretrained, or a hub id.")
 
 
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None
-                   ) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None,
+                   local_files_only: bool = False) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with an optional chat-template override ('chatml' or a Jinja string)."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                              local_files_only=local_files_only)
     if chat_template is not None:
         tokenizer.chat_template = CHATML_TEMPLATE if chat_template == "chatml" else chat_template
     if tokenizer.pad_token_id is None:

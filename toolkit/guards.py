@@ -1,0 +1,58 @@
+"""Stability guards: skip an optimizer step whose loss is not finite or spikes, on every rank alike.
+
+The decision is taken once per optimizer step, before the last micro-step's backward, from the step's loss
+summed over all ranks and micro-steps (one all-reduce, shared with the preemption and timed-save flags). A NaN
+on any rank makes the sum NaN, so every rank sees the same verdict. A skipped step still consumes its data
+(the data position stays a function of the step), is logged with `skipped` in metrics.jsonl and counted; after
+`max_consecutive_skips` in a row the run stops and names the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass
+
+FAULT_ENV = "TOOLKIT_FAULT_NONFINITE"
+"""Fault injection for tests: 'STEP:RANK' makes that rank's loss NaN at that (1-based) optimizer step."""
+
+
+def injected_fault(step: int, rank: int) -> bool:
+    spec = os.environ.get(FAULT_ENV)
+    return spec is not None and spec == f"{step}:{rank}"
+
+
+@dataclass
+class Verdict:
+    skip: bool
+    reason: str | None = None
+
+
+class StabilityGuard:
+    """Tracks recent good losses and decides whether a step's update is applied."""
+
+    def __init__(self, *, spike_factor: float | None, spike_window: int, max_consecutive_skips: int) -> None:
+        self.spike_factor = spike_factor
+        self.recent: deque[float] = deque(maxlen=spike_window)
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive = 0
+        self.total_skipped = 0
+
+    def judge(self, loss: float) -> Verdict:
+        """Verdict for a step with this global loss (identical on every rank, so verdicts agree)."""
+        if not math.isfinite(loss):
+            verdict = Verdict(True, "non-finite loss")
+        elif (self.spike_factor is not None and len(self.recent) >= max(2, self.recent.maxlen // 2)
+              and loss > self.spike_factor * (sum(self.recent) / len(self.recent))):
+            verdict = Verdict(True, f"loss spike ({loss:.4g} > {self.spike_factor} x recent mean)")
+        else:
+            verdict = Verdict(False)
+            self.recent.append(loss)
+        self.consecutive = self.consecutive + 1 if verdict.skip else 0
+        self.total_skipped += verdict.skip
+        return verdict
+
+    @property
+    def exhausted(self) -> bool:
+        return self.consecutive > self.max_consecutive_skips

@@ -1,0 +1,113 @@
+"""`toolkit preflight`: will this recipe fit, with which strategy, and what does its data look like?
+
+Builds the model skeleton on the meta device from its config (shipped configs of the flagship models, a local
+directory, or the built-in tiny model: no weights are read or downloaded), estimates per-GPU memory for every
+strategy (toolkit.memory), marks the one the accelerate config selects, recommends the cheapest that fits,
+and scans each stage's data: rows, token-length percentiles, rows over max_seq_len and rows without loss.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from toolkit.config import TINY_MODEL, Recipe
+from toolkit.data import IGNORE_INDEX, encode_row, iter_jsonl, resolve_data_paths
+from toolkit.errors import ToolkitError
+from toolkit.memory import estimate_all, format_table, load_model_config
+
+
+def strategy_of(accelerate_config: Path) -> tuple[str, int]:
+    """(strategy name, num_processes) selected by an accelerate config file."""
+    if not accelerate_config.is_file():
+        raise ToolkitError(f"Accelerate config {accelerate_config} does not exist.")
+    cfg = yaml.safe_load(accelerate_config.read_text()) or {}
+    kind, procs = str(cfg.get("distributed_type", "NO")), int(cfg.get("num_processes", 1))
+    if kind == "DEEPSPEED":
+        ds = cfg.get("deepspeed_config", {})
+        zero = ds.get("zero_stage")
+        offload = ds.get("offload_optimizer_device", "none") != "none"
+        if ds.get("deepspeed_config_file"):
+            path = Path(ds["deepspeed_config_file"])
+            if not path.is_file():
+                raise ToolkitError(f"{accelerate_config} names DeepSpeed config {path}, which does not exist.")
+            zcfg = json.loads(path.read_text()).get("zero_optimization", {})
+            zero = zcfg.get("stage", 0)
+            offload = any(zcfg.get(k, {}).get("device", "none") != "none"
+                          for k in ("offload_optimizer", "offload_param"))
+        return ("zero3_offload" if zero == 3 and offload else f"zero{zero}"), procs
+    if kind == "FSDP":
+        return "fsdp", procs
+    return ("ddp" if procs > 1 else "single"), procs
+
+
+def _model_config(name_or_path: str) -> Any:
+    if name_or_path == TINY_MODEL:
+        from toolkit.tiny import write_tiny_qwen3
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_model_config(write_tiny_qwen3(Path(tmp) / "tiny"))
+    return load_model_config(name_or_path)
+
+
+def scan_stage(files: list[Path], tokenizer: Any, *, max_seq_len: int, train_on: str) -> dict[str, Any]:
+    """Length statistics of a stage's rows, before any over-length policy."""
+    lengths, no_loss = [], 0
+    for path in files:
+        for lineno, row in iter_jsonl(path):
+            ids, labels = encode_row(row, tokenizer, train_on, f"{path}:{lineno}")
+            lengths.append(len(ids))
+            no_loss += all(label == IGNORE_INDEX for label in labels)
+    arr = np.array(lengths or [0])
+    return {"rows": len(lengths), "p50": int(np.percentile(arr, 50)), "p90": int(np.percentile(arr, 90)),
+            "p99": int(np.percentile(arr, 99)), "max": int(arr.max()),
+            "over_max_seq_len": int((arr > max_seq_len).sum()), "no_trainable_tokens": no_loss}
+
+
+def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
+              scan_data: bool = True) -> str:
+    """The preflight report as text."""
+    chosen, procs = strategy_of(accelerate_config)
+    gpus = num_gpus or procs
+    config = _model_config(recipe.model.name_or_path)
+    mixed = yaml.safe_load(accelerate_config.read_text()).get("mixed_precision", "no")
+    lora = recipe.lora.enabled
+    # LoRA keeps the frozen base in 16-bit; full fine-tuning keeps fp32 weights (mixed precision computes in 16).
+    param_bytes = 2 if (lora and mixed in ("bf16", "fp16")) or recipe.model.dtype in ("bfloat16", "float16") else 4
+    rows = estimate_all(config, num_gpus=gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
+                        micro_batch=recipe.train.micro_batch_size, seq_len=recipe.data.max_seq_len,
+                        grad_ckpt=recipe.model.gradient_checkpointing,
+                        lora_targets=recipe.lora.target_modules)
+    lines = [f"model {recipe.model.name_or_path}: {'LoRA r=' + str(recipe.lora.r) if lora else 'full fine-tuning'}"
+             f", {param_bytes * 8}-bit weights, micro batch {recipe.train.micro_batch_size} x "
+             f"{recipe.data.max_seq_len} tokens, gradient checkpointing "
+             f"{'on' if recipe.model.gradient_checkpointing else 'off'}, {gpus} GPU(s) of {gpu_memory_gb:g} GiB",
+             f"selected by {accelerate_config}: {chosen}", "",
+             format_table(rows, gpu_memory_gb=gpu_memory_gb)]
+    if scan_data:
+        from toolkit.model import load_tokenizer, materialize_builtin
+
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                tokenizer = load_tokenizer(materialize_builtin(recipe.model.name_or_path, Path(tmp)),
+                                           trust_remote_code=recipe.model.trust_remote_code,
+                                           chat_template=recipe.data.chat_template, local_files_only=True)
+            except OSError:  # preflight never downloads: a hub id must be in the local cache
+                return "\n".join([*lines, "", f"data scan skipped: the tokenizer of {recipe.model.name_or_path} "
+                                   "is not in the local Hugging Face cache (preflight does not download)."])
+            lines += ["", "stage data (tokens per row):"]
+            for stage in recipe.stages:
+                files = resolve_data_paths(stage.data, Path(recipe.output_dir) / "dummy_data")
+                if not all(f.is_file() for f in files):
+                    lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
+                    continue
+                st = scan_stage(files, tokenizer, max_seq_len=recipe.data.max_seq_len, train_on=recipe.data.train_on)
+                lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
+                             f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "
+                             f"{st['no_trainable_tokens']} without trainable tokens")
+    return "\n".join(lines)
