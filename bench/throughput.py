@@ -521,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=None, help="Default 512, quick 128.")
     p.add_argument("--rows", type=int, default=None, help="Rows of generated chat data (default 512, quick 128).")
     p.add_argument("--micro-batch-size", type=int, default=8, help="Samples per padded micro-batch.")
+    p.add_argument("--packed-micro-batch-size", type=int, default=None,
+                   help="Packed rows per micro-batch (default: as many as hold one padded micro-batch's real tokens).")
     p.add_argument("--grad-accum", type=int, default=1, help="Micro-batches per optimizer step (all contenders).")
     p.add_argument("--attn", default="sdpa", help="Attention kernel for every contender (sdpa, flash_attention_2).")
     p.add_argument("--threads", type=int, default=None, help="Torch threads per contender (default: physical cores).")
@@ -586,7 +588,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         # Packed micro-batch: as many packed rows as hold, on average, the real tokens of one padded micro-batch.
         packed_rows = pack_samples(samples, max_seq_len)
-        packed_micro = max(1, round(args.micro_batch_size * len(packed_rows) / len(samples)))
+        packed_micro = args.packed_micro_batch_size or max(1, round(args.micro_batch_size * len(packed_rows)
+                                                                    / len(samples)))
         global_batch = args.micro_batch_size * args.grad_accum
         spec = Spec(workdir=str(workdir), model_dir=str(model_dir), data_path=str(data_path),
                     samples_path=str(workdir / "samples.json"), max_seq_len=max_seq_len,

@@ -15,12 +15,11 @@ from collections import deque
 from dataclasses import dataclass
 
 FAULT_ENV = "TOOLKIT_FAULT_NONFINITE"
-"""Fault injection for tests: 'STEP:RANK' makes that rank's loss NaN at that (1-based) optimizer step."""
+"""Fault injection for tests: 'STEP:RANK[,STEP:RANK...]' makes that rank's loss NaN at those optimizer steps."""
 
 
 def injected_fault(step: int, rank: int) -> bool:
-    spec = os.environ.get(FAULT_ENV)
-    return spec is not None and spec == f"{step}:{rank}"
+    return f"{step}:{rank}" in os.environ.get(FAULT_ENV, "").split(",")
 
 
 @dataclass

@@ -1,0 +1,154 @@
+"""Metrics, evaluation, stability guards, trackers, preflight and plots."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, run_env, train
+from toolkit.metrics import Meter, read_metrics, sample_lengths
+
+SHORT = ("stages.0.max_steps=4", "stages.1.max_steps=3")
+
+
+def train_records(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def eval_records(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+
+
+class _OneProcess:
+    num_processes = 1
+
+    @staticmethod
+    def reduce(t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return t
+
+
+def test_meter_counts_non_pad_tokens_only() -> None:
+    meter = Meter(torch.device("cpu"))
+    batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])}
+    meter.add_batch(batch, flops=1e9, samples=2)
+    meter.add_step(2.0, skipped=False)
+    record = meter.record(_OneProcess(), peak_flops=1e12)
+    assert record["tokens"] == 7 and record["padding_fraction"] == pytest.approx(3 / 10)
+    assert record["loss"] == 2.0 and record["mfu"] > 0 and record["skipped"] == 0
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long)}  # padding-free: every token is real
+    meter.add_batch(packed, flops=0.0, samples=3)
+    assert meter.record(_OneProcess(), peak_flops=None)["tokens"] == 7 + 9
+
+
+def test_sample_lengths_of_packed_rows() -> None:
+    assert sample_lengths({"input_ids": [5, 6, 7]}) == [3]
+    assert sample_lengths({"input_ids": [0] * 7, "position_ids": [0, 1, 2, 0, 1, 0, 1]}) == [3, 2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_path: Path) -> None:
+    out = tmp_path / strategy
+    env_before = os.environ.get("TOOLKIT_FAULT_NONFINITE")
+    os.environ["TOOLKIT_FAULT_NONFINITE"] = "3:1"  # rank 1's loss is NaN at step 3
+    try:
+        train(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10")
+    finally:
+        os.environ.pop("TOOLKIT_FAULT_NONFINITE") if env_before is None else None
+    records = train_records(out)
+    assert [r["skipped"] for r in records] == [0, 0, 1, 0, 0, 0, 0]
+    assert math.isnan(records[2]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 2)
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        return load_file(out / "checkpoints" / f"step-{step:08d}" / "portable" / "lora_state.safetensors")
+
+    before, skipped, after = state(2), state(3), state(4)
+    assert all(torch.equal(before[k], skipped[k]) for k in before), "the vetoed step changed weights or Adam state"
+    assert any(not torch.equal(skipped[k], after[k]) for k in before), "training did not continue"
+
+
+@pytest.mark.slow
+def test_too_many_consecutive_skips_stops_naming_the_last_good_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "diverged"
+    os.environ["TOOLKIT_FAULT_NONFINITE"] = "3:0,4:0"
+    try:
+        proc = train("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=1",
+                     "train.micro_batch_size=4", check=False)
+    finally:
+        os.environ.pop("TOOLKIT_FAULT_NONFINITE")
+    assert proc.returncode != 0
+    assert "2 consecutive steps skipped up to step 4 in stage 'short'" in proc.stderr
+    assert "step-00000002" in proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_loss_from_two_processes_equals_one_process(tmp_path: Path) -> None:
+    evals = ("eval.data=[dummy:stage2]", "eval.every_steps=2")
+    train("single", 1, tmp_path / "one", *SHORT, *evals, "train.micro_batch_size=4", "eval.micro_batch_size=3")
+    train("zero3", 2, tmp_path / "two", *SHORT, *evals, "eval.micro_batch_size=3")
+    one, two = eval_records(tmp_path / "one"), eval_records(tmp_path / "two")
+    assert [r["step"] for r in one] == [2, 4, 6, 7] == [r["step"] for r in two]
+    assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-5)
+    assert one[0]["eval_tokens"] == two[0]["eval_tokens"] > 0
+    assert one[-1]["eval_ppl"] == pytest.approx(math.exp(one[-1]["eval_loss"]))
+
+
+@pytest.mark.slow
+def test_live_metrics_and_mfu(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train("single", 1, out, *SHORT, "logging.peak_tflops=0.5", "logging.trackers=[tensorboard]")
+    records = train_records(out)
+    for key in ("tokens_per_sec", "samples_per_sec", "step_time", "mfu", "peak_memory_gb", "padding_fraction"):
+        assert all(r[key] is not None and r[key] >= 0 for r in records), key
+    assert all(0 < r["mfu"] < 1 for r in records)
+    assert any((out / "trackers").rglob("events.out.tfevents.*")), "no TensorBoard event file"
+    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "plot", str(out)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    png = out / "training.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_missing_tracker_names_the_package(tmp_path: Path) -> None:
+    pytest.importorskip("yaml")
+    if __import__("importlib").util.find_spec("mlflow") is not None:
+        pytest.skip("mlflow is installed here")
+    proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), f"output_dir={tmp_path / 'o'}",
+                           "logging.trackers=[mlflow]"], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "pip install mlflow" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _toolkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_preflight_table_recommendation_and_data_scan(tmp_path: Path) -> None:
+    proc = _toolkit("preflight", "--accelerate-config", "accelerate_configs/zero3.yaml", "--num-gpus", "2",
+                    "--gpu-memory-gb", "24", "--no-data")
+    assert proc.returncode == 0, proc.stderr
+    for strategy in ("ddp", "zero2", "zero3", "zero3_offload", "fsdp"):
+        assert f"\n{strategy} " in proc.stdout
+    assert "selected by accelerate_configs/zero3.yaml: zero3" in proc.stdout and "recommended:" in proc.stdout
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello world"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages: [{{name: s, data: [{data}]}}]\ndata: {{max_seq_len: 7}}\n")
+    proc = _toolkit("preflight", "--config", str(recipe), "--accelerate-config", "accelerate_configs/ddp.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "s: 2 rows" in proc.stdout and "1 over max_seq_len, 1 without trainable tokens" in proc.stdout
+
+
+def test_preflight_unknown_model_is_a_clear_error() -> None:
+    proc = _toolkit("preflight", "--no-data", "model.name_or_path=acme/unknown-13b")
+    assert proc.returncode == 2 and "Unknown model 'acme/unknown-13b'" in proc.stderr and "qwen3-8b" in proc.stderr
