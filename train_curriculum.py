@@ -20,13 +20,21 @@ import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from toolkit import __version__, checkpoint, curriculum, distributed
 from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, resume_invariants
-from toolkit.data import IGNORE_INDEX, build_collator, load_stage_data, resolve_data_paths
+from toolkit.data import (
+    DUMMY_PREFIX,
+    IGNORE_INDEX,
+    build_collator,
+    load_stage_data,
+    load_stage_sources,
+    resolve_data_paths,
+)
 from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate
@@ -44,8 +52,9 @@ from toolkit.model import (
     materialize_builtin,
     resolve_dtype,
 )
-from toolkit.packing import PackedCollator, check_packing_support, pack_samples
+from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.sampling import Pacing, StageSampler
 
 log = logging.getLogger("toolkit")
 
@@ -95,28 +104,39 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     if dummy_samples is not None and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
-    stage_samples = []
+    stages = []  # per stage: samples (packed rows with packing), per-file sizes, difficulty, lengths
     for stage in recipe.stages:
-        data = load_stage_data(resolve_data_paths(stage.data, dummy_dir), tokenizer,
-                               max_seq_len=recipe.data.max_seq_len, overlength=recipe.data.overlength,
-                               train_on=recipe.data.train_on)
-        samples = pack_samples(data.samples, recipe.data.max_seq_len) if recipe.data.packing else data.samples
-        log.info("stage '%s' data: %s%s", stage.name, data.stats.summary(),
-                 f"; packed into {len(samples)} rows" if recipe.data.packing else "")
-        stage_samples.append(samples)
+        src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer,
+                                 max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
+                                 overlength=recipe.data.overlength, train_on=recipe.data.train_on,
+                                 packing=recipe.data.packing, needs_difficulty=stage.order == "easy_to_hard")
+        if not src.samples:
+            raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
+        log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
+                 f"; packed into {len(src.samples)} rows" if recipe.data.packing else "")
+        stages.append(src)
     stage_eval = []  # tokenised eval sets, one per stage (shared when they come from eval.data)
     for stage in recipe.stages:
         files = stage.eval if stage.eval is not None else recipe.eval.data
         stage_eval.append(load_stage_data(resolve_data_paths(files, dummy_dir), tokenizer,
-                                          max_seq_len=recipe.data.max_seq_len, overlength=recipe.data.overlength,
+                                          max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
+                                          overlength=recipe.data.overlength,
                                           train_on=recipe.data.train_on).samples if files else [])
     sch = recipe.schedule
     plans = curriculum.plan_stages(
-        [s.name for s in recipe.stages], [len(s) for s in stage_samples], global_batch=global_batch,
+        [s.name for s in recipe.stages], [len(src.samples) for src in stages],
+        micro_batches=[s.micro_batch_size or micro for s in recipe.stages], grad_accum=accum, world_size=world,
         epochs=[s.epochs for s in recipe.stages], max_steps=[s.max_steps for s in recipe.stages],
         lrs=[(s.lr or recipe.optimizer.lr) * lr_scale for s in recipe.stages],
         warmup_ratios=[sch.warmup_ratio if s.warmup_ratio is None else s.warmup_ratio for s in recipe.stages],
-        min_lr_ratios=[sch.min_lr_ratio if s.min_lr_ratio is None else s.min_lr_ratio for s in recipe.stages])
+        min_lr_ratios=[sch.min_lr_ratio if s.min_lr_ratio is None else s.min_lr_ratio for s in recipe.stages],
+        schedules=[s.schedule or sch.kind for s in recipe.stages], decay_ratio=sch.decay_ratio)
+    samplers = [StageSampler(sizes=src.sizes, weights=stage.weights, replacement=stage.mixture_replacement,
+                             order=stage.order, difficulty=None if src.difficulty is None else np.array(src.difficulty),
+                             lengths=np.array(src.lengths), seed=recipe.train.seed, stage_index=plan.index,
+                             pacing=Pacing(stage.pacing.kind, stage.pacing.start_fraction) if stage.pacing else None,
+                             global_batch=plan.global_batch, total_steps=plan.steps)
+                for stage, src, plan in zip(recipe.stages, stages, plans, strict=True)]
     total_steps = plans[-1].end_step
     collate = PackedCollator() if recipe.data.packing else build_collator(tokenizer)
     invariants = checkpoint.recipe_hash(resume_invariants(recipe))
@@ -203,16 +223,18 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     bar = tqdm(total=total_steps, initial=start_step,
                disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
     last_save, current_stage, grad_norm, latest = time.monotonic(), -1, None, {}
+    stage_start_tokens = meter.tokens_total  # approximate after a mid-stage resume (counts from the resume)
     for step in range(start_step, total_steps):
         plan, step_in_stage = curriculum.locate(plans, step)
         if plan.index != current_stage:
             current_stage = plan.index
-            log.info("stage %d/%d '%s': steps %d-%d, %d samples, peak lr %.3g", plan.index + 1, len(plans),
-                     plan.name, plan.start_step + 1, plan.end_step, plan.num_samples, plan.lr)
-        samples = stage_samples[plan.index]
-        indices = curriculum.global_batch_indices(plan, step_in_stage, recipe.train.seed)
-        rank_batches = curriculum.rank_micro_batches(indices, rank=rank, world_size=world, micro_batch_size=micro,
-                                                     grad_accum=accum)
+            log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
+                     plan.index + 1, len(plans), plan.name, plan.start_step + 1, plan.end_step, plan.num_samples,
+                     plan.global_batch, lr_at(step), " (continued schedule)" if plan.schedule == "continue" else "")
+        samples = stages[plan.index].samples
+        indices = samplers[plan.index].batch(step_in_stage)
+        rank_batches = curriculum.rank_micro_batches(indices, rank=rank, world_size=world,
+                                                     micro_batch_size=plan.micro_batch, grad_accum=accum)
         batches = [collate([samples[i] for i in idx]) for idx in rank_batches]
 
         # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
@@ -264,13 +286,23 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
             record = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
                       **meter.record(accelerator, peak_flops=peak), "lr": lr_at(step),
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                      "samples": done * global_batch}
+                      "samples": curriculum.samples_seen(plans, done)}
             log_record(record)
             latest.update(record)
             bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
 
-        # Evaluation: every eval.every_steps and at the end of each stage, on the stage's (or global) eval set.
         stage_end = done == plan.end_step
+        if stage_end:  # the stage's summary, in the log and in metrics.jsonl
+            tokens_now = meter.tokens_total + meter.reduced(accelerator)[0]
+            summary = {"step": done, "stage": plan.name, "stage_index": plan.index, "event": "stage_end",
+                       "stage_steps": plan.steps, "stage_samples": plan.steps * plan.global_batch,
+                       "stage_tokens": tokens_now - stage_start_tokens, "trainable_params": trainable}
+            metrics.write(summary)
+            log.info("stage '%s' done: %d steps, %d samples, %d tokens, %d trainable parameters", plan.name,
+                     plan.steps, summary["stage_samples"], summary["stage_tokens"], trainable)
+            stage_start_tokens = tokens_now
+
+        # Evaluation: every eval.every_steps and at the end of each stage, on the stage's (or global) eval set.
         eval_samples = stage_eval[plan.index]
         if eval_samples and (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
             result = evaluate(accelerator, model, eval_samples, collate, recipe.eval.micro_batch_size or micro)
@@ -282,7 +314,8 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
         periodic = bool(ck.save_steps) and done % ck.save_steps == 0
         if preempted or time_due or periodic or (ck.save_on_stage_end and stage_end):
             meta = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
-                    "samples": done * global_batch, "tokens": meter.tokens_total + meter.reduced(accelerator)[0],
+                    "samples": curriculum.samples_seen(plans, done),
+                    "tokens": meter.tokens_total + meter.reduced(accelerator)[0],
                     "pending": {"losses": meter.losses, "skipped": meter.skipped},
                     "metrics": latest, "time": time.time(), "world_size": world, "strategy": strategy,
                     "effective_batch": global_batch, "lora": recipe.lora.enabled, "recipe_hash": invariants,
@@ -311,10 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     try:
         recipe = load_recipe(args.config, args.overrides)
-        dummy = args.num_dummy_samples if (args.create_dummy_data or args.config is None) else None
-        if args.create_dummy_data:
+        if args.create_dummy_data:  # stages not already on dummy data get the generated files
             for i, stage in enumerate(recipe.stages):
-                stage.data = ["dummy:stage1" if i == 0 else "dummy:stage2"]
+                if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
+                    stage.data = ["dummy:stage1" if i == 0 else "dummy:stage2"]  # type: ignore[list-item]
+        uses_dummy = any(path.startswith(DUMMY_PREFIX) for stage in recipe.stages for path in
+                         [*stage.paths, *(stage.eval or []), *recipe.eval.data])
+        dummy = args.num_dummy_samples if uses_dummy else None
         return train(recipe, dummy_samples=dummy)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)

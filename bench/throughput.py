@@ -106,13 +106,23 @@ def log(msg: str) -> None:
 
 
 def step_order(num_samples: int, global_batch: int, total_steps: int, seed: int) -> list[list[int]]:
-    """Sample indices of every step's global batch, exactly as train_curriculum.py draws them for a one-stage run
-    (toolkit.curriculum: a fresh seeded permutation per epoch). Data preparation only, outside any timed step."""
-    from toolkit import curriculum
+    """Sample indices of every step's global batch in the toolkit's default `shuffle` order for a one-stage run:
+    each epoch is `num_samples // global_batch` full batches from the front of a permutation seeded by
+    [seed, stage 0, epoch]. Kept here rather than imported (the toolkit's sampling API moves); the orchestrator's
+    `checks` verify that the toolkit really trained these batches."""
+    import numpy as np
 
-    (plan,) = curriculum.plan_stages(["bench"], [num_samples], global_batch=global_batch, epochs=[None],
-                                     max_steps=[total_steps], lrs=[1.0], warmup_ratios=[0.0], min_lr_ratios=[0.0])
-    return [curriculum.global_batch_indices(plan, s, seed) for s in range(total_steps)]
+    per_epoch = num_samples // global_batch
+    if per_epoch == 0:
+        raise ValueError(f"{num_samples} samples hold no global batch of {global_batch}")
+    order: list[list[int]] = []
+    perm = np.arange(0)
+    for step in range(total_steps):
+        epoch, k = divmod(step, per_epoch)
+        if k == 0:
+            perm = np.random.default_rng([seed, 0, epoch]).permutation(num_samples)
+        order.append(perm[k * global_batch:(k + 1) * global_batch].tolist())
+    return order
 
 
 def summarise(step_times: list[float], real: list[int], slots: list[int], warmup: int) -> dict[str, Any]:
@@ -256,7 +266,10 @@ def worker_toolkit(spec: Spec, packed: bool) -> dict[str, Any]:
            str(REPO / "train_curriculum.py"), "--config", str(recipe), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=spec.timeout_s)
     if proc.returncode != 0:
-        raise RuntimeError(f"train_curriculum.py exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        output = proc.stdout + proc.stderr
+        # The launcher's own CalledProcessError traceback comes last; the training process's error is before it.
+        cause = output[:output.rfind("Traceback")] if output.count("Traceback") > 1 else output
+        raise RuntimeError(f"train_curriculum.py exited with {proc.returncode}:\n{cause[-4000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "tokens_per_sec" in r]  # training records (eval records have none)
     if [r["step"] for r in records] != list(range(1, spec.total_steps + 1)):
@@ -524,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packed-micro-batch-size", type=int, default=None,
                    help="Packed rows per micro-batch (default: as many as hold one padded micro-batch's real tokens).")
     p.add_argument("--grad-accum", type=int, default=1, help="Micro-batches per optimizer step (all contenders).")
-    p.add_argument("--attn", default="sdpa", help="Attention kernel for every contender (sdpa, flash_attention_2).")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+                   help="Attention kernel of every contender (flash_attention_2 needs flash-attn and CUDA).")
     p.add_argument("--threads", type=int, default=None, help="Torch threads per contender (default: physical cores).")
     p.add_argument("--repeats", type=int, default=1, help="Runs per contender, interleaved; the median run counts.")
     p.add_argument("--seed", type=int, default=0)

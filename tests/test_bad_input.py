@@ -108,5 +108,29 @@ def test_rows_without_assistant_tokens_are_skipped_not_nan(tmp_path: Path) -> No
     proc = run(["--config", str(recipe(tmp_path, [str(data)]))])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "12 rows, 6 kept" in proc.stderr and "6 skipped with no trainable tokens" in proc.stderr
-    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    records = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_stage_with_no_usable_rows(tmp_path: Path) -> None:
+    long_only = write_jsonl(tmp_path / "long.jsonl", [{"text": "word " * 200}] * 4)
+    proc = run(["--config", str(recipe(tmp_path, [str(long_only)]))])
+    assert_clean_error(proc, tmp_path / "out", "Stage 'only' has no usable rows", "4 dropped over max_seq_len")
+
+
+def test_non_numeric_difficulty_for_easy_to_hard(tmp_path: Path) -> None:
+    rows = [dict(CHAT, difficulty=1), dict(CHAT, difficulty="hard"), dict(CHAT, difficulty=3)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows * 3)
+    proc = run(["--config", str(recipe(tmp_path, [str(data)])), "stages.0.order=easy_to_hard"])
+    assert_clean_error(proc, tmp_path / "out", f"{data}: kept row 2 has difficulty 'hard'")
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("stages.0.data=[{path: a.jsonl, weight: 0}]", "stages.0.data.0"),
+    ("stages.0.data=[{path: a.jsonl, weight: 1}, b.jsonl]", "give a weight to every data file"),
+    ("stages.0.pacing={kind: linear, start_fraction: 0.5}", "pacing needs order: easy_to_hard"),
+    ("stages.0.schedule=continue", "the first stage has no schedule to continue"),
+])
+def test_bad_curriculum_settings(tmp_path: Path, good_data: Path, override: str, needle: str) -> None:
+    proc = run(["--config", str(recipe(tmp_path, [str(good_data)])), override])
+    assert_clean_error(proc, tmp_path / "out", needle)

@@ -1,36 +1,50 @@
-"""Tests for toolkit/curriculum.py: stage layout, step lookup, seeded batches, rank split and per-stage LR schedule."""
+"""Tests for toolkit/curriculum.py: stage layout, step lookup, seeded batches (toolkit.sampling.StageSampler in shuffle
+mode), rank split and per-stage LR schedules (cosine, linear, constant, wsd, continue)."""
 
 from __future__ import annotations
 
 import itertools
 import math
 
+import numpy as np
 import pytest
+import torch
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
 from toolkit.curriculum import (
     StagePlan,
     build_lr_lambda,
-    global_batch_indices,
     locate,
     plan_stages,
     rank_micro_batches,
 )
 from toolkit.errors import ToolkitError
+from toolkit.sampling import StageSampler
 
 
 def _two_stages(**overrides) -> list[StagePlan]:
-    """Stage 'a': 100 samples, 2 epochs of 12 steps; stage 'b': 50 samples, max_steps 5 (global batch 8)."""
-    kwargs = dict(global_batch=8, epochs=[2, None], max_steps=[None, 5], lrs=[1e-3, 5e-4],
-                  warmup_ratios=[0.1, 0.2], min_lr_ratios=[0.1, 0.0])
+    """Stage 'a': 100 samples, 2 epochs of 12 steps; stage 'b': 50 samples, max_steps 5 (global batch 2 x 2 x 2)."""
+    kwargs = dict(micro_batches=[2, 2], grad_accum=2, world_size=2, epochs=[2, None], max_steps=[None, 5],
+                  lrs=[1e-3, 5e-4], warmup_ratios=[0.1, 0.2], min_lr_ratios=[0.1, 0.0], schedules=["cosine"] * 2)
     kwargs.update(overrides)
     return plan_stages(["a", "b"], [100, 50], **kwargs)
 
 
 def _one_stage(n: int, global_batch: int, *, epochs: float | None = None, max_steps: int | None = None,
-               lr: float = 1.0, warmup_ratio: float = 0.0, min_lr_ratio: float = 0.0) -> StagePlan:
-    (plan,) = plan_stages(["s"], [n], global_batch=global_batch, epochs=[epochs], max_steps=[max_steps], lrs=[lr],
-                          warmup_ratios=[warmup_ratio], min_lr_ratios=[min_lr_ratio])
+               lr: float = 1.0, warmup_ratio: float = 0.0, min_lr_ratio: float = 0.0, schedule: str = "cosine",
+               decay_ratio: float = 0.1) -> StagePlan:
+    (plan,) = plan_stages(["s"], [n], micro_batches=[global_batch], grad_accum=1, world_size=1, epochs=[epochs],
+                          max_steps=[max_steps], lrs=[lr], warmup_ratios=[warmup_ratio],
+                          min_lr_ratios=[min_lr_ratio], schedules=[schedule], decay_ratio=decay_ratio)
     return plan
+
+
+def global_batch_indices(plan: StagePlan, step_in_stage: int, *, seed: int) -> list[int]:
+    """The stage's global batch at a step: StageSampler in shuffle mode without weights (the removed API's role)."""
+    sampler = StageSampler(sizes=[plan.num_samples], weights=None, replacement=False, order="shuffle",
+                           difficulty=None, lengths=np.ones(plan.num_samples), pacing=None, seed=seed,
+                           stage_index=plan.index, global_batch=plan.global_batch, total_steps=plan.steps)
+    return sampler.batch(step_in_stage)
 
 
 # --- plan_stages ---------------------------------------------------------------------------------------------------
@@ -39,9 +53,11 @@ def _one_stage(n: int, global_batch: int, *, epochs: float | None = None, max_st
 def test_plan_two_stages_exact() -> None:
     a, b = _two_stages()
     assert a == StagePlan(index=0, name="a", num_samples=100, steps=24, start_step=0, lr=1e-3, warmup_steps=3,
-                          min_lr_ratio=0.1, global_batch=8, steps_per_epoch=12)
+                          min_lr_ratio=0.1, global_batch=8, micro_batch=2, steps_per_epoch=12, schedule="cosine",
+                          decay_ratio=0.1)
     assert b == StagePlan(index=1, name="b", num_samples=50, steps=5, start_step=24, lr=5e-4, warmup_steps=1,
-                          min_lr_ratio=0.0, global_batch=8, steps_per_epoch=6)
+                          min_lr_ratio=0.0, global_batch=8, micro_batch=2, steps_per_epoch=6, schedule="cosine",
+                          decay_ratio=0.1)
     assert (a.end_step, b.end_step) == (24, 29)
 
 
@@ -63,8 +79,9 @@ def test_plan_fractional_epochs(epochs: float, steps: int) -> None:
 
 
 def test_plan_three_stages_are_contiguous() -> None:
-    plans = plan_stages(["x", "y", "z"], [16, 40, 9], global_batch=4, epochs=[1, 0.5, None], max_steps=[None, None, 3],
-                        lrs=[1.0, 2.0, 3.0], warmup_ratios=[0.0] * 3, min_lr_ratios=[0.0] * 3)
+    plans = plan_stages(["x", "y", "z"], [16, 40, 9], micro_batches=[2, 2, 2], grad_accum=2, world_size=1,
+                        epochs=[1, 0.5, None], max_steps=[None, None, 3], lrs=[1.0, 2.0, 3.0],
+                        warmup_ratios=[0.0] * 3, min_lr_ratios=[0.0] * 3, schedules=["cosine"] * 3)
     assert [(p.index, p.start_step, p.steps, p.end_step, p.steps_per_epoch) for p in plans] == [
         (0, 0, 4, 4, 4), (1, 4, 5, 9, 10), (2, 9, 3, 12, 2)]
 
@@ -82,13 +99,44 @@ def test_plan_warmup_steps_exact_product_is_not_rounded_up() -> None:
 
 def test_plan_stage_smaller_than_global_batch_is_error() -> None:
     with pytest.raises(ToolkitError, match=r"Stage 'tiny' has 7 usable samples, fewer than one global batch of 8"):
-        plan_stages(["big", "tiny"], [100, 7], global_batch=8, epochs=[None, None], max_steps=[None, None],
-                    lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0])
+        plan_stages(["big", "tiny"], [100, 7], micro_batches=[2, 2], grad_accum=2, world_size=2, epochs=[None, None],
+                    max_steps=[None, None], lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0],
+                    schedules=["cosine"] * 2)
 
 
 def test_plan_stage_of_exactly_one_global_batch() -> None:
     plan = _one_stage(8, 8, epochs=3)
     assert (plan.steps, plan.steps_per_epoch) == (3, 1)
+
+
+def test_plan_per_stage_micro_batches() -> None:
+    # Global batch of a stage = its micro batch x grad_accum x world: a 2 x 2 x 2 = 8, b 4 x 2 x 2 = 16.
+    a, b = plan_stages(["a", "b"], [100, 100], micro_batches=[2, 4], grad_accum=2, world_size=2, epochs=[1, 2],
+                       max_steps=[None, None], lrs=[1.0, 1.0], warmup_ratios=[0.25, 0.25], min_lr_ratios=[0.0, 0.0],
+                       schedules=["cosine"] * 2)
+    assert (a.micro_batch, a.global_batch, a.steps_per_epoch, a.steps, a.start_step) == (2, 8, 12, 12, 0)
+    assert (b.micro_batch, b.global_batch, b.steps_per_epoch, b.steps, b.start_step) == (4, 16, 6, 12, 12)
+    assert (a.warmup_steps, b.warmup_steps) == (3, 3)
+    # Each stage's batches have its own size and split exactly into its own micro batches on every rank.
+    for plan in (a, b):
+        indices = global_batch_indices(plan, 1, seed=0)
+        assert len(indices) == plan.global_batch
+        split = [rank_micro_batches(indices, rank=r, world_size=2, micro_batch_size=plan.micro_batch, grad_accum=2)
+                 for r in range(2)]
+        assert all(len(mb) == plan.micro_batch for micro in split for mb in micro)
+        assert sorted(i for micro in split for mb in micro for i in mb) == sorted(indices)
+
+
+def test_plan_larger_micro_batch_of_later_stage_needs_more_data() -> None:
+    with pytest.raises(ToolkitError, match=r"Stage 'b' has 12 usable samples, fewer than one global batch of 16"):
+        plan_stages(["a", "b"], [12, 12], micro_batches=[2, 4], grad_accum=2, world_size=2, epochs=[None, None],
+                    max_steps=[None, None], lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0],
+                    schedules=["cosine"] * 2)
+
+
+def test_plan_records_schedule_and_decay_ratio() -> None:
+    plans = _two_stages(schedules=["wsd", "continue"], decay_ratio=0.25)
+    assert [(p.schedule, p.decay_ratio) for p in plans] == [("wsd", 0.25), ("continue", 0.25)]
 
 
 # --- locate ------------------------------------------------------------------------------------------------------
@@ -104,7 +152,7 @@ def test_locate_boundaries() -> None:
     assert locate([a, b], 10_000) == (b, 4)
 
 
-# --- global_batch_indices ----------------------------------------------------------------------------------------
+# --- global batches (StageSampler, shuffle without weights) ------------------------------------------------------
 
 
 def test_batches_within_epoch_are_disjoint_and_cover() -> None:
@@ -135,8 +183,9 @@ def test_batches_are_deterministic_and_seed_dependent() -> None:
 
 
 def test_batches_differ_between_stages_of_same_size() -> None:
-    plans = plan_stages(["p", "q"], [64, 64], global_batch=8, epochs=[None, None], max_steps=[None, None],
-                        lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0])
+    plans = plan_stages(["p", "q"], [64, 64], micro_batches=[8, 8], grad_accum=1, world_size=1, epochs=[None, None],
+                        max_steps=[None, None], lrs=[1.0, 1.0], warmup_ratios=[0.0, 0.0], min_lr_ratios=[0.0, 0.0],
+                        schedules=["cosine"] * 2)
     assert global_batch_indices(plans[0], 0, seed=0) != global_batch_indices(plans[1], 0, seed=0)
 
 
@@ -144,6 +193,18 @@ def test_batches_full_epoch_when_size_is_multiple() -> None:
     plan = _one_stage(64, 8)
     flat = [i for k in range(8) for i in global_batch_indices(plan, k, seed=0)]
     assert sorted(flat) == list(range(64))
+
+
+def test_batches_are_the_seeded_epoch_permutation() -> None:
+    # The removed global_batch_indices: batch k = slice k % steps_per_epoch of the permutation seeded by
+    # [seed, stage index, epoch]. The sampler must reproduce it exactly (same data order as before the rewrite).
+    a, b = _two_stages()
+    for plan in (a, b):
+        for k in (0, 5, plan.steps_per_epoch, plan.steps - 1):
+            epoch, j = divmod(k, plan.steps_per_epoch)
+            perm = np.random.default_rng([7, plan.index, epoch]).permutation(plan.num_samples)
+            g = plan.global_batch
+            assert global_batch_indices(plan, k, seed=7) == perm[j * g:(j + 1) * g].tolist()
 
 
 # --- rank_micro_batches ------------------------------------------------------------------------------------------
@@ -225,9 +286,6 @@ def test_cosine_without_warmup_starts_at_peak() -> None:
 
 
 def test_cosine_matches_transformers_function() -> None:
-    import torch
-    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
-
     a, b = _two_stages()
     lr = build_lr_lambda([a, b], "cosine")
     for plan in (a, b):
@@ -239,7 +297,7 @@ def test_cosine_matches_transformers_function() -> None:
 
 
 def test_linear_schedule_per_stage() -> None:
-    a, b = _two_stages()
+    a, b = _two_stages(schedules=["linear"] * 2)
     lr = build_lr_lambda([a, b], "linear")
     assert lr(0) == 0.0
     assert lr(3) == pytest.approx(1e-3)
@@ -251,7 +309,7 @@ def test_linear_schedule_per_stage() -> None:
 
 
 def test_constant_schedule_per_stage() -> None:
-    a, b = _two_stages()
+    a, b = _two_stages(schedules=["constant"] * 2)
     lr = build_lr_lambda([a, b], "constant")
     assert [lr(s) for s in (0, 1, 2)] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3])
     assert [lr(s) for s in range(3, 24)] == pytest.approx([1e-3] * 21)
@@ -260,8 +318,6 @@ def test_constant_schedule_per_stage() -> None:
 
 
 def test_lr_lambda_drives_lambda_lr() -> None:
-    import torch
-
     plans = _two_stages()
     lr_at = build_lr_lambda(plans, "cosine")
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
@@ -272,3 +328,118 @@ def test_lr_lambda_drives_lambda_lr() -> None:
         opt.step()
         sched.step()
     assert seen == pytest.approx([lr_at(s) for s in range(29)])
+
+
+def test_schedule_per_stage_may_differ() -> None:
+    a, b = _two_stages(schedules=["linear", "constant"])
+    lr = build_lr_lambda([a, b], "cosine")  # the default kind does not override a stage's own schedule
+    assert lr(13) == pytest.approx(1e-3 * 11 / 21)
+    assert lr(23) == pytest.approx(1e-3 / 21)
+    assert lr(24) == 0.0
+    assert [lr(s) for s in range(25, 29)] == pytest.approx([5e-4] * 4)
+
+
+def test_stage_without_schedule_uses_default_kind() -> None:
+    a, b = _two_stages(schedules=[None, "cosine"])
+    lr = build_lr_lambda([a, b], "linear")
+    assert lr(13) == pytest.approx(1e-3 * 11 / 21)
+    assert lr(26) == pytest.approx(5e-4 * _cosine_min_lr(2, 1, 5, 0.0), rel=1e-12)
+
+
+def test_wsd_warmup_stable_decay() -> None:
+    # 100 steps: warmup 10, decay round(0.2 * 100) = 20, so stable on [10, 80) and decay on [80, 100); the
+    # decay's first step has progress 0, so it is still exactly the peak.
+    plan = _one_stage(1000, 10, max_steps=100, lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.1, schedule="wsd",
+                      decay_ratio=0.2)
+    assert (plan.steps, plan.warmup_steps) == (100, 10)
+    lr = build_lr_lambda([plan], "cosine")
+    warmup = [lr(s) for s in range(11)]
+    assert warmup[0] == pytest.approx(1e-4)  # transformers' wsd warms up from min_lr_ratio * peak
+    assert all(x < y for x, y in itertools.pairwise(warmup))
+    assert [lr(s) for s in range(10, 81)] == [1e-3] * 71  # the stable phase is exactly the peak
+    decay = [lr(s) for s in range(80, 100)]
+    assert all(x > y for x, y in itertools.pairwise(decay))
+    assert lr(99) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 19 / 20))), rel=1e-12)
+    assert 1e-4 < lr(99) < 1.06e-4  # within 6% of min_lr_ratio * peak at the last step (reached after it)
+    assert lr(1000) == lr(99)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    ref = get_wsd_schedule(opt, num_warmup_steps=10, num_decay_steps=20, num_training_steps=100, min_lr_ratio=0.1)
+    for k in range(100):
+        assert lr(k) == pytest.approx(1e-3 * ref.lr_lambdas[0](k), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize(("steps", "decay_ratio", "decay_steps"), [(24, 0.1, 2), (10, 0.25, 2), (12, 0.25, 3),
+                                                                   (40, 0.1, 4)])
+def test_wsd_decay_steps_are_rounded(steps: int, decay_ratio: float, decay_steps: int) -> None:
+    plan = _one_stage(100, 4, max_steps=steps, lr=1.0, min_lr_ratio=0.0, schedule="wsd", decay_ratio=decay_ratio)
+    lr = build_lr_lambda([plan], "cosine")
+    values = [lr(s) for s in range(steps)]
+    # No warmup: the peak from step 0 through the decay's first step (progress 0), then strictly below it.
+    assert values[:steps - decay_steps + 1] == [1.0] * (steps - decay_steps + 1)
+    assert all(v < 1.0 for v in values[steps - decay_steps + 1:])
+    last = 0.5 * (1 + math.cos(math.pi * (decay_steps - 1) / decay_steps))
+    assert values[-1] == pytest.approx(last, rel=1e-12)
+
+
+def test_wsd_per_stage_restarts() -> None:
+    a, b = _two_stages(schedules=["wsd", "wsd"], decay_ratio=0.25)  # a: 24 steps, 6 decay; b: 5 steps, 1 decay
+    lr = build_lr_lambda([a, b], "cosine")
+    for plan, decay in ((a, 6), (b, 1)):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        ref = get_wsd_schedule(opt, num_warmup_steps=plan.warmup_steps, num_decay_steps=decay,
+                               num_training_steps=plan.steps, min_lr_ratio=plan.min_lr_ratio)
+        for k in range(plan.steps):
+            assert lr(plan.start_step + k) == pytest.approx(plan.lr * ref.lr_lambdas[0](k), rel=1e-12, abs=0)
+    assert lr(24) == 0.0  # stage b restarts its warmup (min_lr_ratio 0) ...
+    assert lr(25) == 5e-4  # ... up to its own peak
+
+
+def _three_stages_with_continue(schedules: list[str]) -> list[StagePlan]:
+    """a: 24 steps (warmup 3, peak 1e-3, floor 0.1); b: 12 steps; c: 5 steps (warmup 1, peak 2e-4); batch 8."""
+    return plan_stages(["a", "b", "c"], [100, 100, 50], micro_batches=[2, 2, 2], grad_accum=2, world_size=2,
+                       epochs=[2, 1, None], max_steps=[None, None, 5], lrs=[1e-3, 5e-4, 2e-4],
+                       warmup_ratios=[0.1, 0.2, 0.2], min_lr_ratios=[0.1, 0.0, 0.0], schedules=schedules,
+                       decay_ratio=0.25)
+
+
+def test_continue_extends_previous_cosine() -> None:
+    a, b, c = plans = _three_stages_with_continue(["cosine", "continue", "cosine"])
+    assert (a.steps, b.steps, c.steps, b.start_step, c.start_step) == (24, 12, 5, 24, 36)
+    lr = build_lr_lambda(plans, "cosine")
+    # Stages a and b form one cosine over 36 steps from a's peak, warmup and floor (b's own lr / warmup ignored).
+    for step in range(36):
+        assert lr(step) == pytest.approx(1e-3 * _cosine_min_lr(step, 3, 36, 0.1), rel=1e-12, abs=0)
+    assert lr(24) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 21 / 33))), rel=1e-12)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    ref = get_cosine_with_min_lr_schedule_with_warmup(opt, 3, 36, min_lr_rate=0.1)
+    assert [lr(s) for s in range(36)] == pytest.approx([1e-3 * ref.lr_lambdas[0](k) for k in range(36)], rel=1e-12)
+    # No re-warmup at the boundary: strictly decreasing from a's peak through the last step of b.
+    values = [lr(s) for s in range(3, 36)]
+    assert all(x > y for x, y in itertools.pairwise(values))
+    assert lr(23) > lr(24) > lr(25)
+    # Stage c (not continue) restarts with its own warmup and peak.
+    assert lr(36) == 0.0
+    assert lr(37) == pytest.approx(2e-4)
+    for k in range(5):
+        assert lr(36 + k) == pytest.approx(2e-4 * _cosine_min_lr(k, 1, 5, 0.0), rel=1e-12, abs=0)
+
+
+def test_continue_chain_spans_all_following_continues() -> None:
+    plans = _three_stages_with_continue(["cosine", "continue", "continue"])
+    lr = build_lr_lambda(plans, "cosine")
+    for step in range(41):
+        assert lr(step) == pytest.approx(1e-3 * _cosine_min_lr(step, 3, 41, 0.1), rel=1e-12, abs=0)
+    assert lr(1000) == lr(40)
+
+
+def test_continue_wsd_decays_over_the_combined_length() -> None:
+    # a (wsd) + b (continue): one wsd over 36 steps, decay round(0.25 * 36) = 9 steps, all inside stage b.
+    plans = _three_stages_with_continue(["wsd", "continue", "cosine"])
+    lr = build_lr_lambda(plans, "cosine")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    ref = get_wsd_schedule(opt, num_warmup_steps=3, num_decay_steps=9, num_training_steps=36, min_lr_ratio=0.1)
+    for k in range(36):
+        assert lr(k) == pytest.approx(1e-3 * ref.lr_lambdas[0](k), rel=1e-12, abs=0)
+    assert [lr(s) for s in range(3, 28)] == [1e-3] * 25  # stable through the boundary into b (decay from 27)
+    assert lr(28) < 1e-3
+    assert lr(36) == 0.0

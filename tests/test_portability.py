@@ -24,7 +24,7 @@ SINGLE_SAME_BATCH = "train.micro_batch_size=4"  # 4 x 2 accum x 1 = 2 x 2 accum 
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")}
 
 
 def ckpt(out: Path, step: int) -> Path:

@@ -24,7 +24,7 @@ TOTAL_STEPS = 16
 
 
 def records(out: Path) -> list[dict]:
-    return read_metrics(out / "metrics.jsonl")
+    return read_metrics(out / "metrics.jsonl", "train")
 
 
 def assert_same_run(resumed: Path, reference: Path) -> None:

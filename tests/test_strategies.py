@@ -27,7 +27,7 @@ REFERENCE_OVERRIDES = ("train.micro_batch_size=4",)
 
 
 def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +47,7 @@ def reference(runs: Path) -> Path:
 
 
 def test_reference_trains(reference: Path) -> None:
-    records = read_metrics(reference / "metrics.jsonl")
+    records = read_metrics(reference / "metrics.jsonl", "train")
     assert [r["step"] for r in records] == list(range(1, 8))
     assert [r["stage"] for r in records] == ["short"] * 4 + ["long"] * 3
     assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in records)
@@ -123,3 +123,27 @@ def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{strategy}: {k}")
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)
+
+
+@pytest.fixture(scope="module")
+def curriculum_reference(runs: Path) -> Path:
+    out = runs / "curriculum-single"
+    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", recipe=CURRICULUM)
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_three_stage_curriculum_matches_single_process(strategy: str, runs: Path,
+                                                       curriculum_reference: Path) -> None:
+    out = runs / f"curriculum-{strategy}"
+    train(strategy, 2, out, recipe=CURRICULUM)
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["stage"] for r in records] == ["mixture"] * 4 + ["easy_to_hard"] * 4 + ["short_to_long"] * 3
+    assert [r["loss"] for r in records] == pytest.approx(
+        [r["loss"] for r in read_metrics(curriculum_reference / "metrics.jsonl") if "loss" in r], rel=1e-4)
+    ends = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "stage_end"]
+    assert [(e["stage"], e["stage_steps"], e["stage_samples"]) for e in ends] == [
+        ("mixture", 4, 32), ("easy_to_hard", 4, 32), ("short_to_long", 3, 12)]

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
 
 
 def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(tmp_path: Path) -> None:
@@ -35,7 +35,7 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(tmp_path
 def test_run_outputs(tmp_path: Path) -> None:
     out = tmp_path / "run"
     train("single", 1, out, "run_name=my-run")
-    records = read_metrics(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl", "train")
     assert set(records[0]) >= {"step", "stage", "loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "samples"}
     assert [r["tokens"] for r in records] == sorted({r["tokens"] for r in records})  # cumulative, increasing
     run = json.loads((out / "run.json").read_text())
@@ -51,5 +51,6 @@ def test_linear_lr_scaling(tmp_path: Path) -> None:
     plain, scaled = tmp_path / "plain", tmp_path / "scaled"
     train("single", 1, plain)
     train("single", 1, scaled, "optimizer.lr_scaling=linear", "optimizer.reference_batch_size=2")
-    for a, b in zip(read_metrics(plain / "metrics.jsonl"), read_metrics(scaled / "metrics.jsonl"), strict=True):
+    for a, b in zip(read_metrics(plain / "metrics.jsonl", "train"), read_metrics(scaled / "metrics.jsonl", "train"),
+                    strict=True):
         assert b["lr"] == pytest.approx(2 * a["lr"])

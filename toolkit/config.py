@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolkit.errors import ToolkitError
 
@@ -63,9 +63,31 @@ class DataConfig(_Section):
     )
 
 
+class DataSource(_Section):
+    path: str = Field(..., min_length=1, description="JSONL file (path from the cwd, or dummy:NAME).")
+    weight: float | None = Field(None, gt=0, description="Mixture weight (all or none of a stage's files).")
+
+
+class PacingConfig(_Section):
+    kind: Literal["linear", "sqrt"] = Field("linear", description="Competence growth (Platanios et al. 2019).")
+    start_fraction: float = Field(0.2, gt=0, le=1, description="Share of the easiest data available at first.")
+
+
 class StageConfig(_Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
     name: str = Field(..., min_length=1, description="Stage name, used in logs and metrics.jsonl.")
-    data: list[str] = Field(..., min_length=1, description="JSONL files of this stage (paths from the cwd).")
+    data: list[str | DataSource] = Field(..., min_length=1, validation_alias=AliasChoices("data", "datasets"),
+                                         description="JSONL files (or {path, weight} for a seeded mixture).")
+    mixture_replacement: bool = Field(False, description="Mixture draws with replacement (else each file is "
+                                      "used without repeats until exhausted).")
+    order: Literal["shuffle", "sequential", "easy_to_hard"] = Field(
+        "shuffle", description="Sample order; easy_to_hard sorts by the rows' difficulty, else token length.")
+    pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard.")
+    schedule: Literal["cosine", "linear", "constant", "wsd", "continue"] | None = Field(
+        None, description="LR schedule of this stage (default schedule.kind); continue = carry the previous one.")
+    max_seq_len: int | None = Field(None, gt=1, description="Override data.max_seq_len (short-to-long).")
+    micro_batch_size: int | None = Field(None, gt=0, description="Override train.micro_batch_size.")
     epochs: float | None = Field(None, gt=0, description="Passes over the stage data (default 1).")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps in this stage (instead of epochs).")
     lr: float | None = Field(None, gt=0, description="Peak learning rate of this stage (default optimizer.lr).")
@@ -74,10 +96,24 @@ class StageConfig(_Section):
     eval: list[str] | None = Field(None, description="Eval JSONL files of this stage (default: eval.data).")
 
     @model_validator(mode="after")
-    def _one_length(self) -> StageConfig:
+    def _consistent(self) -> StageConfig:
         if self.epochs is not None and self.max_steps is not None:
             raise ValueError("set either epochs or max_steps, not both")
+        weighted = [isinstance(d, DataSource) and d.weight is not None for d in self.data]
+        if any(weighted) and not all(weighted):
+            raise ValueError("give a weight to every data file of the stage, or to none")
+        if self.pacing is not None and self.order != "easy_to_hard":
+            raise ValueError("pacing needs order: easy_to_hard")
         return self
+
+    @property
+    def paths(self) -> list[str]:
+        return [d if isinstance(d, str) else d.path for d in self.data]
+
+    @property
+    def weights(self) -> list[float] | None:
+        ws = [d.weight for d in self.data if isinstance(d, DataSource) and d.weight is not None]
+        return ws if len(ws) == len(self.data) else None
 
 
 class OptimizerConfig(_Section):
@@ -101,9 +137,9 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    kind: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="LR decay after warmup (transformers' schedules), per stage."
-    )
+    kind: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="LR decay after warmup (transformers' schedules), per stage; wsd = warmup-stable-decay.")
+    decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd: fraction of a stage's steps spent decaying.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of each stage's steps spent warming up.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
 
@@ -174,6 +210,8 @@ class Recipe(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"stage names must be unique, repeated: {dupes}")
+        if self.stages[0].schedule == "continue":
+            raise ValueError("the first stage has no schedule to continue")
         return self
 
 

@@ -1,10 +1,12 @@
 """The curriculum: an ordered list of stages laid out on one global step axis.
 
 Everything here is a pure function of (recipe, dataset sizes, global batch, seed, global step): which stage a
-step is in, which samples form that step's global batch, which of them each rank and micro-step gets, and the
-learning rate. Nothing depends on the number of processes except the final split, so a 2-process run sees the
-same global batches as a 1-process run, and resuming at any step replays exactly the data the uninterrupted run
-would have seen.
+step is in, which samples form that step's global batch (toolkit.sampling: shuffle, sequential, easy-to-hard
+with competence pacing, weighted mixtures), which of them each rank and micro-step gets, and the learning rate.
+Nothing depends on the number of processes except the final split, so a 2-process run sees the same global
+batches as a 1-process run, and resuming at any step replays exactly the data the uninterrupted run would have
+seen. The position in the curriculum is therefore just the global step (checkpoints also record the stage
+index and step in stage for humans).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import get_scheduler
 
@@ -33,20 +34,24 @@ class StagePlan:
     warmup_steps: int
     min_lr_ratio: float
     global_batch: int
+    micro_batch: int
     steps_per_epoch: int
+    schedule: str  # cosine | linear | constant | wsd | continue
+    decay_ratio: float = 0.1
 
     @property
     def end_step(self) -> int:
         return self.start_step + self.steps
 
 
-def plan_stages(names: list[str], sizes: list[int], *, global_batch: int, epochs: list[float | None],
-                max_steps: list[int | None], lrs: list[float], warmup_ratios: list[float],
-                min_lr_ratios: list[float]) -> list[StagePlan]:
+def plan_stages(names: list[str], sizes: list[int], *, micro_batches: list[int], grad_accum: int, world_size: int,
+                epochs: list[float | None], max_steps: list[int | None], lrs: list[float],
+                warmup_ratios: list[float], min_lr_ratios: list[float], schedules: list[str],
+                decay_ratio: float = 0.1) -> list[StagePlan]:
     """Lay the stages end to end. A stage runs `max_steps`, else `epochs` (default 1) full global batches."""
     plans, start = [], 0
     for i, name in enumerate(names):
-        n = sizes[i]
+        n, global_batch = sizes[i], micro_batches[i] * grad_accum * world_size
         per_epoch = n // global_batch
         if per_epoch == 0:
             raise ToolkitError(
@@ -55,8 +60,9 @@ def plan_stages(names: list[str], sizes: list[int], *, global_batch: int, epochs
         steps = max_steps[i] or max(1, round((epochs[i] or 1.0) * per_epoch))
         warmup = math.ceil(round(warmup_ratios[i] * steps, 9))  # round first: 0.07 * 100 is 7.000000000000001
         plans.append(StagePlan(index=i, name=name, num_samples=n, steps=steps, start_step=start, lr=lrs[i],
-                               warmup_steps=warmup, min_lr_ratio=min_lr_ratios[i],
-                               global_batch=global_batch, steps_per_epoch=per_epoch))
+                               warmup_steps=warmup, min_lr_ratio=min_lr_ratios[i], global_batch=global_batch,
+                               micro_batch=micro_batches[i], steps_per_epoch=per_epoch, schedule=schedules[i],
+                               decay_ratio=decay_ratio))
         start += steps
     return plans
 
@@ -69,16 +75,9 @@ def locate(plans: list[StagePlan], step: int) -> tuple[StagePlan, int]:
     return plans[-1], plans[-1].steps - 1
 
 
-def global_batch_indices(plan: StagePlan, step_in_stage: int, seed: int) -> list[int]:
-    """Sample indices forming one optimizer step's global batch: a fresh seeded permutation per epoch.
-
-    An epoch uses `steps_per_epoch` full global batches; the remainder of the permutation is left out
-    (a different remainder each epoch), so every step has the same global batch size.
-    """
-    epoch, k = divmod(step_in_stage, plan.steps_per_epoch)
-    order = np.random.default_rng([seed, plan.index, epoch]).permutation(plan.num_samples)
-    g = plan.global_batch
-    return order[k * g:(k + 1) * g].tolist()
+def samples_seen(plans: list[StagePlan], steps_done: int) -> int:
+    """Samples (packed rows with packing) consumed by the first `steps_done` optimizer steps."""
+    return sum(min(max(steps_done - p.start_step, 0), p.steps) * p.global_batch for p in plans)
 
 
 def rank_micro_batches(indices: list[int], *, rank: int, world_size: int, micro_batch_size: int,
@@ -88,23 +87,45 @@ def rank_micro_batches(indices: list[int], *, rank: int, world_size: int, micro_
     return [indices[(j * world_size + rank) * m:(j * world_size + rank + 1) * m] for j in range(grad_accum)]
 
 
-def build_lr_lambda(plans: list[StagePlan], kind: str) -> Callable[[int], float]:
+def _schedule_fn(kind: str, *, warmup: int, steps: int, min_lr_ratio: float, decay_ratio: float
+                 ) -> Callable[[int], float]:
+    """transformers' schedule multiplier for `steps` steps (borrowed from a throwaway optimizer's LambdaLR)."""
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    names = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup",
+             "wsd": "warmup_stable_decay"}
+    kwargs = {"cosine": {"min_lr_rate": min_lr_ratio},
+              "wsd": {"num_decay_steps": max(1, round(decay_ratio * steps)), "min_lr_ratio": min_lr_ratio}}
+    sched = get_scheduler(names[kind], dummy, num_warmup_steps=warmup, num_training_steps=steps,
+                          scheduler_specific_kwargs=kwargs.get(kind))
+    return sched.lr_lambdas[0]
+
+
+def build_lr_lambda(plans: list[StagePlan], default_kind: str) -> Callable[[int], float]:
     """Absolute LR at a global step (for a LambdaLR over an optimizer whose base lr is 1.0).
 
-    Each stage runs its own transformers schedule (warmup, then `kind` decay) from its own peak lr; we borrow
-    the schedule functions from transformers rather than rewriting them.
+    Each stage runs its own transformers schedule (warmup, then decay) from its own peak lr; a stage with
+    `schedule: continue` instead extends the previous stage's schedule, which then spans both stages' steps.
     """
-    lambdas = []
+    segments: list[tuple[int, StagePlan, Callable[[int], float]]] = []  # (start step, first plan, multiplier)
+    owner: dict[int, int] = {}
     for plan in plans:
-        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        kwargs = {"min_lr_rate": plan.min_lr_ratio} if kind == "cosine" else None
-        name = "cosine_with_min_lr" if kind == "cosine" else kind + ("_with_warmup" if kind == "constant" else "")
-        sched = get_scheduler(name, dummy, num_warmup_steps=plan.warmup_steps, num_training_steps=plan.steps,
-                              scheduler_specific_kwargs=kwargs)
-        lambdas.append(sched.lr_lambdas[0])
+        if plan.schedule == "continue" and segments:
+            owner[plan.index] = len(segments) - 1
+            continue
+        span = [plan]
+        for nxt in plans[plan.index + 1:]:
+            if nxt.schedule != "continue":
+                break
+            span.append(nxt)
+        kind = default_kind if plan.schedule in (None, "", "continue") else plan.schedule  # nothing to continue
+        fn = _schedule_fn(kind, warmup=plan.warmup_steps, steps=sum(p.steps for p in span),
+                          min_lr_ratio=plan.min_lr_ratio, decay_ratio=plan.decay_ratio)
+        owner[plan.index] = len(segments)
+        segments.append((plan.start_step, plan, fn))
 
     def lr_at(step: int) -> float:
-        plan, k = locate(plans, step)
-        return plan.lr * lambdas[plan.index](k)
+        plan, _ = locate(plans, step)
+        start, first, fn = segments[owner[plan.index]]
+        return first.lr * fn(min(step, plans[-1].end_step - 1) - start)
 
     return lr_at

@@ -190,3 +190,56 @@ def build_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq
     """Pads a list of samples to the longest one (right padding, labels padded with IGNORE_INDEX)."""
     return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
                                   return_tensors="pt")
+
+
+@dataclass
+class StageSources:
+    """A stage's training rows: samples (packed rows with packing), per-file sizes, difficulty, lengths."""
+
+    samples: list[dict[str, list[int]]]
+    sizes: list[int]
+    difficulty: list[float] | None  # None: no row has one (easy_to_hard then sorts by length)
+    lengths: list[int]
+    stats: DataStats
+
+
+def _difficulty(extras: list[dict[str, Any]], path: Path) -> list[float] | None:
+    values = [e.get("difficulty") for e in extras]
+    if all(v is None for v in values):
+        return None
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ToolkitError(f"{path}: kept row {i + 1} has difficulty {v!r}; easy_to_hard needs a number on "
+                               "every row (or on none, to order by token length).")
+    return [float(v) for v in values]
+
+
+def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
+                       train_on: str, packing: bool, needs_difficulty: bool) -> StageSources:
+    """Load each file of a stage separately (mixtures sample per file); with packing, pack within each file.
+
+    A packed row's difficulty is that of its hardest sample, so easy-to-hard order stays conservative.
+    """
+    from toolkit.packing import pack_best_fit_decreasing, pack_row, pack_samples
+
+    out = StageSources([], [], [] if needs_difficulty else None, [], DataStats())
+    for path in paths:
+        data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
+        for key in vars(out.stats):
+            setattr(out.stats, key, getattr(out.stats, key) + getattr(data.stats, key))
+        difficulty = _difficulty(data.extras, path) if needs_difficulty else None
+        if packing and difficulty is not None:
+            bins = pack_best_fit_decreasing([len(s["input_ids"]) for s in data.samples], max_seq_len)
+            rows = [pack_row([data.samples[i] for i in b]) for b in bins]
+            difficulty = [max(difficulty[i] for i in b) for b in bins]
+        elif packing:
+            rows = pack_samples(data.samples, max_seq_len)
+        else:
+            rows = data.samples
+        if needs_difficulty and out.difficulty is not None:
+            out.difficulty = None if difficulty is None else out.difficulty + difficulty
+        out.samples += rows
+        out.sizes.append(len(rows))
+        out.lengths += [len(r["input_ids"]) for r in rows]
+    return out
+

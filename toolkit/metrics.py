@@ -29,10 +29,14 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file (for tests, plots and resume)."""
+RECORD_KINDS = {"train": "loss", "eval": "eval_loss", "event": "event"}
+
+
+def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl file: all of them, or one kind (train steps, evaluations, stage events)."""
     with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return records if kind is None else [r for r in records if RECORD_KINDS[kind] in r]
 
 
 def truncate_after(path: Path, step: int) -> None:

@@ -104,16 +104,18 @@ def pack_samples(samples: list[dict[str, list[int]]], capacity: int) -> list[dic
             raise ValueError(f"sample {i} is empty or its labels do not match its input_ids in length")
         if s["labels"][0] != IGNORE_INDEX:
             raise ValueError(f"sample {i} has a loss on its first token; it would be predicted across a boundary")
-    rows = []
-    for bin_ in pack_best_fit_decreasing([len(s["input_ids"]) for s in samples], capacity):
-        row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-        for i in bin_:
-            s = samples[i]
-            row["input_ids"] += s["input_ids"]
-            row["labels"] += s["labels"]
-            row["position_ids"] += range(len(s["input_ids"]))
-        rows.append(row)
-    return rows
+    bins = pack_best_fit_decreasing([len(s["input_ids"]) for s in samples], capacity)
+    return [pack_row([samples[i] for i in bin_]) for bin_ in bins]
+
+
+def pack_row(samples: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """One packed row: concatenated ids and labels, `position_ids` restarting at 0 at every sample."""
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for s in samples:
+        row["input_ids"] += s["input_ids"]
+        row["labels"] += s["labels"]
+        row["position_ids"] += range(len(s["input_ids"]))
+    return row
 
 
 def unpack_row(row: dict[str, Any]) -> list[dict[str, list[int]]]:

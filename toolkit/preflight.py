@@ -102,11 +102,12 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                                    "is not in the local Hugging Face cache (preflight does not download)."])
             lines += ["", "stage data (tokens per row):"]
             for stage in recipe.stages:
-                files = resolve_data_paths(stage.data, Path(recipe.output_dir) / "dummy_data")
+                files = resolve_data_paths(stage.paths, Path(recipe.output_dir) / "dummy_data")
                 if not all(f.is_file() for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue
-                st = scan_stage(files, tokenizer, max_seq_len=recipe.data.max_seq_len, train_on=recipe.data.train_on)
+                st = scan_stage(files, tokenizer, max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
+                                train_on=recipe.data.train_on)
                 lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "
                              f"{st['no_trainable_tokens']} without trainable tokens")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from toolkit.data import IGNORE_INDEX, DataStats, has_generation_tags
+from toolkit.data import IGNORE_INDEX, ROLES, DataStats, has_generation_tags
 from toolkit.errors import ToolkitError
 from toolkit.tiny import IM_START, build_tokenizer
 
@@ -100,6 +102,21 @@ def build_vl_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = T
                                         chat_template=VL_CHATML_TEMPLATE)
 
 
+@contextmanager
+def _without_zero3_init() -> Iterator[None]:
+    """Build a plain local model even inside a ZeRO-3 run: Qwen2.5-VL creates its sub-models with `_from_config`,
+    which would otherwise partition them with `deepspeed.zero.Init`, a collective that only the building rank joins
+    (a hang when rank 0 alone writes the model)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Save a seeded random-weight Qwen2.5-VL (2+2 layers) and its processor to `out_dir`; return the path.
 
@@ -145,11 +162,12 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                               do_sample=False)
-    model.save_pretrained(out)
+    with _without_zero3_init():
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+        model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                                   do_sample=False)
+        model.save_pretrained(out)
     processor.save_pretrained(out)
     (out / "README.md").write_text(
         "# Tiny random-weight Qwen2.5-VL\n\n"
@@ -162,17 +180,14 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
 def vision_module_names(model: torch.nn.Module) -> dict[str, str]:
     """Name prefixes of the vision tower and its projector (patch merger) in `model`, e.g. to freeze or train them.
 
-    Works on the bare model and through wrappers (PEFT, DDP) whose module names add prefixes.
+    Qwen2-VL / Qwen2.5-VL keep them at `model.visual` and `model.visual.merger`; wrappers (PEFT, DeepSpeed) only add
+    leading prefixes, which the returned names include.
     """
-    tower = next((n for n, m in model.named_modules() if type(m).__name__.endswith("VisionTransformerPretrainedModel")),
-                 None)
-    if tower is None:
-        raise ToolkitError(f"{type(model).__name__} has no Qwen2.5-VL vision tower (expected a module named 'visual').")
+    modules = dict(model.named_modules())
+    tower = next((n for n in modules if n == "visual" or n.endswith(".visual")), None)
+    if tower is None or f"{tower}.merger" not in modules:
+        raise ToolkitError(f"{type(model).__name__} has no Qwen-VL vision tower ('visual' with a 'merger').")
     return {"vision_tower": tower, "projector": f"{tower}.merger"}
-
-
-def _rgb(name: str) -> tuple[int, int, int]:
-    return _COLOURS[name]
 
 
 _COLOURS: dict[str, tuple[int, int, int]] = {
@@ -187,15 +202,15 @@ def _draw(path: Path, rng: random.Random) -> tuple[str, str]:
     colour = rng.choice(list(_COLOURS))
     shape = rng.choice((*_SHAPES, "solid"))
     w, h = rng.randint(56, 112), rng.randint(56, 112)
-    img = Image.new("RGB", (w, h), _rgb(colour) if shape == "solid" else (128, 128, 128))
+    img = Image.new("RGB", (w, h), _COLOURS[colour] if shape == "solid" else (128, 128, 128))
     draw = ImageDraw.Draw(img)
     box = (w // 6, h // 6, w - w // 6, h - h // 6)
     if shape == "square":
-        draw.rectangle(box, fill=_rgb(colour))
+        draw.rectangle(box, fill=_COLOURS[colour])
     elif shape == "circle":
-        draw.ellipse(box, fill=_rgb(colour))
+        draw.ellipse(box, fill=_COLOURS[colour])
     elif shape == "triangle":
-        draw.polygon([(w // 2, box[1]), (box[0], box[3]), (box[2], box[3])], fill=_rgb(colour))
+        draw.polygon([(w // 2, box[1]), (box[0], box[3]), (box[2], box[3])], fill=_COLOURS[colour])
     img.save(path, format="PNG")
     return colour, shape
 
@@ -253,7 +268,9 @@ def _image_parts(messages: Any, where: str) -> int:
         raise ToolkitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
     count = 0
     for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ToolkitError(f"{where}: messages[{i}] must be an object with a role in {ROLES}.")
+        content = m.get("content")
         if isinstance(content, str):
             continue
         if not isinstance(content, list) or not all(isinstance(p, dict) and "type" in p for p in content):
@@ -277,7 +294,7 @@ def _load_image(path: Path, where: str) -> Image.Image:
     try:
         with Image.open(path) as img:
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as e:
         raise ToolkitError(f"{where}: image file {path} could not be read as an image ({e}).") from None
 
 
@@ -316,9 +333,10 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
     if n_parts != len(images):
         raise ToolkitError(f"{where}: {n_parts} {{\"type\": \"image\"}} placeholder(s) in 'messages' but "
                            f"{len(images)} path(s) in 'images'; there must be one placeholder per image, in order.")
-    if not processor.chat_template or not has_generation_tags(processor):
-        raise ToolkitError(f"{where}: the processor's chat template has no {{% generation %}} markers, so assistant "
-                           "tokens cannot be located. Use toolkit.vision.VL_CHATML_TEMPLATE.")
+    if not processor.chat_template or (train_on != "all" and not has_generation_tags(processor)):
+        raise ToolkitError(f"{where}: the processor has no chat template with {{% generation %}} markers, so "
+                           "assistant tokens cannot be located. Set processor.chat_template to "
+                           "toolkit.vision.VL_CHATML_TEMPLATE (or train_on: all).")
     loaded = iter([_load_image(Path(base_dir) / p, where) for p in images])
     conversation = [
         {**m, "content": [{**p, "image": next(loaded)} if p["type"] == "image" else p for p in m["content"]]}

@@ -1,0 +1,54 @@
+"""The throughput benchmark (bench/throughput.py) runs end to end in quick mode and reports every contender.
+
+Only that it works is checked, never the timings (they are noise at this size): every contender ran with a
+positive throughput (the TRL ones may be skipped, with a reason, where TRL is not installed, as on CI), packing
+leaves almost no padding, the padded contenders trained exactly the batches the toolkit's order predicts, and the
+results file was written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_env
+
+pytestmark = pytest.mark.slow
+
+CONTENDERS = ("bare", "toolkit", "toolkit_packed", "trl", "trl_packed")
+TRL_CONTENDERS = ("trl", "trl_packed")
+
+
+def test_quick_benchmark_reports_every_contender(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--quick", "--steps", "3",
+                           "--out", str(tmp_path)], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = json.loads(proc.stdout)  # stdout is the JSON summary and nothing else
+
+    has_trl = importlib.util.find_spec("trl") is not None
+    contenders = summary["contenders"]
+    assert set(contenders) == set(CONTENDERS)
+    for name in CONTENDERS:
+        result = contenders[name]
+        if name in TRL_CONTENDERS and not has_trl:
+            assert result["status"] == "skipped" and "trl" in result["reason"], result
+            continue
+        assert result["status"] == "ok", result
+        assert result["tokens_per_sec"] > 0 and result["mean_step_time_s"] > 0 and result["peak_memory_gb"] > 0
+        assert result["timed_steps"] == 3 and 0.0 <= result["padding_fraction"] < 1.0
+    for name in ("toolkit_packed", "trl_packed"):
+        if contenders[name]["status"] == "ok":
+            assert contenders[name]["padding_fraction"] <= 0.05, name
+    assert contenders["toolkit"]["padding_fraction"] > 0.05  # the long-tailed data does pad when not packed
+    assert False not in summary["checks"].values(), summary["checks"]
+    assert set(summary["targets"]) == {"toolkit_overhead", "packing_padding", "packed_vs_trl", "packed_vs_trl_packed"}
+
+    written = Path(summary["results_file"])
+    assert written.parent == tmp_path and written.is_file()
+    assert json.loads(written.read_text())["contenders"] == contenders

@@ -1,0 +1,335 @@
+"""Qwen2.5-VL data side: tiny VL model, dummy image data, row encoding, over-length policies and the collator."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tests.conftest import REPO, launch_cmd, run_env, signal_tree
+from toolkit.data import IGNORE_INDEX, DataStats
+from toolkit.errors import ToolkitError
+from toolkit.model import apply_lora
+from toolkit.vision import (
+    IMAGE_PAD,
+    VISION_TOKENS,
+    Qwen2_5_VLImageOnlyProcessor,
+    VLCollator,
+    encode_vl_row,
+    vision_module_names,
+    write_dummy_vl_data,
+    write_tiny_qwen2_5_vl,
+)
+
+WHERE = "rows.jsonl:3"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-vl"))
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir: Path) -> Any:
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Any:
+    return AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_dummy_vl_data(tmp_path_factory.mktemp("vl-data"), 30)
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def encode(row: dict[str, Any], processor: Any, base_dir: Path, **kw: Any) -> dict[str, Any] | None:
+    args: dict[str, Any] = {"train_on": "assistant", "max_seq_len": 1024, "overlength": "error"} | kw
+    return encode_vl_row(row, processor, base_dir=base_dir, where=WHERE, **args)
+
+
+def image_row(n: int, base: Path, *, answer: str = "It is red.") -> dict[str, Any]:
+    """A row with `n` images, reusing the dummy data's image files."""
+    images = sorted(p.relative_to(base).as_posix() for p in (base / "images").glob("s1_*.png"))[:n]
+    return {"messages": [{"role": "user", "content": [*({"type": "image"} for _ in range(n)),
+                                                      {"type": "text", "text": "What colour is this?"}]},
+                         {"role": "assistant", "content": answer}],
+            "images": images}
+
+
+TEXT_ROWS = [
+    {"messages": [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3."}]},
+    {"messages": [{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": [{"type": "text", "text": "What is 10 + 20, and why?"}]},
+                  {"role": "assistant", "content": "30, since ten and twenty make thirty."}]},
+]
+
+
+def n_image_tokens(ids: list[int] | torch.Tensor, processor: Any) -> int:
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    return sum(int(t) == image_id for t in ids)
+
+
+# --- tiny model and processor ---
+
+def test_round_trip(model_dir: Path, processor: Any, model: Any) -> None:
+    assert isinstance(processor, Qwen2_5_VLImageOnlyProcessor)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    tok, cfg = processor.tokenizer, model.config
+    ids = dict(zip(VISION_TOKENS, tok.convert_tokens_to_ids(VISION_TOKENS), strict=True))
+    assert (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id, cfg.video_token_id) == (
+        ids["<|vision_start|>"], ids["<|vision_end|>"], ids["<|image_pad|>"], ids["<|video_pad|>"])
+    assert cfg.text_config.vocab_size % 64 == 0 and cfg.text_config.vocab_size >= len(tok)
+    assert cfg.vision_config.out_hidden_size == cfg.text_config.hidden_size == 64
+    assert processor.image_processor.size["longest_edge"] == 56 * 56 * 4
+    assert "{% generation %}" in processor.chat_template.replace("{%-", "{%")
+
+
+def test_deterministic_weights(tmp_path: Path, model_dir: Path) -> None:
+    again = write_tiny_qwen2_5_vl(tmp_path / "again")
+    other = write_tiny_qwen2_5_vl(tmp_path / "other", seed=1)
+    ref = (model_dir / "model.safetensors").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == ref
+    assert (other / "model.safetensors").read_bytes() != ref
+    for name in ("tokenizer.json", "processor_config.json", "chat_template.jinja"):
+        assert (again / name).read_bytes() == (model_dir / name).read_bytes()
+
+
+def test_vision_module_names(model: Any, model_dir: Path) -> None:
+    names = vision_module_names(model)
+    assert names == {"vision_tower": "model.visual", "projector": "model.visual.merger"}
+    modules = dict(model.named_modules())
+    assert type(modules[names["projector"]]).__name__ == "Qwen2_5_VLPatchMerger"
+    peft = apply_lora(AutoModelForImageTextToText.from_pretrained(model_dir), r=2, alpha=4, dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=[])
+    wrapped = vision_module_names(peft)
+    assert wrapped["vision_tower"].endswith("model.visual") and wrapped["projector"] in dict(peft.named_modules())
+    # the language-model attention names do not occur in the vision tower (it uses qkv / proj)
+    assert not [n for n, _ in peft.named_modules() if n.startswith(wrapped["vision_tower"]) and "lora_" in n]
+
+
+# --- encoding ---
+
+def test_forward_on_an_image_row(processor: Any, model: Any, data: dict[str, Path]) -> None:
+    path = data["vl_stage1"]
+    sample = encode(rows(path)[0], processor, path.parent)
+    assert sample is not None
+    batch = VLCollator(processor)([sample])
+    with torch.no_grad():
+        loss = model(**batch).loss
+    assert math.isfinite(loss.item())
+
+
+def test_labels_are_assistant_text_and_im_end(processor: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    row = image_row(1, base, answer="It is red.")
+    row["messages"] += [{"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Still red."}]
+    sample = encode(row, processor, base)
+    assert sample is not None
+    ids, labels = sample["input_ids"], sample["labels"]
+    assert len(ids) == len(labels) and labels[0] == IGNORE_INDEX
+    kept = [t for t in labels if t != IGNORE_INDEX]
+    assert processor.tokenizer.decode(kept) == "It is red.<|im_end|>Still red.<|im_end|>"
+    assert all(label in (IGNORE_INDEX, t) for t, label in zip(ids, labels, strict=True))
+
+
+def test_image_tokens_match_grid_and_are_never_labelled(processor: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    vision = set(processor.tokenizer.convert_tokens_to_ids(VISION_TOKENS))
+    for n in (1, 2):
+        for train_on in ("assistant", "all"):
+            sample = encode(image_row(n, base), processor, base, train_on=train_on)
+            assert sample is not None
+            grid = sample["image_grid_thw"]
+            assert grid.shape == (n, 3)
+            merge = processor.image_processor.merge_size ** 2
+            assert n_image_tokens(sample["input_ids"], processor) == int(grid.prod(-1).sum()) // merge
+            assert sample["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+            assert not [t for t in sample["labels"] if t in vision]
+    text = encode(TEXT_ROWS[1], processor, base)
+    assert text is not None and set(text) == {"input_ids", "labels"}
+
+
+def test_pixel_bounds_override(processor: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    small = encode(image_row(1, base), processor, base, max_pixels=28 * 28, min_pixels=28 * 28)
+    assert small is not None and small["image_grid_thw"].tolist() == [[1, 2, 2]]
+    assert n_image_tokens(small["input_ids"], processor) == 1
+
+
+def test_missing_and_unreadable_images(processor: Any, tmp_path: Path, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    row = image_row(1, base)
+    row["images"] = ["images/nope.png"]
+    with pytest.raises(ToolkitError, match=rf"{WHERE}: image file .*images/nope.png does not exist"):
+        encode(row, processor, base)
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    row["images"] = ["bad.png"]
+    with pytest.raises(ToolkitError, match=rf"{WHERE}: image file .*bad.png could not be read"):
+        encode(row, processor, tmp_path)
+
+
+def test_placeholder_count_and_images_type(processor: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    two_paths = image_row(1, base) | {"images": image_row(2, base)["images"]}
+    with pytest.raises(ToolkitError, match=rf"{WHERE}: 1 .* placeholder\(s\) .* but 2 path\(s\)"):
+        encode(two_paths, processor, base)
+    no_paths = image_row(1, base) | {"images": []}
+    with pytest.raises(ToolkitError, match=rf"{WHERE}: 1 .* placeholder\(s\) .* but 0 path\(s\)"):
+        encode(no_paths, processor, base)
+    with pytest.raises(ToolkitError, match=rf"{WHERE}: 'images' must be a list"):
+        encode(image_row(1, base) | {"images": "images/s1_00000.png"}, processor, base)
+
+
+# --- over-length ---
+
+def test_overlength_error_and_drop(processor: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    row = image_row(1, base)
+    full = encode(row, processor, base)
+    assert full is not None
+    short = len(full["input_ids"]) - 1
+    with pytest.raises(ToolkitError, match=rf"{WHERE}: {short + 1} tokens, over data.max_seq_len={short}"):
+        encode(row, processor, base, max_seq_len=short)
+    stats = DataStats()
+    assert encode(row, processor, base, max_seq_len=short, overlength="drop", stats=stats) is None
+    assert stats.dropped_overlength == 1 and stats.truncated == 0
+
+
+def test_truncate_only_after_the_last_image(processor: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    row = image_row(2, base, answer="No: the first is red and the second is blue, as anyone can see.")
+    full = encode(row, processor, base)
+    assert full is not None
+    vision = set(processor.tokenizer.convert_tokens_to_ids(VISION_TOKENS))
+    last_vision = max(i for i, t in enumerate(full["input_ids"]) if t in vision)
+    stats = DataStats()
+    cut = last_vision + 5  # after the last image: ids and labels cut, the images untouched
+    kept = encode(row, processor, base, max_seq_len=cut, overlength="truncate", stats=stats)
+    assert kept is not None and stats.truncated == 1
+    assert kept["input_ids"] == full["input_ids"][:cut] and kept["labels"] == full["labels"][:cut]
+    assert n_image_tokens(kept["input_ids"], processor) == n_image_tokens(full["input_ids"], processor)
+    assert torch.equal(kept["pixel_values"], full["pixel_values"])
+    assert torch.equal(kept["image_grid_thw"], full["image_grid_thw"])
+    for inside in (last_vision, last_vision - 3, 5):  # the cut would split an image: dropped instead
+        assert encode(row, processor, base, max_seq_len=inside, overlength="truncate", stats=stats) is None
+    assert stats.dropped_overlength == 3 and stats.truncated == 1
+
+
+# --- collator ---
+
+def test_collator_mixed_batch(processor: Any, model: Any, data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    samples = [encode(TEXT_ROWS[0], processor, base), encode(image_row(2, base), processor, base),
+               encode(TEXT_ROWS[1], processor, base), encode(image_row(1, base), processor, base)]
+    assert all(s is not None for s in samples)
+    batch = VLCollator(processor)(samples)  # type: ignore[arg-type]
+    width = max(len(s["input_ids"]) for s in samples)  # type: ignore[index]
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (4, width)
+    with_images = [s for s in samples if s is not None and "pixel_values" in s]
+    assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in with_images]))
+    assert torch.equal(batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in with_images]))
+    for i, s in enumerate(samples):  # rows unchanged, right padded; no dummy image in a batch with images
+        assert s is not None
+        n = len(s["input_ids"])
+        assert batch["input_ids"][i, :n].tolist() == s["input_ids"]
+        assert batch["labels"][i, :n].tolist() == s["labels"]
+        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (width - n)
+        assert (batch["labels"][i, n:] == IGNORE_INDEX).all()
+    assert n_image_tokens(batch["input_ids"].flatten(), processor) == int(batch["image_grid_thw"].prod(-1).sum()) // 4
+    assert torch.equal(batch["mm_token_type_ids"].bool(), batch["input_ids"] == model.config.image_token_id)
+    with torch.no_grad():
+        assert math.isfinite(model(**batch).loss.item())
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["first-row-shorter", "first-row-longer"])
+def test_collator_text_only_batch_gets_a_dummy_image(processor: Any, model: Any, order: tuple[int, int]) -> None:
+    samples = [encode(TEXT_ROWS[i], processor, Path()) for i in order]
+    batch = VLCollator(processor)(samples)  # type: ignore[arg-type]
+    plain = VLCollator(processor, dummy_image=False)(samples)  # type: ignore[arg-type]
+    assert "pixel_values" not in plain and "pixel_values" in batch and batch["image_grid_thw"].shape == (1, 3)
+    first = samples[0]
+    assert first is not None
+    n = len(first["input_ids"])
+    dummy = batch["input_ids"][0, n:][batch["attention_mask"][0, n:] == 0]
+    assert n_image_tokens(dummy, processor) == int(batch["image_grid_thw"].prod()) // 4 >= 1
+    assert batch["attention_mask"][0, n:].sum() == 0 and (batch["labels"][0, n:] == IGNORE_INDEX).all()
+    for key in ("input_ids", "labels", "attention_mask"):  # real tokens unchanged
+        w = plain[key].shape[1]
+        assert torch.equal(batch[key][:, :w][batch["attention_mask"][:, :w] == 1],
+                           plain[key][plain["attention_mask"] == 1])
+    calls: list[int] = []
+    hook = model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            with_dummy = model(**batch).loss
+            assert calls, "the vision tower did not run on the dummy image"
+            without = model(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"],
+                            labels=plain["labels"]).loss
+    finally:
+        hook.remove()
+    assert abs(with_dummy.item() - without.item()) < 1e-6
+
+
+# --- dummy data ---
+
+def test_dummy_data_deterministic(tmp_path: Path) -> None:
+    a = write_dummy_vl_data(tmp_path / "a", 20, seed=3)
+    b = write_dummy_vl_data(tmp_path / "b", 20, seed=3)
+    c = write_dummy_vl_data(tmp_path / "c", 20, seed=4)
+    assert set(a) == {"vl_stage1", "vl_stage2"} and a["vl_stage1"] == tmp_path / "a" / "vl_stage1.jsonl"
+    for stage in a:
+        assert a[stage].read_bytes() == b[stage].read_bytes() != c[stage].read_bytes()
+    images_a = sorted(p.name for p in (tmp_path / "a" / "images").iterdir())
+    assert images_a == sorted(p.name for p in (tmp_path / "b" / "images").iterdir())
+    assert all((tmp_path / "a" / "images" / n).read_bytes() == (tmp_path / "b" / "images" / n).read_bytes()
+               for n in images_a)
+
+
+def test_dummy_data_shape(processor: Any, data: dict[str, Path]) -> None:
+    stage1, stage2 = rows(data["vl_stage1"]), rows(data["vl_stage2"])
+    assert len(stage1) == len(stage2) == 30
+    assert all(len(r["images"]) == 1 for r in stage1)
+    counts = [len(r.get("images", [])) for r in stage2]
+    assert counts.count(0) >= 3 and counts.count(1) >= 3 and counts.count(2) >= 3
+    base = data["vl_stage2"].parent
+    for r in stage1 + stage2:
+        assert all((base / p).is_file() for p in r.get("images", []))
+        sample = encode(r, processor, base)
+        assert sample is not None and any(t != IGNORE_INDEX for t in sample["labels"])
+
+
+# --- multi-process: text-only batches on one rank, image batches on the other ---
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_mixed_batches_across_ranks_do_not_hang(strategy: str, tmp_path: Path) -> None:
+    """Rank 0 only sees text-only batches, rank 1 image batches; without the collator's dummy image the ranks'
+    vision-tower all-gathers mismatch (a hang on NCCL, a gloo size error here). A hang fails at the timeout."""
+    cmd = [*launch_cmd(strategy, 2), str(REPO / "tests" / "_vl_mixed_batches.py"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{strategy}: mixed text/image batches hung for 600 s")
+    assert proc.returncode == 0, f"{strategy} failed (rc={proc.returncode}):\n{output[-6000:]}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["real_images"] for r in results] == [False, True]
+    for r in results:
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
+        assert r["strategy"] == ("zero3" if strategy == "zero3" else "fsdp2")
