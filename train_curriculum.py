@@ -104,12 +104,16 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     if dummy_samples is not None and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
+    cache = None if recipe.data.cache_dir == "none" else Path(
+        recipe.data.cache_dir or out.parent / ".toolkit-cache" / "tokenized")
     stages = []  # per stage: samples (packed rows with packing), per-file sizes, difficulty, lengths
     for stage in recipe.stages:
-        src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer,
-                                 max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
-                                 overlength=recipe.data.overlength, train_on=recipe.data.train_on,
-                                 packing=recipe.data.packing, needs_difficulty=stage.order == "easy_to_hard")
+        with accelerator.local_main_process_first():  # one rank per machine tokenises, the others read the cache
+            src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer,
+                                     max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
+                                     overlength=recipe.data.overlength, train_on=recipe.data.train_on,
+                                     packing=recipe.data.packing, needs_difficulty=stage.order == "easy_to_hard",
+                                     cache_dir=cache)
         if not src.samples:
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),

@@ -56,6 +56,8 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
+    cache_dir: str | None = Field(None, description="Tokenised-data cache (default <output_dir>/../.toolkit-cache/"
+                                  "tokenized); 'none' disables it.")
     packing: bool = Field(False, description="Pack samples into rows of max_seq_len tokens (no padding, no "
                           "cross-sample attention); micro_batch_size then counts packed rows.")
     chat_template: str | None = Field(

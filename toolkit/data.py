@@ -14,18 +14,38 @@ exact for any prefix-stable template (ChatML, Qwen2.5, Llama 3) and checked per 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import itertools
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import logging
+import os
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import numpy as np
+import tokenizers
+import transformers
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.errors import ToolkitError
 
+log = logging.getLogger(__name__)
+
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
+
+# Bump whenever encode_row or the length/no-loss policy changes what a file tokenises to, so old cache entries miss.
+CACHE_FORMAT_VERSION = 1
+# encode_row calls in this process, so tests can check that a cache hit did not tokenise again.
+ENCODE_CALLS = 0
+# A file's hash is only remembered against its stat once the file is this old (git's "racy clean" rule).
+RACY_WINDOW_NS = 2_000_000_000
 
 
 @dataclass
@@ -129,6 +149,8 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
 def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on: str,
                where: str) -> tuple[list[int], list[int]]:
     """Token ids and labels (IGNORE_INDEX where no loss) of one row. The first token never carries loss."""
+    global ENCODE_CALLS
+    ENCODE_CALLS += 1
     if "messages" in row:
         if not tokenizer.chat_template:
             raise ToolkitError(
@@ -156,8 +178,28 @@ def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on
 
 
 def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int,
-                    overlength: str, train_on: str) -> StageData:
-    """Read and tokenise a stage's files, applying the over-length policy and skipping rows with no loss."""
+                    overlength: str, train_on: str, cache_dir: Path | None = None) -> StageData:
+    """Read and tokenise a stage's files, applying the over-length policy and skipping rows with no loss.
+
+    With `cache_dir`, each file's result is reused from the tokenisation cache there, or computed and saved to it
+    (see `_load_file_cached`), so restarts and later stages skip the slow chat-template tokenisation.
+    """
+    if cache_dir is None:
+        return _tokenise(paths, tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    data = StageData()
+    for path in paths:
+        part = _load_file_cached(path, tokenizer, Path(cache_dir), fingerprint, max_seq_len=max_seq_len,
+                                 overlength=overlength, train_on=train_on)
+        data.samples += part.samples
+        data.extras += part.extras
+        _add_stats(data.stats, part.stats)
+    return data
+
+
+def _tokenise(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
+              train_on: str) -> StageData:
+    """The uncached work of `load_stage_data`."""
     data = StageData()
     st = data.stats
     for path in paths:
@@ -183,6 +225,146 @@ def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, ma
             st.label_tokens += n_label
             data.samples.append({"input_ids": ids, "labels": labels})
             data.extras.append({k: v for k, v in row.items() if k not in ("messages", "prompt", "completion", "text")})
+    return data
+
+
+def _add_stats(into: DataStats, other: DataStats) -> None:
+    for key in vars(into):
+        setattr(into, key, getattr(into, key) + getattr(other, key))
+
+
+# --- tokenisation cache -------------------------------------------------------------------------------------------
+# Layout under cache_dir:
+#   <key>.npz               one tokenised file: int arrays input_ids, labels (concatenated), offsets (n + 1), and
+#                           meta (uint8 UTF-8 JSON: key fields, source path, DataStats, extras). No pickles.
+#   hashes/<sha(path)>.json a file's sha256 remembered against its size, mtime, ctime and inode.
+# key = sha256 of {CACHE_FORMAT_VERSION, file sha256, tokenizer fingerprint, max_seq_len, overlength, train_on}.
+# Every file is written to a temp file, fsynced and os.replace'd, so concurrent ranks and crashes never leave a
+# partial entry; ranks that miss together each tokenise and the last rename wins (the contents are identical).
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of everything encode_row's output depends on besides the row: the tokenizer (its full serialisation
+    when fast, else its vocab), special and added tokens, BOS/EOS settings, the chat template, library versions."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "core": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "special": tokenizer.special_tokens_map,
+        "all_special": tokenizer.all_special_tokens,
+        "added": {str(i): str(t) for i, t in tokenizer.added_tokens_decoder.items()},
+        "eos_token_id": tokenizer.eos_token_id,
+        "flags": [getattr(tokenizer, name, None) for name in ("add_bos_token", "add_eos_token")],
+        "chat_template": tokenizer.chat_template,
+        "versions": [transformers.__version__, tokenizers.__version__],
+    }
+    return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())
+
+
+def _stat_sig(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _atomic_write(target: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write through a temp file in the same folder, fsync, then os.replace: readers see all of it or none."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
+    """sha256 of the file's bytes (streamed) and its stat signature taken before reading.
+
+    The hash is remembered and reused while size, mtime, ctime and inode are unchanged; it is only remembered for a
+    file last changed over RACY_WINDOW_NS before hashing, so a same-size rewrite within the filesystem's timestamp
+    granularity cannot hide behind an unchanged stat.
+    """
+    sig = _stat_sig(path)
+    record = cache_dir / "hashes" / f"{_sha256(str(path.resolve()).encode())}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(record.read_text())
+        if saved["stat"] == sig and isinstance(saved["sha256"], str):
+            return saved["sha256"], sig
+    started = time.time_ns()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(path) == sig:
+        payload = json.dumps({"path": str(path), "stat": sig, "sha256": digest}).encode()
+        with contextlib.suppress(OSError):
+            _atomic_write(record, lambda f: f.write(payload))
+    return digest, sig
+
+
+def _read_entry(entry: Path, key: dict[str, Any]) -> StageData | None:
+    """The cached result, or None when the entry is unreadable, truncated, inconsistent or for another key."""
+    try:
+        with np.load(entry, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+            ids, labels, offsets = z["input_ids"], z["labels"], z["offsets"]
+        stats = DataStats(**meta["stats"])
+        extras = meta["extras"]
+        ok = (meta["key"] == key and isinstance(extras, list) and len(extras) == len(offsets) - 1 == stats.kept
+              and all(a.dtype.kind == "i" and a.ndim == 1 for a in (ids, labels, offsets))
+              and offsets[0] == 0 and offsets[-1] == len(ids) == len(labels) == stats.tokens
+              and bool((np.diff(offsets) >= 0).all()) and int((labels != IGNORE_INDEX).sum()) == stats.label_tokens)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile):
+        ok = False
+    if not ok:
+        log.warning("Tokenisation cache entry %s is unreadable or inconsistent; rebuilding it.", entry)
+        return None
+    bounds, ids_list, labels_list = offsets.tolist(), ids.tolist(), labels.tolist()
+    samples = [{"input_ids": ids_list[a:b], "labels": labels_list[a:b]} for a, b in itertools.pairwise(bounds)]
+    return StageData(samples, extras, stats)
+
+
+def _write_entry(entry: Path, data: StageData, key: dict[str, Any], source: Path) -> None:
+    lengths = [len(s["input_ids"]) for s in data.samples]
+    ids = np.fromiter(itertools.chain.from_iterable(s["input_ids"] for s in data.samples), np.int64, sum(lengths))
+    labels = np.fromiter(itertools.chain.from_iterable(s["labels"] for s in data.samples), np.int64, sum(lengths))
+    if ids.size == 0 or int(ids.max()) < 2**31:  # int32 halves the size for every real vocabulary
+        ids, labels = ids.astype(np.int32), labels.astype(np.int32)
+    meta = {"key": key, "source": str(source), "stats": asdict(data.stats), "extras": data.extras}
+    arrays = {"input_ids": ids, "labels": labels, "offsets": np.cumsum([0, *lengths], dtype=np.int64),
+              "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    _atomic_write(entry, lambda f: np.savez(f, **arrays))
+
+
+def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, fingerprint: str, *,
+                      max_seq_len: int, overlength: str, train_on: str) -> StageData:
+    """One file through the cache: a hit skips tokenisation; a miss tokenises (errors propagate and are never
+    cached) and saves the result unless the file changed meanwhile. A cache that cannot be written only warns."""
+    settings: dict[str, Any] = {"max_seq_len": max_seq_len, "overlength": overlength, "train_on": train_on}
+    if not path.is_file():
+        return _tokenise([path], tokenizer, **settings)  # raises iter_jsonl's "does not exist" error
+    digest, sig = _file_sha256(path, cache_dir)
+    key = {"format": CACHE_FORMAT_VERSION, "file_sha256": digest, "tokenizer": fingerprint, **settings}
+    entry = cache_dir / f"{_sha256(json.dumps(key, sort_keys=True).encode())}.npz"
+    if entry.is_file() and (cached := _read_entry(entry, key)) is not None:
+        return cached
+    data = _tokenise([path], tokenizer, **settings)
+    if _stat_sig(path) == sig:  # otherwise the bytes tokenised may not be the bytes hashed
+        try:
+            _write_entry(entry, data, key, path)
+        except OSError as e:
+            log.warning("Could not write tokenisation cache entry %s (%s); continuing without it.", entry, e)
     return data
 
 
@@ -215,8 +397,11 @@ def _difficulty(extras: list[dict[str, Any]], path: Path) -> list[float] | None:
 
 
 def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
-                       train_on: str, packing: bool, needs_difficulty: bool) -> StageSources:
+                       train_on: str, packing: bool, needs_difficulty: bool,
+                       cache_dir: Path | None = None) -> StageSources:
     """Load each file of a stage separately (mixtures sample per file); with packing, pack within each file.
+
+    `cache_dir` is passed on to `load_stage_data` (the per-file tokenisation cache).
 
     A packed row's difficulty is that of its hardest sample, so easy-to-hard order stays conservative.
     """
@@ -224,9 +409,9 @@ def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *,
 
     out = StageSources([], [], [] if needs_difficulty else None, [], DataStats())
     for path in paths:
-        data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
-        for key in vars(out.stats):
-            setattr(out.stats, key, getattr(out.stats, key) + getattr(data.stats, key))
+        data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
+                               cache_dir=cache_dir)
+        _add_stats(out.stats, data.stats)
         difficulty = _difficulty(data.extras, path) if needs_difficulty else None
         if packing and difficulty is not None:
             bins = pack_best_fit_decreasing([len(s["input_ids"]) for s in data.samples], max_seq_len)
