@@ -362,4 +362,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_without_teardown(main())

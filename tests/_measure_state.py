@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -37,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora", action="store_true", help=f"train LoRA adapters (r={LORA_R}, all-linear)")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import build_accelerator, build_optimizer, configure_deepspeed, strategy_name
+    from toolkit.distributed import (
+        build_accelerator,
+        build_optimizer,
+        configure_deepspeed,
+        strategy_name,
+    )
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=10)
     from accelerate.utils import gather_object, set_seed
@@ -79,4 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.distributed import exit_without_teardown
+
+    exit_without_teardown(main())

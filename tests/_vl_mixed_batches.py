@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -42,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-dummy-image", action="store_true", help="disable the collator's dummy image")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import build_accelerator, build_optimizer, configure_deepspeed, ds_config, strategy_name
+    from toolkit.distributed import (
+        build_accelerator,
+        build_optimizer,
+        configure_deepspeed,
+        ds_config,
+        strategy_name,
+    )
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=3)  # before loading: enables ZeRO-3 init
     from accelerate.utils import set_seed
@@ -116,4 +121,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.distributed import exit_without_teardown
+
+    exit_without_teardown(main())
