@@ -47,7 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("bare", "toolkit", "toolkit_packed", "trl", "trl_packed")
 LETTERS = dict(zip(CONTENDERS, "abcde", strict=True))
 TRL_CONTENDERS = ("trl", "trl_packed")
-IGNORE_INDEX = -100  # same value as toolkit.data.IGNORE_INDEX (kept literal: workers import no toolkit module)
 
 
 @dataclass
@@ -477,6 +476,7 @@ def run_contender(name: str, spec: Spec, spec_path: Path) -> dict[str, Any]:
     logfile = Path(spec.workdir) / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", str(spec_path)]
     (Path(spec.workdir) / f"{name}.result.json").unlink(missing_ok=True)  # never read a previous repeat's
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     try:
         with logfile.open("w") as f:
@@ -488,7 +488,12 @@ def run_contender(name: str, spec: Spec, spec_path: Path) -> dict[str, Any]:
     if not result_path.is_file():
         return {"status": "failed", "error": "worker wrote no result:\n" + logfile.read_text()[-4000:]}
     result = json.loads(result_path.read_text())
-    result["wall_s"] = round(time.monotonic() - started, 1)
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Contention diagnostic: CPU seconds of the worker and its children per wall second, about the thread count
+    # when nothing else runs (imports and set-up pull it down a little), much lower when other processes compete.
+    wall = time.monotonic() - started
+    cpu = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
+    result.update(wall_s=round(wall, 1), cpu_s=round(cpu, 1), cpu_per_wall=round(cpu / wall, 2))
     if result["status"] != "ok":
         result["log_tail"] = logfile.read_text()[-3000:]
     return result
@@ -586,6 +591,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
     cuda = torch.cuda.is_available()
     dtype = "bfloat16" if cuda and torch.cuda.is_bf16_supported() else "float32"
+    load_at_start = os.getloadavg()[0]
+    if load_at_start > 0.5:
+        log(f"the machine is not idle (1-minute load average {load_at_start:.2f}): figures will be noisy")
     workdir = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     started = time.monotonic()
     try:
@@ -692,6 +700,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                           "real_tokens_per_padded_micro_batch": args.micro_batch_size * sum(lengths) / len(lengths),
                           "real_tokens_per_packed_micro_batch": packed_micro * sum(lengths) / len(packed_rows)},
                 "warmup_steps": warmup, "timed_steps": steps, "threads": threads, "seed": args.seed,
+                "repeats": args.repeats, "load_avg_1m_at_start": round(load_at_start, 2),
                 "lr": spec.lr, "max_grad_norm": spec.max_grad_norm,
             },
             "contenders": {name: {"label": LETTERS[name], **results[name]} for name in CONTENDERS},
