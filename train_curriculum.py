@@ -237,6 +237,8 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                      plan.global_batch, lr_at(step), " (continued schedule)" if plan.schedule == "continue" else "")
         samples = stages[plan.index].samples
         indices = samplers[plan.index].batch(step_in_stage)
+        if recipe.data.group_by_length:  # same samples, fewer pad tokens: loss is normalised over the global batch
+            indices = sorted(indices, key=stages[plan.index].lengths.__getitem__)
         rank_batches = curriculum.rank_micro_batches(indices, rank=rank, world_size=world,
                                                      micro_batch_size=plan.micro_batch, grad_accum=accum)
         batches = [collate([samples[i] for i in idx]) for idx in rank_batches]

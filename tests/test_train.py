@@ -54,3 +54,12 @@ def test_linear_lr_scaling(tmp_path: Path) -> None:
     for a, b in zip(read_metrics(plain / "metrics.jsonl", "train"), read_metrics(scaled / "metrics.jsonl", "train"),
                     strict=True):
         assert b["lr"] == pytest.approx(2 * a["lr"])
+
+
+def test_group_by_length_cuts_padding_without_changing_the_step(tmp_path: Path) -> None:
+    plain, grouped = tmp_path / "plain", tmp_path / "grouped"
+    train("single", 1, plain, "train.micro_batch_size=2", "train.grad_accum=4")
+    train("single", 1, grouped, "train.micro_batch_size=2", "train.grad_accum=4", "data.group_by_length=true")
+    a, b = read_metrics(plain / "metrics.jsonl", "train"), read_metrics(grouped / "metrics.jsonl", "train")
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+    assert sum(r["padding_fraction"] for r in b) < 0.8 * sum(r["padding_fraction"] for r in a)

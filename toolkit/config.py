@@ -58,6 +58,8 @@ class DataConfig(_Section):
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache (default <output_dir>/../.toolkit-cache/"
                                   "tokenized); 'none' disables it.")
+    group_by_length: bool = Field(False, description="Without packing: split each global batch into micro-batches "
+                                  "of similar lengths (less padding; the step's samples are unchanged).")
     packing: bool = Field(False, description="Pack samples into rows of max_seq_len tokens (no padding, no "
                           "cross-sample attention); micro_batch_size then counts packed rows.")
     chat_template: str | None = Field(
