@@ -41,11 +41,12 @@ def launch_cmd(strategy: str, num_processes: int, *, mixed_precision: str = "no"
 
 
 def train(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
-          mixed_precision: str = "no", dummy_samples: int = 64, check: bool = True) -> subprocess.CompletedProcess:
+          mixed_precision: str = "no", dummy_samples: int = 64, check: bool = True,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
     cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
                     dummy_samples=dummy_samples)
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env() | (env or {}), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
     if check and proc.returncode != 0:
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,12 +57,8 @@ def test_sample_lengths_of_packed_rows() -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / strategy
-    env_before = os.environ.get("TOOLKIT_FAULT_NONFINITE")
-    os.environ["TOOLKIT_FAULT_NONFINITE"] = "3:1"  # rank 1's loss is NaN at step 3
-    try:
-        train(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10")
-    finally:
-        os.environ.pop("TOOLKIT_FAULT_NONFINITE") if env_before is None else None
+    train(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10",
+          env={"TOOLKIT_FAULT_NONFINITE": "3:1"})  # rank 1's loss is NaN at step 3
     records = train_records(out)
     assert [r["skipped"] for r in records] == [0, 0, 1, 0, 0, 0, 0]
     assert math.isnan(records[2]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 2)
@@ -78,12 +74,8 @@ def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_pat
 @pytest.mark.slow
 def test_too_many_consecutive_skips_stops_naming_the_last_good_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "diverged"
-    os.environ["TOOLKIT_FAULT_NONFINITE"] = "3:0,4:0"
-    try:
-        proc = train("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=1",
-                     "train.micro_batch_size=4", check=False)
-    finally:
-        os.environ.pop("TOOLKIT_FAULT_NONFINITE")
+    proc = train("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=1",
+                 "train.micro_batch_size=4", check=False, env={"TOOLKIT_FAULT_NONFINITE": "3:0,4:0"})
     assert proc.returncode != 0
     assert "2 consecutive steps skipped up to step 4 in stage 'short'" in proc.stderr
     assert "step-00000002" in proc.stderr
@@ -118,8 +110,7 @@ def test_live_metrics_and_mfu(tmp_path: Path) -> None:
 
 
 def test_missing_tracker_names_the_package(tmp_path: Path) -> None:
-    pytest.importorskip("yaml")
-    if __import__("importlib").util.find_spec("mlflow") is not None:
+    if importlib.util.find_spec("mlflow") is not None:  # the test needs a tracker that is not installed
         pytest.skip("mlflow is installed here")
     proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), f"output_dir={tmp_path / 'o'}",
                            "logging.trackers=[mlflow]"], cwd=REPO, env=run_env(), capture_output=True, text=True,
