@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
@@ -105,7 +105,7 @@ class CheckpointManager:
 
     def _update_best(self, step: int, metrics: dict[str, Any]) -> None:
         value = metrics.get(self.best_metric) if self.best_metric else None
-        if value is None or not np.isfinite(value):
+        if value is None or not math.isfinite(value):
             return
         best = self.best
         better = best is None or (value < best["value"] if self.best_mode == "min" else value > best["value"])

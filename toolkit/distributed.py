@@ -153,14 +153,6 @@ def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter], 
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
-def any_rank(accelerator: Accelerator, *flags: bool) -> list[bool]:
-    """For each flag, whether it is true on any rank: one small all-reduce, so all ranks take the same branch."""
-    values = torch.tensor([float(f) for f in flags], device=accelerator.device)
-    if accelerator.num_processes > 1:
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]
-
-
 def veto_update(loss: torch.Tensor) -> torch.Tensor:
     """The loss to backpropagate when every rank agreed to skip this step's update.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import math
 import resource
 import time
 from pathlib import Path
@@ -116,7 +117,7 @@ class Meter:
         if accelerator.num_processes > 1:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         self.tokens_total += tokens
-        finite = [x for x in self.losses if x == x and abs(x) != float("inf")]
+        finite = [x for x in self.losses if math.isfinite(x)]
         out = {
             "loss": sum(finite) / len(finite) if finite else float("nan"),
             "tokens": self.tokens_total, "tokens_per_sec": tokens / seconds, "samples_per_sec": samples / seconds,
