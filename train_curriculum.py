@@ -19,6 +19,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, res
 from toolkit.data import (
     DUMMY_PREFIX,
     IGNORE_INDEX,
+    StageSources,
     build_collator,
     load_stage_data,
     load_stage_sources,
@@ -47,7 +49,9 @@ from toolkit.model import (
     choose_attention,
     count_parameters,
     enable_gradient_checkpointing,
+    is_vision_language,
     load_model,
+    load_processor,
     load_tokenizer,
     materialize_builtin,
     resolve_dtype,
@@ -55,6 +59,7 @@ from toolkit.model import (
 from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.sampling import Pacing, StageSampler
+from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable
 
 log = logging.getLogger("toolkit")
 
@@ -68,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
+def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     out = Path(recipe.output_dir)
     lr_scale = 1.0
 
@@ -95,37 +100,29 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
-    with accelerator.local_main_process_first():  # the builtin tiny model is built once per machine
+    with accelerator.local_main_process_first():  # the builtin tiny models are built once per machine
         model_path = materialize_builtin(recipe.model.name_or_path, out.parent / ".toolkit-cache")
     check_model_source(model_path)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
-                               chat_template=recipe.data.chat_template)
+    vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
+    if create_dummy:  # stages not already on dummy data get the generated files
+        use_dummy_data(recipe, vision=vision)
+    if vision:  # the processor formats image rows; its tokenizer is saved with the model
+        processor = load_processor(model_path, trust_remote_code=recipe.model.trust_remote_code,
+                                   chat_template=recipe.data.chat_template)
+        tokenizer = processor.tokenizer
+    else:
+        processor = tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
+                                               chat_template=recipe.data.chat_template)
     dummy_dir = out / "dummy_data"
-    if dummy_samples is not None and accelerator.is_local_main_process:
+    if uses_dummy_data(recipe) and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
+        if vision:
+            from toolkit.vision import write_dummy_vl_data
+
+            write_dummy_vl_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
-    cache = None if recipe.data.cache_dir == "none" else Path(
-        recipe.data.cache_dir or out.parent / ".toolkit-cache" / "tokenized")
-    stages = []  # per stage: samples (packed rows with packing), per-file sizes, difficulty, lengths
-    for stage in recipe.stages:
-        with accelerator.local_main_process_first():  # one rank per machine tokenises, the others read the cache
-            src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer,
-                                     max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
-                                     overlength=recipe.data.overlength, train_on=recipe.data.train_on,
-                                     packing=recipe.data.packing, needs_difficulty=stage.order == "easy_to_hard",
-                                     cache_dir=cache)
-        if not src.samples:
-            raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
-        log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
-                 f"; packed into {len(src.samples)} rows" if recipe.data.packing else "")
-        stages.append(src)
-    stage_eval = []  # tokenised eval sets, one per stage (shared when they come from eval.data)
-    for stage in recipe.stages:
-        files = stage.eval if stage.eval is not None else recipe.eval.data
-        stage_eval.append(load_stage_data(resolve_data_paths(files, dummy_dir), tokenizer,
-                                          max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
-                                          overlength=recipe.data.overlength,
-                                          train_on=recipe.data.train_on).samples if files else [])
+    stages, stage_eval = load_curriculum_data(recipe, tokenizer, processor if vision else None, dummy_dir,
+                                              accelerator)
     sch = recipe.schedule
     plans = curriculum.plan_stages(
         [s.name for s in recipe.stages], [len(src.samples) for src in stages],
@@ -141,44 +138,47 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                              pacing=Pacing(stage.pacing.kind, stage.pacing.start_fraction) if stage.pacing else None,
                              global_batch=plan.global_batch, total_steps=plan.steps)
                 for stage, src, plan in zip(recipe.stages, stages, plans, strict=True)]
-    total_steps = plans[-1].end_step
-    collate = PackedCollator() if recipe.data.packing else build_collator(tokenizer)
+    if vision:
+        from toolkit.vision import VLCollator
+
+        collate = VLCollator(processor, min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
+    else:
+        collate = PackedCollator() if recipe.data.packing else build_collator(tokenizer)
     invariants = checkpoint.recipe_hash(resume_invariants(recipe))
+    resume_meta = checkpoint.read_meta(resume_from) if resume_from is not None else {}
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
-        checkpoint.check_resumable(checkpoint.read_meta(resume_from), resume_from, invariants_hash=invariants,
+        checkpoint.check_resumable(resume_meta, resume_from, invariants_hash=invariants,
                                    effective_batch=global_batch, strategy=strategy, world_size=world,
                                    force=ck.resume_force)
+        # Stages that ended early on eval patience keep their actual length (samplers keep the planned one).
+        plans = curriculum.apply_stage_steps(plans, resume_meta.get("curriculum", {}).get(
+            "stage_steps", [p.steps for p in plans]))
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
-    attn = choose_attention(recipe.model.attn_implementation)
-    dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
-    log.info("loading %s (%s, attention=%s)", model_path, dtype, attn)
-    model = load_model(model_path, dtype=dtype, attn_implementation=attn,
-                       trust_remote_code=recipe.model.trust_remote_code)
-    if recipe.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    if recipe.lora.enabled:
-        lo = recipe.lora
-        model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
-                           modules_to_save=lo.modules_to_save)
+    model, trainable = build_model(recipe, model_path, vision=vision)
     if recipe.data.packing:
         check_packing_support(model)
-    trainable, total = count_parameters(model)
-    log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+    total = count_parameters(model)[1]
+    for plan, count in zip(plans, trainable.stage_counts, strict=True):
+        log.info("stage '%s' trains %d of %d parameters (%.3f%%)", plan.name, count, total, 100 * count / total)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---
+    # Every parameter that trains in some stage is in the optimizer from the start, one param group per set of
+    # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
-    distributed.configure_deepspeed(accelerator, micro, opt.max_grad_norm)
-    optimizer = distributed.build_optimizer(
-        accelerator, [p for p in model.parameters() if p.requires_grad], lr=1.0,
-        weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
+    text_config = model.config.get_text_config()
+    distributed.configure_deepspeed(accelerator, micro, opt.max_grad_norm, text_config.hidden_size)
+    optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
+                                            weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
+    freezer = distributed.StageFreezer(accelerator, model, optimizer, trainable.groups)
     lr_at = curriculum.build_lr_lambda(plans, sch.kind)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    # The lambda reads `lr_at` when called: an early stage advance rebinds it to the moved-up stages' schedule.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step))
     accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
     max_norm = opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf
 
@@ -186,12 +186,12 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     meter = Meter(accelerator.device)
     start_step = 0
     if resume_from is not None:
-        meta = checkpoint.read_meta(resume_from)
         how = checkpoint.restore(accelerator, model, optimizer, scheduler, resume_from, strategy=strategy)
-        start_step, meter.tokens_total = meta["step"], meta["tokens"]
-        meter.losses, meter.skipped = meta["pending"]["losses"], meta["pending"]["skipped"]
-        log.info("resumed (%s) from %s: step %d of %d, stage '%s'", how, resume_from, start_step, total_steps,
-                 meta["stage"])
+        start_step, meter.tokens_total = resume_meta["step"], resume_meta["tokens"]
+        meter.losses, meter.skipped = resume_meta["pending"]["losses"], resume_meta["pending"]["skipped"]
+        freezer.updates = resume_meta.get("adam_updates", [start_step] * len(freezer.updates))
+        log.info("resumed (%s) from %s: step %d of %d, stage '%s'", how, resume_from, start_step,
+                 plans[-1].end_step, resume_meta["stage"])
     manager = checkpoint.CheckpointManager(out / "checkpoints", keep_last=ck.keep_last, best_metric=ck.best_metric,
                                            best_mode=ck.best_mode, is_main=accelerator.is_main_process,
                                            barrier=accelerator.wait_for_everyone)
@@ -203,6 +203,7 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
         (out / "run.json").write_text(json.dumps({
             "run_name": run_name, "strategy": strategy, "num_processes": world, "effective_batch": global_batch,
             "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
+            "trainable_params": trainable.stage_counts,
             "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
             | {"toolkit": __version__}}, indent=2))
         if resume_from is None:
@@ -215,8 +216,8 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
     guard = StabilityGuard(spike_factor=recipe.stability.loss_spike_factor,
                            spike_window=recipe.stability.loss_spike_window,
                            max_consecutive_skips=recipe.stability.max_consecutive_skips)
-    text_config = accelerator.unwrap_model(model).config
     peak = peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops)
+    saved_patience = resume_meta.get("curriculum", {}).get("patience")  # counters of the stage resumed into
 
     def log_record(record: dict) -> None:
         metrics.write(record)
@@ -224,14 +225,20 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
-    bar = tqdm(total=total_steps, initial=start_step,
+    bar = tqdm(total=plans[-1].end_step, initial=start_step,
                disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
-    last_save, current_stage, grad_norm, latest = time.monotonic(), -1, None, {}
+    last_save, current_stage, grad_norm, latest, patience = time.monotonic(), -1, None, {}, None
     stage_start_tokens = meter.tokens_total  # approximate after a mid-stage resume (counts from the resume)
-    for step in range(start_step, total_steps):
+    step = start_step
+    while step < plans[-1].end_step:  # the end moves up when a stage ends early
         plan, step_in_stage = curriculum.locate(plans, step)
+        stage = recipe.stages[plan.index]
         if plan.index != current_stage:
             current_stage = plan.index
+            freezer.set_stage(plan.index)
+            resumed_here = saved_patience is not None and resume_meta["stage_index"] == plan.index
+            patience = None if stage.patience is None else curriculum.Patience.from_state(
+                stage.patience, stage.patience_min_delta, saved_patience if resumed_here else None)
             log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
                      plan.index + 1, len(plans), plan.name, plan.start_step + 1, plan.end_step, plan.num_samples,
                      plan.global_batch, lr_at(step), " (continued schedule)" if plan.schedule == "continue" else "")
@@ -271,12 +278,15 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                         loss = distributed.veto_update(loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
+                    freezer.drop_frozen_grads()  # frozen parameters leave the norm and the update
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                 if not verdict.skip:  # outside sync steps accelerate's optimizer.step() is a no-op anyway
                     optimizer.step()
                 optimizer.zero_grad()
         scheduler.step()
         meter.add_step(step_loss, verdict.skip)
+        if not verdict.skip:
+            freezer.count_update(plan.index)
         bar.update(1)
         done = step + 1
         if verdict.skip:
@@ -288,7 +298,7 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                     f"'{plan.name}' ({verdict.reason}). Last good checkpoint: "
                     f"{last_good[-1] if last_good else 'none'}. Lower the learning rate or check the data.")
 
-        if done % recipe.logging.logging_steps == 0 or done == total_steps:
+        if done % recipe.logging.logging_steps == 0 or done == plans[-1].end_step:
             record = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
                       **meter.record(accelerator, peak_flops=peak), "lr": lr_at(step),
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -297,24 +307,35 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
             latest.update(record)
             bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
 
-        stage_end = done == plan.end_step
-        if stage_end:  # the stage's summary, in the log and in metrics.jsonl
-            tokens_now = meter.tokens_total + meter.reduced(accelerator)[0]
-            summary = {"step": done, "stage": plan.name, "stage_index": plan.index, "event": "stage_end",
-                       "stage_steps": plan.steps, "stage_samples": plan.steps * plan.global_batch,
-                       "stage_tokens": tokens_now - stage_start_tokens, "trainable_params": trainable}
-            metrics.write(summary)
-            log.info("stage '%s' done: %d steps, %d samples, %d tokens, %d trainable parameters", plan.name,
-                     plan.steps, summary["stage_samples"], summary["stage_tokens"], trainable)
-            stage_start_tokens = tokens_now
-
         # Evaluation: every eval.every_steps and at the end of each stage, on the stage's (or global) eval set.
+        # With patience, an evaluation that has not improved on the stage's best for that long ends the stage.
+        stage_end = done == plan.end_step
         eval_samples = stage_eval[plan.index]
         if eval_samples and (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
             result = evaluate(accelerator, model, eval_samples, collate, recipe.eval.micro_batch_size or micro)
             log_record({"step": done, "stage": plan.name, "stage_index": plan.index, **result})
             latest.update(result)
             log.info("step %d eval: loss %.4f, ppl %.2f", done, result["eval_loss"], result["eval_ppl"])
+            if patience is not None and patience.update(result["eval_loss"]) and not stage_end:
+                log.info("stage '%s' ends early after %d of %d steps: eval_loss has not improved on %.4f for %d "
+                         "evaluations", plan.name, step_in_stage + 1, plan.steps, patience.best, patience.since_best)
+                plans = curriculum.end_stage_early(plans, plan.index, step_in_stage + 1)
+                plan, stage_end = plans[plan.index], True
+                lr_at = curriculum.build_lr_lambda(plans, sch.kind)
+                bar.total = plans[-1].end_step
+                log_record({"step": done, "stage": plan.name, "stage_index": plan.index, "event": "early_advance",
+                            "best_eval_loss": patience.best})
+
+        if stage_end:  # the stage's summary, in the log and in metrics.jsonl
+            tokens_now = meter.tokens_total + meter.reduced(accelerator)[0]
+            summary = {"step": done, "stage": plan.name, "stage_index": plan.index, "event": "stage_end",
+                       "stage_steps": plan.steps, "stage_samples": plan.steps * plan.global_batch,
+                       "stage_tokens": tokens_now - stage_start_tokens,
+                       "trainable_params": trainable.stage_counts[plan.index]}
+            metrics.write(summary)
+            log.info("stage '%s' done: %d steps, %d samples, %d tokens, %d trainable parameters", plan.name,
+                     plan.steps, summary["stage_samples"], summary["stage_tokens"], summary["trainable_params"])
+            stage_start_tokens = tokens_now
 
         # Checkpoint: every save_steps / save_minutes, at stage ends, and on preemption (all ranks agree).
         periodic = bool(ck.save_steps) and done % ck.save_steps == 0
@@ -323,11 +344,15 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                     "samples": curriculum.samples_seen(plans, done),
                     "tokens": meter.tokens_total + meter.reduced(accelerator)[0],
                     "pending": {"losses": meter.losses, "skipped": meter.skipped},
+                    "curriculum": {"stage_steps": [p.steps for p in plans],
+                                   "patience": None if patience is None or stage_end else patience.state()},
+                    "adam_updates": freezer.updates,
                     "metrics": latest, "time": time.time(), "world_size": world, "strategy": strategy,
                     "effective_batch": global_batch, "lora": recipe.lora.enabled, "recipe_hash": invariants,
                     "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
-            write = partial(checkpoint.write_state, accelerator, model, optimizer, step=done,
-                            portable=recipe.lora.enabled and ck.portable)
+            portable = recipe.lora.enabled and ck.portable
+            write = partial(checkpoint.write_state, accelerator, model, optimizer,
+                            adam_steps=freezer.adam_steps() if portable else None)
             log.info("checkpoint %s", manager.save(done, write, meta))
             last_save = time.monotonic()
         if preempted:
@@ -335,14 +360,95 @@ def train(recipe: Recipe, *, dummy_samples: int | None) -> int:
                         preemption.signal_name or "signal on another rank", done)
             accelerator.end_training()
             return PREEMPTED_EXIT_CODE
+        step = done
     bar.close()
 
-    # --- Save: gathered adapter (or full model) + tokenizer, usable with from_pretrained. ---
-    final = checkpoint.save_final(accelerator, model, tokenizer, out / "final")
+    # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
+    final = checkpoint.save_final(accelerator, model, processor, out / "final")
     log.info("done. metrics: %s  final model: %s  (%d steps skipped)", out / "metrics.jsonl", final,
              guard.total_skipped)
     accelerator.end_training()
     return 0
+
+
+def use_dummy_data(recipe: Recipe, *, vision: bool) -> None:
+    """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
+    vision-language model), stage 1 on the first file, later stages on the second."""
+    first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
+    for i, stage in enumerate(recipe.stages):
+        if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
+            stage.data = [first if i == 0 else second]  # type: ignore[list-item]
+
+
+def uses_dummy_data(recipe: Recipe) -> bool:
+    return any(path.startswith(DUMMY_PREFIX) for stage in recipe.stages
+               for path in [*stage.paths, *(stage.eval or []), *recipe.eval.data])
+
+
+def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, dummy_dir: Path,
+                         accelerator: Any) -> tuple[list[StageSources], list[list[dict[str, Any]]]]:
+    """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
+
+    A vision-language model's rows go through its processor (`processor` given): image tokens are expanded and
+    never cut, and the rows are neither cached nor packed.
+    """
+    if processor is not None and recipe.data.packing:
+        raise ToolkitError("data.packing is not supported for vision-language models: set data.packing: false "
+                           "(data.group_by_length: true also cuts padding).")
+    cache = None if recipe.data.cache_dir == "none" else Path(
+        recipe.data.cache_dir or Path(recipe.output_dir).parent / ".toolkit-cache" / "tokenized")
+
+    def settings(stage: Any) -> dict[str, Any]:
+        max_len = stage.max_seq_len or recipe.data.max_seq_len
+        encoder = None
+        if processor is not None:
+            from toolkit.vision import vl_encoder
+
+            encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
+                                 train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,
+                                 max_pixels=recipe.data.max_pixels)
+        return {"max_seq_len": max_len, "overlength": recipe.data.overlength, "train_on": recipe.data.train_on,
+                "encoder": encoder}
+
+    stages = []
+    for stage in recipe.stages:
+        with accelerator.local_main_process_first():  # one rank per machine tokenises, the others read the cache
+            src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer, packing=recipe.data.packing,
+                                     needs_difficulty=stage.order == "easy_to_hard", cache_dir=cache, **settings(stage))
+        if not src.samples:
+            raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
+        log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
+                 f"; packed into {len(src.samples)} rows" if recipe.data.packing else "")
+        stages.append(src)
+    evals = []  # one per stage (the same files when they come from eval.data)
+    for stage in recipe.stages:
+        files = stage.eval if stage.eval is not None else recipe.eval.data
+        evals.append(load_stage_data(resolve_data_paths(files, dummy_dir), tokenizer, **settings(stage)).samples
+                     if files else [])
+    return stages, evals
+
+
+def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
+    """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
+
+    Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
+    the adapter); `plan_trainable` then sets requires_grad on everything that trains in any stage.
+    """
+    attn = choose_attention(recipe.model.attn_implementation)
+    dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
+    log.info("loading %s (%s, attention=%s%s)", model_path, dtype, attn, ", vision-language" if vision else "")
+    model = load_model(model_path, dtype=dtype, attn_implementation=attn,
+                       trust_remote_code=recipe.model.trust_remote_code, vision=vision)
+    if recipe.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    entries = [s.trainable or recipe.train.trainable for s in recipe.stages]
+    keys = [f"stages.{i}.trainable" if s.trainable else "train.trainable" for i, s in enumerate(recipe.stages)]
+    if recipe.lora.enabled:
+        lo = recipe.lora
+        extra = modules_to_train(model, [e or [] for e in entries], keys)
+        model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
+                           modules_to_save=[*lo.modules_to_save, *extra], exclude_modules=lo.exclude_modules)
+    return model, plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,14 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     try:
         recipe = load_recipe(args.config, args.overrides)
-        if args.create_dummy_data:  # stages not already on dummy data get the generated files
-            for i, stage in enumerate(recipe.stages):
-                if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
-                    stage.data = ["dummy:stage1" if i == 0 else "dummy:stage2"]  # type: ignore[list-item]
-        uses_dummy = any(path.startswith(DUMMY_PREFIX) for stage in recipe.stages for path in
-                         [*stage.paths, *(stage.eval or []), *recipe.eval.data])
-        dummy = args.num_dummy_samples if uses_dummy else None
-        return train(recipe, dummy_samples=dummy)
+        return train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

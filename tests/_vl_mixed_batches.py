@@ -24,30 +24,13 @@ STEPS = 3
 MICRO_BATCH = 2
 
 
-def fill_zero_sizes(cfg: dict | None, hidden: int) -> None:
-    """Fill the hidden-size based ZeRO "auto" values: accelerate reads `model.config.hidden_size`, which a VL config
-    only has in `text_config` (same formulas as accelerate)."""
-    zero = (cfg or {}).get("zero_optimization", {})
-    sizes = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-             "stage3_param_persistence_threshold": 10 * hidden}
-    for key, value in sizes.items():
-        if zero.get(key) == "auto":
-            zero[key] = value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory for the tiny model, data and rank{r}.json")
     parser.add_argument("--no-dummy-image", action="store_true", help="disable the collator's dummy image")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import (
-        build_accelerator,
-        build_optimizer,
-        configure_deepspeed,
-        ds_config,
-        strategy_name,
-    )
+    from toolkit.distributed import build_accelerator, build_optimizer, configure_deepspeed, strategy_name
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=3)  # before loading: enables ZeRO-3 init
     from accelerate.utils import set_seed
@@ -81,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if n.startswith(names["projector"] + "."):
             p.requires_grad_(True)
 
-    configure_deepspeed(accelerator, MICRO_BATCH, 1.0)
-    fill_zero_sizes(ds_config(accelerator), model.config.text_config.hidden_size)
+    configure_deepspeed(accelerator, MICRO_BATCH, 1.0, model.config.get_text_config().hidden_size)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(accelerator, params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)

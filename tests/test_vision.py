@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tests.conftest import REPO, launch_cmd, run_env, signal_tree
@@ -23,6 +24,7 @@ from toolkit.vision import (
     Qwen2_5_VLImageOnlyProcessor,
     VLCollator,
     encode_vl_row,
+    process_images,
     vision_module_names,
     write_dummy_vl_data,
     write_tiny_qwen2_5_vl,
@@ -152,11 +154,12 @@ def test_image_tokens_match_grid_and_are_never_labelled(processor: Any, data: di
         for train_on in ("assistant", "all"):
             sample = encode(image_row(n, base), processor, base, train_on=train_on)
             assert sample is not None
-            grid = sample["image_grid_thw"]
-            assert grid.shape == (n, 3)
+            grid = torch.tensor(sample["image_grid_thw"])
+            assert grid.shape == (n, 3) and len(sample["images"]) == n
             merge = processor.image_processor.merge_size ** 2
             assert n_image_tokens(sample["input_ids"], processor) == int(grid.prod(-1).sum()) // merge
-            assert sample["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+            pixels, again = process_images(processor, sample["images"])  # what the collator will compute
+            assert torch.equal(again, grid) and pixels.shape[0] == int(grid.prod(-1).sum())
             assert not [t for t in sample["labels"] if t in vision]
     text = encode(TEXT_ROWS[1], processor, base)
     assert text is not None and set(text) == {"input_ids", "labels"}
@@ -165,7 +168,7 @@ def test_image_tokens_match_grid_and_are_never_labelled(processor: Any, data: di
 def test_pixel_bounds_override(processor: Any, data: dict[str, Path]) -> None:
     base = data["vl_stage1"].parent
     small = encode(image_row(1, base), processor, base, max_pixels=28 * 28, min_pixels=28 * 28)
-    assert small is not None and small["image_grid_thw"].tolist() == [[1, 2, 2]]
+    assert small is not None and small["image_grid_thw"] == [[1, 2, 2]]
     assert n_image_tokens(small["input_ids"], processor) == 1
 
 
@@ -221,8 +224,7 @@ def test_truncate_only_after_the_last_image(processor: Any, data: dict[str, Path
     assert kept is not None and stats.truncated == 1
     assert kept["input_ids"] == full["input_ids"][:cut] and kept["labels"] == full["labels"][:cut]
     assert n_image_tokens(kept["input_ids"], processor) == n_image_tokens(full["input_ids"], processor)
-    assert torch.equal(kept["pixel_values"], full["pixel_values"])
-    assert torch.equal(kept["image_grid_thw"], full["image_grid_thw"])
+    assert kept["images"] == full["images"] and kept["image_grid_thw"] == full["image_grid_thw"]
     for inside in (last_vision, last_vision - 3, 5):  # the cut would split an image: dropped instead
         assert encode(row, processor, base, max_seq_len=inside, overlength="truncate", stats=stats) is None
     assert stats.dropped_overlength == 3 and stats.truncated == 1
@@ -238,9 +240,10 @@ def test_collator_mixed_batch(processor: Any, model: Any, data: dict[str, Path])
     batch = VLCollator(processor)(samples)  # type: ignore[arg-type]
     width = max(len(s["input_ids"]) for s in samples)  # type: ignore[index]
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (4, width)
-    with_images = [s for s in samples if s is not None and "pixel_values" in s]
-    assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in with_images]))
-    assert torch.equal(batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in with_images]))
+    paths = [p for s in samples if s is not None for p in s.get("images", [])]
+    assert len(paths) == 3
+    pixels, grid = process_images(processor, paths)  # the rows' images, in row order
+    assert torch.equal(batch["pixel_values"], pixels) and torch.equal(batch["image_grid_thw"], grid)
     for i, s in enumerate(samples):  # rows unchanged, right padded; no dummy image in a batch with images
         assert s is not None
         n = len(s["input_ids"])
@@ -252,6 +255,20 @@ def test_collator_mixed_batch(processor: Any, model: Any, data: dict[str, Path])
     assert torch.equal(batch["mm_token_type_ids"].bool(), batch["input_ids"] == model.config.image_token_id)
     with torch.no_grad():
         assert math.isfinite(model(**batch).loss.item())
+
+
+def test_collator_refuses_an_image_changed_since_tokenisation(processor: Any, tmp_path: Path,
+                                                              data: dict[str, Path]) -> None:
+    base = data["vl_stage1"].parent
+    row = image_row(1, base)
+    copy = tmp_path / "img.png"
+    copy.write_bytes((base / row["images"][0]).read_bytes())
+    sample = encode(row | {"images": ["img.png"]}, processor, tmp_path)
+    assert sample is not None and sample["images"] == [str(copy)]
+    VLCollator(processor)([sample])  # unchanged: fine
+    Image.new("RGB", (300, 40)).save(copy)  # another size: another grid than the row's image tokens
+    with pytest.raises(ToolkitError, match=r"Image .*img\.png no longer has the size it was tokenised with"):
+        VLCollator(processor)([sample])
 
 
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["first-row-shorter", "first-row-longer"])

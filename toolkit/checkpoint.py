@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit import distributed
 from toolkit.errors import ToolkitError
@@ -235,8 +235,12 @@ def _trainable(accelerator: Accelerator, model: torch.nn.Module) -> list[tuple[s
 
 
 def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, out_dir: Path,
-                       step: int) -> None:
-    """Every rank calls this (gathers are collective); rank 0 writes full fp32 tensors in safetensors."""
+                       adam_steps: dict[str, int]) -> None:
+    """Every rank calls this (gathers are collective); rank 0 writes full fp32 tensors in safetensors.
+
+    `adam_steps`: each trainable parameter's Adam step count (it differs from the global step when stages
+    freeze some parameters, or steps were skipped); restored with the moments on a portable resume.
+    """
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -245,7 +249,7 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
             tensors[f"{key}/{name}"] = value
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out_dir / "lora_state.safetensors"), metadata={"adam_step": str(step)})
+        save_file(tensors, str(out_dir / "lora_state.safetensors"), metadata={"adam_steps": json.dumps(adam_steps)})
 
 
 def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, src: Path) -> None:
@@ -254,7 +258,9 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
 
     with safe_open(str(src / "lora_state.safetensors"), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        adam_step = int(f.metadata()["adam_step"])
+        metadata = f.metadata()
+    # Checkpoints of earlier versions hold one global step for every parameter.
+    steps = json.loads(metadata["adam_steps"]) if "adam_steps" in metadata else None
     named = _trainable(accelerator, model)
     missing = [n for n, _ in named if f"param/{n}" not in stored]
     if missing:
@@ -262,12 +268,13 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
                            "changed since the checkpoint. Resume with the same lora: section.")
     for name, param in named:
         values = {k: stored[f"{k}/{name}"] for k in ("param", "exp_avg", "exp_avg_sq") if f"{k}/{name}" in stored}
-        distributed.set_full_param_state(accelerator, optimizer, param, values, adam_step)
+        step = steps[name] if steps is not None else int(metadata["adam_step"])
+        distributed.set_full_param_state(accelerator, optimizer, param, values, step)
 
 
-def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | ProcessorMixin,
                out_dir: Path) -> Path:
-    """Write the PEFT adapter (or full model) and tokenizer to `out_dir`. Every rank must call this.
+    """Write the PEFT adapter (or full model) and tokenizer (or processor) to `out_dir`. Every rank must call this.
 
     `get_state_dict` gathers ZeRO-3 partitions (16-bit gather on save) and FSDP shards into full tensors;
     saving the unwrapped model's own state dict instead is what leaves peers with empty `[0]` adapters.
@@ -298,12 +305,13 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
 
 # --- What the training script calls. ---
 
-def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, tmp: Path, *, step: int,
-                portable: bool) -> None:  # tmp is positional last so that partial(...) leaves it open
-    """All of a checkpoint but meta and marker: accelerate's state (+ the portable LoRA state). All ranks."""
+def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, tmp: Path, *,
+                adam_steps: dict[str, int] | None) -> None:  # tmp last: partial(...) leaves it open
+    """All of a checkpoint but meta and marker: accelerate's state, plus the portable LoRA state when
+    `adam_steps` (per trainable parameter) is given. All ranks."""
     accelerator.save_state(str(tmp))
-    if portable:
-        save_portable_lora(accelerator, model, optimizer, tmp / "portable", step)
+    if adam_steps is not None:
+        save_portable_lora(accelerator, model, optimizer, tmp / "portable", adam_steps)
 
 
 def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:

@@ -17,6 +17,10 @@ from toolkit.errors import ToolkitError
 
 TINY_MODEL = "builtin:tiny-qwen3"
 """`model.name_or_path` value that builds the tiny random Qwen3 locally (tests, demo, laptops)."""
+TINY_VL_MODEL = "builtin:tiny-qwen2.5-vl"
+"""`model.name_or_path` value that builds the tiny random Qwen2.5-VL (and its processor) locally."""
+LORA_KEYWORD = "lora"
+"""`trainable` entry meaning the LoRA adapters (and lora.modules_to_save)."""
 
 
 class _Section(BaseModel):
@@ -46,6 +50,9 @@ class LoraConfig(_Section):
     modules_to_save: list[str] = Field(
         default_factory=list, description="Modules trained in full and saved with the adapter."
     )
+    exclude_modules: list[str] | str | None = Field(
+        None, description="Modules LoRA must not adapt (PEFT: a list of names, or one regex), e.g. "
+        "'.*visual.*' to keep a vision tower free of adapters.")
 
 
 class DataConfig(_Section):
@@ -65,6 +72,16 @@ class DataConfig(_Section):
     chat_template: str | None = Field(
         None, description="Override the tokenizer's chat template: 'chatml' or a Jinja template string."
     )
+    min_pixels: int | None = Field(None, gt=0, description="Vision models: smallest image area after resizing, "
+                                   "in pixels (default: the processor's).")
+    max_pixels: int | None = Field(None, gt=0, description="Vision models: largest image area after resizing, "
+                                   "in pixels (bounds image tokens; default: the processor's).")
+
+    @model_validator(mode="after")
+    def _pixel_bounds(self) -> DataConfig:
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) is larger than max_pixels ({self.max_pixels})")
+        return self
 
 
 class DataSource(_Section):
@@ -98,6 +115,13 @@ class StageConfig(_Section):
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Override schedule.warmup_ratio.")
     min_lr_ratio: float | None = Field(None, ge=0, le=1, description="Override schedule.min_lr_ratio.")
     eval: list[str] | None = Field(None, description="Eval JSONL files of this stage (default: eval.data).")
+    trainable: list[str] | None = Field(
+        None, min_length=1, description="What trains in this stage: 'lora' and/or module / parameter name "
+        "patterns (dotted names or globs); default train.trainable.")
+    patience: int | None = Field(None, gt=0, description="End the stage early once eval_loss has not improved "
+                                 "for this many evaluations (needs eval data and eval.every_steps).")
+    patience_min_delta: float = Field(0.0, ge=0, description="Smallest eval_loss decrease that counts as an "
+                                      "improvement for patience.")
 
     @model_validator(mode="after")
     def _consistent(self) -> StageConfig:
@@ -152,6 +176,9 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(1, gt=0, description="Samples per process per forward pass.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     seed: int = Field(42, ge=0, lt=2**32, description="One seed for the run; each rank derives its own from it.")
+    trainable: list[str] | None = Field(
+        None, min_length=1, description="Default of stages[].trainable: 'lora' and/or name patterns (default: "
+        "['lora'] with LoRA, every parameter without).")
 
 
 class CheckpointConfig(_Section):
@@ -216,6 +243,19 @@ class Recipe(_Section):
             raise ValueError(f"stage names must be unique, repeated: {dupes}")
         if self.stages[0].schedule == "continue":
             raise ValueError("the first stage has no schedule to continue")
+        for i, stage in enumerate(self.stages):
+            where = f"stages.{i} ('{stage.name}')"
+            if LORA_KEYWORD in (stage.trainable or self.train.trainable or []) and not self.lora.enabled:
+                raise ValueError(f"{where}: trainable names 'lora' but lora.enabled is false")
+            if stage.patience is None:
+                continue
+            if not (stage.eval if stage.eval is not None else self.eval.data) or not self.eval.every_steps:
+                raise ValueError(f"{where}: patience needs eval data (stages[].eval or eval.data) and "
+                                 "eval.every_steps")
+            if i + 1 < len(self.stages) and self.stages[i + 1].schedule == "continue":
+                raise ValueError(f"{where}: patience may end the stage early, which would cut the LR schedule "
+                                 f"that stage '{self.stages[i + 1].name}' continues; give that stage its own "
+                                 "schedule")
         return self
 
 
@@ -337,6 +377,8 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     through the effective batch, so a run may resume on another number of GPUs with the same global batch."""
     tree = recipe.model_dump(mode="json", include=set(RESUME_INVARIANT_SECTIONS))
     tree["seed"] = recipe.train.seed
+    if recipe.train.trainable is not None:  # only when set, so checkpoints of earlier versions still resume
+        tree["trainable"] = recipe.train.trainable
     return tree
 
 

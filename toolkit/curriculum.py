@@ -5,15 +5,16 @@ step is in, which samples form that step's global batch (toolkit.sampling: shuff
 with competence pacing, weighted mixtures), which of them each rank and micro-step gets, and the learning rate.
 Nothing depends on the number of processes except the final split, so a 2-process run sees the same global
 batches as a 1-process run, and resuming at any step replays exactly the data the uninterrupted run would have
-seen. The position in the curriculum is therefore just the global step (checkpoints also record the stage
-index and step in stage for humans).
+seen. The position in the curriculum is therefore the global step plus, when a stage ended early on eval
+patience, the stages' actual lengths (`stage_steps`); checkpoints save both, and the patience counters.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from transformers import get_scheduler
@@ -65,6 +66,59 @@ def plan_stages(names: list[str], sizes: list[int], *, micro_batches: list[int],
                                decay_ratio=decay_ratio))
         start += steps
     return plans
+
+
+def end_stage_early(plans: list[StagePlan], index: int, steps: int) -> list[StagePlan]:
+    """The plans with stage `index` cut to its first `steps` steps and the later stages moved up to follow it.
+
+    Later stages keep their own lengths and schedules (a stage whose schedule continues into the next may not end
+    early: the recipe check refuses patience there). The data each stage samples does not change.
+    """
+    if not 0 < steps <= plans[index].steps:
+        raise ValueError(f"stage {index} has {plans[index].steps} steps, cannot end it after {steps}")
+    out, start = list(plans[:index]), plans[index].start_step
+    for plan in plans[index:]:
+        plan = replace(plan, start_step=start, steps=steps if plan.index == index else plan.steps)
+        out.append(plan)
+        start = plan.end_step
+    return out
+
+
+def apply_stage_steps(plans: list[StagePlan], stage_steps: list[int]) -> list[StagePlan]:
+    """Re-apply the actual stage lengths saved in a checkpoint (stages that ended early are shorter)."""
+    if len(stage_steps) != len(plans):
+        raise ValueError(f"{len(stage_steps)} saved stage lengths for {len(plans)} stages")
+    for plan, steps in zip(list(plans), stage_steps, strict=True):
+        if steps != plan.steps:
+            plans = end_stage_early(plans, plan.index, steps)
+    return plans
+
+
+@dataclass
+class Patience:
+    """Early stage advance: True from `update` once eval_loss has not improved by more than `min_delta` on the
+    best so far for `patience` evaluations in a row. Serialisable (`state` / `from_state`) for exact resume."""
+
+    patience: int
+    min_delta: float = 0.0
+    best: float = math.inf
+    since_best: int = 0
+
+    def update(self, eval_loss: float) -> bool:
+        if eval_loss < self.best - self.min_delta:
+            self.best, self.since_best = eval_loss, 0
+        else:
+            self.since_best += 1
+        return self.since_best >= self.patience
+
+    def state(self) -> dict[str, Any]:
+        return {"best": None if math.isinf(self.best) else self.best, "since_best": self.since_best}
+
+    @classmethod
+    def from_state(cls, patience: int, min_delta: float, state: dict[str, Any] | None) -> Patience:
+        state = state or {}
+        best = state.get("best")
+        return cls(patience, min_delta, math.inf if best is None else best, state.get("since_best", 0))
 
 
 def locate(plans: list[StagePlan], step: int) -> tuple[StagePlan, int]:

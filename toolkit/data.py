@@ -177,15 +177,43 @@ def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on
     return ids, labels
 
 
+RowEncoder = Callable[[dict[str, Any], Path, str, "DataStats"], "dict[str, Any] | None"]
+"""(row, its file, 'file:line', stats) -> sample with input_ids and labels, or None when the length policy drops
+it (counted in stats). Text rows use `text_encoder`; vision-language rows `toolkit.vision.vl_encoder`."""
+
+
+def text_encoder(tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
+                 train_on: str) -> RowEncoder:
+    """`encode_row`, then the over-length policy (error, drop, or truncate to max_seq_len)."""
+    def encode(row: dict[str, Any], path: Path, where: str, stats: DataStats) -> dict[str, Any] | None:
+        ids, labels = encode_row(row, tokenizer, train_on, where)
+        if len(ids) > max_seq_len:
+            if overlength == "error":
+                raise ToolkitError(f"{where}: {len(ids)} tokens, over data.max_seq_len={max_seq_len}. Raise "
+                                   "max_seq_len, or set data.overlength to drop or truncate.")
+            if overlength == "drop":
+                stats.dropped_overlength += 1
+                return None
+            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+            stats.truncated += 1
+        return {"input_ids": ids, "labels": labels}
+    return encode
+
+
 def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int,
-                    overlength: str, train_on: str, cache_dir: Path | None = None) -> StageData:
+                    overlength: str, train_on: str, cache_dir: Path | None = None,
+                    encoder: RowEncoder | None = None) -> StageData:
     """Read and tokenise a stage's files, applying the over-length policy and skipping rows with no loss.
 
     With `cache_dir`, each file's result is reused from the tokenisation cache there, or computed and saved to it
-    (see `_load_file_cached`), so restarts and later stages skip the slow chat-template tokenisation.
+    (see `_load_file_cached`), so restarts and later stages skip the slow chat-template tokenisation. An explicit
+    `encoder` (vision-language rows) replaces the text encoder and is not cached.
     """
+    if encoder is not None:
+        return _tokenise(paths, encoder)
     if cache_dir is None:
-        return _tokenise(paths, tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
+        return _tokenise(paths, text_encoder(tokenizer, max_seq_len=max_seq_len, overlength=overlength,
+                                             train_on=train_on))
     fingerprint = tokenizer_fingerprint(tokenizer)
     data = StageData()
     for path in paths:
@@ -197,34 +225,29 @@ def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, ma
     return data
 
 
-def _tokenise(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
-              train_on: str) -> StageData:
-    """The uncached work of `load_stage_data`."""
+ROW_CONTENT_KEYS = ("messages", "prompt", "completion", "text", "images")
+"""Row keys that become tokens; the others (difficulty, ...) are kept as the sample's extras."""
+
+
+def _tokenise(paths: list[Path], encode: RowEncoder) -> StageData:
+    """The uncached work of `load_stage_data`: encode every row, count what happened, drop rows with no loss."""
     data = StageData()
     st = data.stats
     for path in paths:
         for lineno, row in iter_jsonl(path):
-            where = f"{path}:{lineno}"
             st.rows += 1
-            ids, labels = encode_row(row, tokenizer, train_on, where)
-            if len(ids) > max_seq_len:
-                if overlength == "error":
-                    raise ToolkitError(f"{where}: {len(ids)} tokens, over data.max_seq_len={max_seq_len}. Raise "
-                                       "max_seq_len, or set data.overlength to drop or truncate.")
-                if overlength == "drop":
-                    st.dropped_overlength += 1
-                    continue
-                ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-                st.truncated += 1
-            n_label = sum(label != IGNORE_INDEX for label in labels)
+            sample = encode(row, path, f"{path}:{lineno}", st)
+            if sample is None:
+                continue
+            n_label = sum(label != IGNORE_INDEX for label in sample["labels"])
             if n_label == 0:
                 st.no_label_tokens += 1
                 continue
             st.kept += 1
-            st.tokens += len(ids)
+            st.tokens += len(sample["input_ids"])
             st.label_tokens += n_label
-            data.samples.append({"input_ids": ids, "labels": labels})
-            data.extras.append({k: v for k, v in row.items() if k not in ("messages", "prompt", "completion", "text")})
+            data.samples.append(sample)
+            data.extras.append({k: v for k, v in row.items() if k not in ROW_CONTENT_KEYS})
     return data
 
 
@@ -352,14 +375,15 @@ def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir:
     """One file through the cache: a hit skips tokenisation; a miss tokenises (errors propagate and are never
     cached) and saves the result unless the file changed meanwhile. A cache that cannot be written only warns."""
     settings: dict[str, Any] = {"max_seq_len": max_seq_len, "overlength": overlength, "train_on": train_on}
+    encode = text_encoder(tokenizer, **settings)
     if not path.is_file():
-        return _tokenise([path], tokenizer, **settings)  # raises iter_jsonl's "does not exist" error
+        return _tokenise([path], encode)  # raises iter_jsonl's "does not exist" error
     digest, sig = _file_sha256(path, cache_dir)
     key = {"format": CACHE_FORMAT_VERSION, "file_sha256": digest, "tokenizer": fingerprint, **settings}
     entry = cache_dir / f"{_sha256(json.dumps(key, sort_keys=True).encode())}.npz"
     if entry.is_file() and (cached := _read_entry(entry, key)) is not None:
         return cached
-    data = _tokenise([path], tokenizer, **settings)
+    data = _tokenise([path], encode)
     if _stat_sig(path) == sig:  # otherwise the bytes tokenised may not be the bytes hashed
         try:
             _write_entry(entry, data, key, path)
@@ -397,11 +421,12 @@ def _difficulty(extras: list[dict[str, Any]], path: Path) -> list[float] | None:
 
 
 def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
-                       train_on: str, packing: bool, needs_difficulty: bool,
-                       cache_dir: Path | None = None) -> StageSources:
+                       train_on: str, packing: bool, needs_difficulty: bool, cache_dir: Path | None = None,
+                       encoder: RowEncoder | None = None) -> StageSources:
     """Load each file of a stage separately (mixtures sample per file); with packing, pack within each file.
 
-    `cache_dir` is passed on to `load_stage_data` (the per-file tokenisation cache).
+    `cache_dir` and `encoder` are passed on to `load_stage_data` (the per-file tokenisation cache; a non-text
+    row encoder).
 
     A packed row's difficulty is that of its hardest sample, so easy-to-hard order stays conservative.
     """
@@ -410,7 +435,7 @@ def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *,
     out = StageSources([], [], [] if needs_difficulty else None, [], DataStats())
     for path in paths:
         data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
-                               cache_dir=cache_dir)
+                               cache_dir=cache_dir, encoder=encoder)
         _add_stats(out.stats, data.stats)
         difficulty = _difficulty(data.extras, path) if needs_difficulty else None
         if packing and difficulty is not None:

@@ -12,6 +12,7 @@ accelerator is present.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -113,8 +114,10 @@ def strategy_name(accelerator: Accelerator) -> str:
     return "single"
 
 
-def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float) -> None:
-    """Fill the DeepSpeed values that accelerate infers from a prepared dataloader (we prepare none).
+def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float,
+                        hidden_size: int) -> None:
+    """Fill the DeepSpeed values that accelerate infers from a prepared dataloader (we prepare none) and from
+    `model.config.hidden_size` (which vision-language configs only have under `text_config`).
 
     Clipping is done by DeepSpeed inside its step, so the recipe's max_grad_norm must reach its config.
     """
@@ -131,11 +134,18 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
     if cfg.get("gradient_clipping", "auto") == "auto":
         # A positive value also makes ZeRO-2 compute the norm its non-finite check uses (see veto_update).
         cfg["gradient_clipping"] = max_grad_norm if max_grad_norm > 0 else 1e12
+    zero = cfg.get("zero_optimization", {})
+    sizes = {"reduce_bucket_size": hidden_size * hidden_size,  # accelerate's own formulas
+             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+             "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
 
 
-def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter], *, lr: float,
+def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter] | list[dict[str, Any]], *, lr: float,
                     weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-    """AdamW, in the form the strategy needs.
+    """AdamW, in the form the strategy needs (`params`: tensors, or param-group dicts).
 
     ZeRO with optimizer offload to CPU wants DeepSpeed's CPU Adam (same AdamW maths, vectorised on the host);
     a DeepSpeed JSON with its own 'optimizer' gets accelerate's DummyOptim so DeepSpeed builds it.
@@ -151,6 +161,93 @@ def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter], 
 
         return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, adamw_mode=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that finally updates tensors (under accelerate's wrapper and DeepSpeed's ZeRO one)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class StageFreezer:
+    """Keeps the parameters a stage freezes bit-identical, with their Adam state untouched, under every strategy.
+
+    The optimizer's param groups are the signature groups of `trainable.TrainablePlan` (one per set of stages a
+    parameter trains in), all handed over once before `prepare`; `set_stage` marks the groups frozen in a stage.
+    A frozen group's update is withheld in two steps:
+      * its gradients must not reach clipping: DDP / FSDP2 / single drop them after backward (`drop_frozen_grads`,
+        before `clip_grad_norm_`); DeepSpeed clips inside its step, so tensor hooks zero them during backward;
+      * hooks around the innermost torch optimizer's step hide the group's grads (None) for the step and put
+        them back after, so AdamW (or DeepSpeed's CPU Adam) skips it: no update, no weight decay, no change to
+        its moments or step count, and DeepSpeed's own gradient buffers are left as they were. DeepSpeed steps
+        that optimizer once per (flat, partitioned) group, so the same hooks work on its fp32 partitions.
+    Parameters frozen in a stage still get (zeroed) weight gradients computed: the cost of keeping the set of
+    trainable parameters, and so every strategy's wrapping, the same for the whole run.
+    """
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
+                 groups: list[tuple[tuple[bool, ...], list[str]]]) -> None:
+        """`groups`: (signature, parameter names) in optimizer param-group order; call after `prepare`."""
+        self.signatures = [sig for sig, _ in groups]
+        self.names = [names for _, names in groups]
+        self.updates = [0] * len(groups)  # optimizer updates applied to each group (its Adam step count)
+        self.groups = _inner_optimizer(optimizer).param_groups
+        if len(self.groups) != len(groups):
+            raise ValueError(f"{len(self.groups)} optimizer param groups for {len(groups)} signature groups")
+        self.deepspeed = _uses_deepspeed(accelerator)
+        if all(all(sig) for sig in self.signatures):
+            return  # nothing is ever frozen: no hooks at all
+        base = _base_optimizer(optimizer)
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        base.register_step_pre_hook(self._hide_frozen_grads)
+        base.register_step_post_hook(self._restore_grads)
+        if not self.deepspeed:
+            return
+        # ZeRO-2 creates Adam state lazily and links it to the parameters after its first step: a group frozen
+        # at that step would stay linked to an empty state. Create the state now, exactly as AdamW would.
+        if isinstance(base, torch.optim.AdamW):
+            for group in base.param_groups:
+                for p in group["params"]:
+                    if not base.state[p]:
+                        base.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                             exp_avg_sq=torch.zeros_like(p))
+        group_of = {name: g for g, (_, names) in enumerate(groups) for name in names}
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            if name in group_of:
+                g = group_of[name]
+                param.register_hook(lambda grad, g=g: torch.zeros_like(grad) if self.groups[g].get("frozen") else grad)
+
+    def set_stage(self, stage: int) -> None:
+        for group, sig in zip(self.groups, self.signatures, strict=True):
+            group["frozen"] = not sig[stage]
+
+    def _hide_frozen_grads(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._hidden = [(p, p.grad) for group in optimizer.param_groups if group.get("frozen") for p in group["params"]]
+        for p, _ in self._hidden:
+            p.grad = None
+
+    def _restore_grads(self, *_: Any) -> None:
+        for p, grad in self._hidden:
+            p.grad = grad
+        self._hidden = []
+
+    def drop_frozen_grads(self) -> None:
+        """Before clipping (non-DeepSpeed strategies): frozen groups' gradients leave the norm and the update."""
+        if not self.deepspeed:
+            for group in self.groups:
+                if group.get("frozen"):
+                    for p in group["params"]:
+                        p.grad = None
+
+    def count_update(self, stage: int) -> None:
+        """Record one applied optimizer step in `stage` (Adam's step count of each group trained in it)."""
+        for g, sig in enumerate(self.signatures):
+            self.updates[g] += sig[stage]
+
+    def adam_steps(self) -> dict[str, int]:
+        """Each trainable parameter's Adam step count, by name (for strategy-independent checkpoints)."""
+        return {name: self.updates[g] for g, names in enumerate(self.names) for name in names}
 
 
 def veto_update(loss: torch.Tensor) -> torch.Tensor:
@@ -205,7 +302,10 @@ def full_param_state(accelerator: Accelerator, optimizer: Any, param: torch.nn.P
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         raw = {"param": safe_get_full_fp32_param(param)}
-        raw.update({k: safe_get_full_optimizer_state(param, k) for k in ("exp_avg", "exp_avg_sq")})
+        # ZeRO-3 creates Adam state lazily: none yet for a group frozen since the start. The lookup fails on every
+        # rank alike, before the gather, so skipping it is safe (and matches torch's lazy state).
+        with contextlib.suppress(KeyError):
+            raw.update({k: safe_get_full_optimizer_state(param, k) for k in ("exp_avg", "exp_avg_sq")})
     else:
         state = _inner_optimizer(optimizer).state.get(param, {})
         raw = {"param": param, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}

@@ -1,4 +1,4 @@
-"""Model building: tokenizer, base model (dtype, attention kernel), gradient checkpointing, LoRA via PEFT."""
+"""Model building: tokenizer or processor, base model (dtype, attention kernel), gradient checkpointing, LoRA."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+)
 
-from toolkit.config import TINY_MODEL
+from toolkit.config import TINY_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.tiny import CHATML_TEMPLATE, write_tiny_qwen3
 
@@ -20,13 +29,18 @@ log = logging.getLogger(__name__)
 
 
 def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
-    """Turn `builtin:tiny-qwen3` into a real model directory (built once, then loaded like any checkpoint)."""
-    if name_or_path != TINY_MODEL:
+    """Turn `builtin:tiny-qwen3` / `builtin:tiny-qwen2.5-vl` into a real model directory (built once, then loaded
+    like any checkpoint)."""
+    if name_or_path not in (TINY_MODEL, TINY_VL_MODEL):
         return name_or_path
-    target = cache_dir / "tiny-qwen3"
+    name = name_or_path.removeprefix("builtin:")
+    target = cache_dir / name
     if not (target / "config.json").is_file():
+        from toolkit.vision import write_tiny_qwen2_5_vl
+
+        write = write_tiny_qwen3 if name_or_path == TINY_MODEL else write_tiny_qwen2_5_vl
         # Build aside, then rename: processes on several nodes may share this directory.
-        tmp = write_tiny_qwen3(cache_dir / f".tiny-qwen3.{os.getpid()}.tmp")
+        tmp = write(cache_dir / f".{name}.{os.getpid()}.tmp")
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -54,6 +68,25 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, chat_template:
     return tokenizer
 
 
+def is_vision_language(name_or_path: str, *, trust_remote_code: bool) -> bool:
+    """Whether the model is a vision-language model (its config has a `vision_config`, as Qwen2/2.5/3-VL do)."""
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None) -> ProcessorMixin:
+    """A vision-language model's processor. `chat_template: chatml` selects the VL ChatML training template (with
+    {% generation %} markers, which loss masking on assistant turns needs); a Jinja string replaces it."""
+    from toolkit.vision import VL_CHATML_TEMPLATE  # also registers the tiny model's image-only processor
+
+    processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        processor.chat_template = VL_CHATML_TEMPLATE if chat_template == "chatml" else chat_template
+    if processor.tokenizer.pad_token_id is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
 def resolve_dtype(name: str, *, lora: bool) -> torch.dtype:
     """`auto`: bf16 base weights for LoRA on a bf16-capable GPU (frozen, so precision is not lost to updates);
     fp32 otherwise (full fine-tuning keeps fp32 master weights; mixed precision comes from accelerate)."""
@@ -76,10 +109,12 @@ def choose_attention(requested: str) -> str:
     return "sdpa"
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str,
-               trust_remote_code: bool) -> PreTrainedModel:
-    """The base causal LM, loaded with from_pretrained (under ZeRO-3 init when accelerate enabled it)."""
-    model = AutoModelForCausalLM.from_pretrained(
+def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
+               vision: bool = False) -> PreTrainedModel:
+    """The base causal LM (or image-text-to-text model), loaded with from_pretrained (under ZeRO-3 init when
+    accelerate enabled it)."""
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(
         name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     return model
@@ -93,10 +128,12 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 
 def apply_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float,
-               target_modules: list[str] | str, modules_to_save: list[str]) -> PeftModel:
+               target_modules: list[str] | str, modules_to_save: list[str],
+               exclude_modules: list[str] | str | None = None) -> PeftModel:
     """Wrap the model with PEFT LoRA adapters; only adapters (and modules_to_save) stay trainable."""
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                        modules_to_save=modules_to_save or None, task_type="CAUSAL_LM")
+                        modules_to_save=modules_to_save or None, exclude_modules=exclude_modules,
+                        task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, config)
     except ValueError as e:

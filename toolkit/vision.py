@@ -33,7 +33,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from toolkit.data import IGNORE_INDEX, ROLES, DataStats, has_generation_tags
+from toolkit.data import IGNORE_INDEX, ROLES, DataStats, RowEncoder, has_generation_tags
 from toolkit.errors import ToolkitError
 from toolkit.tiny import IM_START, build_tokenizer
 
@@ -317,7 +317,11 @@ def _size_kwargs(processor: Any, min_pixels: int | None, max_pixels: int | None)
 def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq_len: int, overlength: str,
                   base_dir: str | Path, where: str, min_pixels: int | None = None, max_pixels: int | None = None,
                   stats: DataStats | None = None) -> dict[str, Any] | None:
-    """Token ids, labels and (for image rows) `pixel_values` / `image_grid_thw` of one VL chat row.
+    """Token ids, labels and (for image rows) `images` (resolved paths) and `image_grid_thw` of one VL chat row.
+
+    Pixels are not kept: `VLCollator` loads and processes a batch's images when it is built, so memory holds
+    token ids only, whatever the number of images. The grid records how many image tokens the row was expanded
+    with, and the collator checks that the image still gives that grid.
 
     Labels: assistant turns + <|im_end|> (from the template's generation markers), or every token with
     train_on="all"; vision tokens and the first token never carry loss. Images are never cut: over `max_seq_len`,
@@ -337,7 +341,8 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
         raise ToolkitError(f"{where}: the processor has no chat template with {{% generation %}} markers, so "
                            "assistant tokens cannot be located. Set processor.chat_template to "
                            "toolkit.vision.VL_CHATML_TEMPLATE (or train_on: all).")
-    loaded = iter([_load_image(Path(base_dir) / p, where) for p in images])
+    paths = [Path(base_dir) / p for p in images]
+    loaded = iter([_load_image(path, where) for path in paths])
     conversation = [
         {**m, "content": [{**p, "image": next(loaded)} if p["type"] == "image" else p for p in m["content"]]}
         if isinstance(m["content"], list) else m
@@ -370,13 +375,34 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
             stats.truncated += 1
     sample: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if images:
-        sample["pixel_values"] = torch.as_tensor(out["pixel_values"])
-        sample["image_grid_thw"] = torch.as_tensor(out["image_grid_thw"])
+        sample["images"] = [str(path) for path in paths]
+        sample["image_grid_thw"] = torch.as_tensor(out["image_grid_thw"]).tolist()
     return sample
 
 
+def vl_encoder(processor: Any, *, max_seq_len: int, overlength: str, train_on: str, min_pixels: int | None,
+               max_pixels: int | None) -> RowEncoder:
+    """`encode_vl_row` as a `toolkit.data.RowEncoder`: image paths are taken relative to the row's JSONL file."""
+    def encode(row: dict[str, Any], path: Path, where: str, stats: DataStats) -> dict[str, Any] | None:
+        return encode_vl_row(row, processor, train_on=train_on, max_seq_len=max_seq_len, overlength=overlength,
+                             base_dir=path.parent, where=where, min_pixels=min_pixels, max_pixels=max_pixels,
+                             stats=stats)
+    return encode
+
+
+def process_images(processor: Any, paths: list[str], *, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, image_grid_thw) of image files, resized within the pixel bounds like `encode_vl_row` does."""
+    images = [_load_image(Path(p), p) for p in paths]
+    kwargs = _size_kwargs(processor, min_pixels, max_pixels).get("images_kwargs", {})
+    out = processor.image_processor(images=images, return_tensors="pt", **kwargs)
+    return out["pixel_values"], out["image_grid_thw"]
+
+
 class VLCollator:
-    """Right-pads ids/labels/attention_mask, concatenates the rows' images and adds `mm_token_type_ids` (for M-RoPE).
+    """Right-pads ids/labels/attention_mask, loads and processes the rows' images (`pixel_values`, `image_grid_thw`)
+    and adds `mm_token_type_ids` (for M-RoPE). Each image must give the grid its row was tokenised with, else the
+    image tokens would not match the image features (the file changed since): that is an error naming the file.
 
     A batch without images still feeds the vision tower one tiny dummy image, appended after the first row's real
     tokens with attention_mask 0 and labels IGNORE_INDEX: it changes no real token and no loss, but every rank then
@@ -384,9 +410,11 @@ class VLCollator:
     all-gathers that another rank performs, and the job hangs (hiyouga/LlamaFactory#5616).
     """
 
-    def __init__(self, processor: Any, *, dummy_image: bool = True) -> None:
+    def __init__(self, processor: Any, *, dummy_image: bool = True, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
         self.processor = processor
         self.dummy_image = dummy_image
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
         tok = processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.image_id = tok.convert_tokens_to_ids(IMAGE_PAD)
@@ -413,11 +441,17 @@ class VLCollator:
         ids = [list(r["input_ids"]) for r in rows]
         labels = [list(r["labels"]) for r in rows]
         attn = [[1] * len(x) for x in ids]
-        with_images = [r for r in rows if "pixel_values" in r]
+        paths = [p for r in rows for p in r.get("images", [])]
         batch: dict[str, torch.Tensor] = {}
-        if with_images:
-            batch["pixel_values"] = torch.cat([r["pixel_values"] for r in with_images])
-            batch["image_grid_thw"] = torch.cat([r["image_grid_thw"] for r in with_images])
+        if paths:
+            batch["pixel_values"], batch["image_grid_thw"] = process_images(
+                self.processor, paths, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+            expected = [g for r in rows for g in r.get("image_grid_thw", [])]
+            if batch["image_grid_thw"].tolist() != expected:
+                changed = next(p for p, g, e in zip(paths, batch["image_grid_thw"].tolist(), expected, strict=True)
+                               if g != e)
+                raise ToolkitError(f"Image {changed} no longer has the size it was tokenised with: it changed "
+                                   "during the run. Restore it, or restart so the data is tokenised again.")
         elif self.dummy_image:
             dummy_ids, pixels, grid = self.dummy()
             ids[0] += dummy_ids
