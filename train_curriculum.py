@@ -149,7 +149,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         checkpoint.check_resumable(resume_meta, resume_from, invariants_hash=invariants,
                                    effective_batch=global_batch, strategy=strategy, world_size=world,
-                                   force=ck.resume_force)
+                                   force=ck.resume_force, stage_batches=[p.global_batch for p in plans])
         # Stages that ended early on eval patience keep their actual length (samplers keep the planned one).
         plans = curriculum.apply_stage_steps(plans, resume_meta.get("curriculum", {}).get(
             "stage_steps", [p.steps for p in plans]))
@@ -348,7 +348,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                                    "patience": None if patience is None or stage_end else patience.state()},
                     "adam_updates": freezer.updates,
                     "metrics": latest, "time": time.time(), "world_size": world, "strategy": strategy,
-                    "effective_batch": global_batch, "lora": recipe.lora.enabled, "recipe_hash": invariants,
+                    "effective_batch": global_batch, "stage_batches": [p.global_batch for p in plans],
+                    "lora": recipe.lora.enabled, "recipe_hash": invariants,
                     "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
             portable = recipe.lora.enabled and ck.portable
             write = partial(checkpoint.write_state, accelerator, model, optimizer,

@@ -134,3 +134,34 @@ def test_non_numeric_difficulty_for_easy_to_hard(tmp_path: Path) -> None:
 def test_bad_curriculum_settings(tmp_path: Path, good_data: Path, override: str, needle: str) -> None:
     proc = run(["--config", str(recipe(tmp_path, [str(good_data)])), override])
     assert_clean_error(proc, tmp_path / "out", needle)
+
+
+def test_trainable_pattern_that_matches_nothing(tmp_path: Path, good_data: Path) -> None:
+    proc = run(["--config", str(recipe(tmp_path, [str(good_data)])), "stages.0.trainable=[lora, model.nrom]"])
+    assert_clean_error(proc, tmp_path / "out", "stages.0.trainable: 'model.nrom' matches no module", "model.norm")
+
+
+VL_MODEL = "model.name_or_path=builtin:tiny-qwen2.5-vl"
+
+
+def vl_row(*images: str) -> dict:
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": "What colour?"}]
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Red."}],
+            "images": list(images)}
+
+
+@pytest.mark.parametrize(("row", "needle"), [
+    (vl_row("images/nope.png"), "image file {base}/images/nope.png does not exist"),
+    (vl_row("broken.png"), "image file {base}/broken.png could not be read as an image"),
+    (vl_row() | {"images": ["broken.png"]}, "0 {{\"type\": \"image\"}} placeholder(s) in 'messages' but 1 path(s)"),
+])
+def test_bad_image_rows_name_file_and_line(tmp_path: Path, row: dict, needle: str) -> None:
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    data = write_jsonl(tmp_path / "vl.jsonl", [CHAT, CHAT, row, CHAT])
+    proc = run(["--config", str(recipe(tmp_path, [str(data)])), VL_MODEL])
+    assert_clean_error(proc, tmp_path / "out", f"{data}:3: " + needle.format(base=tmp_path))
+
+
+def test_packing_with_a_vision_language_model(tmp_path: Path, good_data: Path) -> None:
+    proc = run(["--config", str(recipe(tmp_path, [str(good_data)])), VL_MODEL, "data.packing=true"])
+    assert_clean_error(proc, tmp_path / "out", "data.packing is not supported for vision-language models")

@@ -567,9 +567,9 @@ def _meta(hash_: str, batch: int, strategy: str = "ddp", world_size: int = 2) ->
 
 
 def _check(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int, force: bool = False,
-           strategy: str = "ddp", world_size: int = 2) -> None:
+           strategy: str = "ddp", world_size: int = 2, stage_batches: list[int] | None = None) -> None:
     return check_resumable(meta, ckpt, invariants_hash=invariants_hash, effective_batch=effective_batch,
-                           strategy=strategy, world_size=world_size, force=force)
+                           strategy=strategy, world_size=world_size, force=force, stage_batches=stage_batches)
 
 
 def test_check_resumable_accepts_matching(tmp_path: Path) -> None:
@@ -629,3 +629,12 @@ def test_recipe_hash() -> None:
     assert recipe_hash({**a, "seed": 2}) != h
     assert recipe_hash({**a, "lora": {"r": 16, "alpha": 16}}) != h
     assert recipe_hash({}) == "44136fa355b3678a"  # sha256("{}")[:16]
+
+
+def test_check_resumable_compares_each_stage_global_batch(tmp_path: Path) -> None:
+    meta = _meta("h", 8) | {"stage_batches": [8, 8, 4]}
+    _check(meta, tmp_path, invariants_hash="h", effective_batch=8, stage_batches=[8, 8, 4])
+    with pytest.raises(ToolkitError, match=r"trained stage 2 with a global batch of 4, this run has 8 "
+                                           r"\(stages\.2\.micro_batch_size x grad_accum x processes\)"):
+        _check(meta, tmp_path, invariants_hash="h", effective_batch=8, stage_batches=[8, 8, 8])
+    _check(_meta("h", 8), tmp_path, invariants_hash="h", effective_batch=8, stage_batches=[8, 8, 8])  # older meta

@@ -391,3 +391,49 @@ def test_every_field_has_description() -> None:
                if not (info.description and info.description.strip())]
     assert missing == []
     assert sum(len(m.model_fields) for m in sections.values()) >= 40
+
+
+# --- trainable, patience, vision settings ----------------------------------------------------------------------
+
+def test_trainable_and_patience_load() -> None:
+    recipe = load_recipe(None, ["train.trainable=[lora, model.norm]", "stages.1.trainable=[visual.merger]",
+                                "stages.0.patience=3", "stages.0.patience_min_delta=0.01", "eval.data=[e.jsonl]",
+                                "eval.every_steps=10", "data.max_pixels=50176"])
+    assert recipe.train.trainable == ["lora", "model.norm"] and recipe.stages[1].trainable == ["visual.merger"]
+    assert recipe.stages[0].patience == 3 and recipe.data.max_pixels == 50176
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["lora.enabled=false", "stages.1.trainable=[lora]"], "stages.1 ('longer_multiturn'): trainable names 'lora' "
+                                                          "but lora.enabled is false"),
+    (["lora.enabled=false", "train.trainable=[lora]"], "trainable names 'lora' but lora.enabled is false"),
+    (["stages.0.trainable=[]"], "stages.0.trainable"),
+    (["stages.0.patience=2"], "patience needs eval data (stages[].eval or eval.data) and eval.every_steps"),
+    (["stages.0.patience=2", "eval.data=[e.jsonl]"], "patience needs eval data"),
+    (["stages.0.patience=0"], "stages.0.patience"),
+    (["stages.0.patience=2", "eval.data=[e.jsonl]", "eval.every_steps=5", "stages.1.schedule=continue"],
+     "would cut the LR schedule that stage 'longer_multiturn' continues"),
+    (["data.min_pixels=1000", "data.max_pixels=100"], "min_pixels (1000) is larger than max_pixels (100)"),
+])
+def test_trainable_patience_and_pixel_errors(overrides: list[str], needle: str) -> None:
+    assert needle in _error(None, overrides)
+
+
+def test_changed_trainable_changes_resume_invariants() -> None:
+    from toolkit.config import resume_invariants
+
+    plain, frozen = load_recipe(None), load_recipe(None, ["train.trainable=[lora]"])
+    assert "trainable" not in resume_invariants(plain)  # unset: hashes of existing checkpoints are unchanged
+    assert resume_invariants(frozen)["trainable"] == ["lora"]
+    staged = load_recipe(None, ["stages.1.trainable=[model.norm]"])
+    assert resume_invariants(staged)["stages"][1]["trainable"] == ["model.norm"]
+
+
+def test_per_stage_micro_batch_is_layout_not_an_invariant() -> None:
+    """Like train.micro_batch_size: another split of the same per-stage global batch may resume (checked through
+    the global batches), so the per-stage micro batch is left out of the hash when set."""
+    from toolkit.config import resume_invariants
+
+    one, two = (load_recipe(None, [f"stages.1.micro_batch_size={m}"]) for m in (1, 2))
+    assert resume_invariants(one) == resume_invariants(two)
+    assert resume_invariants(load_recipe(None))["stages"][1]["micro_batch_size"] is None  # unset: unchanged hash

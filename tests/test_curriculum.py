@@ -12,11 +12,15 @@ import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
 from toolkit.curriculum import (
+    Patience,
     StagePlan,
+    apply_stage_steps,
     build_lr_lambda,
+    end_stage_early,
     locate,
     plan_stages,
     rank_micro_batches,
+    samples_seen,
 )
 from toolkit.errors import ToolkitError
 from toolkit.sampling import StageSampler
@@ -443,3 +447,56 @@ def test_continue_wsd_decays_over_the_combined_length() -> None:
     assert [lr(s) for s in range(3, 28)] == [1e-3] * 25  # stable through the boundary into b (decay from 27)
     assert lr(28) < 1e-3
     assert lr(36) == 0.0
+
+
+# --- early stage advance (eval patience) ----------------------------------------------------------------------------
+
+def _three_stages() -> list[StagePlan]:
+    """Stages of 10, 6 and 4 steps (global batch 4), each with its own cosine schedule and warmup."""
+    return plan_stages(["a", "b", "c"], [40, 24, 16], micro_batches=[2, 2, 2], grad_accum=1, world_size=2,
+                       epochs=[None, None, None], max_steps=[10, 6, 4], lrs=[1e-3, 5e-4, 2e-4],
+                       warmup_ratios=[0.2, 0.2, 0.0], min_lr_ratios=[0.1] * 3, schedules=["cosine"] * 3)
+
+
+def test_end_stage_early_moves_later_stages_up() -> None:
+    plans = _three_stages()
+    cut = end_stage_early(plans, 0, 3)
+    assert [(p.name, p.start_step, p.steps) for p in cut] == [("a", 0, 3), ("b", 3, 6), ("c", 9, 4)]
+    assert [p.end_step for p in cut] == [3, 9, 13]
+    assert locate(cut, 3) == (cut[1], 0) and locate(cut, 12) == (cut[2], 3)
+    assert samples_seen(cut, 5) == 5 * 4
+    # later stages keep their own schedules, shifted: same LR at the same step within the stage
+    old, new = build_lr_lambda(plans, "cosine"), build_lr_lambda(cut, "cosine")
+    assert [new(3 + k) for k in range(6)] == [old(10 + k) for k in range(6)]
+    assert [new(k) for k in range(3)] == [old(k) for k in range(3)]  # the cut stage's steps so far unchanged
+    assert plans[1].start_step == 10  # the input is not modified
+
+
+def test_end_stage_early_twice_and_apply_stage_steps() -> None:
+    plans = _three_stages()
+    cut = end_stage_early(end_stage_early(plans, 0, 3), 1, 2)
+    assert [(p.start_step, p.steps) for p in cut] == [(0, 3), (3, 2), (5, 4)]
+    assert apply_stage_steps(plans, [p.steps for p in cut]) == cut  # what resume does with the saved lengths
+    assert apply_stage_steps(plans, [10, 6, 4]) == plans
+    with pytest.raises(ValueError):
+        end_stage_early(plans, 0, 11)
+    with pytest.raises(ValueError):
+        apply_stage_steps(plans, [10, 6])
+
+
+def test_patience_counts_evaluations_without_improvement() -> None:
+    patience = Patience(2, min_delta=0.1)
+    assert [patience.update(x) for x in (3.0, 2.5, 2.45, 2.5)] == [False, False, False, True]
+    assert patience.best == 2.5 and patience.since_best == 2  # 2.45 was not better by more than min_delta
+    fresh = Patience(2)
+    assert [fresh.update(x) for x in (1.0, 0.9, 0.95, 0.8, 0.85, 0.85)] == [False, False, False, False, False, True]
+
+
+def test_patience_state_round_trips() -> None:
+    patience = Patience(3)
+    assert Patience.from_state(3, 0.0, patience.state()) == patience  # inf best survives JSON as None
+    patience.update(2.0)
+    patience.update(2.1)
+    again = Patience.from_state(3, 0.0, patience.state())
+    assert again == patience and [again.update(2.2), again.update(2.3)] == [False, True]
+    assert Patience.from_state(4, 0.5, None) == Patience(4, 0.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -63,6 +64,24 @@ def test_one_process_resumes_on_fsdp_x2(runs: Path) -> None:
     proc = train("fsdp", 2, out, *LONGER, f"checkpoint.resume={ckpt(single, 10)}")
     assert "resumed (portable)" in proc.stderr
     got, ref = losses(out), losses(single)
+    assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-4)
+
+
+def test_portable_resume_inside_a_stage_that_freezes_lora(runs: Path) -> None:
+    """smoke_curriculum: LoRA trains in stage 1, only the norm in stage 2. At step 6 the adapters have 4 Adam
+    updates and the norm 2, not 6: the portable state carries each parameter's own count into the new layout."""
+    recipe, src, out = "recipes/smoke_curriculum.yaml", runs / "curriculum-zero3", runs / "curriculum-to-single"
+    train("zero3", 2, src, "checkpoint.save_steps=2", "checkpoint.keep_last=10", recipe=recipe)
+    proc = train("single", 1, out, SINGLE_SAME_BATCH, "stages.2.micro_batch_size=2",
+                 f"checkpoint.resume={ckpt(src, 6)}", recipe=recipe)
+    assert "resumed (portable)" in proc.stderr
+    with safe_open(ckpt(src, 6) / "portable" / "lora_state.safetensors", "pt") as f:
+        steps = json.loads(f.metadata()["adam_steps"])
+    assert {n: s for n, s in steps.items() if "norm" in n} == {
+        "base_model.model.model.norm.modules_to_save.default.weight": 2}
+    assert {s for n, s in steps.items() if "lora_" in n} == {4}
+    got, ref = losses(out), losses(src)
+    assert sorted(got) == list(range(7, 12))
     assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-4)
 
 

@@ -63,3 +63,37 @@ def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path: Path) -> None:
     assert len(saved) == 1 and 5 <= read_meta(saved[0])["step"] < TOTAL_STEPS
     train("zero3", 2, out, *no_periodic)
     assert_same_run(out, reference)
+
+
+# --- early stage advance on eval patience, and resuming across it ---------------------------------------------------
+
+# Stage 'short' may run 8 steps but evaluates every step; patience 1 with a min_delta no loss can beat ends it at
+# the second evaluation (step 2). Stage 'long' then runs its 3 steps as steps 3-5.
+PATIENCE = ("stages.0.max_steps=8", "stages.0.patience=1", "stages.0.patience_min_delta=100",
+            "eval.data=[dummy:stage2]", "eval.every_steps=1", "checkpoint.save_steps=1", "checkpoint.keep_last=10")
+
+
+def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path) -> None:
+    early, planned = tmp_path / "early", tmp_path / "planned"
+    train("single", 1, early, *PATIENCE)
+    train("single", 1, planned, *PATIENCE[:1], *PATIENCE[3:])  # same run without patience: 8 + 3 steps
+    got = records(early)
+    assert [(r["step"], r["stage"]) for r in got] == [(1, "short"), (2, "short"), (3, "long"), (4, "long"),
+                                                      (5, "long")]
+    events = [r for r in read_metrics(early / "metrics.jsonl") if r.get("event")]
+    assert [(e["event"], e["stage"], e["step"]) for e in events] == [
+        ("early_advance", "short", 2), ("stage_end", "short", 2), ("stage_end", "long", 5)]
+    assert events[1]["stage_steps"] == 2 and events[1]["stage_samples"] == 2 * 4  # global batch 2 x 2 x 1
+    full = records(planned)
+    assert [r["loss"] for r in got[:2]] == pytest.approx([r["loss"] for r in full[:2]], rel=1e-6)
+    # the next stage starts at once, with its own schedule from its first step
+    assert [r["lr"] for r in got[2:]] == pytest.approx([r["lr"] for r in full[8:]], rel=1e-9)
+    assert (early / "final" / "adapter_model.safetensors").is_file()
+
+    for step in (1, 2, 3):  # before the advance (patience counters saved), at it, and after (stages moved up)
+        resumed = tmp_path / f"from-{step}"
+        train("single", 1, resumed, *PATIENCE, f"checkpoint.resume={early / 'checkpoints' / f'step-{step:08d}'}")
+        again = records(resumed)
+        assert [(r["step"], r["stage"]) for r in again] == [(r["step"], r["stage"]) for r in got[step:]]
+        assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in got[step:]], rel=1e-6)
+        assert [r["lr"] for r in again] == pytest.approx([r["lr"] for r in got[step:]], rel=1e-9)

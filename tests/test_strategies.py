@@ -6,6 +6,7 @@ as the 1-process reference and must reproduce its per-step losses and its final 
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, train
 from toolkit.metrics import read_metrics
@@ -126,24 +128,93 @@ def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_
 
 
 CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)
+KEEP_STAGE_ENDS = "checkpoint.keep_last=3"  # one checkpoint per stage end, all kept
+
+
+def portable_state(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoints" / f"step-{step:08d}" / "portable" / "lora_state.safetensors")
+
+
+def adam_steps(out: Path, step: int) -> dict[str, int]:
+    with safe_open(out / "checkpoints" / f"step-{step:08d}" / "portable" / "lora_state.safetensors", "pt") as f:
+        return json.loads(f.metadata()["adam_steps"])
+
+
+def stage_ends(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "stage_end"]
 
 
 @pytest.fixture(scope="module")
 def curriculum_reference(runs: Path) -> Path:
     out = runs / "curriculum-single"
-    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", recipe=CURRICULUM)
+    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", KEEP_STAGE_ENDS,
+          recipe=CURRICULUM)
     return out
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_three_stage_curriculum_matches_single_process(strategy: str, runs: Path,
                                                        curriculum_reference: Path) -> None:
+    """Same losses as one process, and per-stage freezing: LoRA trains in stage 1, only the final norm in stage 2
+    (LoRA weights and Adam moments bit-identical through it), both in stage 3."""
     out = runs / f"curriculum-{strategy}"
-    train(strategy, 2, out, recipe=CURRICULUM)
+    train(strategy, 2, out, KEEP_STAGE_ENDS, recipe=CURRICULUM)
     records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["stage"] for r in records] == ["mixture"] * 4 + ["easy_to_hard"] * 4 + ["short_to_long"] * 3
     assert [r["loss"] for r in records] == pytest.approx(
         [r["loss"] for r in read_metrics(curriculum_reference / "metrics.jsonl") if "loss" in r], rel=1e-4)
-    ends = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "stage_end"]
-    assert [(e["stage"], e["stage_steps"], e["stage_samples"]) for e in ends] == [
-        ("mixture", 4, 32), ("easy_to_hard", 4, 32), ("short_to_long", 3, 12)]
+    norm_size = 64  # hidden size of the tiny model: the final RMSNorm's weight
+    lora_size = stage_ends(out)[0]["trainable_params"]
+    assert [(e["stage"], e["stage_steps"], e["stage_samples"], e["trainable_params"]) for e in stage_ends(out)] == [
+        ("mixture", 4, 32, lora_size), ("easy_to_hard", 4, 32, norm_size),
+        ("short_to_long", 3, 12, lora_size + norm_size)]
+    ends = [portable_state(out, step) for step in (4, 8, 11)]
+    lora = [k for k in ends[0] if "lora_" in k]
+    norm = [k for k in ends[0] if k.startswith("param/") and "model.norm.modules_to_save" in k]
+    assert lora and len(norm) == 1
+    base = load_file(out.parent / ".toolkit-cache" / "tiny-qwen3" / "model.safetensors")
+    assert torch.equal(ends[0][norm[0]], base["model.norm.weight"]), f"{strategy}: norm moved while frozen"
+    for k in lora:  # weights, exp_avg and exp_avg_sq of every adapter: untouched by stage 2
+        assert torch.equal(ends[1][k], ends[0][k]), f"{strategy}: {k} changed in the stage that froze it"
+    assert not torch.equal(ends[1][norm[0]], ends[0][norm[0]])
+    assert any(not torch.equal(ends[2][k], ends[1][k]) for k in lora if k.startswith("param/"))
+    steps = adam_steps(out, 8)  # Adam step counts: 4 updates each (LoRA in stage 1, the norm in stage 2)
+    assert set(steps.values()) == {4} and set(adam_steps(out, 11).values()) == {7}
+    final = load_file(out / "final" / "adapter_model.safetensors")
+    torch.testing.assert_close(final["base_model.model.model.norm.weight"], ends[2][norm[0]])
+
+
+VL = "recipes/smoke_vl.yaml"  # stage 'align': projector only; stage 'instruct': LoRA + projector
+
+
+@pytest.fixture(scope="module")
+def vl_reference(runs: Path) -> Path:
+    out = runs / "vl-single"
+    train("single", 1, out, *REFERENCE_OVERRIDES, recipe=VL)
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_reference: Path) -> None:
+    """Tiny Qwen2.5-VL, text-only and image rows mixed: single-process losses; LoRA frozen in stage 1; the
+    projector trains in full in both stages and is saved with the adapter."""
+    out = runs / f"vl-{strategy}"
+    train(strategy, 2, out, recipe=VL)
+    assert losses(out) == pytest.approx(losses(vl_reference), rel=1e-4)
+    first = portable_state(out, 4)
+    lora_b = [k for k in first if k.startswith("param/") and "lora_B" in k]
+    assert lora_b and all(first[k].abs().max() == 0 for k in lora_b), "LoRA B moved while frozen (it starts at 0)"
+    base = AutoModelForImageTextToText.from_pretrained(out.parent / ".toolkit-cache" / "tiny-qwen2.5-vl").state_dict()
+    merger = {k: k.removeprefix("param/base_model.model.").replace(".modules_to_save.default", "")
+              for k in first if k.startswith("param/") and "merger.modules_to_save" in k}
+    assert merger and all(v in base for v in merger.values())
+    assert all(not torch.equal(first[k], base[v]) for k, v in merger.items()), "the projector did not train"
+    final = adapter(out)
+    assert any("visual.merger" in k for k in final) and any("lora_B" in k for k in final)
+    assert all(t.numel() > 0 for t in final.values())
+    ends = stage_ends(out)
+    merger_size = ends[0]["trainable_params"]
+    assert merger_size > 0 and ends[1]["trainable_params"] > merger_size
+    ref_final = adapter(vl_reference)
+    for k in ref_final:
+        torch.testing.assert_close(final[k], ref_final[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")

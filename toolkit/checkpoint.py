@@ -320,7 +320,7 @@ def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
 
 
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
-                    strategy: str, world_size: int, force: bool) -> None:
+                    strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None) -> None:
     """Refuse a resume that would silently change training (unless `resume_force`) or cannot load."""
     if not same_layout(meta, strategy, world_size) and not (ckpt / "portable" / "lora_state.safetensors").is_file():
         layout = f"{meta['strategy']} x {meta['world_size']}"
@@ -338,6 +338,13 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
             f"Checkpoint {ckpt} trained with an effective batch of {meta['effective_batch']}, this run has "
             f"{effective_batch} (micro_batch_size x grad_accum x processes). The data order depends on it: set "
             "train.micro_batch_size / train.grad_accum so the product with the process count matches.")
+    saved = meta.get("stage_batches")  # absent in checkpoints of earlier versions
+    if stage_batches is not None and saved is not None and saved != stage_batches:
+        i = next(i for i, (a, b) in enumerate(zip(saved, stage_batches, strict=True)) if a != b)
+        raise ToolkitError(
+            f"Checkpoint {ckpt} trained stage {i} with a global batch of {saved[i]}, this run has "
+            f"{stage_batches[i]} (stages.{i}.micro_batch_size x grad_accum x processes). The data order depends on "
+            f"it: set stages.{i}.micro_batch_size so the product with the process count matches.")
 
 
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,

@@ -373,9 +373,12 @@ RESUME_INVARIANT_SECTIONS = ("model", "lora", "data", "stages", "optimizer", "sc
 
 
 def resume_invariants(recipe: Recipe) -> dict[str, Any]:
-    """The settings a checkpoint is bound to. Batch split (micro x accum x processes) is checked separately
-    through the effective batch, so a run may resume on another number of GPUs with the same global batch."""
+    """The settings a checkpoint is bound to. Batch split (micro x accum x processes, also per stage) is checked
+    separately through the global batches, so a run may resume on another number of GPUs with the same ones."""
     tree = recipe.model_dump(mode="json", include=set(RESUME_INVARIANT_SECTIONS))
+    for stage in tree["stages"]:
+        if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
+            del stage["micro_batch_size"]
     tree["seed"] = recipe.train.seed
     if recipe.train.trainable is not None:  # only when set, so checkpoints of earlier versions still resume
         tree["trainable"] = recipe.train.trainable
