@@ -437,3 +437,9 @@ def test_per_stage_micro_batch_is_layout_not_an_invariant() -> None:
     one, two = (load_recipe(None, [f"stages.1.micro_batch_size={m}"]) for m in (1, 2))
     assert resume_invariants(one) == resume_invariants(two)
     assert resume_invariants(load_recipe(None))["stages"][1]["micro_batch_size"] is None  # unset: unchanged hash
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(path: Path) -> None:
+    recipe = load_recipe(path)
+    assert recipe.stages and all(s.name for s in recipe.stages)

@@ -143,3 +143,11 @@ def test_preflight_table_recommendation_and_data_scan(tmp_path: Path) -> None:
 def test_preflight_unknown_model_is_a_clear_error() -> None:
     proc = _toolkit("preflight", "--no-data", "model.name_or_path=acme/unknown-13b")
     assert proc.returncode == 2 and "Unknown model 'acme/unknown-13b'" in proc.stderr and "qwen3-8b" in proc.stderr
+
+
+@pytest.mark.parametrize("recipe", ["recipes/smoke_vl.yaml", "recipes/qwen2_5_vl_7b_curriculum.yaml"])
+def test_preflight_of_vision_language_recipes(recipe: str) -> None:
+    """Memory table from the VL config (tiny built locally, 7B from the shipped config); image rows not scanned."""
+    proc = _toolkit("preflight", "--config", recipe, "--accelerate-config", "accelerate_configs/zero3.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "\nzero3 " in proc.stdout and "data scan skipped: image-text rows are not scanned" in proc.stdout

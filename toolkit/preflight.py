@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from toolkit.config import TINY_MODEL, Recipe
+from toolkit.config import TINY_MODEL, TINY_VL_MODEL, Recipe
 from toolkit.data import IGNORE_INDEX, encode_row, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.memory import estimate_all, format_table, load_model_config
@@ -47,11 +47,11 @@ def strategy_of(accelerate_config: Path) -> tuple[str, int]:
 
 
 def _model_config(name_or_path: str) -> Any:
-    if name_or_path == TINY_MODEL:
-        from toolkit.tiny import write_tiny_qwen3
+    if name_or_path in (TINY_MODEL, TINY_VL_MODEL):
+        from toolkit.model import materialize_builtin
 
         with tempfile.TemporaryDirectory() as tmp:
-            return load_model_config(write_tiny_qwen3(Path(tmp) / "tiny"))
+            return load_model_config(materialize_builtin(name_or_path, Path(tmp)))
     return load_model_config(name_or_path)
 
 
@@ -89,7 +89,10 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
              f"{'on' if recipe.model.gradient_checkpointing else 'off'}, {gpus} GPU(s) of {gpu_memory_gb:g} GiB",
              f"selected by {accelerate_config}: {chosen}", "",
              format_table(rows, gpu_memory_gb=gpu_memory_gb)]
-    if scan_data:
+    if scan_data and getattr(config, "vision_config", None) is not None:
+        lines += ["", "data scan skipped: image-text rows are not scanned by preflight (training reports each "
+                  "stage's kept, dropped and truncated rows at its start)."]
+    elif scan_data:
         from toolkit.model import load_tokenizer, materialize_builtin
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,184 @@
+"""GPU benchmark: the Qwen3-8B architecture (random weights), LoRA r16 on all linear layers, bf16, packed rows of
+4096 tokens, flash-attention 2 when installed (else sdpa), without and with gradient checkpointing, one GPU.
+
+    python bench/gpu_qwen3_8b.py [--steps 20] [--warmup 5] [--out bench/results]
+    python bench/gpu_qwen3_8b.py --tiny     # the same pipeline on the tiny Qwen3, anywhere (what the tests run)
+
+What is measured is the product itself: `train_curriculum.py` under `accelerate launch` (one process), reading
+its own `metrics.jsonl`: non-pad tokens/s, MFU (toolkit/flops.py: 4N per token for LoRA plus causal attention,
+over the GPU's dense bf16 peak), peak memory and step time, averaged over the steps after `--warmup`. The random
+model is written to disk once (about 16 GB) so that the run loads it like any checkpoint. Writes
+`<out>/<YYYY-MM-DD>-<hostname>-gpu8b[-tiny].json` and prints a JSON summary, then the markdown table rows for
+docs/benchmarks.md on stderr. Target (issue 6): at least 45% MFU on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from throughput import machine_info, versions, worker_env, write_chat_data  # noqa: E402
+
+MFU_TARGET = 0.45
+
+
+def write_model(out: Path, *, tiny: bool) -> Path:
+    """The benchmark model directory: random Qwen3-8B weights (bf16, built on the GPU) or the tiny Qwen3, each with
+    the toolkit's local ChatML tokenizer (token ids only need to be inside the vocabulary)."""
+    from toolkit.tiny import build_tokenizer, write_tiny_qwen3
+
+    if tiny:
+        return write_tiny_qwen3(out)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.memory import load_model_config
+
+    config = load_model_config("qwen3-8b")
+    config.use_cache = False
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    build_tokenizer().save_pretrained(out)
+    return out
+
+
+def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int, checkpointing: bool,
+           tiny: bool) -> dict[str, Any]:
+    """One stage of `steps` optimizer steps over packed rows; no checkpoints (they would write the 16 GB base)."""
+    return {
+        "output_dir": str(out),
+        "model": {"name_or_path": str(model_dir), "dtype": "float32" if tiny else "bfloat16",
+                  "attn_implementation": "auto", "gradient_checkpointing": checkpointing},
+        "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+        "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache")},
+        "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
+        "train": {"micro_batch_size": 1, "grad_accum": 1, "seed": 0},
+        "checkpoint": {"save_on_stage_end": False, "best_metric": None},
+        "logging": {"logging_steps": 1, "progress_bar": False, "trackers": []},
+    }
+
+
+def run_variant(model_dir: Path, data: Path, work: Path, *, checkpointing: bool, args: argparse.Namespace
+                ) -> dict[str, Any]:
+    """Train one variant through train_curriculum.py and summarise its metrics after the warmup steps."""
+    name = "grad_ckpt" if checkpointing else "no_grad_ckpt"
+    out = work / name
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len, tiny=args.tiny,
+                                          steps=args.warmup + args.steps, checkpointing=checkpointing)))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
+           "--mixed_precision", "no" if args.tiny else "bf16", str(REPO / "train_curriculum.py"), "--config", str(path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(threads=1 if args.tiny else 8), capture_output=True,
+                          text=True, timeout=3000)
+    if proc.returncode != 0:
+        return {"status": "failed", "returncode": proc.returncode, "log_tail": proc.stderr[-3000:]}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = [r for r in records if "loss" in r and r["step"] > args.warmup]
+    attention = next((line.split("attention=")[1].split(")")[0].split(",")[0] for line in proc.stderr.splitlines()
+                      if "attention=" in line), None)
+    mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
+    return {
+        "status": "ok", "gradient_checkpointing": checkpointing, "attention": attention, "timed_steps": len(timed),
+        "tokens_per_sec": sum(r["tokens_per_sec"] for r in timed) / len(timed),
+        "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
+        "mfu": sum(mfu) / len(mfu) if mfu else None,
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
+        "padding_fraction": sum(r["padding_fraction"] for r in timed) / len(timed),
+        "final_loss": timed[-1]["loss"],
+    }
+
+
+def markdown_rows(summary: dict[str, Any]) -> str:
+    """Rows for the table in docs/benchmarks.md."""
+    gpu, date = summary["machine"]["gpu"] or "CPU", summary["date"]
+    rows = []
+    for result in summary["variants"].values():
+        if result["status"] != "ok":
+            continue
+        mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
+        rows.append(f"| {date} | {gpu} | {result['attention']} | {'on' if result['gradient_checkpointing'] else 'off'}"
+                    f" | {result['tokens_per_sec']:.0f} | {mfu} | {result['peak_memory_gb']:.1f} GiB |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 and short rows: checks the pipeline anywhere")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation, allocator)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="packed row length (default 4096; tiny 256)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON result")
+    args = parser.parse_args(argv)
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # libraries print to stdout; it must carry only the JSON
+        summary = benchmark(args)
+    if summary is None:
+        return 2
+    print(json.dumps(summary, indent=2), file=stdout, flush=True)
+    print(markdown_rows(summary), file=sys.stderr)
+    return 0 if all(v["status"] == "ok" for v in summary["variants"].values()) else 1
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Both variants, the summary, and the results file; None when there is no GPU to run on."""
+    args.max_seq_len = args.max_seq_len or (256 if args.tiny else 4096)
+    if not args.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: no CUDA GPU: this benchmark needs one (use --tiny to check the pipeline on CPU).",
+                  file=sys.stderr)
+            return None
+
+    work = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
+    try:
+        model_dir = write_model(work / "model", tiny=args.tiny)
+        from transformers import AutoTokenizer
+
+        data = work / "data.jsonl"
+        # Enough rows for every step to get full packed rows (about 6 rows per 4096-token row at this mix).
+        rows = 12 * (args.warmup + args.steps) + 64
+        write_chat_data(data, AutoTokenizer.from_pretrained(model_dir), rows, args.max_seq_len, seed=0)
+        variants = {name: run_variant(model_dir, data, work, checkpointing=ckpt, args=args)
+                    for name, ckpt in (("no_grad_ckpt", False), ("grad_ckpt", True))}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    best = max((v["mfu"] for v in variants.values() if v.get("mfu") is not None), default=None)
+    summary = {
+        "benchmark": "gpu_qwen3_8b" + ("-tiny" if args.tiny else ""), "date": datetime.date.today().isoformat(),
+        "machine": machine_info(), "versions": versions(),
+        "settings": {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B architecture, random weights",
+                     "lora": "r16 all-linear", "max_seq_len": args.max_seq_len, "packing": True,
+                     "micro_batch_size": 1, "warmup": args.warmup, "steps": args.steps},
+        "variants": variants,
+        "target": {"mfu": MFU_TARGET, "best_mfu": best,
+                   "met": None if best is None or args.tiny else best >= MFU_TARGET},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"{summary['date']}-{socket.gethostname()}-gpu8b{'-tiny' if args.tiny else ''}.json"
+    summary["results_file"] = str(args.out / name)
+    (args.out / name).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
