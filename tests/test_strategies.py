@@ -218,3 +218,22 @@ def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_refe
     ref_final = adapter(vl_reference)
     for k in ref_final:
         torch.testing.assert_close(final[k], ref_final[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")
+
+
+QWEN3_VL = "model.name_or_path=builtin:tiny-qwen3-vl"
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_reference(runs: Path) -> Path:
+    out = runs / "qwen3-vl-single"
+    train("single", 1, out, QWEN3_VL, *REFERENCE_OVERRIDES, recipe=VL)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_qwen3_vl_curriculum_matches_single_process(strategy: str, runs: Path, qwen3_vl_reference: Path) -> None:
+    """The same VL curriculum on a tiny Qwen3-VL (DeepStack features, 16-px patches) under the sharding strategies."""
+    out = runs / f"qwen3-vl-{strategy}"
+    train(strategy, 2, out, QWEN3_VL, recipe=VL)
+    assert losses(out) == pytest.approx(losses(qwen3_vl_reference), rel=1e-4)
+    assert any("visual.merger" in k for k in adapter(out)) and all(t.numel() > 0 for t in adapter(out).values())

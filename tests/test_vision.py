@@ -28,6 +28,7 @@ from toolkit.vision import (
     vision_module_names,
     write_dummy_vl_data,
     write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
 )
 
 WHERE = "rows.jsonl:3"
@@ -298,6 +299,32 @@ def test_collator_text_only_batch_gets_a_dummy_image(processor: Any, model: Any,
     finally:
         hook.remove()
     assert abs(with_dummy.item() - without.item()) < 1e-6
+
+
+# --- Qwen3-VL: the same rows, collator and dummy image through another architecture (16-pixel patches, DeepStack) ---
+
+def test_qwen3_vl_rows_collate_and_train(tmp_path: Path, data: dict[str, Path]) -> None:
+    model_dir = write_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert vision_module_names(model) == {"vision_tower": "model.visual", "projector": "model.visual.merger"}
+    base = data["vl_stage1"].parent
+    image = encode(image_row(2, base), processor, base)
+    texts = [encode(row, processor, base) for row in TEXT_ROWS]
+    assert image is not None and None not in texts
+    assert n_image_tokens(image["input_ids"], processor) == sum(t * h * w for t, h, w in image["image_grid_thw"]) // 4
+    batch = VLCollator(processor)([image, *texts])  # type: ignore[list-item]
+    loss = model(**batch).loss
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(p.grad is not None for n, p in model.named_parameters() if "visual.merger" in n)
+    model.zero_grad()
+    with_dummy = VLCollator(processor)(texts)  # type: ignore[arg-type]
+    plain = VLCollator(processor, dummy_image=False)(texts)  # type: ignore[arg-type]
+    assert with_dummy["image_grid_thw"].tolist() == [[1, 2, 2]]  # one 32 x 32 px image: 16-px patches, 2x2 merge
+    with torch.no_grad():
+        assert abs(model(**with_dummy).loss.item() - model(**plain).loss.item()) < 1e-6
 
 
 # --- dummy data ---

@@ -21,7 +21,7 @@ from transformers import (
     ProcessorMixin,
 )
 
-from toolkit.config import TINY_MODEL, TINY_VL_MODEL
+from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.tiny import CHATML_TEMPLATE, write_tiny_qwen3
 
@@ -29,16 +29,17 @@ log = logging.getLogger(__name__)
 
 
 def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
-    """Turn `builtin:tiny-qwen3` / `builtin:tiny-qwen2.5-vl` into a real model directory (built once, then loaded
-    like any checkpoint)."""
-    if name_or_path not in (TINY_MODEL, TINY_VL_MODEL):
+    """Turn `builtin:tiny-qwen3` / `builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl` into a real model directory
+    (built once, then loaded like any checkpoint)."""
+    if name_or_path not in (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL):
         return name_or_path
     name = name_or_path.removeprefix("builtin:")
     target = cache_dir / name
     if not (target / "config.json").is_file():
-        from toolkit.vision import write_tiny_qwen2_5_vl
+        from toolkit import vision
 
-        write = write_tiny_qwen3 if name_or_path == TINY_MODEL else write_tiny_qwen2_5_vl
+        write = {TINY_MODEL: write_tiny_qwen3, TINY_VL_MODEL: vision.write_tiny_qwen2_5_vl,
+                 TINY_QWEN3_VL_MODEL: vision.write_tiny_qwen3_vl}[name_or_path]
         # Build aside, then rename: processes on several nodes may share this directory.
         tmp = write(cache_dir / f".{name}.{os.getpid()}.tmp")
         try:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from toolkit.config import TINY_MODEL, TINY_VL_MODEL, Recipe
+from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recipe
 from toolkit.data import IGNORE_INDEX, encode_row, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.memory import estimate_all, format_table, load_model_config
@@ -47,7 +47,7 @@ def strategy_of(accelerate_config: Path) -> tuple[str, int]:
 
 
 def _model_config(name_or_path: str) -> Any:
-    if name_or_path in (TINY_MODEL, TINY_VL_MODEL):
+    if name_or_path in (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL):
         from toolkit.model import materialize_builtin
 
         with tempfile.TemporaryDirectory() as tmp:

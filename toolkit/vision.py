@@ -1,4 +1,5 @@
-"""Multimodal (Qwen2.5-VL) data side: tiny VL model, dummy image data, row encoding and a ZeRO-3/FSDP-safe collator.
+"""Multimodal (Qwen2.5-VL, Qwen3-VL) data side: tiny VL models, dummy image data, row encoding, ZeRO-3/FSDP-safe
+collator.
 
 A VL row is a chat whose user content may be a list of parts, plus the images those parts refer to:
   {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
@@ -29,6 +30,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
@@ -90,13 +93,14 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
 AutoProcessor.register(Qwen2_5_VLImageOnlyProcessor, Qwen2_5_VLImageOnlyProcessor, exist_ok=True)
 
 
-def build_vl_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS
-                       ) -> Qwen2_5_VLImageOnlyProcessor:
-    """The tiny model's processor: `toolkit.tiny` tokenizer + Qwen vision tokens + VL ChatML, PIL image processor."""
+def build_vl_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS,
+                       patch_size: int = 14) -> Qwen2_5_VLImageOnlyProcessor:
+    """The tiny models' processor: `toolkit.tiny` tokenizer + Qwen vision tokens + VL ChatML, PIL image processor
+    (14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL; both merge 2x2 patches into one image token)."""
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, *VISION_TOKENS]})
     tokenizer.chat_template = VL_CHATML_TEMPLATE
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14,
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size,
                                                temporal_patch_size=2, merge_size=2)
     return Qwen2_5_VLImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                         chat_template=VL_CHATML_TEMPLATE)
@@ -117,32 +121,33 @@ def _without_zero3_init() -> Iterator[None]:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+def _text_config(tok: Any, hidden: int) -> dict[str, Any]:
+    return {
+        "vocab_size": -(-len(tok) // 64) * 64,
+        "hidden_size": hidden,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "max_position_embeddings": 4096,
+        # M-RoPE splits the rotary half-dim (head_dim 16 / 2 = 8) into temporal, height, width sections.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+    }
+
+
 def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Save a seeded random-weight Qwen2.5-VL (2+2 layers) and its processor to `out_dir`; return the path.
 
     Loads back with `AutoModelForImageTextToText` / `AutoProcessor.from_pretrained` (after importing this module).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     processor = build_vl_processor()
-    tok = processor.tokenizer
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    hidden, heads = 64, 4
+    hidden = 64
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": -(-len(tok) // 64) * 64,
-            "hidden_size": hidden,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": heads,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            # M-RoPE splits the rotary half-dim (head_dim 16 / 2 = 8) into temporal, height, width sections.
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
-            "pad_token_id": tok.pad_token_id,
-            "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id,
-        },
+        text_config=_text_config(processor.tokenizer, hidden),
         vision_config={
             "depth": 2,
             "hidden_size": 32,
@@ -155,23 +160,60 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
             "window_size": 56,  # 2x2 merged units per window, so windowed attention really splits small images
             "fullatt_block_indexes": [1],  # block 0 windowed, block 1 full: both attention paths run
         },
-        image_token_id=ids[IMAGE_PAD],
-        video_token_id=ids[VIDEO_PAD],
-        vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END],
+        **_vision_token_ids(processor.tokenizer),
         tie_word_embeddings=False,
         dtype="float32",
     )
+    return _save_tiny(out_dir, Qwen2_5_VLForConditionalGeneration, config, processor, "Qwen2.5-VL", seed)
+
+
+def write_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Save a seeded random-weight Qwen3-VL (2+2 layers, one DeepStack level) and its processor to `out_dir`."""
+    processor = build_vl_processor(min_pixels=32 * 32, max_pixels=64 * 64 * 4, patch_size=16)
+    hidden = 64
+    text = _text_config(processor.tokenizer, hidden)
+    text["rope_parameters"]["mrope_interleaved"] = True
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [1],  # block 1's features are also added to the first decoder layer
+        },
+        **_vision_token_ids(processor.tokenizer),
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    return _save_tiny(out_dir, Qwen3VLForConditionalGeneration, config, processor, "Qwen3-VL", seed)
+
+
+def _vision_token_ids(tok: Any) -> dict[str, int]:
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    return {"image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
+            "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END]}
+
+
+def _save_tiny(out_dir: str | Path, model_class: Any, config: Any, processor: Any, name: str, seed: int) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = processor.tokenizer
     with _without_zero3_init():
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = model_class(config)
         model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                                    do_sample=False)
         model.save_pretrained(out)
     processor.save_pretrained(out)
     (out / "README.md").write_text(
-        "# Tiny random-weight Qwen2.5-VL\n\n"
-        f"Built by `toolkit.vision.write_tiny_qwen2_5_vl` (seed={seed}); outputs are meaningless, for tests only.\n"
+        f"# Tiny random-weight {name}\n\n"
+        f"Built by `toolkit.vision` (seed={seed}); outputs are meaningless, for tests only.\n"
         "The processor class is registered with AutoProcessor by `import toolkit.vision`.\n"
     )
     return out
