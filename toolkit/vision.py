@@ -148,18 +148,11 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     hidden = 64
     config = Qwen2_5_VLConfig(
         text_config=_text_config(processor.tokenizer, hidden),
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": hidden,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 56,  # 2x2 merged units per window, so windowed attention really splits small images
-            "fullatt_block_indexes": [1],  # block 0 windowed, block 1 full: both attention paths run
-        },
+        vision_config=_vision_config(
+            hidden, patch_size=14,
+            window_size=56,  # 2x2 merged units per window, so windowed attention really splits small images
+            fullatt_block_indexes=[1],  # block 0 windowed, block 1 full: both attention paths run
+        ),
         **_vision_token_ids(processor.tokenizer),
         tie_word_embeddings=False,
         dtype="float32",
@@ -175,23 +168,21 @@ def write_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     text["rope_parameters"]["mrope_interleaved"] = True
     config = Qwen3VLConfig(
         text_config=text,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": hidden,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [1],  # block 1's features are also added to the first decoder layer
-        },
+        vision_config=_vision_config(
+            hidden, patch_size=16, num_position_embeddings=64,
+            deepstack_visual_indexes=[1],  # block 1's features are also added to the first decoder layer
+        ),
         **_vision_token_ids(processor.tokenizer),
         tie_word_embeddings=False,
         dtype="float32",
     )
     return _save_tiny(out_dir, Qwen3VLForConditionalGeneration, config, processor, "Qwen3-VL", seed)
+
+
+def _vision_config(out_hidden: int, *, patch_size: int, **extra: Any) -> dict[str, Any]:
+    """A 2-block vision tower of width 32 whose 2x2 patch merger projects to the language model's width."""
+    return {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": out_hidden,
+            "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2, **extra}
 
 
 def _vision_token_ids(tok: Any) -> dict[str, int]:
