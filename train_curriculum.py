@@ -59,7 +59,7 @@ from toolkit.model import (
 from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.sampling import Pacing, StageSampler
-from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable
+from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable, stage_entries
 
 log = logging.getLogger("toolkit")
 
@@ -442,11 +442,10 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
                        trust_remote_code=recipe.model.trust_remote_code, vision=vision)
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    entries = [s.trainable or recipe.train.trainable for s in recipe.stages]
-    keys = [f"stages.{i}.trainable" if s.trainable else "train.trainable" for i, s in enumerate(recipe.stages)]
+    entries, keys = stage_entries([s.trainable for s in recipe.stages], recipe.train.trainable)
     if recipe.lora.enabled:
         lo = recipe.lora
-        extra = modules_to_train(model, [e or [] for e in entries], keys)
+        extra = modules_to_train(model, entries, keys)
         model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                            modules_to_save=[*lo.modules_to_save, *extra], exclude_modules=lo.exclude_modules)
     return model, plan_trainable(model, entries, keys, lora=recipe.lora.enabled)

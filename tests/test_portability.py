@@ -13,6 +13,7 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, run_env, train
@@ -67,13 +68,22 @@ def test_one_process_resumes_on_fsdp_x2(runs: Path) -> None:
     assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-4)
 
 
-def test_portable_resume_inside_a_stage_that_freezes_lora(runs: Path) -> None:
+CURRICULUM = "recipes/smoke_curriculum.yaml"  # LoRA in stage 1, only model.norm in stage 2, both in stage 3
+
+
+@pytest.fixture(scope="module")
+def curriculum_zero3(runs: Path) -> Path:
+    train("zero3", 2, runs / "curriculum-zero3", "checkpoint.save_steps=2", "checkpoint.keep_last=10",
+          recipe=CURRICULUM)
+    return runs / "curriculum-zero3"
+
+
+def test_portable_resume_inside_a_stage_that_freezes_lora(curriculum_zero3: Path, runs: Path) -> None:
     """smoke_curriculum: LoRA trains in stage 1, only the norm in stage 2. At step 6 the adapters have 4 Adam
     updates and the norm 2, not 6: the portable state carries each parameter's own count into the new layout."""
-    recipe, src, out = "recipes/smoke_curriculum.yaml", runs / "curriculum-zero3", runs / "curriculum-to-single"
-    train("zero3", 2, src, "checkpoint.save_steps=2", "checkpoint.keep_last=10", recipe=recipe)
+    src, out = curriculum_zero3, runs / "curriculum-to-single"
     proc = train("single", 1, out, SINGLE_SAME_BATCH, "stages.2.micro_batch_size=2",
-                 f"checkpoint.resume={ckpt(src, 6)}", recipe=recipe)
+                 f"checkpoint.resume={ckpt(src, 6)}", recipe=CURRICULUM)
     assert "resumed (portable)" in proc.stderr
     with safe_open(ckpt(src, 6) / "portable" / "lora_state.safetensors", "pt") as f:
         steps = json.loads(f.metadata()["adam_steps"])
@@ -121,6 +131,36 @@ def test_export_lora_adapter_and_merged_model_agree(zero3_lora: Path, tmp_path: 
         torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, rtol=1e-4, atol=1e-4)
         # the adapter is not a no-op: the exported LoRA changes the base model's logits
         assert not torch.allclose(adapter(ids).logits, AutoModelForCausalLM.from_pretrained(base_dir)(ids).logits)
+
+
+def test_export_carries_modules_trained_by_stage_patterns(curriculum_zero3: Path, tmp_path: Path) -> None:
+    """The norm trains only through stages[].trainable (a PEFT modules_to_save): an export from a checkpoint must
+    rebuild it as training did and carry its trained weight, as the final adapter does."""
+    proc = _export(str(ckpt(curriculum_zero3, 10)), "--out", str(tmp_path / "adapter"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with safe_open(ckpt(curriculum_zero3, 10) / "portable" / "lora_state.safetensors", "pt") as f:
+        trained = f.get_tensor("param/base_model.model.model.norm.modules_to_save.default.weight")
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    torch.testing.assert_close(exported["base_model.model.model.norm.weight"], trained, rtol=0, atol=0)
+    base = AutoModelForCausalLM.from_pretrained(curriculum_zero3.parent / ".toolkit-cache" / "tiny-qwen3")
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    norm = dict(model.named_parameters())["base_model.model.model.norm.modules_to_save.default.weight"]
+    assert torch.equal(norm.detach(), trained)
+
+
+def test_export_vision_language_checkpoint_merged(tmp_path: Path) -> None:
+    """A VL run (projector trained through `trainable`) exports merged, with its processor, loadable as it is."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    run = tmp_path / "vl"
+    train("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")
+    proc = _export(str(ckpt(run, 8)), "--out", str(tmp_path / "merged"), "--merge")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
+    AutoProcessor.from_pretrained(tmp_path / "merged")
+    with safe_open(ckpt(run, 8) / "portable" / "lora_state.safetensors", "pt") as f:
+        merger = f.get_tensor("param/base_model.model.model.visual.merger.modules_to_save.default.mlp.0.weight")
+    assert torch.equal(dict(model.named_parameters())["model.visual.merger.mlp.0.weight"].detach(), merger)
 
 
 def test_export_full_finetuning_from_zero3_shards(zero3_full: Path, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """`toolkit export`: turn a checkpoint (or a finished run) into a model anyone can load with from_pretrained.
 
 LoRA runs export the PEFT adapter (loads with `PeftModel.from_pretrained`); `--merge` folds it into the base
-weights and writes a plain safetensors model (loads with `AutoModelForCausalLM.from_pretrained`). Full
+weights and writes a plain safetensors model (loads with `AutoModelForCausalLM.from_pretrained`, or
+`AutoModelForImageTextToText` for vision-language models, whose processor is exported too). Full
 fine-tuning checkpoints are consolidated from whatever strategy wrote them (DeepSpeed ZeRO partitions, FSDP
 shards). Tokenizer and a short model card with the curriculum summary are included.
 """
@@ -17,12 +18,14 @@ import torch
 import yaml
 from peft import PeftModel
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from toolkit import distributed
 from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
+from toolkit.config import Recipe, load_recipe
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora
+from toolkit.model import apply_lora, is_vision_language, load_processor
+from toolkit.trainable import modules_to_train, stage_entries
 
 
 def _resolve(source: Path) -> tuple[Path, Path]:
@@ -72,6 +75,30 @@ def _model_card(run: Path, meta: dict[str, Any] | None, merged: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lora_from_portable_state(model: Any, recipe: Recipe, src: Path, run: Path) -> Any:
+    """The run's LoRA model rebuilt as training built it (modules that stages' `trainable` patterns name are
+    modules_to_save too) and filled from the checkpoint's portable state; every stored parameter must land."""
+    lo = recipe.lora
+    entries, keys = stage_entries([s.trainable for s in recipe.stages], recipe.train.trainable)
+    model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
+                       modules_to_save=[*lo.modules_to_save, *modules_to_train(model, entries, keys)],
+                       exclude_modules=lo.exclude_modules)
+    state = src / "portable" / "lora_state.safetensors"
+    if not state.is_file():
+        raise ToolkitError(f"{src} has no portable LoRA state (checkpoint.portable was off); export "
+                           f"{run}/final instead.")
+    params = dict(model.named_parameters())
+    with safe_open(str(state), framework="pt") as f, torch.no_grad():
+        stored = [k.removeprefix("param/") for k in f.keys() if k.startswith("param/")]  # noqa: SIM118
+        unplaced = [n for n in stored if n not in params]
+        if unplaced:
+            raise ToolkitError(f"{src}: trained parameters {unplaced[:3]} have no place in the rebuilt model: the "
+                               "recipe.yaml next to the checkpoint does not match it.")
+        for name in stored:
+            params[name].copy_(f.get_tensor(f"param/{name}"))
+    return model
+
+
 def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
     """Write an exported model to `out` (see module docstring). Returns `out`."""
     src, run = _resolve(Path(source))
@@ -81,22 +108,16 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
     base = _base_model(src, meta, recipe)
     if meta is not None:
         verify_checkpoint_files(src)
-    lora = recipe["lora"]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if lora["enabled"]:
+    typed = load_recipe(run / "recipe.yaml")
+    trust = typed.model.trust_remote_code
+    vision = is_vision_language(base, trust_remote_code=trust)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust)
+    if typed.lora.enabled:
         if meta is None:
             model = PeftModel.from_pretrained(model, src)
         else:
-            model = apply_lora(model, r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
-                               target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"])
-            state = src / "portable" / "lora_state.safetensors"
-            if not state.is_file():
-                raise ToolkitError(f"{src} has no portable LoRA state (checkpoint.portable was off); export "
-                                   f"{run}/final instead.")
-            with safe_open(str(state), framework="pt") as f, torch.no_grad():
-                for name, param in model.named_parameters():
-                    if param.requires_grad:
-                        param.copy_(f.get_tensor(f"param/{name}"))
+            model = _lora_from_portable_state(model, typed, src, run)
         if merge:
             model = model.merge_and_unload()
     elif meta is not None:
@@ -108,9 +129,12 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer_src = run / "final" if (run / "final" / "tokenizer_config.json").is_file() else base
-    AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tmp)
-    (tmp / "README.md").write_text(_model_card(run, meta, merge and lora["enabled"]))
+    tokenizer_src = str(run / "final") if (run / "final" / "tokenizer_config.json").is_file() else base
+    if vision:  # the processor (image processor + tokenizer + chat template) makes the export usable as it is
+        load_processor(tokenizer_src, trust_remote_code=trust, chat_template=None).save_pretrained(tmp)
+    else:
+        AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tmp)
+    (tmp / "README.md").write_text(_model_card(run, meta, merge and typed.lora.enabled))
     _no_empty(tmp)
     if out.exists():
         shutil.rmtree(out)

@@ -58,7 +58,16 @@ def _patterns(entries: list[str]) -> list[str]:
     return [e for e in entries if e != LORA_KEYWORD]
 
 
-def modules_to_train(model: torch.nn.Module, stage_entries: list[list[str]], keys: list[str]) -> list[str]:
+def stage_entries(per_stage: list[list[str] | None], default: list[str] | None
+                  ) -> tuple[list[list[str] | None], list[str]]:
+    """Each stage's `trainable` entries (its own, else the recipe-wide default; None = the built-in default) and
+    the recipe key they come from, for error messages."""
+    entries = [own or default for own in per_stage]
+    keys = [f"stages.{i}.trainable" if own else "train.trainable" for i, own in enumerate(per_stage)]
+    return entries, keys
+
+
+def modules_to_train(model: torch.nn.Module, stage_entries: list[list[str] | None], keys: list[str]) -> list[str]:
     """LoRA runs: the outermost modules named by the stages' patterns, to be made PEFT `modules_to_save`.
 
     Call on the base model, before LoRA is applied. `keys` names each stage's setting for error messages.
@@ -66,7 +75,7 @@ def modules_to_train(model: torch.nn.Module, stage_entries: list[list[str]], key
     names = [n for n, _ in model.named_modules() if n]
     chosen: list[str] = []
     for entries, key in zip(stage_entries, keys, strict=True):
-        for pattern in _patterns(entries):
+        for pattern in _patterns(entries or []):
             hits = [n for n in names if matches(n, pattern)]
             if not hits:
                 raise _no_match_error(key, pattern, "module", names, model)
