@@ -11,6 +11,7 @@ With no --config it trains the embedded default: a tiny local Qwen3 on dummy dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -387,7 +389,7 @@ def uses_dummy_data(recipe: Recipe) -> bool:
 
 
 def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, dummy_dir: Path,
-                         accelerator: Any) -> tuple[list[StageSources], list[list[dict[str, Any]]]]:
+                         accelerator: Accelerator) -> tuple[list[StageSources], list[list[dict[str, Any]]]]:
     """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
 
     A vision-language model's rows go through its processor (`processor` given): image tokens are expanded and
@@ -411,9 +413,12 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
         return {"max_seq_len": max_len, "overlength": recipe.data.overlength, "train_on": recipe.data.train_on,
                 "encoder": encoder}
 
+    # One rank per machine tokenises text first and the others read its cache; image rows (not cached) are
+    # encoded by every rank at once.
+    order = contextlib.nullcontext if processor is not None else accelerator.local_main_process_first
     stages = []
     for stage in recipe.stages:
-        with accelerator.local_main_process_first():  # one rank per machine tokenises, the others read the cache
+        with order():
             src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer, packing=recipe.data.packing,
                                      needs_difficulty=stage.order == "easy_to_hard", cache_dir=cache, **settings(stage))
         if not src.samples:
