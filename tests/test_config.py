@@ -414,6 +414,7 @@ def test_trainable_and_patience_load() -> None:
     (["stages.0.patience=2", "eval.data=[e.jsonl]", "eval.every_steps=5", "stages.1.schedule=continue"],
      "would cut the LR schedule that stage 'longer_multiturn' continues"),
     (["data.min_pixels=1000", "data.max_pixels=100"], "min_pixels (1000) is larger than max_pixels (100)"),
+    (["lora.exclude_modules=.*(visual"], "exclude_modules is not a valid regular expression: missing )"),
 ])
 def test_trainable_patience_and_pixel_errors(overrides: list[str], needle: str) -> None:
     assert needle in _error(None, overrides)

@@ -7,6 +7,7 @@ types fail here, before any model or data is touched, with the key's full path a
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +56,15 @@ class LoraConfig(_Section):
     exclude_modules: list[str] | str | None = Field(
         None, description="Modules LoRA must not adapt (PEFT: a list of names, or one regex), e.g. "
         "'.*visual.*' to keep a vision tower free of adapters.")
+
+    @model_validator(mode="after")
+    def _exclude_regex_compiles(self) -> LoraConfig:
+        if isinstance(self.exclude_modules, str):
+            try:
+                re.compile(self.exclude_modules)
+            except re.error as e:
+                raise ValueError(f"exclude_modules is not a valid regular expression: {e}") from None
+        return self
 
 
 class DataConfig(_Section):
