@@ -374,10 +374,24 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _is_union_tag(part: Any) -> bool:
+    """Pydantic names the member of a union it tried in the error's location ('str', 'DataSource',
+    "literal['all-linear']"); recipe keys are lower-case names or list indices."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
+
+
+def _key_errors(err: ValidationError) -> list[dict[str, Any]]:
+    """The errors with union members dropped from their locations; of the alternatives a union produced for one
+    key, only those that went deepest (`{path, weight: 0}` is a bad weight, not 'not a string')."""
+    errors = [e | {"loc": tuple(p for p in e["loc"] if not _is_union_tag(p))} for e in err.errors()]
+    return [e for e in errors if not any(len(o["loc"]) > len(e["loc"]) and o["loc"][:len(e["loc"])] == e["loc"]
+                                         for o in errors)]
+
+
 def _explain(err: ValidationError, source: str) -> ToolkitError:
     lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
+    for e in _key_errors(err):
+        loc = e["loc"]
         key = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
             valid = _fields_at(loc[:-1])
