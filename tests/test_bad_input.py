@@ -10,16 +10,12 @@ cases marked `subprocess` (and the tests below the table) launch real processes,
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import io
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,15 +23,12 @@ from typing import Any
 import pytest
 import yaml
 
-import train_curriculum
-from tests.conftest import REPO, launch_cmd, run_env
-from toolkit import cli
-from toolkit.config import TINY_MODEL, TINY_VL_MODEL
-from toolkit.model import materialize_builtin
+from tests._inprocess import Call, invoke, snapshot
+from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, write_jsonl
+from toolkit.config import TINY_MODEL
 from toolkit.run_dir import RunLock
 
 TABLE = REPO / "docs" / "bad_inputs.md"
-CHAT = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]}
 
 
 def documented() -> dict[str, str]:
@@ -48,52 +41,10 @@ def documented() -> dict[str, str]:
     return rows
 
 
-def write_jsonl(path: Path, rows: list[object]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-# --- shared inputs: tiny models built once, one trained run to resume from ----------------------------------
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("models")
-    return {"text": materialize_builtin(TINY_MODEL, cache), "vl": materialize_builtin(TINY_VL_MODEL, cache)}
-
-
-def base_recipe(model: str, data: str = "data.jsonl") -> dict[str, Any]:
-    return {"output_dir": "run", "model": {"name_or_path": model}, "data": {"max_seq_len": 64},
-            "stages": [{"name": "only", "data": [data], "max_steps": 3}],
-            "train": {"micro_batch_size": 2, "grad_accum": 2},
-            "checkpoint": {"save_steps": 1, "keep_last": 3},
-            "logging": {"progress_bar": False, "trackers": []}}
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, models: dict[str, str]) -> Path:
-    """A folder holding recipe.yaml, data.jsonl and run/ (a finished 3-step run, checkpoints at steps 1-3); cases
-    copy it. Paths in the recipe are relative, so a copy is a run of its own."""
-    root = tmp_path_factory.mktemp("trained")
-    write_jsonl(root / "data.jsonl", [CHAT] * 16)
-    (root / "recipe.yaml").write_text(yaml.safe_dump(base_recipe(models["text"])))
-    proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"], cwd=root,
-                          env=run_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+# Shared inputs (conftest): `models` (tiny text and VL models, built once) and `trained` (a finished 3-step run).
 
 
 # --- the cases -------------------------------------------------------------------------------------------------
-
-@dataclass
-class Call:
-    """One command: `train_curriculum.py ARGV` or `toolkit ARGV`, run in the case's folder."""
-
-    argv: list[str]
-    watch: Path  # must not appear if absent before, and must stay exactly as it was if present
-    tool: str = "train"
-    env: dict[str, str] = field(default_factory=dict)
-    subprocess: bool = False
-
 
 @dataclass
 class Ctx:
@@ -401,44 +352,6 @@ def _(c: Ctx) -> Call:
 
 
 # --- running them ----------------------------------------------------------------------------------------------
-
-def snapshot(path: Path) -> dict[str, tuple[int, int]] | None:
-    """Every file under `path` (or `path` itself) with size and mtime; None when it does not exist."""
-    if not path.exists():
-        return None
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
-
-
-@contextlib.contextmanager
-def process_state_kept() -> Iterator[None]:
-    """The training entry point installs signal handlers and a parent-death signal for its process; an
-    in-process call must not leave them on the test runner."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG off
-
-
-def invoke(call: Call, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
-    if call.subprocess:
-        cmd = [sys.executable, str(REPO / "train_curriculum.py")] if call.tool == "train" else \
-            [sys.executable, "-m", "toolkit.cli"]
-        proc = subprocess.run([*cmd, *call.argv], cwd=cwd, env=run_env() | call.env, capture_output=True,
-                              text=True, timeout=300)
-        return proc.returncode, proc.stderr
-    monkeypatch.chdir(cwd)
-    for key, value in call.env.items():
-        monkeypatch.setenv(key, value)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), process_state_kept():
-        rc = (train_curriculum.main if call.tool == "train" else cli.main)(call.argv)
-    return rc, err.getvalue()
-
 
 def test_table_and_cases_agree() -> None:
     rows = documented()
