@@ -86,7 +86,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
     check_trackers(recipe.logging.trackers)
     accelerator = distributed.build_accelerator(recipe.train.grad_accum, recipe.distributed.timeout_minutes,
-                                                log_with=recipe.logging.trackers or None, project_dir=str(out / "trackers"))
+                                                log_with=recipe.logging.trackers or None,
+                                                project_dir=str(out / "trackers"))
     world, rank = accelerator.num_processes, accelerator.process_index
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     global_batch = micro * accum * world
