@@ -287,7 +287,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                 optimizer.zero_grad()
         scheduler.step()
         meter.add_step(step_loss, verdict.skip)
-        if not verdict.skip:
+        if not verdict.skip and not distributed.scaler_skipped(optimizer):  # fp16 overflow: no update
             freezer.count_update(plan.index)
         bar.update(1)
         done = step + 1
