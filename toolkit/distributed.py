@@ -211,6 +211,24 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
     cfg = ds_config(accelerator)
     if cfg is None:
         return
+    overridden = own_deepspeed_config(cfg, micro_batch_size=micro_batch_size,
+                                      grad_accum=accelerator.gradient_accumulation_steps,
+                                      num_processes=accelerator.num_processes, max_grad_norm=max_grad_norm)
+    if overridden:
+        log.info("DeepSpeed config: the recipe's values win: %s", "; ".join(overridden))
+    zero = cfg.get("zero_optimization", {})
+    sizes = {"reduce_bucket_size": hidden_size * hidden_size,  # accelerate's own formulas
+             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+             "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+
+def own_deepspeed_config(cfg: dict[str, Any], *, micro_batch_size: int, grad_accum: int, num_processes: int,
+                         max_grad_norm: float) -> list[str]:
+    """Write the recipe's batch, accumulation and clipping into a DeepSpeed config dict; drop or refuse its
+    `optimizer` / `scheduler` blocks. Returns one note per value the config set differently (for the log)."""
     for block, allowed in (("optimizer", {"adam", "adamw"}), ("scheduler", None)):
         if block in cfg:
             spec = cfg[block]
@@ -225,26 +243,16 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
                     + f". Remove '{block}' from the DeepSpeed config (or leave only \"auto\" values in it).")
             del cfg[block]
     clip = max_grad_norm if max_grad_norm > 0 else 1e12  # positive: ZeRO-2 then computes the norm veto_update uses
-    accum = accelerator.gradient_accumulation_steps
     owned = {"train_micro_batch_size_per_gpu": (micro_batch_size, "train.micro_batch_size"),
-             "gradient_accumulation_steps": (accum, "train.grad_accum"),
-             "train_batch_size": (micro_batch_size * accum * accelerator.num_processes,
-                                  "micro x accum x processes"),
+             "gradient_accumulation_steps": (grad_accum, "train.grad_accum"),
+             "train_batch_size": (micro_batch_size * grad_accum * num_processes, "micro x accum x processes"),
              "gradient_clipping": (clip, "optimizer.max_grad_norm")}
     overridden = []
     for key, (value, source) in owned.items():
         if cfg.get(key, "auto") not in ("auto", None) and float(cfg[key]) != float(value):
             overridden.append(f"{key} {cfg[key]} -> {value} ({source})")
         cfg[key] = value
-    if overridden:
-        log.info("DeepSpeed config: the recipe's values win: %s", "; ".join(overridden))
-    zero = cfg.get("zero_optimization", {})
-    sizes = {"reduce_bucket_size": hidden_size * hidden_size,  # accelerate's own formulas
-             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-             "stage3_param_persistence_threshold": 10 * hidden_size}
-    for key, value in sizes.items():
-        if zero.get(key) == "auto":
-            zero[key] = value
+    return overridden
 
 
 def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter] | list[dict[str, Any]], *, lr: float,
