@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, run_env, train, train_cmd
-from toolkit.distributed import check_launch_config, has_accelerator, own_deepspeed_config
+from toolkit.distributed import check_launch_config, has_accelerator, own_deepspeed_config, scaler_skipped
 from toolkit.errors import ToolkitError
 from toolkit.metrics import read_metrics
 
@@ -230,3 +231,26 @@ def test_optimizer_and_scheduler_blocks(block: str) -> None:
         with pytest.raises(ToolkitError, match="the optimizer is AdamW"):
             own_deepspeed_config({block: {"type": "Lamb", "params": {}}}, micro_batch_size=1, grad_accum=1,
                                  num_processes=1, max_grad_norm=1.0)
+
+
+def test_fp16_overflow_step_is_reported_as_skipped() -> None:
+    """accelerate's fp16 optimizer wrapper with a real GradScaler: an overflowing step is skipped by the scaler and
+    `scaler_skipped` says so (the loop then does not count it as an update); a finite one is applied."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    Accelerator(cpu=True)  # AcceleratedOptimizer reads the state; reset below so no other test sees it
+    try:
+        param = torch.nn.Parameter(torch.ones(2))
+        scaler = torch.amp.GradScaler("cpu")
+        optimizer = AcceleratedOptimizer(torch.optim.AdamW([param], lr=0.1), device_placement=False, scaler=scaler)
+        for x, skipped in ((torch.tensor([float("inf"), 1.0]), True), (torch.tensor([1.0, 1.0]), False)):
+            before = param.detach().clone()
+            scaler.scale((param * x).sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert scaler_skipped(optimizer) is skipped
+            assert torch.equal(param.detach(), before) is skipped
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
