@@ -170,7 +170,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
     text_config = model.config.get_text_config()
-    distributed.configure_deepspeed(accelerator, micro, opt.max_grad_norm, text_config.hidden_size)
+    distributed.configure_deepspeed(accelerator, model, micro, opt.max_grad_norm)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 

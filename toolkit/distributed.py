@@ -197,8 +197,8 @@ def strategy_name(accelerator: Accelerator) -> str:
     return "single"
 
 
-def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float,
-                        hidden_size: int) -> None:
+def configure_deepspeed(accelerator: Accelerator, model: torch.nn.Module, micro_batch_size: int,
+                        max_grad_norm: float) -> None:
     """Make the DeepSpeed config train the recipe's batch, accumulation, clipping, optimizer and schedule.
 
     The recipe owns `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`, `train_batch_size` and
@@ -206,11 +206,14 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
     the recipe's values are written, and one log line names each value the file set differently. `optimizer` /
     `scheduler` blocks whose values are all "auto" (they ask the trainer for its own) are dropped for the recipe's
     AdamW and per-stage schedule; any other is refused. Also fills the bucket sizes accelerate derives from
-    `model.config.hidden_size` (which vision-language configs only have under `text_config`).
+    `model.config.hidden_size` (which vision-language configs only have under `text_config`), and gives the
+    parameters ZeRO-3 did not create one 16-bit dtype (`_one_trainable_dtype`).
     """
     cfg = ds_config(accelerator)
     if cfg is None:
         return
+    hidden_size = model.config.get_text_config().hidden_size
+    _one_trainable_dtype(cfg, model)
     overridden = own_deepspeed_config(cfg, micro_batch_size=micro_batch_size,
                                       grad_accum=accelerator.gradient_accumulation_steps,
                                       num_processes=accelerator.num_processes, max_grad_norm=max_grad_norm)
@@ -223,6 +226,26 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
     for key, value in sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
+
+
+def _one_trainable_dtype(cfg: dict[str, Any], model: torch.nn.Module) -> None:
+    """ZeRO-3 in bf16 / fp16: cast the parameters created after `zero.Init` to the 16-bit dtype.
+
+    With zero3_init_flag the base model is built partitioned in the 16-bit dtype, but LoRA adapters (fp32) and
+    PEFT's modules_to_save copies are made afterwards, and ZeRO-3, unlike ZeRO-1/2, does not cast the module
+    itself: trainable parameters of two dtypes then fail in its partitioning. DeepSpeed keeps fp32 master copies
+    of them, so the updates stay fp32, as with ZeRO-2 (whose engine casts the whole model the same way).
+    """
+    if int(cfg.get("zero_optimization", {}).get("stage", 0)) != 3:
+        return
+    enabled = {dtype: cfg.get(key, {}).get("enabled") is True
+               for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    low = next((dtype for dtype, on in enabled.items() if on), None)
+    if low is None:
+        return
+    for param in model.parameters():
+        if not hasattr(param, "ds_id") and param.is_floating_point() and param.dtype != low:
+            param.data = param.data.to(low)
 
 
 def own_deepspeed_config(cfg: dict[str, Any], *, micro_batch_size: int, grad_accum: int, num_processes: int,
