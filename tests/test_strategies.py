@@ -77,16 +77,23 @@ def test_strategy_matches_single_process(strategy: str, runs: Path, reference: P
 
 def test_two_machines_on_loopback_match_two_processes(runs: Path, reference: Path) -> None:
     """accelerate's multi-node launch (2 machines x 1 process, rendezvous on 127.0.0.1) equals 2 processes."""
-    out, port = runs / "two-machines", None
-    procs = []
+    out = runs / "two-machines"
+    two_machines_on_loopback("ddp", out, "--num_machines", "2")
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+
+
+def two_machines_on_loopback(strategy: str, out: Path, *extra: str, mixed_precision: str | None = "no",
+                             recipe: str = "recipes/smoke.yaml", overrides: tuple[str, ...] = ()) -> None:
+    """Launch `strategy` as 2 machines x 1 process on this one, each with its --machine_rank and 127.0.0.1."""
+    procs, port = [], None
     for machine_rank in (0, 1):
-        base = launch_cmd("ddp", 2, extra=["--num_machines", "2", "--machine_rank", str(machine_rank),
-                                           "--main_process_ip", "127.0.0.1"])
+        base = launch_cmd(strategy, 2, mixed_precision=mixed_precision,
+                          extra=[*extra, "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1"])
         if port is None:
             port = base[base.index("--main_process_port") + 1]
         base[base.index("--main_process_port") + 1] = port
-        cmd = [*base, str(REPO / "train_curriculum.py"), "--config", "recipes/smoke.yaml", "--create_dummy_data",
-               "--num_dummy_samples", "64", f"output_dir={out}"]
+        cmd = [*base, str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
+               "--num_dummy_samples", "64", f"output_dir={out}", *overrides]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
@@ -95,7 +102,6 @@ def test_two_machines_on_loopback_match_two_processes(runs: Path, reference: Pat
         for p in procs:
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +224,15 @@ def test_shipped_config_verbatim_bf16(strategy: str, runs: Path, curriculum_bf16
     output = proc.stdout + proc.stderr
     assert "FutureWarning" not in output and "Saving" not in output, output[-3000:]
     assert sum(" INFO checkpoint " in line for line in output.splitlines()) == 3  # one per stage end
+
+
+def test_shipped_multinode_zero3_verbatim_bf16(runs: Path, curriculum_bf16_reference: Path) -> None:
+    """multinode_zero3.yaml as its header says to run it (the same command per node, its --machine_rank; here
+    both "nodes" on loopback with 1 process each): bf16 ZeRO-3, the single-process bf16 curriculum."""
+    out = runs / "curriculum-multinode-verbatim"
+    two_machines_on_loopback("multinode_zero3", out, mixed_precision=None, recipe=CURRICULUM,
+                             overrides=(KEEP_STAGE_ENDS,))
+    check_curriculum(out, curriculum_bf16_reference, "multinode_zero3", rel=BF16_REL, final_close=BF16_CLOSE)
 
 
 VL = "recipes/smoke_vl.yaml"  # stage 'align': projector only; stage 'instruct': LoRA + projector

@@ -143,11 +143,12 @@ def quiet_library_logs() -> None:
     """What a user reads during a launch: no library warning repeated every step, one line per checkpoint.
 
     torch warns on every ZeRO-3 collective that DeepSpeed's `all_gather_into_tensor` / `reduce_scatter_tensor`
-    are deprecated, transformers on every rank about PEFT's `is_gradient_checkpointing`: nothing a user can
-    act on. accelerate logs five '[RANK 0] Saving ...' lines per checkpoint; the training log has its own one.
+    are deprecated, transformers on every rank about PEFT's `is_gradient_checkpointing` and the
+    `gradient_checkpointing_enable` name: nothing a user can act on. accelerate logs five '[RANK 0] Saving ...'
+    lines per checkpoint; the training log has its own one.
     """
     for message in (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-                    r"`is_gradient_checkpointing` is deprecated"):
+                    r"`(is_gradient_checkpointing|gradient_checkpointing_enable)` is deprecated"):
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     for name in ("accelerate.accelerator", "accelerate.checkpointing", "accelerate.utils.fsdp_utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
