@@ -283,6 +283,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                 if not verdict.skip:  # outside sync steps accelerate's optimizer.step() is a no-op anyway
                     optimizer.step()
+                else:
+                    distributed.skip_update(accelerator.scaler)  # fp16: the loss scaler closes the step too
                 optimizer.zero_grad()
         scheduler.step()
         meter.add_step(step_loss, verdict.skip)

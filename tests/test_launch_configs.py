@@ -20,7 +20,13 @@ import torch
 import yaml
 
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, run_env, train, train_cmd
-from toolkit.distributed import check_launch_config, has_accelerator, own_deepspeed_config, scaler_skipped
+from toolkit.distributed import (
+    check_launch_config,
+    has_accelerator,
+    own_deepspeed_config,
+    scaler_skipped,
+    skip_update,
+)
 from toolkit.errors import ToolkitError
 from toolkit.metrics import read_metrics
 
@@ -254,3 +260,26 @@ def test_fp16_overflow_step_is_reported_as_skipped() -> None:
             assert torch.equal(param.detach(), before) is skipped
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_vetoed_fp16_step_leaves_the_scaler_ready() -> None:
+    """The guard vetoes a step (NaN loss) after clipping unscaled it: `skip_update` closes it so the next step
+    unscales and updates normally; without it the next unscale fails."""
+    def vetoed_then_normal(close: bool) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.AdamW([param], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(param.sum() * float("nan")).backward()
+        scaler.unscale_(optimizer)  # what clip_grad_norm_ does before the verdict is acted on
+        if close:
+            skip_update(scaler)
+        optimizer.zero_grad()
+        scaler.scale(param.sum()).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        return param.detach()
+
+    assert not torch.equal(vetoed_then_normal(close=True), torch.ones(2))
+    with pytest.raises(RuntimeError, match="unscale_"):
+        vetoed_then_normal(close=False)

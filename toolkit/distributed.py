@@ -401,6 +401,17 @@ def veto_update(loss: torch.Tensor) -> torch.Tensor:
     return loss * float("nan")
 
 
+def skip_update(scaler: torch.amp.GradScaler | None) -> None:
+    """A step the stability guard vetoed, under fp16 with accelerate's GradScaler (DDP, FSDP2): close it.
+
+    Clipping has already unscaled this step's (NaN) gradients; without the scaler's own step and update the
+    next step's unscaling fails ("unscale_() has already been called"). `update()` ends the step as a skipped
+    overflow would (the scale backs off). DeepSpeed's fp16 scaler handles the vetoed step inside its step.
+    """
+    if scaler is not None and scaler.is_enabled():
+        scaler.update()
+
+
 def device_name(accelerator: Accelerator) -> str | None:
     """Accelerator model name (for the peak-FLOP/s lookup), None on CPU."""
     if accelerator.device.type == "cuda":
