@@ -82,9 +82,9 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
 
 
-def launch(config: Path, out: Path, *overrides: str, num_processes: int | None = None) -> subprocess.CompletedProcess:
+def launch(config: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
     """The launch line a user types: the file as written (the port aside: tests run side by side)."""
-    cmd = train_cmd(config, num_processes, out, *overrides, mixed_precision=None)
+    cmd = train_cmd(config, None, out, *overrides, mixed_precision=None)
     return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
