@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -464,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.config, args.overrides)
         return train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples)
     except ToolkitError as e:
-        distributed.report_error(f"error: {e}")  # also shown in the launcher's failure summary
+        print(f"error: {e}", file=sys.stderr)
+        distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
         return 2
 
 

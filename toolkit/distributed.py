@@ -539,16 +539,14 @@ def consolidate_full_weights(ckpt: Any, strategy: str) -> dict[str, torch.Tensor
     return load_file(ckpt / "model.safetensors")
 
 
-def report_error(message: str) -> None:
-    """Print a one-line `error: ...` and hand it to torchrun as this rank's failure record.
+def record_launch_error(message: str) -> None:
+    """Hand a one-line `error: ...` (already printed) to torchrun as this rank's failure record.
 
     The launcher then ends its 'Root Cause' summary (printed after its own traceback) with this line instead of
-    'To enable traceback see ...', so the reason stays in view under the launcher's output.
+    'To enable traceback see ...', so the reason stays in view under the launcher's output. No-op unlaunched.
     """
-    import sys
     import time
 
-    print(message, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with contextlib.suppress(OSError), open(error_file, "w") as f:
