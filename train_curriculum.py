@@ -190,7 +190,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
     text_config = model.config.get_text_config()
-    distributed.configure_deepspeed(accelerator, micro, opt.max_grad_norm, text_config.hidden_size)
+    distributed.configure_deepspeed(accelerator, model, micro, opt.max_grad_norm)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
@@ -304,10 +304,12 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                 if not verdict.skip:  # outside sync steps accelerate's optimizer.step() is a no-op anyway
                     optimizer.step()
+                else:
+                    distributed.skip_update(accelerator.scaler)  # fp16: the loss scaler closes the step too
                 optimizer.zero_grad()
         scheduler.step()
         meter.add_step(step_loss, verdict.skip)
-        if not verdict.skip:
+        if not verdict.skip and not distributed.scaler_skipped(optimizer):  # fp16 overflow: no update
             freezer.count_update(plan.index)
         bar.update(1)
         done = step + 1
@@ -508,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         return train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
+        distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
         return 2
     except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
         print("interrupted (Ctrl-C): stopped without saving; relaunch the same command to resume from the last "

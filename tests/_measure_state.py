@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=LORA_R, target_modules="all-linear", task_type="CAUSAL_LM"))
-    configure_deepspeed(accelerator, micro_batch_size=1, max_grad_norm=1.0,
-                        hidden_size=model.config.get_text_config().hidden_size)
+    configure_deepspeed(accelerator, model, micro_batch_size=1, max_grad_norm=1.0)
     # AdamW in the form the strategy needs (DeepSpeed's CPU Adam under optimizer offload), as in training.
     optimizer = build_optimizer(accelerator, [p for p in model.parameters() if p.requires_grad], lr=1e-3,
                                 weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if n.startswith(names["projector"] + "."):
             p.requires_grad_(True)
 
-    configure_deepspeed(accelerator, MICRO_BATCH, 1.0, model.config.get_text_config().hidden_size)
+    configure_deepspeed(accelerator, model, MICRO_BATCH, 1.0)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(accelerator, params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -74,17 +74,21 @@ def run_env() -> dict[str, str]:
     return env
 
 
-def launch_cmd(strategy: str, num_processes: int, *, mixed_precision: str = "no",
+def launch_cmd(strategy: str | Path, num_processes: int | None, *, mixed_precision: str | None = "no",
                extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
-            "--num_processes", str(num_processes), "--mixed_precision", mixed_precision,
+    """`accelerate launch` of a shipped config (by name) or any config file (a Path). `mixed_precision=None`
+    and `num_processes=None` leave the file's values, as a user's launch line does (only the port is always set:
+    tests run side by side)."""
+    config = strategy if isinstance(strategy, Path) else REPO / "accelerate_configs" / f"{strategy}.yaml"
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            *(["--num_processes", str(num_processes)] if num_processes is not None else []),
+            *(["--mixed_precision", mixed_precision] if mixed_precision is not None else []),
             "--main_process_port", str(free_port()), *(extra or [])]
 
 
-def train(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
-          mixed_precision: str = "no", dummy_samples: int = 64, check: bool = True,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
+          recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no", dummy_samples: int = 64,
+          check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
     cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
                     dummy_samples=dummy_samples)
@@ -96,8 +100,9 @@ def train(strategy: str, num_processes: int, out: Path, *overrides: str, recipe:
     return proc
 
 
-def train_cmd(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
-              mixed_precision: str = "no", dummy_samples: int = 64) -> list[str]:
+def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
+              recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no",
+              dummy_samples: int = 64) -> list[str]:
     return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
             str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
             "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]

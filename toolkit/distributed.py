@@ -13,7 +13,10 @@ accelerator is present.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +27,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.errors import ToolkitError
 
+log = logging.getLogger(__name__)
 _ORIGINAL_PREPARE_BACKEND = PartialState._prepare_backend
 
 
@@ -64,22 +68,100 @@ def apply_cpu_compat() -> bool:
     return True
 
 
-def check_launch_files() -> None:
-    """A DeepSpeed JSON named by the accelerate config must exist (accelerate's own error is a JSON traceback)."""
-    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if _env_flag("ACCELERATE_USE_DEEPSPEED") and ds_file and ds_file != "none" and not os.path.isfile(ds_file):
+# Keys a DeepSpeed JSON reads itself: accelerate refuses them in the accelerate config next to the JSON's name.
+_DS_FILE_OWNS = {"gradient_accumulation_steps": "gradient_accumulation_steps",
+                 "gradient_clipping": "gradient_clipping", "zero_stage": "zero_optimization.stage",
+                 "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+                 "offload_param_device": "zero_optimization.offload_param.device",
+                 "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+                 "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+                 "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
+
+
+def check_launch_config() -> None:
+    """Refuse, in one line and before anything loads, the launch shapes this toolkit cannot train as asked.
+
+    Reads what `accelerate launch` put in the environment: the DeepSpeed JSON must exist and agree with the
+    launch's precision; FSDP must be FSDP2; fp8 is not supported; fp16 needs a GPU.
+    """
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision == "fp8":
+        raise ToolkitError("mixed_precision: fp8 is not supported (the training paths here are not fp8-aware): "
+                           "set mixed_precision: bf16 in the accelerate config or pass --mixed_precision bf16.")
+    if precision == "fp16" and not has_accelerator():
+        raise ToolkitError("mixed_precision: fp16 needs a GPU (CPU autocast and DeepSpeed's CPU accelerator have no "
+                           "fp16 loss scaling): on CPU use mixed_precision: bf16 or no.")
+    if _env_flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ToolkitError(
+            "The accelerate config selects FSDP1 (fsdp_config.fsdp_version is 1 or missing); this toolkit shards with "
+            "FSDP2: set fsdp_config.fsdp_version: 2 (`accelerate to-fsdp2 --config_file <file> --output_file <new>` "
+            "converts the other keys; see accelerate_configs/fsdp.yaml).")
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        _check_deepspeed_file(precision)
+
+
+def _check_deepspeed_file(precision: str) -> None:
+    """The DeepSpeed JSON named by the accelerate config exists and decides what accelerate lets it decide.
+
+    accelerate refuses `mixed_precision` in an accelerate config that names a JSON, even when the JSON leaves
+    precision "auto" for accelerate to fill from it (as ours do). Precision then is the launch's, and the refusal
+    is lifted; a JSON with an explicit `bf16` / `fp16` `enabled` must agree with it.
+    """
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if ds_file == "none":
+        return  # inline deepspeed_config: accelerate builds the JSON from the accelerate config
+    if not os.path.isfile(ds_file):
         raise ToolkitError(
             f"The accelerate config names the DeepSpeed config '{ds_file}', which does not exist (relative paths "
             f"are taken from the working directory, here {os.getcwd()}). Launch from the repository root or "
             "fix deepspeed_config_file in the accelerate config.")
+    try:
+        with open(ds_file) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ToolkitError(f"{ds_file}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}).") from None
+    fields = [f for f in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if f]
+    for field in fields:
+        if field in _DS_FILE_OWNS:
+            raise ToolkitError(
+                f"The accelerate config sets deepspeed_config.{field} next to deepspeed_config_file: DeepSpeed reads "
+                f"it from {ds_file} ('{_DS_FILE_OWNS[field]}'). Remove it from the accelerate config and set it "
+                "in the JSON.")
+    if "mixed_precision" not in fields:
+        return
+    for dtype in ("bf16", "fp16"):
+        enabled = cfg.get(dtype, {}).get("enabled", "auto")
+        if enabled != "auto" and bool(enabled) != (precision == dtype):
+            raise ToolkitError(
+                f"{ds_file} sets {dtype}.enabled: {str(enabled).lower()} but the accelerate config sets "
+                f"mixed_precision: {precision}. Make them agree, or set \"enabled\": \"auto\" in the JSON so the "
+                "accelerate config decides.")
+    os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields if f != "mixed_precision")
+
+
+def quiet_library_logs() -> None:
+    """What a user reads during a launch: no library warning repeated every step, one line per checkpoint.
+
+    torch warns on every ZeRO-3 collective that DeepSpeed's `all_gather_into_tensor` / `reduce_scatter_tensor`
+    are deprecated, transformers on every rank about PEFT's `is_gradient_checkpointing` and the
+    `gradient_checkpointing_enable` name: nothing a user can act on. accelerate logs five '[RANK 0] Saving ...'
+    lines per checkpoint; the training log has its own one.
+    """
+    for message in (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+                    r"`(is_gradient_checkpointing|gradient_checkpointing_enable)` is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for name in ("accelerate.accelerator", "accelerate.checkpointing", "accelerate.utils.fsdp_utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[str] | None = None,
                       project_dir: str | None = None) -> Accelerator:
-    """The run's Accelerator: the strategy, mixed precision and process layout come from `accelerate launch`."""
-    check_launch_files()
+    """The run's Accelerator: the strategy, mixed precision and process layout come from `accelerate launch`;
+    accumulation is the recipe's (accelerate would take an accelerate config's DeepSpeed value over it)."""
+    check_launch_config()
+    quiet_library_logs()
     apply_cpu_compat()
-    return Accelerator(
+    accelerator = Accelerator(
         gradient_accumulation_steps=grad_accum,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))],
         log_with=log_with,
@@ -87,6 +169,8 @@ def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[st
         # We step the LR scheduler ourselves once per optimizer step (accelerate would step it once per process).
         step_scheduler_with_optimizer=False,
     )
+    accelerator.gradient_accumulation_steps = grad_accum
+    return accelerator
 
 
 def ds_config(accelerator: Accelerator) -> dict[str, Any] | None:
@@ -114,26 +198,28 @@ def strategy_name(accelerator: Accelerator) -> str:
     return "single"
 
 
-def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float,
-                        hidden_size: int) -> None:
-    """Fill the DeepSpeed values that accelerate infers from a prepared dataloader (we prepare none) and from
-    `model.config.hidden_size` (which vision-language configs only have under `text_config`).
+def configure_deepspeed(accelerator: Accelerator, model: torch.nn.Module, micro_batch_size: int,
+                        max_grad_norm: float) -> None:
+    """Make the DeepSpeed config train the recipe's batch, accumulation, clipping, optimizer and schedule.
 
-    Clipping is done by DeepSpeed inside its step, so the recipe's max_grad_norm must reach its config.
+    The recipe owns `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`, `train_batch_size` and
+    `gradient_clipping` (DeepSpeed clips inside its step): whatever a JSON or an inline `deepspeed_config` says,
+    the recipe's values are written, and one log line names each value the file set differently. `optimizer` /
+    `scheduler` blocks whose values are all "auto" (they ask the trainer for its own) are dropped for the recipe's
+    AdamW and per-stage schedule; any other is refused. Also fills the bucket sizes accelerate derives from
+    `model.config.hidden_size` (which vision-language configs only have under `text_config`), and gives the
+    parameters ZeRO-3 did not create one 16-bit dtype (`_one_trainable_dtype`).
     """
     cfg = ds_config(accelerator)
     if cfg is None:
         return
-    if "scheduler" in cfg:
-        raise ToolkitError(
-            "The DeepSpeed config defines a 'scheduler'. Learning-rate schedules are per stage and belong in "
-            "the recipe (schedule: / stages[].lr); remove 'scheduler' from the DeepSpeed JSON."
-        )
-    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
-    cfg["train_batch_size"] = micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
-    if cfg.get("gradient_clipping", "auto") == "auto":
-        # A positive value also makes ZeRO-2 compute the norm its non-finite check uses (see veto_update).
-        cfg["gradient_clipping"] = max_grad_norm if max_grad_norm > 0 else 1e12
+    hidden_size = model.config.get_text_config().hidden_size
+    _one_trainable_dtype(cfg, model)
+    overridden = own_deepspeed_config(cfg, micro_batch_size=micro_batch_size,
+                                      grad_accum=accelerator.gradient_accumulation_steps,
+                                      num_processes=accelerator.num_processes, max_grad_norm=max_grad_norm)
+    if overridden:
+        log.info("DeepSpeed config: the recipe's values win: %s", "; ".join(overridden))
     zero = cfg.get("zero_optimization", {})
     sizes = {"reduce_bucket_size": hidden_size * hidden_size,  # accelerate's own formulas
              "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -143,24 +229,78 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch_size: int, max_gra
             zero[key] = value
 
 
+def _one_trainable_dtype(cfg: dict[str, Any], model: torch.nn.Module) -> None:
+    """ZeRO-3 in bf16 / fp16: cast the parameters created after `zero.Init` to the 16-bit dtype.
+
+    With zero3_init_flag the base model is built partitioned in the 16-bit dtype, but LoRA adapters (fp32) and
+    PEFT's modules_to_save copies are made afterwards, and ZeRO-3, unlike ZeRO-1/2, does not cast the module
+    itself: trainable parameters of two dtypes then fail in its partitioning. DeepSpeed keeps fp32 master copies
+    of them, so the updates stay fp32, as with ZeRO-2 (whose engine casts the whole model the same way).
+    """
+    if int(cfg.get("zero_optimization", {}).get("stage", 0)) != 3:
+        return
+    enabled = {dtype: cfg.get(key, {}).get("enabled") is True
+               for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    low = next((dtype for dtype, on in enabled.items() if on), None)
+    if low is None:
+        return
+    for param in model.parameters():
+        if not hasattr(param, "ds_id") and param.is_floating_point() and param.dtype != low:
+            param.data = param.data.to(low)
+
+
+def own_deepspeed_config(cfg: dict[str, Any], *, micro_batch_size: int, grad_accum: int, num_processes: int,
+                         max_grad_norm: float) -> list[str]:
+    """Write the recipe's batch, accumulation and clipping into a DeepSpeed config dict; drop or refuse its
+    `optimizer` / `scheduler` blocks. Returns one note per value the config set differently (for the log)."""
+    for block, allowed in (("optimizer", {"adam", "adamw"}), ("scheduler", None)):
+        if block in cfg:
+            spec = cfg[block]
+            params = spec.get("params", {})
+            kind = str(spec.get("type", "")).lower()
+            if any(v != "auto" for v in params.values()) or (allowed is not None and kind not in allowed):
+                raise ToolkitError(
+                    f"The DeepSpeed config's '{block}' block ({spec.get('type')}, params "
+                    f"{json.dumps(params)}) would replace the recipe's: "
+                    + ("the optimizer is AdamW set by optimizer.* in the recipe" if block == "optimizer" else
+                       "learning-rate schedules are per stage (schedule: / stages[].lr in the recipe)")
+                    + f". Remove '{block}' from the DeepSpeed config (or leave only \"auto\" values in it).")
+            del cfg[block]
+    clip = max_grad_norm if max_grad_norm > 0 else 1e12  # positive: ZeRO-2 then computes the norm veto_update uses
+    owned = {"train_micro_batch_size_per_gpu": (micro_batch_size, "train.micro_batch_size"),
+             "gradient_accumulation_steps": (grad_accum, "train.grad_accum"),
+             "train_batch_size": (micro_batch_size * grad_accum * num_processes, "micro x accum x processes"),
+             "gradient_clipping": (clip, "optimizer.max_grad_norm")}
+    overridden = []
+    for key, (value, source) in owned.items():
+        if cfg.get(key, "auto") not in ("auto", None) and float(cfg[key]) != float(value):
+            overridden.append(f"{key} {cfg[key]} -> {value} ({source})")
+        cfg[key] = value
+    return overridden
+
+
 def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter] | list[dict[str, Any]], *, lr: float,
                     weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """AdamW, in the form the strategy needs (`params`: tensors, or param-group dicts).
 
-    ZeRO with optimizer offload to CPU wants DeepSpeed's CPU Adam (same AdamW maths, vectorised on the host);
-    a DeepSpeed JSON with its own 'optimizer' gets accelerate's DummyOptim so DeepSpeed builds it.
+    ZeRO with optimizer offload to CPU wants DeepSpeed's CPU Adam (same AdamW maths, vectorised on the host).
     """
     cfg = ds_config(accelerator)
-    if cfg is not None and "optimizer" in cfg:
-        from accelerate.utils import DummyOptim
-
-        return DummyOptim(params, lr=lr, weight_decay=weight_decay)
     offload = (cfg or {}).get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if offload not in ("none", None):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, adamw_mode=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def scaler_skipped(optimizer: Any) -> bool:
+    """True when fp16 loss scaling skipped this step's update (gradient overflow; the scale is lowered).
+
+    accelerate's GradScaler wrapper and DeepSpeed's fp16 optimizer both report it as `step_was_skipped`; such a
+    step is not an update (Adam's step count stays) and not a stability skip (the loss was fine).
+    """
+    return bool(getattr(optimizer, "step_was_skipped", False))
 
 
 def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -259,6 +399,17 @@ def veto_update(loss: torch.Tensor) -> torch.Tensor:
     call optimizer.step() and zero the (NaN) gradients, so the same call works everywhere.
     """
     return loss * float("nan")
+
+
+def skip_update(scaler: torch.amp.GradScaler | None) -> None:
+    """A step the stability guard vetoed, under fp16 with accelerate's GradScaler (DDP, FSDP2): close it.
+
+    Clipping has already unscaled this step's (NaN) gradients; without the scaler's own step and update the
+    next step's unscaling fails ("unscale_() has already been called"). `update()` ends the step as a skipped
+    overflow would (the scale backs off). DeepSpeed's fp16 scaler handles the vetoed step inside its step.
+    """
+    if scaler is not None and scaler.is_enabled():
+        scaler.update()
 
 
 def device_name(accelerator: Accelerator) -> str | None:
@@ -386,6 +537,20 @@ def consolidate_full_weights(ckpt: Any, strategy: str) -> dict[str, torch.Tensor
             dcp_to_torch_save(ckpt / "pytorch_model_fsdp_0", Path(tmp) / "model.pt")
             return torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=True)
     return load_file(ckpt / "model.safetensors")
+
+
+def record_launch_error(message: str) -> None:
+    """Hand a one-line `error: ...` (already printed) to torchrun as this rank's failure record.
+
+    The launcher then ends its 'Root Cause' summary (printed after its own traceback) with this line instead of
+    'To enable traceback see ...', so the reason stays in view under the launcher's output. No-op unlaunched.
+    """
+    import time
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 def exit_without_teardown(code: int) -> None:
