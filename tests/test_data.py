@@ -146,10 +146,24 @@ def test_prefix_diff_train_on_all_matches(tok: PreTrainedTokenizerFast, plain_to
                                                                                     "f:1")
 
 
+# A template with neither ChatML turns nor generation markers (Llama-2 style [INST] turns).
+INST = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' </s>' }}"
+        "{%- else %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{%- endif %}{%- endfor %}")
+
+
+def test_prefix_diff_path_for_other_template_families(tok: PreTrainedTokenizerFast) -> None:
+    """A prefix-stable template that is not ChatML-shaped is masked by rendering prefixes."""
+    inst = copy.deepcopy(tok)
+    inst.chat_template = INST
+    ids, labels = encode_row({"messages": MULTI}, inst, "assistant", "f:1")
+    assert ids == tok.encode(inst.apply_chat_template(MULTI, tokenize=False), add_special_tokens=False)
+    assert tok.decode(_trained(ids, labels)) == " 5. </s> It is 8. </s>"
+
+
 def test_prefix_diff_rejects_unstable_template(tok: PreTrainedTokenizerFast) -> None:
     unstable = copy.deepcopy(tok)
     # Renders the number of messages first, so a shorter conversation is not a prefix of a longer one.
-    unstable.chat_template = "{{ messages | length }}" + PLAIN_CHATML
+    unstable.chat_template = "{{ messages | length }}" + INST
     with pytest.raises(ToolkitError, match=r"f:7: the chat template is not prefix-stable"):
         encode_row({"messages": CHAT}, unstable, "assistant", "f:7")
 
