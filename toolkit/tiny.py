@@ -119,8 +119,8 @@ QWEN_ADDED_TOKENS = [
 ]
 QWEN_VOCAB_SIZE = 151936  # the embedding rows of every Qwen2.5 / Qwen3 checkpoint (padded past the 151,669 tokens)
 # Qwen2's pre-tokenizer split (digits one by one), from its tokenization_qwen2.py.
-QWEN_PRETOKENIZE_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-                            r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_PRETOKENIZE_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def build_qwen_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:

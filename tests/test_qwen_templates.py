@@ -1,0 +1,199 @@
+"""The real Qwen tokenizer with Qwen's stock chat templates: every conversation shape trains exactly.
+
+For each template (Qwen2.5-Instruct, Qwen3, and the text rows of Qwen2.5-VL and Qwen3-VL) and each shape, the
+token ids must equal the stock rendering tokenised, and the trained tokens must be exactly the assistant turns as
+that rendering shows them: one run per turn, written out by hand below, that starts after the header
+`<|im_start|>assistant\n` and ends with `<|im_end|>` (the newline after it untrained).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import stock_template
+from toolkit.data import IGNORE_INDEX, encode_row, load_stage_data
+from toolkit.errors import ToolkitError
+from toolkit.tiny import CHATML_TEMPLATE, QWEN_VOCAB_SIZE
+
+TEMPLATES = ["qwen2.5-instruct", "qwen3", "qwen2.5-vl", "qwen3-vl"]
+Q = "What is 17 + 25?"
+SINGLE = [{"role": "user", "content": Q}, {"role": "assistant", "content": "42."}]
+MULTI = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."},
+         {"role": "user", "content": "And 4 + 4?"}, {"role": "assistant", "content": "It is 8."}]
+SYSTEM = [{"role": "system", "content": "Be brief."}, *SINGLE]
+THINK_IN_CONTENT = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n5."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "<think>\nAdd again.\n</think>\n\nIt is 8."},
+]
+REASONING_FIELD = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5.", "reasoning_content": "Add them."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "It is 8.", "reasoning_content": "Add again."},
+]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOL_CALLS = [
+    {"role": "user", "content": "What is 2 + 3? Use the tool."},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+    {"role": "tool", "content": "5"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+E = "<|im_end|>"
+EMPTY = "<think>\n\n</think>\n\n"
+
+# (shape, row, {template: trained runs, or an error pattern}). Qwen3 drops the think block of history turns and
+# renders one (empty when there is no reasoning) on the turns after the last user query.
+CASES: list[tuple[str, dict[str, Any], dict[str, list[str] | str]]] = [
+    ("single", {"messages": SINGLE}, {
+        "qwen2.5-instruct": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
+        "qwen3-vl": ["42." + E]}),
+    ("multi", {"messages": MULTI}, {
+        "qwen2.5-instruct": ["5." + E, "It is 8." + E], "qwen3": ["5." + E, EMPTY + "It is 8." + E],
+        "qwen2.5-vl": ["5." + E, "It is 8." + E], "qwen3-vl": ["5." + E, "It is 8." + E]}),
+    ("system", {"messages": SYSTEM}, {
+        "qwen2.5-instruct": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
+        "qwen3-vl": ["42." + E]}),
+    ("think_in_content", {"messages": THINK_IN_CONTENT}, {
+        "qwen2.5-instruct": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
+        "qwen3": ["5." + E, "<think>\nAdd again.\n</think>\n\nIt is 8." + E],
+        "qwen2.5-vl": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
+        "qwen3-vl": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E]}),
+    ("reasoning_content", {"messages": REASONING_FIELD}, {
+        "qwen2.5-instruct": "has 'reasoning_content' but the chat template does not render it",
+        "qwen3": ["5." + E, "<think>\nAdd again.\n</think>\n\nIt is 8." + E],
+        "qwen2.5-vl": "has 'reasoning_content' but the chat template does not render it",
+        "qwen3-vl": "has 'reasoning_content' but the chat template does not render it"}),
+    ("tool_calls", {"messages": TOOL_CALLS, "tools": TOOLS}, {
+        "qwen2.5-instruct": [CALL, "2 + 3 = 5." + E], "qwen3": [CALL, EMPTY + "2 + 3 = 5." + E],
+        "qwen2.5-vl": "has 'tools' but the chat template does not render tools",
+        "qwen3-vl": [CALL, "2 + 3 = 5." + E]}),
+    ("assistant_first", {"messages": [{"role": "assistant", "content": "Hi."}, *SINGLE]},
+     dict.fromkeys(TEMPLATES, "starts with an assistant turn")),
+    ("trailing_user", {"messages": [*SINGLE, {"role": "user", "content": "Thanks."}]},
+     dict.fromkeys(TEMPLATES, "ends with a user turn")),
+]
+
+
+def _tok(qwen_tokenizer: Any, template: str) -> Any:
+    tok = copy.copy(qwen_tokenizer)  # shares the (read-only) backend; only the template differs
+    tok.chat_template = stock_template(template) if template != "chatml" else CHATML_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def toks(qwen_tokenizer: Any) -> dict[str, Any]:
+    return {name: _tok(qwen_tokenizer, name) for name in [*TEMPLATES, "chatml"]}
+
+
+def trained_runs(ids: list[int], labels: list[int], tok: Any) -> list[tuple[int, int]]:
+    """(start, end) token positions of each maximal run of trained tokens."""
+    runs, start = [], None
+    for i, lab in enumerate([*labels, IGNORE_INDEX]):
+        if lab != IGNORE_INDEX and start is None:
+            start = i
+        elif lab == IGNORE_INDEX and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize(("shape", "row", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_stock_template_shapes(toks: dict[str, Any], template: str, shape: str, row: dict[str, Any],
+                               expected: dict[str, list[str] | str]) -> None:
+    tok, want = toks[template], expected[template]
+    if isinstance(want, str):
+        with pytest.raises(ToolkitError, match=rf"^data\.jsonl:3: .*{want}"):
+            encode_row(row, tok, "assistant", "data.jsonl:3")
+        return
+    ids, labels = encode_row(row, tok, "assistant", "data.jsonl:3")
+    assert ids == tok.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=True,
+                                          return_dict=True)["input_ids"]
+    assert all(lab in (IGNORE_INDEX, t) for t, lab in zip(ids, labels, strict=True))
+    runs = trained_runs(ids, labels, tok)
+    assert [tok.decode(ids[a:b]) for a, b in runs] == want
+    header = tok.encode("<|im_start|>assistant\n")
+    for a, b in runs:
+        assert ids[a - 3:a] == header or (ids[a - 2:a] == header[:2] and tok.decode(ids[a:a + 1])[0] == "\n"
+                                          and template == "qwen2.5-instruct")  # "\n<tool_call>": see below
+        assert ids[b - 1] == tok.convert_tokens_to_ids("<|im_end|>") and tok.decode(ids[b:b + 1]) == "\n"
+    assert sum(b - a for a, b in runs) == sum(lab != IGNORE_INDEX for lab in labels)
+
+
+def test_qwen25_tool_call_header(toks: dict[str, Any]) -> None:
+    """Qwen2.5 renders a tool-call turn as `<|im_start|>assistant\\n<tool_call>...`: the newline is the header's,
+    as at inference, where the prompt ends with `<|im_start|>assistant\\n`."""
+    tok = toks["qwen2.5-instruct"]
+    ids, labels = encode_row({"messages": TOOL_CALLS, "tools": TOOLS}, tok, "assistant", "f:1")
+    a, _ = trained_runs(ids, labels, tok)[0]
+    assert ids[a - 3:a] == tok.encode("<|im_start|>assistant\n") and tok.decode(ids[a:a + 1]) == "<tool_call>"
+
+
+def test_tools_reach_the_template(toks: dict[str, Any]) -> None:
+    tok = toks["qwen3"]
+    ids, labels = encode_row({"messages": TOOL_CALLS, "tools": TOOLS}, tok, "assistant", "f:1")
+    prompt = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE_INDEX])
+    assert "# Tools" in prompt and '"name": "add", "description": "Add two integers."' in prompt
+
+
+@pytest.mark.parametrize(("thinking", "template", "want"), [
+    ("auto", "qwen3", [EMPTY + "42." + E]),
+    ("none", "qwen3", ["42." + E]),
+    ("empty", "qwen3", [EMPTY + "42." + E]),
+    ("auto", "qwen2.5-instruct", ["42." + E]),
+    ("empty", "qwen2.5-instruct", [EMPTY + "42." + E]),
+    ("none", "qwen2.5-instruct", ["42." + E]),
+])
+def test_thinking_modes(toks: dict[str, Any], thinking: str, template: str, want: list[str]) -> None:
+    tok = toks[template]
+    ids, labels = encode_row({"messages": SINGLE}, tok, "assistant", "f:1", thinking)
+    assert [tok.decode(ids[a:b]) for a, b in trained_runs(ids, labels, tok)] == want
+    # The ids are the rendering with exactly that change, tokenised.
+    text = tok.apply_chat_template(SINGLE, tokenize=False)
+    if thinking == "none":
+        text = text.replace(EMPTY, "")
+    elif thinking == "empty" and EMPTY not in text:
+        text = text.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n" + EMPTY)
+    assert ids == tok.encode(text)
+    # Reasoning is never removed by 'none': only empty think blocks are.
+    ids, labels = encode_row({"messages": REASONING_FIELD}, toks["qwen3"], "assistant", "f:1", "none")
+    assert "<think>\nAdd again.\n</think>" in toks["qwen3"].decode(ids)
+
+
+@pytest.mark.parametrize(("row", "match"), [
+    ({"messages": [*TOOL_CALLS[:2], {"role": "tool", "content": "5"}, TOOL_CALLS[3]]},
+     "has 'tool_calls' but the chat template does not render it"),
+    ({"messages": SINGLE, "tools": TOOLS}, "has 'tools' but the chat template does not render tools"),
+    ({"messages": REASONING_FIELD}, "has 'reasoning_content' but the chat template does not render it"),
+    ({"messages": [SINGLE[0], {"role": "assistant", "content": "ok"}, {"role": "tool", "content": "5"},
+                   SINGLE[1]]}, "has a tool turn but the chat template has no format for tool results"),
+])
+def test_chatml_override_refuses_what_it_cannot_render(tmp_path: Path, toks: dict[str, Any], row: dict[str, Any],
+                                                       match: str) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": SINGLE}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ToolkitError, match=match) as info:
+        load_stage_data([path], toks["chatml"], max_seq_len=512, overlength="drop", train_on="assistant")
+    assert str(info.value).startswith(f"{path}:2: ")
+
+
+def test_real_tokenizer_and_tiny_qwen3_load_with_from_pretrained(qwen3_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(qwen3_dir)
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir)
+    assert tok.encode("Hello world") == [9707, 1879] and len(tok) == 151669
+    assert model.config.vocab_size == QWEN_VOCAB_SIZE == model.get_input_embeddings().weight.shape[0]
+    assert tok.chat_template == stock_template("qwen3")
+    ids, labels = encode_row({"messages": MULTI}, tok, "assistant", "f:1")
+    assert tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]) == (
+        "5." + E + EMPTY + "It is 8." + E)
