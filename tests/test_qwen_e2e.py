@@ -65,7 +65,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> tuple[Pa
     files = []
     for name, seed in (("chat_a", 1), ("chat_b", 2)):
         files.append(root / f"{name}.jsonl")
-        files[-1].write_text("".join(json.dumps(r) + "\n" for r in chat_rows(40, seed)))
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in chat_rows(24, seed)))
     recipe = yaml.safe_load((REPO / "recipes" / "smoke_curriculum.yaml").read_text())
     recipe["model"]["name_or_path"] = str(qwen3_dir)
     recipe["data"]["max_seq_len"] = 320  # the tool rows carry Qwen3's tools prompt
@@ -73,7 +73,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> tuple[Pa
     recipe["stages"][1]["data"] = [str(files[1])]
     recipe["stages"][2]["data"] = [str(files[0])]
     recipe["stages"][2]["max_seq_len"] = 320
-    recipe["stages"][1]["trainable"] = [r"model.norm"]
+    for stage in recipe["stages"]:
+        stage["max_steps"] = 2  # a few steps per stage: the 151,936-row LM head dominates each step on CPU
+    recipe["train"].update(micro_batch_size=1, grad_accum=2)  # global batch 4 on 2 processes
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return root, path
@@ -92,11 +94,11 @@ def run(strategy: str, procs: int, out: Path, recipe: Path, *overrides: str) -> 
 @pytest.fixture(scope="module")
 def reference(setup: tuple[Path, Path]) -> list[dict]:
     root, recipe = setup
-    return run("single", 1, root / "single", recipe, "train.micro_batch_size=4", "stages.2.micro_batch_size=2")
+    return run("single", 1, root / "single", recipe, "train.micro_batch_size=2", "stages.2.micro_batch_size=2")
 
 
 def test_reference_trains_every_stage(reference: list[dict]) -> None:
-    assert [r["stage"] for r in reference] == ["mixture"] * 4 + ["easy_to_hard"] * 4 + ["short_to_long"] * 3
+    assert [r["stage"] for r in reference] == ["mixture"] * 2 + ["easy_to_hard"] * 2 + ["short_to_long"] * 2
     assert all(math.isfinite(r["loss"]) for r in reference)
     assert reference[0]["loss"] == pytest.approx(math.log(151936), rel=0.05)  # random init over the real vocab
 
