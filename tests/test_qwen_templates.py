@@ -197,3 +197,46 @@ def test_real_tokenizer_and_tiny_qwen3_load_with_from_pretrained(qwen3_dir: Path
     ids, labels = encode_row({"messages": MULTI}, tok, "assistant", "f:1")
     assert tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]) == (
         "5." + E + EMPTY + "It is 8." + E)
+
+
+def _recipe(tmp_path: Path, model: Path, rows: list[dict[str, Any]], **data: Any) -> Path:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {"output_dir": str(tmp_path / "run"), "model": {"name_or_path": str(model)},
+              "data": {"max_seq_len": 512, **data},
+              "stages": [{"name": "chat", "data": [str(path)], "max_steps": 1},
+                         {"name": "again", "data": [str(path)], "max_steps": 1}]}
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    return tmp_path / "recipe.yaml"
+
+
+def test_inspect_data_marks_trained_tokens(tmp_path: Path, qwen3_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from toolkit.cli import main
+
+    rows = [{"messages": MULTI}, {"messages": TOOL_CALLS, "tools": TOOLS}, {"messages": SINGLE}]
+    recipe = _recipe(tmp_path, qwen3_dir, rows)
+    assert main(["inspect-data", "--config", str(recipe), "--stage", "chat", "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "=== stage 'chat'" in out and "=== stage 'again'" not in out
+    assert "3 rows, 3 kept" in out and "tokens per row: p50" in out and "of tokens trained" in out
+    row1 = out.split("--- row 1")[1].split("--- row 2")[0]
+    assert ("<|im_start|>assistant\n[[5.<|im_end|>]]\n<|im_start|>user\nAnd 4 + 4?<|im_end|>\n"
+            "<|im_start|>assistant\n[[<think>\n\n</think>\n\nIt is 8.<|im_end|>]]\n") in row1
+    row2 = out.split("--- row 2")[1]
+    assert "# Tools" in row2 and "[[" + CALL + "]]" in row2 and "--- row 3" not in out
+    # data.thinking: none drops the empty think block from what is trained.
+    assert main(["inspect-data", "--config", str(recipe), "--rows", "1", "data.thinking=none"]) == 0
+    assert "<|im_start|>assistant\n[[It is 8.<|im_end|>]]" in capsys.readouterr().out
+    assert main(["inspect-data", "--config", str(recipe), "--stage", "nope"]) == 2
+    assert "error: --stage 'nope' is not a stage of the recipe; its stages are ['chat', 'again']" in (
+        capsys.readouterr().err)
+
+
+def test_inspect_data_colours_on_a_terminal(qwen3_dir: Path, toks: dict[str, Any]) -> None:
+    from toolkit.inspect_data import GREEN, RESET, mark_trained
+
+    tok = toks["qwen3"]
+    ids, labels = encode_row({"messages": SINGLE}, tok, "assistant", "f:1")
+    text = mark_trained(ids, labels, tok, colour=True)
+    assert text.endswith(f"<|im_start|>assistant\n{GREEN}{EMPTY}42.{E}{RESET}\n") and "[[" not in text
