@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import stock_template
@@ -240,3 +241,80 @@ def test_inspect_data_colours_on_a_terminal(qwen3_dir: Path, toks: dict[str, Any
     ids, labels = encode_row({"messages": SINGLE}, tok, "assistant", "f:1")
     text = mark_trained(ids, labels, tok, colour=True)
     assert text.endswith(f"<|im_start|>assistant\n{GREEN}{EMPTY}42.{E}{RESET}\n") and "[[" not in text
+
+
+# --- vision-language: stock Qwen2.5-VL / Qwen3-VL templates through the processor -----------------------------------
+
+IMG = {"type": "image"}
+VL_CASES: list[tuple[str, dict[str, Any], dict[str, list[str] | str]]] = [
+    ("single", {"messages": [{"role": "user", "content": [IMG, {"type": "text", "text": "Colour?"}]},
+                             {"role": "assistant", "content": "Red."}], "images": ["a.png"]},
+     {key: ["Red." + E] for key in ["qwen2.5-vl", "qwen3-vl"]}),
+    ("multi_system", {"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [IMG, {"type": "text", "text": "Colour?"}]},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, IMG]},
+        {"role": "assistant", "content": "<think>\nLook.\n</think>\n\nBlue."}], "images": ["a.png", "b.png"]},
+     {key: ["Red." + E, "<think>\nLook.\n</think>\n\nBlue." + E] for key in ["qwen2.5-vl", "qwen3-vl"]}),
+    ("tool_calls", {"messages": TOOL_CALLS, "tools": TOOLS}, {
+        "qwen2.5-vl": "has 'tools' but the chat template does not render tools",
+        "qwen3-vl": [CALL, "2 + 3 = 5." + E]}),
+    ("reasoning_content", {"messages": REASONING_FIELD}, dict.fromkeys(
+        ["qwen2.5-vl", "qwen3-vl"], "has 'reasoning_content' but the chat template does not render it")),
+    ("trailing_user", {"messages": [*SINGLE, {"role": "user", "content": "Thanks."}]},
+     dict.fromkeys(["qwen2.5-vl", "qwen3-vl"], "ends with a user turn")),
+]
+
+
+@pytest.fixture(scope="module")
+def vl_processors(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from toolkit.vision import Qwen2_5_VLImageOnlyProcessor
+
+    images = tmp_path_factory.mktemp("vl-images")
+    for name, colour in (("a.png", "red"), ("b.png", "blue")):
+        Image.new("RGB", (56, 56), colour).save(images / name)
+    out = {}
+    for name, patch in (("qwen2.5-vl", 14), ("qwen3-vl", 16)):
+        tok = _tok(qwen_tokenizer, name)
+        image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=patch,
+                                                   temporal_patch_size=2, merge_size=2)
+        out[name] = Qwen2_5_VLImageOnlyProcessor(image_processor=image_processor, tokenizer=tok,
+                                                 chat_template=tok.chat_template)
+    return out, images
+
+
+@pytest.mark.parametrize("template", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize(("shape", "row", "expected"), VL_CASES, ids=[c[0] for c in VL_CASES])
+def test_stock_vl_template_shapes(vl_processors: tuple[dict[str, Any], Path], template: str, shape: str,
+                                  row: dict[str, Any], expected: dict[str, list[str] | str]) -> None:
+    from PIL import Image
+
+    from toolkit.vision import encode_vl_row
+
+    processors, images = vl_processors
+    processor, want = processors[template], expected[template]
+    kwargs = {"train_on": "assistant", "max_seq_len": 4096, "overlength": "error", "base_dir": images,
+              "where": "vl.jsonl:2"}
+    if isinstance(want, str):
+        with pytest.raises(ToolkitError, match=rf"^vl\.jsonl:2: .*{want}"):
+            encode_vl_row(row, processor, **kwargs)
+        return
+    sample = encode_vl_row(row, processor, **kwargs)
+    ids, labels = sample["input_ids"], sample["labels"]
+    loaded = iter([Image.open(images / p).convert("RGB") for p in row.get("images", [])])
+    conversation = [{**m, "content": [{**p, "image": next(loaded)} if p["type"] == "image" else p
+                                      for p in m["content"]]} if isinstance(m["content"], list) else m
+                    for m in row["messages"]]
+    stock = processor.apply_chat_template(conversation, tools=row.get("tools"), tokenize=True, return_dict=True)
+    assert ids == [int(t) for t in stock["input_ids"][0]]
+    tok = processor.tokenizer
+    runs = trained_runs(ids, labels, tok)
+    assert [tok.decode(ids[a:b]) for a, b in runs] == want
+    for a, b in runs:
+        assert ids[a - 3:a] == tok.encode("<|im_start|>assistant\n") and tok.decode(ids[b:b + 1]) == "\n"
+    assert ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == (len(row.get("images", [])) and sum(
+        int(torch.tensor(g).prod()) // 4 for g in sample["image_grid_thw"]))

@@ -152,16 +152,22 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant") -> li
                 raise ToolkitError(f"{where}: messages[{i}].{key} contains {CHAT_START} or {CHAT_END}; these are "
                                    "the chat format's own markers and cannot appear inside a message.")
         out.append(m)
-    if train_on != "assistant" or not any(m["role"] == "assistant" for m in out):
-        return out
-    first = next(m["role"] for m in out if m["role"] != "system")
+    check_turn_order(out, where, train_on)
+    return out
+
+
+def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) -> None:
+    """With train_on: assistant, a conversation with assistant turns opens with a user turn (after an optional
+    system prompt) and ends with an assistant turn."""
+    if train_on != "assistant" or not any(m["role"] == "assistant" for m in messages):
+        return
+    first = next(m["role"] for m in messages if m["role"] != "system")
     if first != "user":
         raise ToolkitError(f"{where}: the conversation starts with a{'n' if first == 'assistant' else ''} {first} "
                            "turn; after an optional system prompt it must start with a user turn.")
-    if out[-1]["role"] != "assistant":
-        raise ToolkitError(f"{where}: the conversation ends with a {out[-1]['role']} turn; it must end with the "
-                           "assistant turn being trained (drop the trailing turn).")
-    return out
+    if messages[-1]["role"] != "assistant":
+        raise ToolkitError(f"{where}: the conversation ends with a {messages[-1]['role']} turn; it must end with "
+                           "the assistant turn being trained (drop the trailing turn).")
 
 
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -226,6 +232,28 @@ def chatml_assistant_spans(text: str, n_assistant: int, where: str) -> list[tupl
         raise ToolkitError(f"{where}: the chat template rendered {len(spans)} assistant turn(s) for {n_assistant} "
                            "assistant message(s), so they cannot be masked exactly.")
     return spans
+
+
+def chatml_token_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase, n_assistant: int, where: str) -> list[int]:
+    """`chatml_assistant_spans` on token ids (vision-language rows, whose image tokens the processor expands): 1 from
+    after the header tokens `<|im_start|>assistant\n` through the next `<|im_end|>`, 0 elsewhere."""
+    header = tokenizer.encode(ASSISTANT_HEADER + "\n", add_special_tokens=False)
+    end_id = tokenizer.convert_tokens_to_ids(CHAT_END)
+    mask, found, i = [0] * len(ids), 0, 0
+    while i < len(ids):
+        if ids[i:i + len(header)] == header:
+            j = i + len(header)
+            while j < len(ids) and ids[j] != end_id:
+                j += 1
+            mask[i + len(header):j + 1] = [1] * (min(j + 1, len(ids)) - i - len(header))
+            found, i = found + 1, j + 1
+        else:
+            i += 1
+    if found != n_assistant:
+        raise ToolkitError(f"{where}: found {found} assistant turn(s) in the rendering for {n_assistant} assistant "
+                           "message(s), so they cannot be masked exactly (does an assistant message start with a "
+                           "newline?).")
+    return mask
 
 
 def _apply_thinking(text: str, spans: list[tuple[int, int]], thinking: str, tokenizer: PreTrainedTokenizerBase,
