@@ -318,3 +318,14 @@ def test_stock_vl_template_shapes(vl_processors: tuple[dict[str, Any], Path], te
         assert ids[a - 3:a] == tok.encode("<|im_start|>assistant\n") and tok.decode(ids[b:b + 1]) == "\n"
     assert ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == (len(row.get("images", [])) and sum(
         int(torch.tensor(g).prod()) // 4 for g in sample["image_grid_thw"]))
+
+
+def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> None:
+    """README: with data.chat_template set, final/ holds the tokenizer with the override (the format the run
+    trained); the model's own template stays in the base model's directory."""
+    from toolkit.model import load_tokenizer
+
+    tok = load_tokenizer(str(qwen3_dir), trust_remote_code=False, chat_template="chatml")
+    tok.save_pretrained(tmp_path)  # what checkpoint.save_final does with the run's tokenizer
+    assert AutoTokenizer.from_pretrained(tmp_path).chat_template == CHATML_TEMPLATE
+    assert AutoTokenizer.from_pretrained(qwen3_dir).chat_template == stock_template("qwen3")
