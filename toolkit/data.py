@@ -301,6 +301,16 @@ def _prefix_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, A
     return spans
 
 
+def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token that starts inside one of the (sorted, disjoint) character spans."""
+    mask, k = [], 0
+    for start, _ in offsets:
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        mask.append(int(k < len(spans) and spans[k][0] <= start))
+    return mask
+
+
 def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any,
                      train_on: str, where: str, thinking: str) -> tuple[list[int], list[int]]:
     template = tokenizer.chat_template
@@ -320,7 +330,7 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
             spans = _prefix_spans(tokenizer, messages, tools, full, where)
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        mask = _span_mask(enc["offset_mapping"], spans)
     labels = ids if train_on == "all" else [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
     return ids, list(labels)
 
