@@ -329,3 +329,26 @@ def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> N
     tok.save_pretrained(tmp_path)  # what checkpoint.save_final does with the run's tokenizer
     assert AutoTokenizer.from_pretrained(tmp_path).chat_template == CHATML_TEMPLATE
     assert AutoTokenizer.from_pretrained(qwen3_dir).chat_template == stock_template("qwen3")
+
+
+def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[str, Any], Path]) -> None:
+    """The tiny VL processor (its own small tokenizer): reading the turns off the token ids trains exactly what the
+    {% generation %} markers of its ChatML template mark."""
+    from toolkit.vision import VL_CHATML_TEMPLATE, build_vl_processor, encode_vl_row
+
+    _, images = vl_processors
+    marked, plain = build_vl_processor(), build_vl_processor()
+    plain.chat_template = VL_CHATML_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+    kwargs = {"train_on": "assistant", "max_seq_len": 4096, "overlength": "error", "base_dir": images, "where": "f:1"}
+    for _, row, _ in VL_CASES[:2]:
+        assert encode_vl_row(row, plain, **kwargs) == encode_vl_row(row, marked, **kwargs)
+    assert encode_vl_row({"messages": MULTI}, plain, **kwargs) == encode_vl_row({"messages": MULTI}, marked, **kwargs)
+
+
+def test_thinking_key_is_validated() -> None:
+    from toolkit.config import load_recipe
+
+    assert load_recipe(None, ["data.thinking=none"]).data.thinking == "none"
+    assert load_recipe(None).data.thinking == "auto"
+    with pytest.raises(ToolkitError, match="data.thinking"):
+        load_recipe(None, ["data.thinking=maybe"])
