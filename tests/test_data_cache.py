@@ -97,7 +97,7 @@ def _extra_special(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
 
 
 @pytest.mark.parametrize("change", ["chat_template", "special_token", "max_seq_len", "overlength", "train_on",
-                                    "thinking", "content_same_size", "content_appended"])
+                                    "content_same_size", "content_appended"])
 def test_each_key_part_invalidates(tmp_path: Path, tok: PreTrainedTokenizerFast, change: str) -> None:
     path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
     cache = tmp_path / "cache"
@@ -114,8 +114,6 @@ def test_each_key_part_invalidates(tmp_path: Path, tok: PreTrainedTokenizerFast,
         kw["overlength"] = "drop"
     elif change == "train_on":
         kw["train_on"] = "all"
-    elif change == "thinking":
-        kw["thinking"] = "empty"
     elif change == "content_same_size":  # same size, written at once: only the content hash can tell
         text = path.read_text()
         path.write_text(text.replace("17 + 25 = 42", "17 + 25 = 43"))

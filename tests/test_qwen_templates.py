@@ -167,6 +167,9 @@ def test_thinking_modes(toks: dict[str, Any], thinking: str, template: str, want
     elif thinking == "empty" and EMPTY not in text:
         text = text.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n" + EMPTY)
     assert ids == tok.encode(text)
+    # A template with generation markers decides what trains itself: data.thinking other than auto is refused.
+    with pytest.raises(ToolkitError, match=r"data\.thinking: none applies to ChatML-family templates without"):
+        encode_row({"messages": SINGLE}, toks["chatml"], "assistant", "f:1", "none")
     # Reasoning is never removed by 'none': only empty think blocks are.
     ids, labels = encode_row({"messages": REASONING_FIELD}, toks["qwen3"], "assistant", "f:1", "none")
     assert "<think>\nAdd again.\n</think>" in toks["qwen3"].decode(ids)
@@ -328,7 +331,7 @@ def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> N
     tok = load_tokenizer(str(qwen3_dir), trust_remote_code=False, chat_template="chatml")
     tok.save_pretrained(tmp_path)  # what checkpoint.save_final does with the run's tokenizer
     assert AutoTokenizer.from_pretrained(tmp_path).chat_template == CHATML_TEMPLATE
-    assert AutoTokenizer.from_pretrained(qwen3_dir).chat_template == stock_template("qwen3")
+    assert (qwen3_dir / "chat_template.jinja").read_text() == stock_template("qwen3")
 
 
 def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[str, Any], Path]) -> None:
@@ -350,5 +353,5 @@ def test_thinking_key_is_validated() -> None:
 
     assert load_recipe(None, ["data.thinking=none"]).data.thinking == "none"
     assert load_recipe(None).data.thinking == "auto"
-    with pytest.raises(ToolkitError, match="data.thinking"):
+    with pytest.raises(ToolkitError, match=r"data\.thinking"):
         load_recipe(None, ["data.thinking=maybe"])

@@ -315,6 +315,10 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
                      train_on: str, where: str, thinking: str) -> tuple[list[int], list[int]]:
     template = tokenizer.chat_template
     check_renderable(template, messages, tools, where)
+    if thinking != "auto" and (has_generation_tags(tokenizer) or not is_chatml_family(template)):
+        raise ToolkitError(f"{where}: data.thinking: {thinking} applies to ChatML-family templates without "
+                           "{% generation %} markers (the stock Qwen templates); this template decides what trains "
+                           "itself. Use data.thinking: auto.")
     if has_generation_tags(tokenizer):
         out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
