@@ -35,6 +35,7 @@ from toolkit.data import (
     IGNORE_INDEX,
     StageSources,
     build_collator,
+    content_digest,
     load_stage_data,
     load_stage_sources,
     resolve_data_paths,
@@ -48,6 +49,7 @@ from toolkit.metrics import Meter, MetricsLog, check_trackers, sample_lengths, t
 from toolkit.model import (
     apply_lora,
     check_model_source,
+    check_remote_code,
     choose_attention,
     count_parameters,
     enable_gradient_checkpointing,
@@ -60,6 +62,7 @@ from toolkit.model import (
 )
 from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.run_dir import RunLock, check_not_an_earlier_run, check_output_dir
 from toolkit.sampling import Pacing, StageSampler
 from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable, stage_entries
 
@@ -77,12 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     out = Path(recipe.output_dir)
+    check_output_dir(out)
     lr_scale = 1.0
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
     check_trackers(recipe.logging.trackers)
     accelerator = distributed.build_accelerator(recipe.train.grad_accum, recipe.distributed.timeout_minutes,
-                                                log_with=recipe.logging.trackers, project_dir=str(out / "trackers"))
+                                                log_with=recipe.logging.trackers or None,
+                                                project_dir=str(out / "trackers"))
     world, rank = accelerator.num_processes, accelerator.process_index
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     global_batch = micro * accum * world
@@ -95,16 +100,26 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     strategy = distributed.strategy_name(accelerator)
     log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
              run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
+    # One writer per output dir: a second launch (or a requeue while an orphaned trainer runs) stops here.
+    # The launcher's death reaches the trainer as SIGTERM from here on (see toolkit/preemption.py).
+    preemption = PreemptionFlag()
+    lock = RunLock(out, out.parent / ".toolkit-cache")
+    busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
+    if busy is not None:
+        raise ToolkitError(f"output_dir {out}: {busy}.")
     ck = recipe.checkpoint
     resume_from = checkpoint.find_resume(ck.resume, out / "checkpoints")
     if ck.resume == "none" and checkpoint.committed_checkpoints(out / "checkpoints"):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
+    if resume_from is None:
+        check_not_an_earlier_run(out)
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
     with accelerator.local_main_process_first():  # the builtin tiny models are built once per machine
         model_path = materialize_builtin(recipe.model.name_or_path, out.parent / ".toolkit-cache")
     check_model_source(model_path)
+    check_remote_code(model_path, trust_remote_code=recipe.model.trust_remote_code)
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
     if create_dummy:  # stages not already on dummy data get the generated files
         use_dummy_data(recipe, vision=vision)
@@ -146,12 +161,16 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
         collate = VLCollator(processor, min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
     else:
         collate = PackedCollator() if recipe.data.packing else build_collator(tokenizer)
-    invariants = checkpoint.recipe_hash(resume_invariants(recipe))
+    settings, data_files = resume_invariants(recipe), data_fingerprint(recipe, dummy_dir)
+    invariants = checkpoint.recipe_hash(settings)
     resume_meta = checkpoint.read_meta(resume_from) if resume_from is not None else {}
+    forced: list[str] = []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
-        checkpoint.check_resumable(resume_meta, resume_from, invariants_hash=invariants,
-                                   effective_batch=global_batch, strategy=strategy, world_size=world,
-                                   force=ck.resume_force, stage_batches=[p.global_batch for p in plans])
+        forced = checkpoint.check_resumable(resume_meta, resume_from, invariants_hash=invariants,
+                                            effective_batch=global_batch, strategy=strategy, world_size=world,
+                                            force=ck.resume_force, stage_batches=[p.global_batch for p in plans],
+                                            invariants=settings, data_files=data_files)
+        checkpoint.check_integrity(accelerator, resume_from, resume_meta)
         # Stages that ended early on eval patience keep their actual length (samplers keep the planned one).
         plans = curriculum.apply_stage_steps(plans, resume_meta.get("curriculum", {}).get(
             "stage_steps", [p.steps for p in plans]))
@@ -192,8 +211,10 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
         start_step, meter.tokens_total = resume_meta["step"], resume_meta["tokens"]
         meter.losses, meter.skipped = resume_meta["pending"]["losses"], resume_meta["pending"]["skipped"]
         freezer.updates = resume_meta.get("adam_updates", [start_step] * len(freezer.updates))
-        log.info("resumed (%s) from %s: step %d of %d, stage '%s'", how, resume_from, start_step,
-                 plans[-1].end_step, resume_meta["stage"])
+        log.info("resumed (%s) from %s: step %d of %d, stage '%s'", f"{how}, forced past differences" if forced
+                 else how, resume_from, start_step, plans[-1].end_step, resume_meta["stage"])
+        for difference in forced:
+            log.warning("checkpoint.resume_force: resumed despite %s", difference)
     manager = checkpoint.CheckpointManager(out / "checkpoints", keep_last=ck.keep_last, best_metric=ck.best_metric,
                                            best_mode=ck.best_mode, is_main=accelerator.is_main_process,
                                            barrier=accelerator.wait_for_everyone)
@@ -214,7 +235,6 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
             truncate_after(out / "metrics.jsonl", start_step)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=accelerator.is_main_process)
     accelerator.init_trackers(run_name, config=flat_config(recipe))
-    preemption = PreemptionFlag()
     guard = StabilityGuard(spike_factor=recipe.stability.loss_spike_factor,
                            spike_window=recipe.stability.loss_spike_window,
                            max_consecutive_skips=recipe.stability.max_consecutive_skips)
@@ -351,7 +371,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                     "adam_updates": freezer.updates,
                     "metrics": latest, "time": time.time(), "world_size": world, "strategy": strategy,
                     "effective_batch": global_batch, "stage_batches": [p.global_batch for p in plans],
-                    "lora": recipe.lora.enabled, "recipe_hash": invariants,
+                    "lora": recipe.lora.enabled, "recipe_hash": invariants, "invariants": settings,
+                    "data_files": data_files,
                     "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
             portable = recipe.lora.enabled and ck.portable
             write = partial(checkpoint.write_state, accelerator, model, optimizer,
@@ -365,6 +386,12 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
             return PREEMPTED_EXIT_CODE
         step = done
     bar.close()
+    if guard.consecutive:  # the last updates were withheld: what the weights hold is not where training ended
+        last_good = checkpoint.committed_checkpoints(out / "checkpoints")
+        raise ToolkitError(
+            f"Training ended with its last {guard.consecutive} step(s) skipped ({guard.last_reason}); final/ was "
+            f"not written. Last checkpoint: {last_good[-1] if last_good else 'none'}. Lower the learning rate or "
+            "check the data, then resume from a checkpoint before the trouble began.")
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
     final = checkpoint.save_final(accelerator, model, processor, out / "final")
@@ -388,6 +415,22 @@ def uses_dummy_data(recipe: Recipe) -> bool:
                for path in [*stage.paths, *(stage.eval or []), *recipe.eval.data])
 
 
+def tokenized_cache_dir(recipe: Recipe) -> Path | None:
+    """Where tokenised files (and data-file hashes) are cached; None when data.cache_dir is 'none'."""
+    if recipe.data.cache_dir == "none":
+        return None
+    return Path(recipe.data.cache_dir or Path(recipe.output_dir).parent / ".toolkit-cache" / "tokenized")
+
+
+def data_fingerprint(recipe: Recipe, dummy_dir: Path) -> dict[str, str]:
+    """sha256 of every data file the run reads (training and eval), by its recipe entry. Stored in checkpoints:
+    a resume on data that changed since is refused (the steps left would see other samples)."""
+    entries = sorted({p for s in recipe.stages for p in [*s.paths, *(s.eval or [])]} | set(recipe.eval.data))
+    paths = resolve_data_paths(entries, dummy_dir)
+    cache = tokenized_cache_dir(recipe)
+    return {entry: content_digest(path, cache) for entry, path in zip(entries, paths, strict=True)}
+
+
 def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, dummy_dir: Path,
                          accelerator: Accelerator) -> tuple[list[StageSources], list[list[dict[str, Any]]]]:
     """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
@@ -398,8 +441,7 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
     if processor is not None and recipe.data.packing:
         raise ToolkitError("data.packing is not supported for vision-language models: set data.packing: false "
                            "(data.group_by_length: true also cuts padding).")
-    cache = None if recipe.data.cache_dir == "none" else Path(
-        recipe.data.cache_dir or Path(recipe.output_dir).parent / ".toolkit-cache" / "tokenized")
+    cache = tokenized_cache_dir(recipe)
 
     def settings(stage: Any) -> dict[str, Any]:
         max_len = stage.max_seq_len or recipe.data.max_seq_len
@@ -460,11 +502,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     try:
+        if args.num_dummy_samples < 1:
+            raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
         return train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
+        print("interrupted (Ctrl-C): stopped without saving; relaunch the same command to resume from the last "
+              "checkpoint.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,9 +14,51 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of stalling CI
+
+
+CHAT = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]}
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def base_recipe(model: str, data: str = "data.jsonl") -> dict[str, object]:
+    """A small one-stage recipe: 3 steps of 2 x 2 samples, a checkpoint every step, output_dir run/."""
+    return {"output_dir": "run", "model": {"name_or_path": model}, "data": {"max_seq_len": 64},
+            "stages": [{"name": "only", "data": [data], "max_steps": 3}],
+            "train": {"micro_batch_size": 2, "grad_accum": 2},
+            "checkpoint": {"save_steps": 1, "keep_last": 3},
+            "logging": {"progress_bar": False, "trackers": []}}
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The built-in tiny text and vision-language models, built once."""
+    from toolkit.config import TINY_MODEL, TINY_VL_MODEL
+    from toolkit.model import materialize_builtin
+
+    cache = tmp_path_factory.mktemp("models")
+    return {"text": materialize_builtin(TINY_MODEL, cache), "vl": materialize_builtin(TINY_VL_MODEL, cache)}
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory, models: dict[str, str]) -> Path:
+    """A folder holding recipe.yaml, data.jsonl and run/ (a finished 3-step run, checkpoints at steps 1-3), trained
+    by `python train_curriculum.py --config recipe.yaml` in it. Paths in the recipe are relative: copy the folder
+    for a run of its own."""
+    root = tmp_path_factory.mktemp("trained")
+    write_jsonl(root / "data.jsonl", [CHAT] * 16)
+    (root / "recipe.yaml").write_text(yaml.safe_dump(base_recipe(models["text"])))
+    proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"], cwd=root,
+                          env=run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
 
 
 def free_port() -> int:

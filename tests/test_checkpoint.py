@@ -5,6 +5,8 @@ Single process throughout (is_main=True, a no-op barrier); write_state writes sm
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import math
 import os
@@ -30,6 +32,7 @@ from toolkit.checkpoint import (
     CheckpointManager,
     check_resumable,
     committed_checkpoints,
+    file_digests,
     find_resume,
     read_meta,
     recipe_hash,
@@ -334,7 +337,7 @@ def test_same_step_saved_twice_is_replaced(tmp_path: Path) -> None:
     assert _step_entries(root) == ["step-00000004", "step-00000005"]
     final = root / "step-00000005"
     assert committed_checkpoints(root) == [root / "step-00000004", final]
-    assert read_meta(final) == {"step": 5, "pass": 2}
+    assert read_meta(final) == {"step": 5, "pass": 2, "files": file_digests(final)}
     assert _written_step(final) == 50.0
 
 
@@ -361,8 +364,11 @@ def test_save_commit_protocol(tmp_path: Path) -> None:
 
     assert final == root / "step-00000007"
     assert seen == [(root / "step-00000007.tmp", [])]  # write_state got a fresh, empty temp dir
-    assert read_meta(final) == meta
-    assert json.loads((final / META_FILE).read_text()) == meta
+    # meta.json holds the given meta plus the size and sha256 of every other file, checked on resume
+    files = {rel: {"bytes": (final / rel).stat().st_size, "sha256": hashlib.sha256((final / rel).read_bytes())
+                   .hexdigest()} for rel in ("model.safetensors", "optimizer.bin", "portable/lora_state.safetensors")}
+    assert read_meta(final) == meta | {"files": files}
+    assert json.loads((final / META_FILE).read_text()) == meta | {"files": files}
     assert (final / COMMIT_MARKER).is_file()
     assert before <= float((final / COMMIT_MARKER).read_text()) <= after
     assert sorted(p.relative_to(final).as_posix() for p in final.rglob("*")) == [
@@ -567,14 +573,16 @@ def _meta(hash_: str, batch: int, strategy: str = "ddp", world_size: int = 2) ->
 
 
 def _check(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int, force: bool = False,
-           strategy: str = "ddp", world_size: int = 2, stage_batches: list[int] | None = None) -> None:
+           strategy: str = "ddp", world_size: int = 2, stage_batches: list[int] | None = None,
+           invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None) -> list[str]:
     return check_resumable(meta, ckpt, invariants_hash=invariants_hash, effective_batch=effective_batch,
-                           strategy=strategy, world_size=world_size, force=force, stage_batches=stage_batches)
+                           strategy=strategy, world_size=world_size, force=force, stage_batches=stage_batches,
+                           invariants=invariants, data_files=data_files)
 
 
 def test_check_resumable_accepts_matching(tmp_path: Path) -> None:
     h = recipe_hash({"lr": 1e-4})
-    assert _check(_meta(h, 8), tmp_path, invariants_hash=h, effective_batch=8) is None
+    assert _check(_meta(h, 8), tmp_path, invariants_hash=h, effective_batch=8) == []
 
 
 def test_check_resumable_refuses_other_recipe(tmp_path: Path) -> None:
@@ -597,7 +605,7 @@ def test_check_resumable_refuses_other_batch(tmp_path: Path) -> None:
 
 def test_check_resumable_force_skips_only_hash(tmp_path: Path) -> None:
     ckpt = tmp_path / "step-00000010"
-    assert _check(_meta("a", 8), ckpt, invariants_hash="b", effective_batch=8, force=True) is None
+    assert _check(_meta("a", 8), ckpt, invariants_hash="b", effective_batch=8, force=True) != []
     with pytest.raises(ToolkitError, match=r"effective batch of 8, this run has 32 "):
         _check(_meta("a", 8), ckpt, invariants_hash="b", effective_batch=32, force=True)
     with pytest.raises(ToolkitError, match=r"effective batch of 8, this run has 32 "):
@@ -614,7 +622,7 @@ def test_check_resumable_other_layout_needs_portable_state(tmp_path: Path, strat
     (ckpt / "portable").mkdir()
     save_file({"param/x": torch.ones(2)}, str(ckpt / "portable" / "lora_state.safetensors"))
     assert _check(_meta("h", 8), ckpt, invariants_hash="h", effective_batch=8, strategy=strategy,
-                  world_size=world_size) is None
+                  world_size=world_size) == []
     with pytest.raises(ToolkitError, match="resume_force"):  # the other checks still apply
         _check(_meta("h", 8), ckpt, invariants_hash="x", effective_batch=8, strategy=strategy,
                world_size=world_size)
@@ -638,3 +646,78 @@ def test_check_resumable_compares_each_stage_global_batch(tmp_path: Path) -> Non
                                            r"\(stages\.2\.micro_batch_size x grad_accum x processes\)"):
         _check(meta, tmp_path, invariants_hash="h", effective_batch=8, stage_batches=[8, 8, 8])
     _check(_meta("h", 8), tmp_path, invariants_hash="h", effective_batch=8, stage_batches=[8, 8, 8])  # older meta
+
+
+def test_check_resumable_names_changed_keys_and_data_files(tmp_path: Path) -> None:
+    old = {"optimizer": {"lr": 1e-4, "eps": 1e-8}, "stages": [{"name": "a", "lr": None}, {"name": "b", "lr": 2.0}]}
+    new = {"optimizer": {"lr": 3e-4, "eps": 1e-8}, "stages": [{"name": "a", "lr": None}, {"name": "b", "lr": 1.0}]}
+    meta = _meta(recipe_hash(old), 8) | {"invariants": old, "data_files": {"a.jsonl": "1" * 64, "b.jsonl": "2" * 64}}
+    kw = {"invariants_hash": recipe_hash(new), "effective_batch": 8, "invariants": new}
+    with pytest.raises(ToolkitError, match=r"changed settings: optimizer\.lr, stages\.1\.lr\)"):
+        _check(meta, tmp_path, **kw)
+    # the same settings, one data file's content changed (a path only in one of them is a recipe change)
+    same = {"invariants_hash": recipe_hash(old), "effective_batch": 8, "invariants": old}
+    files = {"a.jsonl": "1" * 64, "b.jsonl": "3" * 64, "c.jsonl": "4" * 64}
+    with pytest.raises(ToolkitError, match=r"data files whose content changed since the checkpoint: b\.jsonl\)"):
+        _check(meta, tmp_path, **same, data_files=files)
+    assert _check(meta, tmp_path, **same, data_files={"a.jsonl": "1" * 64}) == []
+    # forced: accepted, and what differs is returned for the log
+    forced = _check(meta, tmp_path, **kw, data_files=files, force=True)
+    assert forced == ["changed settings: optimizer.lr, stages.1.lr",
+                      "data files whose content changed since the checkpoint: b.jsonl"]
+
+
+def test_committed_files_are_checked_on_resume(tmp_path: Path) -> None:
+    from toolkit.checkpoint import changed_files
+
+    root = tmp_path / "ck"
+    mgr = _manager(root, best_metric=None)
+    first, second = _save(mgr, 1), _save(mgr, 2)
+    assert changed_files(second, read_meta(second)) is None
+    legacy = {k: v for k, v in read_meta(second).items() if k != "files"}
+    assert changed_files(second, legacy) is None  # checkpoints of earlier versions recorded no digests
+
+    shutil.copy(first / "model.safetensors", second / "model.safetensors")  # same size, other run's weights
+    assert changed_files(second, read_meta(second)) == ("model.safetensors is not the file committed with it "
+                                                       "(its sha256 differs)")
+    (second / "optimizer.bin").unlink()
+    assert changed_files(second, read_meta(second)) == "optimizer.bin is missing"
+    (second / "optimizer.bin").write_bytes(b"short")
+    assert changed_files(second, read_meta(second)).startswith("optimizer.bin has 5 bytes")
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"no_step": 1}'])
+def test_damaged_meta_names_the_checkpoint(tmp_path: Path, content: str) -> None:
+    ckpt = _save(_manager(tmp_path / "ck"), 3)
+    (ckpt / META_FILE).write_text(content)
+    with pytest.raises(ToolkitError, match=re.escape(f"Checkpoint {ckpt}")):
+        read_meta(ckpt)
+    (ckpt / META_FILE).unlink()
+    with pytest.raises(ToolkitError, match=r"has no meta\.json"):
+        read_meta(ckpt)
+
+
+def test_disk_full_during_save_removes_the_partial_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    mgr = _manager(root, best_metric=None)
+    _save(mgr, 1)
+
+    def full_disk(tmp: Path) -> None:
+        _writer(2)(tmp)
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "optimizer.bin"))
+
+    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: No space left on device"):
+        mgr.save(2, full_disk, {"step": 2})
+    assert _step_entries(root) == ["step-00000001"] and not list(root.glob("*.tmp"))
+    assert find_resume("auto", root) == root / "step-00000001"
+
+
+def test_partial_saves_of_a_dead_run_are_cleared_when_the_next_run_starts(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    _save(_manager(root), 1)
+    (root / "step-00000002.tmp").mkdir()
+    (root / "step-00000002.tmp" / "optimizer.bin").write_bytes(b"half")
+    _manager(root, is_main=False)
+    assert (root / "step-00000002.tmp").exists()  # only rank 0 touches the folder
+    _manager(root)
+    assert _step_entries(root) == ["step-00000001"]

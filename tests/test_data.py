@@ -417,21 +417,5 @@ def test_non_utf8_bytes_name_file_line_and_offset(tmp_path: Path, tok: PreTraine
 
 
 def test_data_path_that_is_a_directory(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
-    with pytest.raises(ToolkitError, match=f"Data path {tmp_path} is a directory"):
+    with pytest.raises(ToolkitError, match=f"Data file {tmp_path} is a directory"):
         _load([tmp_path], tok)
-
-
-def test_non_utf8_data_is_a_clear_error_in_training_and_preflight(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.test_bad_input import CHAT as GOOD
-    from tests.test_bad_input import assert_clean_error, recipe, run
-    from toolkit.cli import main
-
-    data = tmp_path / "bad.jsonl"
-    data.write_bytes((json.dumps(GOOD) + "\n").encode() * 3 + b'{"text": "\xff"}\n')
-    config = recipe(tmp_path, [str(data)])
-    needle = f"{data}:4: byte 0xff at byte offset {3 * len(json.dumps(GOOD)) + 3 + 10}"
-    assert_clean_error(run(["--config", str(config)]), tmp_path / "out", needle)
-    assert main(["preflight", "--config", str(config), "--accelerate-config",
-                 "accelerate_configs/single.yaml"]) == 2
-    assert f"error: {needle}" in capsys.readouterr().err

@@ -202,7 +202,8 @@ def test_truncated_weight_file_is_refused(damaged: Path) -> None:
     shard = ckpt(damaged, 16) / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # resume: auto
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     proc = _resume(damaged)
-    assert proc.returncode != 0 and "is damaged" in proc.stderr and shard.name in proc.stderr
+    # meta.json recorded the file's size and sha256 at commit (the unpickling checks behind it have unit tests)
+    assert proc.returncode != 0 and "does not hold what was committed" in proc.stderr and shard.name in proc.stderr
 
 
 def test_pickle_payload_is_refused_without_running_it(damaged: Path, tmp_path: Path) -> None:
@@ -213,6 +214,10 @@ def test_pickle_payload_is_refused_without_running_it(damaged: Path, tmp_path: P
             return (os.system, (f"touch {marker}",))
 
     torch.save({"last_epoch": Payload()}, ckpt(damaged, 16) / "custom_checkpoint_0.pkl")  # resume: auto
+    # A forged meta.json (or one of an earlier version) carries no digests to stop it: the unpickling check must.
+    meta = json.loads((ckpt(damaged, 16) / "meta.json").read_text())
+    del meta["files"]
+    (ckpt(damaged, 16) / "meta.json").write_text(json.dumps(meta))
     proc = _resume(damaged)
     assert proc.returncode != 0 and "Refusing to load checkpoint" in proc.stderr
     assert "custom_checkpoint_0.pkl" in proc.stderr and not marker.exists()

@@ -52,7 +52,63 @@ def committed_checkpoints(root: Path) -> list[Path]:
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / META_FILE).read_text())
+    """A checkpoint's meta.json; a missing or damaged one is an error naming the checkpoint."""
+    try:
+        meta = json.loads((ckpt / META_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ToolkitError(f"Checkpoint {ckpt} has no {META_FILE}: it is not a complete checkpoint. Resume from "
+                           "another one (checkpoint.resume=<path>).") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ToolkitError(f"Checkpoint {ckpt}: {META_FILE} is damaged ({e}). Resume from another checkpoint "
+                           "(checkpoint.resume=<path>).") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise ToolkitError(f"Checkpoint {ckpt}: {META_FILE} is not this toolkit's checkpoint record. Resume from "
+                           "another checkpoint (checkpoint.resume=<path>).")
+    return meta
+
+
+def file_digests(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file of a checkpoint (but its meta and marker), by path relative to it."""
+    digests = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        rel = path.relative_to(ckpt).as_posix()
+        if rel in (META_FILE, COMMIT_MARKER):
+            continue
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        digests[rel] = {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+    return digests
+
+
+def changed_files(ckpt: Path, meta: dict[str, Any]) -> str | None:
+    """Why the files of `ckpt` are not the ones committed with it (missing, resized or other content), or None.
+    Checkpoints of earlier versions recorded no digests and pass."""
+    recorded = meta.get("files")
+    if recorded is None:
+        return None
+    for rel, want in recorded.items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{rel} has {path.stat().st_size} bytes, {want['bytes']} when it was committed"
+    actual = file_digests(ckpt)
+    for rel, want in recorded.items():
+        if actual[rel]["sha256"] != want["sha256"]:
+            return f"{rel} is not the file committed with it (its sha256 differs)"
+    return None
+
+
+def check_integrity(accelerator: Accelerator, ckpt: Path, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose files changed since its commit (a file swapped in from another run, a copy cut
+    short). Rank 0 reads the files once and every rank gets its verdict."""
+    problem = distributed.broadcast_from_main(accelerator, changed_files(ckpt, meta)
+                                              if accelerator.is_main_process else None)
+    if problem is not None:
+        raise ToolkitError(f"Checkpoint {ckpt} does not hold what was committed: {problem}. Resume from another "
+                           "checkpoint (checkpoint.resume=<path>) or restore the original files.")
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -77,6 +133,9 @@ class CheckpointManager:
         self.root, self.keep_last = root, keep_last
         self.best_metric, self.best_mode = best_metric, best_mode
         self.is_main, self.barrier = is_main, barrier
+        if is_main and root.is_dir():  # partial saves of a run that died (the run lock rules out a live writer)
+            for stale in root.glob("step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -86,15 +145,25 @@ class CheckpointManager:
     def save(self, step: int, write_state: Callable[[Path], None], meta: dict[str, Any]) -> Path:
         """Write a checkpoint for `step` with `write_state(tmp_dir)` on every rank, then commit and rotate."""
         final, tmp = checkpoint_dir(self.root, step), self.root / f"step-{step:08d}.tmp"
+        try:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.barrier()
+            write_state(tmp)
+            self.barrier()  # every rank finished writing its shards
+            if self.is_main:
+                # Digests of what was written, checked on resume: a file swapped or cut short is refused.
+                meta = {**meta, "files": file_digests(tmp)}
+                _write_durably(tmp / META_FILE, json.dumps(meta, indent=2))
+                _write_durably(tmp / COMMIT_MARKER, f"{time.time()}\n")
+        except OSError as e:  # disk full, quota, permissions: the partial state goes, the last checkpoint stays
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ToolkitError(f"Could not write checkpoint {final}: {e.strerror or e} ({e.filename or tmp}). "
+                               "The partial checkpoint was removed; the previous one is intact. Free space "
+                               "and relaunch the same command to resume.") from None
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        write_state(tmp)
-        self.barrier()  # every rank finished writing its shards
-        if self.is_main:
-            _write_durably(tmp / META_FILE, json.dumps(meta, indent=2))
-            _write_durably(tmp / COMMIT_MARKER, f"{time.time()}\n")
             if final.exists():  # the same step saved again (e.g. end of stage right after a resume)
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -272,6 +341,20 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
         distributed.set_full_param_state(accelerator, optimizer, param, values, step)
 
 
+def _unsaveable(state_dict: dict[str, Any], out_dir: Path) -> str | None:
+    """Why these gathered weights must not be written as the run's result, or None."""
+    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    empty = [k for k, v in tensors.items() if v.numel() == 0]
+    if empty:
+        return (f"Refusing to save {out_dir}: gathered tensors are empty ({empty[:3]}...). With ZeRO-3 set "
+                "stage3_gather_16bit_weights_on_model_save: true.")
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        return (f"Refusing to save {out_dir}: the final weights are not finite ({len(bad)} tensors, e.g. "
+                f"{bad[:3]}). Training diverged; lower the learning rate and resume from a checkpoint before it.")
+    return None
+
+
 def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | ProcessorMixin,
                out_dir: Path) -> Path:
     """Write the PEFT adapter (or full model) and tokenizer (or processor) to `out_dir`. Every rank must call this.
@@ -281,11 +364,12 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
     The directory is written under a temporary name and renamed, so a crash never leaves a half-written model.
     """
     state_dict = accelerator.get_state_dict(model)
+    # Decided on rank 0, which holds the gathered weights, and shared: every rank fails alike, none waits.
+    problem = distributed.broadcast_from_main(accelerator, _unsaveable(state_dict, out_dir)
+                                              if accelerator.is_main_process else None)
+    if problem is not None:
+        raise ToolkitError(problem)
     if accelerator.is_main_process:
-        empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-        if empty:
-            raise ToolkitError(f"Refusing to save {out_dir}: gathered tensors are empty ({empty[:3]}...). "
-                               "With ZeRO-3 set stage3_gather_16bit_weights_on_model_save: true.")
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
@@ -319,20 +403,46 @@ def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     return meta["world_size"] == world_size and meta["strategy"] == strategy
 
 
+def _changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two recipe trees."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [k for key in sorted(set(old) | set(new), key=str)
+                for k in _changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in _changed_keys(a, b, f"{prefix}{i}.")]
+    return [] if old == new else [prefix.rstrip(".") or "(all)"]
+
+
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
-                    strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None) -> None:
-    """Refuse a resume that would silently change training (unless `resume_force`) or cannot load."""
+                    strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None,
+                    invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None) -> list[str]:
+    """Refuse a resume that would silently change training (unless `resume_force`) or cannot load.
+
+    Returns what differs from the checkpoint and was accepted because of `force` (empty when nothing does):
+    settings by recipe key, data files whose content changed. `invariants` / `data_files` are this run's; they
+    are compared with what the checkpoint recorded (checkpoints of earlier versions recorded only the hash).
+    """
     if not same_layout(meta, strategy, world_size) and not (ckpt / "portable" / "lora_state.safetensors").is_file():
         layout = f"{meta['strategy']} x {meta['world_size']}"
         raise ToolkitError(
             f"Checkpoint {ckpt} was written by {layout}; this run is {strategy} x {world_size}. Sharded full "
             f"fine-tuning states cannot be re-partitioned: resume with {layout}, or export the weights "
             f"(toolkit export {ckpt} --out DIR) and start a new run from them.")
-    if meta["recipe_hash"] != invariants_hash and not force:
+    differences = []
+    if meta["recipe_hash"] != invariants_hash:
+        keys = _changed_keys(meta["invariants"], invariants) if "invariants" in meta and invariants else []
+        differences.append("changed settings: " + (", ".join(keys) if keys else "model, lora, data, stages, "
+                                                  "optimizer, schedule or seed"))
+    saved_data = meta.get("data_files") or {}
+    changed = [e for e in sorted(set(saved_data) & set(data_files or {})) if saved_data[e] != data_files[e]]
+    if changed:
+        differences.append("data files whose content changed since the checkpoint: " + ", ".join(changed))
+    if differences and not force:
         raise ToolkitError(
-            f"Checkpoint {ckpt} was written with different training settings (model, lora, data, stages, "
-            "optimizer, schedule or seed). Resume with the recipe it was written with (saved next to it as "
-            "recipe.yaml in the output dir), start a new output_dir, or set checkpoint.resume_force=true.")
+            f"Checkpoint {ckpt} was written with different training settings or data ({'; '.join(differences)}). "
+            "The rest of the run would differ from the one checkpointed. Resume with the recipe and data it was "
+            "written with (its recipe is saved as recipe.yaml in the output dir), start a new output_dir, or set "
+            "checkpoint.resume_force=true to continue with the new ones.")
     if meta["effective_batch"] != effective_batch:
         raise ToolkitError(
             f"Checkpoint {ckpt} trained with an effective batch of {meta['effective_batch']}, this run has "
@@ -345,6 +455,7 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
             f"Checkpoint {ckpt} trained stage {i} with a global batch of {saved[i]}, this run has "
             f"{stage_batches[i]} (stages.{i}.micro_batch_size x grad_accum x processes). The data order depends on "
             f"it: set stages.{i}.micro_batch_size so the product with the process count matches.")
+    return differences
 
 
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,

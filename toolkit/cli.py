@@ -14,6 +14,8 @@ def _dummy_data(args: argparse.Namespace) -> None:
 
     if args.num_samples < 1:
         raise ToolkitError(f"--num-samples must be at least 1, got {args.num_samples}.")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ToolkitError(f"--out {args.out} is a file; name a folder for the dummy data files.")
     for name, path in write_dummy_data(args.out, args.num_samples, seed=args.seed).items():
         print(f"{name}: {path}")
 
@@ -27,7 +29,8 @@ def _tiny_model(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     from toolkit.export import export
 
-    print(export(args.source, args.out, merge=args.merge))
+    print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
+                 trust_remote_code=args.trust_remote_code))
 
 
 def _preflight(args: argparse.Namespace) -> None:
@@ -71,8 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="Export a checkpoint or run as a PEFT adapter, or a merged model (--merge).")
     p.add_argument("source", help="<output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
-    p.add_argument("--out", required=True, help="Directory to write (replaced atomically).")
+    p.add_argument("--out", required=True, help="Directory to write: new, empty, or an earlier export (replaced "
+                   "only once the new export is complete).")
     p.add_argument("--merge", action="store_true", help="Merge LoRA into the base weights (plain safetensors).")
+    p.add_argument("--overwrite", action="store_true", help="Allow --out to be a non-empty folder that is not an "
+                   "earlier export (never the source or a folder holding it).")
+    p.add_argument("--trust-remote-code", action="store_true", help="Allow the model's own Python code to run, "
+                   "for runs whose recipe sets model.trust_remote_code.")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("preflight", help="Per-GPU memory estimate for every strategy, and a scan of the data.")

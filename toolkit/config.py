@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import ToolkitError
 
@@ -27,7 +27,8 @@ LORA_KEYWORD = "lora"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr: .inf` or `nan` in any float key is an error, not an all-NaN run.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -113,7 +114,7 @@ class PacingConfig(_Section):
 
 
 class StageConfig(_Section):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 
     name: str = Field(..., min_length=1, description="Stage name, used in logs and metrics.jsonl.")
     data: list[str | DataSource] = Field(..., min_length=1, validation_alias=AliasChoices("data", "datasets"),
@@ -230,7 +231,8 @@ class StabilityConfig(_Section):
     loss_spike_factor: float | None = Field(None, gt=1, description="Skip a step whose loss exceeds this times "
                                             "the mean of recent good steps (off when unset).")
     loss_spike_window: int = Field(50, ge=2, description="Recent good steps the spike rule averages.")
-    max_consecutive_skips: int = Field(5, ge=0, description="Stop the run after this many skipped steps in a row.")
+    max_consecutive_skips: int = Field(5, ge=1, description="Stop the run once this many steps in a row were "
+                                       "skipped (1 = at the first skipped step).")
 
 
 class DistributedConfig(_Section):
@@ -238,7 +240,8 @@ class DistributedConfig(_Section):
 
 
 class Recipe(_Section):
-    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.")
+    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go (not "
+                            "empty: that would write into the current directory).")
     run_name: str | None = Field(None, description="Name for logs and trackers (default: start time, from rank 0).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning.")
@@ -252,6 +255,14 @@ class Recipe(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Collectives.")
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("output_dir is empty, which would write the run into the current directory; name a "
+                             "folder, e.g. outputs/my-run")
+        return value
 
     @model_validator(mode="after")
     def _unique_stage_names(self) -> Recipe:
@@ -292,6 +303,24 @@ DEFAULT_RECIPE: dict[str, Any] = {
 """The embedded default: tiny local Qwen3, dummy data, a 2-stage curriculum. Runs anywhere."""
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping (plain YAML silently keeps the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"key '{key}' is given twice, on lines {seen[key]} and {line}: keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
     """Parse `a.b.c=value` strings; values are YAML scalars/lists (`lr=1e-4`, `target_modules=[q_proj]`)."""
     parsed = []
@@ -299,7 +328,13 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ToolkitError(f"Override '{item}' is not of the form key.sub=value (for example optimizer.lr=1e-4).")
-        parsed.append((key.strip().split("."), yaml.safe_load(raw) if raw else None))
+        try:
+            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw else None
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e)
+            raise ToolkitError(f"Override '{item}': the value is not valid YAML ({problem}). Quote strings with "
+                               "YAML special characters, and close brackets: key=[a, b].") from None
+        parsed.append((key.strip().split("."), value))
     return parsed
 
 
@@ -345,10 +380,24 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _is_union_tag(part: Any) -> bool:
+    """Pydantic names the member of a union it tried in the error's location ('str', 'DataSource',
+    "literal['all-linear']"); recipe keys are lower-case names or list indices."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
+
+
+def _key_errors(err: ValidationError) -> list[dict[str, Any]]:
+    """The errors with union members dropped from their locations; of the alternatives a union produced for one
+    key, only those that went deepest (`{path, weight: 0}` is a bad weight, not 'not a string')."""
+    errors = [e | {"loc": tuple(p for p in e["loc"] if not _is_union_tag(p))} for e in err.errors()]
+    return [e for e in errors if not any(len(o["loc"]) > len(e["loc"]) and o["loc"][:len(e["loc"])] == e["loc"]
+                                         for o in errors)]
+
+
 def _explain(err: ValidationError, source: str) -> ToolkitError:
     lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
+    for e in _key_errors(err):
+        loc = e["loc"]
         key = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
             valid = _fields_at(loc[:-1])
@@ -369,12 +418,18 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         source = "(embedded default)"
     else:
         path = Path(path)
+        if path.is_dir():
+            raise ToolkitError(f"--config {path} is a directory; pass a recipe YAML file (e.g. recipes/smoke.yaml).")
         if not path.is_file():
             raise ToolkitError(f"Recipe file {path} does not exist. Pass an existing YAML file to --config.")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        except UnicodeDecodeError as e:
+            raise ToolkitError(f"Recipe file {path} is not UTF-8 text (byte offset {e.start}).") from None
+        except _DuplicateKey as e:
+            raise ToolkitError(f"Recipe file {path}: {e}.") from None
         except yaml.YAMLError as e:
-            raise ToolkitError(f"Recipe file {path} is not valid YAML: {e}") from None
+            raise ToolkitError(f"Recipe file {path} is not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(tree, dict):
             raise ToolkitError(f"Recipe file {path} must hold a mapping of keys at the top level.")
         source = str(path)

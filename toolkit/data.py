@@ -88,7 +88,7 @@ def resolve_data_paths(entries: list[str], dummy_dir: Path) -> list[Path]:
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, row) for each non-blank line; a malformed line is an error naming file and line."""
     if path.is_dir():
-        raise ToolkitError(f"Data path {path} is a directory; give a JSONL file.")
+        raise ToolkitError(f"Data file {path} is a directory; list the JSONL files in it one by one.")
     if not path.is_file():
         raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
     offset = 0
@@ -531,6 +531,18 @@ def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
         with contextlib.suppress(OSError):
             _atomic_write(record, lambda f: f.write(payload))
     return digest, sig
+
+
+def content_digest(path: Path, cache_dir: Path | None) -> str:
+    """sha256 of a data file's bytes; with a cache dir, remembered there while the file is unchanged (the same
+    record the tokenisation cache keys on, so a run hashes each file once)."""
+    if cache_dir is not None:
+        return _file_sha256(path, cache_dir)[0]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _read_entry(entry: Path, key: dict[str, Any]) -> StageData | None:

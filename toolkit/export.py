@@ -10,7 +10,9 @@ shards). Tokenizer and a short model card with the curriculum summary are includ
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +101,47 @@ def _lora_from_portable_state(model: Any, recipe: Recipe, src: Path, run: Path) 
     return model
 
 
-def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
-    """Write an exported model to `out` (see module docstring). Returns `out`."""
+EXPORT_MARKER = ".toolkit-export.json"
+"""Written into every export: a folder holding it may be replaced by a later export to the same --out."""
+
+
+def check_out(out: Path, src: Path, run: Path, *, overwrite: bool) -> None:
+    """Refuse an --out whose replacement would lose anything: the source or a folder holding it (never), or a
+    non-empty folder that is not an earlier export (unless --overwrite)."""
+    target = out.resolve()
+    for protected in (src.resolve(), run.resolve()):
+        if target == protected or target in protected.parents:
+            raise ToolkitError(f"--out {out} contains what is being exported ({protected}): choose another folder.")
+    if src.resolve() in target.parents:
+        raise ToolkitError(f"--out {out} is inside what is being exported ({src}): choose another folder.")
+    if out.exists() and not out.is_dir():
+        raise ToolkitError(f"--out {out} is a file; name a folder.")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file() and not overwrite:
+        raise ToolkitError(f"--out {out} is a non-empty folder that is not an earlier export; it would be replaced. "
+                           "Choose a new folder, or pass --overwrite to replace it.")
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Put `tmp` in place of `out`: the old folder is moved aside first and deleted only once the new one is in."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+
+
+def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrite: bool = False,
+           trust_remote_code: bool = False) -> Path:
+    """Write an exported model to `out` (see module docstring). Returns `out`.
+
+    `out` is written under a temporary name beside it and swapped in at the end; a failure leaves `out` as it
+    was and no temporary folder behind.
+    """
     src, run = _resolve(Path(source))
     out = Path(out)
+    check_out(out, src, run, overwrite=overwrite)
     recipe = yaml.safe_load((run / "recipe.yaml").read_text())
     meta = read_meta(src) if (src / COMMIT_MARKER).is_file() else None
     base = _base_model(src, meta, recipe)
@@ -110,6 +149,9 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
         verify_checkpoint_files(src)
     typed = load_recipe(run / "recipe.yaml")
     trust = typed.model.trust_remote_code
+    if trust and not trust_remote_code:
+        raise ToolkitError(f"The run's recipe sets model.trust_remote_code: exporting it runs Python code from "
+                           f"{base}. Pass --trust-remote-code to allow that.")
     vision = is_vision_language(base, trust_remote_code=trust)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust)
@@ -126,17 +168,22 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False) -> Path:
         if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
             raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}).")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer_src = str(run / "final") if (run / "final" / "tokenizer_config.json").is_file() else base
-    if vision:  # the processor (image processor + tokenizer + chat template) makes the export usable as it is
-        load_processor(tokenizer_src, trust_remote_code=trust, chat_template=None).save_pretrained(tmp)
-    else:
-        AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tmp)
-    (tmp / "README.md").write_text(_model_card(run, meta, merge and typed.lora.enabled))
-    _no_empty(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the export private to this user
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer_src = str(run / "final") if (run / "final" / "tokenizer_config.json").is_file() else base
+        if vision:  # the processor (image processor + tokenizer + chat template) makes the export usable as it is
+            load_processor(tokenizer_src, trust_remote_code=trust, chat_template=None).save_pretrained(tmp)
+        else:
+            AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tmp)
+        (tmp / "README.md").write_text(_model_card(run, meta, merge and typed.lora.enabled))
+        _no_empty(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(src.resolve()), "merged": merge}))
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful swap
     return out

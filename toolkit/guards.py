@@ -4,7 +4,8 @@ The decision is taken once per optimizer step, before the last micro-step's back
 summed over all ranks and micro-steps (one all-reduce, shared with the preemption and timed-save flags). A NaN
 on any rank makes the sum NaN, so every rank sees the same verdict. A skipped step still consumes its data
 (the data position stays a function of the step), is logged with `skipped` in metrics.jsonl and counted; after
-`max_consecutive_skips` in a row the run stops and names the last good checkpoint.
+`max_consecutive_skips` in a row the run stops and names the last good checkpoint. A run whose last step was
+skipped does not end in success either (its final weights are not the result of its last steps).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class StabilityGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive = 0
         self.total_skipped = 0
+        self.last_reason: str | None = None
 
     def judge(self, loss: float) -> Verdict:
         """Verdict for a step with this global loss (identical on every rank, so verdicts agree)."""
@@ -50,8 +52,10 @@ class StabilityGuard:
             self.recent.append(loss)
         self.consecutive = self.consecutive + 1 if verdict.skip else 0
         self.total_skipped += verdict.skip
+        self.last_reason = verdict.reason or self.last_reason
         return verdict
 
     @property
     def exhausted(self) -> bool:
-        return self.consecutive > self.max_consecutive_skips
+        """`max_consecutive_skips` skipped steps in a row: the run stops after the last of them."""
+        return self.consecutive >= self.max_consecutive_skips

@@ -27,26 +27,57 @@ class MetricsLog:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(to_json_line(record))
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+def to_json_line(record: dict[str, Any]) -> str:
+    """One record as standard JSON: a non-finite number (a skipped step's NaN loss) is written as null, since
+    bare NaN / Infinity are not JSON and break other readers (jq, pandas with strict parsers, JavaScript)."""
+    return json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
 
 
 RECORD_KINDS = {"train": "loss", "eval": "eval_loss", "event": "event"}
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl file: all of them, or one kind (train steps, evaluations, stage events)."""
-    with Path(path).open(encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    """Records of a metrics.jsonl file: all of them, or one kind (train steps, evaluations, stage events).
+
+    An unreadable last line is a record cut short by a crash and is left out; any other unreadable line is an
+    error naming it.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if lineno == len(lines):
+                break
+            raise ToolkitError(f"{path}:{lineno} is not a JSON record; the file was edited or damaged.") from None
     return records if kind is None else [r for r in records if RECORD_KINDS[kind] in r]
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop records after `step` (they are recomputed after a resume), so steps are neither missing nor doubled."""
+    """Drop records after `step` (they are recomputed after a resume), so steps are neither missing nor doubled;
+    a record cut short by a crash goes too."""
     if not path.is_file():
         return
     kept = [r for r in read_metrics(path) if r["step"] <= step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    tmp.write_text("".join(to_json_line(r) for r in kept), encoding="utf-8")
     tmp.replace(path)
 
 

@@ -31,7 +31,11 @@ log = logging.getLogger(__name__)
 def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
     """Turn `builtin:tiny-qwen3` / `builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl` into a real model directory
     (built once, then loaded like any checkpoint)."""
-    if name_or_path not in (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL):
+    builtins = (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL)
+    if name_or_path.startswith("builtin:") and name_or_path not in builtins:
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' is not a built-in model; the built-in ones are "
+                           f"{', '.join(builtins)}.")
+    if name_or_path not in builtins:
         return name_or_path
     name = name_or_path.removeprefix("builtin:")
     target = cache_dir / name
@@ -50,11 +54,50 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
 
 
 def check_model_source(name_or_path: str) -> None:
-    """Fail early on a path-like model that does not exist (a hub id is left to from_pretrained)."""
+    """Fail early on a model that cannot be loaded: a path-like one that does not exist, or a hub id that is
+    neither in the local cache nor reachable (from_pretrained would retry for half a minute, then raise)."""
     looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
-    if looks_local and not (Path(name_or_path).expanduser() / "config.json").is_file():
-        raise ToolkitError(f"model.name_or_path '{name_or_path}' is not a model directory (no config.json). "
-                           "Give a local directory saved with save_pretrained, or a hub id.")
+    if looks_local:
+        if not (Path(name_or_path).expanduser() / "config.json").is_file():
+            raise ToolkitError(f"model.name_or_path '{name_or_path}' is not a model directory (no config.json). "
+                               "Give a local directory saved with save_pretrained, or a hub id.")
+        return
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            return
+    except HFValidationError:
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' is neither a local model directory nor a valid "
+                           "hub id (owner/name).") from None
+    how = (f"Download it where there is network (hf download {name_or_path}) and point HF_HOME at that cache, or "
+           "set model.name_or_path to a local directory saved with save_pretrained.")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' is not in the local Hugging Face cache and "
+                           f"HF_HUB_OFFLINE is set. {how}")
+    try:
+        HfApi().model_info(name_or_path, timeout=10)
+    except Exception as e:  # network errors come from several libraries; the message is what matters
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' is not in the local Hugging Face cache and the "
+                           f"hub cannot provide it ({reason}). {how} For a gated or private model, log in first "
+                           "(hf auth login).") from None
+
+
+def check_remote_code(name_or_path: str, *, trust_remote_code: bool) -> None:
+    """Say when model code from the checkpoint will run, and turn transformers' refusal into a recipe hint."""
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' needs its own Python code (auto_map in its "
+                           "config.json). Read that code, then set model.trust_remote_code: true in the "
+                           "recipe.") from None
+    if trust_remote_code and getattr(config, "auto_map", None):
+        log.warning("model.trust_remote_code is on: Python code from %s runs in this process (%s).",
+                    name_or_path, ", ".join(sorted(config.auto_map)))
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None,

@@ -26,7 +26,14 @@ def strategy_of(accelerate_config: Path) -> tuple[str, int]:
     """(strategy name, num_processes) selected by an accelerate config file."""
     if not accelerate_config.is_file():
         raise ToolkitError(f"Accelerate config {accelerate_config} does not exist.")
-    cfg = yaml.safe_load(accelerate_config.read_text()) or {}
+    try:
+        cfg = yaml.safe_load(accelerate_config.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ToolkitError(f"Accelerate config {accelerate_config} is not valid YAML: {' '.join(str(e).split())}"
+                           ) from None
+    if not isinstance(cfg, dict):
+        raise ToolkitError(f"Accelerate config {accelerate_config} must hold a mapping of keys (as written by "
+                           "`accelerate config`).")
     kind, procs = str(cfg.get("distributed_type", "NO")), int(cfg.get("num_processes", 1))
     if kind == "DEEPSPEED":
         ds = cfg.get("deepspeed_config", {})

@@ -1,0 +1,236 @@
+"""Nothing lost, nothing silently wrong: export that never deletes what it should not, signals to the launcher
+alone, one writer per output dir, resume on changed inputs, runs that end in garbage, metrics that survive a
+crash."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from tests._inprocess import Call, invoke, snapshot
+from tests.conftest import CHAT, LAUNCH_TIMEOUT_S, REPO, base_recipe, free_port, run_env, write_jsonl
+from toolkit.checkpoint import _unsaveable, committed_checkpoints
+from toolkit.errors import ToolkitError
+from toolkit.export import EXPORT_MARKER, export
+from toolkit.metrics import MetricsLog, read_metrics, truncate_after
+from toolkit.plot import plot_run
+from toolkit.run_dir import RunLock
+
+
+def copy_run(trained: Path, dest: Path) -> Path:
+    shutil.copytree(trained, dest, dirs_exist_ok=True)
+    return dest / "run"
+
+
+# --- export ------------------------------------------------------------------------------------------------------
+
+def test_export_replaces_only_its_own_earlier_export_and_leaves_nothing_behind(trained: Path, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    run = copy_run(trained, tmp_path)
+    out = tmp_path / "exports" / "adapter"
+    assert export(run, out) == out
+    assert (out / EXPORT_MARKER).is_file() and (out / "adapter_model.safetensors").is_file()
+    first = (out / "adapter_model.safetensors").read_bytes()
+
+    # An earlier export is replaced (from another checkpoint: other weights), in one swap.
+    export(run / "checkpoints" / "step-00000001", out)
+    assert (out / "adapter_model.safetensors").read_bytes() != first
+    assert sorted(p.name for p in out.parent.iterdir()) == ["adapter"]  # no .tmp / .old left beside it
+
+    # A failure half-way leaves the earlier export as it was and no temporary folder.
+    before = snapshot(out)
+
+    def fail(path: Path) -> None:
+        raise ToolkitError("simulated failure after the weights were written")
+
+    monkeypatch.setattr("toolkit.export._no_empty", fail)
+    with pytest.raises(ToolkitError, match="simulated failure"):
+        export(run, out)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["adapter"]
+
+
+def test_export_overwrite_is_explicit_and_never_reaches_the_source(trained: Path, tmp_path: Path) -> None:
+    run = copy_run(trained, tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ToolkitError, match="not an earlier export"):
+        export(run, mine)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    export(run, mine, overwrite=True)  # the user said so
+    assert (mine / EXPORT_MARKER).is_file() and not (mine / "notes.txt").exists()
+    before = snapshot(run)
+    for target in (run, tmp_path, run / "final" / "inside"):
+        with pytest.raises(ToolkitError, match="is being exported"):
+            export(run, target, overwrite=True)
+    assert snapshot(run) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export(run, empty)  # an empty folder holds nothing to lose
+
+
+# --- signals and the run lock ------------------------------------------------------------------------------------
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_metrics(out / "metrics.jsonl", "train") if (out / "metrics.jsonl").is_file() else []
+        if records and records[-1]["step"] >= step:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended (rc={proc.returncode}) before step {step}:\n{proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no step {step} after {timeout} s")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "processes", "sig"), [("ddp", 2, signal.SIGUSR1), ("single", 1, signal.SIGTERM)])
+def test_signal_to_the_launcher_alone_stops_every_trainer_with_a_checkpoint(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str, processes: int,
+        sig: signal.Signals) -> None:
+    """The README's launch line, the signal sent to the `accelerate launch` process only (as `kill PID` of the
+    launcher does): no trainer may keep running, and a second run on the same output dir meanwhile is refused."""
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "run")
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    recipe["stages"][0]["max_steps"] = 10_000  # long enough to be interrupted
+    recipe["checkpoint"] = {"save_steps": 10_000}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(processes),
+           "--mixed_precision", "no", "--main_process_port", str(free_port()),
+           str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for_step(tmp_path / "run", 3, launcher)
+        trainers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                    if "train_curriculum.py" in " ".join(p.cmdline())]
+        assert len(trainers) == processes
+
+        second = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
+        assert second[0] == 2 and "a live run is writing it" in second[1], second[1]
+
+        launcher.send_signal(sig)  # the launcher alone
+        _, alive = psutil.wait_procs(trainers, timeout=120)
+        assert not alive, f"trainers still running after the launcher got {sig.name}: {alive}"
+    finally:
+        for p in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)] \
+                if psutil.pid_exists(launcher.pid) else []:
+            p.kill()
+        output = launcher.communicate(timeout=60)[0]
+    # The trainers' own log (they are not this test's children, so their exit codes cannot be read here).
+    assert "checkpoint saved; resume with the same command" in output, output[-3000:]
+    saved = committed_checkpoints(tmp_path / "run" / "checkpoints")
+    assert saved and int(saved[-1].name.removeprefix("step-")) >= 3
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl", "train")[-1]["step"] == int(
+        saved[-1].name.removeprefix("step-"))  # nothing trained after the save
+
+    # The lock went with the run: the next launch on this output dir may start.
+    assert RunLock(tmp_path / "run", tmp_path / ".toolkit-cache").acquire() is None
+
+
+def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "run")
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text()) | {"checkpoint": {"save_steps": 2}}
+    recipe["stages"][0]["max_steps"] = 10_000
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"],
+                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(tmp_path / "run", 3, proc)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
+    assert committed_checkpoints(tmp_path / "run" / "checkpoints")  # still there to resume from
+
+
+# --- resume on changed inputs ------------------------------------------------------------------------------------
+
+def test_resume_force_says_what_differs(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    copy_run(trained, tmp_path)
+    with (tmp_path / "data.jsonl").open("a") as f:
+        f.write(json.dumps(CHAT) + "\n")
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", "optimizer.lr=1e-3",
+                              "stages.0.max_steps=4"], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "resumed (exact, forced past differences)" in caplog.text
+    assert "resumed (exact) from" not in caplog.text
+    assert "resumed despite changed settings: optimizer.lr, stages.0.max_steps" in caplog.text
+    assert "resumed despite data files whose content changed since the checkpoint: data.jsonl" in caplog.text
+
+
+# --- runs that end in garbage do not succeed -------------------------------------------------------------------
+
+def test_run_that_diverges_at_its_end_fails_and_writes_no_final(models: dict[str, str], tmp_path: Path) -> None:
+    """lr=1e30: the first update blows the weights up, every later loss is non-finite and skipped; fewer than
+    max_consecutive_skips remain, so only the end-of-run check can catch it (it used to exit 0 with the garbage
+    in final/)."""
+    write_jsonl(tmp_path / "data.jsonl", [CHAT] * 16)
+    recipe = base_recipe(models["text"]) | {"optimizer": {"lr": 1e30}}
+    recipe["stages"][0]["max_steps"] = 4
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"],
+                          cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    skipped = [r["skipped"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")]
+    trailing = len(skipped) - max(i + 1 for i, s in enumerate(skipped) if not s)
+    assert skipped[0] == 0 and 1 <= trailing < 5, skipped  # fewer than max_consecutive_skips: no early stop
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"Training ended with its last {trailing} step(s) skipped (non-finite loss)" in errors[0]
+    assert "final/ was not written" in errors[0] and "step-00000004" in errors[0]
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_non_finite_or_empty_final_weights_are_refused() -> None:
+    good = {"a": torch.ones(2), "step": 3}
+    assert _unsaveable(good, Path("final")) is None
+    assert "not finite" in _unsaveable({"a": torch.tensor([1.0, math.inf])}, Path("final"))
+    assert "not finite" in _unsaveable({"a": torch.tensor([math.nan], dtype=torch.bfloat16)}, Path("final"))
+    assert "empty" in _unsaveable({"a": torch.ones(0)}, Path("final"))
+    assert _unsaveable({"ids": torch.tensor([1, 2])}, Path("final")) is None  # integer buffers are fine
+
+
+# --- metrics.jsonl ---------------------------------------------------------------------------------------------
+
+def test_metrics_are_standard_json_and_survive_a_cut_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, enabled=True)
+    for step in (1, 2, 3):
+        log.write({"step": step, "stage": "s", "stage_index": 0, "loss": math.nan if step == 2 else 1.0 / step,
+                   "lr": 1e-3, "grad_norm": math.inf if step == 2 else 0.5, "tokens_per_sec": 10.0})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert [json.loads(line)["loss"] for line in text.splitlines()] == [1.0, None, 1 / 3]
+
+    with path.open("a") as f:
+        f.write('{"step": 4, "loss": 0.2')  # the process died mid-write
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert plot_run(tmp_path).is_file()
+    truncate_after(path, 2)  # what a resume from step 2 does
+    assert path.read_text().splitlines() == text.splitlines()[:2]
+
+    path.write_text(text.replace('"step": 2', '"step": 2 oops', 1))  # damage in the middle is not a crash
+    with pytest.raises(ToolkitError, match=r"metrics\.jsonl:2 is not a JSON record"):
+        read_metrics(path)

@@ -1,0 +1,86 @@
+"""The output directory's safety: one live writer at a time, and an earlier run's outputs never replaced silently.
+
+The lock is an advisory `flock` held by rank 0 for the life of the process: the kernel releases it when the
+process ends, however it ends (SIGKILL included), so a crashed or killed run never blocks the next one, while a
+live one (a trainer orphaned by its launcher, a second job on the same folder) makes a new run refuse to start.
+It lives beside the output dir, in the `.toolkit-cache` that also holds the built-in models, so a run that stops
+on bad input has written nothing inside the output dir.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import IO
+
+from toolkit.errors import ToolkitError
+
+EARLIER_RUN_FILES = ("metrics.jsonl", "run.json", "final")
+"""What a run writes into its output dir once training starts; their presence marks an earlier run."""
+
+
+def check_output_dir(out: Path) -> None:
+    """Fail before any data or model is loaded when `out` cannot hold a run: a file, inside a file, or not
+    writable."""
+    if out.exists() and not out.is_dir():
+        raise ToolkitError(f"output_dir {out} is a file; name a folder (it is created if missing).")
+    existing = next(p for p in (out, *out.parents) if p.exists())  # '.' or '/' at the latest
+    if not existing.is_dir():
+        raise ToolkitError(f"output_dir {out} cannot be created: {existing} is a file.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ToolkitError(f"output_dir {out} is not writable ({existing} does not allow this user to write). "
+                           "Choose a folder you can write to.")
+
+
+def check_not_an_earlier_run(out: Path) -> None:
+    """Refuse to start afresh in a folder holding an earlier run's outputs that no checkpoint continues: its
+    metrics and final model would be replaced, and its tracker logs mixed with the new run's."""
+    found = [name for name in EARLIER_RUN_FILES if (out / name).exists()]
+    if found:
+        raise ToolkitError(f"output_dir {out} holds the outputs of an earlier run ({', '.join(found)}) and no "
+                           "checkpoint to resume from: starting here would replace them. Use a new output_dir, "
+                           "or delete this one if you no longer need it.")
+
+
+class RunLock:
+    """Exclusive, process-lifetime lock on an output dir (see the module docstring). Hold the object."""
+
+    def __init__(self, out: Path, cache_root: Path) -> None:
+        resolved = str(out.resolve())
+        self.path = cache_root / "locks" / f"{hashlib.sha256(resolved.encode()).hexdigest()[:20]}.lock"
+        self.out = out
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns None, or why it cannot be taken (who holds it)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = self.path.open("a+", encoding="utf-8")
+        except OSError as e:
+            return f"its lock file {self.path} cannot be opened ({e.strerror})"
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            try:
+                who = json.loads(holder)
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"]))
+                desc = f"pid {who['pid']} on {who['host']}, started {since}"
+            except (ValueError, KeyError, TypeError):
+                desc = "another process"
+            return (f"a live run is writing it ({desc}; lock {self.path}). Wait for it to end or stop it; a run "
+                    "stopped by a signal saves and exits within a step")
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                            "output_dir": str(self.out.resolve())}))
+        f.flush()
+        self._file = f  # open for the life of the process; closing it would release the lock
+        return None
