@@ -7,9 +7,13 @@ Three row shapes are accepted, one per line:
 Extra keys (for example `difficulty`) are kept for the curriculum and ignored here.
 
 Loss goes on assistant tokens only by default. When the template marks assistant turns with
-`{% generation %}` we use transformers' `return_assistant_tokens_mask`; otherwise the span of assistant turn i
-is the text that rendering `messages[:i+1]` adds to rendering `messages[:i]` with a generation prompt, which is
-exact for any prefix-stable template (ChatML, Qwen2.5, Llama 3) and checked per row.
+`{% generation %}` we use transformers' `return_assistant_tokens_mask`. A ChatML-family template (ChatML and the
+stock Qwen2.5 / Qwen3 / Qwen-VL templates) is rendered once and its assistant turns are read off the rendering,
+header excluded and `<|im_end|>` included, which holds for templates that rewrite history (Qwen3 drops the think
+block of earlier turns, so it is not prefix-stable). Any other template is masked by rendering prefixes: turn i is
+what rendering `messages[:i+1]` adds to `messages[:i]` with a generation prompt, checked per row. A row's `tools`
+go to the template; fields a template cannot render (tools, reasoning_content, tool_calls, tool turns under
+ChatML) are refused rather than dropped. `data.thinking` adds or removes empty think blocks (see the README).
 """
 
 from __future__ import annotations
@@ -116,7 +120,6 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_HEADER = CHAT_START + "assistant"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-THINKING_MODES = ("auto", "empty", "none")
 
 
 def check_messages(messages: Any, where: str, train_on: str = "assistant") -> list[dict[str, Any]]:
