@@ -455,7 +455,7 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
                                  train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,
                                  max_pixels=recipe.data.max_pixels)
         return {"max_seq_len": max_len, "overlength": recipe.data.overlength, "train_on": recipe.data.train_on,
-                "encoder": encoder}
+                "thinking": recipe.data.thinking, "encoder": encoder}
 
     # One rank per machine tokenises text first and the others read its cache; image rows (not cached) are
     # encoded by every rank at once.

@@ -143,3 +143,33 @@ def signal_tree(pid: int, sig: int) -> None:
     for p in [*root.children(recursive=True), root] if sig == signal.SIGKILL else [root]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
+
+
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
+
+
+def stock_template(name: str) -> str:
+    """A stock Qwen chat template (tests/data/templates/NAME.jinja; sources in its README)."""
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """The real Qwen2.5/Qwen3 tokenizer, built offline once per session (no chat template set)."""
+    from toolkit.tiny import build_qwen_tokenizer
+
+    return build_qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer) -> Path:
+    """A local "Qwen3 checkpoint": tiny random Qwen3 with the real 151,936-row vocabulary, the real tokenizer and
+    Qwen3's stock chat template, saved with save_pretrained (load it with from_pretrained)."""
+    import copy
+
+    from toolkit.tiny import write_tiny_qwen3
+
+    tok = copy.deepcopy(qwen_tokenizer)
+    tok.chat_template = stock_template("qwen3")
+    return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3-real", tokenizer=tok, hidden_size=16,
+                            num_heads=2, num_kv_heads=1, intermediate_size=32)

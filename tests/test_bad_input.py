@@ -128,6 +128,32 @@ case("data-is-directory")(lambda c: c.train(change=stage("data", ["."])))
 case("data-malformed-line")(lambda c: c.train(rows=[CHAT, CHAT, '{"messages": [oops', CHAT]))
 case("data-row-not-object")(lambda c: c.train(rows=[CHAT, "[1, 2]"]))
 case("data-bad-message")(lambda c: c.train(rows=[{"messages": [{"content": "no role"}]}]))
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]}
+CHATML = section("data", chat_template="chatml")
+
+
+def latin1_data(c: Ctx) -> Path:
+    """data.jsonl whose line 2 holds 'café' in Latin-1: byte 0xe9 at offset len(line 1) + 13."""
+    c.recipe()
+    first = (json.dumps(CHAT) + "\n").encode()
+    (c.tmp / "data.jsonl").write_bytes(first + b'{"text": "caf\xe9"}\n')
+    assert len(first) + 13 == 115
+    return c.tmp / "recipe.yaml"
+
+
+case("data-not-utf8")(lambda c: Call(["--config", str(latin1_data(c))], c.tmp / "run"))
+case("data-tools-with-chatml")(lambda c: c.train(change=CHATML, rows=[CHAT, dict(CHAT, tools=[{"type": "function"}])]))
+case("data-reasoning-with-chatml")(lambda c: c.train(change=CHATML, rows=[{"messages": [
+    CHAT["messages"][0], dict(CHAT["messages"][1], reasoning_content="Add.")]}]))
+case("data-tool-calls-with-chatml")(lambda c: c.train(change=CHATML, rows=[{"messages": [
+    CHAT["messages"][0], TOOL_CALL, {"role": "tool", "content": "4"}, CHAT["messages"][1]]}]))
+case("data-tool-turn-with-chatml")(lambda c: c.train(change=CHATML, rows=[{"messages": [
+    CHAT["messages"][0], CHAT["messages"][1], {"role": "tool", "content": "4"}, CHAT["messages"][1]]}]))
+case("data-assistant-first")(lambda c: c.train(rows=[{"messages": [CHAT["messages"][1], *CHAT["messages"]]}]))
+case("data-trailing-user")(lambda c: c.train(rows=[{"messages": [*CHAT["messages"], CHAT["messages"][0]]}]))
+case("data-thinking-unknown")(lambda c: c.train("data.thinking=maybe"))
+case("data-thinking-marked-template")(lambda c: c.train("data.thinking=none", change=CHATML))
 case("data-no-usable-rows")(lambda c: c.train(rows=[{"text": "word " * 200}] * 4))
 case("data-non-numeric-difficulty")(lambda c: c.train(
     "stages.0.order=easy_to_hard", rows=[dict(CHAT, difficulty=1), dict(CHAT, difficulty="hard")] * 3))
@@ -349,6 +375,12 @@ def _(c: Ctx) -> Call:
     (c.tmp / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3\n")
     return Call(["preflight", "--config", str(c.recipe()), "--accelerate-config", str(c.tmp / "acc.yaml"),
                  "--no-data"], c.tmp / "run", tool="toolkit")
+
+
+@case("preflight-data-not-utf8")
+def _(c: Ctx) -> Call:
+    return Call(["preflight", "--config", str(latin1_data(c)), "--accelerate-config",
+                 str(REPO / "accelerate_configs" / "single.yaml")], c.tmp / "run", tool="toolkit")
 
 
 # --- running them ----------------------------------------------------------------------------------------------

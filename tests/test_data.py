@@ -146,10 +146,24 @@ def test_prefix_diff_train_on_all_matches(tok: PreTrainedTokenizerFast, plain_to
                                                                                     "f:1")
 
 
+# A template with neither ChatML turns nor generation markers (Llama-2 style [INST] turns).
+INST = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' </s>' }}"
+        "{%- else %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{%- endif %}{%- endfor %}")
+
+
+def test_prefix_diff_path_for_other_template_families(tok: PreTrainedTokenizerFast) -> None:
+    """A prefix-stable template that is not ChatML-shaped is masked by rendering prefixes."""
+    inst = copy.deepcopy(tok)
+    inst.chat_template = INST
+    ids, labels = encode_row({"messages": MULTI}, inst, "assistant", "f:1")
+    assert ids == tok.encode(inst.apply_chat_template(MULTI, tokenize=False), add_special_tokens=False)
+    assert tok.decode(_trained(ids, labels)) == " 5. </s> It is 8. </s>"
+
+
 def test_prefix_diff_rejects_unstable_template(tok: PreTrainedTokenizerFast) -> None:
     unstable = copy.deepcopy(tok)
     # Renders the number of messages first, so a shorter conversation is not a prefix of a longer one.
-    unstable.chat_template = "{{ messages | length }}" + PLAIN_CHATML
+    unstable.chat_template = "{{ messages | length }}" + INST
     with pytest.raises(ToolkitError, match=r"f:7: the chat template is not prefix-stable"):
         encode_row({"messages": CHAT}, unstable, "assistant", "f:7")
 
@@ -387,3 +401,21 @@ def test_collator_small_exact(tok: PreTrainedTokenizerFast) -> None:
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+# --- bytes that are not UTF-8, paths that are directories ---------------------------------------------------------
+
+
+def test_non_utf8_bytes_name_file_line_and_offset(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path = tmp_path / "latin1.jsonl"
+    first = (json.dumps({"text": "caf\u00e9"}, ensure_ascii=False) + "\n").encode()
+    path.write_bytes(first + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ToolkitError) as info:
+        _load([path], tok)
+    offset = len(first) + len(b'{"text": "caf')
+    assert str(info.value).startswith(f"{path}:2: byte 0xe9 at byte offset {offset} of the file is not UTF-8")
+
+
+def test_data_path_that_is_a_directory(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    with pytest.raises(ToolkitError, match=f"Data file {tmp_path} is a directory"):
+        _load([tmp_path], tok)

@@ -42,11 +42,12 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def _load(path: Path, tok: PreTrainedTokenizerFast, cache: Path | None, *, max_seq_len: int = 40,
-          overlength: str = "truncate", train_on: str = "assistant") -> tuple[StageData, int]:
+          overlength: str = "truncate", train_on: str = "assistant", thinking: str = "auto"
+          ) -> tuple[StageData, int]:
     """The loaded data and how many rows were tokenised to get it."""
     before = data_mod.ENCODE_CALLS
     data = load_stage_data([path], tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
-                           cache_dir=cache)
+                           thinking=thinking, cache_dir=cache)
     return data, data_mod.ENCODE_CALLS - before
 
 
@@ -247,3 +248,19 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path: Path, tok: PreTraine
     assert (got.samples, got.extras, got.stats) == (expected.samples, expected.extras, expected.stats)
     for o in outs:
         assert json.loads(o.read_text()) == {"samples": expected.samples, "extras": expected.extras}
+
+
+def test_thinking_mode_changes_cached_tokens(tmp_path: Path, qwen_tokenizer: Any) -> None:
+    """With Qwen3's stock template, data.thinking changes the tokens, and the cache serves each mode its own."""
+    from tests.conftest import stock_template
+
+    tok = copy.copy(qwen_tokenizer)
+    tok.chat_template = stock_template("qwen3")
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    cache = tmp_path / "cache"
+    auto, n_auto = _load(path, tok, cache, max_seq_len=512)
+    none, n_none = _load(path, tok, cache, max_seq_len=512, thinking="none")
+    assert n_auto == n_none == 1 and len(_entries(cache)) == 2
+    assert len(auto.samples[0]["input_ids"]) == len(none.samples[0]["input_ids"]) + 4  # <think>\n\n</think>\n\n
+    assert _load(path, tok, cache, max_seq_len=512)[0].samples == auto.samples
+    assert _load(path, tok, cache, max_seq_len=512, thinking="none") == (none, 0)

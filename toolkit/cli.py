@@ -42,6 +42,13 @@ def _preflight(args: argparse.Namespace) -> None:
                     scan_data=not args.no_data))
 
 
+def _inspect_data(args: argparse.Namespace) -> None:
+    from toolkit.config import load_recipe
+    from toolkit.inspect_data import inspect_data
+
+    print(inspect_data(load_recipe(args.config, args.overrides), stage=args.stage, rows=args.rows))
+
+
 def _plot(args: argparse.Namespace) -> None:
     from toolkit.plot import plot_run
 
@@ -84,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-data", action="store_true", help="Skip the data scan.")
     p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
     p.set_defaults(func=_preflight)
+
+    p = sub.add_parser("inspect-data", help="Show rows as training tokenises them (trained tokens marked) and each "
+                       "stage's token statistics.")
+    p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
+    p.add_argument("--stage", help="Only this stage (default: every stage).")
+    p.add_argument("--rows", type=int, default=3, help="Rows to print per stage (default 3).")
+    p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
+    p.set_defaults(func=_inspect_data)
 
     p = sub.add_parser("plot", help="Write <output_dir>/training.png: loss, eval loss, LR, tokens/s by stage.")
     p.add_argument("output_dir")

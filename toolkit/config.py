@@ -83,7 +83,13 @@ class DataConfig(_Section):
     packing: bool = Field(False, description="Pack samples into rows of max_seq_len tokens (no padding, no "
                           "cross-sample attention); micro_batch_size then counts packed rows.")
     chat_template: str | None = Field(
-        None, description="Override the tokenizer's chat template: 'chatml' or a Jinja template string."
+        None, description="Override the tokenizer's chat template: 'chatml' or a Jinja template string (final/ "
+        "saves the tokenizer with this override)."
+    )
+    thinking: Literal["auto", "empty", "none"] = Field(
+        "auto", description="Think blocks of answers without reasoning: 'auto' trains what the chat template "
+        "renders (Qwen3: an empty <think></think> block before the last answer, its non-thinking format; Qwen2.5: "
+        "none); 'empty' gives the last answer an empty think block; 'none' trains answers with no think block."
     )
     min_pixels: int | None = Field(None, gt=0, description="Vision models: smallest image area after resizing, "
                                    "in pixels (default: the processor's).")

@@ -7,9 +7,13 @@ Three row shapes are accepted, one per line:
 Extra keys (for example `difficulty`) are kept for the curriculum and ignored here.
 
 Loss goes on assistant tokens only by default. When the template marks assistant turns with
-`{% generation %}` we use transformers' `return_assistant_tokens_mask`; otherwise the span of assistant turn i
-is the text that rendering `messages[:i+1]` adds to rendering `messages[:i]` with a generation prompt, which is
-exact for any prefix-stable template (ChatML, Qwen2.5, Llama 3) and checked per row.
+`{% generation %}` we use transformers' `return_assistant_tokens_mask`. A ChatML-family template (ChatML and the
+stock Qwen2.5 / Qwen3 / Qwen-VL templates) is rendered once and its assistant turns are read off the rendering,
+header excluded and `<|im_end|>` included, which holds for templates that rewrite history (Qwen3 drops the think
+block of earlier turns, so it is not prefix-stable). Any other template is masked by rendering prefixes: turn i is
+what rendering `messages[:i+1]` adds to `messages[:i]` with a generation prompt, checked per row. A row's `tools`
+go to the template; fields a template cannot render (tools, reasoning_content, tool_calls, tool turns under
+ChatML) are refused rather than dropped. `data.thinking` adds or removes empty think blocks (see the README).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 import zipfile
@@ -41,7 +46,7 @@ IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 
 # Bump whenever encode_row or the length/no-loss policy changes what a file tokenises to, so old cache entries miss.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 # encode_row calls in this process, so tests can check that a cache hit did not tokenise again.
 ENCODE_CALLS = 0
 # A file's hash is only remembered against its stat once the file is this old (git's "racy clean" rule).
@@ -90,8 +95,16 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         raise ToolkitError(f"Data file {path} is a directory; list the JSONL files in it one by one.")
     if not path.is_file():
         raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    offset = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ToolkitError(f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} of "
+                                   "the file is not UTF-8. Data files must be UTF-8 text: re-encode the file (for "
+                                   "example iconv -f latin1 -t utf-8).") from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -104,13 +117,60 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield lineno, row
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+ASSISTANT_HEADER = CHAT_START + "assistant"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def check_messages(messages: Any, where: str, train_on: str = "assistant") -> list[dict[str, Any]]:
+    """The row's messages, checked: roles, string contents (an assistant turn with tool_calls may have none), a
+    string `reasoning_content`, well-formed `tool_calls`. With train_on: assistant, a conversation with assistant
+    turns must open (after an optional system prompt) with a user turn and end with an assistant turn: a trailing
+    user or tool turn would train nothing, and changes how Qwen3 renders the turns before it. (A conversation with
+    no assistant turn has no trainable tokens and is skipped, as counted in the stage's statistics.) Returns
+    copies with a missing tool-call content made ""."""
     if not isinstance(messages, list) or not messages:
         raise ToolkitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and a string content.")
-    return messages
+        m = dict(m)
+        if m["role"] == "assistant" and m.get("tool_calls") and m.get("content") is None:
+            m["content"] = ""
+        if not isinstance(m.get("content"), str):
+            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and a string content.")
+        if "reasoning_content" in m and not (m["role"] == "assistant" and isinstance(m["reasoning_content"], str)):
+            raise ToolkitError(f"{where}: messages[{i}].reasoning_content must be a string on an assistant turn.")
+        if "tool_calls" in m:
+            calls = m["tool_calls"]
+            if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(f := c.get("function", c), dict)
+                    and isinstance(f.get("name"), str) and isinstance(f.get("arguments", {}), dict | str)
+                    for c in calls):
+                raise ToolkitError(f"{where}: messages[{i}].tool_calls must be a list of {{\"type\": \"function\", "
+                                   "\"function\": {\"name\": str, \"arguments\": object}} on an assistant turn.")
+        for key in ("content", "reasoning_content"):
+            if isinstance(m.get(key), str) and (CHAT_START in m[key] or CHAT_END in m[key]):
+                raise ToolkitError(f"{where}: messages[{i}].{key} contains {CHAT_START} or {CHAT_END}; these are "
+                                   "the chat format's own markers and cannot appear inside a message.")
+        out.append(m)
+    check_turn_order(out, where, train_on)
+    return out
+
+
+def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) -> None:
+    """With train_on: assistant, a conversation with assistant turns opens with a user turn (after an optional
+    system prompt) and ends with an assistant turn."""
+    if train_on != "assistant" or not any(m["role"] == "assistant" for m in messages):
+        return
+    first = next(m["role"] for m in messages if m["role"] != "system")
+    if first != "user":
+        raise ToolkitError(f"{where}: the conversation starts with a{'n' if first == 'assistant' else ''} {first} "
+                           "turn; after an optional system prompt it must start with a user turn.")
+    if messages[-1]["role"] != "assistant":
+        raise ToolkitError(f"{where}: the conversation ends with a {messages[-1]['role']} turn; it must end with "
+                           "the assistant turn being trained (drop the trailing turn).")
 
 
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -118,39 +178,175 @@ def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}")
 
 
-def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                     train_on: str, where: str) -> tuple[list[int], list[int]]:
+def check_renderable(template: str, messages: list[dict[str, Any]], tools: Any, where: str) -> None:
+    """Refuse what the chat template would silently drop: `tools`, `reasoning_content`, `tool_calls` or tool turns
+    that it never mentions (data.chat_template: chatml renders none of them)."""
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ToolkitError(f"{where}: 'tools' must be a list of JSON objects (function schemas).")
+        if "tools" not in template:
+            raise ToolkitError(f"{where}: the row has 'tools' but the chat template does not render tools, so the "
+                               "model would call functions whose schema it never saw. Use the model's own template "
+                               "(drop data.chat_template) or remove 'tools'.")
+    needs = [("reasoning_content", any("reasoning_content" in m for m in messages)),
+             ("tool_calls", any(m.get("tool_calls") for m in messages))]
+    for key, present in needs:
+        if present and key not in template:
+            raise ToolkitError(f"{where}: the row has '{key}' but the chat template does not render it, so it would "
+                               "be dropped from training. Use the model's own template (drop data.chat_template) "
+                               f"or remove '{key}'.")
+    if any(m["role"] == "tool" for m in messages) and not re.search(r"""==\s*['"]tool['"]""", template):
+        raise ToolkitError(f"{where}: the row has a tool turn but the chat template has no format for tool results "
+                           "(it would render them as a turn of role 'tool'). Use the model's own template.")
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any, where: str,
+            **kwargs: Any) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    except Exception as e:  # a template's raise_exception, or Jinja errors on a shape it does not handle
+        raise ToolkitError(f"{where}: the chat template could not render this row ({type(e).__name__}: {e}).") from None
+
+
+def is_chatml_family(template: str) -> bool:
+    """Templates that render every turn as <|im_start|>role ... <|im_end|> (ChatML, Qwen2.5, Qwen3, Qwen-VL)."""
+    return CHAT_START in template and CHAT_END in template
+
+
+def chatml_assistant_spans(text: str, n_assistant: int, where: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in a ChatML-family rendering: from after the header
+    `<|im_start|>assistant\n` through `<|im_end|>` (the newline after it is not part of the turn).
+
+    This reads the turns off the rendering itself, so it holds whatever the template does to a turn (Qwen3 drops
+    the think block of history turns, which makes it not prefix-stable); the number of turns found must equal the
+    row's assistant messages."""
+    spans, pos = [], 0
+    while (start := text.find(CHAT_START, pos)) != -1:
+        end = text.find(CHAT_END, start)
+        if end == -1:
+            raise ToolkitError(f"{where}: the chat template rendered a turn without {CHAT_END}, so assistant turns "
+                               "cannot be located.")
+        end += len(CHAT_END)
+        if text.startswith(ASSISTANT_HEADER, start) and text[start + len(ASSISTANT_HEADER)] in ("\n", "<"):
+            body = start + len(ASSISTANT_HEADER)
+            spans.append((body + 1 if text[body] == "\n" else body, end))
+        pos = end
+    if len(spans) != n_assistant:
+        raise ToolkitError(f"{where}: the chat template rendered {len(spans)} assistant turn(s) for {n_assistant} "
+                           "assistant message(s), so they cannot be masked exactly.")
+    return spans
+
+
+def chatml_token_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase, n_assistant: int, where: str) -> list[int]:
+    """`chatml_assistant_spans` on token ids (vision-language rows, whose image tokens the processor expands): 1 from
+    after the header tokens `<|im_start|>assistant\n` through the next `<|im_end|>`, 0 elsewhere."""
+    header = tokenizer.encode(ASSISTANT_HEADER + "\n", add_special_tokens=False)
+    end_id = tokenizer.convert_tokens_to_ids(CHAT_END)
+    mask, found, i = [0] * len(ids), 0, 0
+    while i < len(ids):
+        if ids[i:i + len(header)] == header:
+            j = i + len(header)
+            while j < len(ids) and ids[j] != end_id:
+                j += 1
+            mask[i + len(header):j + 1] = [1] * (min(j + 1, len(ids)) - i - len(header))
+            found, i = found + 1, j + 1
+        else:
+            i += 1
+    if found != n_assistant:
+        raise ToolkitError(f"{where}: found {found} assistant turn(s) in the rendering for {n_assistant} assistant "
+                           "message(s), so they cannot be masked exactly (does an assistant message start with a "
+                           "newline?).")
+    return mask
+
+
+def _apply_thinking(text: str, spans: list[tuple[int, int]], thinking: str, tokenizer: PreTrainedTokenizerBase,
+                    where: str) -> tuple[str, list[tuple[int, int]]]:
+    """data.thinking: 'none' removes the empty think block from the assistant turns the template gave one; 'empty'
+    gives the last assistant turn one when it has no think block. 'auto' keeps the template's rendering."""
+    if thinking == "auto" or not spans:
+        return text, spans
+    if thinking == "empty":
+        start, end = spans[-1]
+        if text.startswith("<think>", start):
+            return text, spans
+        if tokenizer.convert_tokens_to_ids("<think>") in (None, tokenizer.unk_token_id):
+            raise ToolkitError(f"{where}: data.thinking is 'empty' but the tokenizer has no <think> token; use "
+                               "auto or none with this model.")
+        n = len(EMPTY_THINK)
+        return text[:start] + EMPTY_THINK + text[start:], [*spans[:-1], (start, end + n)]
+    out, new_spans, shift, pos = [], [], 0, 0
+    for start, end in spans:
+        cut = len(EMPTY_THINK) if text.startswith(EMPTY_THINK, start) else 0
+        out += [text[pos:start]]
+        pos = start + cut
+        new_spans.append((start - shift, end - shift - cut))
+        shift += cut
+    out.append(text[pos:])
+    return "".join(out), new_spans
+
+
+def _prefix_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any, full: str,
+                  where: str) -> list[tuple[int, int]]:
+    """Spans of assistant turns for a prefix-stable template that is not ChatML-shaped (Llama 3, ...): turn i is
+    what rendering messages[:i+1] adds to messages[:i] with a generation prompt."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], tools, where, add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], tools, where)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ToolkitError(
+                f"{where}: the chat template is not prefix-stable for this conversation and has neither ChatML turns "
+                "nor {% generation %} markers, so assistant turns cannot be located. Set data.chat_template: chatml "
+                "or give a Jinja template with {% generation %} blocks.")
+        spans.append((len(before), len(upto.rstrip())))  # the newline after a turn is not trained
+    return spans
+
+
+def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token that starts inside one of the (sorted, disjoint) character spans."""
+    mask, k = [], 0
+    for start, _ in offsets:
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        mask.append(int(k < len(spans) and spans[k][0] <= start))
+    return mask
+
+
+def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any,
+                     train_on: str, where: str, thinking: str) -> tuple[list[int], list[int]]:
+    template = tokenizer.chat_template
+    check_renderable(template, messages, tools, where)
+    if thinking != "auto" and (has_generation_tags(tokenizer) or not is_chatml_family(template)):
+        raise ToolkitError(f"{where}: data.thinking: {thinking} applies to ChatML-family templates without "
+                           "{% generation %} markers (the stock Qwen templates); this template decides what trains "
+                           "itself. Use data.thinking: auto.")
     if has_generation_tags(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
         mask = list(out["assistant_masks"])
     else:
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = ""
-            if i:
-                before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-            if not (upto.startswith(before) and full.startswith(upto)):
-                raise ToolkitError(
-                    f"{where}: the chat template is not prefix-stable for this conversation, so assistant turns "
-                    "cannot be located. Set data.chat_template: chatml (a training template with generation "
-                    "markers) or give a Jinja template with {% generation %} blocks.")
-            spans.append((len(before), len(upto.rstrip())))  # the newline after a turn is not trained
+        full = _render(tokenizer, messages, tools, where)
+        n_assistant = sum(m["role"] == "assistant" for m in messages)
+        if is_chatml_family(template):
+            spans = chatml_assistant_spans(full, n_assistant, where)
+            full, spans = _apply_thinking(full, spans, thinking, tokenizer, where)
+        else:
+            spans = _prefix_spans(tokenizer, messages, tools, full, where)
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        mask = _span_mask(enc["offset_mapping"], spans)
     labels = ids if train_on == "all" else [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
     return ids, list(labels)
 
 
 def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on: str,
-               where: str) -> tuple[list[int], list[int]]:
-    """Token ids and labels (IGNORE_INDEX where no loss) of one row. The first token never carries loss."""
+               where: str, thinking: str = "auto") -> tuple[list[int], list[int]]:
+    """Token ids and labels (IGNORE_INDEX where no loss) of one row. The first token never carries loss.
+
+    A chat row's `tools` (function schemas) go to the chat template; `thinking` is data.thinking."""
     global ENCODE_CALLS
     ENCODE_CALLS += 1
     if "messages" in row:
@@ -158,7 +354,8 @@ def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on
             raise ToolkitError(
                 f"{where}: the row is a chat ('messages') but the tokenizer has no chat template. Use a chat "
                 "model's tokenizer or set data.chat_template (for example: chatml).")
-        ids, labels = _encode_messages(tokenizer, check_messages(row["messages"], where), train_on, where)
+        ids, labels = _encode_messages(tokenizer, check_messages(row["messages"], where, train_on), row.get("tools"),
+                                       train_on, where, thinking)
     elif "prompt" in row and "completion" in row:
         if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
             raise ToolkitError(f"{where}: 'prompt' and 'completion' must be strings.")
@@ -185,10 +382,10 @@ it (counted in stats). Text rows use `text_encoder`; vision-language rows `toolk
 
 
 def text_encoder(tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
-                 train_on: str) -> RowEncoder:
+                 train_on: str, thinking: str = "auto") -> RowEncoder:
     """`encode_row`, then the over-length policy (error, drop, or truncate to max_seq_len)."""
     def encode(row: dict[str, Any], path: Path, where: str, stats: DataStats) -> dict[str, Any] | None:
-        ids, labels = encode_row(row, tokenizer, train_on, where)
+        ids, labels = encode_row(row, tokenizer, train_on, where, thinking)
         if len(ids) > max_seq_len:
             if overlength == "error":
                 raise ToolkitError(f"{where}: {len(ids)} tokens, over data.max_seq_len={max_seq_len}. Raise "
@@ -203,7 +400,7 @@ def text_encoder(tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overle
 
 
 def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int,
-                    overlength: str, train_on: str, cache_dir: Path | None = None,
+                    overlength: str, train_on: str, thinking: str = "auto", cache_dir: Path | None = None,
                     encoder: RowEncoder | None = None) -> StageData:
     """Read and tokenise a stage's files, applying the over-length policy and skipping rows with no loss.
 
@@ -215,19 +412,19 @@ def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, ma
         return _tokenise(paths, encoder)
     if cache_dir is None:
         return _tokenise(paths, text_encoder(tokenizer, max_seq_len=max_seq_len, overlength=overlength,
-                                             train_on=train_on))
+                                             train_on=train_on, thinking=thinking))
     fingerprint = tokenizer_fingerprint(tokenizer)
     data = StageData()
     for path in paths:
         part = _load_file_cached(path, tokenizer, Path(cache_dir), fingerprint, max_seq_len=max_seq_len,
-                                 overlength=overlength, train_on=train_on)
+                                 overlength=overlength, train_on=train_on, thinking=thinking)
         data.samples += part.samples
         data.extras += part.extras
         _add_stats(data.stats, part.stats)
     return data
 
 
-ROW_CONTENT_KEYS = ("messages", "prompt", "completion", "text", "images")
+ROW_CONTENT_KEYS = ("messages", "tools", "prompt", "completion", "text", "images")
 """Row keys that become tokens; the others (difficulty, ...) are kept as the sample's extras."""
 
 
@@ -263,7 +460,8 @@ def _add_stats(into: DataStats, other: DataStats) -> None:
 #   <key>.npz               one tokenised file: int arrays input_ids, labels (concatenated), offsets (n + 1), and
 #                           meta (uint8 UTF-8 JSON: key fields, source path, DataStats, extras). No pickles.
 #   hashes/<sha(path)>.json a file's sha256 remembered against its size, mtime, ctime and inode.
-# key = sha256 of {CACHE_FORMAT_VERSION, file sha256, tokenizer fingerprint, max_seq_len, overlength, train_on}.
+# key = sha256 of {CACHE_FORMAT_VERSION, file sha256, tokenizer fingerprint (chat template included), max_seq_len,
+# overlength, train_on, thinking}.
 # Every file is written to a temp file, fsynced and os.replace'd, so concurrent ranks and crashes never leave a
 # partial entry; ranks that miss together each tokenise and the last rename wins (the contents are identical).
 
@@ -385,10 +583,11 @@ def _write_entry(entry: Path, data: StageData, key: dict[str, Any], source: Path
 
 
 def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, fingerprint: str, *,
-                      max_seq_len: int, overlength: str, train_on: str) -> StageData:
+                      max_seq_len: int, overlength: str, train_on: str, thinking: str = "auto") -> StageData:
     """One file through the cache: a hit skips tokenisation; a miss tokenises (errors propagate and are never
     cached) and saves the result unless the file changed meanwhile. A cache that cannot be written only warns."""
-    settings: dict[str, Any] = {"max_seq_len": max_seq_len, "overlength": overlength, "train_on": train_on}
+    settings: dict[str, Any] = {"max_seq_len": max_seq_len, "overlength": overlength, "train_on": train_on,
+                                "thinking": thinking}
     encode = text_encoder(tokenizer, **settings)
     if not path.is_file():
         return _tokenise([path], encode)  # raises iter_jsonl's "does not exist" error
@@ -435,8 +634,8 @@ def _difficulty(extras: list[dict[str, Any]], path: Path) -> list[float] | None:
 
 
 def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
-                       train_on: str, packing: bool, needs_difficulty: bool, cache_dir: Path | None = None,
-                       encoder: RowEncoder | None = None) -> StageSources:
+                       train_on: str, packing: bool, needs_difficulty: bool, thinking: str = "auto",
+                       cache_dir: Path | None = None, encoder: RowEncoder | None = None) -> StageSources:
     """Load each file of a stage separately (mixtures sample per file); with packing, pack within each file.
 
     `cache_dir` and `encoder` are passed on to `load_stage_data` (the per-file tokenisation cache; a non-text
@@ -449,7 +648,7 @@ def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *,
     out = StageSources([], [], [] if needs_difficulty else None, [], DataStats())
     for path in paths:
         data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
-                               cache_dir=cache_dir, encoder=encoder)
+                               thinking=thinking, cache_dir=cache_dir, encoder=encoder)
         _add_stats(out.stats, data.stats)
         difficulty = _difficulty(data.extras, path) if needs_difficulty else None
         if packing and difficulty is not None:

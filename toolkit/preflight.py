@@ -62,12 +62,13 @@ def _model_config(name_or_path: str) -> Any:
     return load_model_config(name_or_path)
 
 
-def scan_stage(files: list[Path], tokenizer: Any, *, max_seq_len: int, train_on: str) -> dict[str, Any]:
+def scan_stage(files: list[Path], tokenizer: Any, *, max_seq_len: int, train_on: str,
+               thinking: str = "auto") -> dict[str, Any]:
     """Length statistics of a stage's rows, before any over-length policy."""
     lengths, no_loss = [], 0
     for path in files:
         for lineno, row in iter_jsonl(path):
-            ids, labels = encode_row(row, tokenizer, train_on, f"{path}:{lineno}")
+            ids, labels = encode_row(row, tokenizer, train_on, f"{path}:{lineno}", thinking)
             lengths.append(len(ids))
             no_loss += all(label == IGNORE_INDEX for label in labels)
     arr = np.array(lengths or [0])
@@ -117,7 +118,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue
                 st = scan_stage(files, tokenizer, max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
-                                train_on=recipe.data.train_on)
+                                train_on=recipe.data.train_on, thinking=recipe.data.thinking)
                 lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "
                              f"{st['no_trainable_tokens']} without trainable tokens")

