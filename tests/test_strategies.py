@@ -1,7 +1,9 @@
 """The strategy matrix: every accelerate config, 2 processes over gloo on CPU, gives single-process losses.
 
 Each 2-process run trains the 2-stage smoke recipe (LoRA, gradient checkpointing on) with the same global batch
-as the 1-process reference and must reproduce its per-step losses and its final adapter.
+as the 1-process reference and must reproduce its per-step losses and its final adapter. The loss head is the
+default chunked one (toolkit/loss_head.py) everywhere: a head computed with an ungathered (sharded) weight would
+give other losses or fail.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ pytestmark = pytest.mark.slow
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
 # smoke.yaml: micro 2 x accum 2 x 2 processes = 8; the reference gets micro 4 x accum 2 x 1 process = 8.
 REFERENCE_OVERRIDES = ("train.micro_batch_size=4",)
+# The references compute the loss in one chunk (the default for this 1,024-token vocabulary); the 2-process runs in
+# chunks of 16 tokens, inside the head's forward where ZeRO-3 / FSDP2 have gathered its weight.
+CHUNKED = "model.loss_chunk_size=16"
 
 
 def losses(out: Path) -> list[float]:
@@ -62,7 +67,8 @@ def test_reference_trains(reference: Path) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_matches_single_process(strategy: str, runs: Path, reference: Path) -> None:
     out = runs / strategy
-    train(strategy, 2, out, "model.gradient_checkpointing=true")
+    proc = train(strategy, 2, out, "model.gradient_checkpointing=true", CHUNKED)
+    assert "loss head: chunked (16 tokens per chunk" in proc.stderr  # the match below is the chunked head's
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     ref, got = adapter(reference), adapter(out)
     assert got.keys() == ref.keys()
@@ -117,7 +123,7 @@ def full_reference(runs: Path) -> Path:
 def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_reference: Path) -> None:
     """Sharded full fine-tuning: same losses, and the gathered full model equals the single-process one."""
     out = runs / f"{strategy}-full"
-    train(strategy, 2, out, "lora.enabled=false")
+    train(strategy, 2, out, "lora.enabled=false", CHUNKED)  # the sharded head's weight trains: gathered or wrong
     assert losses(out) == pytest.approx(losses(full_reference), rel=1e-4)
     ref = load_file(full_reference / "final" / "model.safetensors")
     got = load_file(out / "final" / "model.safetensors")
