@@ -133,6 +133,23 @@ def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
+LM_HEAD_LORA = "lora.target_modules=[q_proj,v_proj,lm_head]"
+
+
+def test_lora_on_lm_head_under_zero3_matches_single_process(runs: Path) -> None:
+    """LoRA on lm_head: the head is PEFT's lora.Linear, whose weights sit in submodules that ZeRO-3 gathers at
+    every call, once per chunk. Ranks with different label-token counts must still make the same calls (else
+    they hang), and the losses and the head's adapters must be the single-process ones."""
+    ref, out = runs / "lm-head-single", runs / "lm-head-zero3"
+    train("single", 1, ref, LM_HEAD_LORA, *REFERENCE_OVERRIDES)
+    train("zero3", 2, out, LM_HEAD_LORA, CHUNKED)
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-4)
+    expected, got = adapter(ref), adapter(out)
+    assert got.keys() == expected.keys() and any("lm_head.lora_B" in k for k in got)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
 CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)
 KEEP_STAGE_ENDS = "checkpoint.keep_last=3"  # one checkpoint per stage end, all kept
 

@@ -84,8 +84,8 @@ def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
 
 
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                          shift_labels: torch.Tensor, *, chunk_tokens: int, ignore_index: int = -100
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          shift_labels: torch.Tensor, *, chunk_tokens: int, ignore_index: int = -100,
+                          same_chunks_on_all_ranks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy over label tokens, number of label tokens) of ``head(hidden)`` against
     ``shift_labels``, without ever holding more than ``chunk_tokens`` rows of logits.
 
@@ -93,6 +93,11 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
     autograd each chunk is checkpointed (its logits are recomputed in backward, one chunk at a time). At least one
     (possibly empty) chunk always runs, so the head's parameters stay in the graph on a rank without label
     tokens, as with the standard head.
+
+    ``same_chunks_on_all_ranks``: every rank runs as many chunks as the rank with the most label tokens (padding
+    with empty ones; one scalar all-reduce). Needed when calling the head runs collectives per call: a head whose
+    weights sit in submodules (PEFT's lora.Linear, modules_to_save) under ZeRO-3, where each submodule call
+    gathers its weight from all ranks, and ranks with different chunk counts would wait on each other forever.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(flat.device)
@@ -100,7 +105,12 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
     flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
     grad = torch.is_grad_enabled()
     total: torch.Tensor | None = None
-    for start in range(0, max(len(targets), 1), chunk_tokens):
+    longest = len(targets)
+    if same_chunks_on_all_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
+        count = torch.tensor(longest, device=flat.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        longest = int(count.item())
+    for start in range(0, max(longest, 1), chunk_tokens):
         h, y = flat[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         part = checkpoint(_chunk_loss, head, h, y, use_reentrant=False) if grad else _chunk_loss(head, h, y)
         total = part if total is None else total + part
@@ -143,6 +153,7 @@ class LossHead:
     def __init__(self, model: nn.Module, head: nn.Module, kind: str, chunk_tokens: int) -> None:
         self.kind, self.chunk_tokens, self.calls = kind, chunk_tokens, 0
         self.model, self.head = model, head
+        self.wrapped = any(True for _ in head.children())  # its weights live in submodules with their own hooks
         self._pending: _Call | None = None
         self._head_forward = head.forward  # the module's own forward (nn.Linear's, PEFT lora.Linear's, ...)
         self._standard_loss = model.loss_function
@@ -169,7 +180,8 @@ class LossHead:
                                                 ignore_index=call.ignore_index)
         else:
             summed, count = chunked_cross_entropy(self._head_forward, hidden, call.shift_labels,
-                                                  chunk_tokens=self.chunk_tokens, ignore_index=call.ignore_index)
+                                                  chunk_tokens=self.chunk_tokens, ignore_index=call.ignore_index,
+                                                  same_chunks_on_all_ranks=self.wrapped)
         call.done = True
         self.calls += 1
         if call.num_items is None:
