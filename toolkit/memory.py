@@ -39,7 +39,8 @@ parameters the optimizer updates, "frozen" the rest):
   The loss head adds C*V*(b + 8) (the logits, and the fp32 log-softmax and gradient the cross-entropy makes) for
   C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T, loss_chunk_size), with the chunked
   head (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the hidden states it selects. On CPU
-  this matches a measured step within 1-10% (bench/loss_head_memory.py, tests/test_memory.py). Vision-tower
+  this matches a measured step within 7% up to 4096 tokens (bench/loss_head_memory.py, tests/test_memory.py;
+  at 16384 the measured step is 25% larger, outside the head: docs/benchmarks.md). Vision-tower
   activations of VL models depend on the images and are not included.
 
 The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
