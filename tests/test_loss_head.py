@@ -3,7 +3,9 @@
 Each case runs the same model on the same batch twice, standard head then chunked head (several chunks), and
 compares the loss and every trainable gradient within 1e-5: LoRA on the decoder, LoRA on lm_head itself with tied
 embeddings, full fine-tuning, packed rows with position_ids and gradient checkpointing, and a micro-batch without
-any label token. Evaluation (no grad) and calls without labels are covered too.
+any label token. Evaluation (no grad) and calls without labels are covered too, and a head whose weight exists only
+while the head module runs (ZeRO-3's contract, simulated with the same module hooks): the loss must be computed
+there. (Real ZeRO-3 / FSDP2 runs of the head are in tests/test_strategies.py.)
 """
 
 from __future__ import annotations
@@ -161,3 +163,35 @@ def test_standard_leaves_the_model_alone_and_auto_is_chunked_on_cpu() -> None:
     assert head is not None
     if not torch.cuda.is_available():
         assert head.kind == "chunked"
+
+
+class GatheredOnlyInForward:
+    """ZeRO-3's contract for the head's weight, on one process: the full weight exists only while the head module
+    runs (forward pre-hook gathers, forward hook releases to an empty tensor, as DeepSpeed does with
+    `param.data`) and again for its backward (backward pre-hook). DeepSpeed itself keeps a small model's weights
+    gathered between modules, so this is the way to test that the loss is computed where the weight exists."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        self.head, self.full = head, head.weight.data
+        head.register_forward_pre_hook(lambda *_: self.gather())
+        head.register_forward_hook(lambda *_: self.release())
+        head.register_full_backward_pre_hook(lambda *_: self.gather())
+
+    def gather(self) -> None:
+        self.head.weight.data = self.full
+
+    def release(self) -> None:
+        self.head.weight.data = torch.empty(0)
+
+
+def test_the_loss_is_computed_where_a_sharded_head_weight_is_gathered() -> None:
+    model = tiny_model()  # full fine-tuning: the head's weight itself trains
+    batch = padded_batch()
+    harness = GatheredOnlyInForward(model.lm_head)
+    model(**batch)
+    assert model.lm_head.weight.numel() == 0  # released after the head's forward, like a ZeRO-3 partition
+    with pytest.raises(RuntimeError):  # what reading the weight outside the head's forward would meet
+        torch.nn.functional.linear(torch.randn(2, 32), model.lm_head.weight)
+    head = assert_same_as_standard(model, batch, chunk=4, num_items_in_batch=items(batch))
+    assert head.calls == 1
+    harness.gather()
