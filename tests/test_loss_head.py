@@ -168,8 +168,9 @@ def test_standard_leaves_the_model_alone_and_auto_is_chunked_on_cpu() -> None:
 class GatheredOnlyInForward:
     """ZeRO-3's contract for the head's weight, on one process: the full weight exists only while the head module
     runs (forward pre-hook gathers, forward hook releases to an empty tensor, as DeepSpeed does with
-    `param.data`) and again for its backward (backward pre-hook). DeepSpeed itself keeps a small model's weights
-    gathered between modules, so this is the way to test that the loss is computed where the weight exists."""
+    `param.data`) and again for its backward (backward pre-hook). DeepSpeed itself left this tiny model's head
+    weight gathered after the head's forward (tests/test_strategies.py), so this is the way to test that the loss
+    is computed where the weight exists."""
 
     def __init__(self, head: torch.nn.Module) -> None:
         self.head, self.full = head, head.weight.data

@@ -3,8 +3,9 @@
 Each 2-process run trains the 2-stage smoke recipe (LoRA, gradient checkpointing on) with the same global batch
 as the 1-process reference and must reproduce its per-step losses and its final adapter. The loss head is the
 default chunked one (toolkit/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight is
-tested in tests/test_loss_head.py: on this tiny model DeepSpeed keeps released weights gathered between modules,
-so a head computed outside its module would pass here too; FSDP2 keeps the root's weights, the head's among
+tested in tests/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
+after the head's forward (even with stage3_max_live_parameters and max_reuse_distance 0), so a head computed
+outside its module would pass here too; FSDP2 keeps the root's weights, the head's among
 them, unsharded through forward and backward.)
 """
 
