@@ -45,6 +45,7 @@ from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate
 from toolkit.flops import batch_train_flops, peak_flops
 from toolkit.guards import StabilityGuard, Verdict, injected_fault
+from toolkit.loss_head import check_loss_head, install_loss_head
 from toolkit.metrics import Meter, MetricsLog, check_trackers, sample_lengths, truncate_after
 from toolkit.model import (
     apply_lora,
@@ -485,6 +486,7 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
     the adapter); `plan_trainable` then sets requires_grad on everything that trains in any stage.
     """
     attn = choose_attention(recipe.model.attn_implementation)
+    check_loss_head(recipe.model.loss_head)  # a missing kernel fails before the weights load
     dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
     log.info("loading %s (%s, attention=%s%s)", model_path, dtype, attn, ", vision-language" if vision else "")
     model = load_model(model_path, dtype=dtype, attn_implementation=attn,
@@ -497,6 +499,7 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
         extra = modules_to_train(model, entries, keys)
         model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                            modules_to_save=[*lo.modules_to_save, *extra], exclude_modules=lo.exclude_modules)
+    install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
     return model, plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
 
 

@@ -1,7 +1,12 @@
 """The strategy matrix: every accelerate config, 2 processes over gloo on CPU, gives single-process losses.
 
 Each 2-process run trains the 2-stage smoke recipe (LoRA, gradient checkpointing on) with the same global batch
-as the 1-process reference and must reproduce its per-step losses and its final adapter.
+as the 1-process reference and must reproduce its per-step losses and its final adapter. The loss head is the
+default chunked one (toolkit/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight is
+tested in tests/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
+after the head's forward (even with stage3_max_live_parameters and max_reuse_distance 0), so a head computed
+outside its module would pass here too; FSDP2 keeps the root's weights, the head's among
+them, unsharded through forward and backward.)
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ pytestmark = pytest.mark.slow
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
 # smoke.yaml: micro 2 x accum 2 x 2 processes = 8; the reference gets micro 4 x accum 2 x 1 process = 8.
 REFERENCE_OVERRIDES = ("train.micro_batch_size=4",)
+# The references compute the loss in one chunk (the default for this 1,024-token vocabulary); the 2-process runs in
+# chunks of 16 tokens.
+CHUNKED = "model.loss_chunk_size=16"
 
 
 def losses(out: Path) -> list[float]:
@@ -62,7 +70,8 @@ def test_reference_trains(reference: Path) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_matches_single_process(strategy: str, runs: Path, reference: Path) -> None:
     out = runs / strategy
-    train(strategy, 2, out, "model.gradient_checkpointing=true")
+    proc = train(strategy, 2, out, "model.gradient_checkpointing=true", CHUNKED)
+    assert "loss head: chunked (16 tokens per chunk" in proc.stderr  # the match below is the chunked head's
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     ref, got = adapter(reference), adapter(out)
     assert got.keys() == ref.keys()
@@ -115,7 +124,7 @@ def full_reference(runs: Path) -> Path:
 def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_reference: Path) -> None:
     """Sharded full fine-tuning: same losses, and the gathered full model equals the single-process one."""
     out = runs / f"{strategy}-full"
-    train(strategy, 2, out, "lora.enabled=false")
+    train(strategy, 2, out, "lora.enabled=false", CHUNKED)  # the sharded head's weight itself trains
     assert losses(out) == pytest.approx(losses(full_reference), rel=1e-4)
     ref = load_file(full_reference / "final" / "model.safetensors")
     got = load_file(out / "final" / "model.safetensors")
@@ -123,6 +132,23 @@ def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{strategy}: {k}")
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+LM_HEAD_LORA = "lora.target_modules=[q_proj,v_proj,lm_head]"
+
+
+def test_lora_on_lm_head_under_zero3_matches_single_process(runs: Path) -> None:
+    """LoRA on lm_head: the head is PEFT's lora.Linear, whose weights sit in submodules that ZeRO-3 gathers at
+    every call, once per chunk. Ranks with different label-token counts must still make the same calls (else
+    they hang), and the losses and the head's adapters must be the single-process ones."""
+    ref, out = runs / "lm-head-single", runs / "lm-head-zero3"
+    train("single", 1, ref, LM_HEAD_LORA, *REFERENCE_OVERRIDES)
+    train("zero3", 2, out, LM_HEAD_LORA, CHUNKED)
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-4)
+    expected, got = adapter(ref), adapter(out)
+    assert got.keys() == expected.keys() and any("lm_head.lora_B" in k for k in got)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-3, atol=1e-5, msg=k)
 
 
 CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)

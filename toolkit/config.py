@@ -41,6 +41,12 @@ class ModelConfig(_Section):
         "auto", description="auto = flash_attention_2 when flash-attn is importable and on CUDA, else sdpa."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+    loss_head: Literal["auto", "chunked", "liger", "standard"] = Field(
+        "auto", description="Loss head (training and eval): chunked = exact cross-entropy chunk by chunk over "
+        "tokens, never the full [tokens x vocab] logits; liger = Liger-Kernel's fused one (CUDA, the liger extra); "
+        "auto = liger where it can run, else chunked; standard = transformers' full logits.")
+    loss_chunk_size: int | None = Field(None, gt=0, description="Tokens per chunk of the chunked head (default: "
+                                        "~32 Mi logits per chunk, 220 tokens of a 151,936-token vocabulary).")
 
 
 class LoraConfig(_Section):
@@ -452,6 +458,8 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     for stage in tree["stages"]:
         if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
             del stage["micro_batch_size"]
+    for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
+        del tree["model"][key]
     tree["seed"] = recipe.train.seed
     if recipe.train.trainable is not None:  # only when set, so checkpoints of earlier versions still resume
         tree["trainable"] = recipe.train.trainable

@@ -3,7 +3,8 @@
 Rank r takes samples r, r + world, ...; every rank runs the same number of forward passes (ranks whose shard
 ran out repeat a sample with weight 0), because under ZeRO-3 and FSDP each forward gathers parameters
 collectively and a rank that stopped early would hang the others. Summed token losses and token counts are
-all-reduced, so the result equals the single-process value on the same data.
+all-reduced, so the result equals the single-process value on the same data. The loss comes from the model's
+installed loss head (toolkit/loss_head.py: chunked by default, so no full-vocabulary logits here either).
 """
 
 from __future__ import annotations

@@ -36,7 +36,11 @@ parameters the optimizer updates, "frozen" the rest):
   (attention: the norm's input and output, q, k, v and the attention output; MLP: the norm's input and
   output, gate, up, silu(gate) and their product). Without checkpointing all L layers are kept: L*T*e*b.
   With checkpointing only each layer's input is kept, L*T*h*b, plus one layer recomputed in backward, T*e*b.
-  The loss adds T*V*(b + 8): the logits and the fp32 copy and gradient the cross-entropy makes. Vision-tower
+  The loss head adds C*V*(b + 8) (the logits, and the fp32 log-softmax and gradient the cross-entropy makes) for
+  C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T, loss_chunk_size), with the chunked
+  head (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the hidden states it selects. On CPU
+  this matches a measured step within 7% up to 4096 tokens (bench/loss_head_memory.py, tests/test_memory.py;
+  at 16384 the measured step is 25% larger, outside the head: docs/benchmarks.md). Vision-tower
   activations of VL models depend on the images and are not included.
 
 The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
@@ -147,20 +151,42 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _activation_bytes(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int) -> int:
+def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int,
+                     loss_head: str = "chunked", loss_chunk_size: int | None = None) -> int:
+    """Activation bytes of one micro-batch of ``tokens`` tokens: the decoder layers' (see the module docstring)
+    plus the loss head's working set, ``loss_bytes``."""
     c = config.get_text_config()
-    h, inter, layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    h, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or h // heads
     per_layer = 4 * h + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
     kept = layers * h + per_layer if grad_ckpt else layers * per_layer
-    return tokens * (kept * activation_bytes + vocab * (activation_bytes + 8))
+    return tokens * kept * activation_bytes + loss_bytes(config, tokens=tokens, activation_bytes=activation_bytes,
+                                                         loss_head=loss_head, loss_chunk_size=loss_chunk_size)
+
+
+def loss_bytes(config: Any, *, tokens: int, activation_bytes: int, loss_head: str = "chunked",
+               loss_chunk_size: int | None = None) -> int:
+    """The loss head's working set. Standard: the ``[tokens x V]`` logits (``activation_bytes`` each) plus their
+    fp32 log-softmax and its gradient, for every token. Chunked (``auto`` and ``liger`` are counted alike): the
+    same for one chunk of at most ``loss_chunk_size`` tokens (default ``loss_head.default_chunk_tokens``), plus
+    the gradient of the selected hidden states (fp32, ``tokens x hidden``)."""
+    c = config.get_text_config()
+    vocab, hidden = int(c.vocab_size), int(c.hidden_size)
+    per_token = vocab * (activation_bytes + 8)
+    if loss_head == "standard":
+        return tokens * per_token
+    from toolkit.loss_head import default_chunk_tokens
+
+    chunk = min(tokens, loss_chunk_size or default_chunk_tokens(vocab))
+    return chunk * per_token + tokens * hidden * 4
 
 
 def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, param_bytes: int,
              micro_batch: int, seq_len: int, grad_ckpt: bool, lora_targets: str | Iterable[str] = "all-linear",
-             activation_bytes: int = 2, persistence_threshold: int | None = None) -> dict[str, int]:
+             activation_bytes: int = 2, persistence_threshold: int | None = None, loss_head: str = "chunked",
+             loss_chunk_size: int | None = None) -> dict[str, int]:
     """Bytes per GPU of ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers`` and their ``total``,
     plus ``cpu_offload`` (CPU RAM of the whole node), for one strategy; see the module docstring.
 
@@ -230,8 +256,9 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
         layer_bytes = max((u[0] for u in units.values()), default=0)
         layer_grads = max((u[1] for u in units.values()), default=0)
         buffers = root_bytes + 2 * layer_bytes + max(layer_grads, root_grads) if world > 1 else 0
-    activations = _activation_bytes(config, tokens=micro_batch * seq_len, grad_ckpt=grad_ckpt,
-                                    activation_bytes=activation_bytes)
+    activations = activation_memory(config, tokens=micro_batch * seq_len, grad_ckpt=grad_ckpt,
+                                    activation_bytes=activation_bytes, loss_head=loss_head,
+                                    loss_chunk_size=loss_chunk_size)
     total = params + grads + optimizer + activations + buffers
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "buffers": buffers, "total": total, "cpu_offload": cpu}

@@ -90,11 +90,13 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     rows = estimate_all(config, num_gpus=gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
                         micro_batch=recipe.train.micro_batch_size, seq_len=recipe.data.max_seq_len,
                         grad_ckpt=recipe.model.gradient_checkpointing,
-                        lora_targets=recipe.lora.target_modules)
+                        lora_targets=recipe.lora.target_modules, loss_head=recipe.model.loss_head,
+                        loss_chunk_size=recipe.model.loss_chunk_size)
     lines = [f"model {recipe.model.name_or_path}: {'LoRA r=' + str(recipe.lora.r) if lora else 'full fine-tuning'}"
              f", {param_bytes * 8}-bit weights, micro batch {recipe.train.micro_batch_size} x "
              f"{recipe.data.max_seq_len} tokens, gradient checkpointing "
-             f"{'on' if recipe.model.gradient_checkpointing else 'off'}, {gpus} GPU(s) of {gpu_memory_gb:g} GiB",
+             f"{'on' if recipe.model.gradient_checkpointing else 'off'}, loss head {recipe.model.loss_head}, "
+             f"{gpus} GPU(s) of {gpu_memory_gb:g} GiB",
              f"selected by {accelerate_config}: {chosen}", "",
              format_table(rows, gpu_memory_gb=gpu_memory_gb)]
     if scan_data and getattr(config, "vision_config", None) is not None:
