@@ -6,6 +6,7 @@ The strategy (single, DDP, FSDP2, ZeRO-2/3, offload) comes only from the acceler
 changes with it. A run reads top to bottom: config, accelerator, data, model, optimizer, prepare, resume, loop,
 save. Relaunching the same command resumes from the newest committed checkpoint (checkpoint.resume: auto).
 With no --config it trains the embedded default: a tiny local Qwen3 on dummy data through a 2-stage curriculum.
+The loop's units (one step, what follows a step, the run state a checkpoint restores) are in toolkit/loop.py.
 """
 
 from __future__ import annotations
