@@ -97,7 +97,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
              run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
     # The launcher's death reaches the trainer as SIGTERM from here on (see toolkit/preemption.py).
     preemption = PreemptionFlag()
-    resume_from = claim_output_dir(recipe, accelerator)
+    _lock, resume_from = claim_output_dir(recipe, accelerator)  # held (open) until the process exits
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
     with accelerator.local_main_process_first():  # the builtin tiny models are built once per machine
@@ -184,9 +184,10 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     return 0
 
 
-def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> Path | None:
+def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
     """Take the run lock (one writer per output dir: a second launch, or a requeue while an orphaned trainer runs,
-    stops here) and return the checkpoint to resume from, refusing to overwrite an earlier run's outputs."""
+    stops here) and the checkpoint to resume from, refusing to overwrite an earlier run's outputs. The caller
+    holds the lock object for the whole run: the lock goes with it."""
     out, ck = Path(recipe.output_dir), recipe.checkpoint
     lock = RunLock(out, out.parent / ".toolkit-cache")
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
@@ -198,7 +199,7 @@ def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> Path | None:
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
     if resume_from is None:
         check_not_an_earlier_run(out)
-    return resume_from
+    return lock, resume_from
 
 
 def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *, vision: bool, create_dummy: bool,
