@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -72,9 +72,6 @@ class RunState:
                    pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
                    stage_steps=cur.get("stage_steps"), patience=cur.get("patience"),
                    adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RunState) and asdict(self) == asdict(other)
 
 
 @dataclass
