@@ -184,6 +184,22 @@ def test_three_stage_curriculum_matches_single_process(strategy: str, runs: Path
     out = runs / f"curriculum-{strategy}"
     train(strategy, 2, out, KEEP_STAGE_ENDS, recipe=CURRICULUM)
     check_curriculum(out, curriculum_reference, strategy, rel=1e-4)
+    if strategy in GOLDEN:  # the same launches prove the loop unchanged, bit for bit
+        check_golden(out, strategy)
+
+
+# fp32 per-step values recorded before the loop was split into named units (toolkit/loop.py); see the file's note.
+GOLDEN = {k: v for k, v in json.loads((REPO / "tests" / "data" / "curriculum_losses.json").read_text()).items()
+          if not k.startswith("_")}
+
+
+def check_golden(out: Path, strategy: str) -> None:
+    """Losses, gradient norms and learning rates equal the recorded ones exactly (as written in metrics.jsonl)."""
+    records = read_metrics(out / "metrics.jsonl", "train")
+    got = {k: [r[k] for r in records] for k in GOLDEN[strategy]}
+    for k, expected in GOLDEN[strategy].items():
+        diffs = [(step, a, b) for step, a, b in zip(got["step"], got[k], expected, strict=True) if a != b]
+        assert len(got[k]) == len(expected) and not diffs, f"{strategy} {k} differs (step, got, golden): {diffs}"
 
 
 def check_curriculum(out: Path, reference: Path, strategy: str, *, rel: float,

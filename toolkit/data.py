@@ -39,10 +39,11 @@ import transformers
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
+from toolkit.packing import pack_best_fit_decreasing, pack_row, pack_samples
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 
 # Bump whenever encode_row or the length/no-loss policy changes what a file tokenises to, so old cache entries miss.
@@ -643,8 +644,6 @@ def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *,
 
     A packed row's difficulty is that of its hardest sample, so easy-to-hard order stays conservative.
     """
-    from toolkit.packing import pack_best_fit_decreasing, pack_row, pack_samples
-
     out = StageSources([], [], [] if needs_difficulty else None, [], DataStats())
     for path in paths:
         data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,

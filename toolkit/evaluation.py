@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit.data import IGNORE_INDEX
+from toolkit.labels import IGNORE_INDEX
 
 
 @torch.no_grad()

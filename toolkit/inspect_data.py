@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import Recipe
-from toolkit.data import DUMMY_PREFIX, IGNORE_INDEX, load_stage_data, resolve_data_paths, text_encoder
+from toolkit.data import DUMMY_PREFIX, load_stage_data, resolve_data_paths, text_encoder
 from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-from toolkit.data import IGNORE_INDEX
+from toolkit.labels import IGNORE_INDEX
 
 # Attention implementations that honour position-id restarts (see the module docstring).
 PACKING_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"})

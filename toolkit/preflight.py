@@ -17,8 +17,9 @@ import numpy as np
 import yaml
 
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recipe
-from toolkit.data import IGNORE_INDEX, encode_row, iter_jsonl, resolve_data_paths
+from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
 from toolkit.memory import estimate_all, format_table, load_model_config
 
 

@@ -37,7 +37,6 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.processing_utils import ProcessorMixin
 
 from toolkit.data import (
-    IGNORE_INDEX,
     ROLES,
     DataStats,
     RowEncoder,
@@ -48,6 +47,7 @@ from toolkit.data import (
     is_chatml_family,
 )
 from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
 from toolkit.tiny import IM_START, build_tokenizer
 
 VISION_START = "<|vision_start|>"

@@ -1,0 +1,118 @@
+"""The loop's units alone, in this process: the run state's meta.json round trip, one step against a loss computed
+by hand, and the order of the after-step events (a stage end at a checkpoint step)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_curriculum as tc
+from tests._inprocess import process_state_kept
+from toolkit import checkpoint, distributed
+from toolkit.config import load_recipe
+from toolkit.labels import IGNORE_INDEX
+from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
+from toolkit.metrics import read_metrics
+from toolkit.model import materialize_builtin
+from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+
+
+@pytest.fixture(autouse=True)
+def _kept() -> Iterator[None]:
+    with process_state_kept():  # PreemptionFlag's signal handlers stay off the test runner
+        yield
+
+
+def test_run_state_round_trip_through_meta_json() -> None:
+    """Every field survives meta.json (none forgotten), under the keys older checkpoints use."""
+    state = RunState(step=7, stage="b", stage_index=1, stage_step=3, samples=56, tokens=1234,
+                     pending_losses=[2.5, float("inf")], pending_skipped=1, stage_steps=[4, 5],
+                     patience={"best": 1.5, "since_best": 2}, adam_updates=[4, 3], metrics={"loss": 2.0})
+    defaults = RunState()
+    assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RunState))
+    meta = json.loads(json.dumps(state.to_meta()))
+    assert RunState.from_meta(meta) == state
+    assert meta["step"] == 7 and meta["tokens"] == 1234 and meta["stage_index"] == 1
+    assert meta["pending"] == {"losses": [2.5, float("inf")], "skipped": 1}
+    assert meta["curriculum"] == {"stage_steps": [4, 5], "patience": {"best": 1.5, "since_best": 2}}
+    assert meta["adam_updates"] == [4, 3] and meta["metrics"] == {"loss": 2.0}
+    old = {"step": 3, "tokens": 10, "stage": "a", "stage_index": 0, "pending": {"losses": [], "skipped": 0}}
+    assert RunState.from_meta(old) == RunState(step=3, tokens=10, stage="a")  # a checkpoint without the later keys
+
+
+def build_run(tmp_path: Path, *overrides: str) -> Run:
+    """A single-process run of the embedded tiny recipe, wired by train_curriculum's own helpers."""
+    recipe = load_recipe(None, [f"output_dir={tmp_path / 'run'}", "train.grad_accum=2", *overrides])
+    out = Path(recipe.output_dir)
+    accelerator = distributed.build_accelerator(recipe.train.grad_accum, 10)
+    model_path = materialize_builtin(recipe.model.name_or_path, tmp_path / ".toolkit-cache")
+    _, tokenizer, dummy_dir = tc.prepare_inputs(recipe, accelerator, model_path, vision=False,
+                                                create_dummy=False, dummy_samples=32)
+    stages, stage_eval = tc.load_curriculum_data(recipe, tokenizer, None, dummy_dir, accelerator)
+    global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum
+    plans, samplers = tc.plan_curriculum(recipe, stages, world_size=1, global_batch=global_batch)
+    torch.manual_seed(0)
+    model, trainable = tc.build_model(recipe, model_path, vision=False)
+    optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=0.0,
+                                            betas=(0.9, 0.999), eps=1e-8)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    out.mkdir(parents=True, exist_ok=True)
+    return tc.assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
+                           plans=plans, stages=stages, samplers=samplers, stage_eval=stage_eval,
+                           collate=tc.build_batch_collator(recipe, tokenizer, vision=False),
+                           identity={"run_name": "unit"})
+
+
+def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path) -> None:
+    run = build_run(tmp_path)
+    plan = run.plans[0]
+    samples = [run.stages[0].samples[i] for i in run.samplers[0].batch(0)]
+    model = run.accelerator.unwrap_model(run.model)
+    model.eval()
+    with torch.no_grad():  # sum of every label token's cross-entropy over the whole global batch, / label tokens
+        total, count = 0.0, 0
+        for s in samples:
+            logits = model(input_ids=torch.tensor([s["input_ids"]])).logits[0, :-1].float()
+            labels = torch.tensor(s["labels"][1:])
+            total += F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int((labels != IGNORE_INDEX).sum())
+    model.train()
+    enter_stage(run, plan, 0)
+    result = run_step(run, plan, 0, 0)
+    assert result.loss == pytest.approx(total / count, rel=1e-5)
+    assert not result.skipped and not result.preempted and result.grad_norm is not None and result.grad_norm > 0
+    assert max(run.freezer.updates) == 1  # the update was applied (at lr 0: warmup starts there)
+    assert run.meter.losses == [result.loss] and run.scheduler.last_epoch == 1
+
+
+def test_stage_end_at_a_checkpoint_step_writes_the_summary_before_the_checkpoint(tmp_path: Path) -> None:
+    """Step record, stage summary, then the checkpoint, whose state is the one after the summary."""
+    run = build_run(tmp_path, "stages.0.max_steps=1", "checkpoint.save_steps=1")
+    plan = run.plans[0]
+    saved_at: list[int] = []
+    save = run.manager.save
+
+    def recording_save(step, write, meta):  # the real save, noting how many records were written before it
+        saved_at.append(len(read_metrics(run.metrics.path)))
+        return save(step, write, meta)
+
+    run.manager.save = recording_save  # type: ignore[method-assign]
+    enter_stage(run, plan, 0)
+    result = run_step(run, plan, 0, 0)
+    assert after_step(run, plan, 0, 1, result) is None
+    records = read_metrics(run.metrics.path)
+    assert [r.get("event", "step") for r in records] == ["step", "stage_end"] and saved_at == [2]
+    meta = checkpoint.read_meta(checkpoint.committed_checkpoints(run.manager.root)[-1])
+    state = RunState.from_meta(meta)
+    assert (state.step, state.stage, state.stage_step) == (1, plan.name, 1)
+    assert state.patience is None and state.pending_losses == [] and state.tokens == records[0]["tokens"]
+    assert state.adam_updates == run.freezer.updates and state.stage_steps == [p.steps for p in run.plans]
+    assert meta["run_name"] == "unit" and run.stage_start_tokens == records[0]["tokens"]
+    # preemption: the checkpoint first, then the exit code
+    assert after_step(run, plan, 0, 1, dataclasses.replace(result, preempted=True)) == PREEMPTED_EXIT_CODE

@@ -1,0 +1,319 @@
+"""The training loop as named units: the run state, one step, and what happens after a step.
+
+train_curriculum.py wires the pieces (accelerator, data, model, optimizer) into a `Run` and calls, per optimizer
+step, `enter_stage` (at a stage's first step), `run_step` and `after_step`. Each unit can be called alone:
+
+* `RunState`: what a checkpoint must restore (step, stage, meter totals, pending losses, patience, stage lengths,
+  Adam update counts, last metrics), written to and read from meta.json as one object (`to_meta` / `from_meta`),
+  so a resume cannot forget a field.
+* `run_step`: global-batch selection, micro-batches, forward/backward with the loss normalised over the global
+  batch, the one all-reduce (loss, preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
+* `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
+  the checkpoint, the preemption exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from toolkit import checkpoint, curriculum, distributed
+from toolkit.config import Recipe
+from toolkit.errors import ToolkitError
+from toolkit.evaluation import evaluate
+from toolkit.flops import batch_train_flops
+from toolkit.guards import StabilityGuard, Verdict, injected_fault
+from toolkit.labels import IGNORE_INDEX
+from toolkit.metrics import Meter, MetricsLog, sample_lengths
+from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+
+log = logging.getLogger("toolkit")
+
+
+@dataclass
+class RunState:
+    """What a checkpoint must restore to continue a run exactly, saved and restored as one object.
+
+    The weights, optimizer, scheduler and RNG are the checkpoint's state files; the data position is a function of
+    `step`. Keys in meta.json keep the names older checkpoints (and tools reading them) use.
+    """
+
+    step: int = 0
+    stage: str = ""
+    stage_index: int = 0
+    stage_step: int = 0
+    samples: int = 0
+    tokens: int = 0  # global token count of the logged intervals plus the pending one
+    pending_losses: list[float] = field(default_factory=list)  # step losses not yet in a logged record
+    pending_skipped: int = 0
+    stage_steps: list[int] | None = None  # actual stage lengths (a stage ended early on patience is shorter)
+    patience: dict[str, Any] | None = None  # the current stage's patience counters; None at a stage end
+    adam_updates: list[int] | None = None  # optimizer updates applied to each parameter group
+    metrics: dict[str, Any] = field(default_factory=dict)  # the latest train and eval values (best-checkpoint)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
+                "stage_step": self.stage_step, "samples": self.samples, "tokens": self.tokens,
+                "pending": {"losses": self.pending_losses, "skipped": self.pending_skipped},
+                "curriculum": {"stage_steps": self.stage_steps, "patience": self.patience},
+                "adam_updates": self.adam_updates, "metrics": self.metrics}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> RunState:
+        """The state of a checkpoint's meta.json; keys that older checkpoints lack get their defaults."""
+        pending, cur = meta.get("pending", {}), meta.get("curriculum", {})
+        return cls(step=meta["step"], stage=meta.get("stage", ""), stage_index=meta.get("stage_index", 0),
+                   stage_step=meta.get("stage_step", 0), samples=meta.get("samples", 0), tokens=meta["tokens"],
+                   pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
+                   stage_steps=cur.get("stage_steps"), patience=cur.get("patience"),
+                   adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})))
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: its global loss (mean over ranks and micro-steps), gradient norm, the guard's verdict
+    and the flags every rank agreed on in the step's all-reduce."""
+
+    loss: float
+    grad_norm: Any  # what the strategy's clip returned (a tensor or float; None when there was no sync)
+    skipped: bool = False
+    reason: str | None = None
+    preempted: bool = False
+    time_due: bool = False
+
+
+@dataclass
+class Run:
+    """The wired-up pieces of a run that the loop units use, and the live state between steps.
+
+    `plans` and `lr_at` are rebound by an early stage advance; the scheduler's lambda reads `run.lr_at`.
+    """
+
+    recipe: Recipe
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    freezer: Any  # distributed.StageFreezer
+    guard: StabilityGuard
+    meter: Meter
+    metrics: MetricsLog
+    manager: checkpoint.CheckpointManager
+    preemption: PreemptionFlag
+    plans: list[curriculum.StagePlan]
+    stages: list[Any]  # StageSources per stage
+    samplers: list[Any]  # StageSampler per stage
+    stage_eval: list[list[dict[str, Any]]]
+    collate: Any
+    stage_counts: list[int]  # trainable parameters per stage
+    identity: dict[str, Any]  # meta.json keys that describe the run, not its progress (checked on resume)
+    text_config: Any = None  # the model's text config (FLOPs per token)
+    max_norm: float = float("inf")  # gradient clipping
+    peak_flops: float | None = None
+    bar: Any = None
+    resumed: RunState | None = None
+    lr_at: Any = None
+    patience: curriculum.Patience | None = None
+    current_stage: int = -1
+    last_save: float = field(default_factory=time.monotonic)  # monotonic: not carried over a resume
+    stage_start_tokens: int = 0
+    latest: dict[str, Any] = field(default_factory=dict)
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+
+    def restore(self, state: RunState) -> None:
+        """Continue from a checkpoint's state: meter totals, pending losses, Adam update counts, stage lengths."""
+        self.resumed = state
+        self.meter.tokens_total = state.tokens
+        self.meter.losses, self.meter.skipped = state.pending_losses, state.pending_skipped
+        self.freezer.updates = state.adam_updates or [state.step] * len(self.freezer.updates)
+        self.stage_start_tokens = state.tokens  # approximate after a mid-stage resume (counts from the resume)
+
+    def state(self, done: int, plan: curriculum.StagePlan, step_in_stage: int, *, stage_end: bool) -> RunState:
+        """The run state after optimizer step `done` (collective: every rank calls it)."""
+        return RunState(step=done, stage=plan.name, stage_index=plan.index, stage_step=step_in_stage + 1,
+                        samples=curriculum.samples_seen(self.plans, done),
+                        tokens=self.meter.tokens_total + self.meter.reduced(self.accelerator)[0],
+                        pending_losses=self.meter.losses, pending_skipped=self.meter.skipped,
+                        stage_steps=[p.steps for p in self.plans],
+                        patience=None if self.patience is None or stage_end else self.patience.state(),
+                        adam_updates=self.freezer.updates, metrics=self.latest)
+
+
+def enter_stage(run: Run, plan: curriculum.StagePlan, step: int) -> None:
+    """A stage's first step (or the first after a resume): its freezing, its patience (resumed counters when the
+    checkpoint was taken inside this stage)."""
+    stage = run.recipe.stages[plan.index]
+    run.current_stage = plan.index
+    run.freezer.set_stage(plan.index)
+    saved = run.resumed.patience if run.resumed is not None and run.resumed.stage_index == plan.index else None
+    run.patience = None if stage.patience is None else curriculum.Patience.from_state(
+        stage.patience, stage.patience_min_delta, saved)
+    log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
+             plan.index + 1, len(run.plans), plan.name, plan.start_step + 1, plan.end_step, plan.num_samples,
+             plan.global_batch, run.lr_at(step), " (continued schedule)" if plan.schedule == "continue" else "")
+
+
+def micro_batches(run: Run, plan: curriculum.StagePlan, step_in_stage: int) -> tuple[list[list[int]], list[dict]]:
+    """This rank's share of the stage's global batch at `step_in_stage`: sample indices and collated batches."""
+    acc, data = run.accelerator, run.stages[plan.index]
+    indices = run.samplers[plan.index].batch(step_in_stage)
+    if run.recipe.data.group_by_length:  # same samples, fewer pad tokens: loss is normalised over the global batch
+        indices = sorted(indices, key=data.lengths.__getitem__)
+    rank_batches = curriculum.rank_micro_batches(indices, rank=acc.process_index, world_size=acc.num_processes,
+                                                 micro_batch_size=plan.micro_batch,
+                                                 grad_accum=run.recipe.train.grad_accum)
+    return rank_batches, [run.collate([data.samples[i] for i in idx]) for idx in rank_batches]
+
+
+def run_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, step: int) -> StepResult:
+    """One optimizer step over the stage's global batch; stops the run when the guard has skipped too many."""
+    acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
+    world, accum, ck = acc.num_processes, run.recipe.train.grad_accum, run.recipe.checkpoint
+    samples = run.stages[plan.index].samples
+    rank_batches, batches = micro_batches(run, plan, step_in_stage)
+
+    # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
+    # is then independent of how the batch is split. Strategies average gradients over ranks and
+    # accumulation steps, hence the world x accum factor in num_items_in_batch.
+    local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device)
+    items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (world * accum)
+    local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
+    step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
+    for j, (idx, batch) in enumerate(zip(rank_batches, batches, strict=True)):
+        batch = {k: v.to(acc.device) for k, v in batch.items()}
+        lengths = [n for i in idx for n in sample_lengths(samples[i])]
+        meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled), len(lengths))
+        with acc.accumulate(model):
+            loss = model(**batch, num_items_in_batch=items_per_micro).loss
+            if injected_fault(step + 1, acc.process_index):
+                loss = loss * float("nan")
+            local_loss += loss.detach()
+            if j == accum - 1:
+                # One all-reduce per step, before the update is committed: the step's global loss (NaN if
+                # any rank's is), preemption and timed-save flags. Every rank gets the same verdict.
+                time_due = ck.save_minutes is not None and time.monotonic() - run.last_save >= 60 * ck.save_minutes
+                summed = acc.reduce(torch.stack([
+                    local_loss, torch.tensor(float(run.preemption.requested), device=acc.device),
+                    torch.tensor(float(time_due), device=acc.device)]), reduction="sum").tolist()
+                step_loss, preempted, time_due = summed[0] / (world * accum), summed[1] > 0, summed[2] > 0
+                verdict = run.guard.judge(step_loss)
+                if verdict.skip:
+                    loss = distributed.veto_update(loss)
+            acc.backward(loss)
+            if acc.sync_gradients:
+                run.freezer.drop_frozen_grads()  # frozen parameters leave the norm and the update
+                grad_norm = acc.clip_grad_norm_(model.parameters(), run.max_norm)
+            if not verdict.skip:  # outside sync steps accelerate's optimizer.step() is a no-op anyway
+                optimizer.step()
+            else:
+                distributed.skip_update(acc.scaler)  # fp16: the loss scaler closes the step too
+            optimizer.zero_grad()
+    run.scheduler.step()
+    meter.add_step(step_loss, verdict.skip)
+    if not verdict.skip and not distributed.scaler_skipped(optimizer):  # fp16 overflow: no update
+        run.freezer.count_update(plan.index)
+    if run.bar is not None:
+        run.bar.update(1)
+    done = step + 1
+    if verdict.skip:
+        log.warning("step %d (stage '%s'): update skipped, %s", done, plan.name, verdict.reason)
+        if run.guard.exhausted:
+            last_good = checkpoint.committed_checkpoints(run.manager.root)
+            raise ToolkitError(
+                f"Training diverged: {run.guard.consecutive} consecutive steps skipped up to step {done} in stage "
+                f"'{plan.name}' ({verdict.reason}). Last good checkpoint: "
+                f"{last_good[-1] if last_good else 'none'}. Lower the learning rate or check the data.")
+    return StepResult(step_loss, grad_norm, verdict.skip, verdict.reason, preempted, time_due)
+
+
+def after_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, done: int, result: StepResult) -> int | None:
+    """Everything that follows optimizer step `done`, in this order: the step record, evaluation and patience
+    (which may end the stage early), the stage summary, the checkpoint, the preemption exit.
+
+    Returns the exit code when the run stops here (preempted), else None. Collective: every rank calls it.
+    """
+    recipe, acc, ck = run.recipe, run.accelerator, run.recipe.checkpoint
+    if done % recipe.logging.logging_steps == 0 or done == run.plans[-1].end_step:
+        record = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
+                  **run.meter.record(acc, peak_flops=run.peak_flops), "lr": run.lr_at(done - 1),
+                  "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
+                  "samples": curriculum.samples_seen(run.plans, done)}
+        run.log_record(record)
+        run.latest.update(record)
+        if run.bar is not None:
+            run.bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    plan, stage_end = evaluate_stage(run, plan, step_in_stage, done)
+    if stage_end:
+        stage_summary(run, plan, done)
+    # Checkpoint: every save_steps / save_minutes, at stage ends, and on preemption (all ranks agree).
+    periodic = bool(ck.save_steps) and done % ck.save_steps == 0
+    if result.preempted or result.time_due or periodic or (ck.save_on_stage_end and stage_end):
+        save_checkpoint(run, run.state(done, plan, step_in_stage, stage_end=stage_end))
+    if result.preempted:
+        log.warning("preempted (%s): stopped after step %d, checkpoint saved; resume with the same command",
+                    run.preemption.signal_name or "signal on another rank", done)
+        acc.end_training()
+        return PREEMPTED_EXIT_CODE
+    return None
+
+
+def evaluate_stage(run: Run, plan: curriculum.StagePlan, step_in_stage: int,
+                   done: int) -> tuple[curriculum.StagePlan, bool]:
+    """Evaluation every eval.every_steps and at the end of each stage, on the stage's (or global) eval set. With
+    patience, an evaluation that has not improved on the stage's best for that long ends the stage: the plans and
+    the LR schedule are rebound. Returns the (possibly shortened) stage and whether it ends at `done`."""
+    recipe = run.recipe
+    stage_end = done == plan.end_step
+    eval_samples = run.stage_eval[plan.index]
+    if not eval_samples or not (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
+        return plan, stage_end
+    result = evaluate(run.accelerator, run.model, eval_samples, run.collate,
+                      recipe.eval.micro_batch_size or recipe.train.micro_batch_size)
+    run.log_record({"step": done, "stage": plan.name, "stage_index": plan.index, **result})
+    run.latest.update(result)
+    log.info("step %d eval: loss %.4f, ppl %.2f", done, result["eval_loss"], result["eval_ppl"])
+    patience = run.patience
+    if patience is not None and patience.update(result["eval_loss"]) and not stage_end:
+        log.info("stage '%s' ends early after %d of %d steps: eval_loss has not improved on %.4f for %d "
+                 "evaluations", plan.name, step_in_stage + 1, plan.steps, patience.best, patience.since_best)
+        run.plans = curriculum.end_stage_early(run.plans, plan.index, step_in_stage + 1)
+        plan, stage_end = run.plans[plan.index], True
+        run.lr_at = curriculum.build_lr_lambda(run.plans, recipe.schedule.kind)
+        if run.bar is not None:
+            run.bar.total = run.plans[-1].end_step
+        run.log_record({"step": done, "stage": plan.name, "stage_index": plan.index, "event": "early_advance",
+                        "best_eval_loss": patience.best})
+    return plan, stage_end
+
+
+def stage_summary(run: Run, plan: curriculum.StagePlan, done: int) -> None:
+    """The ended stage's summary, in the log and in metrics.jsonl (collective: reduces the token count)."""
+    tokens_now = run.meter.tokens_total + run.meter.reduced(run.accelerator)[0]
+    summary = {"step": done, "stage": plan.name, "stage_index": plan.index, "event": "stage_end",
+               "stage_steps": plan.steps, "stage_samples": plan.steps * plan.global_batch,
+               "stage_tokens": tokens_now - run.stage_start_tokens,
+               "trainable_params": run.stage_counts[plan.index]}
+    run.metrics.write(summary)
+    log.info("stage '%s' done: %d steps, %d samples, %d tokens, %d trainable parameters", plan.name,
+             plan.steps, summary["stage_samples"], summary["stage_tokens"], summary["trainable_params"])
+    run.stage_start_tokens = tokens_now
+
+
+def save_checkpoint(run: Run, state: RunState) -> None:
+    """Commit a checkpoint of the run at `state.step`: the state files and meta.json (`state` plus the run's
+    identity, which a resume checks)."""
+    recipe = run.recipe
+    meta = {**state.to_meta(), "time": time.time(), **run.identity}
+    portable = recipe.lora.enabled and recipe.checkpoint.portable
+    write = partial(checkpoint.write_state, run.accelerator, run.model, run.optimizer,
+                    adam_steps=run.freezer.adam_steps() if portable else None)
+    log.info("checkpoint %s", run.manager.save(state.step, write, meta))
+    run.last_save = time.monotonic()
