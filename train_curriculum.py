@@ -115,24 +115,11 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                             data_files=data_fingerprint(recipe, dummy_dir))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
-        resume_meta = checkpoint.read_meta(resume_from)
-        forced = checkpoint.check_resumable(resume_meta, resume_from, invariants_hash=identity["recipe_hash"],
-                                            effective_batch=global_batch, strategy=strategy, world_size=world,
-                                            force=ck.resume_force, stage_batches=identity["stage_batches"],
-                                            invariants=identity["invariants"], data_files=identity["data_files"])
-        checkpoint.check_integrity(accelerator, resume_from, resume_meta)
-        # Stages that ended early on eval patience keep their actual length (samplers keep the planned one).
-        plans = curriculum.apply_stage_steps(plans, RunState.from_meta(resume_meta).stage_steps
-                                             or [p.steps for p in plans])
+        resume_meta, forced, plans = check_resume(accelerator, resume_from, identity, plans, force=ck.resume_force)
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
     model, trainable = build_model(recipe, model_path, vision=vision)
-    if recipe.data.packing:
-        check_packing_support(model)
-    total = count_parameters(model)[1]
-    for plan, count in zip(plans, trainable.stage_counts, strict=True):
-        log.info("stage '%s' trains %d of %d parameters (%.3f%%)", plan.name, count, total, 100 * count / total)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---
@@ -150,12 +137,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
-        how = checkpoint.restore(accelerator, model, optimizer, run.scheduler, resume_from, strategy=strategy)
-        run.restore(RunState.from_meta(resume_meta))
-        log.info("resumed (%s) from %s: step %d of %d, stage '%s'", f"{how}, forced past differences" if forced
-                 else how, resume_from, run.resumed.step, plans[-1].end_step, resume_meta["stage"])
-        for difference in forced:
-            log.warning("checkpoint.resume_force: resumed despite %s", difference)
+        resume_run(run, resume_from, resume_meta, forced)
     write_run_files(recipe, accelerator, run_name, plans, trainable.stage_counts,
                     resumed_at=None if run.resumed is None else run.resumed.step)
     accelerator.init_trackers(run_name, config=flat_config(recipe))
@@ -182,6 +164,33 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
              run.guard.total_skipped)
     accelerator.end_training()
     return 0
+
+
+def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any], plans: list[curriculum.StagePlan],
+                 *, force: bool) -> tuple[dict[str, Any], list[str], list[curriculum.StagePlan]]:
+    """The checkpoint's meta once it is shown to fit this run (settings, data, batch, layout, its own files), what
+    differs and was accepted by `force`, and the plans with the stage lengths it actually ran (stages that ended
+    early on eval patience keep their length; the samplers keep the planned one)."""
+    meta = checkpoint.read_meta(ckpt)
+    forced = checkpoint.check_resumable(meta, ckpt, invariants_hash=identity["recipe_hash"],
+                                        effective_batch=identity["effective_batch"], strategy=identity["strategy"],
+                                        world_size=identity["world_size"], force=force,
+                                        stage_batches=identity["stage_batches"], invariants=identity["invariants"],
+                                        data_files=identity["data_files"])
+    checkpoint.check_integrity(accelerator, ckpt, meta)
+    plans = curriculum.apply_stage_steps(plans, RunState.from_meta(meta).stage_steps or [p.steps for p in plans])
+    return meta, forced, plans
+
+
+def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) -> None:
+    """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state."""
+    how = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
+                             strategy=run.identity["strategy"])
+    run.restore(RunState.from_meta(meta))
+    log.info("resumed (%s) from %s: step %d of %d, stage '%s'", f"{how}, forced past differences" if forced
+             else how, ckpt, run.resumed.step, run.plans[-1].end_step, meta["stage"])
+    for difference in forced:
+        log.warning("checkpoint.resume_force: resumed despite %s", difference)
 
 
 def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
@@ -428,7 +437,13 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
         model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                            modules_to_save=[*lo.modules_to_save, *extra], exclude_modules=lo.exclude_modules)
     install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
-    return model, plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
+    if recipe.data.packing:
+        check_packing_support(model)
+    trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
+    total = count_parameters(model)[1]
+    for stage, count in zip(recipe.stages, trainable.stage_counts, strict=True):
+        log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)
+    return model, trainable
 
 
 def main(argv: list[str] | None = None) -> int:
