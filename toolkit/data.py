@@ -525,11 +525,7 @@ def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
         if saved["stat"] == sig and isinstance(saved["sha256"], str):
             return saved["sha256"], sig
     started = time.time_ns()
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = _stream_sha256(path)
     if started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(path) == sig:
         payload = json.dumps({"path": str(path), "stat": sig, "sha256": digest}).encode()
         with contextlib.suppress(OSError):
@@ -540,8 +536,10 @@ def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
 def content_digest(path: Path, cache_dir: Path | None) -> str:
     """sha256 of a data file's bytes; with a cache dir, remembered there while the file is unchanged (the same
     record the tokenisation cache keys on, so a run hashes each file once)."""
-    if cache_dir is not None:
-        return _file_sha256(path, cache_dir)[0]
+    return _file_sha256(path, cache_dir)[0] if cache_dir is not None else _stream_sha256(path)
+
+
+def _stream_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
