@@ -32,11 +32,11 @@ from toolkit import __version__, checkpoint, curriculum, distributed
 from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, resume_invariants
 from toolkit.data import (
     DUMMY_PREFIX,
-    StageSources,
+    TrainingSet,
     build_collator,
     content_digest,
-    load_stage_data,
-    load_stage_sources,
+    encode_files,
+    load_training_set,
     resolve_data_paths,
 )
 from toolkit.dummy_data import write_dummy_data
@@ -235,7 +235,7 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
     return processor, tokenizer, dummy_dir
 
 
-def plan_curriculum(recipe: Recipe, stages: list[StageSources], *, world_size: int,
+def plan_curriculum(recipe: Recipe, stages: list[TrainingSet], *, world_size: int,
                     global_batch: int) -> tuple[list[curriculum.StagePlan], list[StageSampler]]:
     """Each stage placed on the step axis (steps, lr schedule, batch) and its sampler (mixture, order, pacing).
     With optimizer.lr_scaling the stages' lrs scale with the global batch over the reference batch size."""
@@ -294,7 +294,7 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
 
 
 def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer: Any, trainable: TrainablePlan, *,
-                 preemption: PreemptionFlag, plans: list[curriculum.StagePlan], stages: list[StageSources],
+                 preemption: PreemptionFlag, plans: list[curriculum.StagePlan], stages: list[TrainingSet],
                  samplers: list[StageSampler], stage_eval: list[list[dict[str, Any]]], collate: Any,
                  identity: dict[str, Any]) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
@@ -372,7 +372,7 @@ def data_fingerprint(recipe: Recipe, dummy_dir: Path) -> dict[str, str]:
 
 
 def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, dummy_dir: Path,
-                         accelerator: Accelerator) -> tuple[list[StageSources], list[list[dict[str, Any]]]]:
+                         accelerator: Accelerator) -> tuple[list[TrainingSet], list[list[dict[str, Any]]]]:
     """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
 
     A vision-language model's rows go through its processor (`processor` given): image tokens are expanded and
@@ -401,7 +401,7 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
     stages = []
     for stage in recipe.stages:
         with order():
-            src = load_stage_sources(resolve_data_paths(stage.paths, dummy_dir), tokenizer, packing=recipe.data.packing,
+            src = load_training_set(resolve_data_paths(stage.paths, dummy_dir), tokenizer, packing=recipe.data.packing,
                                      needs_difficulty=stage.order == "easy_to_hard", cache_dir=cache, **settings(stage))
         if not src.samples:
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
@@ -411,7 +411,7 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
     evals = []  # one per stage (the same files when they come from eval.data)
     for stage in recipe.stages:
         files = stage.eval if stage.eval is not None else recipe.eval.data
-        evals.append(load_stage_data(resolve_data_paths(files, dummy_dir), tokenizer, **settings(stage)).samples
+        evals.append(encode_files(resolve_data_paths(files, dummy_dir), tokenizer, **settings(stage)).samples
                      if files else [])
     return stages, evals
 

@@ -172,7 +172,7 @@ def lora_config(spec: Spec) -> Any:
 
 
 def load_samples(spec: Spec) -> list[dict[str, list[int]]]:
-    """The tokenised samples (toolkit.data.load_stage_data output, written once by the orchestrator)."""
+    """The tokenised samples (toolkit.data.encode_files output, written once by the orchestrator)."""
     return json.loads(Path(spec.samples_path).read_text())
 
 
@@ -583,7 +583,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from toolkit.data import load_stage_data
+    from toolkit.data import encode_files
     from toolkit.flops import count_params
     from toolkit.packing import pack_samples
     from toolkit.tiny import write_tiny_qwen3
@@ -602,7 +602,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         data_path = workdir / "chat.jsonl"
         write_chat_data(data_path, tokenizer, rows, max_seq_len, args.seed)
-        data = load_stage_data([data_path], tokenizer, max_seq_len=max_seq_len, overlength="drop",
+        data = encode_files([data_path], tokenizer, max_seq_len=max_seq_len, overlength="drop",
                                train_on="assistant")
         samples = data.samples
         lengths = sorted(len(s["input_ids"]) for s in samples)

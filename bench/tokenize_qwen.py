@@ -1,7 +1,7 @@
 """Tokenisation speed with the real Qwen tokenizer and Qwen3's stock chat template (issue 11).
 
 Writes N multi-turn chat rows (plain multi-turn, system prompt, reasoning_content, think blocks in content, tool
-calls with tools and tool results), then loads them as a training stage does (`toolkit.data.load_stage_data`):
+calls with tools and tool results), then loads them as a training stage does (`toolkit.data.encode_files`):
 first with an empty tokenisation cache (every row rendered, masked and tokenised, the cache entry written), then
 again (a cache hit); and, as the floor, the stock template rendered and tokenised with no masking at all. Prints
 a JSON summary with rows/s for each, and writes it to bench/results/.
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.data import load_stage_data  # noqa: E402
+from toolkit.data import encode_files  # noqa: E402
 from toolkit.tiny import build_qwen_tokenizer  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -69,7 +69,7 @@ def main() -> None:
         timings = {}
         for run in ("first", "cached"):
             start = time.perf_counter()
-            data = load_stage_data([path], tokenizer, max_seq_len=4096, overlength="drop", train_on="assistant",
+            data = encode_files([path], tokenizer, max_seq_len=4096, overlength="drop", train_on="assistant",
                                    cache_dir=Path(tmp) / "cache")
             timings[run] = time.perf_counter() - start
         stats = data.stats

@@ -14,10 +14,10 @@ from transformers import PreTrainedTokenizerFast
 from toolkit.data import (
     IGNORE_INDEX,
     build_collator,
+    encode_files,
     encode_row,
     has_generation_tags,
     iter_jsonl,
-    load_stage_data,
     resolve_data_paths,
 )
 from toolkit.errors import ToolkitError
@@ -70,7 +70,7 @@ def _check_labels_match_ids(ids: list[int], labels: list[int]) -> None:
 
 def _load(paths: list[Path], tok: PreTrainedTokenizerFast, *, max_seq_len: int = 512, overlength: str = "drop",
           train_on: str = "assistant"):
-    return load_stage_data(paths, tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
+    return encode_files(paths, tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on)
 
 
 # --- chat rows ---------------------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_resolve_data_paths() -> None:
     assert resolve_data_paths([], Path("/d")) == []
 
 
-# --- load_stage_data: stats and length policy ---------------------------------------------------------------------
+# --- encode_files: stats and length policy ---------------------------------------------------------------------
 
 
 def test_load_stage_data_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:

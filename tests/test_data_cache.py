@@ -15,7 +15,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 import toolkit.data as data_mod
-from toolkit.data import StageData, load_stage_data, load_stage_sources
+from toolkit.data import EncodedRows, encode_files, load_training_set
 from toolkit.errors import ToolkitError
 from toolkit.tiny import build_tokenizer
 
@@ -43,10 +43,10 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def _load(path: Path, tok: PreTrainedTokenizerFast, cache: Path | None, *, max_seq_len: int = 40,
           overlength: str = "truncate", train_on: str = "assistant", thinking: str = "auto"
-          ) -> tuple[StageData, int]:
+          ) -> tuple[EncodedRows, int]:
     """The loaded data and how many rows were tokenised to get it."""
     before = data_mod.ENCODE_CALLS
-    data = load_stage_data([path], tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
+    data = encode_files([path], tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
                            thinking=thinking, cache_dir=cache)
     return data, data_mod.ENCODE_CALLS - before
 
@@ -75,10 +75,10 @@ def test_sources_pass_cache_through(tmp_path: Path, tok: PreTrainedTokenizerFast
     b = _write_jsonl(tmp_path / "b.jsonl", ROWS[:2])
     kw: dict[str, Any] = {"max_seq_len": 40, "overlength": "drop", "train_on": "assistant", "packing": False,
                           "needs_difficulty": False}
-    plain = load_stage_sources([a, b], tok, **kw)
-    load_stage_sources([a, b], tok, **kw, cache_dir=tmp_path / "c")
+    plain = load_training_set([a, b], tok, **kw)
+    load_training_set([a, b], tok, **kw, cache_dir=tmp_path / "c")
     before = data_mod.ENCODE_CALLS
-    cached = load_stage_sources([a, b], tok, **kw, cache_dir=tmp_path / "c")
+    cached = load_training_set([a, b], tok, **kw, cache_dir=tmp_path / "c")
     assert data_mod.ENCODE_CALLS - before == 0
     assert (cached.samples, cached.sizes, cached.stats) == (plain.samples, plain.sizes, plain.stats)
 
@@ -221,7 +221,7 @@ def test_remembered_hash_is_reused_until_the_file_changes(tmp_path: Path, tok: P
 def _worker(path: str, cache: str, barrier: Any, out: str) -> None:
     tok = build_tokenizer()
     barrier.wait()
-    data = load_stage_data([Path(path)], tok, max_seq_len=40, overlength="truncate", train_on="assistant",
+    data = encode_files([Path(path)], tok, max_seq_len=40, overlength="truncate", train_on="assistant",
                            cache_dir=Path(cache))
     Path(out).write_text(json.dumps({"samples": data.samples, "extras": data.extras}))
 

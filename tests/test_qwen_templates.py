@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import stock_template
-from toolkit.data import IGNORE_INDEX, encode_row, load_stage_data
+from toolkit.data import IGNORE_INDEX, encode_files, encode_row
 from toolkit.errors import ToolkitError
 from toolkit.tiny import CHATML_TEMPLATE, QWEN_VOCAB_SIZE
 
@@ -188,7 +188,7 @@ def test_chatml_override_refuses_what_it_cannot_render(tmp_path: Path, toks: dic
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": SINGLE}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ToolkitError, match=match) as info:
-        load_stage_data([path], toks["chatml"], max_seq_len=512, overlength="drop", train_on="assistant")
+        encode_files([path], toks["chatml"], max_seq_len=512, overlength="drop", train_on="assistant")
     assert str(info.value).startswith(f"{path}:2: ")
 
 

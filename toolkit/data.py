@@ -73,8 +73,8 @@ class DataStats:
 
 
 @dataclass
-class StageData:
-    """Tokenised samples of one stage, each `{"input_ids": [...], "labels": [...]}`, plus their row extras."""
+class EncodedRows:
+    """Tokenised samples of some files, each `{"input_ids": [...], "labels": [...]}`, plus their row extras."""
 
     samples: list[dict[str, list[int]]] = field(default_factory=list)
     extras: list[dict[str, Any]] = field(default_factory=list)
@@ -400,9 +400,9 @@ def text_encoder(tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overle
     return encode
 
 
-def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int,
+def encode_files(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int,
                     overlength: str, train_on: str, thinking: str = "auto", cache_dir: Path | None = None,
-                    encoder: RowEncoder | None = None) -> StageData:
+                    encoder: RowEncoder | None = None) -> EncodedRows:
     """Read and tokenise a stage's files, applying the over-length policy and skipping rows with no loss.
 
     With `cache_dir`, each file's result is reused from the tokenisation cache there, or computed and saved to it
@@ -415,7 +415,7 @@ def load_stage_data(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, ma
         return _tokenise(paths, text_encoder(tokenizer, max_seq_len=max_seq_len, overlength=overlength,
                                              train_on=train_on, thinking=thinking))
     fingerprint = tokenizer_fingerprint(tokenizer)
-    data = StageData()
+    data = EncodedRows()
     for path in paths:
         part = _load_file_cached(path, tokenizer, Path(cache_dir), fingerprint, max_seq_len=max_seq_len,
                                  overlength=overlength, train_on=train_on, thinking=thinking)
@@ -429,9 +429,9 @@ ROW_CONTENT_KEYS = ("messages", "tools", "prompt", "completion", "text", "images
 """Row keys that become tokens; the others (difficulty, ...) are kept as the sample's extras."""
 
 
-def _tokenise(paths: list[Path], encode: RowEncoder) -> StageData:
-    """The uncached work of `load_stage_data`: encode every row, count what happened, drop rows with no loss."""
-    data = StageData()
+def _tokenise(paths: list[Path], encode: RowEncoder) -> EncodedRows:
+    """The uncached work of `encode_files`: encode every row, count what happened, drop rows with no loss."""
+    data = EncodedRows()
     st = data.stats
     for path in paths:
         for lineno, row in iter_jsonl(path):
@@ -547,7 +547,7 @@ def _stream_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_entry(entry: Path, key: dict[str, Any]) -> StageData | None:
+def _read_entry(entry: Path, key: dict[str, Any]) -> EncodedRows | None:
     """The cached result, or None when the entry is unreadable, truncated, inconsistent or for another key."""
     try:
         with np.load(entry, allow_pickle=False) as z:
@@ -566,10 +566,10 @@ def _read_entry(entry: Path, key: dict[str, Any]) -> StageData | None:
         return None
     bounds, ids_list, labels_list = offsets.tolist(), ids.tolist(), labels.tolist()
     samples = [{"input_ids": ids_list[a:b], "labels": labels_list[a:b]} for a, b in itertools.pairwise(bounds)]
-    return StageData(samples, extras, stats)
+    return EncodedRows(samples, extras, stats)
 
 
-def _write_entry(entry: Path, data: StageData, key: dict[str, Any], source: Path) -> None:
+def _write_entry(entry: Path, data: EncodedRows, key: dict[str, Any], source: Path) -> None:
     lengths = [len(s["input_ids"]) for s in data.samples]
     ids = np.fromiter(itertools.chain.from_iterable(s["input_ids"] for s in data.samples), np.int64, sum(lengths))
     labels = np.fromiter(itertools.chain.from_iterable(s["labels"] for s in data.samples), np.int64, sum(lengths))
@@ -582,7 +582,7 @@ def _write_entry(entry: Path, data: StageData, key: dict[str, Any], source: Path
 
 
 def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, fingerprint: str, *,
-                      max_seq_len: int, overlength: str, train_on: str, thinking: str = "auto") -> StageData:
+                      max_seq_len: int, overlength: str, train_on: str, thinking: str = "auto") -> EncodedRows:
     """One file through the cache: a hit skips tokenisation; a miss tokenises (errors propagate and are never
     cached) and saves the result unless the file changed meanwhile. A cache that cannot be written only warns."""
     settings: dict[str, Any] = {"max_seq_len": max_seq_len, "overlength": overlength, "train_on": train_on,
@@ -611,7 +611,7 @@ def build_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq
 
 
 @dataclass
-class StageSources:
+class TrainingSet:
     """A stage's training rows: samples (packed rows with packing), per-file sizes, difficulty, lengths."""
 
     samples: list[dict[str, list[int]]]
@@ -632,19 +632,19 @@ def _difficulty(extras: list[dict[str, Any]], path: Path) -> list[float] | None:
     return [float(v) for v in values]
 
 
-def load_stage_sources(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
+def load_training_set(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
                        train_on: str, packing: bool, needs_difficulty: bool, thinking: str = "auto",
-                       cache_dir: Path | None = None, encoder: RowEncoder | None = None) -> StageSources:
+                       cache_dir: Path | None = None, encoder: RowEncoder | None = None) -> TrainingSet:
     """Load each file of a stage separately (mixtures sample per file); with packing, pack within each file.
 
-    `cache_dir` and `encoder` are passed on to `load_stage_data` (the per-file tokenisation cache; a non-text
+    `cache_dir` and `encoder` are passed on to `encode_files` (the per-file tokenisation cache; a non-text
     row encoder).
 
     A packed row's difficulty is that of its hardest sample, so easy-to-hard order stays conservative.
     """
-    out = StageSources([], [], [] if needs_difficulty else None, [], DataStats())
+    out = TrainingSet([], [], [] if needs_difficulty else None, [], DataStats())
     for path in paths:
-        data = load_stage_data([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
+        data = encode_files([path], tokenizer, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
                                thinking=thinking, cache_dir=cache_dir, encoder=encoder)
         _add_stats(out.stats, data.stats)
         difficulty = _difficulty(data.extras, path) if needs_difficulty else None

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import Recipe
-from toolkit.data import DUMMY_PREFIX, load_stage_data, resolve_data_paths, text_encoder
+from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths, text_encoder
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 
@@ -98,7 +98,7 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                 encoder = text_encoder(tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
                                        train_on=recipe.data.train_on, thinking=recipe.data.thinking)
             files = resolve_data_paths(st.paths, dummy_dir)
-            data = load_stage_data(files, tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
+            data = encode_files(files, tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
                                    train_on=recipe.data.train_on, encoder=encoder)
             lines += ["", f"=== stage '{st.name}' ({', '.join(map(str, files))}) ===",
                       data.stats.summary(), stage_statistics(data.samples)]

@@ -106,7 +106,7 @@ class Run:
     manager: checkpoint.CheckpointManager
     preemption: PreemptionFlag
     plans: list[curriculum.StagePlan]
-    stages: list[Any]  # StageSources per stage
+    stages: list[Any]  # TrainingSet per stage
     samplers: list[Any]  # StageSampler per stage
     stage_eval: list[list[dict[str, Any]]]
     collate: Any
