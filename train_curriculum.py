@@ -29,7 +29,15 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from toolkit import __version__, checkpoint, curriculum, distributed
-from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, resume_invariants
+from toolkit.config import (
+    Recipe,
+    ResolvedStage,
+    flat_config,
+    load_recipe,
+    recipe_to_yaml,
+    resolve_stages,
+    resume_invariants,
+)
 from toolkit.data import (
     DUMMY_PREFIX,
     TrainingSet,
@@ -64,7 +72,7 @@ from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PreemptionFlag
 from toolkit.run_dir import RunLock, check_not_an_earlier_run, check_output_dir
 from toolkit.sampling import Pacing, StageSampler
-from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable, stage_entries
+from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable
 
 log = logging.getLogger("toolkit")
 
@@ -105,35 +113,43 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     check_model_source(model_path)
     check_remote_code(model_path, trust_remote_code=recipe.model.trust_remote_code)
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
-    processor, tokenizer, dummy_dir = prepare_inputs(recipe, accelerator, model_path, vision=vision,
-                                                     create_dummy=create_dummy, dummy_samples=dummy_samples)
-    stages, stage_eval = load_curriculum_data(recipe, tokenizer, processor if vision else None, dummy_dir,
+    if create_dummy:  # stages not already on dummy data get the generated files
+        use_dummy_data(recipe, vision=vision)
+    resolved = resolve_stages(recipe)  # each stage's effective settings, from here on
+    processor, tokenizer, dummy_dir = prepare_inputs(recipe, resolved, accelerator, model_path, vision=vision,
+                                                     dummy_samples=dummy_samples)
+    stages, stage_eval = load_curriculum_data(recipe, resolved, tokenizer, processor if vision else None, dummy_dir,
                                               accelerator)
-    plans, samplers = plan_curriculum(recipe, stages, world_size=world, global_batch=global_batch)
+    plans, samplers = plan_curriculum(recipe, resolved, stages, world_size=world)
     collate = build_batch_collator(recipe, processor if vision else tokenizer, vision=vision)
     identity = run_identity(recipe, accelerator, plans, run_name=run_name, model_path=model_path,
-                            data_files=data_fingerprint(recipe, dummy_dir))
+                            data_files=data_fingerprint(recipe, resolved, dummy_dir))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced, plans = check_resume(accelerator, resume_from, identity, plans, force=ck.resume_force)
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
-    model, trainable = build_model(recipe, model_path, vision=vision)
+    model, trainable = build_model(recipe, resolved, model_path, vision=vision)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---
     # Every parameter that trains in some stage is in the optimizer from the start, one param group per set of
     # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
-    distributed.configure_deepspeed(accelerator, model, micro, opt.max_grad_norm)
+    # DeepSpeed's train_micro_batch_size_per_gpu never sizes our batches (we feed them ourselves): it only sizes
+    # its own deepspeed_io loader (unused), its samples/throughput counters and its check that train_batch_size =
+    # micro x accum x processes. No one value fits every stage; the first stage's is the batch the engine sees
+    # first, and it is the recipe's own value (train.micro_batch_size alone may be overridden by every stage).
+    distributed.configure_deepspeed(accelerator, model, resolved[0].micro_batch_size, opt.max_grad_norm)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=preemption, plans=plans,
-                       stages=stages, samplers=samplers, stage_eval=stage_eval, collate=collate, identity=identity)
+    run = assemble_run(recipe, resolved, accelerator, model, optimizer, trainable, preemption=preemption,
+                       plans=plans, stages=stages, samplers=samplers, stage_eval=stage_eval, collate=collate,
+                       identity=identity)
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
@@ -211,12 +227,10 @@ def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock,
     return lock, resume_from
 
 
-def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *, vision: bool, create_dummy: bool,
-                   dummy_samples: int) -> tuple[Any, Any, Path]:
+def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str, *,
+                   vision: bool, dummy_samples: int) -> tuple[Any, Any, Path]:
     """(processor, tokenizer, dummy data dir): the model's processor (vision-language; its tokenizer is saved with
-    the model) or tokenizer, and the generated dummy data files the recipe uses, written once per machine."""
-    if create_dummy:  # stages not already on dummy data get the generated files
-        use_dummy_data(recipe, vision=vision)
+    the model) or tokenizer, and the generated dummy data files the stages use, written once per machine."""
     if vision:  # the processor formats image rows; its tokenizer is saved with the model
         processor = load_processor(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                    chat_template=recipe.data.chat_template)
@@ -225,7 +239,7 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
         processor = tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                                chat_template=recipe.data.chat_template)
     dummy_dir = Path(recipe.output_dir) / "dummy_data"
-    if uses_dummy_data(recipe) and accelerator.is_local_main_process:
+    if uses_dummy_data(resolved) and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
         if vision:
             from toolkit.vision import write_dummy_vl_data
@@ -235,29 +249,32 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
     return processor, tokenizer, dummy_dir
 
 
-def plan_curriculum(recipe: Recipe, stages: list[TrainingSet], *, world_size: int,
-                    global_batch: int) -> tuple[list[curriculum.StagePlan], list[StageSampler]]:
+def plan_curriculum(recipe: Recipe, resolved: list[ResolvedStage], stages: list[TrainingSet], *,
+                    world_size: int) -> tuple[list[curriculum.StagePlan], list[StageSampler]]:
     """Each stage placed on the step axis (steps, lr schedule, batch) and its sampler (mixture, order, pacing).
-    With optimizer.lr_scaling the stages' lrs scale with the global batch over the reference batch size."""
-    opt, sch, micro = recipe.optimizer, recipe.schedule, recipe.train.micro_batch_size
-    lr_scale = 1.0
-    if opt.lr_scaling != "none":
-        ratio = global_batch / opt.reference_batch_size
-        lr_scale = ratio if opt.lr_scaling == "linear" else math.sqrt(ratio)
+    With optimizer.lr_scaling each stage's lr scales with its own global batch over the reference batch size."""
+    opt, accum = recipe.optimizer, recipe.train.grad_accum
+
+    def scaled_lr(stage: ResolvedStage) -> float:
+        if opt.lr_scaling == "none":
+            return stage.lr
+        ratio = stage.micro_batch_size * accum * world_size / opt.reference_batch_size
+        return stage.lr * (ratio if opt.lr_scaling == "linear" else math.sqrt(ratio))
+
     plans = curriculum.plan_stages(
-        [s.name for s in recipe.stages], [len(src.samples) for src in stages],
-        micro_batches=[s.micro_batch_size or micro for s in recipe.stages], grad_accum=recipe.train.grad_accum,
-        world_size=world_size, epochs=[s.epochs for s in recipe.stages], max_steps=[s.max_steps for s in recipe.stages],
-        lrs=[(s.lr or opt.lr) * lr_scale for s in recipe.stages],
-        warmup_ratios=[sch.warmup_ratio if s.warmup_ratio is None else s.warmup_ratio for s in recipe.stages],
-        min_lr_ratios=[sch.min_lr_ratio if s.min_lr_ratio is None else s.min_lr_ratio for s in recipe.stages],
-        schedules=[s.schedule or sch.kind for s in recipe.stages], decay_ratio=sch.decay_ratio)
-    samplers = [StageSampler(sizes=src.sizes, weights=stage.weights, replacement=stage.mixture_replacement,
-                             order=stage.order, difficulty=None if src.difficulty is None else np.array(src.difficulty),
+        [s.name for s in resolved], [len(src.samples) for src in stages],
+        micro_batches=[s.micro_batch_size for s in resolved], grad_accum=accum, world_size=world_size,
+        epochs=[s.epochs for s in resolved], max_steps=[s.max_steps for s in resolved],
+        lrs=[scaled_lr(s) for s in resolved], warmup_ratios=[s.warmup_ratio for s in resolved],
+        min_lr_ratios=[s.min_lr_ratio for s in resolved], schedules=[s.schedule for s in resolved],
+        decay_ratio=resolved[0].decay_ratio)
+    samplers = [StageSampler(sizes=src.sizes, weights=None if stage.weights is None else list(stage.weights),
+                             replacement=stage.mixture_replacement, order=stage.order,
+                             difficulty=None if src.difficulty is None else np.array(src.difficulty),
                              lengths=np.array(src.lengths), seed=recipe.train.seed, stage_index=plan.index,
                              pacing=Pacing(stage.pacing.kind, stage.pacing.start_fraction) if stage.pacing else None,
                              global_batch=plan.global_batch, total_steps=plan.steps)
-                for stage, src, plan in zip(recipe.stages, stages, plans, strict=True)]
+                for stage, src, plan in zip(resolved, stages, plans, strict=True)]
     return plans, samplers
 
 
@@ -293,7 +310,8 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
         truncate_after(out / "metrics.jsonl", resumed_at)
 
 
-def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer: Any, trainable: TrainablePlan, *,
+def assemble_run(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model: Any, optimizer: Any,
+                 trainable: TrainablePlan, *,
                  preemption: PreemptionFlag, plans: list[curriculum.StagePlan], stages: list[TrainingSet],
                  samplers: list[StageSampler], stage_eval: list[list[dict[str, Any]]], collate: Any,
                  identity: dict[str, Any]) -> Run:
@@ -313,7 +331,7 @@ def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer
               text_config=accelerator.unwrap_model(model).config.get_text_config(),
               max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
               peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops),
-              lr_at=curriculum.build_lr_lambda(plans, recipe.schedule.kind))
+              lr_at=curriculum.build_lr_lambda(plans, recipe.schedule.kind), resolved=resolved)
     # The lambda reads `run.lr_at` when called: an early stage advance rebinds it to the moved-up stages' schedule.
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: run.lr_at(step))
     accelerator.register_for_checkpointing(run.scheduler)  # we step it ourselves, so accelerate does not own it
@@ -350,9 +368,8 @@ def use_dummy_data(recipe: Recipe, *, vision: bool) -> None:
             stage.data = [first if i == 0 else second]  # type: ignore[list-item]
 
 
-def uses_dummy_data(recipe: Recipe) -> bool:
-    return any(path.startswith(DUMMY_PREFIX) for stage in recipe.stages
-               for path in [*stage.paths, *(stage.eval or []), *recipe.eval.data])
+def uses_dummy_data(resolved: list[ResolvedStage]) -> bool:
+    return any(path.startswith(DUMMY_PREFIX) for stage in resolved for path in [*stage.paths, *stage.eval])
 
 
 def tokenized_cache_dir(recipe: Recipe) -> Path | None:
@@ -362,17 +379,18 @@ def tokenized_cache_dir(recipe: Recipe) -> Path | None:
     return Path(recipe.data.cache_dir or Path(recipe.output_dir).parent / ".toolkit-cache" / "tokenized")
 
 
-def data_fingerprint(recipe: Recipe, dummy_dir: Path) -> dict[str, str]:
+def data_fingerprint(recipe: Recipe, resolved: list[ResolvedStage], dummy_dir: Path) -> dict[str, str]:
     """sha256 of every data file the run reads (training and eval), by its recipe entry. Stored in checkpoints:
     a resume on data that changed since is refused (the steps left would see other samples)."""
-    entries = sorted({p for s in recipe.stages for p in [*s.paths, *(s.eval or [])]} | set(recipe.eval.data))
+    entries = sorted({p for s in resolved for p in [*s.paths, *s.eval]})
     paths = resolve_data_paths(entries, dummy_dir)
     cache = tokenized_cache_dir(recipe)
     return {entry: content_digest(path, cache) for entry, path in zip(entries, paths, strict=True)}
 
 
-def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, dummy_dir: Path,
-                         accelerator: Accelerator) -> tuple[list[TrainingSet], list[list[dict[str, Any]]]]:
+def load_curriculum_data(recipe: Recipe, resolved: list[ResolvedStage], tokenizer: Any, processor: Any | None,
+                         dummy_dir: Path, accelerator: Accelerator
+                         ) -> tuple[list[TrainingSet], list[list[dict[str, Any]]]]:
     """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
 
     A vision-language model's rows go through its processor (`processor` given): image tokens are expanded and
@@ -383,8 +401,8 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
                            "(data.group_by_length: true also cuts padding).")
     cache = tokenized_cache_dir(recipe)
 
-    def settings(stage: Any) -> dict[str, Any]:
-        max_len = stage.max_seq_len or recipe.data.max_seq_len
+    def settings(stage: ResolvedStage) -> dict[str, Any]:
+        max_len = stage.max_seq_len
         encoder = None
         if processor is not None:
             from toolkit.vision import vl_encoder
@@ -399,24 +417,25 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
     # encoded by every rank at once.
     order = contextlib.nullcontext if processor is not None else accelerator.local_main_process_first
     stages = []
-    for stage in recipe.stages:
+    for stage in resolved:
         with order():
-            src = load_training_set(resolve_data_paths(stage.paths, dummy_dir), tokenizer, packing=recipe.data.packing,
-                                     needs_difficulty=stage.order == "easy_to_hard", cache_dir=cache, **settings(stage))
+            src = load_training_set(resolve_data_paths(list(stage.paths), dummy_dir), tokenizer,
+                                    packing=recipe.data.packing, needs_difficulty=stage.order == "easy_to_hard",
+                                    cache_dir=cache, **settings(stage))
         if not src.samples:
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
                  f"; packed into {len(src.samples)} rows" if recipe.data.packing else "")
         stages.append(src)
     evals = []  # one per stage (the same files when they come from eval.data)
-    for stage in recipe.stages:
-        files = stage.eval if stage.eval is not None else recipe.eval.data
-        evals.append(encode_files(resolve_data_paths(files, dummy_dir), tokenizer, **settings(stage)).samples
-                     if files else [])
+    for stage in resolved:
+        evals.append(encode_files(resolve_data_paths(list(stage.eval), dummy_dir), tokenizer,
+                                  **settings(stage)).samples if stage.eval else [])
     return stages, evals
 
 
-def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
+def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *,
+                vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
     """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
 
     Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
@@ -430,7 +449,7 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
                        trust_remote_code=recipe.model.trust_remote_code, vision=vision)
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    entries, keys = stage_entries([s.trainable for s in recipe.stages], recipe.train.trainable)
+    entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]
     if recipe.lora.enabled:
         lo = recipe.lora
         extra = modules_to_train(model, entries, keys)
@@ -441,7 +460,7 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
         check_packing_support(model)
     trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
     total = count_parameters(model)[1]
-    for stage, count in zip(recipe.stages, trainable.stage_counts, strict=True):
+    for stage, count in zip(resolved, trainable.stage_counts, strict=True):
         log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)
     return model, trainable
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit import checkpoint, distributed
-from toolkit.config import load_recipe
+from toolkit.config import load_recipe, resolve_stages
 from toolkit.labels import IGNORE_INDEX
-from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
+from toolkit.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.metrics import read_metrics
 from toolkit.model import materialize_builtin
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
@@ -52,18 +52,18 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     out = Path(recipe.output_dir)
     accelerator = distributed.build_accelerator(recipe.train.grad_accum, 10)
     model_path = materialize_builtin(recipe.model.name_or_path, tmp_path / ".toolkit-cache")
-    _, tokenizer, dummy_dir = tc.prepare_inputs(recipe, accelerator, model_path, vision=False,
-                                                create_dummy=False, dummy_samples=32)
-    stages, stage_eval = tc.load_curriculum_data(recipe, tokenizer, None, dummy_dir, accelerator)
-    global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum
-    plans, samplers = tc.plan_curriculum(recipe, stages, world_size=1, global_batch=global_batch)
+    resolved = resolve_stages(recipe)
+    _, tokenizer, dummy_dir = tc.prepare_inputs(recipe, resolved, accelerator, model_path, vision=False,
+                                                dummy_samples=32)
+    stages, stage_eval = tc.load_curriculum_data(recipe, resolved, tokenizer, None, dummy_dir, accelerator)
+    plans, samplers = tc.plan_curriculum(recipe, resolved, stages, world_size=1)
     torch.manual_seed(0)
-    model, trainable = tc.build_model(recipe, model_path, vision=False)
+    model, trainable = tc.build_model(recipe, resolved, model_path, vision=False)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=0.0,
                                             betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)
     out.mkdir(parents=True, exist_ok=True)
-    return tc.assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
+    return tc.assemble_run(recipe, resolved, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
                            plans=plans, stages=stages, samplers=samplers, stage_eval=stage_eval,
                            collate=tc.build_batch_collator(recipe, tokenizer, vision=False),
                            identity={"run_name": "unit"})
@@ -116,3 +116,24 @@ def test_stage_end_at_a_checkpoint_step_writes_the_summary_before_the_checkpoint
     assert meta["run_name"] == "unit" and run.stage_start_tokens == records[0]["tokens"]
     # preemption: the checkpoint first, then the exit code
     assert after_step(run, plan, 0, 1, dataclasses.replace(result, preempted=True)) == PREEMPTED_EXIT_CODE
+
+
+def test_lr_scaling_and_the_eval_batch_follow_each_stage_micro_batch(tmp_path: Path) -> None:
+    """A stage with its own micro batch: lr_scaling scales its lr by ITS global batch (micro x accum x world), and
+    its evaluation runs micro-batches of its size (eval.micro_batch_size unset), not train.micro_batch_size's."""
+    run = build_run(tmp_path, "stages.1.micro_batch_size=1", "optimizer.lr_scaling=linear",
+                    "optimizer.reference_batch_size=4", "eval.data=[dummy:stage2]")
+    first, second = run.plans
+    assert (first.global_batch, second.global_batch) == (8, 2)  # micro 4 x accum 2; micro 1 x accum 2
+    assert first.lr == pytest.approx(1e-2 * 8 / 4) and second.lr == pytest.approx(5e-3 * 2 / 4)
+    sizes: list[int] = []
+    collate = run.collate
+
+    def recording_collate(rows):  # the real collator, noting each eval micro-batch's size
+        sizes.append(len(rows))
+        return collate(rows)
+
+    run.collate = recording_collate
+    enter_stage(run, second, second.start_step)
+    evaluate_stage(run, second, second.steps - 1, second.end_step)  # the stage's end: it evaluates
+    assert sizes and set(sizes) == {1} and len(sizes) == len(run.stage_eval[1])

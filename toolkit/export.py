@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from toolkit import distributed
 from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
-from toolkit.config import Recipe, load_recipe
+from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import apply_lora, is_vision_language, load_processor
-from toolkit.trainable import modules_to_train, stage_entries
+from toolkit.trainable import modules_to_train
 
 
 def _resolve(source: Path) -> tuple[Path, Path]:
@@ -81,7 +81,8 @@ def _lora_from_portable_state(model: Any, recipe: Recipe, src: Path, run: Path) 
     """The run's LoRA model rebuilt as training built it (modules that stages' `trainable` patterns name are
     modules_to_save too) and filled from the checkpoint's portable state; every stored parameter must land."""
     lo = recipe.lora
-    entries, keys = stage_entries([s.trainable for s in recipe.stages], recipe.train.trainable)
+    resolved = resolve_stages(recipe)
+    entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]
     model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                        modules_to_save=[*lo.modules_to_save, *modules_to_train(model, entries, keys)],
                        exclude_modules=lo.exclude_modules)

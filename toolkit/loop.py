@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from toolkit import checkpoint, curriculum, distributed
-from toolkit.config import Recipe
+from toolkit.config import Recipe, ResolvedStage
 from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate
 from toolkit.flops import batch_train_flops
@@ -123,6 +123,7 @@ class Run:
     last_save: float = field(default_factory=time.monotonic)  # monotonic: not carried over a resume
     stage_start_tokens: int = 0
     latest: dict[str, Any] = field(default_factory=dict)
+    resolved: list[ResolvedStage] = field(default_factory=list)  # each stage's effective settings
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
@@ -150,7 +151,7 @@ class Run:
 def enter_stage(run: Run, plan: curriculum.StagePlan, step: int) -> None:
     """A stage's first step (or the first after a resume): its freezing, its patience (resumed counters when the
     checkpoint was taken inside this stage)."""
-    stage = run.recipe.stages[plan.index]
+    stage = run.resolved[plan.index]
     run.current_stage = plan.index
     run.freezer.set_stage(plan.index)
     saved = run.resumed.patience if run.resumed is not None and run.resumed.stage_index == plan.index else None
@@ -276,7 +277,7 @@ def evaluate_stage(run: Run, plan: curriculum.StagePlan, step_in_stage: int,
     if not eval_samples or not (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
         return plan, stage_end
     result = evaluate(run.accelerator, run.model, eval_samples, run.collate,
-                      recipe.eval.micro_batch_size or recipe.train.micro_batch_size)
+                      run.resolved[plan.index].eval_micro_batch_size)
     run.log_record({"step": done, "stage": plan.name, "stage_index": plan.index, **result})
     run.latest.update(result)
     log.info("step %d eval: loss %.4f, ppl %.2f", done, result["eval_loss"], result["eval_ppl"])
