@@ -177,7 +177,8 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field(
-        "none", description="Scale lr by effective/reference batch (linear: Goyal et al. 2017)."
+        "none", description="Scale each stage's lr by its global batch / reference batch (linear: Goyal et al. "
+        "2017)."
     )
     reference_batch_size: int | None = Field(
         None, gt=0, description="Effective batch size the lr was tuned for (needed by lr_scaling)."
@@ -231,7 +232,8 @@ class LoggingConfig(_Section):
 class EvalConfig(_Section):
     data: list[str] = Field(default_factory=list, description="Global eval JSONL files (a stage's eval: wins).")
     every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at stage ends).")
-    micro_batch_size: int | None = Field(None, gt=0, description="Eval batch per process (default: training's).")
+    micro_batch_size: int | None = Field(None, gt=0, description="Eval batch per process (default: the stage's "
+                                            "training micro batch).")
 
 
 class StabilityConfig(_Section):
