@@ -48,7 +48,6 @@ from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
 from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
 from toolkit.model import (
-    apply_lora,
     check_model_source,
     check_remote_code,
     choose_attention,
@@ -60,6 +59,7 @@ from toolkit.model import (
     load_tokenizer,
     materialize_builtin,
     resolve_dtype,
+    setup_lora,
 )
 from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PreemptionFlag
@@ -71,7 +71,7 @@ from toolkit.run_data import (
     uses_dummy_data,
 )
 from toolkit.run_dir import RunLock, check_not_an_earlier_run, check_output_dir
-from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable
+from toolkit.trainable import TrainablePlan, plan_trainable
 
 log = logging.getLogger("toolkit")
 
@@ -353,10 +353,9 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]
     if recipe.lora.enabled:
         lora = recipe.lora
-        extra = modules_to_train(model, entries, keys)
-        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                           target_modules=lora.target_modules, modules_to_save=[*lora.modules_to_save, *extra],
-                           exclude_modules=lora.exclude_modules)
+        model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
+                           modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
+                           stage_trainable=entries, trainable_keys=keys)
     install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
     if recipe.data.packing:
         check_packing_support(model)

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from transformers import (
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.tiny import CHATML_TEMPLATE, write_tiny_qwen3
+from toolkit.trainable import modules_to_train
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +185,17 @@ def apply_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float,
     except ValueError as e:
         raise ToolkitError(f"LoRA could not be applied: {e} Check lora.target_modules / lora.modules_to_save "
                            "against the model's module names.") from None
+
+
+def setup_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float, target_modules: list[str] | str,
+               modules_to_save: list[str], exclude_modules: list[str] | str | None,
+               stage_trainable: Sequence[Sequence[str] | None], trainable_keys: list[str]) -> PeftModel:
+    """A run's LoRA model, as training builds it and export rebuilds it: adapters on `target_modules`, and the
+    modules that the stages' `trainable` patterns name (`stage_trainable`, with the recipe keys they come from
+    for error messages) trained in full as PEFT modules_to_save, after lora.modules_to_save."""
+    extra = modules_to_train(model, stage_trainable, trainable_keys)
+    return apply_lora(model, r=r, alpha=alpha, dropout=dropout, target_modules=target_modules,
+                      modules_to_save=[*modules_to_save, *extra], exclude_modules=exclude_modules)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
