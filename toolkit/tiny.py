@@ -15,26 +15,11 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from toolkit.templates import CHATML_TEMPLATE, IM_END, IM_START
+
 PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 VOCAB_SIZE = 1000
-
-# Each assistant turn's content + <|im_end|> is a generation block so that
-# ``return_assistant_tokens_mask=True`` marks exactly the tokens the model should learn to produce.
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}"
-    "{{- message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 _WORDS = (
     "the a an and or but of to in on at for with from by is are was were be it this that these those "
