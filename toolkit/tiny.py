@@ -3,7 +3,8 @@
 Tests and the demo need a genuine causal LM and a genuine fast tokenizer with a ChatML chat template
 (assistant masks, offsets, special tokens) that load through the normal ``from_pretrained`` path, yet
 there is no network. Everything here is built in-process and deterministically: a byte-level BPE
-tokenizer trained on an embedded corpus and a seeded, randomly initialised ``Qwen3ForCausalLM``.
+tokenizer trained on an embedded corpus and a seeded, randomly initialised ``Qwen3ForCausalLM``. The tiny
+vision-language models are in `toolkit.tiny_vl`; the chat template is `toolkit.templates.CHATML_TEMPLATE`.
 """
 
 from __future__ import annotations
