@@ -45,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=3)  # before loading: enables ZeRO-3 init
     from accelerate.utils import set_seed
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from toolkit.collate import VLCollator
     from toolkit.data import iter_jsonl
     from toolkit.dummy_data import write_dummy_vl_data
-    from toolkit.model import apply_lora
+    from toolkit.model import apply_lora, load_processor
     from toolkit.tiny_vl import write_tiny_qwen2_5_vl
     from toolkit.vl_data import encode_vl_row
 
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_qwen2_5_vl(model_dir)
             write_dummy_vl_data(data_dir, 16)
     set_seed(0)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    # Rank 1 did not build the model: it loads the processor as a run does (load_processor registers its class).
+    processor = load_processor(str(model_dir), trust_remote_code=False, chat_template=None)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     model = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=LORA_TARGETS, modules_to_save=[])
