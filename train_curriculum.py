@@ -228,7 +228,7 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
     if uses_dummy_data(recipe) and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
         if vision:
-            from toolkit.vision import write_dummy_vl_data
+            from toolkit.dummy_data import write_dummy_vl_data
 
             write_dummy_vl_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
@@ -264,7 +264,7 @@ def plan_curriculum(recipe: Recipe, stages: list[TrainingSet], *, world_size: in
 def build_batch_collator(recipe: Recipe, processor: Any, *, vision: bool) -> Any:
     """Rows to a padded batch: the VL collator (images), the packing collator (flattened rows), or plain padding."""
     if vision:
-        from toolkit.vision import VLCollator
+        from toolkit.collate import VLCollator
 
         return VLCollator(processor, min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
     return PackedCollator() if recipe.data.packing else build_collator(processor)
@@ -387,7 +387,7 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
         max_len = stage.max_seq_len or recipe.data.max_seq_len
         encoder = None
         if processor is not None:
-            from toolkit.vision import vl_encoder
+            from toolkit.vl_data import vl_encoder
 
             encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
                                  train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,

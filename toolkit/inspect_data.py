@@ -89,7 +89,7 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                 continue
             max_len = st.max_seq_len or recipe.data.max_seq_len
             if vision:
-                from toolkit.vision import vl_encoder
+                from toolkit.vl_data import vl_encoder
 
                 encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
                                      train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,
@@ -113,11 +113,9 @@ def _dummy_dir(recipe: Recipe, tmp: Path, *, vision: bool) -> Path:
     run_dir = Path(recipe.output_dir) / "dummy_data"
     if not any(p.startswith(DUMMY_PREFIX) for s in recipe.stages for p in s.paths) or run_dir.is_dir():
         return run_dir
-    from toolkit.dummy_data import write_dummy_data
+    from toolkit.dummy_data import write_dummy_data, write_dummy_vl_data
 
     write_dummy_data(tmp / "dummy_data", 64, seed=recipe.train.seed)
     if vision:
-        from toolkit.vision import write_dummy_vl_data
-
         write_dummy_vl_data(tmp / "dummy_data", 64, seed=recipe.train.seed)
     return tmp / "dummy_data"
