@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from pathlib import Path
 from typing import Any
+
+from toolkit.atomic import write_text_atomic
 
 Row = dict[str, Any]
 
@@ -108,9 +109,7 @@ def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) ->
     for stage, make_row in (("stage1", _stage1_row), ("stage2", _stage2_row)):
         path = out / f"{stage}.jsonl"
         rows = [json.dumps(make_row(rng), ensure_ascii=False) for _ in range(num_samples)]
-        # Write then rename: several processes (one per node) may create the same file at once.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        # Atomic: several processes (one per node) may write the same file at once, and runs read it.
+        write_text_atomic(path, "\n".join(rows) + "\n")
         paths[stage] = path
     return paths
