@@ -36,7 +36,9 @@ def test_write_atomic_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "record.json"
     atomic.write_text_atomic(path, "first ü")
     assert path.read_text(encoding="utf-8") == "first ü"
-    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("")
+    assert path.stat().st_mode == plain.stat().st_mode  # not mkstemp's private 0600
 
     def half_then_fail(f: Any) -> None:
         f.write(b"half of the sec")
@@ -124,6 +126,9 @@ def test_replace_dir_and_refused_replacement(tmp_path: Path, monkeypatch: pytest
     out = tmp_path / "out"
     assert atomic.build_dir(out, lambda tmp: folder(tmp, "old")) is True  # no folder there yet
     assert contents(out) == OLD
+    plain = tmp_path.parent / f"{tmp_path.name}-plain"
+    plain.mkdir()
+    assert out.stat().st_mode == plain.stat().st_mode  # not mkdtemp's private 0700
     atomic.build_dir(out, lambda tmp: folder(tmp, "new"))
     assert contents(out) == NEW and [p.name for p in tmp_path.iterdir()] == ["out"]
 

@@ -48,13 +48,20 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], object], *, mode: int = 0o644) -> None:
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write `path` with `write(f)` on a temporary file beside it, fsync, rename it over `path`, fsync the folder.
-    Readers see all of the new content or the old one; a failure leaves no temporary file."""
+    Readers see all of the new content or the old one; a failure leaves no temporary file. The file gets the
+    permissions a plain open() would give it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, mode)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make it private to this user
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -158,9 +165,7 @@ def temp_dir_beside(target: Path) -> Path:
     the permissions a plain mkdir would give (mkdtemp's 0700 would make the result private to this user)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    os.chmod(tmp, 0o777 & ~_umask())
     return tmp
 
 
