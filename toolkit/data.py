@@ -23,21 +23,20 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import tokenizers
 import transformers
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
+from toolkit.atomic import write_atomic
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.packing import pack_best_fit_decreasing, pack_row, pack_samples
@@ -494,7 +493,7 @@ def _add_stats(into: DataStats, other: DataStats) -> None:
 #   hashes/<sha(path)>.json a file's sha256 remembered against its size, mtime, ctime and inode.
 # key = sha256 of {CACHE_FORMAT_VERSION, file sha256, tokenizer fingerprint (chat template included), max_seq_len,
 # overlength, train_on, thinking}.
-# Every file is written to a temp file, fsynced and os.replace'd, so concurrent ranks and crashes never leave a
+# Every file is written atomically (toolkit/atomic.py), so concurrent ranks and crashes never leave a
 # partial entry; ranks that miss together each tokenise and the last rename wins (the contents are identical).
 
 
@@ -525,23 +524,6 @@ def _stat_sig(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def _atomic_write(target: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write through a temp file in the same folder, fsync, then os.replace: readers see all of it or none."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
     """sha256 of the file's bytes (streamed) and its stat signature taken before reading.
 
@@ -560,7 +542,7 @@ def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
     if started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(path) == sig:
         payload = json.dumps({"path": str(path), "stat": sig, "sha256": digest}).encode()
         with contextlib.suppress(OSError):
-            _atomic_write(record, lambda f: f.write(payload))
+            write_atomic(record, lambda f: f.write(payload))
     return digest, sig
 
 
@@ -609,7 +591,7 @@ def _write_entry(entry: Path, data: EncodedRows, key: dict[str, Any], source: Pa
     meta = {"key": key, "source": str(source), "stats": asdict(data.stats), "extras": data.extras}
     arrays = {"input_ids": ids, "labels": labels, "offsets": np.cumsum([0, *lengths], dtype=np.int64),
               "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-    _atomic_write(entry, lambda f: np.savez(f, **arrays))
+    write_atomic(entry, lambda f: np.savez(f, **arrays))
 
 
 def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, fingerprint: str, *,

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw
+
+from toolkit.atomic import write_atomic, write_text_atomic
 
 Row = dict[str, Any]
 
@@ -112,10 +113,8 @@ def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) ->
     for stage, make_row in (("stage1", _stage1_row), ("stage2", _stage2_row)):
         path = out / f"{stage}.jsonl"
         rows = [json.dumps(make_row(rng), ensure_ascii=False) for _ in range(num_samples)]
-        # Write then rename: several processes (one per node) may create the same file at once.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        # Atomic: several processes (one per node) may write the same file at once, and runs read it.
+        write_text_atomic(path, "\n".join(rows) + "\n")
         paths[stage] = path
     return paths
 
@@ -143,7 +142,7 @@ def _draw(path: Path, rng: random.Random) -> tuple[str, str]:
         draw.ellipse(box, fill=_COLOURS[colour])
     elif shape == "triangle":
         draw.polygon([(w // 2, box[1]), (box[0], box[3]), (box[2], box[3])], fill=_COLOURS[colour])
-    img.save(path, format="PNG")
+    write_atomic(path, lambda f: img.save(f, format="PNG"))  # another node may be reading it (shared disk)
     return colour, shape
 
 
@@ -190,5 +189,5 @@ def write_dummy_vl_data(out_dir: str | Path, num_samples: int, *, seed: int = 0)
     paths = {}
     for name, rows in (("vl_stage1", stage1), ("vl_stage2", stage2)):
         paths[name] = out / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        write_text_atomic(paths[name], "".join(json.dumps(r) + "\n" for r in rows))
     return paths

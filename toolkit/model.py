@@ -6,7 +6,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from transformers import (
     ProcessorMixin,
 )
 
+from toolkit.atomic import build_dir
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE, VL_CHATML_TEMPLATE
@@ -48,12 +48,9 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
 
         write = {TINY_MODEL: write_tiny_qwen3, TINY_VL_MODEL: write_tiny_qwen2_5_vl,
                  TINY_QWEN3_VL_MODEL: write_tiny_qwen3_vl}[name_or_path]
-        # Build aside, then rename: processes on several nodes may share this directory.
-        tmp = write(cache_dir / f".{name}.{os.getpid()}.tmp")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Built aside, then renamed in: processes on several nodes may share this directory; the first copy in
+        # stays (the others are identical).
+        build_dir(target, write, replace=False)
     return str(target)
 
 

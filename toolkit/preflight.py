@@ -21,6 +21,7 @@ from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.memory import estimate_all, format_table, load_model_config
+from toolkit.run_dir import RunLayout
 
 
 def strategy_of(accelerate_config: Path) -> tuple[str, int]:
@@ -116,7 +117,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                                    "is not in the local Hugging Face cache (preflight does not download)."])
             lines += ["", "stage data (tokens per row):"]
             for stage in recipe.stages:
-                files = resolve_data_paths(stage.paths, Path(recipe.output_dir) / "dummy_data")
+                files = resolve_data_paths(stage.paths, RunLayout(recipe.output_dir).dummy_data)
                 if not all(f.is_file() for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue
