@@ -23,6 +23,7 @@ from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.memory import GIB, estimate_all, format_table, load_model_config
+from toolkit.run_dir import RunLayout
 
 
 def strategy_of(accelerate_config: Path) -> tuple[str, int]:
@@ -151,7 +152,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                                    "is not in the local Hugging Face cache (preflight does not download)."])
             lines += ["", "stage data (tokens per row):"]
             for stage in stages:
-                files = resolve_data_paths(list(stage.paths), Path(recipe.output_dir) / "dummy_data")
+                files = resolve_data_paths(list(stage.paths), RunLayout(recipe.output_dir).dummy_data)
                 if not all(f.is_file() for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from toolkit.config import DataConfig, ResolvedStage, StageConfig
 from toolkit.data import DUMMY_PREFIX, TrainingSet, content_digest, encode_files, load_training_set, resolve_data_paths
 from toolkit.errors import ToolkitError
+from toolkit.run_dir import RunLayout
 
 log = logging.getLogger("toolkit")
 
@@ -37,7 +38,7 @@ def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path |
     dir); None when data.cache_dir is 'none'."""
     if cache_dir == "none":
         return None
-    return Path(cache_dir or Path(output_dir).parent / ".toolkit-cache" / "tokenized")
+    return Path(cache_dir or RunLayout(output_dir).tokenized)
 
 
 def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path | None) -> dict[str, str]:
@@ -63,7 +64,7 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
     def settings(stage: ResolvedStage) -> dict[str, Any]:
         encoder = None
         if processor is not None:
-            from toolkit.vision import vl_encoder
+            from toolkit.vl_data import vl_encoder
 
             encoder = vl_encoder(processor, max_seq_len=stage.max_seq_len, overlength=data.overlength,
                                  train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels)
