@@ -12,7 +12,6 @@ The loop's units (one step, what follows a step, the run state a checkpoint rest
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
 import logging
@@ -22,22 +21,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import __version__, checkpoint, curriculum, distributed
-from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, resume_invariants
+from toolkit import __version__, checkpoint, distributed
+from toolkit.config import (
+    Recipe,
+    ResolvedStage,
+    flat_config,
+    load_recipe,
+    recipe_to_yaml,
+    resolve_stages,
+    resume_invariants,
+)
+from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.data import (
-    DUMMY_PREFIX,
-    TrainingSet,
     build_collator,
-    content_digest,
-    encode_files,
-    load_training_set,
-    resolve_data_paths,
 )
 from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
@@ -47,7 +48,6 @@ from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
 from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
 from toolkit.model import (
-    apply_lora,
     check_model_source,
     check_remote_code,
     choose_attention,
@@ -59,12 +59,19 @@ from toolkit.model import (
     load_tokenizer,
     materialize_builtin,
     resolve_dtype,
+    setup_lora,
 )
 from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PreemptionFlag
+from toolkit.run_data import (
+    data_fingerprint,
+    load_curriculum_data,
+    tokenized_cache_dir,
+    use_dummy_data,
+    uses_dummy_data,
+)
 from toolkit.run_dir import RunLayout, RunLock, check_not_an_earlier_run, check_output_dir
-from toolkit.sampling import Pacing, StageSampler
-from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable, stage_entries
+from toolkit.trainable import TrainablePlan, plan_trainable
 
 log = logging.getLogger("toolkit")
 
@@ -79,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
-    out, ck = Path(recipe.output_dir), recipe.checkpoint
+    out = Path(recipe.output_dir)
     layout = RunLayout(out)
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
@@ -106,54 +113,61 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     check_model_source(model_path)
     check_remote_code(model_path, trust_remote_code=recipe.model.trust_remote_code)
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
-    processor, tokenizer, dummy_dir = prepare_inputs(recipe, accelerator, model_path, vision=vision,
-                                                     create_dummy=create_dummy, dummy_samples=dummy_samples)
-    stages, stage_eval = load_curriculum_data(recipe, tokenizer, processor if vision else None, dummy_dir,
-                                              accelerator)
-    plans, samplers = plan_curriculum(recipe, stages, world_size=world, global_batch=global_batch)
+    if create_dummy:  # stages not already on dummy data get the generated files
+        use_dummy_data(recipe.stages, vision=vision)
+    resolved = resolve_stages(recipe)  # each stage's effective settings, from here on
+    processor, tokenizer, dummy_dir = prepare_inputs(recipe, resolved, accelerator, model_path, vision=vision,
+                                                     dummy_samples=dummy_samples)
+    curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None, dummy_dir)
     collate = build_batch_collator(recipe, processor if vision else tokenizer, vision=vision)
-    identity = run_identity(recipe, accelerator, plans, run_name=run_name, model_path=model_path,
-                            data_files=data_fingerprint(recipe, dummy_dir))
+    cache = tokenized_cache_dir(recipe.data.cache_dir, out)
+    identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
+                            data_files=data_fingerprint(resolved, dummy_dir, cache))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
-        resume_meta, forced, plans = check_resume(accelerator, resume_from, identity, plans, force=ck.resume_force)
+        resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
-    model, trainable = build_model(recipe, model_path, vision=vision)
+    model, trainable = build_model(recipe, resolved, model_path, vision=vision)
+    curriculum.set_trainable_params(trainable.stage_counts)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---
     # Every parameter that trains in some stage is in the optimizer from the start, one param group per set of
     # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
-    distributed.configure_deepspeed(accelerator, model, micro, opt.max_grad_norm)
+    # DeepSpeed's train_micro_batch_size_per_gpu never sizes our batches (we feed them ourselves): it only sizes
+    # its own deepspeed_io loader (unused), its samples/throughput counters and its check that train_batch_size =
+    # micro x accum x processes. No one value fits every stage; the first stage's is the batch the engine sees
+    # first, and it is the recipe's own value (train.micro_batch_size alone may be overridden by every stage).
+    distributed.configure_deepspeed(accelerator, model, resolved[0].micro_batch_size, opt.max_grad_norm)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=preemption, plans=plans,
-                       stages=stages, samplers=samplers, stage_eval=stage_eval, collate=collate, identity=identity)
+    run = assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=preemption,
+                       curriculum=curriculum, collate=collate, identity=identity)
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
         resume_run(run, resume_from, resume_meta, forced)
-    write_run_files(recipe, accelerator, run_name, plans, trainable.stage_counts,
+    write_run_files(recipe, accelerator, run_name, curriculum.plans, trainable.stage_counts,
                     resumed_at=None if run.resumed is None else run.resumed.step)
     accelerator.init_trackers(run_name, config=flat_config(recipe))
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
     step = run.resumed.step if run.resumed else 0
-    run.bar = tqdm(total=plans[-1].end_step, initial=step,
+    run.bar = tqdm(total=curriculum.end_step, initial=step,
                    disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
-    while step < run.plans[-1].end_step:  # the end moves up when a stage ends early
-        plan, step_in_stage = curriculum.locate(run.plans, step)
-        if plan.index != run.current_stage:
-            enter_stage(run, plan, step)
-        result = run_step(run, plan, step_in_stage, step)
-        if (code := after_step(run, plan, step_in_stage, step + 1, result)) is not None:
+    while step < curriculum.end_step:  # the end moves up when a stage ends early
+        stage, step_in_stage = curriculum.locate(step)
+        if stage.index != run.current_stage:
+            enter_stage(run, stage, step)
+        result = run_step(run, stage, step_in_stage, step)
+        if (code := after_step(run, stage, step_in_stage, step + 1, result)) is not None:
             return code
         step += 1
     run.bar.close()
@@ -167,11 +181,10 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     return 0
 
 
-def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any], plans: list[curriculum.StagePlan],
-                 *, force: bool) -> tuple[dict[str, Any], list[str], list[curriculum.StagePlan]]:
-    """The checkpoint's meta once it is shown to fit this run (settings, data, batch, layout, its own files), what
-    differs and was accepted by `force`, and the plans with the stage lengths it actually ran (stages that ended
-    early on eval patience keep their length; the samplers keep the planned one)."""
+def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any], *,
+                 force: bool) -> tuple[dict[str, Any], list[str]]:
+    """The checkpoint's meta once it is shown to fit this run (settings, data, batch, layout, its own files), and
+    what differs and was accepted by `force`."""
     meta = checkpoint.read_meta(ckpt)
     forced = checkpoint.check_resumable(meta, ckpt, invariants_hash=identity["recipe_hash"],
                                         effective_batch=identity["effective_batch"], strategy=identity["strategy"],
@@ -179,17 +192,17 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
                                         stage_batches=identity["stage_batches"], invariants=identity["invariants"],
                                         data_files=identity["data_files"])
     checkpoint.check_integrity(accelerator, ckpt, meta)
-    plans = curriculum.apply_stage_steps(plans, RunState.from_meta(meta).stage_steps or [p.steps for p in plans])
-    return meta, forced, plans
+    return meta, forced
 
 
 def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) -> None:
-    """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state."""
+    """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state (with
+    the curriculum's: stages that ended early on eval patience keep their length)."""
     how = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
                              strategy=run.identity["strategy"])
     run.restore(RunState.from_meta(meta))
     log.info("resumed (%s) from %s: step %d of %d, stage '%s'", f"{how}, forced past differences" if forced
-             else how, ckpt, run.resumed.step, run.plans[-1].end_step, meta["stage"])
+             else how, ckpt, run.resumed.step, run.curriculum.end_step, meta["stage"])
     for difference in forced:
         log.warning("checkpoint.resume_force: resumed despite %s", difference)
 
@@ -198,14 +211,14 @@ def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock,
     """Take the run lock (one writer per output dir: a second launch, or a requeue while an orphaned trainer runs,
     stops here) and the checkpoint to resume from, refusing to overwrite an earlier run's outputs. The caller
     holds the lock object for the whole run: the lock goes with it."""
-    out, ck = Path(recipe.output_dir), recipe.checkpoint
+    out, saving = Path(recipe.output_dir), recipe.checkpoint
     layout = RunLayout(out)
     lock = RunLock(layout)
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
     if busy is not None:
         raise ToolkitError(f"output_dir {out}: {busy}.")
-    resume_from = checkpoint.find_resume(ck.resume, layout.checkpoints)
-    if ck.resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
+    resume_from = checkpoint.find_resume(saving.resume, layout.checkpoints)
+    if saving.resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
     if resume_from is None:
@@ -213,12 +226,10 @@ def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock,
     return lock, resume_from
 
 
-def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *, vision: bool, create_dummy: bool,
-                   dummy_samples: int) -> tuple[Any, Any, Path]:
+def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str, *,
+                   vision: bool, dummy_samples: int) -> tuple[Any, Any, Path]:
     """(processor, tokenizer, dummy data dir): the model's processor (vision-language; its tokenizer is saved with
-    the model) or tokenizer, and the generated dummy data files the recipe uses, written once per machine."""
-    if create_dummy:  # stages not already on dummy data get the generated files
-        use_dummy_data(recipe, vision=vision)
+    the model) or tokenizer, and the generated dummy data files the stages use, written once per machine."""
     if vision:  # the processor formats image rows; its tokenizer is saved with the model
         processor = load_processor(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                    chat_template=recipe.data.chat_template)
@@ -227,7 +238,7 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
         processor = tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                                chat_template=recipe.data.chat_template)
     dummy_dir = RunLayout(recipe.output_dir).dummy_data
-    if uses_dummy_data(recipe) and accelerator.is_local_main_process:
+    if uses_dummy_data(resolved) and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
         if vision:
             from toolkit.dummy_data import write_dummy_vl_data
@@ -237,30 +248,18 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
     return processor, tokenizer, dummy_dir
 
 
-def plan_curriculum(recipe: Recipe, stages: list[TrainingSet], *, world_size: int,
-                    global_batch: int) -> tuple[list[curriculum.StagePlan], list[StageSampler]]:
-    """Each stage placed on the step axis (steps, lr schedule, batch) and its sampler (mixture, order, pacing).
-    With optimizer.lr_scaling the stages' lrs scale with the global batch over the reference batch size."""
-    opt, sch, micro = recipe.optimizer, recipe.schedule, recipe.train.micro_batch_size
-    lr_scale = 1.0
-    if opt.lr_scaling != "none":
-        ratio = global_batch / opt.reference_batch_size
-        lr_scale = ratio if opt.lr_scaling == "linear" else math.sqrt(ratio)
-    plans = curriculum.plan_stages(
-        [s.name for s in recipe.stages], [len(src.samples) for src in stages],
-        micro_batches=[s.micro_batch_size or micro for s in recipe.stages], grad_accum=recipe.train.grad_accum,
-        world_size=world_size, epochs=[s.epochs for s in recipe.stages], max_steps=[s.max_steps for s in recipe.stages],
-        lrs=[(s.lr or opt.lr) * lr_scale for s in recipe.stages],
-        warmup_ratios=[sch.warmup_ratio if s.warmup_ratio is None else s.warmup_ratio for s in recipe.stages],
-        min_lr_ratios=[sch.min_lr_ratio if s.min_lr_ratio is None else s.min_lr_ratio for s in recipe.stages],
-        schedules=[s.schedule or sch.kind for s in recipe.stages], decay_ratio=sch.decay_ratio)
-    samplers = [StageSampler(sizes=src.sizes, weights=stage.weights, replacement=stage.mixture_replacement,
-                             order=stage.order, difficulty=None if src.difficulty is None else np.array(src.difficulty),
-                             lengths=np.array(src.lengths), seed=recipe.train.seed, stage_index=plan.index,
-                             pacing=Pacing(stage.pacing.kind, stage.pacing.start_fraction) if stage.pacing else None,
-                             global_batch=plan.global_batch, total_steps=plan.steps)
-                for stage, src, plan in zip(recipe.stages, stages, plans, strict=True)]
-    return plans, samplers
+def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, tokenizer: Any,
+                 processor: Any | None, dummy_dir: Path) -> Curriculum:
+    """The curriculum: every stage's rows (loaded and tokenised once, cached), planned on the step axis with its
+    sampler; lr_scaling scales each stage's lr by its own global batch."""
+    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir,
+                                                    tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir),
+                                                    accelerator)
+    opt = recipe.optimizer
+    return build_curriculum(resolved, training_sets, eval_rows, grad_accum=recipe.train.grad_accum,
+                            world_size=accelerator.num_processes, seed=recipe.train.seed,
+                            default_schedule=recipe.schedule.kind, lr_scaling=opt.lr_scaling,
+                            reference_batch_size=opt.reference_batch_size)
 
 
 def build_batch_collator(recipe: Recipe, processor: Any, *, vision: bool) -> Any:
@@ -272,7 +271,7 @@ def build_batch_collator(recipe: Recipe, processor: Any, *, vision: bool) -> Any
     return PackedCollator() if recipe.data.packing else build_collator(processor)
 
 
-def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, plans: list[curriculum.StagePlan],
+def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, plans: list[StagePlan],
                     trainable_params: list[int], *, resumed_at: int | None) -> None:
     """Outputs, created only now that every input was validated: recipe.yaml, run.json, and metrics.jsonl started
     afresh (or cut back to the resumed step: the steps after it are redone)."""
@@ -296,33 +295,28 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
 
 
 def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer: Any, trainable: TrainablePlan, *,
-                 preemption: PreemptionFlag, plans: list[curriculum.StagePlan], stages: list[TrainingSet],
-                 samplers: list[StageSampler], stage_eval: list[list[dict[str, Any]]], collate: Any,
-                 identity: dict[str, Any]) -> Run:
+                 preemption: PreemptionFlag, curriculum: Curriculum, collate: Any, identity: dict[str, Any]) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
     stability guard, the meters, metrics.jsonl and the checkpoint manager."""
-    layout, ck, opt = RunLayout(recipe.output_dir), recipe.checkpoint, recipe.optimizer
-    stab = recipe.stability
-    run = Run(recipe, accelerator, model, optimizer, None,
-              distributed.StageFreezer(accelerator, model, optimizer, trainable.groups),
-              StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
-                             max_consecutive_skips=stab.max_consecutive_skips),
-              Meter(accelerator.device), MetricsLog(layout.metrics, enabled=accelerator.is_main_process),
-              checkpoint.CheckpointManager(layout.checkpoints, keep_last=ck.keep_last, best_metric=ck.best_metric,
-                                           best_mode=ck.best_mode, is_main=accelerator.is_main_process,
-                                           barrier=accelerator.wait_for_everyone),
-              preemption, plans, stages, samplers, stage_eval, collate, trainable.stage_counts, identity,
-              text_config=accelerator.unwrap_model(model).config.get_text_config(),
-              max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
-              peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops),
-              lr_at=curriculum.build_lr_lambda(plans, recipe.schedule.kind))
-    # The lambda reads `run.lr_at` when called: an early stage advance rebinds it to the moved-up stages' schedule.
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: run.lr_at(step))
-    accelerator.register_for_checkpointing(run.scheduler)  # we step it ourselves, so accelerate does not own it
-    return run
+    layout, saving, opt, stab = RunLayout(recipe.output_dir), recipe.checkpoint, recipe.optimizer, recipe.stability
+    # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
+    accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
+    return Run(recipe, accelerator, model, optimizer, scheduler,
+               distributed.StageFreezer(accelerator, model, optimizer, trainable.groups),
+               StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
+                              max_consecutive_skips=stab.max_consecutive_skips),
+               Meter(accelerator.device), MetricsLog(layout.metrics, enabled=accelerator.is_main_process),
+               checkpoint.CheckpointManager(layout.checkpoints, keep_last=saving.keep_last,
+                                            best_metric=saving.best_metric, best_mode=saving.best_mode,
+                                            is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone),
+               preemption, curriculum, collate, identity,
+               text_config=accelerator.unwrap_model(model).config.get_text_config(),
+               max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
+               peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
 
 
-def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[curriculum.StagePlan], *, run_name: str,
+def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan], *, run_name: str,
                  model_path: str, data_files: dict[str, str]) -> dict[str, Any]:
     """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
     world, settings = accelerator.num_processes, resume_invariants(recipe)
@@ -343,82 +337,8 @@ def check_last_steps_applied(guard: StabilityGuard, out: Path) -> None:
             "check the data, then resume from a checkpoint before the trouble began.")
 
 
-def use_dummy_data(recipe: Recipe, *, vision: bool) -> None:
-    """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
-    vision-language model), stage 1 on the first file, later stages on the second."""
-    first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
-    for i, stage in enumerate(recipe.stages):
-        if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
-            stage.data = [first if i == 0 else second]  # type: ignore[list-item]
-
-
-def uses_dummy_data(recipe: Recipe) -> bool:
-    return any(path.startswith(DUMMY_PREFIX) for stage in recipe.stages
-               for path in [*stage.paths, *(stage.eval or []), *recipe.eval.data])
-
-
-def tokenized_cache_dir(recipe: Recipe) -> Path | None:
-    """Where tokenised files (and data-file hashes) are cached; None when data.cache_dir is 'none'."""
-    if recipe.data.cache_dir == "none":
-        return None
-    return Path(recipe.data.cache_dir or RunLayout(recipe.output_dir).tokenized)
-
-
-def data_fingerprint(recipe: Recipe, dummy_dir: Path) -> dict[str, str]:
-    """sha256 of every data file the run reads (training and eval), by its recipe entry. Stored in checkpoints:
-    a resume on data that changed since is refused (the steps left would see other samples)."""
-    entries = sorted({p for s in recipe.stages for p in [*s.paths, *(s.eval or [])]} | set(recipe.eval.data))
-    paths = resolve_data_paths(entries, dummy_dir)
-    cache = tokenized_cache_dir(recipe)
-    return {entry: content_digest(path, cache) for entry, path in zip(entries, paths, strict=True)}
-
-
-def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, dummy_dir: Path,
-                         accelerator: Accelerator) -> tuple[list[TrainingSet], list[list[dict[str, Any]]]]:
-    """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
-
-    A vision-language model's rows go through its processor (`processor` given): image tokens are expanded and
-    never cut, and the rows are neither cached nor packed.
-    """
-    if processor is not None and recipe.data.packing:
-        raise ToolkitError("data.packing is not supported for vision-language models: set data.packing: false "
-                           "(data.group_by_length: true also cuts padding).")
-    cache = tokenized_cache_dir(recipe)
-
-    def settings(stage: Any) -> dict[str, Any]:
-        max_len = stage.max_seq_len or recipe.data.max_seq_len
-        encoder = None
-        if processor is not None:
-            from toolkit.vl_data import vl_encoder
-
-            encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
-                                 train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,
-                                 max_pixels=recipe.data.max_pixels)
-        return {"max_seq_len": max_len, "overlength": recipe.data.overlength, "train_on": recipe.data.train_on,
-                "thinking": recipe.data.thinking, "encoder": encoder}
-
-    # One rank per machine tokenises text first and the others read its cache; image rows (not cached) are
-    # encoded by every rank at once.
-    order = contextlib.nullcontext if processor is not None else accelerator.local_main_process_first
-    stages = []
-    for stage in recipe.stages:
-        with order():
-            src = load_training_set(resolve_data_paths(stage.paths, dummy_dir), tokenizer, packing=recipe.data.packing,
-                                     needs_difficulty=stage.order == "easy_to_hard", cache_dir=cache, **settings(stage))
-        if not src.samples:
-            raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
-        log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
-                 f"; packed into {len(src.samples)} rows" if recipe.data.packing else "")
-        stages.append(src)
-    evals = []  # one per stage (the same files when they come from eval.data)
-    for stage in recipe.stages:
-        files = stage.eval if stage.eval is not None else recipe.eval.data
-        evals.append(encode_files(resolve_data_paths(files, dummy_dir), tokenizer, **settings(stage)).samples
-                     if files else [])
-    return stages, evals
-
-
-def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
+def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *,
+                vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
     """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
 
     Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
@@ -432,18 +352,18 @@ def build_model(recipe: Recipe, model_path: str, *, vision: bool) -> tuple[torch
                        trust_remote_code=recipe.model.trust_remote_code, vision=vision)
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    entries, keys = stage_entries([s.trainable for s in recipe.stages], recipe.train.trainable)
+    entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]
     if recipe.lora.enabled:
-        lo = recipe.lora
-        extra = modules_to_train(model, entries, keys)
-        model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
-                           modules_to_save=[*lo.modules_to_save, *extra], exclude_modules=lo.exclude_modules)
+        lora = recipe.lora
+        model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
+                           modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
+                           stage_trainable=entries, trainable_keys=keys)
     install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
     if recipe.data.packing:
         check_packing_support(model)
     trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
     total = count_parameters(model)[1]
-    for stage, count in zip(recipe.stages, trainable.stage_counts, strict=True):
+    for stage, count in zip(resolved, trainable.stage_counts, strict=True):
         log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)
     return model, trainable
 

@@ -58,8 +58,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(head: str, seq_len: int) -> dict[str, Any]:
-    """One step in this process; returns its memory figures."""
+def worker(head: str, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:
+    """One step of `micro_batch` rows of `seq_len` tokens in this process; returns its memory figures."""
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -74,9 +74,9 @@ def worker(head: str, seq_len: int) -> dict[str, Any]:
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-    def step(tokens: int) -> float:
-        ids = torch.randint(0, VOCAB, (1, tokens))
-        loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(float(tokens - 1))).loss
+    def step(tokens: int, rows: int = 1) -> float:
+        ids = torch.randint(0, VOCAB, (rows, tokens))
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(float(rows * (tokens - 1)))).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -86,7 +86,7 @@ def worker(head: str, seq_len: int) -> dict[str, Any]:
     if installed is not None:
         installed.calls = 0
     baseline = rss_bytes()
-    loss = step(seq_len)
+    loss = step(seq_len, micro_batch)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"status": "ok", "peak_gb": peak / GB, "baseline_gb": baseline / GB, "step_gb": (peak - baseline) / GB,
             "loss": loss, "chunked_calls": installed.calls if installed is not None else 0}
@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--max-gb", type=float, default=8.0, help="Skip measurements estimated above this many GB.")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    p.add_argument("--worker", nargs=2, metavar=("HEAD", "SEQ_LEN"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs="+", metavar="HEAD SEQ_LEN [MICRO_BATCH]", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]))))
+        print(json.dumps(worker(args.worker[0], *map(int, args.worker[1:]))))
         return 0
     lengths = [512] if args.quick else args.seq_lens
     rows = [measure(head, n, args.max_gb) for n in lengths for head in HEADS]

@@ -19,6 +19,7 @@ from toolkit.config import (
     load_recipe,
     parse_overrides,
     recipe_to_yaml,
+    resolve_stages,
 )
 from toolkit.errors import ToolkitError
 
@@ -444,3 +445,22 @@ def test_per_stage_micro_batch_is_layout_not_an_invariant() -> None:
 def test_every_shipped_recipe_validates(path: Path) -> None:
     recipe = load_recipe(path)
     assert recipe.stages and all(s.name for s in recipe.stages)
+
+
+def test_resolve_stages_takes_each_stage_value_else_the_recipe_default() -> None:
+    recipe = load_recipe(None, ["data.max_seq_len=128", "train.micro_batch_size=4", "optimizer.lr=1e-3",
+                                "schedule.kind=linear", "schedule.warmup_ratio=0.1", "eval.data=[e.jsonl]",
+                                "stages.1.max_seq_len=512", "stages.1.micro_batch_size=1", "stages.1.lr=null",
+                                "stages.1.schedule=continue", "stages.1.warmup_ratio=0.0",
+                                "stages.1.eval=[own.jsonl]", "stages.1.trainable=[lora, '*.norm']"])
+    first, second = resolve_stages(recipe)
+    assert (first.max_seq_len, first.micro_batch_size, first.lr) == (128, 4, 1e-2)  # the demo's stage lr
+    assert (second.max_seq_len, second.micro_batch_size, second.lr) == (512, 1, 1e-3)
+    assert (first.schedule, second.schedule, first.warmup_ratio, second.warmup_ratio) == ("linear", "continue",
+                                                                                         0.1, 0.0)
+    assert (first.eval, second.eval) == (("e.jsonl",), ("own.jsonl",))
+    assert (first.eval_micro_batch_size, second.eval_micro_batch_size) == (4, 1)  # the stage's, not train's
+    assert (first.trainable, first.trainable_key) == (("lora",), "train.trainable")  # LoRA's default
+    assert (second.trainable, second.trainable_key) == (("lora", "*.norm"), "stages.1.trainable")
+    full = resolve_stages(load_recipe(None, ["lora.enabled=false", "eval.micro_batch_size=3"]))
+    assert full[0].trainable is None and full[0].eval_micro_batch_size == 3  # None: every parameter

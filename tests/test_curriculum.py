@@ -11,10 +11,13 @@ import pytest
 import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
+from toolkit.config import load_recipe, resolve_stages
 from toolkit.curriculum import (
+    Curriculum,
     Patience,
     StagePlan,
     apply_stage_steps,
+    build_curriculum,
     build_lr_lambda,
     end_stage_early,
     locate,
@@ -22,6 +25,7 @@ from toolkit.curriculum import (
     rank_micro_batches,
     samples_seen,
 )
+from toolkit.data import DataStats, TrainingSet
 from toolkit.errors import ToolkitError
 from toolkit.sampling import StageSampler
 
@@ -500,3 +504,72 @@ def test_patience_state_round_trips() -> None:
     again = Patience.from_state(3, 0.0, patience.state())
     assert again == patience and [again.update(2.2), again.update(2.3)] == [False, True]
     assert Patience.from_state(4, 0.5, None) == Patience(4, 0.5)
+
+
+# --- Curriculum -------------------------------------------------------------------------------------------------
+
+
+def _curriculum(*overrides: str) -> Curriculum:
+    """The embedded recipe's two stages (patience on the first) over 40 and 24 one-token rows, global batch 4."""
+    recipe = load_recipe(None, ["train.micro_batch_size=2", "train.grad_accum=1", "eval.data=[e.jsonl]",
+                                "eval.every_steps=1", "stages.0.max_steps=10", "stages.1.max_steps=6",
+                                "stages.0.patience=2", *overrides])
+    sets = [TrainingSet(samples=[{"input_ids": [i]} for i in range(n)], sizes=[n], difficulty=None, lengths=[1] * n,
+                        stats=DataStats()) for n in (40, 24)]
+    return build_curriculum(resolve_stages(recipe), sets, [[{"input_ids": [0]}], []], grad_accum=1, world_size=2,
+                            seed=0, default_schedule=recipe.schedule.kind)
+
+
+def test_curriculum_owns_each_stage_record() -> None:
+    cur = _curriculum()
+    first, second = cur.stages
+    assert [(s.index, s.name, s.plan.steps, s.plan.global_batch) for s in cur.stages] == [
+        (0, "warmup_short", 10, 4), (1, "longer_multiturn", 6, 4)]
+    assert first.sampler.batch(0) != second.sampler.batch(0) and len(first.eval_rows) == 1 and not second.eval_rows
+    assert cur.locate(10) == (second, 0) and cur.locate(99) == (second, 5) and cur.end_step == 16
+    assert cur.samples_seen(12) == 12 * 4
+    cur.set_trainable_params([5, 7])
+    assert (first.trainable_params, second.trainable_params) == (5, 7)
+
+
+def test_lambda_lr_follows_the_curriculum_after_an_early_advance() -> None:
+    """LambdaLR calls the curriculum's method: after `end_stage_early` the scheduler gives the moved-up stages'
+    schedule (no closure to rebind), exactly the pure schedule of the cut plans."""
+    cur = _curriculum()
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cur.lr_at)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    cur.end_stage_early(cur.stages[0], 3)
+    cut = end_stage_early(_curriculum().plans, 0, 3)  # the same cut of fresh, uncut plans
+    assert cur.plans == cut and cur.end_step == 9 and cur.stages[1].plan.start_step == 3
+    expected = build_lr_lambda(cut, "cosine")
+    seen = []
+    for _ in range(5):
+        opt.step()
+        sched.step()
+        seen.append(opt.param_groups[0]["lr"])
+    assert seen == [expected(s) for s in range(4, 9)]
+    assert cur.stages[1].plan.warmup_steps == 1 and seen[0] == pytest.approx(cur.stages[1].plan.lr)  # its peak
+
+
+def test_curriculum_state_restores_stage_lengths_and_patience_of_its_stage() -> None:
+    cur = _curriculum()
+    cur.enter(cur.stages[0])
+    assert cur.patience is not None and not cur.patience.update(3.0) and not cur.patience.update(3.5)
+    cur.end_stage_early(cur.stages[0], 4)
+    mid, end = cur.state(stage_end=False), cur.state(stage_end=True)
+    assert mid == {"stage_steps": [4, 6], "patience": {"best": 3.0, "since_best": 1}}
+    assert end["patience"] is None and end["stage_steps"] == [4, 6]
+    resumed = _curriculum()
+    resumed.restore(mid, stage_index=0)
+    assert resumed.plans == cur.plans
+    resumed.enter(resumed.stages[0])
+    assert resumed.patience == cur.patience  # the counters of the stage the checkpoint was taken in
+    resumed.enter(resumed.stages[1])
+    assert resumed.patience is None  # the next stage has no patience
+    other = _curriculum("stages.1.patience=3")
+    other.restore(mid, stage_index=0)
+    other.enter(other.stages[1])
+    assert other.patience == Patience(3)  # a later stage starts afresh

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit import checkpoint, distributed
-from toolkit.config import load_recipe
+from toolkit.config import load_recipe, resolve_stages
 from toolkit.labels import IGNORE_INDEX
-from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
+from toolkit.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.metrics import read_metrics
 from toolkit.model import materialize_builtin
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
@@ -52,27 +52,26 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     out = Path(recipe.output_dir)
     accelerator = distributed.build_accelerator(recipe.train.grad_accum, 10)
     model_path = materialize_builtin(recipe.model.name_or_path, tmp_path / ".toolkit-cache")
-    _, tokenizer, dummy_dir = tc.prepare_inputs(recipe, accelerator, model_path, vision=False,
-                                                create_dummy=False, dummy_samples=32)
-    stages, stage_eval = tc.load_curriculum_data(recipe, tokenizer, None, dummy_dir, accelerator)
-    global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum
-    plans, samplers = tc.plan_curriculum(recipe, stages, world_size=1, global_batch=global_batch)
+    resolved = resolve_stages(recipe)
+    _, tokenizer, dummy_dir = tc.prepare_inputs(recipe, resolved, accelerator, model_path, vision=False,
+                                                dummy_samples=32)
+    curriculum = tc.build_stages(recipe, resolved, accelerator, tokenizer, None, dummy_dir)
     torch.manual_seed(0)
-    model, trainable = tc.build_model(recipe, model_path, vision=False)
+    model, trainable = tc.build_model(recipe, resolved, model_path, vision=False)
+    curriculum.set_trainable_params(trainable.stage_counts)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=0.0,
                                             betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)
     out.mkdir(parents=True, exist_ok=True)
     return tc.assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
-                           plans=plans, stages=stages, samplers=samplers, stage_eval=stage_eval,
-                           collate=tc.build_batch_collator(recipe, tokenizer, vision=False),
+                           curriculum=curriculum, collate=tc.build_batch_collator(recipe, tokenizer, vision=False),
                            identity={"run_name": "unit"})
 
 
 def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path) -> None:
     run = build_run(tmp_path)
-    plan = run.plans[0]
-    samples = [run.stages[0].samples[i] for i in run.samplers[0].batch(0)]
+    stage = run.curriculum.stages[0]
+    samples = [stage.data.samples[i] for i in stage.sampler.batch(0)]
     model = run.accelerator.unwrap_model(run.model)
     model.eval()
     with torch.no_grad():  # sum of every label token's cross-entropy over the whole global batch, / label tokens
@@ -83,8 +82,8 @@ def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path)
             total += F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").item()
             count += int((labels != IGNORE_INDEX).sum())
     model.train()
-    enter_stage(run, plan, 0)
-    result = run_step(run, plan, 0, 0)
+    enter_stage(run, stage, 0)
+    result = run_step(run, stage, 0, 0)
     assert result.loss == pytest.approx(total / count, rel=1e-5)
     assert not result.skipped and not result.preempted and result.grad_norm is not None and result.grad_norm > 0
     assert max(run.freezer.updates) == 1  # the update was applied (at lr 0: warmup starts there)
@@ -94,7 +93,7 @@ def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path)
 def test_stage_end_at_a_checkpoint_step_writes_the_summary_before_the_checkpoint(tmp_path: Path) -> None:
     """Step record, stage summary, then the checkpoint, whose state is the one after the summary."""
     run = build_run(tmp_path, "stages.0.max_steps=1", "checkpoint.save_steps=1")
-    plan = run.plans[0]
+    stage = run.curriculum.stages[0]
     saved_at: list[int] = []
     save = run.manager.save
 
@@ -103,16 +102,52 @@ def test_stage_end_at_a_checkpoint_step_writes_the_summary_before_the_checkpoint
         return save(step, write, meta)
 
     run.manager.save = recording_save  # type: ignore[method-assign]
-    enter_stage(run, plan, 0)
-    result = run_step(run, plan, 0, 0)
-    assert after_step(run, plan, 0, 1, result) is None
+    reductions: list[int] = []
+    reduce = run.accelerator.reduce
+
+    def counting_reduce(tensor, reduction="mean"):  # the real reduce, counted
+        reductions.append(tensor.numel())
+        return reduce(tensor, reduction=reduction)
+
+    enter_stage(run, stage, 0)
+    result = run_step(run, stage, 0, 0)
+    run.accelerator.reduce = counting_reduce  # type: ignore[method-assign]
+    assert after_step(run, stage, 0, 1, result) is None
+    # the step record's interval reduce, then ONE token-count reduce for the stage summary and the checkpoint
+    assert len(reductions) == 2, reductions
     records = read_metrics(run.metrics.path)
     assert [r.get("event", "step") for r in records] == ["step", "stage_end"] and saved_at == [2]
     meta = checkpoint.read_meta(checkpoint.committed_checkpoints(run.manager.root)[-1])
     state = RunState.from_meta(meta)
-    assert (state.step, state.stage, state.stage_step) == (1, plan.name, 1)
+    assert (state.step, state.stage, state.stage_step) == (1, stage.name, 1)
     assert state.patience is None and state.pending_losses == [] and state.tokens == records[0]["tokens"]
-    assert state.adam_updates == run.freezer.updates and state.stage_steps == [p.steps for p in run.plans]
+    assert state.adam_updates == run.freezer.updates and state.stage_steps == [p.steps for p in run.curriculum.plans]
+    summary = records[1]
+    assert summary["trainable_params"] == stage.trainable_params > 0
+    assert {k: summary[k] for k in ("step", "stage", "stage_index")} == {"step": 1, "stage": stage.name,
+                                                                         "stage_index": 0}
     assert meta["run_name"] == "unit" and run.stage_start_tokens == records[0]["tokens"]
     # preemption: the checkpoint first, then the exit code
-    assert after_step(run, plan, 0, 1, dataclasses.replace(result, preempted=True)) == PREEMPTED_EXIT_CODE
+    assert after_step(run, stage, 0, 1, dataclasses.replace(result, preempted=True)) == PREEMPTED_EXIT_CODE
+
+
+def test_lr_scaling_and_the_eval_batch_follow_each_stage_micro_batch(tmp_path: Path) -> None:
+    """A stage with its own micro batch: lr_scaling scales its lr by ITS global batch (micro x accum x world), and
+    its evaluation runs micro-batches of its size (eval.micro_batch_size unset), not train.micro_batch_size's."""
+    run = build_run(tmp_path, "stages.1.micro_batch_size=1", "optimizer.lr_scaling=linear",
+                    "optimizer.reference_batch_size=4", "eval.data=[dummy:stage2]")
+    first, second = run.curriculum.plans
+    assert (first.global_batch, second.global_batch) == (8, 2)  # micro 4 x accum 2; micro 1 x accum 2
+    assert first.lr == pytest.approx(1e-2 * 8 / 4) and second.lr == pytest.approx(5e-3 * 2 / 4)
+    sizes: list[int] = []
+    collate = run.collate
+
+    def recording_collate(rows):  # the real collator, noting each eval micro-batch's size
+        sizes.append(len(rows))
+        return collate(rows)
+
+    run.collate = recording_collate
+    stage = run.curriculum.stages[1]
+    enter_stage(run, stage, second.start_step)
+    evaluate_stage(run, stage, second.steps - 1, second.end_step)  # the stage's end: it evaluates
+    assert sizes and set(sizes) == {1} and len(sizes) == len(stage.eval_rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -176,7 +177,8 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field(
-        "none", description="Scale lr by effective/reference batch (linear: Goyal et al. 2017)."
+        "none", description="Scale each stage's lr by its global batch / reference batch (linear: Goyal et al. "
+        "2017)."
     )
     reference_batch_size: int | None = Field(
         None, gt=0, description="Effective batch size the lr was tuned for (needed by lr_scaling)."
@@ -230,7 +232,8 @@ class LoggingConfig(_Section):
 class EvalConfig(_Section):
     data: list[str] = Field(default_factory=list, description="Global eval JSONL files (a stage's eval: wins).")
     every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at stage ends).")
-    micro_batch_size: int | None = Field(None, gt=0, description="Eval batch per process (default: training's).")
+    micro_batch_size: int | None = Field(None, gt=0, description="Eval batch per process (default: the stage's "
+                                            "training micro batch).")
 
 
 class StabilityConfig(_Section):
@@ -278,13 +281,13 @@ class Recipe(_Section):
             raise ValueError(f"stage names must be unique, repeated: {dupes}")
         if self.stages[0].schedule == "continue":
             raise ValueError("the first stage has no schedule to continue")
-        for i, stage in enumerate(self.stages):
+        for i, stage in enumerate(resolve_stages(self)):
             where = f"stages.{i} ('{stage.name}')"
-            if LORA_KEYWORD in (stage.trainable or self.train.trainable or []) and not self.lora.enabled:
+            if LORA_KEYWORD in (stage.trainable or []) and not self.lora.enabled:
                 raise ValueError(f"{where}: trainable names 'lora' but lora.enabled is false")
             if stage.patience is None:
                 continue
-            if not (stage.eval if stage.eval is not None else self.eval.data) or not self.eval.every_steps:
+            if not stage.eval or not self.eval.every_steps:
                 raise ValueError(f"{where}: patience needs eval data (stages[].eval or eval.data) and "
                                  "eval.every_steps")
             if i + 1 < len(self.stages) and self.stages[i + 1].schedule == "continue":
@@ -292,6 +295,66 @@ class Recipe(_Section):
                                  f"that stage '{self.stages[i + 1].name}' continues; give that stage its own "
                                  "schedule")
         return self
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    """One stage's effective settings: its own value where the stage sets one, else the recipe-wide default.
+
+    Resolved once (`resolve_stages`); every consumer (planning, data loading, preflight, evaluation, patience,
+    the trainable sets) reads these, so a stage default is written in one place. `lr` is before lr_scaling (it
+    depends on the global batch, known only at launch). `trainable` None is the built-in default: every parameter
+    (full fine-tuning); a LoRA run's default is ('lora',).
+    """
+
+    index: int
+    name: str
+    paths: tuple[str, ...]
+    weights: tuple[float, ...] | None
+    mixture_replacement: bool
+    order: str
+    pacing: PacingConfig | None
+    max_seq_len: int
+    micro_batch_size: int
+    epochs: float | None
+    max_steps: int | None
+    lr: float
+    warmup_ratio: float
+    min_lr_ratio: float
+    schedule: str  # cosine | linear | constant | wsd | continue
+    decay_ratio: float
+    eval: tuple[str, ...]
+    eval_micro_batch_size: int
+    trainable: tuple[str, ...] | None
+    trainable_key: str  # the recipe key `trainable` comes from, for error messages
+    patience: int | None
+    patience_min_delta: float
+
+
+def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
+    """Every stage's effective settings (see ResolvedStage)."""
+    sch, default_trainable = recipe.schedule, recipe.train.trainable
+    if default_trainable is None and recipe.lora.enabled:
+        default_trainable = [LORA_KEYWORD]
+    resolved = []
+    for i, stage in enumerate(recipe.stages):
+        micro = stage.micro_batch_size or recipe.train.micro_batch_size
+        trainable = stage.trainable or default_trainable
+        resolved.append(ResolvedStage(
+            index=i, name=stage.name, paths=tuple(stage.paths),
+            weights=None if stage.weights is None else tuple(stage.weights),
+            mixture_replacement=stage.mixture_replacement, order=stage.order, pacing=stage.pacing,
+            max_seq_len=stage.max_seq_len or recipe.data.max_seq_len, micro_batch_size=micro,
+            epochs=stage.epochs, max_steps=stage.max_steps, lr=stage.lr or recipe.optimizer.lr,
+            warmup_ratio=sch.warmup_ratio if stage.warmup_ratio is None else stage.warmup_ratio,
+            min_lr_ratio=sch.min_lr_ratio if stage.min_lr_ratio is None else stage.min_lr_ratio,
+            schedule=stage.schedule or sch.kind, decay_ratio=sch.decay_ratio,
+            eval=tuple(stage.eval if stage.eval is not None else recipe.eval.data),
+            eval_micro_batch_size=recipe.eval.micro_batch_size or micro,
+            trainable=None if trainable is None else tuple(trainable),
+            trainable_key=f"stages.{i}.trainable" if stage.trainable else "train.trainable",
+            patience=stage.patience, patience_min_delta=stage.patience_min_delta))
+    return resolved
 
 
 DEFAULT_RECIPE: dict[str, Any] = {

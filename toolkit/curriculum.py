@@ -1,5 +1,12 @@
 """The curriculum: an ordered list of stages laid out on one global step axis.
 
+`Curriculum` is the run's one owner of its stages: each `Stage` record holds the stage's resolved settings, its
+plan on the step axis, its training set and sampler, its eval rows and its trainable parameter count. It answers
+which stage a step is in (`locate`), the samples seen and the learning rate (`lr_at`, the method the LambdaLR
+calls), keeps the current stage's eval patience, ends a stage early (moving later stages up and rebuilding the
+schedule), and saves and restores its part of a checkpoint (`state` / `restore`). The pure functions below are
+its building blocks.
+
 Everything here is a pure function of (recipe, dataset sizes, global batch, seed, global step): which stage a
 step is in, which samples form that step's global batch (toolkit.sampling: shuffle, sequential, easy-to-hard
 with competence pacing, weighted mixtures), which of them each rank and micro-step gets, and the learning rate.
@@ -16,10 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import get_scheduler
 
+from toolkit.config import ResolvedStage
+from toolkit.data import TrainingSet
 from toolkit.errors import ToolkitError
+from toolkit.sampling import Pacing, StageSampler
 
 
 @dataclass(frozen=True)
@@ -183,3 +194,124 @@ def build_lr_lambda(plans: list[StagePlan], default_kind: str) -> Callable[[int]
         return first.lr * fn(min(step, plans[-1].end_step - 1) - start)
 
     return lr_at
+
+
+@dataclass
+class Stage:
+    """One stage of the run: its settings, its place on the step axis (moved by an early advance), its training
+    rows and their sampler, its eval rows and how many parameters it trains (known once the model is built)."""
+
+    resolved: ResolvedStage
+    plan: StagePlan
+    data: TrainingSet
+    sampler: StageSampler
+    eval_rows: list[dict[str, Any]]
+    trainable_params: int | None = None
+
+    @property
+    def index(self) -> int:
+        return self.plan.index
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+
+class Curriculum:
+    """The run's stages on the step axis, the learning rate at any step, the current stage's eval patience and
+    early advance; `state` / `restore` are its part of a checkpoint (actual stage lengths, patience counters)."""
+
+    def __init__(self, stages: list[Stage], default_schedule: str) -> None:
+        self.stages = stages
+        self.default_schedule = default_schedule
+        self.patience: Patience | None = None
+        self._resumed_patience: tuple[int, dict[str, Any] | None] | None = None  # (stage index, counters)
+        self._schedule = build_lr_lambda(self.plans, default_schedule)
+
+    @property
+    def plans(self) -> list[StagePlan]:
+        return [stage.plan for stage in self.stages]
+
+    @property
+    def end_step(self) -> int:
+        return self.stages[-1].plan.end_step
+
+    def locate(self, step: int) -> tuple[Stage, int]:
+        """(stage, step within it) of a global step; steps past the end map to the last stage's last step."""
+        plan, step_in_stage = locate(self.plans, step)
+        return self.stages[plan.index], step_in_stage
+
+    def samples_seen(self, steps_done: int) -> int:
+        return samples_seen(self.plans, steps_done)
+
+    def lr_at(self, step: int) -> float:
+        """Absolute LR at a global step: `LambdaLR(optimizer, curriculum.lr_at)` over base lr 1.0. After an early
+        advance it follows the moved-up stages' schedule."""
+        return self._schedule(step)
+
+    def set_trainable_params(self, counts: list[int]) -> None:
+        for stage, count in zip(self.stages, counts, strict=True):
+            stage.trainable_params = count
+
+    def enter(self, stage: Stage) -> None:
+        """Start `stage`'s eval patience: the checkpoint's counters when the run resumed inside this stage."""
+        saved = None
+        if self._resumed_patience is not None and self._resumed_patience[0] == stage.index:
+            saved = self._resumed_patience[1]
+        settings = stage.resolved
+        self.patience = None if settings.patience is None else Patience.from_state(
+            settings.patience, settings.patience_min_delta, saved)
+
+    def end_stage_early(self, stage: Stage, steps: int) -> None:
+        """Cut `stage` to its first `steps` steps; later stages move up and the LR schedule is rebuilt."""
+        self._replan(end_stage_early(self.plans, stage.index, steps))
+
+    def _replan(self, plans: list[StagePlan]) -> None:
+        for stage, plan in zip(self.stages, plans, strict=True):
+            stage.plan = plan
+        self._schedule = build_lr_lambda(plans, self.default_schedule)
+
+    def state(self, *, stage_end: bool) -> dict[str, Any]:
+        """The checkpoint's `curriculum` entry: actual stage lengths and the current stage's patience counters
+        (none at a stage end: the next stage starts afresh)."""
+        return {"stage_steps": [p.steps for p in self.plans],
+                "patience": None if self.patience is None or stage_end else self.patience.state()}
+
+    def restore(self, state: dict[str, Any], *, stage_index: int) -> None:
+        """Continue from a checkpoint taken in stage `stage_index`: the stage lengths it ran (stages that ended
+        early keep their length; samplers keep the planned one) and, for that stage, its patience counters."""
+        stage_steps = state.get("stage_steps") or [p.steps for p in self.plans]
+        self._replan(apply_stage_steps(self.plans, stage_steps))
+        self._resumed_patience = (stage_index, state.get("patience"))
+
+
+def build_curriculum(stages: list[ResolvedStage], training_sets: list[TrainingSet],
+                     eval_rows: list[list[dict[str, Any]]], *, grad_accum: int, world_size: int, seed: int,
+                     default_schedule: str, lr_scaling: str = "none",
+                     reference_batch_size: int | None = None) -> Curriculum:
+    """Each stage placed on the step axis (steps, lr schedule, batch) with its sampler (mixture, order, pacing).
+    With lr_scaling ('linear' or 'sqrt') each stage's lr scales with its own global batch over the reference."""
+
+    def scaled_lr(stage: ResolvedStage) -> float:
+        if lr_scaling == "none" or reference_batch_size is None:
+            return stage.lr
+        ratio = stage.micro_batch_size * grad_accum * world_size / reference_batch_size
+        return stage.lr * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
+
+    plans = plan_stages(
+        [s.name for s in stages], [len(src.samples) for src in training_sets],
+        micro_batches=[s.micro_batch_size for s in stages], grad_accum=grad_accum, world_size=world_size,
+        epochs=[s.epochs for s in stages], max_steps=[s.max_steps for s in stages],
+        lrs=[scaled_lr(s) for s in stages], warmup_ratios=[s.warmup_ratio for s in stages],
+        min_lr_ratios=[s.min_lr_ratio for s in stages], schedules=[s.schedule for s in stages],
+        decay_ratio=stages[0].decay_ratio)
+    records = []
+    for stage, src, plan, rows in zip(stages, training_sets, plans, eval_rows, strict=True):
+        sampler = StageSampler(sizes=src.sizes, weights=None if stage.weights is None else list(stage.weights),
+                               replacement=stage.mixture_replacement, order=stage.order,
+                               difficulty=None if src.difficulty is None else np.array(src.difficulty),
+                               lengths=np.array(src.lengths), seed=seed, stage_index=plan.index,
+                               pacing=Pacing(stage.pacing.kind, stage.pacing.start_fraction) if stage.pacing else None,
+                               global_batch=plan.global_batch, total_steps=plan.steps)
+        records.append(Stage(stage, plan, src, sampler, rows))
+    return Curriculum(records, default_schedule)

@@ -22,11 +22,10 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from toolkit import distributed
 from toolkit.atomic import build_dir
 from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
-from toolkit.config import Recipe, load_recipe
+from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora, is_vision_language, load_processor
+from toolkit.model import is_vision_language, load_processor, setup_lora
 from toolkit.run_dir import RunLayout
-from toolkit.trainable import modules_to_train, stage_entries
 
 
 def _resolve(source: Path) -> tuple[Path, RunLayout]:
@@ -83,11 +82,10 @@ def _model_card(run: RunLayout, meta: dict[str, Any] | None, merged: bool) -> st
 def _lora_from_portable_state(model: Any, recipe: Recipe, src: Path, run: Path) -> Any:
     """The run's LoRA model rebuilt as training built it (modules that stages' `trainable` patterns name are
     modules_to_save too) and filled from the checkpoint's portable state; every stored parameter must land."""
-    lo = recipe.lora
-    entries, keys = stage_entries([s.trainable for s in recipe.stages], recipe.train.trainable)
-    model = apply_lora(model, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
-                       modules_to_save=[*lo.modules_to_save, *modules_to_train(model, entries, keys)],
-                       exclude_modules=lo.exclude_modules)
+    lora, stages = recipe.lora, resolve_stages(recipe)
+    model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
+                       modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
+                       stage_trainable=[s.trainable for s in stages], trainable_keys=[s.trainable_key for s in stages])
     state = src / "portable" / "lora_state.safetensors"
     if not state.is_file():
         raise ToolkitError(f"{src} has no portable LoRA state (checkpoint.portable was off); export "

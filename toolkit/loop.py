@@ -1,7 +1,7 @@
 """The training loop as named units: the run state, one step, and what happens after a step.
 
-train_curriculum.py wires the pieces (accelerator, data, model, optimizer) into a `Run` and calls, per optimizer
-step, `enter_stage` (at a stage's first step), `run_step` and `after_step`. Each unit can be called alone:
+train_curriculum.py wires the pieces (accelerator, curriculum, model, optimizer) into a `Run` and calls, per
+optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_step`. Each unit can be called alone:
 
 * `RunState`: what a checkpoint must restore (step, stage, meter totals, pending losses, patience, stage lengths,
   Adam update counts, last metrics), written to and read from meta.json as one object (`to_meta` / `from_meta`),
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from toolkit import checkpoint, curriculum, distributed
+from toolkit import checkpoint, distributed
 from toolkit.config import Recipe
+from toolkit.curriculum import Curriculum, Stage, rank_micro_batches
 from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate
 from toolkit.flops import batch_train_flops
@@ -89,10 +90,8 @@ class StepResult:
 
 @dataclass
 class Run:
-    """The wired-up pieces of a run that the loop units use, and the live state between steps.
-
-    `plans` and `lr_at` are rebound by an early stage advance; the scheduler's lambda reads `run.lr_at`.
-    """
+    """The wired-up pieces of a run that the loop units use, and the live state between steps. The stages, their
+    data, the LR schedule (`scheduler` is a LambdaLR over `curriculum.lr_at`) and patience are the curriculum's."""
 
     recipe: Recipe
     accelerator: Any
@@ -105,20 +104,14 @@ class Run:
     metrics: MetricsLog
     manager: checkpoint.CheckpointManager
     preemption: PreemptionFlag
-    plans: list[curriculum.StagePlan]
-    stages: list[Any]  # TrainingSet per stage
-    samplers: list[Any]  # StageSampler per stage
-    stage_eval: list[list[dict[str, Any]]]
+    curriculum: Curriculum
     collate: Any
-    stage_counts: list[int]  # trainable parameters per stage
     identity: dict[str, Any]  # meta.json keys that describe the run, not its progress (checked on resume)
     text_config: Any = None  # the model's text config (FLOPs per token)
     max_norm: float = float("inf")  # gradient clipping
     peak_flops: float | None = None
     bar: Any = None
     resumed: RunState | None = None
-    lr_at: Any = None
-    patience: curriculum.Patience | None = None
     current_stage: int = -1
     last_save: float = field(default_factory=time.monotonic)  # monotonic: not carried over a resume
     stage_start_tokens: int = 0
@@ -129,56 +122,65 @@ class Run:
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
 
     def restore(self, state: RunState) -> None:
-        """Continue from a checkpoint's state: meter totals, pending losses, Adam update counts, stage lengths."""
+        """Continue from a checkpoint's state: meter totals, pending losses, Adam update counts, the curriculum's
+        stage lengths and patience."""
         self.resumed = state
+        self.curriculum.restore({"stage_steps": state.stage_steps, "patience": state.patience},
+                                stage_index=state.stage_index)
         self.meter.tokens_total = state.tokens
         self.meter.losses, self.meter.skipped = state.pending_losses, state.pending_skipped
         self.freezer.updates = state.adam_updates or [state.step] * len(self.freezer.updates)
         self.stage_start_tokens = state.tokens  # approximate after a mid-stage resume (counts from the resume)
 
-    def state(self, done: int, plan: curriculum.StagePlan, step_in_stage: int, *, stage_end: bool) -> RunState:
-        """The run state after optimizer step `done` (collective: every rank calls it)."""
-        return RunState(step=done, stage=plan.name, stage_index=plan.index, stage_step=step_in_stage + 1,
-                        samples=curriculum.samples_seen(self.plans, done),
-                        tokens=self.meter.tokens_total + self.meter.reduced(self.accelerator)[0],
+    def tokens_now(self) -> int:
+        """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
+        return self.meter.tokens_total + self.meter.reduced(self.accelerator)[0]
+
+    def state(self, done: int, stage: Stage, step_in_stage: int, *, stage_end: bool, tokens: int) -> RunState:
+        """The run state after optimizer step `done`, with `tokens` from `tokens_now`."""
+        cur = self.curriculum.state(stage_end=stage_end)
+        return RunState(step=done, stage=stage.name, stage_index=stage.index, stage_step=step_in_stage + 1,
+                        samples=self.curriculum.samples_seen(done), tokens=tokens,
                         pending_losses=self.meter.losses, pending_skipped=self.meter.skipped,
-                        stage_steps=[p.steps for p in self.plans],
-                        patience=None if self.patience is None or stage_end else self.patience.state(),
+                        stage_steps=cur["stage_steps"], patience=cur["patience"],
                         adam_updates=self.freezer.updates, metrics=self.latest)
 
 
-def enter_stage(run: Run, plan: curriculum.StagePlan, step: int) -> None:
+def record_header(done: int, stage: Stage) -> dict[str, Any]:
+    """The keys that open every metrics.jsonl record: the step and its stage."""
+    return {"step": done, "stage": stage.name, "stage_index": stage.index}
+
+
+def enter_stage(run: Run, stage: Stage, step: int) -> None:
     """A stage's first step (or the first after a resume): its freezing, its patience (resumed counters when the
     checkpoint was taken inside this stage)."""
-    stage = run.recipe.stages[plan.index]
-    run.current_stage = plan.index
-    run.freezer.set_stage(plan.index)
-    saved = run.resumed.patience if run.resumed is not None and run.resumed.stage_index == plan.index else None
-    run.patience = None if stage.patience is None else curriculum.Patience.from_state(
-        stage.patience, stage.patience_min_delta, saved)
+    plan = stage.plan
+    run.current_stage = stage.index
+    run.freezer.set_stage(stage.index)
+    run.curriculum.enter(stage)
     log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
-             plan.index + 1, len(run.plans), plan.name, plan.start_step + 1, plan.end_step, plan.num_samples,
-             plan.global_batch, run.lr_at(step), " (continued schedule)" if plan.schedule == "continue" else "")
+             plan.index + 1, len(run.curriculum.stages), plan.name, plan.start_step + 1, plan.end_step,
+             plan.num_samples, plan.global_batch, run.curriculum.lr_at(step),
+             " (continued schedule)" if plan.schedule == "continue" else "")
 
 
-def micro_batches(run: Run, plan: curriculum.StagePlan, step_in_stage: int) -> tuple[list[list[int]], list[dict]]:
+def micro_batches(run: Run, stage: Stage, step_in_stage: int) -> tuple[list[list[int]], list[dict]]:
     """This rank's share of the stage's global batch at `step_in_stage`: sample indices and collated batches."""
-    acc, data = run.accelerator, run.stages[plan.index]
-    indices = run.samplers[plan.index].batch(step_in_stage)
+    acc, data, plan = run.accelerator, stage.data, stage.plan
+    indices = stage.sampler.batch(step_in_stage)
     if run.recipe.data.group_by_length:  # same samples, fewer pad tokens: loss is normalised over the global batch
         indices = sorted(indices, key=data.lengths.__getitem__)
-    rank_batches = curriculum.rank_micro_batches(indices, rank=acc.process_index, world_size=acc.num_processes,
-                                                 micro_batch_size=plan.micro_batch,
-                                                 grad_accum=run.recipe.train.grad_accum)
+    rank_batches = rank_micro_batches(indices, rank=acc.process_index, world_size=acc.num_processes,
+                                      micro_batch_size=plan.micro_batch, grad_accum=run.recipe.train.grad_accum)
     return rank_batches, [run.collate([data.samples[i] for i in idx]) for idx in rank_batches]
 
 
-def run_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, step: int) -> StepResult:
+def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResult:
     """One optimizer step over the stage's global batch; stops the run when the guard has skipped too many."""
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
-    world, accum, ck = acc.num_processes, run.recipe.train.grad_accum, run.recipe.checkpoint
-    samples = run.stages[plan.index].samples
-    rank_batches, batches = micro_batches(run, plan, step_in_stage)
+    world, accum, saving = acc.num_processes, run.recipe.train.grad_accum, run.recipe.checkpoint
+    samples, plan = stage.data.samples, stage.plan
+    rank_batches, batches = micro_batches(run, stage, step_in_stage)
 
     # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
     # is then independent of how the batch is split. Strategies average gradients over ranks and
@@ -199,7 +201,8 @@ def run_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, step: int
             if j == accum - 1:
                 # One all-reduce per step, before the update is committed: the step's global loss (NaN if
                 # any rank's is), preemption and timed-save flags. Every rank gets the same verdict.
-                time_due = ck.save_minutes is not None and time.monotonic() - run.last_save >= 60 * ck.save_minutes
+                time_due = (saving.save_minutes is not None
+                            and time.monotonic() - run.last_save >= 60 * saving.save_minutes)
                 summed = acc.reduce(torch.stack([
                     local_loss, torch.tensor(float(run.preemption.requested), device=acc.device),
                     torch.tensor(float(time_due), device=acc.device)]), reduction="sum").tolist()
@@ -234,29 +237,31 @@ def run_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, step: int
     return StepResult(step_loss, grad_norm, verdict.skip, verdict.reason, preempted, time_due)
 
 
-def after_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, done: int, result: StepResult) -> int | None:
+def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: StepResult) -> int | None:
     """Everything that follows optimizer step `done`, in this order: the step record, evaluation and patience
     (which may end the stage early), the stage summary, the checkpoint, the preemption exit.
 
     Returns the exit code when the run stops here (preempted), else None. Collective: every rank calls it.
     """
-    recipe, acc, ck = run.recipe, run.accelerator, run.recipe.checkpoint
-    if done % recipe.logging.logging_steps == 0 or done == run.plans[-1].end_step:
-        record = {"step": done, "stage": plan.name, "stage_index": plan.index, "stage_step": step_in_stage + 1,
-                  **run.meter.record(acc, peak_flops=run.peak_flops), "lr": run.lr_at(done - 1),
+    recipe, acc, saving = run.recipe, run.accelerator, run.recipe.checkpoint
+    if done % recipe.logging.logging_steps == 0 or done == run.curriculum.end_step:
+        record = {**record_header(done, stage), "stage_step": step_in_stage + 1,
+                  **run.meter.record(acc, peak_flops=run.peak_flops), "lr": run.curriculum.lr_at(done - 1),
                   "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
-                  "samples": curriculum.samples_seen(run.plans, done)}
+                  "samples": run.curriculum.samples_seen(done)}
         run.log_record(record)
         run.latest.update(record)
         if run.bar is not None:
-            run.bar.set_postfix(stage=plan.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-    plan, stage_end = evaluate_stage(run, plan, step_in_stage, done)
-    if stage_end:
-        stage_summary(run, plan, done)
+            run.bar.set_postfix(stage=stage.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    stage_end = evaluate_stage(run, stage, step_in_stage, done)
     # Checkpoint: every save_steps / save_minutes, at stage ends, and on preemption (all ranks agree).
-    periodic = bool(ck.save_steps) and done % ck.save_steps == 0
-    if result.preempted or result.time_due or periodic or (ck.save_on_stage_end and stage_end):
-        save_checkpoint(run, run.state(done, plan, step_in_stage, stage_end=stage_end))
+    periodic = bool(saving.save_steps) and done % saving.save_steps == 0
+    save = result.preempted or result.time_due or periodic or (saving.save_on_stage_end and stage_end)
+    tokens = run.tokens_now() if stage_end or save else 0  # one reduction serves the summary and the checkpoint
+    if stage_end:
+        stage_summary(run, stage, done, tokens)
+    if save:
+        save_checkpoint(run, run.state(done, stage, step_in_stage, stage_end=stage_end, tokens=tokens))
     if result.preempted:
         log.warning("preempted (%s): stopped after step %d, checkpoint saved; resume with the same command",
                     run.preemption.signal_name or "signal on another rank", done)
@@ -265,42 +270,37 @@ def after_step(run: Run, plan: curriculum.StagePlan, step_in_stage: int, done: i
     return None
 
 
-def evaluate_stage(run: Run, plan: curriculum.StagePlan, step_in_stage: int,
-                   done: int) -> tuple[curriculum.StagePlan, bool]:
+def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> bool:
     """Evaluation every eval.every_steps and at the end of each stage, on the stage's (or global) eval set. With
-    patience, an evaluation that has not improved on the stage's best for that long ends the stage: the plans and
-    the LR schedule are rebound. Returns the (possibly shortened) stage and whether it ends at `done`."""
-    recipe = run.recipe
-    stage_end = done == plan.end_step
-    eval_samples = run.stage_eval[plan.index]
-    if not eval_samples or not (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
-        return plan, stage_end
-    result = evaluate(run.accelerator, run.model, eval_samples, run.collate,
-                      recipe.eval.micro_batch_size or recipe.train.micro_batch_size)
-    run.log_record({"step": done, "stage": plan.name, "stage_index": plan.index, **result})
+    patience, an evaluation that has not improved on the stage's best for that long ends the stage: the curriculum
+    moves the later stages up (`stage.plan` is then the shortened one). Returns whether the stage ends at `done`."""
+    recipe, cur = run.recipe, run.curriculum
+    stage_end = done == stage.plan.end_step
+    if not stage.eval_rows or not (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
+        return stage_end
+    result = evaluate(run.accelerator, run.model, stage.eval_rows, run.collate,
+                      stage.resolved.eval_micro_batch_size)
+    run.log_record({**record_header(done, stage), **result})
     run.latest.update(result)
     log.info("step %d eval: loss %.4f, ppl %.2f", done, result["eval_loss"], result["eval_ppl"])
-    patience = run.patience
+    patience = cur.patience
     if patience is not None and patience.update(result["eval_loss"]) and not stage_end:
         log.info("stage '%s' ends early after %d of %d steps: eval_loss has not improved on %.4f for %d "
-                 "evaluations", plan.name, step_in_stage + 1, plan.steps, patience.best, patience.since_best)
-        run.plans = curriculum.end_stage_early(run.plans, plan.index, step_in_stage + 1)
-        plan, stage_end = run.plans[plan.index], True
-        run.lr_at = curriculum.build_lr_lambda(run.plans, recipe.schedule.kind)
+                 "evaluations", stage.name, step_in_stage + 1, stage.plan.steps, patience.best, patience.since_best)
+        cur.end_stage_early(stage, step_in_stage + 1)
         if run.bar is not None:
-            run.bar.total = run.plans[-1].end_step
-        run.log_record({"step": done, "stage": plan.name, "stage_index": plan.index, "event": "early_advance",
-                        "best_eval_loss": patience.best})
-    return plan, stage_end
+            run.bar.total = cur.end_step
+        run.log_record({**record_header(done, stage), "event": "early_advance", "best_eval_loss": patience.best})
+        return True
+    return stage_end
 
 
-def stage_summary(run: Run, plan: curriculum.StagePlan, done: int) -> None:
-    """The ended stage's summary, in the log and in metrics.jsonl (collective: reduces the token count)."""
-    tokens_now = run.meter.tokens_total + run.meter.reduced(run.accelerator)[0]
-    summary = {"step": done, "stage": plan.name, "stage_index": plan.index, "event": "stage_end",
+def stage_summary(run: Run, stage: Stage, done: int, tokens_now: int) -> None:
+    """The ended stage's summary, in the log and in metrics.jsonl; `tokens_now` is `run.tokens_now()`."""
+    plan = stage.plan
+    summary = {**record_header(done, stage), "event": "stage_end",
                "stage_steps": plan.steps, "stage_samples": plan.steps * plan.global_batch,
-               "stage_tokens": tokens_now - run.stage_start_tokens,
-               "trainable_params": run.stage_counts[plan.index]}
+               "stage_tokens": tokens_now - run.stage_start_tokens, "trainable_params": stage.trainable_params}
     run.metrics.write(summary)
     log.info("stage '%s' done: %d steps, %d samples, %d tokens, %d trainable parameters", plan.name,
              plan.steps, summary["stage_samples"], summary["stage_tokens"], summary["trainable_params"])

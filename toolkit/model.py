@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from toolkit.atomic import build_dir
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE, VL_CHATML_TEMPLATE
+from toolkit.trainable import modules_to_train
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,17 @@ def apply_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float,
     except ValueError as e:
         raise ToolkitError(f"LoRA could not be applied: {e} Check lora.target_modules / lora.modules_to_save "
                            "against the model's module names.") from None
+
+
+def setup_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float, target_modules: list[str] | str,
+               modules_to_save: list[str], exclude_modules: list[str] | str | None,
+               stage_trainable: Sequence[Sequence[str] | None], trainable_keys: list[str]) -> PeftModel:
+    """A run's LoRA model, as training builds it and export rebuilds it: adapters on `target_modules`, and the
+    modules that the stages' `trainable` patterns name (`stage_trainable`, with the recipe keys they come from
+    for error messages) trained in full as PEFT modules_to_save, after lora.modules_to_save."""
+    extra = modules_to_train(model, stage_trainable, trainable_keys)
+    return apply_lora(model, r=r, alpha=alpha, dropout=dropout, target_modules=target_modules,
+                      modules_to_save=[*modules_to_save, *extra], exclude_modules=exclude_modules)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -2,8 +2,10 @@
 
 Builds the model skeleton on the meta device from its config (shipped configs of the flagship models, a local
 directory, or the built-in tiny model: no weights are read or downloaded), estimates per-GPU memory for every
-strategy (toolkit.memory), marks the one the accelerate config selects, recommends the cheapest that fits,
-and scans each stage's data: rows, token-length percentiles, rows over max_seq_len and rows without loss.
+strategy (toolkit.memory) and every stage (each with its own micro batch x max_seq_len tokens: a packed row is
+max_seq_len tokens, and without packing max_seq_len is the worst case), reports each stage's peak and the table of
+the worst stage, marks the strategy the accelerate config selects, recommends the cheapest that fits, and scans
+each stage's data: rows, token-length percentiles, rows over max_seq_len and rows without loss.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from typing import Any
 import numpy as np
 import yaml
 
-from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recipe
+from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recipe, ResolvedStage, resolve_stages
 from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.memory import estimate_all, format_table, load_model_config
+from toolkit.memory import GIB, estimate_all, format_table, load_model_config
 from toolkit.run_dir import RunLayout
 
 
@@ -79,6 +81,32 @@ def scan_stage(files: list[Path], tokenizer: Any, *, max_seq_len: int, train_on:
             "over_max_seq_len": int((arr > max_seq_len).sum()), "no_trainable_tokens": no_loss}
 
 
+def weight_bytes(recipe: Recipe, mixed_precision: str) -> int:
+    """Bytes of a weight as held in training: LoRA keeps the frozen base in 16-bit; full fine-tuning keeps fp32
+    weights (mixed precision computes in 16)."""
+    lora = recipe.lora.enabled
+    return 2 if (lora and mixed_precision in ("bf16", "fp16")) or recipe.model.dtype in ("bfloat16", "float16") else 4
+
+
+def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *, num_gpus: int, param_bytes: int,
+                    activation_bytes: int = 2) -> list[dict[str, dict[str, int]]]:
+    """Per stage, `estimate_all`'s rows (strategy -> bytes) for one micro-batch of that stage: its own
+    micro_batch_size x max_seq_len tokens (with packing a packed row is max_seq_len tokens; without, max_seq_len
+    is the longest row the stage keeps, so the estimate is its worst case)."""
+    lora = recipe.lora.enabled
+    return [estimate_all(config, num_gpus=num_gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
+                         micro_batch=stage.micro_batch_size, seq_len=stage.max_seq_len,
+                         grad_ckpt=recipe.model.gradient_checkpointing, lora_targets=recipe.lora.target_modules,
+                         loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
+                         activation_bytes=activation_bytes)
+            for stage in stages]
+
+
+def worst_stage(estimates: list[dict[str, dict[str, int]]]) -> int:
+    """Index of the stage with the largest activations (the persistent state is the same in every stage)."""
+    return max(range(len(estimates)), key=lambda i: next(iter(estimates[i].values()))["activations"])
+
+
 def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
               scan_data: bool = True) -> str:
     """The preflight report as text."""
@@ -87,20 +115,27 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     config = _model_config(recipe.model.name_or_path)
     mixed = yaml.safe_load(accelerate_config.read_text()).get("mixed_precision", "no")
     lora = recipe.lora.enabled
-    # LoRA keeps the frozen base in 16-bit; full fine-tuning keeps fp32 weights (mixed precision computes in 16).
-    param_bytes = 2 if (lora and mixed in ("bf16", "fp16")) or recipe.model.dtype in ("bfloat16", "float16") else 4
-    rows = estimate_all(config, num_gpus=gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
-                        micro_batch=recipe.train.micro_batch_size, seq_len=recipe.data.max_seq_len,
-                        grad_ckpt=recipe.model.gradient_checkpointing,
-                        lora_targets=recipe.lora.target_modules, loss_head=recipe.model.loss_head,
-                        loss_chunk_size=recipe.model.loss_chunk_size)
+    param_bytes = weight_bytes(recipe, mixed)
+    stages = resolve_stages(recipe)
+    estimates = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes)
+    worst = worst_stage(estimates)
+    shown = chosen if chosen in estimates[worst] else next(iter(estimates[worst]))
+    width = max(len(s.name) for s in stages)
+    per_stage = [f"per stage ({'packed rows of max_seq_len' if recipe.data.packing else 'rows up to max_seq_len'}"
+                 f"; GiB per GPU under {shown}):"]
+    for stage, rows in zip(stages, estimates, strict=True):
+        est = rows[shown]
+        per_stage.append(f"  {stage.name.ljust(width)}  micro batch {stage.micro_batch_size} x {stage.max_seq_len} "
+                         f"tokens: activations {est['activations'] / GIB:.2f}, peak {est['total'] / GIB:.2f}"
+                         + ("  <- worst" if stage.index == worst else ""))
     lines = [f"model {recipe.model.name_or_path}: {'LoRA r=' + str(recipe.lora.r) if lora else 'full fine-tuning'}"
-             f", {param_bytes * 8}-bit weights, micro batch {recipe.train.micro_batch_size} x "
-             f"{recipe.data.max_seq_len} tokens, gradient checkpointing "
+             f", {param_bytes * 8}-bit weights, gradient checkpointing "
              f"{'on' if recipe.model.gradient_checkpointing else 'off'}, loss head {recipe.model.loss_head}, "
              f"{gpus} GPU(s) of {gpu_memory_gb:g} GiB",
-             f"selected by {accelerate_config}: {chosen}", "",
-             format_table(rows, gpu_memory_gb=gpu_memory_gb)]
+             f"selected by {accelerate_config}: {chosen}", "", *per_stage, "",
+             f"worst stage '{stages[worst].name}' (micro batch {stages[worst].micro_batch_size} x "
+             f"{stages[worst].max_seq_len} tokens), every strategy:",
+             format_table(estimates[worst], gpu_memory_gb=gpu_memory_gb)]
     if scan_data and getattr(config, "vision_config", None) is not None:
         lines += ["", "data scan skipped: image-text rows are not scanned by preflight (training reports each "
                   "stage's kept, dropped and truncated rows at its start)."]
@@ -116,12 +151,12 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                 return "\n".join([*lines, "", f"data scan skipped: the tokenizer of {recipe.model.name_or_path} "
                                    "is not in the local Hugging Face cache (preflight does not download)."])
             lines += ["", "stage data (tokens per row):"]
-            for stage in recipe.stages:
-                files = resolve_data_paths(stage.paths, RunLayout(recipe.output_dir).dummy_data)
+            for stage in stages:
+                files = resolve_data_paths(list(stage.paths), RunLayout(recipe.output_dir).dummy_data)
                 if not all(f.is_file() for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue
-                st = scan_stage(files, tokenizer, max_seq_len=stage.max_seq_len or recipe.data.max_seq_len,
+                st = scan_stage(files, tokenizer, max_seq_len=stage.max_seq_len,
                                 train_on=recipe.data.train_on, thinking=recipe.data.thinking)
                 lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "

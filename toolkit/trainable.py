@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,20 +54,12 @@ def _no_match_error(key: str, pattern: str, what: str, names: list[str], model: 
                         "Patterns are whole dotted name components (e.g. visual.merger) or globs (e.g. *.bias).")
 
 
-def _patterns(entries: list[str]) -> list[str]:
+def _patterns(entries: Sequence[str]) -> list[str]:
     return [e for e in entries if e != LORA_KEYWORD]
 
 
-def stage_entries(per_stage: list[list[str] | None], default: list[str] | None
-                  ) -> tuple[list[list[str] | None], list[str]]:
-    """Each stage's `trainable` entries (its own, else the recipe-wide default; None = the built-in default) and
-    the recipe key they come from, for error messages."""
-    entries = [own or default for own in per_stage]
-    keys = [f"stages.{i}.trainable" if own else "train.trainable" for i, own in enumerate(per_stage)]
-    return entries, keys
-
-
-def modules_to_train(model: torch.nn.Module, stage_entries: list[list[str] | None], keys: list[str]) -> list[str]:
+def modules_to_train(model: torch.nn.Module, stage_entries: Sequence[Sequence[str] | None],
+                     keys: list[str]) -> list[str]:
     """LoRA runs: the outermost modules named by the stages' patterns, to be made PEFT `modules_to_save`.
 
     Call on the base model, before LoRA is applied. `keys` names each stage's setting for error messages.
@@ -97,7 +89,7 @@ class TrainablePlan:
         return [{"params": [params[n] for n in names]} for _, names in self.groups]
 
 
-def plan_trainable(model: torch.nn.Module, stage_entries: list[list[str] | None], keys: list[str], *,
+def plan_trainable(model: torch.nn.Module, stage_entries: Sequence[Sequence[str] | None], keys: list[str], *,
                    lora: bool) -> TrainablePlan:
     """Resolve each stage's `trainable` entries (None = the default) and set `requires_grad` on their union.
 
