@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import __version__, checkpoint, curriculum, distributed
+from toolkit import __version__, checkpoint, curriculum, distributed, freezer, strategies
 from toolkit.config import Recipe, flat_config, load_recipe, recipe_to_yaml, resume_invariants
 from toolkit.data import (
     DUMMY_PREFIX,
@@ -64,6 +64,7 @@ from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PreemptionFlag
 from toolkit.run_dir import RunLock, check_not_an_earlier_run, check_output_dir
 from toolkit.sampling import Pacing, StageSampler
+from toolkit.strategies.deepspeed import configure_deepspeed
 from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable, stage_entries
 
 log = logging.getLogger("toolkit")
@@ -88,7 +89,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
                                                 log_with=recipe.logging.trackers or None,
                                                 project_dir=str(out / "trackers"))
-    world, strategy = accelerator.num_processes, distributed.strategy_name(accelerator)
+    world, strategy = accelerator.num_processes, strategies.strategy_name(accelerator)
     global_batch = micro * accum * world
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
     # Decided once on rank 0 and shared: clocks of different nodes disagree.
@@ -126,7 +127,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # Every parameter that trains in some stage is in the optimizer from the start, one param group per set of
     # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
-    distributed.configure_deepspeed(accelerator, model, micro, opt.max_grad_norm)
+    configure_deepspeed(accelerator, model, micro, opt.max_grad_norm)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
@@ -281,7 +282,7 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
     (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
     world = accelerator.num_processes
     (out / "run.json").write_text(json.dumps({
-        "run_name": run_name, "strategy": distributed.strategy_name(accelerator), "num_processes": world,
+        "run_name": run_name, "strategy": strategies.strategy_name(accelerator), "num_processes": world,
         "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
         "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
         "trainable_params": trainable_params,
@@ -302,7 +303,7 @@ def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer
     out, ck, opt = Path(recipe.output_dir), recipe.checkpoint, recipe.optimizer
     stab = recipe.stability
     run = Run(recipe, accelerator, model, optimizer, None,
-              distributed.StageFreezer(accelerator, model, optimizer, trainable.groups),
+              freezer.StageFreezer(accelerator, model, optimizer, trainable.groups),
               StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
                              max_consecutive_skips=stab.max_consecutive_skips),
               Meter(accelerator.device), MetricsLog(out / "metrics.jsonl", enabled=accelerator.is_main_process),
@@ -324,7 +325,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[curriculu
                  model_path: str, data_files: dict[str, str]) -> dict[str, Any]:
     """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
     world, settings = accelerator.num_processes, resume_invariants(recipe)
-    return {"world_size": world, "strategy": distributed.strategy_name(accelerator),
+    return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
             "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
             "stage_batches": [p.global_batch for p in plans], "lora": recipe.lora.enabled,
             "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,

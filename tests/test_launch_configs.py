@@ -23,12 +23,12 @@ from tests.conftest import LAUNCH_TIMEOUT_S, REPO, run_env, train, train_cmd
 from toolkit.distributed import (
     check_launch_config,
     has_accelerator,
-    own_deepspeed_config,
     scaler_skipped,
     skip_update,
 )
 from toolkit.errors import ToolkitError
 from toolkit.metrics import read_metrics
+from toolkit.strategies.deepspeed import own_deepspeed_config
 
 # What `accelerate config` writes for a local machine around the strategy-specific keys (accelerate 1.x).
 ACCELERATE_WRITES = {

@@ -22,11 +22,11 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from toolkit import distributed
 from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
 from toolkit.config import Recipe, load_recipe
 from toolkit.errors import ToolkitError
 from toolkit.model import apply_lora, is_vision_language, load_processor
+from toolkit.strategies.consolidate import consolidate_full_weights
 from toolkit.trainable import modules_to_train, stage_entries
 
 
@@ -163,7 +163,7 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         if merge:
             model = model.merge_and_unload()
     elif meta is not None:
-        weights = distributed.consolidate_full_weights(src, meta["strategy"])
+        weights = consolidate_full_weights(src, meta["strategy"])
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
             raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "
