@@ -26,9 +26,8 @@ from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from toolkit import strategies
 from toolkit.errors import ToolkitError
-from toolkit.strategies import deepspeed
+from toolkit.strategies import deepspeed, fsdp
 
 log = logging.getLogger(__name__)
 _ORIGINAL_PREPARE_BACKEND = PartialState._prepare_backend
@@ -75,8 +74,8 @@ def check_launch_config() -> None:
     """Refuse, in one line and before anything loads, the launch shapes this toolkit cannot train as asked.
 
     Reads what `accelerate launch` put in the environment: fp8 is not supported; fp16 needs a GPU; then the
-    strategy's own checks (`strategies.check_launch`: FSDP must be FSDP2, a DeepSpeed JSON must exist and agree
-    with the launch's precision).
+    strategy's own checks (FSDP must be FSDP2, a DeepSpeed JSON must exist and agree with the launch's
+    precision).
     """
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "fp8":
@@ -85,7 +84,8 @@ def check_launch_config() -> None:
     if precision == "fp16" and not has_accelerator():
         raise ToolkitError("mixed_precision: fp16 needs a GPU (CPU autocast and DeepSpeed's CPU accelerator have no "
                            "fp16 loss scaling): on CPU use mixed_precision: bf16 or no.")
-    strategies.check_launch(precision)
+    fsdp.check_fsdp_version()
+    deepspeed.check_deepspeed_file(precision)
 
 
 def quiet_library_logs() -> None:

@@ -1,12 +1,12 @@
 """Strategy specifics: everything in the toolkit that knows DeepSpeed or FSDP lives in this package.
 
 The strategy (DDP, FSDP2, ZeRO-2/3, ZeRO-3 offload) is chosen by the accelerate config file alone. This module
-names it, from a live `Accelerator` or from the accelerate config file (one table, `name_strategy`), checks the
-launch's strategy settings and unwraps optimizers. The rest is split by strategy and job:
+names it, from a live `Accelerator` or from the accelerate config file (one table, `name_strategy`), and unwraps
+optimizers (`optimizer_chain`). The rest is split by strategy and job:
 
-* `deepspeed`: the DeepSpeed config the run trains with, CPU Adam for optimizer offload, ZeRO-3 init control,
-  full parameter sizes under ZeRO-3 partitioning;
-* `fsdp`: FSDP version check and DTensor shards;
+* `deepspeed`: the DeepSpeed JSON check, the DeepSpeed config the run trains with, CPU Adam for optimizer
+  offload, ZeRO-3 init control, full parameter sizes under ZeRO-3 partitioning;
+* `fsdp`: the FSDP2 launch check and DTensor shards;
 * `param_state`: full (unsharded) views of a parameter and its Adam state, for strategy-independent checkpoints;
 * `measure`: the bytes of weights, gradients and optimizer state a rank really holds;
 * `consolidate`: full weights of a checkpoint written by any strategy, and the types its pickles may hold.
@@ -32,6 +32,13 @@ def uses_deepspeed(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
+def ds_config(accelerator: Accelerator) -> dict[str, Any] | None:
+    """The live DeepSpeed config dict, or None when DeepSpeed is not in use."""
+    if not uses_deepspeed(accelerator):
+        return None
+    return accelerator.state.deepspeed_plugin.deepspeed_config
+
+
 def name_strategy(distributed_type: str, num_processes: int, zero_optimization: Mapping[str, Any] | None = None,
                   fsdp_version: int | str | None = None) -> str:
     """The strategy's short name (logs, metrics, checkpoint metadata, preflight), from accelerate's distributed
@@ -48,8 +55,6 @@ def name_strategy(distributed_type: str, num_processes: int, zero_optimization: 
 
 def strategy_name(accelerator: Accelerator) -> str:
     """The live run's strategy name (see `name_strategy`)."""
-    from toolkit.strategies.deepspeed import ds_config
-
     cfg = ds_config(accelerator)
     fsdp = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
     return name_strategy(accelerator.distributed_type.value, accelerator.num_processes,
@@ -80,15 +85,6 @@ def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
         zero = json.loads(path.read_text()).get("zero_optimization", {})
     fsdp_version = (cfg.get("fsdp_config") or {}).get("fsdp_version")
     return name_strategy(kind, procs, zero, fsdp_version), procs
-
-
-def check_launch(precision: str) -> None:
-    """The strategy half of `distributed.check_launch_config`: FSDP must be FSDP2, a DeepSpeed JSON must exist
-    and agree with the launch's `precision`."""
-    from toolkit.strategies import deepspeed, fsdp
-
-    fsdp.check_fsdp_version()
-    deepspeed.check_deepspeed_file(precision)
 
 
 def optimizer_chain(optimizer: Any) -> list[Any]:

@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.errors import ToolkitError
-from toolkit.strategies import uses_deepspeed
+from toolkit.strategies import ds_config
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def check_deepspeed_file(precision: str) -> None:
 
     accelerate refuses `mixed_precision` in an accelerate config that names a JSON, even when the JSON leaves
     precision "auto" for accelerate to fill from it (as ours do). Precision then is the launch's, and the refusal
-    is lifted; a JSON with an explicit `bf16` / `fp16` `enabled` must agree with it.
+    is lifted; a JSON with an explicit `bf16` / `fp16` `enabled` must agree with it. No-op without DeepSpeed.
     """
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return
@@ -70,13 +70,6 @@ def check_deepspeed_file(precision: str) -> None:
                 f"mixed_precision: {precision}. Make them agree, or set \"enabled\": \"auto\" in the JSON so the "
                 "accelerate config decides.")
     os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields if f != "mixed_precision")
-
-
-def ds_config(accelerator: Accelerator) -> dict[str, Any] | None:
-    """The live DeepSpeed config dict, or None when DeepSpeed is not in use."""
-    if not uses_deepspeed(accelerator):
-        return None
-    return accelerator.state.deepspeed_plugin.deepspeed_config
 
 
 def configure_deepspeed(accelerator: Accelerator, model: torch.nn.Module, micro_batch_size: int,
