@@ -126,8 +126,9 @@ def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter] |
                     weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """AdamW, in the form the strategy needs (`params`: tensors, or param-group dicts): torch's, or the strategy's
     own where it wants one (ZeRO optimizer offload: `strategies.deepspeed.offload_adam`)."""
-    return (deepspeed.offload_adam(accelerator, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-            or torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
+    adam = deepspeed.offload_adam(accelerator, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    return adam if adam is not None else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas,
+                                                           eps=eps)
 
 
 def scaler_skipped(optimizer: Any) -> bool:

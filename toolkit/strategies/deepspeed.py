@@ -29,8 +29,6 @@ _DS_FILE_OWNS = {"gradient_accumulation_steps": "gradient_accumulation_steps",
                  "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
 
 
-
-
 def check_deepspeed_file(precision: str) -> None:
     """The DeepSpeed JSON named by the accelerate config exists and decides what accelerate lets it decide.
 
