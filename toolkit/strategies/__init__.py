@@ -29,6 +29,7 @@ from toolkit.errors import ToolkitError
 
 
 def uses_deepspeed(accelerator: Accelerator) -> bool:
+    """True when the launch trains under DeepSpeed (any ZeRO stage)."""
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
