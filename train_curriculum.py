@@ -62,7 +62,7 @@ from toolkit.model import (
 )
 from toolkit.packing import PackedCollator, check_packing_support
 from toolkit.preemption import PreemptionFlag
-from toolkit.run_dir import RunLock, check_not_an_earlier_run, check_output_dir
+from toolkit.run_dir import RunLayout, RunLock, check_not_an_earlier_run, check_output_dir
 from toolkit.sampling import Pacing, StageSampler
 from toolkit.strategies.deepspeed import configure_deepspeed
 from toolkit.trainable import TrainablePlan, modules_to_train, plan_trainable, stage_entries
@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     out, ck = Path(recipe.output_dir), recipe.checkpoint
+    layout = RunLayout(out)
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
 
@@ -88,7 +89,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     check_trackers(recipe.logging.trackers)
     accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
                                                 log_with=recipe.logging.trackers or None,
-                                                project_dir=str(out / "trackers"))
+                                                project_dir=str(layout.trackers))
     world, strategy = accelerator.num_processes, strategies.strategy_name(accelerator)
     global_batch = micro * accum * world
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
@@ -102,7 +103,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
     with accelerator.local_main_process_first():  # the builtin tiny models are built once per machine
-        model_path = materialize_builtin(recipe.model.name_or_path, out.parent / ".toolkit-cache")
+        model_path = materialize_builtin(recipe.model.name_or_path, layout.cache)
     check_model_source(model_path)
     check_remote_code(model_path, trust_remote_code=recipe.model.trust_remote_code)
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
@@ -160,8 +161,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     check_last_steps_applied(run.guard, out)
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
-    final = checkpoint.save_final(accelerator, model, processor, out / "final")
-    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", out / "metrics.jsonl", final,
+    final = checkpoint.save_final(accelerator, model, processor, layout.final)
+    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final,
              run.guard.total_skipped)
     accelerator.end_training()
     return 0
@@ -199,12 +200,13 @@ def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock,
     stops here) and the checkpoint to resume from, refusing to overwrite an earlier run's outputs. The caller
     holds the lock object for the whole run: the lock goes with it."""
     out, ck = Path(recipe.output_dir), recipe.checkpoint
-    lock = RunLock(out, out.parent / ".toolkit-cache")
+    layout = RunLayout(out)
+    lock = RunLock(layout)
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
     if busy is not None:
         raise ToolkitError(f"output_dir {out}: {busy}.")
-    resume_from = checkpoint.find_resume(ck.resume, out / "checkpoints")
-    if ck.resume == "none" and checkpoint.committed_checkpoints(out / "checkpoints"):
+    resume_from = checkpoint.find_resume(ck.resume, layout.checkpoints)
+    if ck.resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
     if resume_from is None:
@@ -225,11 +227,11 @@ def prepare_inputs(recipe: Recipe, accelerator: Accelerator, model_path: str, *,
     else:
         processor = tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                                chat_template=recipe.data.chat_template)
-    dummy_dir = Path(recipe.output_dir) / "dummy_data"
+    dummy_dir = RunLayout(recipe.output_dir).dummy_data
     if uses_dummy_data(recipe) and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
         if vision:
-            from toolkit.vision import write_dummy_vl_data
+            from toolkit.dummy_data import write_dummy_vl_data
 
             write_dummy_vl_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
@@ -265,7 +267,7 @@ def plan_curriculum(recipe: Recipe, stages: list[TrainingSet], *, world_size: in
 def build_batch_collator(recipe: Recipe, processor: Any, *, vision: bool) -> Any:
     """Rows to a padded batch: the VL collator (images), the packing collator (flattened rows), or plain padding."""
     if vision:
-        from toolkit.vision import VLCollator
+        from toolkit.collate import VLCollator
 
         return VLCollator(processor, min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
     return PackedCollator() if recipe.data.packing else build_collator(processor)
@@ -277,11 +279,11 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
     afresh (or cut back to the resumed step: the steps after it are redone)."""
     if not accelerator.is_main_process:
         return
-    out = Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    layout = RunLayout(recipe.output_dir)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    layout.recipe.write_text(recipe_to_yaml(recipe))
     world = accelerator.num_processes
-    (out / "run.json").write_text(json.dumps({
+    layout.run_json.write_text(json.dumps({
         "run_name": run_name, "strategy": strategies.strategy_name(accelerator), "num_processes": world,
         "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
         "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
@@ -289,9 +291,9 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
         | {"toolkit": __version__}}, indent=2))
     if resumed_at is None:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        layout.metrics.unlink(missing_ok=True)
     else:
-        truncate_after(out / "metrics.jsonl", resumed_at)
+        truncate_after(layout.metrics, resumed_at)
 
 
 def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer: Any, trainable: TrainablePlan, *,
@@ -300,14 +302,14 @@ def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer
                  identity: dict[str, Any]) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
     stability guard, the meters, metrics.jsonl and the checkpoint manager."""
-    out, ck, opt = Path(recipe.output_dir), recipe.checkpoint, recipe.optimizer
+    layout, ck, opt = RunLayout(recipe.output_dir), recipe.checkpoint, recipe.optimizer
     stab = recipe.stability
     run = Run(recipe, accelerator, model, optimizer, None,
               freezer.StageFreezer(accelerator, model, optimizer, trainable.groups),
               StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
                              max_consecutive_skips=stab.max_consecutive_skips),
-              Meter(accelerator.device), MetricsLog(out / "metrics.jsonl", enabled=accelerator.is_main_process),
-              checkpoint.CheckpointManager(out / "checkpoints", keep_last=ck.keep_last, best_metric=ck.best_metric,
+              Meter(accelerator.device), MetricsLog(layout.metrics, enabled=accelerator.is_main_process),
+              checkpoint.CheckpointManager(layout.checkpoints, keep_last=ck.keep_last, best_metric=ck.best_metric,
                                            best_mode=ck.best_mode, is_main=accelerator.is_main_process,
                                            barrier=accelerator.wait_for_everyone),
               preemption, plans, stages, samplers, stage_eval, collate, trainable.stage_counts, identity,
@@ -335,7 +337,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[curriculu
 def check_last_steps_applied(guard: StabilityGuard, out: Path) -> None:
     """A run whose last steps were skipped does not end in success: its weights are not where training ended."""
     if guard.consecutive:
-        last_good = checkpoint.committed_checkpoints(out / "checkpoints")
+        last_good = checkpoint.committed_checkpoints(RunLayout(out).checkpoints)
         raise ToolkitError(
             f"Training ended with its last {guard.consecutive} step(s) skipped ({guard.last_reason}); final/ was "
             f"not written. Last checkpoint: {last_good[-1] if last_good else 'none'}. Lower the learning rate or "
@@ -360,7 +362,7 @@ def tokenized_cache_dir(recipe: Recipe) -> Path | None:
     """Where tokenised files (and data-file hashes) are cached; None when data.cache_dir is 'none'."""
     if recipe.data.cache_dir == "none":
         return None
-    return Path(recipe.data.cache_dir or Path(recipe.output_dir).parent / ".toolkit-cache" / "tokenized")
+    return Path(recipe.data.cache_dir or RunLayout(recipe.output_dir).tokenized)
 
 
 def data_fingerprint(recipe: Recipe, dummy_dir: Path) -> dict[str, str]:
@@ -388,7 +390,7 @@ def load_curriculum_data(recipe: Recipe, tokenizer: Any, processor: Any | None, 
         max_len = stage.max_seq_len or recipe.data.max_seq_len
         encoder = None
         if processor is not None:
-            from toolkit.vision import vl_encoder
+            from toolkit.vl_data import vl_encoder
 
             encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
                                  train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,

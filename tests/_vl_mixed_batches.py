@@ -24,6 +24,17 @@ STEPS = 3
 MICRO_BATCH = 2
 
 
+def vision_module_names(model: torch.nn.Module) -> dict[str, str]:
+    """Name prefixes of the vision tower and its projector (patch merger) in a Qwen2.5-VL / Qwen3-VL `model`: they
+    sit at `model.visual` and `model.visual.merger`; wrappers (PEFT, DeepSpeed) only add leading prefixes, which the
+    returned names include."""
+    modules = dict(model.named_modules())
+    tower = next((n for n in modules if n == "visual" or n.endswith(".visual")), None)
+    if tower is None or f"{tower}.merger" not in modules:
+        raise ValueError(f"{type(model).__name__} has no Qwen-VL vision tower ('visual' with a 'merger').")
+    return {"vision_tower": tower, "projector": f"{tower}.merger"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory for the tiny model, data and rank{r}.json")
@@ -36,17 +47,14 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=3)  # before loading: enables ZeRO-3 init
     from accelerate.utils import set_seed
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
+    from toolkit.collate import VLCollator
     from toolkit.data import iter_jsonl
-    from toolkit.model import apply_lora
-    from toolkit.vision import (
-        VLCollator,
-        encode_vl_row,
-        vision_module_names,
-        write_dummy_vl_data,
-        write_tiny_qwen2_5_vl,
-    )
+    from toolkit.dummy_data import write_dummy_vl_data
+    from toolkit.model import apply_lora, load_processor
+    from toolkit.tiny_vl import write_tiny_qwen2_5_vl
+    from toolkit.vl_data import encode_vl_row
 
     rank = accelerator.process_index
     model_dir, data_dir = args.out / "tiny-qwen2.5-vl", args.out / "data"
@@ -55,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_qwen2_5_vl(model_dir)
             write_dummy_vl_data(data_dir, 16)
     set_seed(0)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    # Rank 1 did not build the model: it loads the processor as a run does (load_processor registers its class).
+    processor = load_processor(str(model_dir), trust_remote_code=False, chat_template=None)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     model = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=LORA_TARGETS, modules_to_save=[])

@@ -26,7 +26,7 @@ import yaml
 from tests._inprocess import Call, invoke, snapshot
 from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, write_jsonl
 from toolkit.config import TINY_MODEL
-from toolkit.run_dir import RunLock
+from toolkit.run_dir import RunLayout, RunLock
 
 TABLE = REPO / "docs" / "bad_inputs.md"
 
@@ -217,7 +217,7 @@ def _(c: Ctx) -> Call:
 @case("output-dir-in-use")
 def _(c: Ctx) -> Call:
     call = c.train()
-    lock = RunLock(c.tmp / "run", c.tmp / ".toolkit-cache")  # a live run's lock (flock: per open file)
+    lock = RunLock(RunLayout(c.tmp / "run"))  # a live run's lock (flock: per open file)
     assert lock.acquire() is None
     c.keep.append(lock)  # held until the case ends
     return call

@@ -21,7 +21,8 @@ from toolkit.data import (
     resolve_data_paths,
 )
 from toolkit.errors import ToolkitError
-from toolkit.tiny import CHATML_TEMPLATE, build_tokenizer
+from toolkit.templates import CHATML_TEMPLATE
+from toolkit.tiny import build_tokenizer
 
 PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 

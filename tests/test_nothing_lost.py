@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -20,12 +22,13 @@ import yaml
 
 from tests._inprocess import Call, invoke, snapshot
 from tests.conftest import CHAT, LAUNCH_TIMEOUT_S, REPO, base_recipe, free_port, run_env, write_jsonl
+from toolkit import atomic
 from toolkit.checkpoint import _unsaveable, committed_checkpoints
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after
 from toolkit.plot import plot_run
-from toolkit.run_dir import RunLock
+from toolkit.run_dir import RunLayout, RunLock
 
 
 def copy_run(trained: Path, dest: Path) -> Path:
@@ -80,6 +83,53 @@ def test_export_overwrite_is_explicit_and_never_reaches_the_source(trained: Path
     empty = tmp_path / "empty"
     empty.mkdir()
     export(run, empty)  # an empty folder holds nothing to lose
+
+
+def _fail_call(real: Any, n: int) -> Any:
+    """`real`, raising at its n-th call (a crash at that point)."""
+    calls = [0]
+
+    def wrapped(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == n:
+            raise OSError(5, "simulated crash")
+        return real(*args)
+
+    return wrapped
+
+
+def test_export_swap_interrupted_or_refused_keeps_the_earlier_export(trained: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run = copy_run(trained, tmp_path)
+    out = tmp_path / "exports" / "adapter"
+    export(run / "final", out)  # a run's final/ is a source too
+    assert json.loads((out / EXPORT_MARKER).read_text())["source"] == str((run / "final").resolve())
+    before = snapshot(out)
+
+    # The swap fails, in one step (RENAME_EXCHANGE) or in the fallback's second rename: the earlier export stays
+    # at --out, whole, and nothing is left beside it.
+    unsupported = (atomic, "exchange", lambda a, b: False)  # what a filesystem without RENAME_EXCHANGE gives
+    for crash in ([(atomic, "exchange", _fail_call(atomic.exchange, 1))],
+                  [unsupported, (os, "rename", _fail_call(os.rename, 2))]):
+        with monkeypatch.context() as m:
+            for owner, name, fake in crash:
+                m.setattr(owner, name, fake)
+            with pytest.raises(OSError, match="simulated crash"):
+                export(run / "checkpoints" / "step-00000001", out)
+        assert snapshot(out) == before
+        assert sorted(p.name for p in out.parent.iterdir()) == ["adapter"]
+
+    # --out became someone else's folder while the export ran: it is swapped back, never deleted.
+    def user_takes_out(path: Path) -> None:
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+
+    monkeypatch.setattr("toolkit.export._no_empty", user_takes_out)
+    with pytest.raises(ToolkitError, match="not an earlier export"):
+        export(run, out)
+    assert (out / "notes.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["adapter"]
 
 
 # --- signals and the run lock ------------------------------------------------------------------------------------
@@ -141,7 +191,7 @@ def test_signal_to_the_launcher_alone_stops_every_trainer_with_a_checkpoint(
         saved[-1].name.removeprefix("step-"))  # nothing trained after the save
 
     # The lock went with the run: the next launch on this output dir may start.
-    assert RunLock(tmp_path / "run", tmp_path / ".toolkit-cache").acquire() is None
+    assert RunLock(RunLayout(tmp_path / "run")).acquire() is None
 
 
 def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:

@@ -150,14 +150,18 @@ def test_export_carries_modules_trained_by_stage_patterns(curriculum_zero3: Path
 
 def test_export_vision_language_checkpoint_merged(tmp_path: Path) -> None:
     """A VL run (projector trained through `trainable`) exports merged, with its processor, loadable as it is."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText, ProcessorMixin
+
+    from toolkit.model import load_processor
 
     run = tmp_path / "vl"
     train("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")
     proc = _export(str(ckpt(run, 8)), "--out", str(tmp_path / "merged"), "--merge")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
-    AutoProcessor.from_pretrained(tmp_path / "merged")
+    # through the toolkit's loader: a bare AutoProcessor returns the tokenizer when the tiny class is not registered
+    processor = load_processor(str(tmp_path / "merged"), trust_remote_code=False, chat_template=None)
+    assert isinstance(processor, ProcessorMixin) and processor.image_processor is not None
     with safe_open(ckpt(run, 8) / "portable" / "lora_state.safetensors", "pt") as f:
         merger = f.get_tensor("param/base_model.model.model.visual.merger.modules_to_save.default.mlp.0.weight")
     assert torch.equal(dict(model.named_parameters())["model.visual.merger.mlp.0.weight"].detach(), merger)

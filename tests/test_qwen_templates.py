@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import stock_template
 from toolkit.data import IGNORE_INDEX, encode_files, encode_row
 from toolkit.errors import ToolkitError
-from toolkit.tiny import CHATML_TEMPLATE, QWEN_VOCAB_SIZE
+from toolkit.templates import CHATML_TEMPLATE
+from toolkit.tiny import QWEN_VOCAB_SIZE
 
 TEMPLATES = ["qwen2.5-instruct", "qwen3", "qwen2.5-vl", "qwen3-vl"]
 Q = "What is 17 + 25?"
@@ -275,7 +276,7 @@ def vl_processors(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory)
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from toolkit.vision import Qwen2_5_VLImageOnlyProcessor
+    from toolkit.tiny_vl import Qwen2_5_VLImageOnlyProcessor
 
     images = tmp_path_factory.mktemp("vl-images")
     for name, colour in (("a.png", "red"), ("b.png", "blue")):
@@ -296,7 +297,7 @@ def test_stock_vl_template_shapes(vl_processors: tuple[dict[str, Any], Path], te
                                   row: dict[str, Any], expected: dict[str, list[str] | str]) -> None:
     from PIL import Image
 
-    from toolkit.vision import encode_vl_row
+    from toolkit.vl_data import encode_vl_row
 
     processors, images = vl_processors
     processor, want = processors[template], expected[template]
@@ -337,7 +338,9 @@ def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> N
 def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[str, Any], Path]) -> None:
     """The tiny VL processor (its own small tokenizer): reading the turns off the token ids trains exactly what the
     {% generation %} markers of its ChatML template mark."""
-    from toolkit.vision import VL_CHATML_TEMPLATE, build_vl_processor, encode_vl_row
+    from toolkit.templates import VL_CHATML_TEMPLATE
+    from toolkit.tiny_vl import build_vl_processor
+    from toolkit.vl_data import encode_vl_row
 
     _, images = vl_processors
     marked, plain = build_vl_processor(), build_vl_processor()

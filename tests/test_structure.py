@@ -39,8 +39,8 @@ STRATEGY_ATTRS = {
     # DTensor (FSDP2)
     "full_tensor", "to_local", "device_mesh", "placements",
 }
-# Known exception, removed at merge: toolkit/vision.py's `_without_zero3_init` (engineer D splits vision.py while
-# strategies/deepspeed.py gains `without_zero3_init`; the lead points vision's caller at it and deletes this).
+# Known exception, removed at merge: `_without_zero3_init` (vision.py's, now toolkit/tiny_vl.py's after the split)
+# duplicates strategies/deepspeed.py's `without_zero3_init`; the lead points its caller there and deletes this.
 ALLOWED_FUNCTIONS = {"_without_zero3_init"}
 
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from toolkit.tiny import CHATML_TEMPLATE, build_tokenizer, write_tiny_qwen3
+from toolkit.templates import CHATML_TEMPLATE
+from toolkit.tiny import build_tokenizer, write_tiny_qwen3
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful math tutor."},

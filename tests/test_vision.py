@@ -1,4 +1,5 @@
-"""Qwen2.5-VL data side: tiny VL model, dummy image data, row encoding, over-length policies and the collator."""
+"""Vision-language side: tiny VL models (toolkit/tiny_vl.py), dummy image data, row encoding (toolkit/vl_data.py),
+over-length policies and the collator (toolkit/collate.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import math
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,29 +16,25 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from tests._vl_mixed_batches import vision_module_names
 from tests.conftest import REPO, launch_cmd, run_env, signal_tree
+from toolkit.collate import VLCollator
+from toolkit.config import TINY_VL_MODEL
 from toolkit.data import IGNORE_INDEX, DataStats
+from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora
-from toolkit.vision import (
-    IMAGE_PAD,
-    VISION_TOKENS,
-    Qwen2_5_VLImageOnlyProcessor,
-    VLCollator,
-    encode_vl_row,
-    process_images,
-    vision_module_names,
-    write_dummy_vl_data,
-    write_tiny_qwen2_5_vl,
-    write_tiny_qwen3_vl,
-)
+from toolkit.model import apply_lora, materialize_builtin
+from toolkit.templates import IMAGE_PAD, VISION_TOKENS
+from toolkit.tiny_vl import Qwen2_5_VLImageOnlyProcessor, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
+from toolkit.vl_data import encode_vl_row, process_images
 
 WHERE = "rows.jsonl:3"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-vl"))
+    """`builtin:tiny-qwen2.5-vl`, built as a run builds it (by `write_tiny_qwen2_5_vl`)."""
+    return Path(materialize_builtin(TINY_VL_MODEL, tmp_path_factory.mktemp("models")))
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +96,34 @@ def test_round_trip(model_dir: Path, processor: Any, model: Any) -> None:
     assert cfg.vision_config.out_hidden_size == cfg.text_config.hidden_size == 64
     assert processor.image_processor.size["longest_edge"] == 56 * 56 * 4
     assert "{% generation %}" in processor.chat_template.replace("{%-", "{%")
+
+
+FRESH_LOAD = """
+import sys
+from pathlib import Path
+
+from transformers import AutoProcessor, ProcessorMixin
+
+import toolkit.collate, toolkit.data, toolkit.dummy_data, toolkit.vl_data  # the production VL modules
+from toolkit.config import TINY_VL_MODEL
+from toolkit.model import load_processor, materialize_builtin
+
+path = materialize_builtin(TINY_VL_MODEL, Path(sys.argv[1]))  # already built: nothing is built, only found
+assert not {"toolkit.tiny", "toolkit.tiny_vl"} & set(sys.modules), "a production import loaded a test-model builder"
+assert not isinstance(AutoProcessor.from_pretrained(path), ProcessorMixin), "an import registered the processor"
+processor = load_processor(path, trust_remote_code=False, chat_template=None)
+print(type(processor).__name__, processor.image_processor.patch_size)
+"""
+
+
+def test_a_fresh_process_loads_the_builtin_processor(model_dir: Path) -> None:
+    """In a process that never built a tiny model, importing the model, data and collator modules imports no
+    test-model builder and registers no processor class, yet `load_processor` loads `builtin:tiny-qwen2.5-vl` as
+    its image-only processor (unregistered, AutoProcessor would silently give the bare tokenizer)."""
+    proc = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(model_dir.parent)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["Qwen2_5_VLImageOnlyProcessor", "14"]
 
 
 def test_deterministic_weights(tmp_path: Path, model_dir: Path) -> None:
@@ -195,6 +221,22 @@ def test_placeholder_count_and_images_type(processor: Any, data: dict[str, Path]
         encode(no_paths, processor, base)
     with pytest.raises(ToolkitError, match=rf"{WHERE}: 'images' must be a list"):
         encode(image_row(1, base) | {"images": "images/s1_00000.png"}, processor, base)
+
+
+@pytest.mark.parametrize(("messages", "error"), [
+    ([{"role": "robot", "content": "hi"}], r"messages\[0\] must have a role in .* or a list of"),
+    ([{"role": "user", "content": 5}], r"messages\[0\] must have a role in .* or a list of"),
+    ([{"role": "user", "content": ["hi"]}], r"messages\[0\]\.content must be a string or a list of"),
+    ([{"role": "user", "content": [{"type": "video"}]}], r"messages\[0\] has a 'video' part; only text and image"),
+    ([{"role": "user", "content": [{"type": "text", "text": 1}]}], r"messages\[0\] has a text part without"),
+    ([{"role": "user", "content": [{"type": "text", "text": "<|im_end|>"}]}], r"messages\[0\]\.content contains"),
+    ([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hi.", "tool_calls": "add"}],
+     r"messages\[1\]\.tool_calls must be a list"),
+], ids=["role", "content", "part", "video", "text", "marker", "tool_calls"])
+def test_messages_are_checked_like_text_rows(processor: Any, messages: list[Any], error: str) -> None:
+    """VL rows go through the text rows' message checks (`toolkit.data.check_messages`), with image parts."""
+    with pytest.raises(ToolkitError, match=rf"^{WHERE}: {error}"):
+        encode({"messages": messages}, processor, Path())
 
 
 # --- over-length ---

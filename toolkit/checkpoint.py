@@ -5,8 +5,9 @@ scheduler, RNG per rank; DeepSpeed ZeRO and FSDP shards in their own formats), `
 strategy-independent `portable/` copy of the adapter and its Adam state, and last the `COMMITTED` marker.
 
 Commit protocol: every rank writes into `step-N.tmp`; after a barrier rank 0 writes `meta.json` and the marker
-(fsynced), renames the directory to `step-N`, and only then rotates old checkpoints. A directory without the
-marker is never loaded, so a crash at any moment leaves the previous committed checkpoint as the resume point.
+(fsynced), renames the directory to `step-N` (toolkit/atomic.py), and only then rotates old checkpoints. A
+directory without the marker is never loaded, so a crash at any moment leaves the previous committed checkpoint as
+the resume point.
 Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it.
 """
 
@@ -16,7 +17,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import pickle
 import re
 import shutil
@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit import distributed
+from toolkit.atomic import build_dir, replace_dir, write_text_atomic
 from toolkit.errors import ToolkitError
 from toolkit.strategies import consolidate, param_state
 
@@ -112,13 +113,6 @@ def check_integrity(accelerator: Accelerator, ckpt: Path, meta: dict[str, Any]) 
                            "checkpoint (checkpoint.resume=<path>) or restore the original files.")
 
 
-def _write_durably(path: Path, text: str) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def recipe_hash(settings: dict[str, Any]) -> str:
     """Hash of the recipe settings that must not change on resume (they change what the steps compute)."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -156,8 +150,8 @@ class CheckpointManager:
             if self.is_main:
                 # Digests of what was written, checked on resume: a file swapped or cut short is refused.
                 meta = {**meta, "files": file_digests(tmp)}
-                _write_durably(tmp / META_FILE, json.dumps(meta, indent=2))
-                _write_durably(tmp / COMMIT_MARKER, f"{time.time()}\n")
+                write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
+                write_text_atomic(tmp / COMMIT_MARKER, f"{time.time()}\n")
         except OSError as e:  # disk full, quota, permissions: the partial state goes, the last checkpoint stays
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -165,9 +159,7 @@ class CheckpointManager:
                                "The partial checkpoint was removed; the previous one is intact. Free space "
                                "and relaunch the same command to resume.") from None
         if self.is_main:
-            if final.exists():  # the same step saved again (e.g. end of stage right after a resume)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # the same step may be saved again (e.g. end of stage right after a resume)
             self._update_best(step, meta.get("metrics", {}))
             self._rotate()
         self.barrier()
@@ -182,9 +174,7 @@ class CheckpointManager:
         if better:
             record = {"step": step, "metric": self.best_metric, "value": value,
                       "path": checkpoint_dir(self.root, step).name}
-            tmp = self.root / (BEST_FILE + ".tmp")
-            _write_durably(tmp, json.dumps(record))
-            os.replace(tmp, self.root / BEST_FILE)
+            write_text_atomic(self.root / BEST_FILE, json.dumps(record))
 
     def _rotate(self) -> None:
         """Delete committed checkpoints beyond the last `keep_last`, never the best; clear stale temp dirs."""
@@ -362,7 +352,8 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
 
     `get_state_dict` gathers ZeRO-3 partitions (16-bit gather on save) and FSDP shards into full tensors;
     saving the unwrapped model's own state dict instead is what leaves peers with empty `[0]` adapters.
-    The directory is written under a temporary name and renamed, so a crash never leaves a half-written model.
+    The directory is written under a temporary name and swapped in (toolkit/atomic.py), so a crash never leaves a
+    half-written model.
     """
     state_dict = accelerator.get_state_dict(model)
     # Decided on rank 0, which holds the gathered weights, and shared: every rank fails alike, none waits.
@@ -371,19 +362,13 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
     if problem is not None:
         raise ToolkitError(problem)
     if accelerator.is_main_process:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(out_dir.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
+
+        def write(tmp: Path) -> None:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+
+        build_dir(out_dir, write, tmp=out_dir.with_name(out_dir.name + ".tmp"))
     accelerator.wait_for_everyone()
     return out_dir
 

@@ -74,8 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="Export a checkpoint or run as a PEFT adapter, or a merged model (--merge).")
     p.add_argument("source", help="<output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
-    p.add_argument("--out", required=True, help="Directory to write: new, empty, or an earlier export (replaced "
-                   "only once the new export is complete).")
+    p.add_argument("--out", required=True, help="Directory to write: new, empty, or an earlier export. The export "
+                   "is built beside it and swapped in when complete: in one atomic step on Linux (renameat2 "
+                   "RENAME_EXCHANGE); where that is unsupported the earlier export is moved aside first, and a crash "
+                   "between the two renames leaves it beside --out as .<name>.old-*.")
     p.add_argument("--merge", action="store_true", help="Merge LoRA into the base weights (plain safetensors).")
     p.add_argument("--overwrite", action="store_true", help="Allow --out to be a non-empty folder that is not an "
                    "earlier export (never the source or a folder holding it).")

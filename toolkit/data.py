@@ -23,24 +23,24 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import tokenizers
 import transformers
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
+from toolkit.atomic import write_atomic
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.packing import pack_best_fit_decreasing, pack_row, pack_samples
+from toolkit.templates import IM_END, IM_START
 
 log = logging.getLogger(__name__)
 
@@ -118,29 +118,35 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield lineno, row
 
 
-CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
-ASSISTANT_HEADER = CHAT_START + "assistant"
+ASSISTANT_HEADER = IM_START + "assistant"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+IMAGE_PARTS = '{"type": "text" | "image", ...} parts'  # a vision-language message's content list
 
 
-def check_messages(messages: Any, where: str, train_on: str = "assistant") -> list[dict[str, Any]]:
+def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
+                   image_parts: bool = False) -> list[dict[str, Any]]:
     """The row's messages, checked: roles, string contents (an assistant turn with tool_calls may have none), a
     string `reasoning_content`, well-formed `tool_calls`. With train_on: assistant, a conversation with assistant
     turns must open (after an optional system prompt) with a user turn and end with an assistant turn: a trailing
     user or tool turn would train nothing, and changes how Qwen3 renders the turns before it. (A conversation with
-    no assistant turn has no trainable tokens and is skipped, as counted in the stage's statistics.) Returns
-    copies with a missing tool-call content made ""."""
+    no assistant turn has no trainable tokens and is skipped, as counted in the stage's statistics.) With
+    `image_parts` (vision-language rows) a content may also be a list of {"type": "text", "text": str} and
+    {"type": "image"} parts. Returns copies with a missing tool-call content made ""."""
     if not isinstance(messages, list) or not messages:
         raise ToolkitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+    content_kind = f"a string content or a list of {IMAGE_PARTS}" if image_parts else "a string content"
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and a string content.")
+            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
         m = dict(m)
         if m["role"] == "assistant" and m.get("tool_calls") and m.get("content") is None:
             m["content"] = ""
-        if not isinstance(m.get("content"), str):
-            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and a string content.")
+        content = m.get("content")
+        if image_parts and isinstance(content, list):
+            _check_parts(content, f"{where}: messages[{i}]")
+        elif not isinstance(content, str):
+            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
         if "reasoning_content" in m and not (m["role"] == "assistant" and isinstance(m["reasoning_content"], str)):
             raise ToolkitError(f"{where}: messages[{i}].reasoning_content must be a string on an assistant turn.")
         if "tool_calls" in m:
@@ -151,13 +157,27 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant") -> li
                     for c in calls):
                 raise ToolkitError(f"{where}: messages[{i}].tool_calls must be a list of {{\"type\": \"function\", "
                                    "\"function\": {\"name\": str, \"arguments\": object}} on an assistant turn.")
-        for key in ("content", "reasoning_content"):
-            if isinstance(m.get(key), str) and (CHAT_START in m[key] or CHAT_END in m[key]):
-                raise ToolkitError(f"{where}: messages[{i}].{key} contains {CHAT_START} or {CHAT_END}; these are "
+        texts = [("content", content)] if isinstance(content, str) else \
+            [("content", p["text"]) for p in content if p["type"] == "text"]
+        texts += [("reasoning_content", m["reasoning_content"])] if "reasoning_content" in m else []
+        for key, text in texts:
+            if IM_START in text or IM_END in text:
+                raise ToolkitError(f"{where}: messages[{i}].{key} contains {IM_START} or {IM_END}; these are "
                                    "the chat format's own markers and cannot appear inside a message.")
         out.append(m)
     check_turn_order(out, where, train_on)
     return out
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    """A vision-language content list: text parts with a string `text`, and image parts."""
+    if not all(isinstance(p, dict) and "type" in p for p in parts):
+        raise ToolkitError(f"{where}.content must be a string or a list of {IMAGE_PARTS}.")
+    for p in parts:
+        if p["type"] == "text" and not isinstance(p.get("text"), str):
+            raise ToolkitError(f"{where} has a text part without a string 'text'.")
+        if p["type"] not in ("image", "text"):
+            raise ToolkitError(f"{where} has a '{p['type']}' part; only text and image parts are supported.")
 
 
 def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) -> None:
@@ -211,7 +231,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], 
 
 def is_chatml_family(template: str) -> bool:
     """Templates that render every turn as <|im_start|>role ... <|im_end|> (ChatML, Qwen2.5, Qwen3, Qwen-VL)."""
-    return CHAT_START in template and CHAT_END in template
+    return IM_START in template and IM_END in template
 
 
 def chatml_assistant_spans(text: str, n_assistant: int, where: str) -> list[tuple[int, int]]:
@@ -222,12 +242,12 @@ def chatml_assistant_spans(text: str, n_assistant: int, where: str) -> list[tupl
     the think block of history turns, which makes it not prefix-stable); the number of turns found must equal the
     row's assistant messages."""
     spans, pos = [], 0
-    while (start := text.find(CHAT_START, pos)) != -1:
-        end = text.find(CHAT_END, start)
+    while (start := text.find(IM_START, pos)) != -1:
+        end = text.find(IM_END, start)
         if end == -1:
-            raise ToolkitError(f"{where}: the chat template rendered a turn without {CHAT_END}, so assistant turns "
+            raise ToolkitError(f"{where}: the chat template rendered a turn without {IM_END}, so assistant turns "
                                "cannot be located.")
-        end += len(CHAT_END)
+        end += len(IM_END)
         if text.startswith(ASSISTANT_HEADER, start) and text[start + len(ASSISTANT_HEADER)] in ("\n", "<"):
             body = start + len(ASSISTANT_HEADER)
             spans.append((body + 1 if text[body] == "\n" else body, end))
@@ -242,7 +262,7 @@ def chatml_token_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase, n_assi
     """`chatml_assistant_spans` on token ids (vision-language rows, whose image tokens the processor expands): 1 from
     after the header tokens `<|im_start|>assistant\n` through the next `<|im_end|>`, 0 elsewhere."""
     header = tokenizer.encode(ASSISTANT_HEADER + "\n", add_special_tokens=False)
-    end_id = tokenizer.convert_tokens_to_ids(CHAT_END)
+    end_id = tokenizer.convert_tokens_to_ids(IM_END)
     mask, found, i = [0] * len(ids), 0, 0
     while i < len(ids):
         if ids[i:i + len(header)] == header:
@@ -379,25 +399,35 @@ def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on
 
 RowEncoder = Callable[[dict[str, Any], Path, str, "DataStats"], "dict[str, Any] | None"]
 """(row, its file, 'file:line', stats) -> sample with input_ids and labels, or None when the length policy drops
-it (counted in stats). Text rows use `text_encoder`; vision-language rows `toolkit.vision.vl_encoder`."""
+it (counted in stats). Text rows use `text_encoder`; vision-language rows `toolkit.vl_data.vl_encoder`."""
 
 
 def text_encoder(tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlength: str,
                  train_on: str, thinking: str = "auto") -> RowEncoder:
-    """`encode_row`, then the over-length policy (error, drop, or truncate to max_seq_len)."""
+    """`encode_row`, then the over-length policy (`fit_to_length`)."""
     def encode(row: dict[str, Any], path: Path, where: str, stats: DataStats) -> dict[str, Any] | None:
         ids, labels = encode_row(row, tokenizer, train_on, where, thinking)
-        if len(ids) > max_seq_len:
-            if overlength == "error":
-                raise ToolkitError(f"{where}: {len(ids)} tokens, over data.max_seq_len={max_seq_len}. Raise "
-                                   "max_seq_len, or set data.overlength to drop or truncate.")
-            if overlength == "drop":
-                stats.dropped_overlength += 1
-                return None
-            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-            stats.truncated += 1
-        return {"input_ids": ids, "labels": labels}
+        return fit_to_length(ids, labels, max_seq_len=max_seq_len, overlength=overlength, where=where, stats=stats)
     return encode
+
+
+def fit_to_length(ids: list[int], labels: list[int], *, max_seq_len: int, overlength: str, where: str,
+                  stats: DataStats | None, uncuttable: int = 0) -> dict[str, Any] | None:
+    """data.overlength for a row over `max_seq_len` tokens: "error" raises, "drop" returns None, "truncate" cuts ids
+    and labels to max_seq_len. The first `uncuttable` tokens must stay whole (a vision-language row's image tokens):
+    a cut inside them drops the row instead. `stats`, when given, counts dropped and truncated rows."""
+    if len(ids) <= max_seq_len:
+        return {"input_ids": ids, "labels": labels}
+    if overlength == "error":
+        raise ToolkitError(f"{where}: {len(ids)} tokens, over data.max_seq_len={max_seq_len}. Raise "
+                           "max_seq_len, or set data.overlength to drop or truncate.")
+    if overlength == "drop" or uncuttable > max_seq_len:
+        if stats is not None:
+            stats.dropped_overlength += 1
+        return None
+    if stats is not None:
+        stats.truncated += 1
+    return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len]}
 
 
 def encode_files(paths: list[Path], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int,
@@ -463,7 +493,7 @@ def _add_stats(into: DataStats, other: DataStats) -> None:
 #   hashes/<sha(path)>.json a file's sha256 remembered against its size, mtime, ctime and inode.
 # key = sha256 of {CACHE_FORMAT_VERSION, file sha256, tokenizer fingerprint (chat template included), max_seq_len,
 # overlength, train_on, thinking}.
-# Every file is written to a temp file, fsynced and os.replace'd, so concurrent ranks and crashes never leave a
+# Every file is written atomically (toolkit/atomic.py), so concurrent ranks and crashes never leave a
 # partial entry; ranks that miss together each tokenise and the last rename wins (the contents are identical).
 
 
@@ -494,23 +524,6 @@ def _stat_sig(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def _atomic_write(target: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write through a temp file in the same folder, fsync, then os.replace: readers see all of it or none."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
     """sha256 of the file's bytes (streamed) and its stat signature taken before reading.
 
@@ -529,7 +542,7 @@ def _file_sha256(path: Path, cache_dir: Path) -> tuple[str, list[int]]:
     if started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(path) == sig:
         payload = json.dumps({"path": str(path), "stat": sig, "sha256": digest}).encode()
         with contextlib.suppress(OSError):
-            _atomic_write(record, lambda f: f.write(payload))
+            write_atomic(record, lambda f: f.write(payload))
     return digest, sig
 
 
@@ -578,7 +591,7 @@ def _write_entry(entry: Path, data: EncodedRows, key: dict[str, Any], source: Pa
     meta = {"key": key, "source": str(source), "stats": asdict(data.stats), "extras": data.extras}
     arrays = {"input_ids": ids, "labels": labels, "offsets": np.cumsum([0, *lengths], dtype=np.int64),
               "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-    _atomic_write(entry, lambda f: np.savez(f, **arrays))
+    write_atomic(entry, lambda f: np.savez(f, **arrays))
 
 
 def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, fingerprint: str, *,

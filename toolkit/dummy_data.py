@@ -1,19 +1,24 @@
-"""Deterministic dummy chat datasets for curriculum smoke runs.
+"""Deterministic dummy chat datasets for curriculum smoke runs, text (`write_dummy_data`) and image-text
+(`write_dummy_vl_data`).
 
 Smoke runs need two stages of easy-to-learn chat data without downloads: stage 1 is short single-turn
 arithmetic; stage 2 is longer, partly multi-turn, partly system-prompted text with a long tail of
 lengths (to exercise packing/bucketing). Each row carries a ``difficulty`` that grows with problem size
-so difficulty-ordered curricula have something to sort on.
+so difficulty-ordered curricula have something to sort on. The image-text stages ask about small generated
+PNGs (colours and shapes), mixed with text-only rows.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from pathlib import Path
 from typing import Any
+
+from PIL import Image, ImageDraw
+
+from toolkit.atomic import write_atomic, write_text_atomic
 
 Row = dict[str, Any]
 
@@ -108,9 +113,81 @@ def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) ->
     for stage, make_row in (("stage1", _stage1_row), ("stage2", _stage2_row)):
         path = out / f"{stage}.jsonl"
         rows = [json.dumps(make_row(rng), ensure_ascii=False) for _ in range(num_samples)]
-        # Write then rename: several processes (one per node) may create the same file at once.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        # Atomic: several processes (one per node) may write the same file at once, and runs read it.
+        write_text_atomic(path, "\n".join(rows) + "\n")
         paths[stage] = path
+    return paths
+
+
+# --- image-text (vision-language) dummy data ------------------------------------------------------------------------
+
+_COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (30, 180, 60), "blue": (30, 60, 220), "yellow": (240, 220, 40),
+    "black": (10, 10, 10), "white": (245, 245, 245), "orange": (250, 140, 20), "purple": (140, 50, 170),
+}
+_SHAPES = ("square", "circle", "triangle")
+
+
+def _draw(path: Path, rng: random.Random) -> tuple[str, str]:
+    """Write a small PNG (56-112 px a side): a coloured shape on a grey background, or a solid colour."""
+    colour = rng.choice(list(_COLOURS))
+    shape = rng.choice((*_SHAPES, "solid"))
+    w, h = rng.randint(56, 112), rng.randint(56, 112)
+    img = Image.new("RGB", (w, h), _COLOURS[colour] if shape == "solid" else (128, 128, 128))
+    draw = ImageDraw.Draw(img)
+    box = (w // 6, h // 6, w - w // 6, h - h // 6)
+    if shape == "square":
+        draw.rectangle(box, fill=_COLOURS[colour])
+    elif shape == "circle":
+        draw.ellipse(box, fill=_COLOURS[colour])
+    elif shape == "triangle":
+        draw.polygon([(w // 2, box[1]), (box[0], box[3]), (box[2], box[3])], fill=_COLOURS[colour])
+    write_atomic(path, lambda f: img.save(f, format="PNG"))  # another node may be reading it (shared disk)
+    return colour, shape
+
+
+def _user(n_images: int, text: str) -> dict[str, Any]:
+    return {"role": "user", "content": [*({"type": "image"} for _ in range(n_images)), {"type": "text", "text": text}]}
+
+
+def write_dummy_vl_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> dict[str, Path]:
+    """Deterministic two-stage VL curriculum: `vl_stage1.jsonl` (captioning, one image a row) and `vl_stage2.jsonl`
+    (~30% text-only rows, the rest one or two images). Images go to `out_dir/images`; returns the JSONL paths."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+
+    def image(name: str) -> tuple[str, str, str]:
+        colour, shape = _draw(out / "images" / name, rng)
+        return f"images/{name}", colour, shape
+
+    stage1, stage2 = [], []
+    for i in range(num_samples):
+        path, colour, _ = image(f"s1_{i:05d}.png")
+        stage1.append({"messages": [_user(1, "What colour is this?"),
+                                    {"role": "assistant", "content": f"It is {colour}."}],
+                       "images": [path], "difficulty": 1.0})
+    for i in range(num_samples):
+        kind = rng.random()
+        if kind < 0.3:  # text only
+            a, b = rng.randint(0, 20), rng.randint(0, 20)
+            stage2.append({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                        {"role": "assistant", "content": f"{a} + {b} = {a + b}."}],
+                           "difficulty": 1.0})
+        elif kind < 0.75:
+            path, colour, shape = image(f"s2_{i:05d}_0.png")
+            answer = f"A {colour} {shape}." if shape != "solid" else f"Only {colour}, no shape."
+            stage2.append({"messages": [_user(1, "What shape is this, and what colour?"),
+                                        {"role": "assistant", "content": answer}],
+                           "images": [path], "difficulty": 2.0})
+        else:
+            (p0, c0, _), (p1, c1, _) = image(f"s2_{i:05d}_0.png"), image(f"s2_{i:05d}_1.png")
+            answer = f"Yes, both are {c0}." if c0 == c1 else f"No: the first is {c0} and the second is {c1}."
+            stage2.append({"messages": [_user(2, "Are these the same colour?"),
+                                        {"role": "assistant", "content": answer}],
+                           "images": [p0, p1], "difficulty": 3.0})
+    paths = {}
+    for name, rows in (("vl_stage1", stage1), ("vl_stage2", stage2)):
+        paths[name] = out / f"{name}.jsonl"
+        write_text_atomic(paths[name], "".join(json.dumps(r) + "\n" for r in rows))
     return paths

@@ -10,9 +10,6 @@ shards). Tokenizer and a short model card with the curriculum summary are includ
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +19,30 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+from toolkit.atomic import build_dir
 from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
 from toolkit.config import Recipe, load_recipe
 from toolkit.errors import ToolkitError
 from toolkit.model import apply_lora, is_vision_language, load_processor
+from toolkit.run_dir import RunLayout
 from toolkit.strategies.consolidate import consolidate_full_weights
 from toolkit.trainable import modules_to_train, stage_entries
 
 
-def _resolve(source: Path) -> tuple[Path, Path]:
-    """(checkpoint or final dir, run output dir) for a checkpoint, an output dir, or its final/ dir."""
+def _resolve(source: Path) -> tuple[Path, RunLayout]:
+    """(checkpoint or final dir, the run's layout) for a checkpoint, an output dir, or its final/ dir."""
     if (source / COMMIT_MARKER).is_file():
-        return source, source.parent.parent
-    if (source / "recipe.yaml").is_file():
-        if (source / "final").is_dir():
-            return source / "final", source
-        found = committed_checkpoints(source / "checkpoints")
+        return source, RunLayout.of_checkpoint(source)
+    parent = RunLayout(source.parent)
+    if parent.final == source and parent.recipe.is_file():
+        return source, parent
+    run = RunLayout(source)
+    if run.recipe.is_file():
+        if run.final.is_dir():
+            return run.final, run
+        found = committed_checkpoints(run.checkpoints)
         if found:
-            return found[-1], source
+            return found[-1], run
     raise ToolkitError(f"{source} is neither a committed checkpoint nor a run output dir with final/ or checkpoints/. "
                        "Pass <output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
 
@@ -61,13 +64,13 @@ def _no_empty(path: Path) -> None:
             raise ToolkitError(f"Export wrote empty tensors to {file}: {empty[:3]}")
 
 
-def _model_card(run: Path, meta: dict[str, Any] | None, merged: bool) -> str:
-    info = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
-    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+def _model_card(run: RunLayout, meta: dict[str, Any] | None, merged: bool) -> str:
+    info = json.loads(run.run_json.read_text()) if run.run_json.is_file() else {}
+    recipe = yaml.safe_load(run.recipe.read_text())
     kind = "full fine-tuning"
     if recipe["lora"]["enabled"]:
         kind = "LoRA merged into the weights" if merged else "LoRA adapter"
-    lines = [f"# {info.get('run_name', run.name)}", "",
+    lines = [f"# {info.get('run_name', run.root.name)}", "",
              f"Fine-tuned from `{recipe['model']['name_or_path']}` with curriculum-toolkit ({kind}).",
              "", f"Strategy: {info.get('strategy', '?')} x {info.get('num_processes', '?')}, effective batch "
              f"{info.get('effective_batch', '?')}." + (f" Exported at step {meta['step']}." if meta else ""),
@@ -88,7 +91,7 @@ def _lora_from_portable_state(model: Any, recipe: Recipe, src: Path, run: Path) 
     state = src / "portable" / "lora_state.safetensors"
     if not state.is_file():
         raise ToolkitError(f"{src} has no portable LoRA state (checkpoint.portable was off); export "
-                           f"{run}/final instead.")
+                           f"{RunLayout(run).final} instead.")
     params = dict(model.named_parameters())
     with safe_open(str(state), framework="pt") as f, torch.no_grad():
         stored = [k.removeprefix("param/") for k in f.keys() if k.startswith("param/")]  # noqa: SIM118
@@ -105,49 +108,48 @@ EXPORT_MARKER = ".toolkit-export.json"
 """Written into every export: a folder holding it may be replaced by a later export to the same --out."""
 
 
-def check_out(out: Path, src: Path, run: Path, *, overwrite: bool) -> None:
+def _check_replaceable(folder: Path, out: Path, *, overwrite: bool) -> None:
+    """Refuse to replace `folder` (at --out, or just swapped out of it) unless it is empty, an earlier export
+    (it holds EXPORT_MARKER) or --overwrite was given."""
+    if not overwrite and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file():
+        raise ToolkitError(f"--out {out} is a non-empty folder that is not an earlier export; it would be replaced. "
+                           "Choose a new folder, or pass --overwrite to replace it.")
+
+
+def check_out(out: Path, src: Path, run: RunLayout, *, overwrite: bool) -> None:
     """Refuse an --out whose replacement would lose anything: the source or a folder holding it (never), or a
     non-empty folder that is not an earlier export (unless --overwrite)."""
     target = out.resolve()
-    for protected in (src.resolve(), run.resolve()):
+    for protected in (src.resolve(), run.root.resolve()):
         if target == protected or target in protected.parents:
             raise ToolkitError(f"--out {out} contains what is being exported ({protected}): choose another folder.")
     if src.resolve() in target.parents:
         raise ToolkitError(f"--out {out} is inside what is being exported ({src}): choose another folder.")
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"--out {out} is a file; name a folder.")
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file() and not overwrite:
-        raise ToolkitError(f"--out {out} is a non-empty folder that is not an earlier export; it would be replaced. "
-                           "Choose a new folder, or pass --overwrite to replace it.")
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Put `tmp` in place of `out`: the old folder is moved aside first and deleted only once the new one is in."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    if out.is_dir():
+        _check_replaceable(out, out, overwrite=overwrite)
 
 
 def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrite: bool = False,
            trust_remote_code: bool = False) -> Path:
     """Write an exported model to `out` (see module docstring). Returns `out`.
 
-    `out` is written under a temporary name beside it and swapped in at the end; a failure leaves `out` as it
-    was and no temporary folder behind.
+    `out` is written under a temporary name beside it and swapped in when complete (toolkit/atomic.py): on Linux
+    filesystems with renameat2(RENAME_EXCHANGE) in one atomic step, so `out` holds the earlier export or the new
+    one at every moment; elsewhere the earlier one is moved aside first, and a crash between the two renames leaves
+    it beside `out` as `.<name>.old-*`. The folder swapped out is checked again (an earlier export, empty, or
+    --overwrite) before it is deleted, else put back. A failure leaves `out` as it was and no temporary folder.
     """
     src, run = _resolve(Path(source))
     out = Path(out)
     check_out(out, src, run, overwrite=overwrite)
-    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe = yaml.safe_load(run.recipe.read_text())
     meta = read_meta(src) if (src / COMMIT_MARKER).is_file() else None
     base = _base_model(src, meta, recipe)
     if meta is not None:
         verify_checkpoint_files(src)
-    typed = load_recipe(run / "recipe.yaml")
+    typed = load_recipe(run.recipe)
     trust = typed.model.trust_remote_code
     if trust and not trust_remote_code:
         raise ToolkitError(f"The run's recipe sets model.trust_remote_code: exporting it runs Python code from "
@@ -159,7 +161,7 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         if meta is None:
             model = PeftModel.from_pretrained(model, src)
         else:
-            model = _lora_from_portable_state(model, typed, src, run)
+            model = _lora_from_portable_state(model, typed, src, run.root)
         if merge:
             model = model.merge_and_unload()
     elif meta is not None:
@@ -168,14 +170,10 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
             raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}).")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the export private to this user
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer_src = str(run / "final") if (run / "final" / "tokenizer_config.json").is_file() else base
+        tokenizer_src = str(run.final) if (run.final / "tokenizer_config.json").is_file() else base
         if vision:  # the processor (image processor + tokenizer + chat template) makes the export usable as it is
             load_processor(tokenizer_src, trust_remote_code=trust, chat_template=None).save_pretrained(tmp)
         else:
@@ -183,7 +181,6 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         (tmp / "README.md").write_text(_model_card(run, meta, merge and typed.lora.enabled))
         _no_empty(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(src.resolve()), "merged": merge}))
-        _replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful swap
+
+    build_dir(out, write, check_replaced=lambda old: _check_replaceable(old, out, overwrite=overwrite))
     return out

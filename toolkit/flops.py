@@ -42,7 +42,7 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 
 
-def _text_config(config: Any) -> Any:
+def _decoder_config(config: Any) -> Any:
     """The decoder part of a config (the text model of a vision-language config)."""
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
@@ -56,7 +56,7 @@ def count_params(config: Any) -> dict[str, int]:
     ``total`` (unique weights: layers + embeddings, + LM head unless tied). Norm weights and biases are
     tiny and not counted.
     """
-    c = _text_config(config)
+    c = _decoder_config(config)
     h, inter, layers = int(c.hidden_size), int(c.intermediate_size), int(c.num_hidden_layers)
     heads = int(c.num_attention_heads)
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
@@ -80,7 +80,7 @@ def count_params(config: Any) -> dict[str, int]:
 
 def attention_flops_per_token(config: Any, seq_len: int) -> float:
     """Causal attention score/value FLOPs per token, forward + backward: 6 * L * s * a * d."""
-    c = _text_config(config)
+    c = _decoder_config(config)
     heads = int(c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     return 3.0 * int(c.num_hidden_layers) * (2 * 2 * seq_len * heads * head_dim * 0.5)

@@ -19,6 +19,7 @@ from toolkit.config import Recipe
 from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths, text_encoder
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
+from toolkit.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"
@@ -89,7 +90,7 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                 continue
             max_len = st.max_seq_len or recipe.data.max_seq_len
             if vision:
-                from toolkit.vision import vl_encoder
+                from toolkit.vl_data import vl_encoder
 
                 encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
                                      train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,
@@ -110,14 +111,13 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
 
 def _dummy_dir(recipe: Recipe, tmp: Path, *, vision: bool) -> Path:
     """The run's dummy data when it was generated, else a fresh copy (the rows --create_dummy_data writes)."""
-    run_dir = Path(recipe.output_dir) / "dummy_data"
+    run_dir = RunLayout(recipe.output_dir).dummy_data
     if not any(p.startswith(DUMMY_PREFIX) for s in recipe.stages for p in s.paths) or run_dir.is_dir():
         return run_dir
-    from toolkit.dummy_data import write_dummy_data
+    from toolkit.dummy_data import write_dummy_data, write_dummy_vl_data
 
-    write_dummy_data(tmp / "dummy_data", 64, seed=recipe.train.seed)
+    fresh = RunLayout(tmp).dummy_data
+    write_dummy_data(fresh, 64, seed=recipe.train.seed)
     if vision:
-        from toolkit.vision import write_dummy_vl_data
-
-        write_dummy_vl_data(tmp / "dummy_data", 64, seed=recipe.train.seed)
-    return tmp / "dummy_data"
+        write_dummy_vl_data(fresh, 64, seed=recipe.train.seed)
+    return fresh

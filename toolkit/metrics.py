@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from toolkit.atomic import write_text_atomic
 from toolkit.errors import ToolkitError
 
 
@@ -76,9 +77,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(to_json_line(r) for r in kept), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(to_json_line(r) for r in kept))
 
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}

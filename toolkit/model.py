@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -21,10 +21,11 @@ from transformers import (
     ProcessorMixin,
 )
 
+from toolkit.atomic import build_dir
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
-from toolkit.tiny import CHATML_TEMPLATE, write_tiny_qwen3
+from toolkit.templates import CHATML_TEMPLATE, VL_CHATML_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,16 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
     name = name_or_path.removeprefix("builtin:")
     target = cache_dir / name
     if not (target / "config.json").is_file():
-        from toolkit import vision
+        # The test-model builders are imported only here, when a built-in model is first built: loading any model
+        # (a built one included) never imports them.
+        from toolkit.tiny import write_tiny_qwen3
+        from toolkit.tiny_vl import write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 
-        write = {TINY_MODEL: write_tiny_qwen3, TINY_VL_MODEL: vision.write_tiny_qwen2_5_vl,
-                 TINY_QWEN3_VL_MODEL: vision.write_tiny_qwen3_vl}[name_or_path]
-        # Build aside, then rename: processes on several nodes may share this directory.
-        tmp = write(cache_dir / f".{name}.{os.getpid()}.tmp")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
+        write = {TINY_MODEL: write_tiny_qwen3, TINY_VL_MODEL: write_tiny_qwen2_5_vl,
+                 TINY_QWEN3_VL_MODEL: write_tiny_qwen3_vl}[name_or_path]
+        # Built aside, then renamed in: processes on several nodes may share this directory; the first copy in
+        # stays (the others are identical).
+        build_dir(target, write, replace=False)
     return str(target)
 
 
@@ -122,14 +123,30 @@ def is_vision_language(name_or_path: str, *, trust_remote_code: bool) -> bool:
 def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None) -> ProcessorMixin:
     """A vision-language model's processor. `chat_template: chatml` selects the VL ChatML training template (with
     {% generation %} markers, which loss masking on assistant turns needs); a Jinja string replaces it."""
-    from toolkit.vision import VL_CHATML_TEMPLATE  # also registers the tiny model's image-only processor
+    if _saved_processor_class(name_or_path) == "Qwen2_5_VLImageOnlyProcessor":
+        # The tiny VL models' processor class: AutoProcessor finds it only registered (else it silently returns the
+        # tokenizer). Imported here, for such a model only, so loading other models never imports the test models.
+        from toolkit.tiny_vl import register_image_only_processor
 
+        register_image_only_processor()
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if not isinstance(processor, ProcessorMixin):
+        raise ToolkitError(f"model.name_or_path '{name_or_path}' is a vision-language model but AutoProcessor found "
+                           f"no processor for it (got a {type(processor).__name__}); its processor_config.json must "
+                           "name a processor class that transformers knows.")
     if chat_template is not None:
         processor.chat_template = VL_CHATML_TEMPLATE if chat_template == "chatml" else chat_template
     if processor.tokenizer.pad_token_id is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     return processor
+
+
+def _saved_processor_class(name_or_path: str) -> str | None:
+    """The processor_class a local model directory's processor_config.json names (None for a hub id or none)."""
+    try:
+        return json.loads((Path(name_or_path) / "processor_config.json").read_text()).get("processor_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def resolve_dtype(name: str, *, lora: bool) -> torch.dtype:

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from toolkit.atomic import write_atomic
 from toolkit.errors import ToolkitError
 from toolkit.metrics import read_metrics
+from toolkit.run_dir import RunLayout
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens / s"))
 
@@ -45,8 +47,8 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
 
 def plot_run(output_dir: str | Path) -> Path:
     """Write ``training.png`` next to the run's metrics.jsonl and return its path."""
-    out = Path(output_dir)
-    path = out / "metrics.jsonl"
+    layout = RunLayout(output_dir)
+    path = layout.metrics
     if not path.is_file():
         raise ToolkitError(f"No metrics to plot: {path} does not exist. Give the output_dir of a training run "
                            "(it is written from the first logged step on).")
@@ -82,8 +84,8 @@ def plot_run(output_dir: str | Path) -> Path:
                 ax.annotate(name, xy=(step, 0.98), xycoords=("data", "axes fraction"), xytext=(3, 0),
                             textcoords="offset points", va="top", fontsize="small", color="grey")
     axes[-1].set_xlabel("step")
-    fig.suptitle(out.name)
+    fig.suptitle(layout.root.name)
     fig.tight_layout()
-    target = out / "training.png"
-    fig.savefig(target, dpi=100)
+    target = layout.plot
+    write_atomic(target, lambda f: fig.savefig(f, format="png", dpi=100))  # a viewer never reads half a picture
     return target

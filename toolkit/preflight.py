@@ -19,6 +19,7 @@ from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recip
 from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
 from toolkit.labels import IGNORE_INDEX
 from toolkit.memory import estimate_all, format_table, load_model_config
+from toolkit.run_dir import RunLayout
 from toolkit.strategies import strategy_of_config
 
 
@@ -84,7 +85,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                                    "is not in the local Hugging Face cache (preflight does not download)."])
             lines += ["", "stage data (tokens per row):"]
             for stage in recipe.stages:
-                files = resolve_data_paths(stage.paths, Path(recipe.output_dir) / "dummy_data")
+                files = resolve_data_paths(stage.paths, RunLayout(recipe.output_dir).dummy_data)
                 if not all(f.is_file() for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue

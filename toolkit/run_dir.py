@@ -1,4 +1,5 @@
-"""The output directory's safety: one live writer at a time, and an earlier run's outputs never replaced silently.
+"""The output directory: its layout (`RunLayout`, the one place that names a run's paths), one live writer at a
+time, and an earlier run's outputs never replaced silently.
 
 The lock is an advisory `flock` held by rank 0 for the life of the process: the kernel releases it when the
 process ends, however it ends (SIGKILL included), so a crashed or killed run never blocks the next one, while a
@@ -15,13 +16,88 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from toolkit.errors import ToolkitError
 
-EARLIER_RUN_FILES = ("metrics.jsonl", "run.json", "final")
-"""What a run writes into its output dir once training starts; their presence marks an earlier run."""
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Every path of a run, from its output dir (`root`). The shared cache lives beside it, not in it: built-in
+    models, tokenised data and run locks are shared by the runs of one parent folder, and a run that stops on bad
+    input has then written nothing inside its output dir."""
+
+    root: Path
+
+    def __init__(self, output_dir: str | Path) -> None:
+        object.__setattr__(self, "root", Path(output_dir))
+
+    @classmethod
+    def of_checkpoint(cls, ckpt: Path) -> RunLayout:
+        """The run that holds the checkpoint folder `ckpt` (`<root>/checkpoints/step-N`)."""
+        return cls(ckpt.parent.parent)
+
+    @property
+    def checkpoints(self) -> Path:
+        """Committed checkpoints, `step-N/` (see toolkit/checkpoint.py)."""
+        return self.root / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        """The trained adapter or model with its tokenizer / processor, written at the end."""
+        return self.root / "final"
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON record per logged step, stage end and eval (toolkit/metrics.py)."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def run_json(self) -> Path:
+        """The run's identity: strategy, processes, batch, stages, versions."""
+        return self.root / "run.json"
+
+    @property
+    def recipe(self) -> Path:
+        """The resolved recipe the run trained with (export rebuilds the model from it)."""
+        return self.root / "recipe.yaml"
+
+    @property
+    def trackers(self) -> Path:
+        """accelerate's tracker logs (TensorBoard and the like)."""
+        return self.root / "trackers"
+
+    @property
+    def dummy_data(self) -> Path:
+        """Where the `dummy:` data files are generated."""
+        return self.root / "dummy_data"
+
+    @property
+    def plot(self) -> Path:
+        """`toolkit plot`'s picture of metrics.jsonl."""
+        return self.root / "training.png"
+
+    @property
+    def cache(self) -> Path:
+        """The cache shared by the runs beside this one; it holds the built-in models' folders."""
+        return self.root.parent / ".toolkit-cache"
+
+    @property
+    def tokenized(self) -> Path:
+        """The default tokenised-data cache (data.cache_dir)."""
+        return self.cache / "tokenized"
+
+    @property
+    def locks(self) -> Path:
+        """The run locks, one file per output dir."""
+        return self.cache / "locks"
+
+    @property
+    def earlier_run_files(self) -> tuple[Path, ...]:
+        """What a run writes into its output dir once training starts; their presence marks an earlier run."""
+        return self.metrics, self.run_json, self.final
 
 
 def check_output_dir(out: Path) -> None:
@@ -40,7 +116,7 @@ def check_output_dir(out: Path) -> None:
 def check_not_an_earlier_run(out: Path) -> None:
     """Refuse to start afresh in a folder holding an earlier run's outputs that no checkpoint continues: its
     metrics and final model would be replaced, and its tracker logs mixed with the new run's."""
-    found = [name for name in EARLIER_RUN_FILES if (out / name).exists()]
+    found = [path.name for path in RunLayout(out).earlier_run_files if path.exists()]
     if found:
         raise ToolkitError(f"output_dir {out} holds the outputs of an earlier run ({', '.join(found)}) and no "
                            "checkpoint to resume from: starting here would replace them. Use a new output_dir, "
@@ -50,9 +126,9 @@ def check_not_an_earlier_run(out: Path) -> None:
 class RunLock:
     """Exclusive, process-lifetime lock on an output dir (see the module docstring). Hold the object."""
 
-    def __init__(self, out: Path, cache_root: Path) -> None:
-        resolved = str(out.resolve())
-        self.path = cache_root / "locks" / f"{hashlib.sha256(resolved.encode()).hexdigest()[:20]}.lock"
+    def __init__(self, layout: RunLayout) -> None:
+        out = layout.root
+        self.path = layout.locks / f"{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:20]}.lock"
         self.out = out
         self._file: IO[str] | None = None
 

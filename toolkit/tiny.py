@@ -3,7 +3,8 @@
 Tests and the demo need a genuine causal LM and a genuine fast tokenizer with a ChatML chat template
 (assistant masks, offsets, special tokens) that load through the normal ``from_pretrained`` path, yet
 there is no network. Everything here is built in-process and deterministically: a byte-level BPE
-tokenizer trained on an embedded corpus and a seeded, randomly initialised ``Qwen3ForCausalLM``.
+tokenizer trained on an embedded corpus and a seeded, randomly initialised ``Qwen3ForCausalLM``. The tiny
+vision-language models are in `toolkit.tiny_vl`; the chat template is `toolkit.templates.CHATML_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -15,26 +16,11 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from toolkit.templates import CHATML_TEMPLATE, IM_END, IM_START
+
 PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 VOCAB_SIZE = 1000
-
-# Each assistant turn's content + <|im_end|> is a generation block so that
-# ``return_assistant_tokens_mask=True`` marks exactly the tokens the model should learn to produce.
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}"
-    "{{- message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 _WORDS = (
     "the a an and or but of to in on at for with from by is are was were be it this that these those "

@@ -1,0 +1,198 @@
+"""Atomic writes: a reader, or the next run after a crash, finds a file or folder whole (the old one or the new
+one), never part of one. Every file and folder the toolkit publishes goes through here.
+
+Files are written to a temporary file in the same folder, fsynced, renamed over the target (`os.replace`, atomic
+on POSIX) and the folder fsynced, so the rename survives a power cut too.
+
+Folders are built under a temporary name beside the target and renamed into place. An existing folder is swapped
+with the new one in one step (`renameat2(RENAME_EXCHANGE)` on Linux): at every moment the target holds the old
+folder or the new one. Where the kernel or filesystem lacks the exchange (other systems, some network
+filesystems), the old folder is moved aside first and the new one renamed in: a crash between those two renames
+leaves the target missing and the old folder beside it as `.<name>.old-*`. The old folder is deleted only once the
+new one is in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import os
+import platform
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347}
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of `folder` (a rename into it, a new file) durable. A no-op where folders cannot be
+    opened (not POSIX)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder; the rename itself is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write `path` with `write(f)` on a temporary file beside it, fsync, rename it over `path`, fsync the folder.
+    Readers see all of the new content or the old one; a failure leaves no temporary file. The file gets the
+    permissions a plain open() would give it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make it private to this user
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`write_atomic` for UTF-8 text."""
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """libc's renameat2, or the raw system call where the C library predates it; None off Linux."""
+    if platform.system() != "Linux":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):
+        return libc.renameat2
+    number = _SYS_RENAMEAT2.get(platform.machine())
+    if number is None:
+        return None
+    return lambda *args: libc.syscall(number, *args)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the paths `a` and `b` (both must exist) in one atomic step. False, with nothing changed, where the
+    system or filesystem cannot (then the caller falls back to two renames); other failures raise OSError."""
+    call = _renameat2()
+    if call is None:
+        return False
+    if call(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def swap_dir(new: Path, target: Path) -> Path | None:
+    """Put the complete folder `new` at `target`. Returns where the folder that was at `target` is now (the
+    caller decides whether to delete it, see `replace_dir`), or None when there was none. On failure `target` is
+    as it was and `new` still exists.
+
+    Atomic where `exchange` is supported; otherwise the old folder is moved aside first (see the module
+    docstring for what a crash between the two renames leaves)."""
+    if not target.exists() and not target.is_symlink():
+        os.replace(new, target)  # an empty folder created meanwhile is replaced; a non-empty one makes this fail
+        fsync_dir(target.parent)
+        return None
+    if exchange(new, target):
+        fsync_dir(target.parent)
+        return new
+    aside = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+    os.rename(target, aside)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(aside, target)  # the old folder back in place
+        raise
+    fsync_dir(target.parent)
+    return aside
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder this module moved out of the way (or a temporary one); a file or link is unlinked."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def replace_dir(new: Path, target: Path, *, check_replaced: Callable[[Path], None] | None = None) -> None:
+    """Put the complete folder `new` at `target` and delete the folder it replaces, once the new one is in.
+
+    `check_replaced(old)` is called on the very folder swapped out, before it is deleted (it may have changed since
+    the caller last looked): when it raises, that folder is put back at `target`, the new one deleted, and the
+    exception propagates."""
+    old = swap_dir(new, target)
+    if old is None:
+        return
+    if check_replaced is not None:
+        try:
+            check_replaced(old)
+        except BaseException:
+            new_now = swap_dir(old, target)  # the old folder back; the new one is where the old one was
+            if new_now is not None:
+                remove_tree(new_now)
+            raise
+    remove_tree(old)
+
+
+def temp_dir_beside(target: Path) -> Path:
+    """An empty folder `.<name>.*.tmp` in the folder of `target` (same filesystem, so it renames into place), with
+    the permissions a plain mkdir would give (mkdtemp's 0700 would make the result private to this user)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
+def build_dir(target: Path, build: Callable[[Path], Any], *, replace: bool = True, tmp: Path | None = None,
+              check_replaced: Callable[[Path], None] | None = None) -> bool:
+    """Build a folder with `build(tmp)` in a temporary folder beside `target`, then move it into place.
+
+    `replace`: an existing `target` is swapped out and deleted (`replace_dir`, with `check_replaced`). Otherwise
+    an existing one is kept and the new build discarded (several processes building the same content: the first
+    one wins); returns whether the new folder went in. `tmp` names the temporary folder (a fixed name that a later
+    run clears; it is deleted first), else a fresh `.<name>.*.tmp`. A failure leaves `target` as it was and no
+    temporary folder."""
+    if tmp is None:
+        tmp = temp_dir_beside(target)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    try:
+        build(tmp)
+        if replace:
+            replace_dir(tmp, target, check_replaced=check_replaced)
+            return True
+        try:
+            os.rename(tmp, target)
+        except OSError:  # someone else's copy is in place
+            return False
+        fsync_dir(target.parent)
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed into place
