@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import __version__, checkpoint, distributed
+from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.config import (
     Recipe,
     ResolvedStage,
@@ -43,6 +43,7 @@ from toolkit.data import (
 from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
 from toolkit.flops import peak_flops
+from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard
 from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
@@ -71,6 +72,7 @@ from toolkit.run_data import (
     uses_dummy_data,
 )
 from toolkit.run_dir import RunLayout, RunLock, check_not_an_earlier_run, check_output_dir
+from toolkit.strategies.deepspeed import configure_deepspeed
 from toolkit.trainable import TrainablePlan, plan_trainable
 
 log = logging.getLogger("toolkit")
@@ -96,7 +98,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
                                                 log_with=recipe.logging.trackers or None,
                                                 project_dir=str(layout.trackers))
-    world, strategy = accelerator.num_processes, distributed.strategy_name(accelerator)
+    world, strategy = accelerator.num_processes, strategies.strategy_name(accelerator)
     global_batch = micro * accum * world
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
     # Decided once on rank 0 and shared: clocks of different nodes disagree.
@@ -141,7 +143,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # its own deepspeed_io loader (unused), its samples/throughput counters and its check that train_batch_size =
     # micro x accum x processes. No one value fits every stage; the first stage's is the batch the engine sees
     # first, and it is the recipe's own value (train.micro_batch_size alone may be overridden by every stage).
-    distributed.configure_deepspeed(accelerator, model, resolved[0].micro_batch_size, opt.max_grad_norm)
+    configure_deepspeed(accelerator, model, resolved[0].micro_batch_size, opt.max_grad_norm)
     optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
@@ -282,7 +284,7 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
     layout.recipe.write_text(recipe_to_yaml(recipe))
     world = accelerator.num_processes
     layout.run_json.write_text(json.dumps({
-        "run_name": run_name, "strategy": distributed.strategy_name(accelerator), "num_processes": world,
+        "run_name": run_name, "strategy": strategies.strategy_name(accelerator), "num_processes": world,
         "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
         "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
         "trainable_params": trainable_params,
@@ -303,7 +305,7 @@ def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
     accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
     return Run(recipe, accelerator, model, optimizer, scheduler,
-               distributed.StageFreezer(accelerator, model, optimizer, trainable.groups),
+               StageFreezer(accelerator, model, optimizer, trainable.groups),
                StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
                               max_consecutive_skips=stab.max_consecutive_skips),
                Meter(accelerator.device), MetricsLog(layout.metrics, enabled=accelerator.is_main_process),
@@ -320,7 +322,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
                  model_path: str, data_files: dict[str, str]) -> dict[str, Any]:
     """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
     world, settings = accelerator.num_processes, resume_invariants(recipe)
-    return {"world_size": world, "strategy": distributed.strategy_name(accelerator),
+    return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
             "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
             "stage_batches": [p.global_batch for p in plans], "lora": recipe.lora.enabled,
             "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,

@@ -36,18 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora", action="store_true", help=f"train LoRA adapters (r={LORA_R}, all-linear)")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import (
-        build_accelerator,
-        build_optimizer,
-        configure_deepspeed,
-        strategy_name,
-    )
+    from toolkit.distributed import build_accelerator, build_optimizer
+    from toolkit.strategies import strategy_name
+    from toolkit.strategies.deepspeed import configure_deepspeed
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=10)
     from accelerate.utils import gather_object, set_seed
     from transformers import AutoModelForCausalLM
 
-    from toolkit.memory import measure_rank_state_bytes
+    from toolkit.strategies.measure import measure_rank_state_bytes
 
     set_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config())  # under ZeRO-3 init when the config asks for it

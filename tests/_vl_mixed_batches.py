@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-dummy-image", action="store_true", help="disable the collator's dummy image")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import build_accelerator, build_optimizer, configure_deepspeed, strategy_name
+    from toolkit.distributed import build_accelerator, build_optimizer
+    from toolkit.strategies import strategy_name
+    from toolkit.strategies.deepspeed import configure_deepspeed
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=3)  # before loading: enables ZeRO-3 init
     from accelerate.utils import set_seed

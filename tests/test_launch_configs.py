@@ -23,12 +23,13 @@ from tests.conftest import LAUNCH_TIMEOUT_S, REPO, run_env, train, train_cmd
 from toolkit.distributed import (
     check_launch_config,
     has_accelerator,
-    own_deepspeed_config,
     scaler_skipped,
     skip_update,
 )
 from toolkit.errors import ToolkitError
 from toolkit.metrics import read_metrics
+from toolkit.strategies import strategy_of_config
+from toolkit.strategies.deepspeed import own_deepspeed_config
 
 # What `accelerate config` writes for a local machine around the strategy-specific keys (accelerate 1.x).
 ACCELERATE_WRITES = {
@@ -125,8 +126,11 @@ def test_inline_config_trains_the_recipe(name: str, fields: dict, override_note:
     """Inline DeepSpeed settings (accumulation 4 or 1, clipping 0.01) and FSDP2: the recipe's run, and one log
     line naming each value the file set differently and the winner."""
     out = runs / name
-    output = trained(launch(write_config(runs, name, fields), out, "model.gradient_checkpointing=true"))
+    config = write_config(runs, name, fields)
+    output = trained(launch(config, out, "model.gradient_checkpointing=true"))
     assert losses(out) == pytest.approx(ddp_reference, rel=1e-4)
+    # preflight names the file's strategy as the live run records it (one naming table)
+    assert json.loads((out / "run.json").read_text())["strategy"] == strategy_of_config(config)[0]
     notes = [line for line in output.splitlines() if "the recipe's values win" in line]
     if override_note is None:
         assert notes == []
@@ -284,3 +288,22 @@ def test_vetoed_fp16_step_leaves_the_scaler_ready() -> None:
     assert not torch.equal(vetoed_then_normal(close=True), torch.ones(2))
     with pytest.raises(RuntimeError, match="unscale_"):
         vetoed_then_normal(close=False)
+
+
+@pytest.mark.parametrize(("config", "name"), [
+    ("single", "single"), ("ddp", "ddp"), ("zero2", "zero2"), ("zero3", "zero3"), ("zero3_offload", "zero3_offload"),
+    ("multinode_zero3", "zero3"), ("fsdp", "fsdp2")])
+def test_shipped_configs_are_named(config: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped accelerate configs (and their DeepSpeed JSONs) get the names their runs record."""
+    monkeypatch.chdir(REPO)  # their deepspeed_config_file paths are relative to the repository root
+    assert strategy_of_config(Path(f"accelerate_configs/{config}.yaml"))[0] == name
+
+
+def test_inline_and_json_deepspeed_settings_are_named_alike(tmp_path: Path) -> None:
+    """ZeRO-2 with optimizer offload, inline or in a JSON: one name (the same table names a live run)."""
+    inline = write_config(tmp_path, "inline", ZERO2_OFFLOAD)
+    ds_json = tmp_path / "zero2_offload.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    from_file = write_config(tmp_path, "file", {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_config_file": str(ds_json), "zero3_init_flag": False}})
+    assert strategy_of_config(inline)[0] == strategy_of_config(from_file)[0] == "zero2_offload"

@@ -18,10 +18,10 @@ from toolkit.memory import (
     estimate_all,
     format_table,
     load_model_config,
-    measure_rank_state_bytes,
     meta_parameter_counts,
     recommend,
 )
+from toolkit.strategies.measure import measure_rank_state_bytes
 
 # The builtin tiny Qwen3 (toolkit.tiny.write_tiny_qwen3 defaults; its tokenizer pads the vocabulary to 1024).
 # Parameters: embeddings 1024*64 = 65536, LM head 65536, final norm 64, and per layer

@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from toolkit import distributed
 from toolkit.atomic import build_dir, replace_dir, write_text_atomic
 from toolkit.errors import ToolkitError
+from toolkit.strategies import consolidate, param_state
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
@@ -228,7 +229,7 @@ _DCP_BASICS = {"Size", "float32", "float16", "bfloat16", "float64", "int64", "in
 
 
 def _load_weights_only(source: Any, *, mmap: bool = False) -> None:
-    with torch.serialization.safe_globals(distributed.checkpoint_safe_globals()):
+    with torch.serialization.safe_globals(consolidate.checkpoint_safe_globals()):
         torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
 
 
@@ -304,7 +305,7 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
 
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable(accelerator, model):
-        for key, value in distributed.full_param_state(accelerator, optimizer, param).items():
+        for key, value in param_state.full_param_state(accelerator, optimizer, param).items():
             tensors[f"{key}/{name}"] = value
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -328,7 +329,7 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
     for name, param in named:
         values = {k: stored[f"{k}/{name}"] for k in ("param", "exp_avg", "exp_avg_sq") if f"{k}/{name}" in stored}
         step = steps[name] if steps is not None else int(metadata["adam_step"])
-        distributed.set_full_param_state(accelerator, optimizer, param, values, step)
+        param_state.set_full_param_state(accelerator, optimizer, param, values, step)
 
 
 def _unsaveable(state_dict: dict[str, Any], out_dir: Path) -> str | None:

@@ -19,13 +19,13 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from toolkit import distributed
 from toolkit.atomic import build_dir
 from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
 from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import is_vision_language, load_processor, setup_lora
 from toolkit.run_dir import RunLayout
+from toolkit.strategies.consolidate import consolidate_full_weights
 
 
 def _resolve(source: Path) -> tuple[Path, RunLayout]:
@@ -163,7 +163,7 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         if merge:
             model = model.merge_and_unload()
     elif meta is not None:
-        weights = distributed.consolidate_full_weights(src, meta["strategy"])
+        weights = consolidate_full_weights(src, meta["strategy"])
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
             raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "

@@ -98,7 +98,7 @@ class Run:
     model: Any
     optimizer: Any
     scheduler: Any
-    freezer: Any  # distributed.StageFreezer
+    freezer: Any  # toolkit.freezer.StageFreezer
     guard: StabilityGuard
     meter: Meter
     metrics: MetricsLog

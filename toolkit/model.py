@@ -25,6 +25,7 @@ from transformers import (
 from toolkit.atomic import build_dir
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
+from toolkit.strategies.deepspeed import full_numel
 from toolkit.templates import CHATML_TEMPLATE, VL_CHATML_TEMPLATE
 from toolkit.trainable import modules_to_train
 
@@ -219,7 +220,7 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; correct under ZeRO-3, where local tensors are empty shards."""
     trainable = total = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel())
+        n = full_numel(p)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total

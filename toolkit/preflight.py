@@ -10,7 +10,6 @@ each stage's data: rows, token-length percentiles, rows over max_seq_len and row
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,41 +19,10 @@ import yaml
 
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recipe, ResolvedStage, resolve_stages
 from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
-from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.memory import GIB, estimate_all, format_table, load_model_config
 from toolkit.run_dir import RunLayout
-
-
-def strategy_of(accelerate_config: Path) -> tuple[str, int]:
-    """(strategy name, num_processes) selected by an accelerate config file."""
-    if not accelerate_config.is_file():
-        raise ToolkitError(f"Accelerate config {accelerate_config} does not exist.")
-    try:
-        cfg = yaml.safe_load(accelerate_config.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ToolkitError(f"Accelerate config {accelerate_config} is not valid YAML: {' '.join(str(e).split())}"
-                           ) from None
-    if not isinstance(cfg, dict):
-        raise ToolkitError(f"Accelerate config {accelerate_config} must hold a mapping of keys (as written by "
-                           "`accelerate config`).")
-    kind, procs = str(cfg.get("distributed_type", "NO")), int(cfg.get("num_processes", 1))
-    if kind == "DEEPSPEED":
-        ds = cfg.get("deepspeed_config", {})
-        zero = ds.get("zero_stage")
-        offload = ds.get("offload_optimizer_device", "none") != "none"
-        if ds.get("deepspeed_config_file"):
-            path = Path(ds["deepspeed_config_file"])
-            if not path.is_file():
-                raise ToolkitError(f"{accelerate_config} names DeepSpeed config {path}, which does not exist.")
-            zcfg = json.loads(path.read_text()).get("zero_optimization", {})
-            zero = zcfg.get("stage", 0)
-            offload = any(zcfg.get(k, {}).get("device", "none") != "none"
-                          for k in ("offload_optimizer", "offload_param"))
-        return ("zero3_offload" if zero == 3 and offload else f"zero{zero}"), procs
-    if kind == "FSDP":
-        return "fsdp", procs
-    return ("ddp" if procs > 1 else "single"), procs
+from toolkit.strategies import strategy_of_config
 
 
 def _model_config(name_or_path: str) -> Any:
@@ -110,7 +78,7 @@ def worst_stage(estimates: list[dict[str, dict[str, int]]]) -> int:
 def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
               scan_data: bool = True) -> str:
     """The preflight report as text."""
-    chosen, procs = strategy_of(accelerate_config)
+    chosen, procs = strategy_of_config(accelerate_config)
     gpus = num_gpus or procs
     config = _model_config(recipe.model.name_or_path)
     mixed = yaml.safe_load(accelerate_config.read_text()).get("mixed_precision", "no")

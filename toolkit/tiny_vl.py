@@ -12,8 +12,6 @@ finds it once registered: `register_image_only_processor()` does that, called wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from toolkit.strategies.deepspeed import without_zero3_init
 from toolkit.templates import (
     IM_START,
     IMAGE_PAD,
@@ -83,21 +82,6 @@ def build_vl_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = T
                                                temporal_patch_size=2, merge_size=2)
     return Qwen2_5_VLImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                         chat_template=VL_CHATML_TEMPLATE)
-
-
-@contextmanager
-def _without_zero3_init() -> Iterator[None]:
-    """Build a plain local model even inside a ZeRO-3 run: Qwen2.5-VL creates its sub-models with `_from_config`,
-    which would otherwise partition them with `deepspeed.zero.Init`, a collective that only the building rank joins
-    (a hang when rank 0 alone writes the model)."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _tiny_language_model_config(tok: Any, hidden: int) -> dict[str, Any]:
@@ -177,7 +161,7 @@ def _save_tiny(out_dir: str | Path, model_class: Any, config: Any, processor: An
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = processor.tokenizer
-    with _without_zero3_init():
+    with without_zero3_init():
         torch.manual_seed(seed)
         model = model_class(config)
         model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,

@@ -11,7 +11,7 @@ be silently missing from the adapter). Such a module trains only in the stages t
 select parameters directly and the default is every parameter.
 
 Every parameter that trains in any stage is handed to the optimizer once, in one param group per *signature* (the
-tuple of stages it trains in); `distributed.StageFreezer` then keeps the groups a stage freezes bit-identical, with
+tuple of stages it trains in); `freezer.StageFreezer` then keeps the groups a stage freezes bit-identical, with
 their Adam state untouched, under every strategy.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from toolkit.config import LORA_KEYWORD
 from toolkit.errors import ToolkitError
+from toolkit.strategies.deepspeed import full_numel
 
 _GLOB = frozenset("*?[")
 
@@ -124,6 +125,6 @@ def plan_trainable(model: torch.nn.Module, stage_entries: Sequence[Sequence[str]
     for n, _ in named:
         if n in union:
             by_signature.setdefault(tuple(n in s for s in sets), []).append(n)
-    numel = {n: getattr(p, "ds_numel", p.numel()) for n, p in named}
+    numel = {n: full_numel(p) for n, p in named}
     return TrainablePlan(stage_names=sets, groups=list(by_signature.items()),
                          stage_counts=[sum(numel[n] for n in s) for s in sets])
