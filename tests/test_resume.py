@@ -86,7 +86,7 @@ def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path
     assert events[1]["stage_steps"] == 2 and events[1]["stage_samples"] == 2 * 4  # global batch 2 x 2 x 1
     full = records(planned)
     assert [r["loss"] for r in got[:2]] == pytest.approx([r["loss"] for r in full[:2]], rel=1e-6)
-    # the next stage starts at once, with its own schedule from its first step
+    # the next stage starts at once, with its own schedule from its first step: the lr the optimizer applied
     assert [r["lr"] for r in got[2:]] == pytest.approx([r["lr"] for r in full[8:]], rel=1e-9)
     assert (early / "final" / "adapter_model.safetensors").is_file()
 

@@ -82,6 +82,7 @@ class StepResult:
 
     loss: float
     grad_norm: Any  # what the strategy's clip returned (a tensor or float; None when there was no sync)
+    lr: float  # the learning rate the step's update used (read from the optimizer, not recomputed)
     skipped: bool = False
     reason: str | None = None
     preempted: bool = False
@@ -219,6 +220,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
             else:
                 distributed.skip_update(acc.scaler)  # fp16: the loss scaler closes the step too
             optimizer.zero_grad()
+    lr = optimizer.param_groups[0]["lr"]  # every group has base lr 1.0: the same absolute lr
     run.scheduler.step()
     meter.add_step(step_loss, verdict.skip)
     if not verdict.skip and not distributed.scaler_skipped(optimizer):  # fp16 overflow: no update
@@ -234,7 +236,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                 f"Training diverged: {run.guard.consecutive} consecutive steps skipped up to step {done} in stage "
                 f"'{plan.name}' ({verdict.reason}). Last good checkpoint: "
                 f"{last_good[-1] if last_good else 'none'}. Lower the learning rate or check the data.")
-    return StepResult(step_loss, grad_norm, verdict.skip, verdict.reason, preempted, time_due)
+    return StepResult(step_loss, grad_norm, lr, verdict.skip, verdict.reason, preempted, time_due)
 
 
 def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: StepResult) -> int | None:
@@ -246,7 +248,7 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
     recipe, acc, saving = run.recipe, run.accelerator, run.recipe.checkpoint
     if done % recipe.logging.logging_steps == 0 or done == run.curriculum.end_step:
         record = {**record_header(done, stage), "stage_step": step_in_stage + 1,
-                  **run.meter.record(acc, peak_flops=run.peak_flops), "lr": run.curriculum.lr_at(done - 1),
+                  **run.meter.record(acc, peak_flops=run.peak_flops), "lr": result.lr,
                   "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
                   "samples": run.curriculum.samples_seen(done)}
         run.log_record(record)
@@ -288,11 +290,20 @@ def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> boo
         log.info("stage '%s' ends early after %d of %d steps: eval_loss has not improved on %.4f for %d "
                  "evaluations", stage.name, step_in_stage + 1, stage.plan.steps, patience.best, patience.since_best)
         cur.end_stage_early(stage, step_in_stage + 1)
+        reapply_schedule(run.scheduler)
         if run.bar is not None:
             run.bar.total = cur.end_step
         run.log_record({**record_header(done, stage), "event": "early_advance", "best_eval_loss": patience.best})
         return True
     return stage_end
+
+
+def reapply_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Set the optimizer's lr for the next step from the curriculum's current schedule. The scheduler computed it at
+    its last `step()`, from the schedule before an early advance moved the later stages up: without this the next
+    stage's first step would train at the cut stage's lr. Stepping again from one step back recomputes it."""
+    scheduler.last_epoch -= 1
+    scheduler.step()
 
 
 def stage_summary(run: Run, stage: Stage, done: int, tokens_now: int) -> None:
