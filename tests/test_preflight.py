@@ -44,6 +44,33 @@ def test_qwen3_8b_long_context_stage_is_estimated_at_its_own_batch_and_is_the_wo
     assert sum("<- worst" in x for x in report.splitlines()) == 1
 
 
+@pytest.mark.parametrize(("config", "row"), [("zero3.yaml", "zero3"), ("fsdp.yaml", "fsdp"), ("ddp.yaml", "ddp"),
+                                             ("zero3_offload.yaml", "zero3_offload"), ("zero2.yaml", "zero2")])
+def test_per_stage_figures_are_the_selected_strategys(config: str, row: str) -> None:
+    """The per-stage lines are the memory table's row of the strategy the accelerate config selects (a run names
+    FSDP2 'fsdp2'; the table's row is 'fsdp'), not another strategy's."""
+    recipe = load_recipe(QWEN3_8B_RECIPE)
+    report = preflight(recipe, REPO / "accelerate_configs" / config, num_gpus=4, gpu_memory_gb=80, scan_data=False)
+    assert f"GiB per GPU under {row}):" in report, report
+    stages = resolve_stages(recipe)
+    estimates = stage_estimates(recipe, load_model_config(recipe.model.name_or_path), stages, num_gpus=4,
+                                param_bytes=2)
+    line = next(x for x in report.splitlines() if x.strip().startswith("long_context"))
+    assert f"peak {estimates[worst_stage(estimates)][row]['total'] / 2**30:.2f}" in line
+
+
+def test_a_strategy_without_its_own_row_says_which_row_stands_for_it(tmp_path: Path) -> None:
+    """ZeRO-2 with optimizer offload, as `accelerate config` writes it: shown as ZeRO-2 and said to be an upper
+    bound, not silently another strategy's figures."""
+    config = tmp_path / "zero2_offload.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      "  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero_stage: 2\n"
+                      "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 4\n")
+    report = preflight(load_recipe(QWEN3_8B_RECIPE), config, num_gpus=None, gpu_memory_gb=80, scan_data=False)
+    assert "selected by" in report and ": zero2_offload" in report
+    assert "GiB per GPU under zero2 (estimated without the optimizer offload: an upper bound)):" in report
+
+
 def test_stage_activation_estimates_match_measured_steps(tmp_path: Path) -> None:
     """Two stages of a recipe, 4 x 128 and 1 x 1024 tokens, on bench/loss_head_memory.py's model (the real
     151,936-token vocabulary, standard head: the head's logits dominate and grow with the stage's tokens). One

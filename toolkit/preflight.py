@@ -70,6 +70,21 @@ def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *,
             for stage in stages]
 
 
+ESTIMATED_AS = {"fsdp2": ("fsdp", ""),
+                "zero0": ("ddp", " (estimated as DDP)"),
+                "zero1": ("ddp", " (ZeRO-1 estimated as DDP: an upper bound)"),
+                "zero2_offload": ("zero2", " (estimated without the optimizer offload: an upper bound)")}
+"""Launch names (toolkit.strategies) the memory table has no row of its own for: the row that stands for them."""
+
+
+def table_row(strategy: str, rows: dict[str, dict[str, int]]) -> tuple[str, str]:
+    """(memory-table row, note for the report) of the strategy a launch selects."""
+    row, note = ESTIMATED_AS.get(strategy, (strategy, ""))
+    if row not in rows:  # e.g. `single` with --num-gpus > 1
+        row, note = next(iter(rows)), f" ({strategy} has no row for this GPU count: shown as {next(iter(rows))})"
+    return row, note
+
+
 def worst_stage(estimates: list[dict[str, dict[str, int]]]) -> int:
     """Index of the stage with the largest activations (the persistent state is the same in every stage)."""
     return max(range(len(estimates)), key=lambda i: next(iter(estimates[i].values()))["activations"])
@@ -87,10 +102,10 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     stages = resolve_stages(recipe)
     estimates = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes)
     worst = worst_stage(estimates)
-    shown = chosen if chosen in estimates[worst] else next(iter(estimates[worst]))
+    shown, note = table_row(chosen, estimates[worst])
     width = max(len(s.name) for s in stages)
     per_stage = [f"per stage ({'packed rows of max_seq_len' if recipe.data.packing else 'rows up to max_seq_len'}"
-                 f"; GiB per GPU under {shown}):"]
+                 f"; GiB per GPU under {shown}{note}):"]
     for stage, rows in zip(stages, estimates, strict=True):
         est = rows[shown]
         per_stage.append(f"  {stage.name.ljust(width)}  micro batch {stage.micro_batch_size} x {stage.max_seq_len} "
