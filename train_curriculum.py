@@ -27,6 +27,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from toolkit import __version__, checkpoint, distributed, strategies
+from toolkit.atomic import write_text_atomic
+from toolkit.collate import batch_collator
 from toolkit.config import (
     Recipe,
     ResolvedStage,
@@ -37,9 +39,6 @@ from toolkit.config import (
     resume_invariants,
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
-from toolkit.data import (
-    build_collator,
-)
 from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
 from toolkit.flops import peak_flops
@@ -62,7 +61,7 @@ from toolkit.model import (
     resolve_dtype,
     setup_lora,
 )
-from toolkit.packing import PackedCollator, check_packing_support
+from toolkit.packing import check_packing_support
 from toolkit.preemption import PreemptionFlag
 from toolkit.run_data import (
     data_fingerprint,
@@ -107,7 +106,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
              run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
     # The launcher's death reaches the trainer as SIGTERM from here on (see toolkit/preemption.py).
     preemption = PreemptionFlag()
-    _lock, resume_from = claim_output_dir(recipe, accelerator)  # held (open) until the process exits
+    _lock, resume_from = claim_output_dir(layout, recipe.checkpoint.resume, accelerator)  # held until exit
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
     with accelerator.local_main_process_first():  # the builtin tiny models are built once per machine
@@ -118,13 +117,15 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     if create_dummy:  # stages not already on dummy data get the generated files
         use_dummy_data(recipe.stages, vision=vision)
     resolved = resolve_stages(recipe)  # each stage's effective settings, from here on
-    processor, tokenizer, dummy_dir = prepare_inputs(recipe, resolved, accelerator, model_path, vision=vision,
-                                                     dummy_samples=dummy_samples)
-    curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None, dummy_dir)
-    collate = build_batch_collator(recipe, processor if vision else tokenizer, vision=vision)
+    processor, tokenizer = prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data,
+                                          vision=vision, dummy_samples=dummy_samples)
     cache = tokenized_cache_dir(recipe.data.cache_dir, out)
+    curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
+                              layout.dummy_data, cache)
+    collate = batch_collator(processor if vision else tokenizer, vision=vision, packing=recipe.data.packing,
+                             min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
-                            data_files=data_fingerprint(resolved, dummy_dir, cache))
+                            data_files=data_fingerprint(resolved, layout.dummy_data, cache))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
@@ -149,13 +150,13 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
 
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=preemption,
+    run = assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
                        curriculum=curriculum, collate=collate, identity=identity)
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
         resume_run(run, resume_from, resume_meta, forced)
-    write_run_files(recipe, accelerator, run_name, curriculum.plans, trainable.stage_counts,
+    write_run_files(recipe, layout, accelerator, identity, curriculum.plans, trainable.stage_counts,
                     resumed_at=None if run.resumed is None else run.resumed.step)
     accelerator.init_trackers(run_name, config=flat_config(recipe))
 
@@ -173,7 +174,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
             return code
         step += 1
     run.bar.close()
-    check_last_steps_applied(run.guard, out)
+    check_last_steps_applied(run.guard, layout)
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
     final = checkpoint.save_final(accelerator, model, processor, layout.final)
@@ -209,18 +210,16 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
         log.warning("checkpoint.resume_force: resumed despite %s", difference)
 
 
-def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
+def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
     """Take the run lock (one writer per output dir: a second launch, or a requeue while an orphaned trainer runs,
     stops here) and the checkpoint to resume from, refusing to overwrite an earlier run's outputs. The caller
     holds the lock object for the whole run: the lock goes with it."""
-    out, saving = Path(recipe.output_dir), recipe.checkpoint
-    layout = RunLayout(out)
-    lock = RunLock(layout)
+    out, lock = layout.root, RunLock(layout)
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
     if busy is not None:
         raise ToolkitError(f"output_dir {out}: {busy}.")
-    resume_from = checkpoint.find_resume(saving.resume, layout.checkpoints)
-    if saving.resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
+    resume_from = checkpoint.find_resume(resume, layout.checkpoints)
+    if resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
     if resume_from is None:
@@ -228,10 +227,10 @@ def claim_output_dir(recipe: Recipe, accelerator: Accelerator) -> tuple[RunLock,
     return lock, resume_from
 
 
-def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str, *,
-                   vision: bool, dummy_samples: int) -> tuple[Any, Any, Path]:
-    """(processor, tokenizer, dummy data dir): the model's processor (vision-language; its tokenizer is saved with
-    the model) or tokenizer, and the generated dummy data files the stages use, written once per machine."""
+def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str,
+                   dummy_dir: Path, *, vision: bool, dummy_samples: int) -> tuple[Any, Any]:
+    """(processor, tokenizer): the model's processor (vision-language; its tokenizer is saved with the model) or
+    tokenizer; and the generated dummy data files the stages use, written to `dummy_dir` once per machine."""
     if vision:  # the processor formats image rows; its tokenizer is saved with the model
         processor = load_processor(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                    chat_template=recipe.data.chat_template)
@@ -239,7 +238,6 @@ def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: A
     else:
         processor = tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
                                                chat_template=recipe.data.chat_template)
-    dummy_dir = RunLayout(recipe.output_dir).dummy_data
     if uses_dummy_data(resolved) and accelerator.is_local_main_process:
         write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
         if vision:
@@ -247,15 +245,14 @@ def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: A
 
             write_dummy_vl_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
     accelerator.wait_for_everyone()
-    return processor, tokenizer, dummy_dir
+    return processor, tokenizer
 
 
 def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, tokenizer: Any,
-                 processor: Any | None, dummy_dir: Path) -> Curriculum:
+                 processor: Any | None, dummy_dir: Path, cache: Path | None) -> Curriculum:
     """The curriculum: every stage's rows (loaded and tokenised once, cached), planned on the step axis with its
     sampler; lr_scaling scales each stage's lr by its own global batch."""
-    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir,
-                                                    tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir),
+    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache,
                                                     accelerator)
     opt = recipe.optimizer
     return build_curriculum(resolved, training_sets, eval_rows, grad_accum=recipe.train.grad_accum,
@@ -264,28 +261,17 @@ def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Acc
                             reference_batch_size=opt.reference_batch_size)
 
 
-def build_batch_collator(recipe: Recipe, processor: Any, *, vision: bool) -> Any:
-    """Rows to a padded batch: the VL collator (images), the packing collator (flattened rows), or plain padding."""
-    if vision:
-        from toolkit.collate import VLCollator
-
-        return VLCollator(processor, min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
-    return PackedCollator() if recipe.data.packing else build_collator(processor)
-
-
-def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, plans: list[StagePlan],
-                    trainable_params: list[int], *, resumed_at: int | None) -> None:
+def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, identity: dict[str, Any],
+                    plans: list[StagePlan], trainable_params: list[int], *, resumed_at: int | None) -> None:
     """Outputs, created only now that every input was validated: recipe.yaml, run.json, and metrics.jsonl started
     afresh (or cut back to the resumed step: the steps after it are redone)."""
     if not accelerator.is_main_process:
         return
-    layout = RunLayout(recipe.output_dir)
     layout.root.mkdir(parents=True, exist_ok=True)
-    layout.recipe.write_text(recipe_to_yaml(recipe))
-    world = accelerator.num_processes
-    layout.run_json.write_text(json.dumps({
-        "run_name": run_name, "strategy": strategies.strategy_name(accelerator), "num_processes": world,
-        "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
+    write_text_atomic(layout.recipe, recipe_to_yaml(recipe))  # export reads both: never half-written
+    write_text_atomic(layout.run_json, json.dumps({
+        "run_name": identity["run_name"], "strategy": identity["strategy"], "num_processes": identity["world_size"],
+        "effective_batch": identity["effective_batch"],
         "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
         "trainable_params": trainable_params,
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
@@ -296,11 +282,12 @@ def write_run_files(recipe: Recipe, accelerator: Accelerator, run_name: str, pla
         truncate_after(layout.metrics, resumed_at)
 
 
-def assemble_run(recipe: Recipe, accelerator: Accelerator, model: Any, optimizer: Any, trainable: TrainablePlan, *,
-                 preemption: PreemptionFlag, curriculum: Curriculum, collate: Any, identity: dict[str, Any]) -> Run:
+def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
+                 trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
+                 identity: dict[str, Any]) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
     stability guard, the meters, metrics.jsonl and the checkpoint manager."""
-    layout, saving, opt, stab = RunLayout(recipe.output_dir), recipe.checkpoint, recipe.optimizer, recipe.stability
+    saving, opt, stab = recipe.checkpoint, recipe.optimizer, recipe.stability
     # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
     accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
@@ -329,10 +316,10 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
             "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
 
 
-def check_last_steps_applied(guard: StabilityGuard, out: Path) -> None:
+def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
     """A run whose last steps were skipped does not end in success: its weights are not where training ended."""
     if guard.consecutive:
-        last_good = checkpoint.committed_checkpoints(RunLayout(out).checkpoints)
+        last_good = checkpoint.committed_checkpoints(layout.checkpoints)
         raise ToolkitError(
             f"Training ended with its last {guard.consecutive} step(s) skipped ({guard.last_reason}); final/ was "
             f"not written. Last checkpoint: {last_good[-1] if last_good else 'none'}. Lower the learning rate or "

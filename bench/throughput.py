@@ -190,7 +190,7 @@ def worker_bare(spec: Spec) -> dict[str, Any]:
     from peft import get_peft_model
     from transformers import AutoTokenizer
 
-    from toolkit.data import build_collator  # data preparation only, outside the timed loop
+    from toolkit.collate import padding_collator  # data preparation only, outside the timed loop
 
     dtype, sync = torch_setup(spec)
     accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=spec.grad_accum)
@@ -200,7 +200,7 @@ def worker_bare(spec: Spec) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
 
     samples = load_samples(spec)
-    collate = build_collator(AutoTokenizer.from_pretrained(spec.model_dir))
+    collate = padding_collator(AutoTokenizer.from_pretrained(spec.model_dir))
     m = spec.micro_batch_size
     steps = [[collate([samples[i] for i in idx[j * m:(j + 1) * m]]) for j in range(spec.grad_accum)]
              for idx in spec.order]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from toolkit.collate import padding_collator
 from toolkit.data import (
     IGNORE_INDEX,
-    build_collator,
     encode_files,
     encode_row,
     has_generation_tags,
@@ -383,7 +383,7 @@ def test_messages_without_assistant_is_skipped(tmp_path: Path, tok: PreTrainedTo
 
 
 def test_collator_pads(tok: PreTrainedTokenizerFast) -> None:
-    collate = build_collator(tok)
+    collate = padding_collator(tok)
     a_ids, a_labels = encode_row({"messages": CHAT}, tok, "assistant", "")
     b_ids, b_labels = encode_row({"text": "the cat"}, tok, "assistant", "")
     batch = collate([{"input_ids": a_ids, "labels": a_labels}, {"input_ids": b_ids, "labels": b_labels}])
@@ -397,7 +397,7 @@ def test_collator_pads(tok: PreTrainedTokenizerFast) -> None:
 
 
 def test_collator_small_exact(tok: PreTrainedTokenizerFast) -> None:
-    batch = build_collator(tok)([{"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]},
+    batch = padding_collator(tok)([{"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]},
                                  {"input_ids": [8], "labels": [IGNORE_INDEX]}])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]

@@ -15,12 +15,14 @@ import torch.nn.functional as F
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit import checkpoint, distributed
+from toolkit.collate import padding_collator
 from toolkit.config import load_recipe, resolve_stages
 from toolkit.labels import IGNORE_INDEX
 from toolkit.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.metrics import read_metrics
 from toolkit.model import materialize_builtin
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.run_dir import RunLayout
 
 
 @pytest.fixture(autouse=True)
@@ -53,9 +55,10 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     accelerator = distributed.build_accelerator(recipe.train.grad_accum, 10)
     model_path = materialize_builtin(recipe.model.name_or_path, tmp_path / ".toolkit-cache")
     resolved = resolve_stages(recipe)
-    _, tokenizer, dummy_dir = tc.prepare_inputs(recipe, resolved, accelerator, model_path, vision=False,
-                                                dummy_samples=32)
-    curriculum = tc.build_stages(recipe, resolved, accelerator, tokenizer, None, dummy_dir)
+    layout = RunLayout(out)
+    _, tokenizer = tc.prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data, vision=False,
+                                     dummy_samples=32)
+    curriculum = tc.build_stages(recipe, resolved, accelerator, tokenizer, None, layout.dummy_data, None)
     torch.manual_seed(0)
     model, trainable = tc.build_model(recipe, resolved, model_path, vision=False)
     curriculum.set_trainable_params(trainable.stage_counts)
@@ -63,9 +66,8 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
                                             betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)
     out.mkdir(parents=True, exist_ok=True)
-    return tc.assemble_run(recipe, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
-                           curriculum=curriculum, collate=tc.build_batch_collator(recipe, tokenizer, vision=False),
-                           identity={"run_name": "unit"})
+    return tc.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
+                           curriculum=curriculum, collate=padding_collator(tokenizer), identity={"run_name": "unit"})
 
 
 def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path) -> None:

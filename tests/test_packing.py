@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
 
-from toolkit.data import IGNORE_INDEX, build_collator, encode_row
+from toolkit.collate import padding_collator
+from toolkit.data import IGNORE_INDEX, encode_row
 from toolkit.packing import (
     PackedCollator,
     check_packing_support,
@@ -201,7 +202,7 @@ def test_packed_batch_matches_padded_batch(model_dir: Path, attn: str) -> None:
     model = _lora(_load(model_dir, attn))
     check_packing_support(model)
 
-    padded = build_collator(tokenizer)(samples)
+    padded = padding_collator(tokenizer)(samples)
     packed = PackedCollator()(pack_samples(samples, max(lengths) + 20))
     assert packed["input_ids"].shape == (1, sum(lengths))  # no padding at all
     assert packed["input_ids"].numel() < padded["input_ids"].numel()

@@ -1,6 +1,6 @@
-"""Vision-language batches: `VLCollator` pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe.
-
-Text rows are collated by `toolkit.data.build_collator` (padding) or `toolkit.packing.PackedCollator` (packed rows).
+"""Rows to batches: `batch_collator` picks the collator of a run. Text rows are padded (`padding_collator`,
+transformers' seq2seq collator) or flattened when packed (`toolkit.packing.PackedCollator`); vision-language rows
+go through `VLCollator`, which pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe.
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 from PIL import Image
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
+from toolkit.packing import PackedCollator
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from toolkit.vl_data import process_images
 
@@ -82,3 +84,18 @@ class VLCollator:
         batch["mm_token_type_ids"] = ((batch["input_ids"] == self.image_id).int()
                                       + 2 * (batch["input_ids"] == self.video_id).int())
         return batch
+
+
+def padding_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
+    """Pads a list of samples to the longest one (right padding, labels padded with IGNORE_INDEX)."""
+    return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
+                                  return_tensors="pt")
+
+
+def batch_collator(processor: Any, *, vision: bool, packing: bool, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> Any:
+    """A run's collator: the VL collator (`processor` is the VL processor), the packing collator (flattened rows),
+    or plain padding (`processor` is the tokenizer)."""
+    if vision:
+        return VLCollator(processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return PackedCollator() if packing else padding_collator(processor)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 import transformers
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from toolkit.atomic import write_atomic
 from toolkit.errors import ToolkitError
@@ -615,12 +615,6 @@ def _load_file_cached(path: Path, tokenizer: PreTrainedTokenizerBase, cache_dir:
         except OSError as e:
             log.warning("Could not write tokenisation cache entry %s (%s); continuing without it.", entry, e)
     return data
-
-
-def build_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
-    """Pads a list of samples to the longest one (right padding, labels padded with IGNORE_INDEX)."""
-    return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
-                                  return_tensors="pt")
 
 
 @dataclass
