@@ -294,7 +294,7 @@ def test_resolve_data_paths() -> None:
 # --- encode_files: stats and length policy ---------------------------------------------------------------------
 
 
-def test_load_stage_data_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+def test_encode_files_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
     a = _write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT, "difficulty": 2}, {"text": "the cat", "id": "t"}])
     b = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "What is 2 + 3?", "completion": " 5."}])
     data = _load([a, b], tok)

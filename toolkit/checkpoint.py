@@ -38,6 +38,11 @@ from toolkit.strategies import consolidate, param_state
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
+
+
+def portable_lora_file(ckpt: Path) -> Path:
+    """The strategy-free LoRA state of a checkpoint (adapter weights and Adam moments; `checkpoint.portable`)."""
+    return ckpt / "portable" / "lora_state.safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -294,7 +299,7 @@ def _trainable(accelerator: Accelerator, model: torch.nn.Module) -> list[tuple[s
     return [(n, p) for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
 
 
-def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, out_dir: Path,
+def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, ckpt: Path,
                        adam_steps: dict[str, int]) -> None:
     """Every rank calls this (gathers are collective); rank 0 writes full fp32 tensors in safetensors.
 
@@ -308,15 +313,16 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
         for key, value in param_state.full_param_state(accelerator, optimizer, param).items():
             tensors[f"{key}/{name}"] = value
     if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out_dir / "lora_state.safetensors"), metadata={"adam_steps": json.dumps(adam_steps)})
+        target = portable_lora_file(ckpt)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(target), metadata={"adam_steps": json.dumps(adam_steps)})
 
 
-def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, src: Path) -> None:
+def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, ckpt: Path) -> None:
     """Put a portable LoRA state into a prepared model/optimizer of any strategy (every rank calls this)."""
     from safetensors import safe_open
 
-    with safe_open(str(src / "lora_state.safetensors"), framework="pt") as f:
+    with safe_open(str(portable_lora_file(ckpt)), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         metadata = f.metadata()
     # Checkpoints of earlier versions hold one global step for every parameter.
@@ -324,8 +330,8 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
     named = _trainable(accelerator, model)
     missing = [n for n, _ in named if f"param/{n}" not in stored]
     if missing:
-        raise ToolkitError(f"The portable LoRA state in {src} has no entry for {missing[:3]}: the LoRA settings "
-                           "changed since the checkpoint. Resume with the same lora: section.")
+        raise ToolkitError(f"The portable LoRA state in {portable_lora_file(ckpt)} has no entry for {missing[:3]}: "
+                           "the LoRA settings changed since the checkpoint. Resume with the same lora: section.")
     for name, param in named:
         values = {k: stored[f"{k}/{name}"] for k in ("param", "exp_avg", "exp_avg_sq") if f"{k}/{name}" in stored}
         step = steps[name] if steps is not None else int(metadata["adam_step"])
@@ -381,7 +387,7 @@ def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any
     `adam_steps` (per trainable parameter) is given. All ranks."""
     accelerator.save_state(str(tmp))
     if adam_steps is not None:
-        save_portable_lora(accelerator, model, optimizer, tmp / "portable", adam_steps)
+        save_portable_lora(accelerator, model, optimizer, tmp, adam_steps)
 
 
 def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
@@ -408,7 +414,7 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     settings by recipe key, data files whose content changed. `invariants` / `data_files` are this run's; they
     are compared with what the checkpoint recorded (checkpoints of earlier versions recorded only the hash).
     """
-    if not same_layout(meta, strategy, world_size) and not (ckpt / "portable" / "lora_state.safetensors").is_file():
+    if not same_layout(meta, strategy, world_size) and not portable_lora_file(ckpt).is_file():
         layout = f"{meta['strategy']} x {meta['world_size']}"
         raise ToolkitError(
             f"Checkpoint {ckpt} was written by {layout}; this run is {strategy} x {world_size}. Sharded full "
@@ -456,7 +462,7 @@ def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, sc
     if same_layout(read_meta(ckpt), strategy, accelerator.num_processes):
         accelerator.load_state(str(ckpt))
         return "exact"
-    load_portable_lora(accelerator, model, optimizer, ckpt / "portable")
+    load_portable_lora(accelerator, model, optimizer, ckpt)
     scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
     scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))
     return "portable"

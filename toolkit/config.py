@@ -333,7 +333,7 @@ class ResolvedStage:
 
 def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
     """Every stage's effective settings (see ResolvedStage)."""
-    sch, default_trainable = recipe.schedule, recipe.train.trainable
+    schedule, default_trainable = recipe.schedule, recipe.train.trainable
     if default_trainable is None and recipe.lora.enabled:
         default_trainable = [LORA_KEYWORD]
     resolved = []
@@ -346,9 +346,9 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
             mixture_replacement=stage.mixture_replacement, order=stage.order, pacing=stage.pacing,
             max_seq_len=stage.max_seq_len or recipe.data.max_seq_len, micro_batch_size=micro,
             epochs=stage.epochs, max_steps=stage.max_steps, lr=stage.lr or recipe.optimizer.lr,
-            warmup_ratio=sch.warmup_ratio if stage.warmup_ratio is None else stage.warmup_ratio,
-            min_lr_ratio=sch.min_lr_ratio if stage.min_lr_ratio is None else stage.min_lr_ratio,
-            schedule=stage.schedule or sch.kind, decay_ratio=sch.decay_ratio,
+            warmup_ratio=schedule.warmup_ratio if stage.warmup_ratio is None else stage.warmup_ratio,
+            min_lr_ratio=schedule.min_lr_ratio if stage.min_lr_ratio is None else stage.min_lr_ratio,
+            schedule=stage.schedule or schedule.kind, decay_ratio=schedule.decay_ratio,
             eval=tuple(stage.eval if stage.eval is not None else recipe.eval.data),
             eval_micro_batch_size=recipe.eval.micro_batch_size or micro,
             trainable=None if trainable is None else tuple(trainable),

@@ -1,9 +1,10 @@
 """Process-level distributed glue: building the Accelerator, CPU/gloo compatibility, the launch checks, sharing a
 value from rank 0, withholding an update on every rank, the launch's failure record and a clean exit.
 
-Strategy specifics (what DeepSpeed or FSDP needs, how they shard, name and checkpoint) live in toolkit/strategies/;
-this module only asks that package. The strategy (DDP, FSDP2, ZeRO-2/3, ZeRO-3 offload) is chosen by the
-accelerate config file alone.
+Strategy specifics (DeepSpeed's and FSDP's APIs and configs, how they shard, name and checkpoint) live in
+toolkit/strategies/, and this module calls that package; the one exception is the CPU compatibility below, which
+runs before any strategy is set up and reads accelerate's DeepSpeed/FSDP launch variables. The strategy (DDP,
+FSDP2, ZeRO-2/3, ZeRO-3 offload) is chosen by the accelerate config file alone.
 
 CPU compatibility: without an accelerator, accelerate's backend selection drops DeepSpeed and FSDP (each process
 then thinks it is alone). `apply_cpu_compat` routes such runs to gloo on the CPU device while keeping the

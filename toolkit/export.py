@@ -20,7 +20,13 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from toolkit.atomic import build_dir
-from toolkit.checkpoint import COMMIT_MARKER, committed_checkpoints, read_meta, verify_checkpoint_files
+from toolkit.checkpoint import (
+    COMMIT_MARKER,
+    committed_checkpoints,
+    portable_lora_file,
+    read_meta,
+    verify_checkpoint_files,
+)
 from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import is_vision_language, load_processor, setup_lora
@@ -86,7 +92,7 @@ def _lora_from_portable_state(model: Any, recipe: Recipe, src: Path, run: Path) 
     model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
                        modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
                        stage_trainable=[s.trainable for s in stages], trainable_keys=[s.trainable_key for s in stages])
-    state = src / "portable" / "lora_state.safetensors"
+    state = portable_lora_file(src)
     if not state.is_file():
         raise ToolkitError(f"{src} has no portable LoRA state (checkpoint.portable was off); export "
                            f"{RunLayout(run).final} instead.")

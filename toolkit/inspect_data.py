@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.config import Recipe
+from toolkit.config import Recipe, resolve_stages
 from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths, text_encoder
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
@@ -85,10 +85,10 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
         dummy_dir = _dummy_dir(recipe, Path(tmp), vision=vision)
         lines = [f"model {recipe.model.name_or_path}; trained tokens "
                  f"{'in green' if colour else f'between {OPEN} and {CLOSE}'}; data.thinking: {recipe.data.thinking}"]
-        for st in recipe.stages:
+        for st in resolve_stages(recipe):
             if stage is not None and st.name != stage:
                 continue
-            max_len = st.max_seq_len or recipe.data.max_seq_len
+            max_len = st.max_seq_len
             if vision:
                 from toolkit.vl_data import vl_encoder
 
@@ -98,9 +98,9 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
             else:
                 encoder = text_encoder(tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
                                        train_on=recipe.data.train_on, thinking=recipe.data.thinking)
-            files = resolve_data_paths(st.paths, dummy_dir)
+            files = resolve_data_paths(list(st.paths), dummy_dir)
             data = encode_files(files, tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
-                                   train_on=recipe.data.train_on, encoder=encoder)
+                                train_on=recipe.data.train_on, encoder=encoder)
             lines += ["", f"=== stage '{st.name}' ({', '.join(map(str, files))}) ===",
                       data.stats.summary(), stage_statistics(data.samples)]
             for n, sample in enumerate(data.samples[:rows], start=1):
