@@ -39,7 +39,6 @@ from toolkit.config import (
     resume_invariants,
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
-from toolkit.dummy_data import write_dummy_data
 from toolkit.errors import ToolkitError
 from toolkit.flops import peak_flops
 from toolkit.freezer import StageFreezer
@@ -55,8 +54,7 @@ from toolkit.model import (
     enable_gradient_checkpointing,
     is_vision_language,
     load_model,
-    load_processor,
-    load_tokenizer,
+    load_processing,
     materialize_builtin,
     resolve_dtype,
     setup_lora,
@@ -69,6 +67,7 @@ from toolkit.run_data import (
     tokenized_cache_dir,
     use_dummy_data,
     uses_dummy_data,
+    write_dummy_files,
 )
 from toolkit.run_dir import RunLayout, RunLock, check_not_an_earlier_run, check_output_dir
 from toolkit.strategies.deepspeed import configure_deepspeed
@@ -231,19 +230,10 @@ def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: A
                    dummy_dir: Path, *, vision: bool, dummy_samples: int) -> tuple[Any, Any]:
     """(processor, tokenizer): the model's processor (vision-language; its tokenizer is saved with the model) or
     tokenizer; and the generated dummy data files the stages use, written to `dummy_dir` once per machine."""
-    if vision:  # the processor formats image rows; its tokenizer is saved with the model
-        processor = load_processor(model_path, trust_remote_code=recipe.model.trust_remote_code,
-                                   chat_template=recipe.data.chat_template)
-        tokenizer = processor.tokenizer
-    else:
-        processor = tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code,
-                                               chat_template=recipe.data.chat_template)
+    processor, tokenizer = load_processing(model_path, vision=vision, trust_remote_code=recipe.model.trust_remote_code,
+                                           chat_template=recipe.data.chat_template)
     if uses_dummy_data(resolved) and accelerator.is_local_main_process:
-        write_dummy_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
-        if vision:
-            from toolkit.dummy_data import write_dummy_vl_data
-
-            write_dummy_vl_data(dummy_dir, dummy_samples, seed=recipe.train.seed)
+        write_dummy_files(dummy_dir, dummy_samples, seed=recipe.train.seed, vision=vision)
     accelerator.wait_for_everyone()
     return processor, tokenizer
 

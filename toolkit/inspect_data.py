@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import Recipe, resolve_stages
-from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths, text_encoder
+from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
+from toolkit.run_data import encoding, write_dummy_files
 from toolkit.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -66,7 +67,7 @@ def stage_statistics(samples: list[dict[str, Any]]) -> str:
 
 def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool | None = None) -> str:
     """The report as text (colour: ANSI colour for trained tokens; default when stdout is a terminal)."""
-    from toolkit.model import is_vision_language, load_processor, load_tokenizer, materialize_builtin
+    from toolkit.model import is_vision_language, load_processing, materialize_builtin
 
     names = [s.name for s in recipe.stages]
     if stage is not None and stage not in names:
@@ -78,29 +79,17 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
         model_path = materialize_builtin(recipe.model.name_or_path, Path(tmp))
         trust = recipe.model.trust_remote_code
         vision = is_vision_language(model_path, trust_remote_code=trust)
-        processor = load_processor(model_path, trust_remote_code=trust, chat_template=recipe.data.chat_template) \
-            if vision else None
-        tokenizer = processor.tokenizer if vision else load_tokenizer(
-            model_path, trust_remote_code=trust, chat_template=recipe.data.chat_template)
+        processor, tokenizer = load_processing(model_path, vision=vision, trust_remote_code=trust,
+                                               chat_template=recipe.data.chat_template)
         dummy_dir = _dummy_dir(recipe, Path(tmp), vision=vision)
         lines = [f"model {recipe.model.name_or_path}; trained tokens "
                  f"{'in green' if colour else f'between {OPEN} and {CLOSE}'}; data.thinking: {recipe.data.thinking}"]
         for st in resolve_stages(recipe):
             if stage is not None and st.name != stage:
                 continue
-            max_len = st.max_seq_len
-            if vision:
-                from toolkit.vl_data import vl_encoder
-
-                encoder = vl_encoder(processor, max_seq_len=max_len, overlength=recipe.data.overlength,
-                                     train_on=recipe.data.train_on, min_pixels=recipe.data.min_pixels,
-                                     max_pixels=recipe.data.max_pixels)
-            else:
-                encoder = text_encoder(tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
-                                       train_on=recipe.data.train_on, thinking=recipe.data.thinking)
             files = resolve_data_paths(list(st.paths), dummy_dir)
-            data = encode_files(files, tokenizer, max_seq_len=max_len, overlength=recipe.data.overlength,
-                                train_on=recipe.data.train_on, encoder=encoder)
+            data = encode_files(files, tokenizer,
+                                **encoding(st.max_seq_len, recipe.data, processor if vision else None))
             lines += ["", f"=== stage '{st.name}' ({', '.join(map(str, files))}) ===",
                       data.stats.summary(), stage_statistics(data.samples)]
             for n, sample in enumerate(data.samples[:rows], start=1):
@@ -114,10 +103,6 @@ def _dummy_dir(recipe: Recipe, tmp: Path, *, vision: bool) -> Path:
     run_dir = RunLayout(recipe.output_dir).dummy_data
     if not any(p.startswith(DUMMY_PREFIX) for s in recipe.stages for p in s.paths) or run_dir.is_dir():
         return run_dir
-    from toolkit.dummy_data import write_dummy_data, write_dummy_vl_data
-
     fresh = RunLayout(tmp).dummy_data
-    write_dummy_data(fresh, 64, seed=recipe.train.seed)
-    if vision:
-        write_dummy_vl_data(fresh, 64, seed=recipe.train.seed)
+    write_dummy_files(fresh, 64, seed=recipe.train.seed, vision=vision)
     return fresh

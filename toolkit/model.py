@@ -143,6 +143,17 @@ def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template:
     return processor
 
 
+def load_processing(name_or_path: str, *, vision: bool, trust_remote_code: bool, chat_template: str | None
+                    ) -> tuple[PreTrainedTokenizerBase | ProcessorMixin, PreTrainedTokenizerBase]:
+    """(processor, tokenizer): a vision-language model's processor (it formats image rows and is saved with the
+    model) and its tokenizer; for a text model, its tokenizer twice."""
+    if vision:
+        processor = load_processor(name_or_path, trust_remote_code=trust_remote_code, chat_template=chat_template)
+        return processor, processor.tokenizer
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    return tokenizer, tokenizer
+
+
 def _saved_processor_class(name_or_path: str) -> str | None:
     """The processor_class a local model directory's processor_config.json names (None for a hub id or none)."""
     try:

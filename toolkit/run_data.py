@@ -49,6 +49,28 @@ def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path |
     return {entry: content_digest(path, cache) for entry, path in zip(entries, paths, strict=True)}
 
 
+def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
+    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
+    from toolkit.dummy_data import write_dummy_data, write_dummy_vl_data  # only runs on dummy data need them
+
+    write_dummy_data(dummy_dir, num_samples, seed=seed)
+    if vision:
+        write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
+
+
+def encoding(max_seq_len: int, data: DataConfig, processor: Any | None) -> dict[str, Any]:
+    """The keyword arguments that encode a stage's rows (`encode_files`, `load_training_set`): its length policy
+    and loss mask, and for a vision-language model (`processor` given) the processor's row encoder."""
+    encoder = None
+    if processor is not None:
+        from toolkit.vl_data import vl_encoder  # image rows only
+
+        encoder = vl_encoder(processor, max_seq_len=max_seq_len, overlength=data.overlength, train_on=data.train_on,
+                             min_pixels=data.min_pixels, max_pixels=data.max_pixels)
+    return {"max_seq_len": max_seq_len, "overlength": data.overlength, "train_on": data.train_on,
+            "thinking": data.thinking, "encoder": encoder}
+
+
 def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
                          dummy_dir: Path, cache: Path | None, accelerator: Accelerator
                          ) -> tuple[list[TrainingSet], list[list[dict[str, Any]]]]:
@@ -61,16 +83,6 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
         raise ToolkitError("data.packing is not supported for vision-language models: set data.packing: false "
                            "(data.group_by_length: true also cuts padding).")
 
-    def settings(stage: ResolvedStage) -> dict[str, Any]:
-        encoder = None
-        if processor is not None:
-            from toolkit.vl_data import vl_encoder
-
-            encoder = vl_encoder(processor, max_seq_len=stage.max_seq_len, overlength=data.overlength,
-                                 train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels)
-        return {"max_seq_len": stage.max_seq_len, "overlength": data.overlength, "train_on": data.train_on,
-                "thinking": data.thinking, "encoder": encoder}
-
     # One rank per machine tokenises text first and the others read its cache; image rows (not cached) are
     # encoded by every rank at once.
     order = contextlib.nullcontext if processor is not None else accelerator.local_main_process_first
@@ -79,12 +91,13 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
         with order():
             src = load_training_set(resolve_data_paths(list(stage.paths), dummy_dir), tokenizer,
                                     packing=data.packing, needs_difficulty=stage.order == "easy_to_hard",
-                                    cache_dir=cache, **settings(stage))
+                                    cache_dir=cache, **encoding(stage.max_seq_len, data, processor))
         if not src.samples:
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
                  f"; packed into {len(src.samples)} rows" if data.packing else "")
         training_sets.append(src)
-    evals = [encode_files(resolve_data_paths(list(stage.eval), dummy_dir), tokenizer, **settings(stage)).samples
+    evals = [encode_files(resolve_data_paths(list(stage.eval), dummy_dir), tokenizer,
+                          **encoding(stage.max_seq_len, data, processor)).samples
              if stage.eval else [] for stage in stages]  # the same files for every stage when from eval.data
     return training_sets, evals
