@@ -70,7 +70,7 @@ def free_port() -> int:
 def run_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
     return env
 
 
@@ -92,8 +92,7 @@ def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides
     """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
     cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
                     dummy_samples=dummy_samples)
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env() | (env or {}), capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    proc = run_launch(cmd, env=run_env() | (env or {}))
     if check and proc.returncode != 0:
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-6000:]}")
@@ -117,6 +116,41 @@ def last_logged_step(out: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except json.JSONDecodeError:  # a line being written
         return 0
+
+
+_hung_launches: list[str] = []
+MAX_HUNG_LAUNCHES = 2  # then the suite stops: a hang that repeats would spend CI's whole time limit, unreported
+
+
+def run_launch(cmd: list[str], *, cwd: Path = REPO, env: dict[str, str] | None = None,
+               timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for a launch, where a timeout fails the test with each
+    process's Python stack (where it hung) and kills the launcher *and its ranks*: subprocess.run would kill the
+    launcher alone, and the orphaned ranks would keep their memory, and any lock they hold, for the session."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env or run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            dump_stacks_and_kill(proc.pid)
+            out, err = proc.communicate()
+            _hung_launches.append(" ".join(map(str, cmd)))
+            report = f"did not end in {timeout} s: {_hung_launches[-1]}\n{out[-3000:]}\n{err[-12000:]}"
+            if len(_hung_launches) >= MAX_HUNG_LAUNCHES:
+                pytest.exit(f"{len(_hung_launches)} launches hung; the last one:\n{report}", returncode=1)
+            pytest.fail(report)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def dump_stacks_and_kill(pid: int) -> None:
+    """SIGABRT to the processes under a launcher (run_env sets PYTHONFAULTHANDLER: each prints its threads' Python
+    stacks to the captured stderr), then SIGKILL to all of them."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGABRT)
+    time.sleep(3)
+    signal_tree(pid, signal.SIGKILL)
 
 
 def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S

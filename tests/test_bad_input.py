@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests._inprocess import Call, invoke, snapshot
-from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, write_jsonl
+from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, run_launch, write_jsonl
 from toolkit.config import TINY_MODEL
 from toolkit.run_dir import RunLayout, RunLock
 
@@ -432,8 +432,8 @@ def test_deepspeed_config_that_does_not_exist(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "data.jsonl", [CHAT] * 8)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(base_recipe(TINY_MODEL, str(tmp_path / "data.jsonl"))
                                                          | {"output_dir": str(tmp_path / "run")}))
-    proc = subprocess.run([*launcher, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml")],
-                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launch([*launcher, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml")],
+                      timeout=300)
     # accelerate launch exits 1 when its child fails; the child's own message is what the user reads.
     assert proc.returncode != 0
     assert "error: The accelerate config names the DeepSpeed config 'ds_configs/missing.json'" in proc.stderr

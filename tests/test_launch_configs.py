@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, run_env, train, train_cmd
+from tests.conftest import REPO, run_env, run_launch, train, train_cmd
 from toolkit.distributed import (
     check_launch_config,
     has_accelerator,
@@ -86,7 +86,7 @@ def losses(out: Path) -> list[float]:
 def launch(config: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
     """The launch line a user types: the file as written (the port aside: tests run side by side)."""
     cmd = train_cmd(config, None, out, *overrides, mixed_precision=None)
-    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return run_launch(cmd)
 
 
 def trained(proc: subprocess.CompletedProcess) -> str:

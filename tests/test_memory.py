@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env
+from tests.conftest import REPO, launch_cmd, run_env, run_launch
 from toolkit.errors import ToolkitError
 from toolkit.memory import (
     estimate,
@@ -193,8 +193,7 @@ def test_estimate_matches_measurement(strategy: str, lora: bool, tmp_path: Path)
 
     out = tmp_path / "measured.json"
     cmd = [*launch_cmd(strategy, 2, mixed_precision="no"), str(REPO / "tests" / "_measure_state.py"), str(out)]
-    proc = subprocess.run([*cmd, *(["--lora"] if lora else [])], cwd=REPO, env=run_env(), capture_output=True,
-                          text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = run_launch([*cmd, *(["--lora"] if lora else [])])
     if proc.returncode != 0:
         pytest.fail(f"{strategy} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     records = json.loads(out.read_text())

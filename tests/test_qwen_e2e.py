@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, train
+from tests.conftest import REPO, launch_cmd, run_launch, train
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -84,7 +83,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> tuple[Pa
 def run(strategy: str, procs: int, out: Path, recipe: Path, *overrides: str) -> list[dict]:
     cmd = [*launch_cmd(strategy, procs, mixed_precision="no"), str(REPO / "train_curriculum.py"),
            "--config", str(recipe), f"output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = run_launch(cmd)
     if proc.returncode != 0:
         pytest.fail(f"{strategy} x{procs} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-6000:]}")

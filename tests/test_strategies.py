@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, train
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, train
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -108,8 +109,9 @@ def two_machines_on_loopback(strategy: str, out: Path, *extra: str, mixed_precis
     try:
         outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
     finally:
-        for p in procs:
-            p.kill()
+        for p in procs:  # both launchers and their ranks, should one hang
+            if p.poll() is None:
+                signal_tree(p.pid, signal.SIGKILL)
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
 
 

@@ -28,7 +28,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.errors import ToolkitError
-from toolkit.strategies import deepspeed, fsdp
+from toolkit.strategies import build_locks, deepspeed, fsdp
 
 log = logging.getLogger(__name__)
 _ORIGINAL_PREPARE_BACKEND = PartialState._prepare_backend
@@ -111,6 +111,8 @@ def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[st
     check_launch_config()
     quiet_library_logs()
     apply_cpu_compat()
+    if deepspeed.launched_with_deepspeed():
+        build_locks.clear_stale_build_locks()  # DeepSpeed loads its JIT ops while the Accelerator is created
     accelerator = Accelerator(
         gradient_accumulation_steps=grad_accum,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))],

@@ -6,6 +6,8 @@ optimizers (`optimizer_chain`). The rest is split by strategy and job:
 
 * `deepspeed`: the DeepSpeed JSON check, the DeepSpeed config the run trains with, CPU Adam for optimizer
   offload, ZeRO-3 init control, full parameter sizes under ZeRO-3 partitioning;
+* `build_locks`: build locks a killed process left on DeepSpeed's JIT-compiled ops (each would hang every later
+  DeepSpeed launch on the machine), removed before DeepSpeed starts;
 * `fsdp`: the FSDP2 launch check and DTensor shards;
 * `param_state`: full (unsharded) views of a parameter and its Adam state, for strategy-independent checkpoints;
 * `measure`: the bytes of weights, gradients and optimizer state a rank really holds;

@@ -29,6 +29,11 @@ _DS_FILE_OWNS = {"gradient_accumulation_steps": "gradient_accumulation_steps",
                  "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
 
 
+def launched_with_deepspeed() -> bool:
+    """`accelerate launch` chose DeepSpeed (read before the Accelerator exists)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def check_deepspeed_file(precision: str) -> None:
     """The DeepSpeed JSON named by the accelerate config exists and decides what accelerate lets it decide.
 
@@ -36,7 +41,7 @@ def check_deepspeed_file(precision: str) -> None:
     precision "auto" for accelerate to fill from it (as ours do). Precision then is the launch's, and the refusal
     is lifted; a JSON with an explicit `bf16` / `fp16` `enabled` must agree with it. No-op without DeepSpeed.
     """
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    if not launched_with_deepspeed():
         return
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if ds_file == "none":
