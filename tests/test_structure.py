@@ -10,6 +10,8 @@
   - reference `DistributedType.DEEPSPEED` / `DistributedType.FSDP`, or compare with the strings "DEEPSPEED" / "FSDP";
   - touch a DeepSpeed engine / ZeRO / DTensor attribute (`STRATEGY_ATTRS`), as an attribute or as a string
     (getattr / hasattr / a dict key).
+* A run's folder layout is spelled in toolkit/run_dir.py only (`RunLayout`): no other module of the toolkit or
+  train_curriculum.py holds the name of one of its entries (`RUN_LAYOUT_NAMES`) as a string.
 """
 
 from __future__ import annotations
@@ -187,6 +189,17 @@ def _violation(node: ast.AST) -> str | None:
     return None
 
 
+RUN_LAYOUT_OWNER = "toolkit/run_dir.py"
+RUN_LAYOUT_NAMES = {"checkpoints", "final", "metrics.jsonl", "run.json", "recipe.yaml", "trackers", "dummy_data",
+                    "training.png", ".toolkit-cache", "tokenized", "locks"}
+
+
+def layout_literals(source: str, filename: str = "<src>") -> list[str]:
+    """`line: name` for every string constant in `source` that is the name of an entry of a run's folder."""
+    return [f"{filename}:{node.lineno}: {node.value!r}" for node in ast.walk(ast.parse(source, filename))
+            if isinstance(node, ast.Constant) and node.value in RUN_LAYOUT_NAMES]
+
+
 def _project_files(root: Path) -> dict[str, Path]:
     return {str(path.relative_to(root)): path for path in _sources(root).values()}
 
@@ -216,6 +229,16 @@ def test_strategy_specifics_only_in_strategies_package() -> None:
         if not name.startswith(STRATEGIES_DIR):
             found += strategy_violations(path.read_text(encoding="utf-8"), name)
     assert found == []
+
+
+def test_run_folder_layout_spelled_only_in_run_dir() -> None:
+    files = _project_files(REPO)
+    assert RUN_LAYOUT_OWNER in files and layout_literals(files[RUN_LAYOUT_OWNER].read_text(encoding="utf-8"))
+    found = [hit for name, path in files.items() if name != RUN_LAYOUT_OWNER
+             for hit in layout_literals(path.read_text(encoding="utf-8"), name)]
+    assert found == [], "use toolkit.run_dir.RunLayout for a run's paths"
+    assert layout_literals('ckpt = out / "checkpoints"') == ["<src>:1: 'checkpoints'"]  # the rule can fail
+    assert layout_literals('msg = f"{out}/final was not written"') == []  # prose about the folder is fine
 
 
 def test_the_rules_catch_what_they_name() -> None:

@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 
 from toolkit import checkpoint, distributed
 from toolkit.config import Recipe
@@ -28,6 +29,7 @@ from toolkit.curriculum import Curriculum, Stage, rank_micro_batches
 from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate
 from toolkit.flops import batch_train_flops
+from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard, Verdict, injected_fault
 from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import Meter, MetricsLog, sample_lengths
@@ -95,11 +97,11 @@ class Run:
     data, the LR schedule (`scheduler` is a LambdaLR over `curriculum.lr_at`) and patience are the curriculum's."""
 
     recipe: Recipe
-    accelerator: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    freezer: Any  # toolkit.freezer.StageFreezer
+    accelerator: Accelerator
+    model: Any  # the prepared model (a strategy wrapper)
+    optimizer: Any  # the prepared optimizer (accelerate's wrapper)
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    freezer: StageFreezer
     guard: StabilityGuard
     meter: Meter
     metrics: MetricsLog
