@@ -113,7 +113,7 @@ def test_unknown_strategy(tiny: Qwen3Config) -> None:
 
 def test_table_and_recommendation(tiny: Qwen3Config) -> None:
     rows = estimate_all(tiny, num_gpus=2, lora_r=None, param_bytes=4, micro_batch=2, seq_len=16, grad_ckpt=False)
-    assert list(rows) == ["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
+    assert list(rows) == ["ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp"]
     table = format_table(rows, gpu_memory_gb=80)
     assert "recommended: ddp" in table
     assert format_table(list(rows.items()), gpu_memory_gb=80) == table  # (strategy, estimate) pairs work too
@@ -124,6 +124,8 @@ def test_table_and_recommendation(tiny: Qwen3Config) -> None:
     budget_gb = rows["zero2"]["total"] / 1024**3 / 0.9
     assert rows["ddp"]["total"] > rows["zero2"]["total"]
     assert recommend(rows, budget_gb * 1.0001) == "zero2"
+    # ZeRO-2 with optimizer offload is shown but never recommended: no config of ours selects it.
+    assert all(recommend(rows, est["total"] / 1024**3 / 0.9 * 1.0001) != "zero2_offload" for est in rows.values())
 
 
 def test_shipped_configs_load() -> None:
@@ -181,7 +183,12 @@ def test_measure_counts_shared_storage_once() -> None:
     assert measure_rank_state_bytes(model, optimizer)["params"] == 100 * 4
 
 
-CASES = [(s, lora) for s in ("ddp", "zero2", "zero3", "fsdp") for lora in (False, True)] + [("zero3_offload", False)]
+CASES = [(s, lora) for s in ("ddp", "zero2", "zero3", "fsdp") for lora in (False, True)] + [
+    ("zero3_offload", False), ("zero2_offload", False)]
+# No shipped config selects ZeRO-2 with optimizer offload: the one `accelerate config` writes for it.
+ZERO2_OFFLOAD = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                 "  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero_stage: 2\n"
+                 "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
 
 
 @pytest.mark.slow
@@ -192,7 +199,11 @@ def test_estimate_matches_measurement(strategy: str, lora: bool, tmp_path: Path)
     from tests._measure_state import LORA_R, SEQ_LEN, tiny_config
 
     out = tmp_path / "measured.json"
-    cmd = [*launch_cmd(strategy, 2, mixed_precision="no"), str(REPO / "tests" / "_measure_state.py"), str(out)]
+    config: str | Path = strategy
+    if strategy == "zero2_offload":
+        config = tmp_path / "zero2_offload.yaml"
+        config.write_text(ZERO2_OFFLOAD)
+    cmd = [*launch_cmd(config, 2, mixed_precision="no"), str(REPO / "tests" / "_measure_state.py"), str(out)]
     proc = run_launch([*cmd, *(["--lora"] if lora else [])])
     if proc.returncode != 0:
         pytest.fail(f"{strategy} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

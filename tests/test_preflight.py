@@ -59,16 +59,39 @@ def test_per_stage_figures_are_the_selected_strategys(config: str, row: str) -> 
     assert f"peak {estimates[worst_stage(estimates)][row]['total'] / 2**30:.2f}" in line
 
 
-def test_a_strategy_without_its_own_row_says_which_row_stands_for_it(tmp_path: Path) -> None:
-    """ZeRO-2 with optimizer offload, as `accelerate config` writes it: shown as ZeRO-2 and said to be an upper
-    bound, not silently another strategy's figures."""
-    config = tmp_path / "zero2_offload.yaml"
-    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
-                      "  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero_stage: 2\n"
-                      "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 4\n")
-    report = preflight(load_recipe(QWEN3_8B_RECIPE), config, num_gpus=None, gpu_memory_gb=80, scan_data=False)
+def _accelerate_config(tmp_path: Path, name: str, deepspeed_config: str) -> Path:
+    """A DeepSpeed accelerate config as `accelerate config` writes it."""
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      f"{deepspeed_config}mixed_precision: bf16\nnum_machines: 1\nnum_processes: 4\n")
+    return config
+
+
+def test_zero2_offload_is_estimated_with_its_offload(tmp_path: Path) -> None:
+    """ZeRO-2 with optimizer offload, as `accelerate config` writes it: its own row, with the gradient
+    partitions, masters and Adam state in CPU RAM, not on the GPU; never the recommendation (no config of ours)."""
+    config = _accelerate_config(tmp_path, "zero2_offload", "  offload_optimizer_device: cpu\n"
+                                "  offload_param_device: none\n  zero_stage: 2\n")
+    recipe = load_recipe(QWEN3_8B_RECIPE).model_copy(deep=True)
+    recipe.lora.enabled = False  # full fine-tuning: the offloaded state is what decides whether 8B fits
+    report = preflight(recipe, config, num_gpus=None, gpu_memory_gb=80, scan_data=False)
     assert "selected by" in report and ": zero2_offload" in report
-    assert "GiB per GPU under zero2 (estimated without the optimizer offload: an upper bound)):" in report
+    assert "GiB per GPU under zero2_offload):" in report
+    rows = stage_estimates(recipe, load_model_config(recipe.model.name_or_path), resolve_stages(recipe),
+                           num_gpus=4, param_bytes=2)[0]
+    on, off = rows["zero2"], rows["zero2_offload"]
+    assert off["params"] == on["params"] and off["grads"] == off["optimizer"] == 0
+    assert off["cpu_offload"] > 4 * (on["grads"] + on["optimizer"])  # + the fp32 gradient partition, per rank x 4
+    assert "recommended: zero2_offload" not in report
+
+
+def test_a_strategy_without_its_own_row_says_which_row_stands_for_it(tmp_path: Path) -> None:
+    """ZeRO-1, as `accelerate config` writes it: shown as DDP and said to be an upper bound, not silently another
+    strategy's figures."""
+    config = _accelerate_config(tmp_path, "zero1", "  zero_stage: 1\n")
+    report = preflight(load_recipe(QWEN3_8B_RECIPE), config, num_gpus=None, gpu_memory_gb=80, scan_data=False)
+    assert "selected by" in report and ": zero1" in report
+    assert "GiB per GPU under ddp (ZeRO-1 estimated as DDP: an upper bound)):" in report
 
 
 def test_stage_activation_estimates_match_measured_steps(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ parameters the optimizer updates, "frozen" the rest):
   ``persistence_threshold`` elements (accelerate's "auto": 10 * hidden) whole on every rank, in addition to
   their partition. ``zero3_offload`` moves weight partitions, gradient partitions, masters and optimizer
   state to CPU RAM (``cpu_offload``, summed over the node's W ranks); only persistent weights stay on the GPU.
+  ``zero2_offload`` (ZeRO-2 with ``offload_optimizer`` on the CPU) keeps the whole weights on the GPU and moves
+  each rank's fp32 gradient partition, master and optimizer state to CPU RAM.
 * buffers (working set outside the persistent state): DDP's reducer keeps a bucketed copy of all gradients
   (``gradient_as_bucket_view`` is off by default); ZeRO-2/3 keep a reduce bucket of hidden^2 elements
   (accelerate's "auto" ``reduce_bucket_size``); ZeRO-3 also gathers the largest single weight plus a prefetch
@@ -75,15 +77,18 @@ SHIPPED_CONFIGS: dict[str, str] = {
 }
 """Model names (lower case) that resolve to a config shipped in toolkit/model_configs (no download needed)."""
 
-STRATEGIES = ("single", "ddp", "zero2", "zero3", "zero3_offload", "fsdp")
+STRATEGIES = ("single", "ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp")
 # Preference when several strategies fit: fewer and cheaper collectives first. DDP all-reduces gradients once
 # per step; ZeRO-2 replaces that with a reduce-scatter plus a weight all-gather; FSDP2 and ZeRO-3 all-gather
 # every layer's weights in forward and again in backward; offload adds PCIe traffic and a CPU optimizer step.
 # FSDP2 goes before ZeRO-3: same sharding, but per-layer collectives instead of DeepSpeed's per-module fetches.
+# ZeRO-2 with optimizer offload is estimated (an accelerate config of the user's may select it) but never
+# recommended: no config of ours selects it.
 PREFERENCE = ("single", "ddp", "zero2", "fsdp", "zero3", "zero3_offload")
 GIB = 1024**3
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weight
+FP32_GRAD_BYTES = 4  # ZeRO-2 optimizer offload accumulates gradients into an fp32 partition on the CPU
 
 _LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
 
@@ -204,7 +209,7 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
     hidden = int(text.hidden_size)
     table = _param_table(config, lora_r, lora_targets)
     deepspeed = strategy.startswith("zero")
-    offload = strategy == "zero3_offload"
+    offload = strategy.endswith("_offload")
     lora = bool(lora_r)
     t_bytes = param_bytes if (not lora or (deepspeed and param_bytes < 4)) else 4
     g_bytes = t_bytes
@@ -218,11 +223,15 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
         params, grads = weight_bytes, trainable * g_bytes
         optimizer = trainable * (ADAM_BYTES + master)
         buffers = grads if strategy == "ddp" and world > 1 else 0
-    elif strategy == "zero2":
+    elif strategy.startswith("zero2"):
         shard = _ceil_div(trainable, world)
-        params, grads = weight_bytes, shard * g_bytes
-        optimizer = shard * (ADAM_BYTES + master)
         buffers = min(reduce_bucket, trainable) * g_bytes
+        if offload:  # the fp32 gradient partition, master and Adam state live on the CPU for the whole run
+            params, grads, optimizer = weight_bytes, 0, 0
+            cpu = world * shard * (FP32_GRAD_BYTES + ADAM_BYTES + master)
+        else:
+            params, grads = weight_bytes, shard * g_bytes
+            optimizer = shard * (ADAM_BYTES + master)
     elif strategy.startswith("zero3"):
         threshold = 10 * hidden if persistence_threshold is None else persistence_threshold
         persistent = partitions = 0

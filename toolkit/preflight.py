@@ -72,8 +72,7 @@ def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *,
 
 ESTIMATED_AS = {"fsdp2": ("fsdp", ""),
                 "zero0": ("ddp", " (estimated as DDP)"),
-                "zero1": ("ddp", " (ZeRO-1 estimated as DDP: an upper bound)"),
-                "zero2_offload": ("zero2", " (estimated without the optimizer offload: an upper bound)")}
+                "zero1": ("ddp", " (ZeRO-1 estimated as DDP: an upper bound)")}
 """Launch names (toolkit.strategies) the memory table has no row of its own for: the row that stands for them."""
 
 
