@@ -92,7 +92,8 @@ def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
     removed = []
     for lock in build_locks(root or extensions_root()):
         if not is_stale(lock):
-            if lock.is_file() and is_held_open(lock) is False:  # a multi-node launch's young lock
+            young_unheld = lock.is_file() and is_held_open(lock) is False  # a multi-node launch's young lock
+            if young_unheld and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
                 log.warning("%s exists (a build lock of DeepSpeed's '%s' op) and no process on this machine holds "
                             "it. If this launch hangs at start-up, a process on another node may have been killed "
                             "while holding it: remove the file.", lock, lock.parent.name)
