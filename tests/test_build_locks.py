@@ -69,6 +69,19 @@ def test_multi_node_removes_only_locks_older_than_any_build(tmp_path: Path, monk
     assert any(str(young) in r.getMessage() and "remove the file" in r.getMessage() for r in caplog.records)
 
 
+def test_without_proc_only_old_locks_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Where open files cannot be listed (no /proc), a young lock may be live: kept and named; an old one goes."""
+    monkeypatch.setattr(build_locks, "is_held_open", lambda path: None)
+    young, old = plant_lock(tmp_path, "young"), plant_lock(tmp_path, "old")
+    then = time.time() - build_locks.STALE_AFTER_S - 60
+    os.utime(old, (then, then))
+    with caplog.at_level(logging.WARNING):
+        assert clear_stale_build_locks(tmp_path) == [old]
+    assert young.exists()
+    assert any(str(young) in r.getMessage() and "remove the file" in r.getMessage() for r in caplog.records)
+
+
 def test_extensions_root_follows_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from torch.utils.cpp_extension import get_default_build_root
 

@@ -67,36 +67,38 @@ def single_node() -> bool:
     return os.environ.get("WORLD_SIZE", "1") == os.environ.get("LOCAL_WORLD_SIZE", "1")
 
 
-def is_stale(lock: Path) -> bool:
-    """No process holds `lock`.
+def is_stale(lock: Path, held: bool | None) -> bool:
+    """`lock` was left by a dead process, given `held` (`is_held_open(lock)`, read once by the caller).
 
-    Checked twice when no process here holds it: a holder closes the file just before removing it, and a file seen
-    in that instant is gone at the second look.
+    On one node an unheld lock is looked at once more: a holder closes the file just before removing it, and a
+    file seen in that instant is gone at the second look. Elsewhere (other nodes, or no /proc) only age tells.
     """
+    if held:
+        return False
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return False
-    held = is_held_open(lock)
     if held is None or not single_node():
-        return not held and age > STALE_AFTER_S
-    if held:
-        return False
+        return age > STALE_AFTER_S
     time.sleep(0.5)
     return lock.is_file() and is_held_open(lock) is False
 
 
 def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
     """Remove the build locks under `root` (default: torch's extensions folder) that no live process holds, with a
-    warning for each; return them. Every rank may call it at once: a lock another rank removed first is skipped."""
+    warning for each; name the ones that may be live elsewhere; return the removed ones. Every rank may call it
+    at once: a lock another rank removed first is skipped."""
     removed = []
     for lock in build_locks(root or extensions_root()):
-        if not is_stale(lock):
-            young_unheld = lock.is_file() and is_held_open(lock) is False  # a multi-node launch's young lock
-            if young_unheld and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
-                log.warning("%s exists (a build lock of DeepSpeed's '%s' op) and no process on this machine holds "
-                            "it. If this launch hangs at start-up, a process on another node may have been killed "
-                            "while holding it: remove the file.", lock, lock.parent.name)
+        held = is_held_open(lock)
+        if held:
+            continue
+        if not is_stale(lock, held):
+            if lock.is_file() and os.environ.get("LOCAL_RANK", "0") == "0":  # young, holder unknown: once per node
+                log.warning("%s exists (a build lock of DeepSpeed's '%s' op) and no process on this machine is "
+                            "seen holding it. If this launch hangs at start-up, a process elsewhere may have been "
+                            "killed while holding it: remove the file.", lock, lock.parent.name)
             continue
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
