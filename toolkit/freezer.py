@@ -32,13 +32,13 @@ class StageFreezer:
         self.signatures = [sig for sig, _ in groups]
         self.names = [names for _, names in groups]
         self.updates = [0] * len(groups)  # optimizer updates applied to each group (its Adam step count)
-        self.groups = optimizer_chain(optimizer)[-1].param_groups  # DeepSpeed's ZeRO optimizer shares them
+        self._base = optimizer_chain(optimizer)[-1]  # the torch optimizer that updates tensors
         if len(self.groups) != len(groups):
             raise ValueError(f"{len(self.groups)} optimizer param groups for {len(groups)} signature groups")
         self.deepspeed = uses_deepspeed(accelerator)
         if all(all(sig) for sig in self.signatures):
             return  # nothing is ever frozen: no hooks at all
-        base = optimizer_chain(optimizer)[-1]  # the torch optimizer that updates tensors
+        base = self._base
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         base.register_step_pre_hook(self._hide_frozen_grads)
         base.register_step_post_hook(self._restore_grads)
@@ -57,6 +57,12 @@ class StageFreezer:
             if name in group_of:
                 g = group_of[name]
                 param.register_hook(lambda grad, g=g: torch.zeros_like(grad) if self.groups[g].get("frozen") else grad)
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """The live param groups of the torch optimizer (DeepSpeed's ZeRO optimizer shares them). Never cached:
+        `load_state_dict` (a resume) replaces the group dicts, and flags set on the old ones would be lost."""
+        return self._base.param_groups
 
     def set_stage(self, stage: int) -> None:
         for group, sig in zip(self.groups, self.signatures, strict=True):
