@@ -200,11 +200,12 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
 def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) -> None:
     """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state (with
     the curriculum's: stages that ended early on eval patience keep their length)."""
-    how = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
-                             strategy=run.identity["strategy"])
+    restored = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
+                                  strategy=run.identity["strategy"], seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
-    log.info("resumed (%s) from %s: step %d of %d, stage '%s'", f"{how}, forced past differences" if forced
-             else how, ckpt, run.resumed.step, run.curriculum.end_step, meta["stage"])
+    how = f"{restored.how}, forced past differences" if forced else restored.how
+    (log.warning if restored.lost else log.info)("resumed (%s) from %s: step %d of %d, stage '%s'", how, ckpt,
+                                                 run.resumed.step, run.curriculum.end_step, meta["stage"])
     for difference in forced:
         log.warning("checkpoint.resume_force: resumed despite %s", difference)
 

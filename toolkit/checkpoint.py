@@ -23,6 +23,7 @@ import shutil
 import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -303,11 +304,14 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
                        adam_steps: dict[str, int]) -> None:
     """Every rank calls this (gathers are collective); rank 0 writes full fp32 tensors in safetensors.
 
-    `adam_steps`: each trainable parameter's Adam step count (it differs from the global step when stages
-    freeze some parameters, or steps were skipped); restored with the moments on a portable resume.
+    Every trainable parameter gets `param/`, `exp_avg/` and `exp_avg_sq/` entries (zero moments for one never
+    updated yet, Adam's own start), so the file is the same whatever layout wrote it. `adam_steps`: each trainable
+    parameter's Adam step count (it differs from the global step when stages freeze some parameters, or steps were
+    skipped); restored with the moments on a portable resume.
     """
     from safetensors.torch import save_file
 
+    param_state.ensure_adam_state(accelerator, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable(accelerator, model):
         for key, value in param_state.full_param_state(accelerator, optimizer, param).items():
@@ -318,13 +322,16 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
         save_file(tensors, str(target), metadata={"adam_steps": json.dumps(adam_steps)})
 
 
-def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, ckpt: Path) -> None:
-    """Put a portable LoRA state into a prepared model/optimizer of any strategy (every rank calls this)."""
+def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, ckpt: Path) -> list[str]:
+    """Put a portable LoRA state into a prepared model/optimizer of any strategy (every rank calls this): weights,
+    Adam moments and each parameter's Adam step count. A parameter without moments in the file (an earlier version
+    wrote none before its first update) starts from Adam's start (zero moments, step 0). Returns what was not
+    restored as the checkpoint has it (Adam state reset for such parameters that had been updated, ...)."""
     from safetensors import safe_open
 
     with safe_open(str(portable_lora_file(ckpt)), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        metadata = f.metadata()
+        metadata = f.metadata() or {}
     # Checkpoints of earlier versions hold one global step for every parameter.
     steps = json.loads(metadata["adam_steps"]) if "adam_steps" in metadata else None
     named = _trainable(accelerator, model)
@@ -332,10 +339,20 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
     if missing:
         raise ToolkitError(f"The portable LoRA state in {portable_lora_file(ckpt)} has no entry for {missing[:3]}: "
                            "the LoRA settings changed since the checkpoint. Resume with the same lora: section.")
+    entries, reset = [], []
     for name, param in named:
-        values = {k: stored[f"{k}/{name}"] for k in ("param", "exp_avg", "exp_avg_sq") if f"{k}/{name}" in stored}
+        value = stored[f"param/{name}"]
         step = steps[name] if steps is not None else int(metadata["adam_step"])
-        param_state.set_full_param_state(accelerator, optimizer, param, values, step)
+        moments = {k: stored.get(f"{k}/{name}") for k in param_state.MOMENTS}
+        if any(m is None for m in moments.values()):  # zeros at step 0 are Adam's start: a loss only if it stepped
+            reset += [name] if step > 0 else []
+            moments, step = {k: torch.zeros_like(value) for k in moments}, 0
+        entries.append((param, {"param": value, **moments}, step))
+    lost = param_state.set_full_state(accelerator, optimizer, entries)
+    if reset:
+        lost.insert(0, f"Adam state of {len(reset)} parameter(s) the checkpoint holds none for (e.g. {reset[0]}) "
+                       "reset")
+    return lost
 
 
 def _unsaveable(state_dict: dict[str, Any], out_dir: Path) -> str | None:
@@ -415,10 +432,10 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     are compared with what the checkpoint recorded (checkpoints of earlier versions recorded only the hash).
     """
     if not same_layout(meta, strategy, world_size) and not portable_lora_file(ckpt).is_file():
-        layout = f"{meta['strategy']} x {meta['world_size']}"
+        layout = layout_name(meta["strategy"], meta["world_size"])
         raise ToolkitError(
-            f"Checkpoint {ckpt} was written by {layout}; this run is {strategy} x {world_size}. Sharded full "
-            f"fine-tuning states cannot be re-partitioned: resume with {layout}, or export the weights "
+            f"Checkpoint {ckpt} was written by {layout}; this run is {layout_name(strategy, world_size)}. Sharded "
+            f"full fine-tuning states cannot be re-partitioned: resume with {layout}, or export the weights "
             f"(toolkit export {ckpt} --out DIR) and start a new run from them.")
     differences = []
     if meta["recipe_hash"] != invariants_hash:
@@ -450,19 +467,53 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     return differences
 
 
+def layout_name(strategy: str, world_size: int) -> str:
+    return f"{strategy} x {world_size}"
+
+
+def reseed_for_layout(seed: int, step: int, rank: int) -> None:
+    """After a portable resume: seed this rank's Python, NumPy and torch RNG from (seed, step, rank). The saved
+    per-rank streams cannot carry over to another process count; this is deterministic (the same resume replays
+    the same run) and never replays the streams the run started with (seed + rank)."""
+    import numpy as np
+    from accelerate.utils import set_seed
+
+    set_seed(int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0]))
+
+
+@dataclass(frozen=True)
+class Restored:
+    """How a checkpoint was loaded, for the resume's log line: `exact`, or `portable (A -> B; ...)` naming what
+    could not be carried over. `lost` is training state that starts afresh (the line is then a warning)."""
+
+    how: str
+    lost: tuple[str, ...] = ()
+
+
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
-            strategy: str) -> str:
-    """Load `ckpt` into the prepared objects; returns how ('exact' or 'portable'). All ranks call this.
+            strategy: str, seed: int) -> Restored:
+    """Load `ckpt` into the prepared objects. All ranks call this.
 
     Same strategy and process count: accelerate's load_state restores everything bit for bit (model, optimizer,
     scheduler, RNG per rank, accumulation counter). Otherwise (checked by `check_resumable`: a LoRA run with a
-    portable state) the adapter, its Adam moments and the scheduler position are scattered into this layout.
+    portable state) the adapter, its Adam moments and step counts are scattered into this layout, the scheduler
+    position is loaded (and the lr it set for the next step put back into the optimizer), and each rank's RNG is
+    reseeded from the step (`reseed_for_layout`). The data position is a function of the step either way.
     """
     verify_checkpoint_files(ckpt)
-    if same_layout(read_meta(ckpt), strategy, accelerator.num_processes):
+    meta = read_meta(ckpt)
+    if same_layout(meta, strategy, accelerator.num_processes):
         accelerator.load_state(str(ckpt))
-        return "exact"
-    load_portable_lora(accelerator, model, optimizer, ckpt)
+        return Restored("exact")
+    lost = load_portable_lora(accelerator, model, optimizer, ckpt)
     scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
     scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))
-    return "portable"
+    # load_state_dict restores the position, not the optimizer's lr: that was set by the step before the save.
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    reseed_for_layout(seed, meta["step"], accelerator.process_index)
+    if accelerator.mixed_precision == "fp16":
+        lost.append("fp16 loss scale reset")
+    before, after = layout_name(meta["strategy"], meta["world_size"]), layout_name(strategy, accelerator.num_processes)
+    notes = [f"{before} -> {after}", "RNG reseeded per rank from the step", *lost]
+    return Restored(f"portable ({'; '.join(notes)})", tuple(lost))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit.strategies import optimizer_chain, uses_deepspeed
+from toolkit.strategies import optimizer_chain, param_state, uses_deepspeed
 
 
 class StageFreezer:
@@ -45,13 +45,8 @@ class StageFreezer:
         if not self.deepspeed:
             return
         # ZeRO-2 creates Adam state lazily and links it to the parameters after its first step: a group frozen
-        # at that step would stay linked to an empty state. Create the state now, exactly as AdamW would.
-        if isinstance(base, torch.optim.AdamW):
-            for group in base.param_groups:
-                for p in group["params"]:
-                    if not base.state[p]:
-                        base.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                             exp_avg_sq=torch.zeros_like(p))
+        # at that step would stay linked to an empty state. Create the state now, exactly as the optimizer would.
+        param_state.ensure_adam_state(accelerator, optimizer)
         group_of = {name: g for g, (_, names) in enumerate(groups) for name in names}
         for name, param in accelerator.unwrap_model(model).named_parameters():
             if name in group_of:
