@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -97,6 +99,30 @@ def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-6000:]}")
     return proc
+
+
+CURRICULUM = "recipes/smoke_curriculum.yaml"  # LoRA in stage 1, only model.norm in stage 2, both in stage 3
+SINGLE_SAME_BATCHES = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")  # 1 process, the global batches of 2
+CURRICULUM_SAVES = ("checkpoint.save_steps=2", "checkpoint.keep_last=10")  # checkpoints 2, 4, 6, 8, 10 and 11, kept
+
+
+@pytest.fixture(scope="session")
+def curriculum_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`curriculum_run(strategy)`: the fp32 curriculum smoke under `strategy` with 2 processes (`single`: 1, the same
+    global batches), trained once per session on first use and shared: the strategy matrix checks its losses,
+    freezing and portable files, the portability tests resume other layouts from its checkpoints."""
+    root, done = tmp_path_factory.mktemp("curriculum"), {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in done:
+            out = root / strategy
+            shutil.rmtree(out, ignore_errors=True)  # a launch that failed earlier in the session
+            extra = SINGLE_SAME_BATCHES if strategy == "single" else ()
+            train(strategy, 1 if strategy == "single" else 2, out, *extra, *CURRICULUM_SAVES, recipe=CURRICULUM)
+            done[strategy] = out
+        return done[strategy]
+
+    return run
 
 
 def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,

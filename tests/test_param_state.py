@@ -110,6 +110,9 @@ def test_portable_resume_reproduces_the_run_bit_for_bit(uninterrupted: Path, tmp
     out = tmp_path / "resumed"
     train(tmp_path, monkeypatch, out, f"checkpoint.resume={source}", "checkpoint.save_steps=2",
           "checkpoint.keep_last=20")
+    after_run = torch.rand(4)  # the run drew nothing from the stream it was reseeded with (no dropout)
+    reseed_for_layout(7, 6, 0)  # recipe seed 7, step 6, rank 0
+    assert torch.equal(after_run, torch.rand(4)), "the resume did not reseed the RNG from (seed, step, rank)"
     ref, got = losses_and_lrs(uninterrupted), losses_and_lrs(out)
     assert sorted(got) == list(range(7, 12))
     assert {s: got[s] for s in got} == {s: ref[s] for s in got}

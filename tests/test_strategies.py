@@ -15,16 +15,17 @@ import json
 import math
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
-from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, train
+from tests._portable import adam_steps, check_portable_files, portable_state
+from tests.conftest import CURRICULUM, LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, train
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -153,17 +154,7 @@ def test_lora_on_lm_head_under_zero3_matches_single_process(runs: Path) -> None:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-3, atol=1e-5, msg=k)
 
 
-CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)
 KEEP_STAGE_ENDS = "checkpoint.keep_last=3"  # one checkpoint per stage end, all kept
-
-
-def portable_state(out: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(out / "checkpoints" / f"step-{step:08d}" / "portable" / "lora_state.safetensors")
-
-
-def adam_steps(out: Path, step: int) -> dict[str, int]:
-    with safe_open(out / "checkpoints" / f"step-{step:08d}" / "portable" / "lora_state.safetensors", "pt") as f:
-        return json.loads(f.metadata()["adam_steps"])
 
 
 def stage_ends(out: Path) -> list[dict]:
@@ -171,21 +162,19 @@ def stage_ends(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def curriculum_reference(runs: Path) -> Path:
-    out = runs / "curriculum-single"
-    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", KEEP_STAGE_ENDS,
-          recipe=CURRICULUM)
-    return out
+def curriculum_reference(curriculum_run: Callable[[str], Path]) -> Path:
+    return curriculum_run("single")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_three_stage_curriculum_matches_single_process(strategy: str, runs: Path,
+def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum_run: Callable[[str], Path],
                                                        curriculum_reference: Path) -> None:
     """Same losses as one process, and per-stage freezing: LoRA trains in stage 1, only the final norm in stage 2
-    (LoRA weights and Adam moments bit-identical through it), both in stage 3."""
-    out = runs / f"curriculum-{strategy}"
-    train(strategy, 2, out, KEEP_STAGE_ENDS, recipe=CURRICULUM)
+    (LoRA weights and Adam moments bit-identical through it), both in stage 3. Every checkpoint's portable state
+    is the one-process run's: the first half of the portable-resume matrix (tests/test_portability.py)."""
+    out = curriculum_run(strategy)  # shared with tests/test_portability.py, which resumes from its checkpoints
     check_curriculum(out, curriculum_reference, strategy, rel=1e-4)
+    check_portable_files(out, curriculum_reference, strategy)
     if strategy in GOLDEN:  # the same launches prove the loop unchanged, bit for bit
         check_golden(out, strategy)
 
