@@ -252,15 +252,17 @@ def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:
 def test_requeue_after_a_kill_before_the_first_checkpoint_starts_afresh(trained: Path, tmp_path: Path) -> None:
     """A run SIGKILLed before its first checkpoint, then the same command again (a scheduler's requeue): it used
     to be refused as "an earlier run". It trains to the end from step 1; the killed attempt's records are set
-    aside, not deleted, and one warning line says where."""
+    aside, not deleted, and one warning line says where. On dummy data: the recipe the attempt saved names the
+    generated files, and the relaunch must still be told the same recipe."""
     shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
     shutil.rmtree(tmp_path / "run")
     run = tmp_path / "run"
     recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
     recipe |= {"output_dir": str(run), "checkpoint": {"save_steps": 1000}}  # the end of the stage is the first
-    recipe["stages"][0] |= {"data": [str(tmp_path / "data.jsonl")], "max_steps": 40}
+    recipe["stages"][0]["max_steps"] = 40
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml")]
+    cmd = [sys.executable, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml"),
+           "--create_dummy_data", "--num_dummy_samples", "16"]
     proc = start_and_signal(cmd, run, at_step=2, sig=signal.SIGKILL)
     proc.communicate(timeout=60)
     assert not committed_checkpoints(run / "checkpoints") and not (run / "final").exists()
