@@ -114,6 +114,10 @@ def test_is_within_tells_folders_by_identity(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "run")
     assert is_within(tmp_path / "link" / "final" / "not-yet" / "x", tmp_path / "run" / "final")
     assert is_within(tmp_path / "run", tmp_path / "link") and is_within(tmp_path / "run/final/..", tmp_path / "run")
+    (tmp_path / "p" / "y" / "z").mkdir(parents=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "link").symlink_to(tmp_path / "p" / "y" / "z")
+    assert is_within(tmp_path / "a" / "link" / ".." / "w", tmp_path / "p")  # the kernel's `..`: p/y/z/.. = p/y
     assert not is_within(tmp_path / "run", tmp_path / "run" / "final")
     assert not is_within(tmp_path / "run", tmp_path / "missing")
     if unshare_mount():  # a bind mount of the run's parent: another path, the same folders

@@ -145,7 +145,8 @@ def is_within(path: Path, folder: Path) -> bool:
         target = folder.stat()
     except OSError:
         return False
-    for step in (path.absolute(), *path.absolute().parents):
+    spelled, resolved = path.absolute(), path.resolve()  # `..` after a symlink: the kernel's folder is resolve()'s
+    for step in (spelled, *spelled.parents, resolved, *resolved.parents):
         try:
             here = step.stat()
         except OSError:  # not created yet
