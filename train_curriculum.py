@@ -69,7 +69,7 @@ from toolkit.run_data import (
     uses_dummy_data,
     write_dummy_files,
 )
-from toolkit.run_dir import RunLayout, RunLock, check_not_an_earlier_run, check_output_dir
+from toolkit.run_dir import RunLayout, RunLock, check_output_dir, set_aside_earlier_attempt
 from toolkit.strategies.deepspeed import configure_deepspeed
 from toolkit.trainable import TrainablePlan, plan_trainable
 
@@ -115,6 +115,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
     if create_dummy:  # stages not already on dummy data get the generated files
         use_dummy_data(recipe.stages, vision=vision)
+    if resume_from is None:  # the recipe is final now: it tells an interrupted attempt of this run from another run
+        start_afresh(layout, recipe, accelerator)
     resolved = resolve_stages(recipe)  # each stage's effective settings, from here on
     processor, tokenizer = prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data,
                                           vision=vision, dummy_samples=dummy_samples)
@@ -210,9 +212,9 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
 
 
 def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
-    """Take the run lock (one writer per output dir: a second launch, or a requeue while an orphaned trainer runs,
-    stops here) and the checkpoint to resume from, refusing to overwrite an earlier run's outputs. The caller
-    holds the lock object for the whole run: the lock goes with it."""
+    """Take the run lock (one writer per output dir, however its path is spelled: a second launch, or a requeue
+    while an orphaned trainer runs, stops here) and the checkpoint to resume from, refusing to overwrite an earlier
+    run's checkpoints. The caller holds the lock object for the whole run: the lock goes with it."""
     out, lock = layout.root, RunLock(layout)
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
     if busy is not None:
@@ -221,9 +223,22 @@ def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -
     if resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
-    if resume_from is None:
-        check_not_an_earlier_run(out)
     return lock, resume_from
+
+
+def start_afresh(layout: RunLayout, recipe: Recipe, accelerator: Accelerator) -> None:
+    """A run with no checkpoint to resume, in a folder that may hold an earlier run's outputs: rank 0 sets aside
+    the records of an interrupted attempt of this recipe, or refuses (a finished run, another recipe's), and every
+    rank stops with that refusal (toolkit/run_dir.py, set_aside_earlier_attempt)."""
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            set_aside_earlier_attempt(layout, resume_invariants(recipe))
+        except ToolkitError as e:
+            refusal = str(e)
+    refusal = distributed.broadcast_from_main(accelerator, refusal)
+    if refusal is not None:
+        raise ToolkitError(refusal)
 
 
 def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str,

@@ -223,10 +223,40 @@ def _(c: Ctx) -> Call:
     return call
 
 
+@case("output-dir-in-use-via-symlink")
+def _(c: Ctx) -> Call:
+    real = c.tmp / "runs" / "exp"
+    real.mkdir(parents=True)
+    (c.tmp / "exp").symlink_to(real)  # beside another folder than the real one: another .toolkit-cache
+    lock = RunLock(RunLayout(real))  # the live run, launched with the real path
+    assert lock.acquire() is None
+    c.keep.append(lock)
+    return replace(c.train("output_dir=exp"), watch=real)
+
+
 @case("earlier-run-without-checkpoint", trained=True)
 def _(c: Ctx) -> Call:
     run = c.copy_of_trained()
     shutil.rmtree(run / "checkpoints")
+    return Call(["--config", "recipe.yaml"], run)
+
+
+def interrupted_run(c: Ctx) -> Path:
+    """The trained run as an attempt killed before its first checkpoint leaves it: no checkpoint, no final/."""
+    run = c.copy_of_trained()
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "final")
+    return run
+
+
+case("earlier-run-of-another-recipe", trained=True)(
+    lambda c: Call(["--config", "recipe.yaml", "optimizer.lr=1e-3"], interrupted_run(c)))
+
+
+@case("earlier-run-without-recipe", trained=True)
+def _(c: Ctx) -> Call:
+    run = interrupted_run(c)
+    (run / "recipe.yaml").unlink()
     return Call(["--config", "recipe.yaml"], run)
 
 

@@ -21,7 +21,17 @@ import torch
 import yaml
 
 from tests._inprocess import Call, invoke, snapshot
-from tests.conftest import CHAT, LAUNCH_TIMEOUT_S, REPO, base_recipe, free_port, run_env, write_jsonl
+from tests.conftest import (
+    CHAT,
+    LAUNCH_TIMEOUT_S,
+    REPO,
+    base_recipe,
+    free_port,
+    run_env,
+    run_launch,
+    start_and_signal,
+    write_jsonl,
+)
 from toolkit import atomic
 from toolkit.checkpoint import _unsaveable, committed_checkpoints
 from toolkit.errors import ToolkitError
@@ -83,6 +93,31 @@ def test_export_overwrite_is_explicit_and_never_reaches_the_source(trained: Path
     empty = tmp_path / "empty"
     empty.mkdir()
     export(run, empty)  # an empty folder holds nothing to lose
+
+
+def test_export_tells_folders_by_identity_not_spelling(trained: Path, tmp_path: Path) -> None:
+    """Symlinks lead to the run: refused however --out is spelled, even with --overwrite. A symlinked --out that
+    leads to an earlier export has that export replaced and stays a link (it used to be replaced by a folder); a
+    symlink to a run's final/ exports that run (it used to be "neither a checkpoint nor a run")."""
+    run = copy_run(trained, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run").symlink_to(run)
+    (tmp_path / "b" / "parent").symlink_to(run.parent)
+    before = snapshot(run)
+    for target in ("b/run", "b/parent", "b/run/final/inside", "b/parent/run/../run"):
+        with pytest.raises(ToolkitError, match="is being exported"):
+            export(run, tmp_path / target, overwrite=True)
+    assert snapshot(run) == before
+
+    exports = tmp_path / "exports"
+    export(run, exports / "v1")
+    (tmp_path / "latest").symlink_to(exports / "v1")
+    (tmp_path / "final_link").symlink_to(run / "final")
+    export(run / "checkpoints" / "step-00000001", tmp_path / "latest")
+    assert (tmp_path / "latest").is_symlink() and sorted(p.name for p in exports.iterdir()) == ["v1"]
+    assert json.loads((exports / "v1" / EXPORT_MARKER).read_text())["source"].endswith("step-00000001")
+    export(tmp_path / "final_link", exports / "v2")
+    assert json.loads((exports / "v2" / EXPORT_MARKER).read_text())["source"] == str((run / "final").resolve())
 
 
 def _fail_call(real: Any, n: int) -> Any:
@@ -212,6 +247,36 @@ def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
     assert committed_checkpoints(tmp_path / "run" / "checkpoints")  # still there to resume from
+
+
+def test_requeue_after_a_kill_before_the_first_checkpoint_starts_afresh(trained: Path, tmp_path: Path) -> None:
+    """A run SIGKILLed before its first checkpoint, then the same command again (a scheduler's requeue): it used
+    to be refused as "an earlier run". It trains to the end from step 1; the killed attempt's records are set
+    aside, not deleted, and one warning line says where. On dummy data: the recipe the attempt saved names the
+    generated files, and the relaunch must still be told the same recipe."""
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "run")
+    run = tmp_path / "run"
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    recipe |= {"output_dir": str(run), "checkpoint": {"save_steps": 1000}}  # the end of the stage is the first
+    recipe["stages"][0]["max_steps"] = 40
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml"),
+           "--create_dummy_data", "--num_dummy_samples", "16"]
+    proc = start_and_signal(cmd, run, at_step=2, sig=signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not committed_checkpoints(run / "checkpoints") and not (run / "final").exists()
+    killed = {name: (run / name).read_text() for name in ("metrics.jsonl", "run.json", "recipe.yaml")}
+    assert 2 <= len(read_metrics(run / "metrics.jsonl", "train")) < 40
+
+    again = run_launch(cmd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (aside,) = (run / "earlier-attempts").iterdir()
+    assert {p.name: p.read_text() for p in aside.iterdir()} == killed
+    said = [line for line in again.stderr.splitlines() if "earlier attempt" in line]
+    assert len(said) == 1 and str(aside) in said[0] and "WARNING" in said[0], said
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "train")] == list(range(1, 41))
+    assert (run / "final").is_dir() and committed_checkpoints(run / "checkpoints")
 
 
 # --- resume on changed inputs ------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit import distributed
 from toolkit.atomic import build_dir, replace_dir, write_text_atomic
+from toolkit.config import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
 from toolkit.strategies import consolidate, param_state
 
@@ -400,16 +401,6 @@ EXACT_RESUME_SCOPE = "fp32 (mixed_precision: no) single, ddp, fsdp2, zero2, zero
 def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     """Whether the checkpoint's shards fit this run as they are (same strategy, same process count)."""
     return meta["world_size"] == world_size and meta["strategy"] == strategy
-
-
-def _changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two recipe trees."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [k for key in sorted(set(old) | set(new), key=str)
-                for k in _changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in _changed_keys(a, b, f"{prefix}{i}.")]
-    return [] if old == new else [prefix.rstrip(".") or "(all)"]
 
 
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,

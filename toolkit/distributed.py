@@ -112,7 +112,7 @@ def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[st
     quiet_library_logs()
     apply_cpu_compat()
     if deepspeed.launched_with_deepspeed():
-        build_locks.clear_stale_build_locks()  # DeepSpeed loads its JIT ops while the Accelerator is created
+        build_locks.clear_stale_build_locks(wait=True)  # DeepSpeed loads its JIT ops while the Accelerator is created
     accelerator = Accelerator(
         gradient_accumulation_steps=grad_accum,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))],

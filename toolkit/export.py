@@ -30,7 +30,7 @@ from toolkit.checkpoint import (
 from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import is_vision_language, load_processor, setup_lora
-from toolkit.run_dir import RunLayout
+from toolkit.run_dir import RunLayout, is_within
 from toolkit.strategies.consolidate import consolidate_full_weights
 
 
@@ -122,12 +122,12 @@ def _check_replaceable(folder: Path, out: Path, *, overwrite: bool) -> None:
 
 def check_out(out: Path, src: Path, run: RunLayout, *, overwrite: bool) -> None:
     """Refuse an --out whose replacement would lose anything: the source or a folder holding it (never), or a
-    non-empty folder that is not an earlier export (unless --overwrite)."""
-    target = out.resolve()
-    for protected in (src.resolve(), run.root.resolve()):
-        if target == protected or target in protected.parents:
+    non-empty folder that is not an earlier export (unless --overwrite). Folders are compared by identity, not
+    spelling (`is_within`): a symlink or bind mount leading to the run is the run."""
+    for protected in (src, run.root):
+        if is_within(protected, out):
             raise ToolkitError(f"--out {out} contains what is being exported ({protected}): choose another folder.")
-    if src.resolve() in target.parents:
+    if is_within(out, src):
         raise ToolkitError(f"--out {out} is inside what is being exported ({src}): choose another folder.")
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"--out {out} is a file; name a folder.")
@@ -145,7 +145,7 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
     it beside `out` as `.<name>.old-*`. The folder swapped out is checked again (an earlier export, empty, or
     --overwrite) before it is deleted, else put back. A failure leaves `out` as it was and no temporary folder.
     """
-    src, run = _resolve(Path(source))
+    src, run = _resolve(Path(source).resolve())  # a symlink to a run's final/ is that run's final/
     out = Path(out)
     check_out(out, src, run, overwrite=overwrite)
     recipe = yaml.safe_load(run.recipe.read_text())
@@ -186,5 +186,6 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         _no_empty(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(src.resolve()), "merged": merge}))
 
-    build_dir(out, write, check_replaced=lambda old: _check_replaceable(old, out, overwrite=overwrite))
+    # Into the folder --out leads to: a symlink --out stays, and the earlier export it points at is replaced.
+    build_dir(out.resolve(), write, check_replaced=lambda old: _check_replaceable(old, out, overwrite=overwrite))
     return out
