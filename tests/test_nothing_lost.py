@@ -22,7 +22,19 @@ import yaml
 from safetensors.torch import load_file
 
 from tests._inprocess import Call, invoke, snapshot
-from tests.conftest import CHAT, LAUNCH_TIMEOUT_S, REPO, base_recipe, free_port, run_env, write_jsonl
+from tests.conftest import (
+    CHAT,
+    LAUNCH_TIMEOUT_S,
+    REPO,
+    base_recipe,
+    free_port,
+    rank_stderr,
+    run_env,
+    run_launch,
+    toolkit_lines,
+    train_cmd,
+    write_jsonl,
+)
 from toolkit import atomic
 from toolkit import export as export_module
 from toolkit.checkpoint import (
@@ -261,6 +273,38 @@ def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monke
     merged = export(Path("../work/runs/tiny"), Path("merged"), merge=True)
     assert (merged / "model.safetensors").is_file()
     assert run.is_dir()
+
+
+# --- every rank ends with one line ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_ends_every_rank_with_one_line(tmp_path: Path) -> None:
+    """A bug that strikes rank 1 alone, at step 3 of a DDP x 2 run (tests/_crash_rank.py): rank 1 says what failed,
+    rank 0 names rank 1 and where its traceback is; each rank's traceback is in its own log file, not on stderr.
+    (A rank killed outright: tests/test_resume.py::test_sigkill_and_resume_is_exact.)"""
+    out, rank_logs = tmp_path / "run", tmp_path / "rank-logs"
+    cmd = train_cmd("ddp", 2, out, "stages.0.max_steps=4", "stages.1.max_steps=1", "checkpoint.save_steps=2",
+                    rank_logs=rank_logs, script=REPO / "tests" / "_crash_rank.py")
+    proc = run_launch(cmd, env=run_env() | {"TOOLKIT_TEST_CRASH": "1:3"})
+    assert proc.returncode != 0
+    ckpt, logs = out / "checkpoints" / "step-00000002", {r: out / "logs" / f"rank-{r}.log" for r in (0, 1)}
+    last_words = {}
+    for rank in (0, 1):
+        stderr = rank_stderr(rank_logs, rank)
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert "Traceback" not in stderr and len(errors) == 1, stderr[-4000:]
+        assert toolkit_lines(stderr)[-1] == errors[0]
+        last_words[rank] = errors[0]
+    assert last_words[1] == (f"error: rank 1 failed: RuntimeError: injected failure on rank 1 at step 3 (its "
+                             f"traceback is in {logs[1]}). Relaunch the same command to resume from {ckpt}. If it "
+                             "fails the same way, report it with that traceback.")
+    assert last_words[0].startswith("error: rank 0 stopped: rank 1 (pid ")
+    assert last_words[0].endswith(f"failed (RuntimeError: injected failure on rank 1 at step 3; its traceback is in "
+                                  f"{logs[1]}), and this rank stopped with it. Relaunch the same command to resume "
+                                  f"from {ckpt}. The traceback of rank 0 is in {logs[0]}.")
+    assert "in run_step" in logs[1].read_text() and "injected failure" in logs[1].read_text()
+    assert "gloo" in logs[0].read_text()
+    assert last_words[1] in proc.stderr  # the launcher's failure summary ends with the ranks' own lines
 
 
 # --- signals and the run lock ------------------------------------------------------------------------------------
