@@ -68,8 +68,8 @@ def _base_model(name: str, recorded: str, run: RunLayout) -> str:
     try:
         check_model_source(recorded)
     except ToolkitError as e:
-        raise ToolkitError(f"The base model of {run.root} cannot be loaded: {e} (export runs from any folder, but a "
-                           "relative model path is read from this one.)") from None
+        raise ToolkitError(f"The base model of {run.root} cannot be loaded: {e} A relative path is read from the "
+                           "folder export runs in: run it where the run was launched.") from None
     # A local folder is written into the export's adapter_config.json as an absolute path: usable from anywhere.
     return str(Path(recorded).resolve()) if Path(recorded).is_dir() else recorded
 
