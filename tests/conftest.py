@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -142,6 +143,54 @@ def last_logged_step(out: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except json.JSONDecodeError:  # a line being written
         return 0
+
+
+# The 3-stage smoke curriculum (LoRA, then only model.norm, then both; mixture, paced easy_to_hard, short_to_long)
+# with a checkpoint after each of its 11 steps, all kept. The single process trains the same global batches.
+CURRICULUM = "recipes/smoke_curriculum.yaml"
+CURRICULUM_STEPS = 11
+EVERY_CHECKPOINT = ("checkpoint.save_steps=1", f"checkpoint.keep_last={CURRICULUM_STEPS}")
+SINGLE_CURRICULUM = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")
+
+
+def processes_for(strategy: str) -> int:
+    return 1 if strategy == "single" else 2
+
+
+def curriculum_args(strategy: str) -> tuple[str, ...]:
+    """The overrides of a curriculum run under `strategy` (fp32, 2 processes, or 1 with the same batches)."""
+    return (*(SINGLE_CURRICULUM if strategy == "single" else ()), *EVERY_CHECKPOINT)
+
+
+@pytest.fixture(scope="session")
+def curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`get(strategy)`: the fp32 curriculum run under `strategy`, launched once per session and shared by the
+    strategy matrix (same losses as one process, freezing, golden values) and the exact-resume test (resumes
+    from each of its checkpoints)."""
+    root, done = tmp_path_factory.mktemp("curriculum"), {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in done:
+            train(strategy, processes_for(strategy), root / strategy, *curriculum_args(strategy), recipe=CURRICULUM)
+            done[strategy] = root / strategy
+        return done[strategy]
+
+    return get
+
+
+def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str = "no") -> list[int]:
+    """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would,
+    each run in fresh processes forked from one parent that imported everything once (tests/_relaunch.py says
+    why); returns the exit codes. Each run's output (all ranks) is in its log."""
+    jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
+    jobs.write_text(json.dumps({
+        "launch": ["--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
+                   "--num_processes", str(processes_for(strategy)), "--mixed_precision", mixed_precision],
+        "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "timeout": LAUNCH_TIMEOUT_S}))
+    proc = run_launch([sys.executable, str(REPO / "tests" / "_relaunch.py"), str(jobs)],
+                      timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["codes"]
 
 
 _hung_launches: list[str] = []

@@ -15,6 +15,7 @@ import json
 import math
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, train
+from tests.conftest import CURRICULUM, LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, train
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,6 @@ def test_lora_on_lm_head_under_zero3_matches_single_process(runs: Path) -> None:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-3, atol=1e-5, msg=k)
 
 
-CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)
 KEEP_STAGE_ENDS = "checkpoint.keep_last=3"  # one checkpoint per stage end, all kept
 
 
@@ -170,22 +170,13 @@ def stage_ends(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "stage_end"]
 
 
-@pytest.fixture(scope="module")
-def curriculum_reference(runs: Path) -> Path:
-    out = runs / "curriculum-single"
-    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", KEEP_STAGE_ENDS,
-          recipe=CURRICULUM)
-    return out
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_three_stage_curriculum_matches_single_process(strategy: str, runs: Path,
-                                                       curriculum_reference: Path) -> None:
+def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum_runs: Callable[[str], Path]) -> None:
     """Same losses as one process, and per-stage freezing: LoRA trains in stage 1, only the final norm in stage 2
-    (LoRA weights and Adam moments bit-identical through it), both in stage 3."""
-    out = runs / f"curriculum-{strategy}"
-    train(strategy, 2, out, KEEP_STAGE_ENDS, recipe=CURRICULUM)
-    check_curriculum(out, curriculum_reference, strategy, rel=1e-4)
+    (LoRA weights and Adam moments bit-identical through it), both in stage 3. The runs (a checkpoint per step)
+    are shared with tests/test_resume.py, which resumes from each of their checkpoints."""
+    out = curriculum_runs(strategy)
+    check_curriculum(out, curriculum_runs("single"), strategy, rel=1e-4)
     if strategy in GOLDEN:  # the same launches prove the loop unchanged, bit for bit
         check_golden(out, strategy)
 
