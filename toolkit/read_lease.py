@@ -115,8 +115,3 @@ def delete_unless_leased(path: Path) -> bool:
             shutil.rmtree(path, ignore_errors=True)
     return True
 
-
-def is_leased(path: Path) -> bool:
-    """Whether a reader holds a lease on the folder `path` right now."""
-    with _exclusive(path) as held:
-        return held is False
