@@ -43,6 +43,7 @@ from toolkit.errors import ToolkitError
 from toolkit.flops import peak_flops
 from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard
+from toolkit.last_words import FAILED_EXIT_CODE, LastWords
 from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
 from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
+def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords) -> int:
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
@@ -96,6 +97,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
                                                 log_with=recipe.logging.trackers or None,
                                                 project_dir=str(layout.trackers))
+    ending.watch(layout)  # should this rank stop unexpectedly, the others can name it
     world, strategy = accelerator.num_processes, strategies.strategy_name(accelerator)
     global_batch = micro * accum * world
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
@@ -159,6 +161,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
         resume_run(run, resume_from, resume_meta, forced)
     write_run_files(recipe, layout, accelerator, identity, curriculum.plans, trainable.stage_counts,
                     resumed_at=None if run.resumed is None else run.resumed.step)
+    ending.run_folder_ready()  # from here on an unexpected end's traceback goes to <output_dir>/logs
     accelerator.init_trackers(run_name, config=flat_config(recipe))
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
@@ -363,22 +366,36 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every rank ends with one line: bad input (exit 2), Ctrl-C (130), or anything unexpected here or on another
+    rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/last_words.py)."""
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    ending = LastWords()
     try:
         if args.num_dummy_samples < 1:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
-        return train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples)
+        code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
+                     ending=ending)
+        ending.finished()
+        return code
     except ToolkitError as e:
+        ending.stopped_on_error(str(e))
         print(f"error: {e}", file=sys.stderr)
         distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
         return 2
     except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
+        ending.interrupted()
         print("interrupted (Ctrl-C): stopped without saving; relaunch the same command to resume from the last "
               "checkpoint.", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, or a peer process that died: one line here, the traceback in the rank's log
+        line = ending.unexpected(e)
+        print(line, file=sys.stderr)
+        distributed.record_launch_error(line)
+        return FAILED_EXIT_CODE
 
 
 if __name__ == "__main__":
-    distributed.exit_without_teardown(main())
+    exit_code = main()
+    distributed.exit_without_teardown(exit_code, group_intact=exit_code != FAILED_EXIT_CODE)

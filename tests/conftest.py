@@ -102,10 +102,36 @@ def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides
 
 def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
               recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no",
-              dummy_samples: int = 64) -> list[str]:
-    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
-            str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
+              dummy_samples: int = 64, rank_logs: Path | None = None, script: Path | None = None) -> list[str]:
+    """`rank_logs`: the launcher also writes each rank's own stdout/stderr under that folder (see `rank_stderr`).
+    `script`: another entry point than train_curriculum.py (a test's wrapper of it)."""
+    extra = ["--log_dir", str(rank_logs), "--tee", "3"] if rank_logs is not None else None
+    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision, extra=extra),
+            str(script or REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
             "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
+
+
+def rank_stderr(rank_logs: Path, local_rank: int) -> str:
+    """What one rank wrote to stderr, of a launch with `train_cmd(..., rank_logs=...)`."""
+    found = sorted(rank_logs.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    assert len(found) == 1, found
+    return found[0].read_text()
+
+
+def toolkit_lines(stderr: str) -> list[str]:
+    """The lines of a rank's stderr that the toolkit wrote (its log records and its `error:` lines)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ") or
+            (len(line) > 9 and line[2] == ":" and line[5] == ":" and line[8] == " ")]
+
+
+def kill_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """SIGKILL one training process of a launch (as the out-of-memory killer would); returns its pid."""
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if p.environ().get("RANK") == str(rank) and p.environ().get("LOCAL_RANK") is not None:
+                p.kill()
+                return p.pid
+    raise AssertionError(f"no process of rank {rank} under the launcher {launcher.pid}")
 
 
 def last_logged_step(out: Path) -> int:
@@ -202,9 +228,10 @@ def dump_stacks_and_kill(pid: int) -> None:
     signal_tree(pid, signal.SIGKILL)
 
 
-def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S
-                     ) -> subprocess.Popen:
-    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group."""
+def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S,
+                     rank: int | None = None) -> subprocess.Popen:
+    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group (SIGKILL:
+    to every process of the launch), or SIGKILL the training process of `rank` alone."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -215,7 +242,10 @@ def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout:
             signal_tree(proc.pid, signal.SIGKILL)
             pytest.fail(f"run did not reach step {at_step} in {timeout} s")
         time.sleep(0.05)
-    signal_tree(proc.pid, sig)
+    if rank is not None:
+        kill_rank(proc, rank)
+    else:
+        signal_tree(proc.pid, sig)
     return proc
 
 

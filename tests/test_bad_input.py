@@ -374,6 +374,23 @@ def _(c: Ctx) -> Call:
                 tool="toolkit")
 
 
+@case("export-files-changed", trained=True)
+def _(c: Ctx) -> Call:
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000002"
+    shutil.copy2(ckpt.parent / "step-00000003" / "portable" / "lora_state.safetensors",
+                 ckpt / "portable" / "lora_state.safetensors")
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-base-model-moved", trained=True)
+def _(c: Ctx) -> Call:
+    """A run trained with `model.name_or_path: ../models/tiny-qwen3` from another folder records that path."""
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(meta | {"base_model": "../models/tiny-qwen3"}))
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
 @case("export-remote-code", trained=True)
 def _(c: Ctx) -> Call:
     run = c.copy_of_trained()

@@ -21,8 +21,10 @@ from tests.conftest import (
     CURRICULUM_STEPS,
     LAUNCH_TIMEOUT_S,
     curriculum_args,
+    rank_stderr,
     relaunch,
     start_and_signal,
+    toolkit_lines,
     train,
     train_cmd,
 )
@@ -101,18 +103,41 @@ def test_resume_from_every_checkpoint_is_exact(strategy: str, curriculum_runs: C
 
 # --- kill and resume ------------------------------------------------------------------------------------------------
 
+KILLED_RANK = {"ddp": 1, "zero3": 0}
+"""Under these strategies one training process is killed (as the out-of-memory killer does) and the launcher ends
+the other; under the others the whole launch is (a lost node)."""
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
 def test_sigkill_and_resume_is_exact(strategy: str, tmp_path: Path) -> None:
-    reference, out = tmp_path / "uninterrupted", tmp_path / "killed"
+    reference, out, rank_logs = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "rank-logs"
     train(strategy, 2, reference, *LONGER)
     kill_at = random.Random(strategy).randint(9, TOTAL_STEPS - 2)  # epoch 2 of stage 1, or inside stage 2
-    proc = start_and_signal(train_cmd(strategy, 2, out, *LONGER), out, kill_at, signal.SIGKILL)
-    proc.wait(timeout=60)
+    killed = KILLED_RANK.get(strategy)
+    proc = start_and_signal(train_cmd(strategy, 2, out, *LONGER, rank_logs=rank_logs), out, kill_at,
+                            signal.SIGKILL, rank=killed)
+    proc.communicate(timeout=120)
     # A step is logged before its checkpoint is written: the kill may land mid-save, leaving the step before.
-    resumed_from = read_meta(committed_checkpoints(out / "checkpoints")[-1])["step"]
+    last = committed_checkpoints(out / "checkpoints")[-1]
+    resumed_from = read_meta(last)["step"]
     assert kill_at - 1 <= resumed_from < TOTAL_STEPS
+    if killed is not None:
+        assert_survivor_names_the_lost_rank(rank_stderr(rank_logs, 1 - killed), killed, 1 - killed, out, last)
     train(strategy, 2, out, *LONGER)  # same command: resume: auto
     assert_same_run(out, reference)
+
+
+def assert_survivor_names_the_lost_rank(stderr: str, killed: int, survivor: int, out: Path, last: Path) -> None:
+    """The surviving rank's last words: one line, no traceback on stderr, naming the rank that died, the checkpoint
+    a relaunch resumes from and its own log file, which holds the collective's traceback."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in stderr and len(errors) == 1 and toolkit_lines(stderr)[-1] == errors[0], stderr[-4000:]
+    log = out / "logs" / f"rank-{survivor}.log"
+    assert errors[0].startswith(f"error: rank {survivor} stopped: rank {killed} (pid "), errors[0]
+    assert "died (killed by a signal or the out-of-memory killer" in errors[0]
+    assert f"Relaunch the same command to resume from {last}." in errors[0]
+    assert errors[0].endswith(f"The traceback of rank {survivor} is in {log}.")
+    assert "Traceback (most recent call last)" in log.read_text() and "gloo" in log.read_text()
 
 
 def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path: Path) -> None:

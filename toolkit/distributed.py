@@ -196,17 +196,19 @@ def record_launch_error(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int, *, group_intact: bool = True) -> None:
     """End the process after a finished run, skipping interpreter teardown.
 
     With DeepSpeed ZeRO-3 on gloo, a process that has finished, written everything and destroyed its process
     group still aborts now and then in C++ static destruction ('terminate called without an active exception',
     SIGABRT), which turns a good run into a failed launch. Everything is flushed first, so nothing is lost.
+    `group_intact=False` (a peer is gone, or this rank failed mid-collective): the process group is not destroyed,
+    which could wait on the missing peer; the process's end closes its connections.
     """
     import logging
     import sys
 
-    if torch.distributed.is_initialized():
+    if group_intact and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()

@@ -95,6 +95,18 @@ class RunLayout:
         return self.root / "training.png"
 
     @property
+    def logs(self) -> Path:
+        """Each rank's log, `rank-N.log`: the traceback of an unexpected exception that stopped it (its one-line
+        ending is on stderr; toolkit/last_words.py). Created only once the run's outputs are being written."""
+        return self.root / "logs"
+
+    def rank_log(self, rank: int, *, outputs_written: bool) -> Path:
+        """Rank `rank`'s log file: in `logs`, or, for a run stopped before its outputs were written (its inputs
+        still being checked), in the shared cache beside the output dir, which is then left as it was."""
+        folder = self.logs if outputs_written else self.cache / "logs" / (self.root.resolve().name or "root")
+        return folder / f"rank-{rank}.log"
+
+    @property
     def cache(self) -> Path:
         """The cache shared by the runs beside this one: the built-in models' folders and tokenised data. It stays
         beside the output dir as written (where the user put a symlink, say), not as resolved: its entries are
