@@ -60,6 +60,7 @@ EXACT_KEYS = ("step", "stage", "stage_index", "stage_step", "loss", "lr", "grad_
 EXACT_EVENT_KEYS = ("step", "stage", "event", "stage_steps", "stage_samples", "stage_tokens", "trainable_params")
 
 
+@pytest.mark.timeout(1800)  # the reference launch and 11 resumes: about 2 minutes on a quiet 2-core machine
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
 def test_resume_from_every_checkpoint_is_exact(strategy: str, curriculum_runs: Callable[[str], Path]) -> None:
     """The uninterrupted fp32 curriculum (LoRA, then only the norm, then both; a checkpoint after every step) is

@@ -182,17 +182,26 @@ def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum
 
 
 # fp32 per-step values recorded before the loop was split into named units (toolkit/loop.py); see the file's note.
-GOLDEN = {k: v for k, v in json.loads((REPO / "tests" / "data" / "curriculum_losses.json").read_text()).items()
-          if not k.startswith("_")}
+# Bit-exact per CPU kernel family: the vector width of torch's CPU kernels (AVX2, AVX-512) changes the order of the
+# sums inside a loss, so the last bits of a few losses differ between machines that are both right.
+GOLDEN_FILE = json.loads((REPO / "tests" / "data" / "curriculum_losses.json").read_text())
+CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+GOLDEN = GOLDEN_FILE["by_cpu_capability"].get(CPU_CAPABILITY, GOLDEN_FILE["by_cpu_capability"]["AVX2"])
+# On a CPU family with no record: equal within this (a real change of the loop moves a loss by far more; the
+# resume bug of issue 23 moved one by 5e-6).
+GOLDEN_REL_ELSEWHERE = 1e-6
 
 
 def check_golden(out: Path, strategy: str) -> None:
     """Losses, gradient norms and learning rates equal the recorded ones exactly (as written in metrics.jsonl)."""
     records = read_metrics(out / "metrics.jsonl", "train")
     got = {k: [r[k] for r in records] for k in GOLDEN[strategy]}
+    exact = CPU_CAPABILITY in GOLDEN_FILE["by_cpu_capability"]
     for k, expected in GOLDEN[strategy].items():
-        diffs = [(step, a, b) for step, a, b in zip(got["step"], got[k], expected, strict=True) if a != b]
-        assert len(got[k]) == len(expected) and not diffs, f"{strategy} {k} differs (step, got, golden): {diffs}"
+        assert len(got[k]) == len(expected), f"{strategy}: {len(got[k])} records of {k}, golden {len(expected)}"
+        diffs = [(step, a, b) for step, a, b in zip(got["step"], got[k], expected, strict=True)
+                 if (a != b if exact else a != pytest.approx(b, rel=GOLDEN_REL_ELSEWHERE))]
+        assert not diffs, f"{strategy} {k} differs on {CPU_CAPABILITY} (step, got, golden): {diffs}"
 
 
 def check_curriculum(out: Path, reference: Path, strategy: str, *, rel: float,
