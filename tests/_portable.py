@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.conftest import CURRICULUM_STEPS
 from toolkit.checkpoint import checkpoint_dir, portable_lora_file
 
-PORTABLE_STEPS = (2, 4, 6, 8, 10, 11)  # every checkpoint of the shared curriculum runs (conftest.curriculum_run)
+PORTABLE_STEPS = tuple(range(1, CURRICULUM_STEPS + 1))  # every checkpoint of conftest.curriculum_runs
 
 
 def portable_state(out: Path, step: int) -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -101,36 +100,38 @@ def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides
     return proc
 
 
-CURRICULUM = "recipes/smoke_curriculum.yaml"  # LoRA in stage 1, only model.norm in stage 2, both in stage 3
-SINGLE_SAME_BATCHES = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")  # 1 process, the global batches of 2
-CURRICULUM_SAVES = ("checkpoint.save_steps=2", "checkpoint.keep_last=10")  # checkpoints 2, 4, 6, 8, 10 and 11, kept
-
-
-@pytest.fixture(scope="session")
-def curriculum_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`curriculum_run(strategy)`: the fp32 curriculum smoke under `strategy` with 2 processes (`single`: 1, the same
-    global batches), trained once per session on first use and shared: the strategy matrix checks its losses,
-    freezing and portable files, the portability tests resume other layouts from its checkpoints."""
-    root, done = tmp_path_factory.mktemp("curriculum"), {}
-
-    def run(strategy: str) -> Path:
-        if strategy not in done:
-            out = root / strategy
-            shutil.rmtree(out, ignore_errors=True)  # a launch that failed earlier in the session
-            extra = SINGLE_SAME_BATCHES if strategy == "single" else ()
-            train(strategy, 1 if strategy == "single" else 2, out, *extra, *CURRICULUM_SAVES, recipe=CURRICULUM)
-            done[strategy] = out
-        return done[strategy]
-
-    return run
-
-
 def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
               recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no",
-              dummy_samples: int = 64) -> list[str]:
-    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
-            str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
+              dummy_samples: int = 64, rank_logs: Path | None = None, script: Path | None = None) -> list[str]:
+    """`rank_logs`: the launcher also writes each rank's own stdout/stderr under that folder (see `rank_stderr`).
+    `script`: another entry point than train_curriculum.py (a test's wrapper of it)."""
+    extra = ["--log_dir", str(rank_logs), "--tee", "3"] if rank_logs is not None else None
+    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision, extra=extra),
+            str(script or REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
             "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
+
+
+def rank_stderr(rank_logs: Path, local_rank: int) -> str:
+    """What one rank wrote to stderr, of a launch with `train_cmd(..., rank_logs=...)`."""
+    found = sorted(rank_logs.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    assert len(found) == 1, found
+    return found[0].read_text()
+
+
+def toolkit_lines(stderr: str) -> list[str]:
+    """The lines of a rank's stderr that the toolkit wrote (its log records and its `error:` lines)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ") or
+            (len(line) > 9 and line[2] == ":" and line[5] == ":" and line[8] == " ")]
+
+
+def kill_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """SIGKILL one training process of a launch (as the out-of-memory killer would); returns its pid."""
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if p.environ().get("RANK") == str(rank) and p.environ().get("LOCAL_RANK") is not None:
+                p.kill()
+                return p.pid
+    raise AssertionError(f"no process of rank {rank} under the launcher {launcher.pid}")
 
 
 def last_logged_step(out: Path) -> int:
@@ -142,6 +143,54 @@ def last_logged_step(out: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except json.JSONDecodeError:  # a line being written
         return 0
+
+
+# The 3-stage smoke curriculum (LoRA, then only model.norm, then both; mixture, paced easy_to_hard, short_to_long)
+# with a checkpoint after each of its 11 steps, all kept. The single process trains the same global batches.
+CURRICULUM = "recipes/smoke_curriculum.yaml"
+CURRICULUM_STEPS = 11
+EVERY_CHECKPOINT = ("checkpoint.save_steps=1", f"checkpoint.keep_last={CURRICULUM_STEPS}")
+SINGLE_CURRICULUM = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")
+
+
+def processes_for(strategy: str) -> int:
+    return 1 if strategy == "single" else 2
+
+
+def curriculum_args(strategy: str) -> tuple[str, ...]:
+    """The overrides of a curriculum run under `strategy` (fp32, 2 processes, or 1 with the same batches)."""
+    return (*(SINGLE_CURRICULUM if strategy == "single" else ()), *EVERY_CHECKPOINT)
+
+
+@pytest.fixture(scope="session")
+def curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`get(strategy)`: the fp32 curriculum run under `strategy`, launched once per session and shared by the
+    strategy matrix (same losses as one process, freezing, golden values) and the exact-resume test (resumes
+    from each of its checkpoints)."""
+    root, done = tmp_path_factory.mktemp("curriculum"), {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in done:
+            train(strategy, processes_for(strategy), root / strategy, *curriculum_args(strategy), recipe=CURRICULUM)
+            done[strategy] = root / strategy
+        return done[strategy]
+
+    return get
+
+
+def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str = "no") -> list[int]:
+    """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would,
+    each run in fresh processes forked from one parent that imported everything once (tests/_relaunch.py says
+    why); returns the exit codes. Each run's output (all ranks) is in its log."""
+    jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
+    jobs.write_text(json.dumps({
+        "launch": ["--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
+                   "--num_processes", str(processes_for(strategy)), "--mixed_precision", mixed_precision],
+        "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "timeout": LAUNCH_TIMEOUT_S}))
+    proc = run_launch([sys.executable, str(REPO / "tests" / "_relaunch.py"), str(jobs)],
+                      timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["codes"]
 
 
 _hung_launches: list[str] = []
@@ -179,9 +228,10 @@ def dump_stacks_and_kill(pid: int) -> None:
     signal_tree(pid, signal.SIGKILL)
 
 
-def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S
-                     ) -> subprocess.Popen:
-    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group."""
+def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S,
+                     rank: int | None = None) -> subprocess.Popen:
+    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group (SIGKILL:
+    to every process of the launch), or SIGKILL the training process of `rank` alone."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -192,7 +242,10 @@ def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout:
             signal_tree(proc.pid, signal.SIGKILL)
             pytest.fail(f"run did not reach step {at_step} in {timeout} s")
         time.sleep(0.05)
-    signal_tree(proc.pid, sig)
+    if rank is not None:
+        kill_rank(proc, rank)
+    else:
+        signal_tree(proc.pid, sig)
     return proc
 
 

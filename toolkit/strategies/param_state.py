@@ -9,10 +9,12 @@ into any other (`set_full_state`). Where the state lives:
   sub-group, each rank holding its own slice. The model's parameters are a separate working copy (16-bit, or a
   second fp32 copy) that DeepSpeed refreshes from the partitions after each step.
 
-Adam creates its state at a parameter's first update, and DeepSpeed only links ZeRO-1/2 parameters to it after its
-first step: a layout that has not stepped yet (a resume) has nothing to scatter into. `ensure_adam_state` creates
-it first exactly as the optimizer's first step would (zero moments, step 0: numerically the same as no state),
-as DeepSpeed's own universal-checkpoint loader does.
+Adam creates its state at a parameter's first update. The StageFreezer creates it at the start for every tensor
+the torch optimizer's param groups hold (`freezer.create_optimizer_state`); ZeRO-3 keeps its flat partitions out
+of those groups between steps, and DeepSpeed links ZeRO-1/2 parameters to the state only at its first step (a
+checkpoint load replaces the tensors behind the links). `ensure_adam_state` closes both gaps before any gather or
+scatter: the missing state as DeepSpeed's own universal-checkpoint loader creates it (zero moments, step 0:
+numerically the same as no state), and links to the current state tensors.
 """
 
 from __future__ import annotations
@@ -73,16 +75,20 @@ def _fresh_adam_state(base: torch.optim.Optimizer, holder: torch.Tensor) -> dict
 
 
 def ensure_adam_state(accelerator: Accelerator, optimizer: Any) -> None:
-    """Give every trainable tensor the Adam state the optimizer's first step would create, where it has none yet,
-    and link ZeRO-1/2 parameters to it (DeepSpeed does that after its first step). Same on every rank; no
-    collective. Later steps use the state as they would their own: zero moments at step 0 are Adam's start."""
+    """Give every trainable tensor that has none the Adam state the optimizer's first step would create, and link
+    ZeRO-0/1/2 parameters to the current state tensors (DeepSpeed links them at its first step only). The same on
+    every rank, no collective; later steps use the state as their own: zero moments at step 0 are Adam's start."""
     base = optimizer_chain(optimizer)[-1]
     for holder, _ in _holders(accelerator, optimizer):
         if not base.state[holder]:
             base.state[holder].update(_fresh_adam_state(base, holder))
     found = _zero_optimizer(accelerator, optimizer)
-    if found is not None and found[1] != _ZERO3:  # ZeRO-0/1/2 link parameters to it; a no-op once linked
-        found[0]._lazy_init_hp_params_optimizer_state()
+    if found is not None and found[1] != _ZERO3:
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        zero, flat, params = found
+        for partition, lp_params in zip(getattr(zero, flat), getattr(zero, params), strict=True):
+            lazy_init_hp_params_optimizer_state(lp_params, partition, base.state)
 
 
 def full_param_state(accelerator: Accelerator, optimizer: Any, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
