@@ -35,14 +35,18 @@ def test_run_state_round_trip_through_meta_json() -> None:
     """Every field survives meta.json (none forgotten), under the keys older checkpoints use."""
     state = RunState(step=7, stage="b", stage_index=1, stage_step=3, samples=56, tokens=1234,
                      pending_losses=[2.5, float("inf")], pending_skipped=1, stage_steps=[4, 5],
-                     patience={"best": 1.5, "since_best": 2}, adam_updates=[4, 3], metrics={"loss": 2.0})
+                     patience={"best": 1.5, "since_best": 2}, gate={"last": 0.5, "best": 0.75, "best_step": 6,
+                                                                  "met_step": None},
+                     adam_updates=[4, 3], metrics={"loss": 2.0})
     defaults = RunState()
     assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RunState))
     meta = json.loads(json.dumps(state.to_meta()))
     assert RunState.from_meta(meta) == state
     assert meta["step"] == 7 and meta["tokens"] == 1234 and meta["stage_index"] == 1
     assert meta["pending"] == {"losses": [2.5, float("inf")], "skipped": 1}
-    assert meta["curriculum"] == {"stage_steps": [4, 5], "patience": {"best": 1.5, "since_best": 2}}
+    assert meta["curriculum"] == {"stage_steps": [4, 5], "patience": {"best": 1.5, "since_best": 2},
+                                  "gate": state.gate}
+    assert "gate" not in RunState(stage_steps=[4, 5]).to_meta()["curriculum"]  # ungated: as before gates existed
     assert meta["adam_updates"] == [4, 3] and meta["metrics"] == {"loss": 2.0}
     old = {"step": 3, "tokens": 10, "stage": "a", "stage_index": 0, "pending": {"losses": [], "skipped": 0}}
     assert RunState.from_meta(old) == RunState(step=3, tokens=10, stage="a")  # a checkpoint without the later keys

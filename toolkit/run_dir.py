@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -80,6 +81,25 @@ class RunLayout:
         return self.root / "training.png"
 
     @property
+    def evals(self) -> Path:
+        """Generation-eval completions and the forgetting matrix (toolkit/evals.py, toolkit/forgetting.py)."""
+        return self.root / "evals"
+
+    def completions(self, stage: str, step: int) -> Path:
+        """One eval's completions, `evals/<stage>/step-N.jsonl` (N as in checkpoint names)."""
+        return self.evals / re.sub(r"[^\w.-]|^\.", "_", stage) / f"step-{step:08d}.jsonl"
+
+    @property
+    def eval_matrix(self) -> Path:
+        """The forgetting matrix (eval.all_stages): one record per step, eval set and metric."""
+        return self.evals / "matrix.jsonl"
+
+    @property
+    def matrix_plot(self) -> Path:
+        """`toolkit plot`'s heatmap of the forgetting matrix."""
+        return self.root / "forgetting.png"
+
+    @property
     def cache(self) -> Path:
         """The cache shared by the runs beside this one; it holds the built-in models' folders."""
         return self.root.parent / ".toolkit-cache"
@@ -97,7 +117,7 @@ class RunLayout:
     @property
     def earlier_run_files(self) -> tuple[Path, ...]:
         """What a run writes into its output dir once training starts; their presence marks an earlier run."""
-        return self.metrics, self.run_json, self.final
+        return self.metrics, self.run_json, self.final, self.evals
 
 
 def check_output_dir(out: Path) -> None:
