@@ -88,10 +88,12 @@ def launch_cmd(strategy: str | Path, num_processes: int | None, *, mixed_precisi
 
 def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
           recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no", dummy_samples: int = 64,
-          check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
+          check: bool = True, env: dict[str, str] | None = None, script: Path | None = None
+          ) -> subprocess.CompletedProcess:
+    """Run train_curriculum.py (or `script`, a wrapper of it) under `accelerate launch` from the repository root;
+    return the finished process."""
     cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
-                    dummy_samples=dummy_samples)
+                    dummy_samples=dummy_samples, script=script)
     proc = run_launch(cmd, env=run_env() | (env or {}))
     if check and proc.returncode != 0:
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -101,9 +103,9 @@ def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides
 
 def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
               recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no",
-              dummy_samples: int = 64) -> list[str]:
+              dummy_samples: int = 64, script: Path | None = None) -> list[str]:
     return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
-            str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
+            str(script or REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
             "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
 
 

@@ -155,6 +155,12 @@ def test_lora_on_lm_head_under_zero3_matches_single_process(runs: Path) -> None:
 
 CURRICULUM = "recipes/smoke_curriculum.yaml"  # mixture -> paced easy_to_hard -> short_to_long (continued schedule)
 KEEP_STAGE_ENDS = "checkpoint.keep_last=3"  # one checkpoint per stage end, all kept
+# The fp32 curriculum launches also run a generation eval (at steps 4, 8 and 11): nine prompts in batches of 4, 4
+# and 1, so the two ranks hold 8 and 1 prompts in 2 and 1 batches. The model, trained on arithmetic, answers them
+# with varied junk: completions that equal the single process's show the same weights and decoding on every rank.
+GENERATION = ("eval.every_steps=4", "eval.generation=[{name: facts, data: [dummy:facts_eval], scorers: [exact], "
+              "max_new_tokens: 6, batch_size: 4}]")
+SPY = REPO / "tests" / "_spy_generation.py"  # train_curriculum.py, counting the collectives of generation evals
 
 
 def portable_state(out: Path, step: int) -> dict[str, torch.Tensor]:
@@ -173,19 +179,44 @@ def stage_ends(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def curriculum_reference(runs: Path) -> Path:
     out = runs / "curriculum-single"
-    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", KEEP_STAGE_ENDS,
+    train("single", 1, out, "train.micro_batch_size=4", "stages.2.micro_batch_size=2", KEEP_STAGE_ENDS, *GENERATION,
           recipe=CURRICULUM)
     return out
+
+
+def completions(out: Path) -> dict[str, list[dict]]:
+    """Every eval's completions file, by stage and step, without the file paths (another output dir)."""
+    return {f"{path.parent.name}/{path.name}": [{k: v for k, v in json.loads(line).items() if k != "where"}
+                                                for line in path.read_text().splitlines()]
+            for path in sorted((out / "evals").glob("*/step-*.jsonl"))}
+
+
+def check_generation(out: Path, reference: Path, strategy: str, spy: Path) -> None:
+    """The generation evals' completions equal the single process's (greedy, the same batches on any number of
+    processes); under ZeRO-3 and FSDP2 the weights were gathered once per eval: not one all-gather inside
+    `generate`, where a sharded forward gathers every layer at every token (1,179 all-gathers under ZeRO-3 here)."""
+    got, expected = completions(out), completions(reference)
+    assert list(got) == ["easy_to_hard/step-00000008.jsonl", "mixture/step-00000004.jsonl",
+                         "short_to_long/step-00000011.jsonl"]
+    assert got == expected, f"{strategy}: completions differ from the single process"
+    assert len({line["output"] for lines in got.values() for line in lines}) > 3  # varied, not one constant
+    ranks = [json.loads((spy / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(c["evals"] == 3 and c["generate_calls"] == 3 for c in ranks), ranks
+    if strategy in ("zero3", "zero3_offload", "fsdp"):
+        assert all(c["gathers_inside_generate"] == 0 and c["gathers_in_evals"] > 0 for c in ranks), ranks
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_three_stage_curriculum_matches_single_process(strategy: str, runs: Path,
                                                        curriculum_reference: Path) -> None:
     """Same losses as one process, and per-stage freezing: LoRA trains in stage 1, only the final norm in stage 2
-    (LoRA weights and Adam moments bit-identical through it), both in stage 3."""
-    out = runs / f"curriculum-{strategy}"
-    train(strategy, 2, out, KEEP_STAGE_ENDS, recipe=CURRICULUM)
+    (LoRA weights and Adam moments bit-identical through it), both in stage 3; generation evals with uneven shares
+    of prompts give the single process's completions, the weights gathered once per eval."""
+    out, spy = runs / f"curriculum-{strategy}", runs / f"spy-{strategy}"
+    train(strategy, 2, out, KEEP_STAGE_ENDS, *GENERATION, recipe=CURRICULUM, script=SPY,
+          env={"SPY_GENERATION_DIR": str(spy)})
     check_curriculum(out, curriculum_reference, strategy, rel=1e-4)
+    check_generation(out, curriculum_reference, strategy, spy)
     if strategy in GOLDEN:  # the same launches prove the loop unchanged, bit for bit
         check_golden(out, strategy)
 

@@ -215,7 +215,8 @@ def generate(accelerator: Accelerator, model: Any, evaluation: GenerationEval, p
                               image_kwargs=image_kwargs or {})
         inputs = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         with _seeded(accelerator, seed, step, number if number is not None else 0, sampling=settings.do_sample):
-            sequences = model.generate(**inputs, generation_config=settings, synced_gpus=lockstep)
+            sequences = model.generate(**inputs, generation_config=settings,
+                                       synced_gpus=lockstep and accelerator.num_processes > 1)
         if number is None:
             continue
         new = sequences[:, inputs["input_ids"].shape[1]:]
