@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -179,6 +180,18 @@ def signal_tree(pid: int, sig: int) -> None:
     for p in [*root.children(recursive=True), root] if sig == signal.SIGKILL else [root]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch computes on one thread in this process, as launched runs do (run_env): on a small busy machine, more
+    threads than free cores make a tiny model many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"

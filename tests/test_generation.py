@@ -22,6 +22,7 @@ from toolkit.model import load_processing
 from toolkit.scorers import build_scorers
 
 USER = {"role": "user", "content": "What is 2 + 2?"}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rows_of(tmp_path: Path, rows: list, *, vision: bool = False) -> list:

@@ -157,3 +157,26 @@ def test_lr_scaling_and_the_eval_batch_follow_each_stage_micro_batch(tmp_path: P
     enter_stage(run, stage, second.start_step)
     evaluate_stage(run, stage, second.steps - 1, second.end_step)  # the stage's end: it evaluates
     assert sizes and set(sizes) == {1} and len(sizes) == len(stage.eval_rows)
+
+
+def test_eval_time_is_left_out_of_training_throughput(tmp_path: Path) -> None:
+    """tokens/s, step time and MFU are training's: the interval clock skips an evaluation's time."""
+    run = build_run(tmp_path, "eval.data=[dummy:stage2]")
+    stage = run.curriculum.stages[0]
+    enter_stage(run, stage, 0)
+    results = []
+    evaluate = run.evaluator.evaluate
+
+    def recording(*args, **kwargs):  # the real evaluation, its result kept
+        results.append(evaluate(*args, **kwargs))
+        return results[-1]
+
+    run.evaluator.evaluate = recording  # type: ignore[method-assign]
+    started = run.meter.started
+    assert not evaluate_stage(run, stage, 0, 1)  # no eval.every_steps: step 1 is not due
+    assert results == [] and run.meter.started == started
+    evaluate_stage(run, stage, stage.plan.steps - 1, stage.plan.end_step)  # the stage's end: it evaluates
+    assert len(results) == 1 and results[0].seconds > 0
+    assert run.meter.started == pytest.approx(started + results[0].seconds, abs=1e-9)
+    record = read_metrics(run.metrics.path)[-1]
+    assert record["eval_seconds"] <= results[0].seconds and "eval_loss" in record

@@ -84,15 +84,22 @@ def plot_forgetting(output_dir: str | Path) -> Path | None:
         for r in records:
             if r["metric"] == metric:
                 grid[rows.index(row_label(r))][column[int(r["step"])]] = float(r["value"])
-        # lower is better for a loss: its colours are reversed, so that bright means good in every panel
-        image = ax.imshow(grid, aspect="auto", cmap="viridis_r" if "loss" in metric else "viridis",
-                          interpolation="nearest")
+        # lower is better for a loss: its colours are reversed, so that bright means good in every panel; scores
+        # within [0, 1] (every built-in scorer's) share that scale
+        loss = "loss" in metric
+        values = [v for line in grid for v in line if not math.isnan(v)]
+        unit = not loss and all(0.0 <= v <= 1.0 for v in values)
+        image = ax.imshow(grid, aspect="auto", cmap="viridis_r" if loss else "viridis", interpolation="nearest",
+                          vmin=0.0 if unit else None, vmax=1.0 if unit else None)
         fig.colorbar(image, ax=ax, fraction=0.04, pad=0.01)
         if len(steps) <= 24 and len(rows) <= 12:
             for y, line in enumerate(grid):
                 for x, value in enumerate(line):
                     if not math.isnan(value):
-                        ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize="x-small", color="white")
+                        red, green, blue, _ = image.cmap(image.norm(value))
+                        dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+                        ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize="x-small",
+                                color="white" if dark else "black")
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize="small")
         ax.set_title(metric, fontsize="medium", loc="right")

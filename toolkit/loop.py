@@ -291,7 +291,7 @@ def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> boo
     if not due or not run.evaluator.has_evals(stage):
         return stage_end
     result = run.evaluator.evaluate(run.model, run.collate, stage, done)
-    run.meter.exclude(result.seconds)
+    run.meter.exclude(result.seconds)  # tokens/s, step time and MFU stay training's
     run.log_record({**record_header(done, stage), **result.metrics})
     run.latest.update(result.metrics)
     log.info("step %d eval: %s", done, ", ".join(f"{k} {v:.4g}" for k, v in result.metrics.items()
