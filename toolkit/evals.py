@@ -202,27 +202,28 @@ class Evaluator:
         path = self.layout.completions(stage.name, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, "".join(to_json_line(line) for line in lines))
-        self._to_trackers(stage, step, lines)
+        completions_to_trackers(self.accelerator, stage.name, step, lines)
 
-    def _to_trackers(self, stage: Stage, step: int, lines: list[dict[str, Any]]) -> None:
-        """TensorBoard: a Markdown table per eval (its first TRACKER_ROWS rows); W&B: a table of every row."""
-        names = {t.name for t in self.accelerator.trackers}
-        columns = ["eval", "row", "prompt", "output", "reference", "score"]
-        evals = dict.fromkeys(line["eval"] for line in lines)
-        if "tensorboard" in names:
-            writer = self.accelerator.get_tracker("tensorboard", unwrap=True)
-            for name in evals:
-                rows = [line for line in lines if line["eval"] == name][:TRACKER_ROWS]
-                table = "| row | prompt | output | reference | score |\n|---|---|---|---|---|\n" + "".join(
-                    f"| {r['row']} | {_cell(r['prompt'])} | {_cell(r['output'])} | {_cell(r['reference'])} | "
-                    f"{_cell(r['score'])} |\n" for r in rows)
-                writer.add_text(f"completions/{stage.name}/{name}", table, global_step=step)
-            writer.flush()
-        if "wandb" in names:
-            data = [[line[c] if isinstance(line[c], str | int) else json.dumps(line[c]) for c in columns]
-                    for line in lines]
-            self.accelerator.get_tracker("wandb").log_table(f"completions/{stage.name}", columns=columns, data=data,
-                                                            step=step)
+
+def completions_to_trackers(accelerator: Accelerator, stage: str, step: int, lines: list[dict[str, Any]]) -> None:
+    """An eval's completions (the lines of its file) to the run's trackers: TensorBoard, a Markdown table per eval
+    (its first TRACKER_ROWS rows); W&B, a table of every row. Rank 0."""
+    names = {t.name for t in accelerator.trackers}
+    columns = ["eval", "row", "prompt", "output", "reference", "score"]
+    evals = dict.fromkeys(line["eval"] for line in lines)
+    if "tensorboard" in names:
+        writer = accelerator.get_tracker("tensorboard", unwrap=True)
+        for name in evals:
+            rows = [line for line in lines if line["eval"] == name][:TRACKER_ROWS]
+            table = "| row | prompt | output | reference | score |\n|---|---|---|---|---|\n" + "".join(
+                f"| {r['row']} | {_cell(r['prompt'])} | {_cell(r['output'])} | {_cell(r['reference'])} | "
+                f"{_cell(r['score'])} |\n" for r in rows)
+            writer.add_text(f"completions/{stage}/{name}", table, global_step=step)
+        writer.flush()
+    if "wandb" in names:
+        data = [[line[c] if isinstance(line[c], str | int) else json.dumps(line[c]) for c in columns]
+                for line in lines]
+        accelerator.get_tracker("wandb").log_table(f"completions/{stage}", columns=columns, data=data, step=step)
 
 
 def _cell(value: Any) -> str:
