@@ -128,12 +128,14 @@ def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(tmp_path: Path, 
                                                                  accelerator) -> None:
     questions = ["What is 2 + 2?", "Reverse this list: cat, dog, tree, house, car, book, bird", "Hi",
                  "Count the words: the quick brown fox jumps over the lazy dog"]
-    path = write_jsonl(tmp_path / "eval.jsonl", [{"messages": [{"role": "user", "content": q}], "reference": "x"}
-                                                 for q in questions])
-    processing, gen = evaluation(models["text"], path, batch_size=4, max_new_tokens=12)
+    rows = [{"messages": [{"role": "user", "content": q}], "reference": "x"} for q in questions]
+    rows.insert(2, {"prompt": "The quick brown fox", "reference": "x"})  # raw text, in the same batch
+    path = write_jsonl(tmp_path / "eval.jsonl", rows)
+    processing, gen = evaluation(models["text"], path, batch_size=5, max_new_tokens=12)
+    assert gen.prompts[2].raw and gen.prompts[2].text == "The quick brown fox"
     model = AutoModelForCausalLM.from_pretrained(models["text"]).eval()
     batched = generate(accelerator, model, gen, processing, vision=False, lockstep=True, seed=0, step=1)
-    assert [i for i, _ in batched] == [0, 1, 2, 3]
+    assert [i for i, _ in batched] == [0, 1, 2, 3, 4]
     outputs = [text for _, text in batched]
     assert outputs == one_at_a_time(accelerator, model, processing, gen)
     assert len(set(outputs)) > 1 and all("<|im_end|>" not in o for o in outputs)  # special tokens decoded away

@@ -49,6 +49,7 @@ class Prompt:
     reference: Any
     row: dict[str, Any]  # the file's row (user scorers get it)
     images: list[str] = field(default_factory=list)  # resolved image paths
+    raw: bool = False  # a raw-text prompt: tokenised with the tokenizer's special tokens (BOS), as training does
 
 
 @dataclass
@@ -129,7 +130,7 @@ def load_generation_eval(config: GenerationEvalConfig, scorers: list[Scorer], pr
             for scorer in scorers:
                 _check_reference(scorer, reference, where)
             prompts.append(Prompt(where, _render(processing, prompt, row, where, template_kwargs), reference, row,
-                                  images))
+                                  images, raw=isinstance(prompt, str)))
     if not prompts:
         raise ToolkitError(f"generation eval '{config.name}': its files ({', '.join(config.data)}) hold no rows.")
     return GenerationEval(config, stage, prompts, scorers)
@@ -184,8 +185,9 @@ def encode_batch(processing: Any, prompts: list[Prompt], *, vision: bool, image_
     """The batch's prompts as left-padded tensors (with pixel values for VL rows, image tokens expanded by the
     processor)."""
     texts = [p.text for p in prompts]
-    if not vision:
-        return processing(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    if not vision:  # a rendered chat prompt holds its special tokens already; a raw one gets them as training does
+        ids = [processing(p.text, add_special_tokens=p.raw)["input_ids"] for p in prompts]
+        return processing.pad({"input_ids": ids}, padding=True, padding_side="left", return_tensors="pt")
     from toolkit.vl_data import _load_image  # VL runs only
 
     images = [_load_image(Path(path), p.where) for p in prompts for path in p.images]
