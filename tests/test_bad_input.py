@@ -251,10 +251,40 @@ def _(c: Ctx) -> Call:
     return call
 
 
+@case("output-dir-in-use-via-symlink")
+def _(c: Ctx) -> Call:
+    real = c.tmp / "runs" / "exp"
+    real.mkdir(parents=True)
+    (c.tmp / "exp").symlink_to(real)  # beside another folder than the real one: another .toolkit-cache
+    lock = RunLock(RunLayout(real))  # the live run, launched with the real path
+    assert lock.acquire() is None
+    c.keep.append(lock)
+    return replace(c.train("output_dir=exp"), watch=real)
+
+
 @case("earlier-run-without-checkpoint", trained=True)
 def _(c: Ctx) -> Call:
     run = c.copy_of_trained()
     shutil.rmtree(run / "checkpoints")
+    return Call(["--config", "recipe.yaml"], run)
+
+
+def interrupted_run(c: Ctx) -> Path:
+    """The trained run as an attempt killed before its first checkpoint leaves it: no checkpoint, no final/."""
+    run = c.copy_of_trained()
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "final")
+    return run
+
+
+case("earlier-run-of-another-recipe", trained=True)(
+    lambda c: Call(["--config", "recipe.yaml", "optimizer.lr=1e-3"], interrupted_run(c)))
+
+
+@case("earlier-run-without-recipe", trained=True)
+def _(c: Ctx) -> Call:
+    run = interrupted_run(c)
+    (run / "recipe.yaml").unlink()
     return Call(["--config", "recipe.yaml"], run)
 
 
@@ -370,6 +400,23 @@ def _(c: Ctx) -> Call:
     (c.tmp / "stuff" / "a.txt").write_text("x")
     return Call(["export", str(c.tmp / "stuff"), "--out", str(c.tmp / "exported")], c.tmp / "exported",
                 tool="toolkit")
+
+
+@case("export-files-changed", trained=True)
+def _(c: Ctx) -> Call:
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000002"
+    shutil.copy2(ckpt.parent / "step-00000003" / "portable" / "lora_state.safetensors",
+                 ckpt / "portable" / "lora_state.safetensors")
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-base-model-moved", trained=True)
+def _(c: Ctx) -> Call:
+    """A run trained with `model.name_or_path: ../models/tiny-qwen3` from another folder records that path."""
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(meta | {"base_model": "../models/tiny-qwen3"}))
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
 
 
 @case("export-remote-code", trained=True)

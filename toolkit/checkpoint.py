@@ -8,7 +8,10 @@ Commit protocol: every rank writes into `step-N.tmp`; after a barrier rank 0 wri
 (fsynced), renames the directory to `step-N` (toolkit/atomic.py), and only then rotates old checkpoints. A
 directory without the marker is never loaded, so a crash at any moment leaves the previous committed checkpoint as
 the resume point.
-Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it.
+Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it. The
+checkpoints' own meta.json files are the record of truth: a damaged, stale or missing `best.json` is rebuilt from
+them when the run starts (one warning), so it can never make rotation delete the best checkpoint, nor crash a run.
+A checkpoint that a reader holds a lease on (`toolkit export`, toolkit/read_lease.py) is left for a later rotation.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import pickle
 import re
+import secrets
 import shutil
 import time
 import zipfile
@@ -31,13 +36,17 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit import distributed
-from toolkit.atomic import build_dir, replace_dir, write_text_atomic
+from toolkit.atomic import build_dir, swap_dir, write_text_atomic
+from toolkit.config import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
+from toolkit.read_lease import delete_unless_leased
 from toolkit.strategies import consolidate, param_state
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
+
+log = logging.getLogger(__name__)
 
 
 def portable_lora_file(ckpt: Path) -> Path:
@@ -133,21 +142,22 @@ class CheckpointManager:
         self.root, self.keep_last = root, keep_last
         self.best_metric, self.best_mode = best_metric, best_mode
         self.is_main, self.barrier = is_main, barrier
+        self._best: dict[str, Any] | None = None
         if is_main and root.is_dir():  # partial saves of a run that died (the run lock rules out a live writer)
-            for stale in root.glob("step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+            self._clear_stale()
+            self._best = self._load_best()
 
     @property
     def best(self) -> dict[str, Any] | None:
-        path = self.root / BEST_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        """The best checkpoint's record, as in best.json: {step, metric, value, path} (rank 0; None elsewhere)."""
+        return self._best
 
     def save(self, step: int, write_state: Callable[[Path], None], meta: dict[str, Any]) -> Path:
         """Write a checkpoint for `step` with `write_state(tmp_dir)` on every rank, then commit and rotate."""
         final, tmp = checkpoint_dir(self.root, step), self.root / f"step-{step:08d}.tmp"
         try:
             if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _discard(tmp)
                 tmp.mkdir(parents=True)
             self.barrier()
             write_state(tmp)
@@ -164,33 +174,106 @@ class CheckpointManager:
                                "The partial checkpoint was removed; the previous one is intact. Free space "
                                "and relaunch the same command to resume.") from None
         if self.is_main:
-            replace_dir(tmp, final)  # the same step may be saved again (e.g. end of stage right after a resume)
+            # The same step may be saved again (e.g. end of stage right after a resume): the folder it replaces
+            # goes once no reader holds it.
+            if (replaced := swap_dir(tmp, final)) is not None:
+                _discard(replaced)
             self._update_best(step, meta.get("metrics", {}))
             self._rotate()
         self.barrier()
         return final
 
+    def _better(self, value: Any, than: dict[str, Any] | None) -> bool:
+        """Whether a checkpoint's `best_metric` value is a new best (finite, and strictly better than `than`)."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return False
+        return than is None or (value < than["value"] if self.best_mode == "min" else value > than["value"])
+
     def _update_best(self, step: int, metrics: dict[str, Any]) -> None:
         value = metrics.get(self.best_metric) if self.best_metric else None
-        if value is None or not math.isfinite(value):
-            return
-        best = self.best
-        better = best is None or (value < best["value"] if self.best_mode == "min" else value > best["value"])
-        if better:
-            record = {"step": step, "metric": self.best_metric, "value": value,
-                      "path": checkpoint_dir(self.root, step).name}
-            write_text_atomic(self.root / BEST_FILE, json.dumps(record))
+        if self._better(value, self._best):
+            self._best = {"step": step, "metric": self.best_metric, "value": value,
+                          "path": checkpoint_dir(self.root, step).name}
+            write_text_atomic(self.root / BEST_FILE, json.dumps(self._best))
+
+    def _best_by_metadata(self) -> dict[str, Any] | None:
+        """The best committed checkpoint by the metric values in their meta.json, chosen as saving chose it: the
+        earliest strictly better one. Rotation never deleted the best, so this is the record's true content."""
+        best = None
+        for ckpt in committed_checkpoints(self.root):
+            try:
+                meta = read_meta(ckpt)
+            except ToolkitError:  # a damaged meta.json: its metric cannot be known (nor can it be resumed)
+                continue
+            value = (meta.get("metrics") or {}).get(self.best_metric)
+            if self._better(value, best):
+                best = {"step": meta["step"], "metric": self.best_metric, "value": value, "path": ckpt.name}
+        return best
+
+    def _load_best(self) -> dict[str, Any] | None:
+        """best.json as checked against the checkpoints themselves. A record that is unreadable, of another shape
+        or metric, names a checkpoint that is gone or uncommitted, or disagrees with the checkpoints' metadata
+        (a crash between a commit and its best.json update) is rewritten from that metadata, with one warning;
+        no checkpoint is deleted because of it."""
+        if self.best_metric is None:
+            return None
+        path, truth = self.root / BEST_FILE, self._best_by_metadata()
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8"))
+            problem = None if recorded == truth else _record_problem(recorded, self.root, self.best_metric)
+        except FileNotFoundError:
+            recorded, problem = None, "is missing"
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            recorded, problem = None, f"cannot be read ({type(e).__name__}: {str(e)[:120]})"
+        if recorded == truth:
+            return truth
+        rebuilt = (f"the best by {self.best_metric} ({self.best_mode}) is {truth['path']} ({truth['value']:.6g})"
+                   if truth else f"no committed checkpoint has a {self.best_metric} value yet")
+        log.warning("%s %s: rebuilt from the committed checkpoints' meta.json; %s. No checkpoint was deleted.",
+                    path, problem or "does not match the checkpoints' meta.json", rebuilt)
+        if truth is not None:
+            write_text_atomic(path, json.dumps(truth))
+        else:
+            path.unlink(missing_ok=True)
+        return truth
+
+    def _clear_stale(self) -> None:
+        """Partial saves (`*.tmp`) of a run that died, or replaced folders a reader held until now."""
+        for path in self.root.iterdir():
+            if path.name.endswith(".tmp") and path.is_dir():
+                delete_unless_leased(path)
 
     def _rotate(self) -> None:
-        """Delete committed checkpoints beyond the last `keep_last`, never the best; clear stale temp dirs."""
+        """Delete committed checkpoints beyond the last `keep_last`, never the best nor one that a reader holds
+        (a later rotation deletes it); clear stale temp dirs."""
         keep = {p.name for p in committed_checkpoints(self.root)[-self.keep_last:]}
-        if (best := self.best) is not None:
-            keep.add(best["path"])
-        for path in self.root.iterdir():
-            stale_tmp = path.name.endswith(".tmp") and path.is_dir()
-            old = _STEP_DIR.match(path.name) and path.name not in keep
-            if stale_tmp or old:
-                shutil.rmtree(path, ignore_errors=True)
+        if self._best is not None:
+            keep.add(self._best["path"])
+        self._clear_stale()
+        for path in sorted(self.root.iterdir()):
+            if _STEP_DIR.match(path.name) and path.name not in keep and not delete_unless_leased(path):
+                log.info("kept %s for now: a reader holds it (toolkit export); a later rotation deletes it", path)
+
+
+def _record_problem(record: Any, root: Path, metric: str) -> str | None:
+    """What is wrong with a parsed best.json record in itself (None: well-formed, for this metric, naming a
+    committed checkpoint; it may still disagree with that checkpoint's metadata)."""
+    keys = {"step": int, "metric": str, "value": int | float, "path": str}
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t) for k, t in keys.items()):
+        return "is not a best-checkpoint record ({step, metric, value, path})"
+    if record["metric"] != metric:
+        return f"was kept for the metric {record['metric']!r}, not checkpoint.best_metric {metric!r}"
+    if record["path"] != checkpoint_dir(root, record["step"]).name or not (root / record["path"] / COMMIT_MARKER
+                                                                            ).is_file():
+        return f"names {record['path']!r}, which is not a committed checkpoint (deleted, or never committed)"
+    return None
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint-shaped folder unless a reader holds it; then it is renamed to a `*.tmp` name of its own,
+    which a later rotation deletes once the reader is done."""
+    if not delete_unless_leased(path):
+        path.rename(path.with_name(f"{path.name.removesuffix('.tmp')}.{secrets.token_hex(4)}.tmp"))
 
 
 def find_resume(resume: str, root: Path) -> Path | None:
@@ -390,19 +473,16 @@ def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any
         save_portable_lora(accelerator, model, optimizer, tmp, adam_steps)
 
 
+# Same-layout resumes proven bit-exact by tests/test_resume.py::test_resume_from_every_checkpoint_is_exact: from
+# every checkpoint of the 3-stage curriculum (stages training different parameters), every later step's loss, lr,
+# gradient norm and counts and the final adapter equal the uninterrupted run's. (strategy name, mixed precision).
+EXACT_RESUME_TESTED = frozenset((s, "no") for s in ("single", "ddp", "fsdp2", "zero2", "zero3", "zero3_offload"))
+EXACT_RESUME_SCOPE = "fp32 (mixed_precision: no) single, ddp, fsdp2, zero2, zero3 and zero3_offload"
+
+
 def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     """Whether the checkpoint's shards fit this run as they are (same strategy, same process count)."""
     return meta["world_size"] == world_size and meta["strategy"] == strategy
-
-
-def _changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two recipe trees."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [k for key in sorted(set(old) | set(new), key=str)
-                for k in _changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in _changed_keys(a, b, f"{prefix}{i}.")]
-    return [] if old == new else [prefix.rstrip(".") or "(all)"]
 
 
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
@@ -452,16 +532,20 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
 
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
             strategy: str) -> str:
-    """Load `ckpt` into the prepared objects; returns how ('exact' or 'portable'). All ranks call this.
+    """Load `ckpt` into the prepared objects; returns how (the log says 'resumed (<how>)'). All ranks call this.
 
-    Same strategy and process count: accelerate's load_state restores everything bit for bit (model, optimizer,
-    scheduler, RNG per rank, accumulation counter). Otherwise (checked by `check_resumable`: a LoRA run with a
-    portable state) the adapter, its Adam moments and the scheduler position are scattered into this layout.
+    Same strategy and process count: accelerate's load_state restores everything (model, optimizer, scheduler, RNG
+    per rank, accumulation counter); 'exact' is said only where EXACT_RESUME_TESTED proves it. Otherwise (checked
+    by `check_resumable`: a LoRA run with a portable state) the adapter, its Adam moments and the scheduler
+    position are scattered into this layout ('portable').
     """
     verify_checkpoint_files(ckpt)
     if same_layout(read_meta(ckpt), strategy, accelerator.num_processes):
         accelerator.load_state(str(ckpt))
-        return "exact"
+        if (strategy, accelerator.mixed_precision) in EXACT_RESUME_TESTED:
+            return "exact"
+        return (f"same layout: every state restored, but bit-exact resume is tested for {EXACT_RESUME_SCOPE} only, "
+                f"not {strategy} in {accelerator.mixed_precision}")
     load_portable_lora(accelerator, model, optimizer, ckpt)
     scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
     scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))

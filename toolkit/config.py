@@ -709,6 +709,16 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     return tree
 
 
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two recipe trees (e.g. two `resume_invariants`)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [k for key in sorted(set(old) | set(new), key=str)
+                for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in changed_keys(a, b, f"{prefix}{i}.")]
+    return [] if old == new else [prefix.rstrip(".") or "(all)"]
+
+
 def flat_config(recipe: Recipe) -> dict[str, Any]:
     """The recipe as flat `section.key` scalars, for experiment trackers' hyperparameter tables."""
     flat: dict[str, Any] = {}

@@ -59,6 +59,7 @@ class RunState:
     gate: dict[str, Any] | None = None  # the current stage's mastery gate (a gated stage only; at its end too)
     adam_updates: list[int] | None = None  # optimizer updates applied to each parameter group
     metrics: dict[str, Any] = field(default_factory=dict)  # the latest train and eval values (best-checkpoint)
+    stage_start_tokens: int | None = None  # `tokens` when the current stage began (its summary counts from it)
 
     def to_meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
@@ -66,7 +67,8 @@ class RunState:
                 "pending": {"losses": self.pending_losses, "skipped": self.pending_skipped},
                 "curriculum": {"stage_steps": self.stage_steps, "patience": self.patience,
                                **({"gate": self.gate} if self.gate is not None else {})},
-                "adam_updates": self.adam_updates, "metrics": self.metrics}
+                "adam_updates": self.adam_updates, "metrics": self.metrics,
+                "stage_start_tokens": self.stage_start_tokens}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunState:
@@ -76,7 +78,8 @@ class RunState:
                    stage_step=meta.get("stage_step", 0), samples=meta.get("samples", 0), tokens=meta["tokens"],
                    pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
                    stage_steps=cur.get("stage_steps"), patience=cur.get("patience"), gate=cur.get("gate"),
-                   adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})))
+                   adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})),
+                   stage_start_tokens=meta.get("stage_start_tokens"))
 
 
 @dataclass
@@ -137,7 +140,8 @@ class Run:
         self.meter.tokens_total = state.tokens
         self.meter.losses, self.meter.skipped = state.pending_losses, state.pending_skipped
         self.freezer.updates = state.adam_updates or [state.step] * len(self.freezer.updates)
-        self.stage_start_tokens = state.tokens  # approximate after a mid-stage resume (counts from the resume)
+        # Checkpoints of earlier versions lack it: their stage summary then counts from the resume.
+        self.stage_start_tokens = state.tokens if state.stage_start_tokens is None else state.stage_start_tokens
 
     def tokens_now(self) -> int:
         """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
@@ -150,7 +154,8 @@ class Run:
                         samples=self.curriculum.samples_seen(done), tokens=tokens,
                         pending_losses=self.meter.losses, pending_skipped=self.meter.skipped,
                         stage_steps=cur["stage_steps"], patience=cur["patience"], gate=cur.get("gate"),
-                        adam_updates=self.freezer.updates, metrics=self.latest)
+                        adam_updates=self.freezer.updates, metrics=self.latest,
+                        stage_start_tokens=self.stage_start_tokens)
 
 
 def record_header(done: int, stage: Stage) -> dict[str, Any]:
