@@ -17,7 +17,14 @@ from toolkit import distributed
 from toolkit.config import GenerationEvalConfig
 from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
-from toolkit.generation import GenerationEval, generate, load_generation_eval, plan_batches, read_generation_rows
+from toolkit.generation import (
+    GenerationEval,
+    generate,
+    generation_config,
+    load_generation_eval,
+    plan_batches,
+    read_generation_rows,
+)
 from toolkit.model import load_processing
 from toolkit.scorers import build_scorers
 
@@ -139,6 +146,26 @@ def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(tmp_path: Path, 
     outputs = [text for _, text in batched]
     assert outputs == one_at_a_time(accelerator, model, processing, gen)
     assert len(set(outputs)) > 1 and all("<|im_end|>" not in o for o in outputs)  # special tokens decoded away
+
+
+def test_decoding_is_the_evals_own_whatever_the_models_generation_config(tmp_path: Path, models: dict[str, str],
+                                                                         accelerator) -> None:
+    """A model whose generation_config samples with its own filters (Qwen3's: temperature 0.6, top-k 20) and
+    penalises repeats is still decoded greedily, token by token the argmax; sampling uses the eval's temperature
+    and top-p and no top-k the model asks for."""
+    path = write_jsonl(tmp_path / "eval.jsonl", [{"messages": [USER], "reference": "4"}])
+    processing, gen = evaluation(models["text"], path, batch_size=1, max_new_tokens=8)
+    model = AutoModelForCausalLM.from_pretrained(models["text"]).eval()
+    model.generation_config.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, repetition_penalty=1.5)
+    [(_, output)] = generate(accelerator, model, gen, processing, vision=False, lockstep=False, seed=0, step=1)
+    ids = processing(gen.prompts[0].text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    argmax = processing.decode(ids[0, -8:], skip_special_tokens=True)
+    assert argmax.startswith(output) and output
+    sampling = generation_config(model, processing, gen.config.model_copy(update={"temperature": 0.7, "top_p": 0.9}))
+    assert (sampling.do_sample, sampling.temperature, sampling.top_p, sampling.top_k) == (True, 0.7, 0.9, 0)
 
 
 def test_sampling_is_seeded_and_leaves_the_training_random_state_alone(tmp_path: Path, models: dict[str, str],

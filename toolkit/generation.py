@@ -167,16 +167,22 @@ def plan_batches(num_rows: int, batch_size: int) -> list[list[int]]:
 
 
 def generation_config(model: Any, tokenizer: Any, config: GenerationEvalConfig) -> GenerationConfig:
-    """The eval's decoding settings (the model's own generation_config, with its sampling defaults, is not used):
-    greedy unless temperature > 0; stops at the tokenizer's or the model's end-of-sequence tokens."""
+    """The eval's decoding: greedy unless temperature > 0, then temperature and top-p sampling alone; stops at the
+    tokenizer's or the model's end-of-sequence tokens.
+
+    transformers fills what a passed config leaves unset from the model's own generation_config (Qwen3's samples,
+    with top_k 20): every setting that changes the tokens chosen is given here, so none is inherited. The sampling
+    filters are left unset when decoding greedily (they are unused, and set they would draw transformers' warning
+    on every eval)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
     sampling = config.temperature > 0
-    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=sampling,
-                            temperature=config.temperature if sampling else None,
-                            top_p=config.top_p if sampling else None, top_k=None,
+    filters = {"temperature": config.temperature, "top_p": config.top_p, "top_k": 0, "min_p": 0.0,
+               "typical_p": 1.0} if sampling else {}
+    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=sampling, num_beams=1,
+                            repetition_penalty=1.0, no_repeat_ngram_size=0, **filters,
                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids, use_cache=True)
 
 
