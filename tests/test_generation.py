@@ -19,6 +19,7 @@ from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
 from toolkit.generation import (
     GenerationEval,
+    encode_batch,
     generate,
     generation_config,
     load_generation_eval,
@@ -198,3 +199,9 @@ def test_vision_language_generation_with_images(tmp_path: Path, models: dict[str
                                             step=1)]
     assert batched == one_at_a_time(accelerator, model, processing, gen, vision=True)
     assert all(isinstance(o, str) for o in batched) and len(set(batched)) > 1
+    # data.max_pixels bounds the images as in training (load_generation_plan passes it as image_kwargs)
+    size = processing.image_processor.size
+    bounded = {"images_kwargs": {"size": {"shortest_edge": size["shortest_edge"], "longest_edge": 28 * 28 * 4}}}
+    full, small = (encode_batch(processing, gen.prompts[1:2], vision=True, image_kwargs=kw)["image_grid_thw"]
+                   for kw in ({}, bounded))
+    assert int(small.prod()) < int(full.prod())
