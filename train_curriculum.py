@@ -40,7 +40,9 @@ from toolkit.config import (
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.errors import ToolkitError
+from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
 from toolkit.flops import peak_flops
+from toolkit.forgetting import prune_after
 from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard
 from toolkit.last_words import FAILED_EXIT_CODE, LastWords
@@ -86,11 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords) -> int:
+def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
+          recipe_dir: Path | None = None) -> int:
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
+    scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
     check_trackers(recipe.logging.trackers)
@@ -127,6 +131,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
                               layout.dummy_data, cache)
     collate = batch_collator(processor if vision else tokenizer, vision=vision, packing=recipe.data.packing,
                              min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
+    generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
+                                      layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
                             data_files=data_fingerprint(resolved, layout.dummy_data, cache))
     resume_meta, forced = {}, []
@@ -154,7 +160,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
     run = assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
-                       curriculum=curriculum, collate=collate, identity=identity)
+                       curriculum=curriculum, collate=collate, identity=identity, generation=generation)
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
@@ -289,13 +295,14 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
         layout.metrics.unlink(missing_ok=True)
     else:
         truncate_after(layout.metrics, resumed_at)
+        prune_after(layout, resumed_at)  # completions and matrix records of the evals that are redone
 
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
                  trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
-                 identity: dict[str, Any]) -> Run:
+                 identity: dict[str, Any], generation: GenerationPlan | None = None) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
-    stability guard, the meters, metrics.jsonl and the checkpoint manager."""
+    stability guard, the meters, metrics.jsonl, the checkpoint manager and the evaluations."""
     saving, opt, stab = recipe.checkpoint, recipe.optimizer, recipe.stability
     # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
@@ -309,6 +316,8 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                                             best_metric=saving.best_metric, best_mode=saving.best_mode,
                                             is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone),
                preemption, curriculum, collate, identity,
+               Evaluator(accelerator, curriculum, layout, generation, all_stages=recipe.eval.all_stages,
+                         seed=recipe.train.seed),
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
@@ -377,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
         code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
-                     ending=ending)
+                     ending=ending, recipe_dir=Path(args.config).parent if args.config else None)
         ending.finished()
         return code
     except ToolkitError as e:

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -89,10 +89,12 @@ def launch_cmd(strategy: str | Path, num_processes: int | None, *, mixed_precisi
 
 def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
           recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no", dummy_samples: int = 64,
-          check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
+          check: bool = True, env: dict[str, str] | None = None, script: Path | None = None
+          ) -> subprocess.CompletedProcess:
+    """Run train_curriculum.py (or `script`, a wrapper of it) under `accelerate launch` from the repository root;
+    return the finished process."""
     cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
-                    dummy_samples=dummy_samples)
+                    dummy_samples=dummy_samples, script=script)
     proc = run_launch(cmd, env=run_env() | (env or {}))
     if check and proc.returncode != 0:
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -151,6 +153,19 @@ CURRICULUM = "recipes/smoke_curriculum.yaml"
 CURRICULUM_STEPS = 11
 EVERY_CHECKPOINT = ("checkpoint.save_steps=1", f"checkpoint.keep_last={CURRICULUM_STEPS}")
 SINGLE_CURRICULUM = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")
+# The curriculum runs of the strategy matrix also run a generation eval (at steps 4, 8 and 11): nine prompts in
+# batches of 4, 4 and 1, so two ranks hold 8 and 1 prompts in 2 and 1 batches; the model, trained on arithmetic,
+# answers them with varied junk. Launched through tests/_spy_generation.py, which counts each rank's collectives
+# inside generation (its counts: SPY_DIR of the run). The resumes of tests/test_resume.py run without it: their
+# bit-exact match with these runs shows that evaluating leaves training untouched.
+GENERATION = ("eval.every_steps=4", "eval.generation=[{name: facts, data: [dummy:facts_eval], scorers: [exact], "
+              "max_new_tokens: 6, batch_size: 4}]")
+SPY = REPO / "tests" / "_spy_generation.py"
+
+
+def spy_dir(run: Path) -> Path:
+    """Where tests/_spy_generation.py wrote the per-rank counts of a curriculum run."""
+    return run.parent / f"{run.name}-spy"
 
 
 def processes_for(strategy: str) -> int:
@@ -165,13 +180,14 @@ def curriculum_args(strategy: str) -> tuple[str, ...]:
 @pytest.fixture(scope="session")
 def curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`get(strategy)`: the fp32 curriculum run under `strategy`, launched once per session and shared by the
-    strategy matrix (same losses as one process, freezing, golden values) and the exact-resume test (resumes
-    from each of its checkpoints)."""
+    strategy matrix (same losses as one process, freezing, golden values, generation evals) and the exact-resume
+    test (resumes from each of its checkpoints)."""
     root, done = tmp_path_factory.mktemp("curriculum"), {}
 
     def get(strategy: str) -> Path:
         if strategy not in done:
-            train(strategy, processes_for(strategy), root / strategy, *curriculum_args(strategy), recipe=CURRICULUM)
+            train(strategy, processes_for(strategy), root / strategy, *curriculum_args(strategy), *GENERATION,
+                  recipe=CURRICULUM, script=SPY, env={"SPY_GENERATION_DIR": str(spy_dir(root / strategy))})
             done[strategy] = root / strategy
         return done[strategy]
 
@@ -256,6 +272,18 @@ def signal_tree(pid: int, sig: int) -> None:
     for p in [*root.children(recursive=True), root] if sig == signal.SIGKILL else [root]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch computes on one thread in this process, as launched runs do (run_env): on a small busy machine, more
+    threads than free cores make a tiny model many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"

@@ -119,6 +119,34 @@ case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continu
 case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
 case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))
 case("patience-without-eval")(lambda c: c.train(change=stage("patience", 2)))
+GENERATION = {"name": "facts", "data": ["eval.jsonl"], "scorers": ["exact"]}
+
+
+def gated(metric: str, *, generation: bool = True) -> Callable[[dict[str, Any]], None]:
+    def change(tree: dict[str, Any]) -> None:
+        tree.setdefault("eval", {})["every_steps"] = 1
+        if generation:
+            tree["stages"][0]["generation"] = [GENERATION]
+        tree["stages"][0]["advance_when"] = {"metric": metric, "at_least": 0.9}
+    return change
+
+
+def with_scorer(c: Ctx, scorer: str, module: str | None = None, rows: list[object] | None = None) -> Call:
+    """A run whose stage has a generation eval on eval.jsonl with `scorer`; `module` is the text of the scorer's
+    module, in the recipe's folder (each case names its own module: this process imports each name once)."""
+    write_jsonl(c.tmp / "eval.jsonl", rows or [{"messages": [CHAT["messages"][0]], "reference": "4."}])
+    if module is not None:
+        (c.tmp / f"{scorer.partition(':')[0]}.py").write_text(module)
+    return c.train(change=stage("generation", [dict(GENERATION, scorers=[scorer])]))
+
+
+case("gate-unknown-metric")(lambda c: c.train(change=gated("facts.exakt")))
+case("gate-without-eval")(lambda c: c.train(change=gated("facts.exact", generation=False)))
+case("scorer-unknown")(lambda c: with_scorer(c, "exakt"))
+case("scorer-import-fails")(lambda c: with_scorer(c, "my_scorers:cad_parses", "import cadquery_missing\n"))
+case("scorer-missing-function")(lambda c: with_scorer(c, "cad_scorers:cad_parses", "def other(o, r, row):\n    "
+                                                                                       "return 1\n"))
+case("generation-row-without-reference")(lambda c: with_scorer(c, "exact", rows=[{"messages": [CHAT["messages"][0]]}]))
 case("lr-scaling-without-reference")(lambda c: c.train(change=section("optimizer", lr_scaling="linear")))
 case("min-pixels-over-max")(lambda c: c.train(change=section("data", min_pixels=4096, max_pixels=1024)))
 case("bad-exclude-regex")(lambda c: c.train(change=section("lora", exclude_modules="(visual")))

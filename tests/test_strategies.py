@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests._portable import adam_steps, check_portable_files, portable_state
-from tests.conftest import CURRICULUM, LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, train
+from tests.conftest import CURRICULUM, LAUNCH_TIMEOUT_S, REPO, launch_cmd, run_env, signal_tree, spy_dir, train
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -161,16 +161,40 @@ def stage_ends(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "stage_end"]
 
 
+def completions(out: Path) -> dict[str, list[dict]]:
+    """Every eval's completions file, by stage and step, without the file paths (another output dir)."""
+    return {f"{path.parent.name}/{path.name}": [{k: v for k, v in json.loads(line).items() if k != "where"}
+                                                for line in path.read_text().splitlines()]
+            for path in sorted((out / "evals").glob("*/step-*.jsonl"))}
+
+
+def check_generation(out: Path, reference: Path, strategy: str, spy: Path) -> None:
+    """The generation evals' completions equal the single process's (greedy, the same batches on any number of
+    processes); under ZeRO-3 and FSDP2 the weights were gathered once per eval: not one all-gather inside
+    `generate`, where a sharded forward gathers every layer at every token (1,179 all-gathers under ZeRO-3 here)."""
+    got, expected = completions(out), completions(reference)
+    assert list(got) == ["easy_to_hard/step-00000008.jsonl", "mixture/step-00000004.jsonl",
+                         "short_to_long/step-00000011.jsonl"]
+    assert got == expected, f"{strategy}: completions differ from the single process"
+    assert len({line["output"] for lines in got.values() for line in lines}) > 3  # varied, not one constant
+    ranks = [json.loads((spy / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(c["evals"] == 3 and c["generate_calls"] == 3 for c in ranks), ranks
+    if strategy in ("zero3", "zero3_offload", "fsdp"):
+        assert all(c["gathers_inside_generate"] == 0 and c["gathers_in_evals"] > 0 for c in ranks), ranks
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum_runs: Callable[[str], Path]) -> None:
     """Same losses as one process, and per-stage freezing: LoRA trains in stage 1, only the final norm in stage 2
-    (LoRA weights and Adam moments bit-identical through it), both in stage 3. Every checkpoint's portable state is
-    the one-process run's: the first half of the portable-resume matrix (tests/test_portability.py). The runs (a
-    checkpoint per step) are shared with tests/test_resume.py and tests/test_portability.py, which resume from
-    their checkpoints."""
+    (LoRA weights and Adam moments bit-identical through it), both in stage 3; generation evals with uneven shares
+    of prompts give the single process's completions, the weights gathered once per eval. Every checkpoint's
+    portable state is the one-process run's: the first half of the portable-resume matrix
+    (tests/test_portability.py). The runs (a checkpoint per step) are shared with tests/test_resume.py and
+    tests/test_portability.py, which resume from their checkpoints."""
     out = curriculum_runs(strategy)
     check_curriculum(out, curriculum_runs("single"), strategy, rel=1e-4)
     check_portable_files(out, curriculum_runs("single"), strategy)
+    check_generation(out, curriculum_runs("single"), strategy, spy_dir(out))
     if strategy in GOLDEN:  # the same launches prove the loop unchanged, bit for bit
         check_golden(out, strategy)
 

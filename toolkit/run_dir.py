@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 import weakref
@@ -95,6 +96,25 @@ class RunLayout:
         return self.root / "training.png"
 
     @property
+    def evals(self) -> Path:
+        """Generation-eval completions and the forgetting matrix (toolkit/evals.py, toolkit/forgetting.py)."""
+        return self.root / "evals"
+
+    def completions(self, stage: str, step: int) -> Path:
+        """One eval's completions, `evals/<stage>/step-N.jsonl` (N as in checkpoint names)."""
+        return self.evals / re.sub(r"[^\w.-]|^\.", "_", stage) / f"step-{step:08d}.jsonl"
+
+    @property
+    def eval_matrix(self) -> Path:
+        """The forgetting matrix (eval.all_stages): one record per step, eval set and metric."""
+        return self.evals / "matrix.jsonl"
+
+    @property
+    def matrix_plot(self) -> Path:
+        """`toolkit plot`'s heatmap of the forgetting matrix."""
+        return self.root / "forgetting.png"
+
+    @property
     def logs(self) -> Path:
         """Each rank's log, `rank-N.log`: the traceback of an unexpected exception that stopped it (its one-line
         ending is on stderr; toolkit/last_words.py). Created only once the run's outputs are being written."""
@@ -135,13 +155,14 @@ class RunLayout:
     @property
     def earlier_run_files(self) -> tuple[Path, ...]:
         """What a run writes into its output dir once training starts; their presence marks an earlier run."""
-        return self.metrics, self.run_json, self.final
+        return self.metrics, self.run_json, self.final, self.evals
 
     @property
     def records(self) -> tuple[Path, ...]:
         """What a run writes about itself into its output dir: its logs and identity (not its checkpoints, final
         model or generated inputs). An attempt that stopped before its first checkpoint has these set aside."""
-        return self.trackers, self.plot, self.metrics, self.run_json, self.recipe  # the recipe last: see set_aside
+        return (self.trackers, self.plot, self.matrix_plot, self.evals, self.metrics, self.run_json,
+                self.recipe)  # the recipe last: see set_aside
 
     @property
     def earlier_attempts(self) -> Path:
