@@ -812,6 +812,30 @@ def test_disk_full_during_save_removes_the_partial_checkpoint(tmp_path: Path) ->
     assert find_resume("auto", root) == root / "step-00000001"
 
 
+def _safetensors_into_a_missing_folder(tmp: Path) -> None:
+    save_file({"w": torch.zeros(4)}, str(tmp / "gone" / "model.safetensors"))  # SafetensorError, not an OSError
+
+
+def _torch_save_onto_a_full_device(tmp: Path) -> None:
+    (tmp / "optimizer.bin").symlink_to("/dev/full")  # every write fails with ENOSPC
+    torch.save({"exp_avg": torch.zeros(100_000)}, tmp / "optimizer.bin")  # RuntimeError from torch's writer
+
+
+@pytest.mark.parametrize("writer", [_safetensors_into_a_missing_folder, _torch_save_onto_a_full_device])
+def test_a_failed_library_write_is_a_failed_save(tmp_path: Path, writer: Callable[[Path], None]) -> None:
+    """The checkpoint writers (accelerate's safetensors and torch.save) wrap a full disk in their own exception
+    types, not OSError: the hostile pass's full tmpfs ended in a raw SafetensorError with the `.tmp` folder left.
+    They are a failed save like any OSError: partial folder removed, one line naming the checkpoint."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    root = tmp_path / "ck"
+    mgr = _manager(root, best_metric=None)
+    _save(mgr, 1)
+    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: .*previous one is intact"):
+        mgr.save(2, writer, {"step": 2})
+    assert _step_entries(root) == ["step-00000001"] and not list(root.glob("*.tmp"))
+
+
 def test_partial_saves_of_a_dead_run_are_cleared_when_the_next_run_starts(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     _save(_manager(root), 1)
