@@ -712,6 +712,22 @@ def test_check_resumable_force_skips_only_hash(tmp_path: Path) -> None:
         _check(_meta("a", 8), ckpt, invariants_hash="a", effective_batch=32, force=True)
 
 
+@pytest.mark.parametrize("key", ["r", "target_modules", "enabled"])
+def test_force_cannot_resume_into_other_trained_parameters(tmp_path: Path, key: str) -> None:
+    """A forced resume with another LoRA rank or target set cannot load the checkpoint's tensors: the hostile pass
+    saw `lora.r=16 checkpoint.resume_force=true` end in a raw load_state_dict RuntimeError telling the user to
+    relaunch the same command. It is refused before loading, naming the key; other changes are still forcible."""
+    ckpt = tmp_path / "step-00000010"
+    saved = {"lora": {"enabled": True, "r": 8, "target_modules": "all-linear"}, "optimizer": {"lr": 1e-3}}
+    changed = {**saved, "lora": {**saved["lora"], key: {"r": 16, "target_modules": ["q_proj"], "enabled": False}[key]}}
+    meta = {**_meta(recipe_hash(saved), 8), "invariants": saved}
+    with pytest.raises(ToolkitError, match=rf"lora\.{key} .*cannot be forced.*start a new output_dir"):
+        _check(meta, ckpt, invariants_hash=recipe_hash(changed), effective_batch=8, force=True, invariants=changed)
+    lr_only = {**saved, "optimizer": {"lr": 2e-3}}
+    assert _check(meta, ckpt, invariants_hash=recipe_hash(lr_only), effective_batch=8, force=True,
+                  invariants=lr_only) == ["changed settings: optimizer.lr"]
+
+
 @pytest.mark.parametrize(("strategy", "world_size"), [("fsdp", 2), ("ddp", 4), ("zero3", 1)])
 def test_check_resumable_other_layout_needs_portable_state(tmp_path: Path, strategy: str, world_size: int) -> None:
     ckpt = tmp_path / "step-00000010"

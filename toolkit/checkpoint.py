@@ -520,6 +520,10 @@ def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     return meta["world_size"] == world_size and meta["strategy"] == strategy
 
 
+UNFORCIBLE_KEYS = ("lora.enabled", "lora.r", "lora.target_modules", "lora.modules_to_save", "lora.exclude_modules")
+"""Recipe keys that change which parameters exist (or their shapes): no resume_force can load across them."""
+
+
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
                     strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None,
                     invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None) -> list[str]:
@@ -538,6 +542,12 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     differences = []
     if meta["recipe_hash"] != invariants_hash:
         keys = _changed_keys(meta["invariants"], invariants) if "invariants" in meta and invariants else []
+        if force and (shaped := [k for k in keys if k.startswith(UNFORCIBLE_KEYS)]):
+            raise ToolkitError(
+                f"Checkpoint {ckpt} trained other parameters ({', '.join(shaped)} changed): its weights and Adam "
+                "state cannot be loaded into this run, so the change cannot be forced (checkpoint.resume_force). "
+                "Resume with the recipe it was written with, or start a new output_dir (export the adapter with "
+                f"toolkit export {ckpt} --merge to start from its weights).")
         differences.append("changed settings: " + (", ".join(keys) if keys else "model, lora, data, stages, "
                                                   "optimizer, schedule or seed"))
     saved_data = meta.get("data_files") or {}
