@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from toolkit.distributed import build_accelerator, build_optimizer
-    from toolkit.strategies import strategy_name
+    from toolkit.strategies import optimizer_chain, strategy_name
     from toolkit.strategies.deepspeed import configure_deepspeed
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=10)
@@ -54,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         model = get_peft_model(model, LoraConfig(r=LORA_R, target_modules="all-linear", task_type="CAUSAL_LM"))
     configure_deepspeed(accelerator, model, micro_batch_size=1, max_grad_norm=1.0)
     # AdamW in the form the strategy needs (DeepSpeed's CPU Adam under optimizer offload), as in training.
-    optimizer = build_optimizer(accelerator, [p for p in model.parameters() if p.requires_grad], lr=1e-3,
-                                weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    built = build_optimizer(accelerator, [p for p in model.parameters() if p.requires_grad], lr=1e-3,
+                            weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    model, optimizer = accelerator.prepare(model, built)
+    base = optimizer_chain(optimizer)[-1]  # the optimizer that updates the tensors
 
     ids = torch.randint(0, 1024, (1, SEQ_LEN), generator=torch.Generator().manual_seed(accelerator.process_index))
     ids = ids.to(accelerator.device)
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer.zero_grad()
 
     record = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
-              "strategy": strategy_name(accelerator), "lora": args.lora, "loss": float(loss.detach()), **measured}
+              "strategy": strategy_name(accelerator), "lora": args.lora, "loss": float(loss.detach()),
+              "optimizer_kept": base is built, "decoupled_decay": getattr(base, "adam_w_mode", True), **measured}
     records = gather_object([record])
     if accelerator.is_main_process:
         args.out.write_text(json.dumps(records, indent=2))

@@ -166,7 +166,28 @@ def offload_adam(accelerator: Accelerator, params: list[torch.nn.Parameter] | li
         return None
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, adamw_mode=True)
+    # With "zero_force_ds_cpu_optimizer" on (its default) accelerate's prepare rebuilds any optimizer it is given
+    # as a new DeepSpeedCPUAdam from its param groups, with adamw_mode=True only for a torch.optim.AdamW: ours
+    # would become Adam with L2 decay (a weight_decay > 0 then trained other weights than every other strategy's
+    # AdamW) and lose its step hook. Off, DeepSpeed takes this one as it is (it is the CPU optimizer it wants).
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    adam = DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, adamw_mode=True)
+    adam.register_step_pre_hook(_history_free_bias_correction)
+    return adam
+
+
+def _history_free_bias_correction(adam: Any, *_: Any) -> None:
+    """Before each CPU Adam step: a fresh C++ optimizer, so Adam's bias correction is `beta ** step` every time.
+
+    CPU Adam's C++ side keeps `beta ** t` between steps as a running product (multiplied once per step, recomputed
+    with pow after any other jump in the step count). That product is not in the optimizer's state_dict: a resumed
+    run recomputes it with pow, and its updates then differ from the uninterrupted run's in the last bits (found by
+    tests/test_resume.py's every-checkpoint test). A fresh C++ optimizer (at its step 0) computes the correction
+    from the step count each parameter's state carries, whatever ran before. `create_adam` replaces the one under
+    the same id; DeepSpeedCPUAdam.step passes each group's lr, betas, eps and decay with every update."""
+    group = adam.param_groups[0]
+    adam.ds_opt_adam.create_adam(adam.opt_id, group["lr"], group["betas"][0], group["betas"][1], group["eps"],
+                                 group["weight_decay"], adam.adam_w_mode, False)
 
 
 def full_numel(param: torch.Tensor) -> int:
