@@ -712,6 +712,22 @@ def test_check_resumable_force_skips_only_hash(tmp_path: Path) -> None:
         _check(_meta("a", 8), ckpt, invariants_hash="a", effective_batch=32, force=True)
 
 
+@pytest.mark.parametrize("key", ["r", "target_modules", "enabled"])
+def test_force_cannot_resume_into_other_trained_parameters(tmp_path: Path, key: str) -> None:
+    """A forced resume with another LoRA rank or target set cannot load the checkpoint's tensors: the hostile pass
+    saw `lora.r=16 checkpoint.resume_force=true` end in a raw load_state_dict RuntimeError telling the user to
+    relaunch the same command. It is refused before loading, naming the key; other changes are still forcible."""
+    ckpt = tmp_path / "step-00000010"
+    saved = {"lora": {"enabled": True, "r": 8, "target_modules": "all-linear"}, "optimizer": {"lr": 1e-3}}
+    changed = {**saved, "lora": {**saved["lora"], key: {"r": 16, "target_modules": ["q_proj"], "enabled": False}[key]}}
+    meta = {**_meta(recipe_hash(saved), 8), "invariants": saved}
+    with pytest.raises(ToolkitError, match=rf"lora\.{key} .*cannot be forced.*start a new output_dir"):
+        _check(meta, ckpt, invariants_hash=recipe_hash(changed), effective_batch=8, force=True, invariants=changed)
+    lr_only = {**saved, "optimizer": {"lr": 2e-3}}
+    assert _check(meta, ckpt, invariants_hash=recipe_hash(lr_only), effective_batch=8, force=True,
+                  invariants=lr_only) == ["changed settings: optimizer.lr"]
+
+
 @pytest.mark.parametrize(("strategy", "world_size"), [("fsdp", 2), ("ddp", 4), ("zero3", 1)])
 def test_check_resumable_other_layout_needs_portable_state(tmp_path: Path, strategy: str, world_size: int) -> None:
     ckpt = tmp_path / "step-00000010"
@@ -810,6 +826,30 @@ def test_disk_full_during_save_removes_the_partial_checkpoint(tmp_path: Path) ->
         mgr.save(2, full_disk, {"step": 2})
     assert _step_entries(root) == ["step-00000001"] and not list(root.glob("*.tmp"))
     assert find_resume("auto", root) == root / "step-00000001"
+
+
+def _safetensors_into_a_missing_folder(tmp: Path) -> None:
+    save_file({"w": torch.zeros(4)}, str(tmp / "gone" / "model.safetensors"))  # SafetensorError, not an OSError
+
+
+def _torch_save_onto_a_full_device(tmp: Path) -> None:
+    (tmp / "optimizer.bin").symlink_to("/dev/full")  # every write fails with ENOSPC
+    torch.save({"exp_avg": torch.zeros(100_000)}, tmp / "optimizer.bin")  # RuntimeError from torch's writer
+
+
+@pytest.mark.parametrize("writer", [_safetensors_into_a_missing_folder, _torch_save_onto_a_full_device])
+def test_a_failed_library_write_is_a_failed_save(tmp_path: Path, writer: Callable[[Path], None]) -> None:
+    """The checkpoint writers (accelerate's safetensors and torch.save) wrap a full disk in their own exception
+    types, not OSError: the hostile pass's full tmpfs ended in a raw SafetensorError with the `.tmp` folder left.
+    They are a failed save like any OSError: partial folder removed, one line naming the checkpoint."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    root = tmp_path / "ck"
+    mgr = _manager(root, best_metric=None)
+    _save(mgr, 1)
+    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: .*previous one is intact"):
+        mgr.save(2, writer, {"step": 2})
+    assert _step_entries(root) == ["step-00000001"] and not list(root.glob("*.tmp"))
 
 
 def test_partial_saves_of_a_dead_run_are_cleared_when_the_next_run_starts(tmp_path: Path) -> None:

@@ -255,6 +255,13 @@ def test_malformed_json_names_file_and_line(tmp_path: Path, tok: PreTrainedToken
     with pytest.raises(ToolkitError, match="not valid JSON") as info:
         _load([path], tok)
     assert f"{path}:3:" in str(info.value)
+    # Where on the line: json counts the line's own newline as a line of its own ("line 2 column 1"), so a row cut
+    # short used to be reported "at column 1" (hostile pass); it is at the end of the line, and a bad character
+    # inside it is at its column.
+    assert "(Expecting ',' delimiter at the end of the line)" in str(info.value)
+    path.write_text('{"text": "a"}\n{"text": \'b\'}\n')
+    with pytest.raises(ToolkitError, match=r":2: not valid JSON \(Expecting value at column 10\)"):
+        _load([path], tok)
 
 
 def test_json_list_row_is_error(tmp_path: Path) -> None:

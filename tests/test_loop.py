@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,3 +183,25 @@ def test_eval_time_is_left_out_of_training_throughput(tmp_path: Path) -> None:
     assert run.meter.started == pytest.approx(started + results[0].seconds, abs=1e-9)
     record = read_metrics(run.metrics.path)[-1]
     assert record["eval_seconds"] <= results[0].seconds and "eval_loss" in record
+
+
+def test_a_signal_during_an_eval_stops_the_run_at_that_step(tmp_path: Path) -> None:
+    """SIGTERM while step 1's eval runs (a generation eval may take minutes, beyond a scheduler's grace period):
+    the run checkpoints step 1 and exits, not one step (and maybe one eval) later. The hostile pass saw a signal
+    during step 2's eval stop the gated smoke after step 3: the flag rode only the step's all-reduce."""
+    run = build_run(tmp_path, "eval.data=[dummy:stage1]", "eval.every_steps=1", "stages.0.max_steps=3")
+    stage = run.curriculum.stages[0]
+    evaluate = run.evaluator.evaluate
+
+    def signalled_evaluate(*args, **kwargs):  # the real eval, with SIGTERM arriving while it runs
+        out = evaluate(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    run.evaluator.evaluate = signalled_evaluate  # type: ignore[method-assign]
+    enter_stage(run, stage, 0)
+    result = run_step(run, stage, 0, 0)
+    assert not result.preempted
+    assert after_step(run, stage, 0, 1, result) == PREEMPTED_EXIT_CODE
+    assert [c.name for c in checkpoint.committed_checkpoints(run.manager.root)] == ["step-00000001"]
+

@@ -461,6 +461,23 @@ def test_resume_force_says_what_differs(trained: Path, tmp_path: Path, monkeypat
     assert "resumed despite data files whose content changed since the checkpoint: data.jsonl" in caplog.text
 
 
+def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced past a changed lr mid-stage, step 3 trains at the new recipe's lr, as a fresh run of it does: the
+    optimizer held the lr the checkpointed recipe had set for step 3, and the hostile pass saw that one used."""
+    run = copy_run(trained, tmp_path)
+    shutil.rmtree(run / "final")
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", "optimizer.lr=1e-3",
+                              "checkpoint.resume=run/checkpoints/step-00000002", "output_dir=again"],
+                             tmp_path / "again"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "optimizer.lr=1e-3", "output_dir=fresh"],
+                             tmp_path / "fresh"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    forced, fresh = (read_metrics(tmp_path / name / "metrics.jsonl", "train") for name in ("again", "fresh"))
+    assert [(r["step"], r["lr"]) for r in forced] == [(r["step"], r["lr"]) for r in fresh if r["step"] >= 3]
+
+
 # --- runs that end in garbage do not succeed -------------------------------------------------------------------
 
 def test_run_that_diverges_at_its_end_fails_and_writes_no_final(models: dict[str, str], tmp_path: Path) -> None:

@@ -133,6 +133,23 @@ def recipe_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# torch.save's writer reports a failed write (ENOSPC included) as a RuntimeError with one of these messages.
+_TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "iostream error", "file write failed")
+
+
+def _write_failure(e: Exception) -> str | None:
+    """What a failed file write says, or None when `e` is not one. A full disk reaches the checkpoint writers as an
+    OSError, but also wrapped by safetensors (SafetensorError) and torch.save (RuntimeError) in their own types."""
+    from safetensors import SafetensorError
+
+    if isinstance(e, OSError):
+        return f"{e.strerror or e} ({e.filename})" if e.filename else str(e.strerror or e)
+    if isinstance(e, SafetensorError) or (isinstance(e, RuntimeError) and any(
+            marker in str(e) for marker in _TORCH_WRITE_FAILURES)):
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class CheckpointManager:
     """Atomic saves, rotation and best tracking. Rank 0 does the file operations; all ranks write state."""
 
@@ -168,12 +185,13 @@ class CheckpointManager:
                 meta = {**meta, "files": file_digests(tmp)}
                 write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
                 write_text_atomic(tmp / COMMIT_MARKER, f"{time.time()}\n")
-        except OSError as e:  # disk full, quota, permissions: the partial state goes, the last checkpoint stays
+        except Exception as e:  # disk full, quota, permissions: the partial state goes, the last checkpoint stays
+            if (why := _write_failure(e)) is None:
+                raise
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise ToolkitError(f"Could not write checkpoint {final}: {e.strerror or e} ({e.filename or tmp}). "
-                               "The partial checkpoint was removed; the previous one is intact. Free space "
-                               "and relaunch the same command to resume.") from None
+            raise ToolkitError(f"Could not write checkpoint {final}: {why}. The partial checkpoint was removed; the "
+                               "previous one is intact. Free space and relaunch the same command to resume.") from None
         if self.is_main:
             # The same step may be saved again (e.g. end of stage right after a resume): the folder it replaces
             # goes once no reader holds it.
@@ -502,6 +520,10 @@ def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     return meta["world_size"] == world_size and meta["strategy"] == strategy
 
 
+UNFORCIBLE_KEYS = ("lora.enabled", "lora.r", "lora.target_modules", "lora.modules_to_save", "lora.exclude_modules")
+"""Recipe keys that change which parameters exist (or their shapes): no resume_force can load across them."""
+
+
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
                     strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None,
                     invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None) -> list[str]:
@@ -520,6 +542,12 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     differences = []
     if meta["recipe_hash"] != invariants_hash:
         keys = _changed_keys(meta["invariants"], invariants) if "invariants" in meta and invariants else []
+        if force and (shaped := [k for k in keys if k.startswith(UNFORCIBLE_KEYS)]):
+            raise ToolkitError(
+                f"Checkpoint {ckpt} trained other parameters ({', '.join(shaped)} changed): its weights and Adam "
+                "state cannot be loaded into this run, so the change cannot be forced (checkpoint.resume_force). "
+                "Resume with the recipe it was written with, or start a new output_dir (export the adapter with "
+                f"toolkit export {ckpt} --merge to start from its weights).")
         differences.append("changed settings: " + (", ".join(keys) if keys else "model, lora, data, stages, "
                                                   "optimizer, schedule or seed"))
     saved_data = meta.get("data_files") or {}

@@ -111,7 +111,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ToolkitError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}). "
+                # e.colno counts from the last newline json saw, the line's own one included: say it by position.
+                at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
+                raise ToolkitError(f"{path}:{lineno}: not valid JSON ({e.msg} at {at}). "
                                    "Each line must be one JSON object.") from None
             if not isinstance(row, dict):
                 raise ToolkitError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}.")

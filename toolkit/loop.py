@@ -14,6 +14,7 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -266,7 +267,13 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
         run.latest.update(record)
         if run.bar is not None:
             run.bar.set_postfix(stage=stage.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    evaluates = eval_due(run, stage, done)
     stage_end = evaluate_stage(run, stage, step_in_stage, done)
+    if evaluates and not result.preempted:
+        # A signal during an eval (minutes for generation) stops here, not one step and maybe one eval later: the
+        # step's all-reduce carried the flag before the eval began. Every rank evaluated, so every rank asks.
+        flag = acc.reduce(torch.tensor(float(run.preemption.requested), device=acc.device), reduction="sum")
+        result = dataclasses.replace(result, preempted=bool(flag.item() > 0))
     # Checkpoint: every save_steps / save_minutes, at stage ends, and on preemption (all ranks agree).
     periodic = bool(saving.save_steps) and done % saving.save_steps == 0
     save = result.preempted or result.time_due or periodic or (saving.save_on_stage_end and stage_end)
@@ -285,15 +292,21 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
     return None
 
 
+def eval_due(run: Run, stage: Stage, done: int) -> bool:
+    """Whether step `done` evaluates: every eval.every_steps and at the stage's end, when the stage has evals."""
+    every = run.recipe.eval.every_steps
+    due = done == stage.plan.end_step or bool(every and done % every == 0)
+    return due and run.evaluator.has_evals(stage)
+
+
 def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> bool:
     """Evaluation every eval.every_steps and at the end of each stage (toolkit/evals.py: eval loss and generation
     evals of the stage, or of every stage with eval.all_stages). Its time is left out of training tokens/s. A gate
     met, or patience run out, ends the stage: the curriculum moves the later stages up (`stage.plan` is then the
     shortened one). Every rank decides on rank 0's metrics. Returns whether the stage ends at `done`."""
-    recipe, cur = run.recipe, run.curriculum
+    cur = run.curriculum
     stage_end = done == stage.plan.end_step
-    due = stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)
-    if not due or not run.evaluator.has_evals(stage):
+    if not eval_due(run, stage, done):
         return stage_end
     result = run.evaluator.evaluate(run.model, run.collate, stage, done)
     run.meter.exclude(result.seconds)  # tokens/s, step time and MFU stay training's
