@@ -239,6 +239,27 @@ def test_messages_are_checked_like_text_rows(processor: Any, messages: list[Any]
         encode({"messages": messages}, processor, Path())
 
 
+def test_turn_weights_with_generation_markers(processor: Any, data: dict[str, Path]) -> None:
+    """The tiny processor's {% generation %} template: a turn with "weight": 0 is left out, the other trains as
+    before; rows that mix shapes or carry ignored keys are refused like text rows."""
+    base = data["vl_stage1"].parent
+    row = image_row(1, base)
+    row["messages"] += [{"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Still red."}]
+    full = encode(row, processor, base)
+    left_out = encode(dict(row, messages=[dict(m, weight=0) if i == 1 else m for i, m in enumerate(row["messages"])]),
+                      processor, base)
+    assert full is not None and left_out is not None and left_out["input_ids"] == full["input_ids"]
+    tok = processor.tokenizer
+    trained = [t for t, lab in zip(left_out["input_ids"], left_out["labels"], strict=True) if lab != IGNORE_INDEX]
+    assert tok.decode(trained) == "Still red.<|im_end|>"
+    assert [lab for lab in left_out["labels"] if lab != IGNORE_INDEX] == \
+        [lab for lab in full["labels"] if lab != IGNORE_INDEX][-len(trained):]
+    for bad, error in ((dict(row, text="more"), "the row has 'messages', 'text', which are 2 row shapes"),
+                       (dict(row, weight=2), "the row has 'weight': per-row loss weighting")):
+        with pytest.raises(ToolkitError, match=rf"^{WHERE}: {error}"):
+            encode(bad, processor, base)
+
+
 # --- over-length ---
 
 def test_overlength_error_and_drop(processor: Any, data: dict[str, Path]) -> None:

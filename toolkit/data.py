@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 
 # Bump whenever encode_row or the length/no-loss policy changes what a file tokenises to, so old cache entries miss.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 # encode_row calls in this process, so tests can check that a cache hit did not tokenise again.
 ENCODE_CALLS = 0
 # A file's hash is only remembered against its stat once the file is this old (git's "racy clean" rule).
@@ -139,7 +139,7 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
-        m = dict(m)
+        m = {k: v for k, v in m.items() if k not in TURN_FLAGS}  # read by assistant_trains; never rendered
         if m["role"] == "assistant" and m.get("tool_calls") and m.get("content") is None:
             m["content"] = ""
         content = m.get("content")
@@ -166,6 +166,77 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
                                    "the chat format's own markers and cannot appear inside a message.")
         out.append(m)
     check_turn_order(out, where, train_on)
+    assistant_trains(messages, where, train_on)
+    return out
+
+
+TURN_FLAGS = ("weight", "training")
+"""Per-message keys that say whether a turn trains, honoured exactly: `"weight": 0 | 1` (OpenAI's chat fine-tuning
+format, ShareGPT/LLaMA-Factory data) and axolotl's `"training": false | true`."""
+
+
+def assistant_trains(messages: list[dict[str, Any]], where: str, train_on: str) -> list[bool]:
+    """Whether each assistant message (in order) trains, from its `weight` / `training` flag (default: it trains).
+
+    What cannot be honoured exactly is refused: a weight other than 0 or 1 (loss weighting), a flag asking a
+    user/system/tool turn to train under train_on: assistant, a turn left out under train_on: all (every token
+    trains), the two flags disagreeing, and axolotl's character-level `train_detail`."""
+    trains = []
+    for i, m in enumerate(messages):
+        if "train_detail" in m:
+            raise ToolkitError(f"{where}: messages[{i}].train_detail (per-span training) is not supported; set "
+                               "\"weight\": 0 or 1 on the whole turn, or split the turn.")
+        flags = []
+        if "weight" in m:
+            w = m["weight"]
+            if isinstance(w, bool) or not isinstance(w, int | float) or w not in (0, 1):
+                raise ToolkitError(f"{where}: messages[{i}].weight is {w!r}; only 0 (do not train this turn) or 1 "
+                                   "(train it) is supported, not loss weighting.")
+            flags.append(bool(w))
+        if "training" in m:
+            if not isinstance(m["training"], bool):
+                raise ToolkitError(f"{where}: messages[{i}].training is {m['training']!r}; it must be true or false.")
+            flags.append(m["training"])
+        if len(set(flags)) > 1:
+            raise ToolkitError(f"{where}: messages[{i}] has weight {m['weight']!r} and training {m['training']!r}, "
+                               "which disagree; keep one of them.")
+        train = flags[0] if flags else None
+        key = "weight" if "weight" in m else "training"
+        if m["role"] == "assistant":
+            if train is False and train_on == "all":
+                raise ToolkitError(f"{where}: messages[{i}].{key} leaves the turn out of training, but data.train_on "
+                                   "is all, which trains every token; set data.train_on: assistant.")
+            trains.append(train is not False)
+        elif train is True and train_on == "assistant":
+            raise ToolkitError(f"{where}: messages[{i}].{key} asks a {m['role']} turn to train, but only assistant "
+                               "turns train with data.train_on: assistant; drop the flag or set data.train_on: all.")
+        elif train is False and train_on == "all":
+            raise ToolkitError(f"{where}: messages[{i}].{key} leaves a {m['role']} turn out of training, but "
+                               "data.train_on is all, which trains every token; set data.train_on: assistant.")
+    return trains
+
+
+def drop_untrained_runs(mask: list[int], trains: list[bool], where: str) -> list[int]:
+    """A {% generation %} mask with the runs of assistant turns that do not train zeroed. The i-th run of 1s must be
+    the i-th assistant turn: when the runs do not match the turns one to one, the flags cannot be honoured exactly
+    and the row is refused."""
+    if all(trains):
+        return mask
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    if len(runs) != len(trains):
+        raise ToolkitError(f"{where}: the chat template's {{% generation %}} blocks mark {len(runs)} span(s) for "
+                           f"{len(trains)} assistant turn(s), so per-turn weights cannot be applied exactly; drop the "
+                           "weights or use the model's own template.")
+    out = list(mask)
+    for (a, b), train in zip(runs, trains, strict=True):
+        if not train:
+            out[a:b] = [0] * (b - a)
     return out
 
 
@@ -258,18 +329,21 @@ def chatml_assistant_spans(text: str, n_assistant: int, where: str) -> list[tupl
     return spans
 
 
-def chatml_token_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase, n_assistant: int, where: str) -> list[int]:
+def chatml_token_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase, trains: list[bool], where: str) -> list[int]:
     """`chatml_assistant_spans` on token ids (vision-language rows, whose image tokens the processor expands): 1 from
-    after the header tokens `<|im_start|>assistant\n` through the next `<|im_end|>`, 0 elsewhere."""
+    after the header tokens `<|im_start|>assistant\n` through the next `<|im_end|>` for each assistant turn that
+    trains (`trains`, one flag per assistant message), 0 elsewhere."""
     header = tokenizer.encode(ASSISTANT_HEADER + "\n", add_special_tokens=False)
     end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    n_assistant = len(trains)
     mask, found, i = [0] * len(ids), 0, 0
     while i < len(ids):
         if ids[i:i + len(header)] == header:
             j = i + len(header)
             while j < len(ids) and ids[j] != end_id:
                 j += 1
-            mask[i + len(header):j + 1] = [1] * (min(j + 1, len(ids)) - i - len(header))
+            if found >= n_assistant or trains[found]:
+                mask[i + len(header):j + 1] = [1] * (min(j + 1, len(ids)) - i - len(header))
             found, i = found + 1, j + 1
         else:
             i += 1
@@ -336,7 +410,8 @@ def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
 
 
 def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any,
-                     train_on: str, where: str, thinking: str) -> tuple[list[int], list[int]]:
+                     train_on: str, where: str, thinking: str, trains: list[bool]) -> tuple[list[int], list[int]]:
+    """Ids and labels of a checked conversation; `trains` says which assistant turns train (`assistant_trains`)."""
     template = tokenizer.chat_template
     check_renderable(template, messages, tools, where)
     if thinking != "auto" and (has_generation_tags(tokenizer) or not is_chatml_family(template)):
@@ -347,7 +422,7 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
         out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
-        mask = list(out["assistant_masks"])
+        mask = drop_untrained_runs(list(out["assistant_masks"]), trains, where)
     else:
         full = _render(tokenizer, messages, tools, where)
         n_assistant = sum(m["role"] == "assistant" for m in messages)
@@ -356,6 +431,7 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
             full, spans = _apply_thinking(full, spans, thinking, tokenizer, where)
         else:
             spans = _prefix_spans(tokenizer, messages, tools, full, where)
+        spans = [span for span, train in zip(spans, trains, strict=True) if train]
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         mask = _span_mask(enc["offset_mapping"], spans)
@@ -363,35 +439,86 @@ def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
     return ids, list(labels)
 
 
+SHAPES = {"messages": ("messages",), "prompt and completion": ("prompt", "completion"), "text": ("text",)}
+"""The row shapes, by the keys that make them; a row has exactly one."""
+
+REFUSED_ROW_KEYS = {
+    **dict.fromkeys(("weight", "loss_weight", "sample_weight"), "per-row loss weighting is not supported (a "
+                    "message's \"weight\": 0 or 1 leaves a turn out); remove it, or repeat rows to weight them"),
+    **dict.fromkeys(("chosen", "rejected"), "preference pairs (DPO) are not supported: rows train supervised, so "
+                    "a rejected answer would be learned; keep the answer to learn as the row's last assistant turn"),
+    **dict.fromkeys(("input_ids", "labels", "attention_mask", "loss_mask"), "pre-tokenised rows are not supported: "
+                    "give the text and let data.train_on decide the loss"),
+    "train_on": "data.train_on sets it for every row; remove it, or split the file into stages",
+    "system": "put the system prompt as the first message, {\"role\": \"system\", \"content\": ...}",
+    "videos": "video rows are not supported",
+    "audios": "audio rows are not supported",
+}
+"""Row keys that would change what trains but that no row shape reads: refused, never dropped."""
+
+
+def _present(row: dict[str, Any], key: str) -> bool:
+    return row.get(key) is not None  # a null column of a mixed-shape table is no key at all
+
+
+def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
+    """The row's shape (a key of SHAPES), once it is shown that nothing in the row that would change what trains
+    is ignored: two shapes in one row, a refused key (REFUSED_ROW_KEYS), `tools` outside a chat, `images` outside
+    a vision-language model's chat."""
+    for key, why in REFUSED_ROW_KEYS.items():
+        if _present(row, key):
+            raise ToolkitError(f"{where}: the row has '{key}': {why}.")
+    if isinstance(row.get("label"), bool):  # KTO's desirable / undesirable mark (another 'label' is an extra)
+        raise ToolkitError(f"{where}: the row has a true/false 'label' (KTO preference data), which is not "
+                           "supported: rows train supervised, so an undesirable answer would be learned; keep only "
+                           "rows to learn, without the label.")
+    shapes = [name for name, keys in SHAPES.items() if any(_present(row, k) for k in keys)]
+    if len(shapes) > 1:
+        keys = [k for name in shapes for k in SHAPES[name] if _present(row, k)]
+        raise ToolkitError(f"{where}: the row has {', '.join(repr(k) for k in keys)}, which are {len(shapes)} row "
+                           "shapes; keep one ('messages', 'prompt' and 'completion', or 'text'): the others would "
+                           "not be trained.")
+    shape = shapes[0] if shapes else None
+    if shape is None or not all(_present(row, k) for k in SHAPES[shape]):
+        raise ToolkitError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
+                           f"found keys {sorted(row)}.")
+    for key, needs in (("tools", "a chat ('messages')"),
+                       ("images", "a chat ('messages') for a vision-language model" if vision else
+                        "a vision-language model (this model reads text only)")):
+        if _present(row, key) and (shape != "messages" or (key == "images" and not vision)):
+            raise ToolkitError(f"{where}: the row has '{key}', which needs {needs}; it would not be trained.")
+    return shape
+
+
 def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on: str,
                where: str, thinking: str = "auto") -> tuple[list[int], list[int]]:
     """Token ids and labels (IGNORE_INDEX where no loss) of one row. The first token never carries loss.
 
-    A chat row's `tools` (function schemas) go to the chat template; `thinking` is data.thinking."""
+    A chat row's `tools` (function schemas) go to the chat template; `thinking` is data.thinking; a message's
+    `weight` / `training` flag leaves its turn out (`assistant_trains`)."""
     global ENCODE_CALLS
     ENCODE_CALLS += 1
-    if "messages" in row:
+    shape = row_shape(row, where)
+    if shape == "messages":
         if not tokenizer.chat_template:
             raise ToolkitError(
                 f"{where}: the row is a chat ('messages') but the tokenizer has no chat template. Use a chat "
                 "model's tokenizer or set data.chat_template (for example: chatml).")
-        ids, labels = _encode_messages(tokenizer, check_messages(row["messages"], where, train_on), row.get("tools"),
-                                       train_on, where, thinking)
-    elif "prompt" in row and "completion" in row:
+        messages = check_messages(row["messages"], where, train_on)
+        ids, labels = _encode_messages(tokenizer, messages, row.get("tools"), train_on, where, thinking,
+                                       assistant_trains(row["messages"], where, train_on))
+    elif shape == "prompt and completion":
         if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
             raise ToolkitError(f"{where}: 'prompt' and 'completion' must be strings.")
         prompt = tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
         completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids = prompt + completion
         labels = (prompt if train_on == "all" else [IGNORE_INDEX] * len(prompt)) + completion
-    elif "text" in row:
+    else:
         if not isinstance(row["text"], str):
             raise ToolkitError(f"{where}: 'text' must be a string.")
         ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
         labels = list(ids)
-    else:
-        raise ToolkitError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
-                           f"found keys {sorted(row)}.")
     if labels:
         labels[0] = IGNORE_INDEX  # nothing predicts the first token
     return ids, labels

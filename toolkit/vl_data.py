@@ -22,12 +22,15 @@ from PIL import Image, UnidentifiedImageError
 from toolkit.data import (
     DataStats,
     RowEncoder,
+    assistant_trains,
     chatml_token_mask,
     check_messages,
     check_renderable,
+    drop_untrained_runs,
     fit_to_length,
     has_generation_tags,
     is_chatml_family,
+    row_shape,
 )
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
@@ -79,7 +82,9 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
     """
     template = processor.chat_template
     generation = has_generation_tags(processor)
+    row_shape(row, where, vision=True)
     messages = check_messages(row.get("messages"), where, train_on, image_parts=True)
+    trains = assistant_trains(row["messages"], where, train_on)
     n_parts = sum(p["type"] == "image" for m in messages if isinstance(m["content"], list) for p in m["content"])
     images = row.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
@@ -108,9 +113,9 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
         raise ToolkitError(f"{where}: the row could not be formatted with the chat template ({e}).") from None
     ids = [int(t) for t in out["input_ids"][0]]
     if generation:
-        mask = [int(m) for m in out["assistant_masks"][0]]
+        mask = drop_untrained_runs([int(m) for m in out["assistant_masks"][0]], trains, where)
     else:  # a stock ChatML-family template (Qwen2.5-VL, Qwen3-VL): the turns are read off the token ids
-        mask = chatml_token_mask(ids, processor.tokenizer, sum(m["role"] == "assistant" for m in messages), where)
+        mask = chatml_token_mask(ids, processor.tokenizer, trains, where)
     vision = _vision_ids(processor)
     labels = [IGNORE_INDEX if t in vision or not (train_on == "all" or m) else t
               for t, m in zip(ids, mask, strict=True)]
