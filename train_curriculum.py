@@ -242,8 +242,7 @@ def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Acc
                  processor: Any | None, dummy_dir: Path, cache: Path | None) -> Curriculum:
     """The curriculum: every stage's rows (loaded and tokenised once, cached), planned on the step axis with its
     sampler; lr_scaling scales each stage's lr by its own global batch."""
-    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache,
-                                                    accelerator)
+    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache)
     opt = recipe.optimizer
     return build_curriculum(resolved, training_sets, eval_rows, grad_accum=recipe.train.grad_accum,
                             world_size=accelerator.num_processes, seed=recipe.train.seed,

@@ -124,7 +124,7 @@ case("min-pixels-over-max")(lambda c: c.train(change=section("data", min_pixels=
 case("bad-exclude-regex")(lambda c: c.train(change=section("lora", exclude_modules="(visual")))
 case("zero-consecutive-skips")(lambda c: c.train("stability.max_consecutive_skips=0"))
 case("data-missing")(lambda c: c.train(change=stage("data", ["nope.jsonl"])))
-case("data-is-directory")(lambda c: c.train(change=stage("data", ["."])))
+case("data-is-directory")(lambda c: (c.tmp / "empty").mkdir() or c.train(change=stage("data", ["empty"])))
 case("data-malformed-line")(lambda c: c.train(rows=[CHAT, CHAT, '{"messages": [oops', CHAT]))
 case("data-row-not-object")(lambda c: c.train(rows=[CHAT, "[1, 2]"]))
 case("data-bad-message")(lambda c: c.train(rows=[{"messages": [{"content": "no role"}]}]))

@@ -294,7 +294,7 @@ def test_resolve_data_paths() -> None:
 # --- encode_files: stats and length policy ---------------------------------------------------------------------
 
 
-def test_encode_files_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+def test_encode_files_stats_and_difficulty(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
     a = _write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT, "difficulty": 2}, {"text": "the cat", "id": "t"}])
     b = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "What is 2 + 3?", "completion": " 5."}])
     data = _load([a, b], tok)
@@ -302,7 +302,7 @@ def test_encode_files_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerF
                 encode_row({"text": "the cat"}, tok, "assistant", ""),
                 encode_row({"prompt": "What is 2 + 3?", "completion": " 5."}, tok, "assistant", "")]
     assert data.samples == [{"input_ids": i, "labels": lab} for i, lab in expected]
-    assert data.extras == [{"difficulty": 2}, {"id": "t"}, {}]
+    assert data.difficulty == [2, None, None]
     st = data.stats
     assert (st.rows, st.kept, st.dropped_overlength, st.truncated, st.no_label_tokens) == (3, 3, 0, 0, 0)
     assert st.tokens == sum(len(i) for i, _ in expected)
