@@ -185,8 +185,9 @@ def _selections(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overl
     encoder = encoder or TextEncoder(tokenizer, train_on=train_on, thinking=thinking)
     out = []
     for path in paths:
-        store = open_store(resolve_source(Entry(str(path)), Path()), encoder,
-                           None if cache_dir is None else Path(cache_dir), num_proc=num_proc)
+        entry = path if isinstance(path, Entry) else Entry(str(path))
+        store = open_store(resolve_source(entry, Path()), encoder, None if cache_dir is None else Path(cache_dir),
+                           num_proc=num_proc)
         out.append((store, select_rows(store, max_seq_len=max_seq_len, overlength=overlength)))
     return out
 
@@ -194,9 +195,9 @@ def _selections(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overl
 def encode_files(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overlength: str, train_on: str,
                  thinking: str = "auto", cache_dir: Any = None, encoder: Any = None, num_proc: int = 1
                  ) -> EncodedRows:
-    """Read, tokenise and length-police some files (through their stores when `cache_dir` is given, else in
-    memory), as plain samples: for inspecting and small eval sets. `encoder` replaces the text encoder (vision-
-    language rows)."""
+    """Read, tokenise and length-police some sources (paths, or `Entry`s with a split and columns; through their
+    stores when `cache_dir` is given, else in memory), as plain samples: for inspecting and small eval sets.
+    `encoder` replaces the text encoder (vision-language rows)."""
     data = EncodedRows([], [], DataStats())
     for store, selection in _selections(paths, tokenizer, max_seq_len=max_seq_len, overlength=overlength,
                                         train_on=train_on, thinking=thinking, cache_dir=cache_dir, encoder=encoder,

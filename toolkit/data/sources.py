@@ -217,7 +217,8 @@ def read_piece(source: Source, piece: Piece) -> tuple[list[dict[str, Any]], list
         raw = [(n + 1, array[n]) for n in range(piece.start, piece.end)]
     else:
         table = source.tables[piece.file_index]
-        raw = list(zip(range(piece.start + 1, piece.end + 1), table[piece.start:piece.end].to_pylist(), strict=True))
+        rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
+        raw = list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
     rows, numbers = [], []
     for number, row in raw:
         where = source.where(piece.file_index, number)

@@ -99,10 +99,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def store_key(source: Source, digest: str, encoder: Any) -> dict[str, Any]:
-    """Everything a store's content depends on (its sha256 names the store)."""
-    return {"store": STORE_VERSION, "content": digest, "format": source.fmt, "split": source.entry.split,
-            "columns": sorted(source.entry.columns), "tokenizer": tokenizer_fingerprint(encoder.tokenizer),
-            "encoding": encoder.options()}
+    """Everything a store's content depends on (its sha256 names the store), as JSON gives it back."""
+    key = {"store": STORE_VERSION, "content": digest, "format": source.fmt, "split": source.entry.split,
+           "columns": sorted(source.entry.columns), "tokenizer": tokenizer_fingerprint(encoder.tokenizer),
+           "encoding": encoder.options()}
+    return json.loads(json.dumps(key))
 
 
 # --- reading a store --------------------------------------------------------------------------------------------
