@@ -39,6 +39,7 @@ from toolkit.config import (
     resume_invariants,
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
+from toolkit.data.batching import StageBatches
 from toolkit.errors import ToolkitError
 from toolkit.flops import peak_flops
 from toolkit.freezer import StageFreezer
@@ -64,6 +65,7 @@ from toolkit.preemption import PreemptionFlag
 from toolkit.run_data import (
     data_fingerprint,
     load_curriculum_data,
+    loader_workers,
     tokenized_cache_dir,
     use_dummy_data,
     uses_dummy_data,
@@ -150,7 +152,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
     run = assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
-                       curriculum=curriculum, collate=collate, identity=identity)
+                       curriculum=curriculum, collate=collate, identity=identity,
+                       num_workers=loader_workers(recipe.data, vision=vision))
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
@@ -273,13 +276,16 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
                  trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
-                 identity: dict[str, Any]) -> Run:
+                 identity: dict[str, Any], num_workers: int) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
-    stability guard, the meters, metrics.jsonl and the checkpoint manager."""
+    stability guard, the meters, metrics.jsonl, the checkpoint manager and the batches (a DataLoader per stage
+    with `num_workers` worker processes)."""
     saving, opt, stab = recipe.checkpoint, recipe.optimizer, recipe.stability
     # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
     accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
+    batches = StageBatches(accelerator, collate, grad_accum=recipe.train.grad_accum,
+                           group_by_length=recipe.data.group_by_length, num_workers=num_workers)
     return Run(recipe, accelerator, model, optimizer, scheduler,
                StageFreezer(accelerator, model, optimizer, trainable.groups),
                StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
@@ -288,7 +294,7 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                checkpoint.CheckpointManager(layout.checkpoints, keep_last=saving.keep_last,
                                             best_metric=saving.best_metric, best_mode=saving.best_mode,
                                             is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone),
-               preemption, curriculum, collate, identity,
+               preemption, curriculum, collate, identity, batches,
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))

@@ -83,6 +83,14 @@ def num_proc(data: DataConfig) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def loader_workers(data: DataConfig, *, vision: bool) -> int:
+    """DataLoader worker processes per rank: data.num_workers, by default 1 (text: collation off the training
+    thread) or 2 (vision-language: images decoded and resized there)."""
+    if data.num_workers is not None:
+        return data.num_workers
+    return 2 if vision else 1
+
+
 class Stores:
     """The run's token stores, one per source, opened (or prepared) once each however many stages use them."""
 
