@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.atomic import write_text_atomic
@@ -124,7 +125,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
                               layout.dummy_data, cache)
     collate = batch_collator(processor if vision else tokenizer, vision=vision, packing=recipe.data.packing,
-                             min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
+                             min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels,
+                             model_config=AutoConfig.from_pretrained(
+                                 model_path, trust_remote_code=recipe.model.trust_remote_code) if vision else None)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
                             data_files=data_fingerprint(resolved, layout.dummy_data, cache))
     resume_meta, forced = {}, []

@@ -176,7 +176,6 @@ case("unknown-builtin")(lambda c: c.train("model.name_or_path=builtin:tiny-llama
 case("model-dir-missing")(lambda c: c.train("model.name_or_path=./models/nope"))
 case("flash-attn-missing")(lambda c: c.train("model.attn_implementation=flash_attention_2"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
-case("packing-vision-model")(lambda c: c.train(f"model.name_or_path={c.models['vl']}", "data.packing=true"))
 
 
 @case("empty-output-dir")

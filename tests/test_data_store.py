@@ -381,3 +381,67 @@ def test_waiting_process_gets_the_preparers_error(tmp_path: Path, tok: PreTraine
     assert str(info.value).startswith(f"{path}:81: messages[0] must have a role")
     assert json.loads((tmp_path / "out.json").read_text())["error"] == str(info.value)
     assert time.monotonic() - start < 30 and "waiting for " in caplog.text
+
+
+# --- real launches: ranks wait for a preparation without a collective, and share its failure -----------------------
+
+def _launch_recipe(tmp_path: Path, models: dict[str, str], data: str, *overrides: str) -> list[str]:
+    import yaml
+
+    from tests.conftest import REPO, base_recipe, launch_cmd
+
+    recipe = base_recipe(models["text"], data) | {"output_dir": str(tmp_path / "run")}
+    recipe["data"] |= {"num_proc": 1, "max_seq_len": 512}  # one process: a preparation slow enough to wait for
+    recipe["distributed"] = {"timeout_minutes": 0.1}  # 6 s
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return [*launch_cmd("ddp", 2), str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml"),
+            *overrides]
+
+
+def _dummy_rows(n: int) -> list[dict[str, Any]]:
+    import tempfile
+
+    from toolkit.dummy_data import write_dummy_data
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_dummy_data(Path(tmp), n, seed=0)["stage2"]
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_waiting_rank_outlives_the_collective_timeout(tmp_path: Path, models: dict[str, str]) -> None:
+    """DDP x 2 with distributed.timeout_minutes: 0.1 (6 s) on a file that takes longer than that to prepare: one
+    rank prepares, the other polls for the store (no collective), and the run trains to its end."""
+    from tests.conftest import run_launch
+
+    _write_jsonl(tmp_path / "big.jsonl", _dummy_rows(4000))
+    proc = run_launch(_launch_recipe(tmp_path, models, str(tmp_path / "big.jsonl")), timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    prepared = [line for line in output.splitlines() if "data: prepared" in line]
+    assert len(prepared) == 1, output[-4000:]  # one rank prepared it
+    seconds = float(prepared[0].split(" tokens (")[1].split(" in ")[1].split(" s ")[0])
+    assert seconds > 6, f"the preparation took {seconds} s, not longer than the timeout: the test proves nothing"
+    assert "data: waiting for " in output and "ready after waiting" in output
+    assert (tmp_path / "run" / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_a_failed_preparation_is_one_line_on_every_rank(tmp_path: Path, models: dict[str, str]) -> None:
+    """The preparing rank hits a bad row early in a file whose whole preparation would take minutes: both ranks
+    end within seconds with the same one-line error naming file and line, and no traceback of theirs."""
+    from tests.conftest import REPO, run_launch
+
+    rows = _dummy_rows(20000)
+    rows[300] = {"messages": [{"role": "robot", "content": "?"}]}
+    _write_jsonl(tmp_path / "bad.jsonl", rows)
+    start = time.monotonic()
+    proc = run_launch(_launch_recipe(tmp_path, models, str(tmp_path / "bad.jsonl")), timeout=600)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], output[-4000:]
+    assert errors[0].startswith(f"error: {tmp_path / 'bad.jsonl'}:301: messages[0] must have a role")
+    assert "toolkit/" not in output and str(REPO / "train_curriculum.py") not in output, output[-4000:]
+    assert elapsed < 120, elapsed  # the whole file would take minutes; the launch ends once the bad piece fails
+    assert not (tmp_path / "run").exists()

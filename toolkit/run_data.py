@@ -114,9 +114,6 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
     A vision-language model's rows go through its processor (`processor` given): image tokens are expanded from
     the images' sizes and never cut.
     """
-    if processor is not None and data.packing:
-        raise ToolkitError("data.packing is not supported for vision-language models: set data.packing: false "
-                           "(data.group_by_length: true also cuts padding).")
     logging.getLogger("toolkit.data").setLevel(logging.INFO)  # whichever rank prepares a store says so
     stores = Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data))
     training_sets = []

@@ -116,7 +116,19 @@ class SourceRows(Sequence[dict[str, Any]]):
         k %= len(self)
         if self.bins is None:
             return self._sample(k)
-        return pack_row([self._sample(j) for j in self.members(k)])
+        return packed_row([self._sample(j) for j in self.members(k)])
+
+
+def packed_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """`toolkit.packing.pack_row`, and for vision-language samples their images and grids in order, with how many
+    images each sample has (`image_counts`: the collator splits them back per sample). An image is never split:
+    samples are packed whole."""
+    row: dict[str, Any] = pack_row(samples)
+    if any("images" in s for s in samples):
+        row["images"] = [p for s in samples for p in s.get("images", [])]
+        row["image_grid_thw"] = [g for s in samples for g in s.get("image_grid_thw", [])]
+        row["image_counts"] = [len(s.get("images", [])) for s in samples]
+    return row
 
 
 class StageRows(Sequence[dict[str, Any]]):
