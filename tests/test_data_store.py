@@ -285,6 +285,15 @@ def test_packing_plan_and_difficulty_over_the_store(tmp_path: Path, tok: PreTrai
     members = packed.samples.parts[0]
     for k in range(len(packed.samples)):
         assert packed.difficulty[k] == max(store.difficulty[selection.index[j]] for j in members.members(k))
+    import toolkit.data.plan as plan_mod
+
+    def no_packing(*args: Any) -> None:
+        raise AssertionError("packed again")
+
+    with pytest.MonkeyPatch.context() as mp:  # the plan is kept in the store's folder: the next launch reads it
+        mp.setattr(plan_mod, "pack_best_fit_decreasing", no_packing)
+        again = load_training_set([path], tok, **kw, packing=True, needs_difficulty=True, cache_dir=tmp_path / "c")
+    assert list(again.samples) == list(packed.samples)
     with pytest.raises(ToolkitError, match=rf"^{path}:2: difficulty 'hard' is not a number; easy_to_hard"):
         bad = _write_jsonl(path, [rows[0], dict(rows[1], difficulty="hard"), *rows[2:]])
         load_training_set([bad], tok, **kw, packing=False, needs_difficulty=True)

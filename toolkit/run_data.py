@@ -115,6 +115,8 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
     the images' sizes and never cut.
     """
     logging.getLogger("toolkit.data").setLevel(logging.INFO)  # whichever rank prepares a store says so
+    n_sources = len({e for s in stages for e in s.entries} | {p for s in stages for p in s.eval})
+    log.info("data: %d source(s), token stores in %s", n_sources, cache if cache is not None else "memory")
     stores = Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data))
     training_sets = []
     for stage in stages:

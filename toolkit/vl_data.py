@@ -95,6 +95,7 @@ class VLEncoder:
         self.processor, self.train_on = processor, train_on
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.tokenizer = processor.tokenizer
+        self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
         self.vision_ids = {i for i in self.tokenizer.convert_tokens_to_ids(VISION_TOKENS)
                            if i is not None and i != self.tokenizer.unk_token_id}
 

@@ -408,6 +408,7 @@ class TextEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto") -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
 
     def options(self) -> dict[str, Any]:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""

@@ -100,9 +100,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def store_key(source: Source, digest: str, encoder: Any) -> dict[str, Any]:
     """Everything a store's content depends on (its sha256 names the store), as JSON gives it back."""
+    fingerprint = getattr(encoder, "fingerprint", None)
+    if fingerprint is None:  # serialising a 150k-token vocabulary takes about a second: once per encoder
+        fingerprint = encoder.fingerprint = tokenizer_fingerprint(encoder.tokenizer)
     key = {"store": STORE_VERSION, "content": digest, "format": source.fmt, "split": source.entry.split,
-           "columns": sorted(source.entry.columns), "tokenizer": tokenizer_fingerprint(encoder.tokenizer),
-           "encoding": encoder.options()}
+           "columns": sorted(source.entry.columns), "tokenizer": fingerprint, "encoding": encoder.options()}
     return json.loads(json.dumps(key))
 
 
