@@ -31,7 +31,12 @@ def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
 
 def uses_dummy_data(stages: list[ResolvedStage]) -> bool:
     """Whether any stage trains or evaluates on generated dummy files."""
-    return any(path.startswith(DUMMY_PREFIX) for stage in stages for path in [*stage.paths, *stage.eval])
+    return any(path.startswith(DUMMY_PREFIX) for stage in stages for path in _files(stage))
+
+
+def _files(stage: ResolvedStage) -> list[str]:
+    """Every data file a stage reads: training, eval, generation-eval prompts."""
+    return [*stage.paths, *stage.eval, *(path for g in stage.generation for path in g.data)]
 
 
 def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path | None:
@@ -43,9 +48,10 @@ def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path |
 
 
 def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path | None) -> dict[str, str]:
-    """sha256 of every source the run reads (training and eval), by its recipe entry. Stored in checkpoints: a
-    resume on data that changed since is refused (the steps left would see other samples)."""
-    entries = {e.path: e for s in stages for e in [*s.entries, *(DataEntry(p) for p in s.eval)]}
+    """sha256 of every source the run reads (training, eval and generation-eval prompts), by its recipe entry.
+    Stored in checkpoints: a resume on data that changed since is refused (the steps left would see other samples)."""
+    entries = {e.path: e for s in stages
+               for e in [*s.entries, *(DataEntry(p) for p in [*s.eval, *(p for g in s.generation for p in g.data)])]}
     out = {}
     for path in sorted(entries):
         source = resolve_source(entries[path], dummy_dir)
@@ -59,9 +65,10 @@ def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path |
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
     """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
-    from toolkit.dummy_data import write_dummy_data, write_dummy_vl_data  # only runs on dummy data need them
+    from toolkit.dummy_data import write_dummy_data, write_dummy_facts, write_dummy_vl_data  # dummy-data runs only
 
     write_dummy_data(dummy_dir, num_samples, seed=seed)
+    write_dummy_facts(dummy_dir, num_samples)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
 
