@@ -1,4 +1,5 @@
-"""Tests for toolkit/data.py: JSONL reading, loss masks with the tiny ChatML tokenizer, length policy, collator."""
+"""Tests for the data layer (toolkit/data/): JSONL reading, loss masks with the tiny ChatML tokenizer, length
+policy, collator."""
 
 from __future__ import annotations
 
