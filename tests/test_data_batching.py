@@ -90,3 +90,17 @@ def test_a_collator_error_in_a_worker_is_its_one_line() -> None:
     with pytest.raises(ToolkitError) as info:
         _batches(stage, 0, 0, workers=1) + _batches(stage, 1, 0, workers=1)
     assert str(info.value) == "data.jsonl:14: image file a.png does not exist."
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_starting_a_loader_leaves_the_global_rng_alone(workers: int) -> None:
+    """A loader started at a resume must not draw from the global torch RNG (the uninterrupted run's loader drew
+    at the stage's start, not there): the dropout masks after a resume would be another stream's."""
+    import torch
+
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    batches = StageBatches(Process(0), _collate, grad_accum=ACCUM, group_by_length=False, num_workers=workers)
+    batches.take(_stage(), 2)
+    assert torch.equal(torch.rand(3), expected)

@@ -85,11 +85,14 @@ class Collate:
 
 
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
-                 collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int) -> Any:
+                 collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int, seed: int) -> Any:
     """A DataLoader over the stage's rows, prepared by accelerate (its batch sampler sharded over processes,
-    batches placed on the device)."""
+    batches placed on the device). Its own generator (seeded by `seed`) gives the workers' base seed: without one,
+    each new iterator draws it from the global torch RNG, so a loader started at a resume would shift the stream
+    (dropout masks) against the uninterrupted run, whose loader started at the stage's first step."""
     loader = DataLoader(Rows(rows), batch_sampler=sampler, collate_fn=Collate(collate), num_workers=num_workers,
-                        prefetch_factor=2 if num_workers else None, pin_memory=torch.cuda.is_available())
+                        prefetch_factor=2 if num_workers else None, pin_memory=torch.cuda.is_available(),
+                        generator=torch.Generator().manual_seed(seed))
     return accelerator.prepare_data_loader(loader)
 
 
@@ -113,7 +116,7 @@ class StageBatches:
                                        world_size=self.accelerator.num_processes, grad_accum=self.accum,
                                        group_by_length=self.group_by_length)
             self._it = iter(stage_loader(self.accelerator, stage.data.samples, sampler, self.collate,
-                                         num_workers=self.num_workers))
+                                         num_workers=self.num_workers, seed=(stage.index << 32) + step_in_stage))
         assert self._it is not None
         out = []
         for _ in range(self.accum):
