@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.atomic import write_text_atomic
@@ -39,6 +40,7 @@ from toolkit.config import (
     resume_invariants,
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
+from toolkit.data.batching import StageBatches
 from toolkit.errors import ToolkitError
 from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
 from toolkit.flops import peak_flops
@@ -67,6 +69,7 @@ from toolkit.preemption import PreemptionFlag
 from toolkit.run_data import (
     data_fingerprint,
     load_curriculum_data,
+    loader_workers,
     tokenized_cache_dir,
     use_dummy_data,
     uses_dummy_data,
@@ -130,7 +133,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
                               layout.dummy_data, cache)
     collate = batch_collator(processor if vision else tokenizer, vision=vision, packing=recipe.data.packing,
-                             min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
+                             min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels,
+                             model_config=AutoConfig.from_pretrained(
+                                 model_path, trust_remote_code=recipe.model.trust_remote_code) if vision else None)
     generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
                                       layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
@@ -160,7 +165,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
     run = assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
-                       curriculum=curriculum, collate=collate, identity=identity, generation=generation)
+                       curriculum=curriculum, collate=collate, identity=identity, generation=generation,
+                       num_workers=loader_workers(recipe.data, vision=vision))
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
@@ -271,8 +277,7 @@ def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Acc
                  processor: Any | None, dummy_dir: Path, cache: Path | None) -> Curriculum:
     """The curriculum: every stage's rows (loaded and tokenised once, cached), planned on the step axis with its
     sampler; lr_scaling scales each stage's lr by its own global batch."""
-    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache,
-                                                    accelerator)
+    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache)
     opt = recipe.optimizer
     return build_curriculum(resolved, training_sets, eval_rows, grad_accum=recipe.train.grad_accum,
                             world_size=accelerator.num_processes, seed=recipe.train.seed,
@@ -304,13 +309,16 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
                  trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
-                 identity: dict[str, Any], generation: GenerationPlan | None = None) -> Run:
+                 identity: dict[str, Any], num_workers: int, generation: GenerationPlan | None = None) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
-    stability guard, the meters, metrics.jsonl, the checkpoint manager and the evaluations."""
+    stability guard, the meters, metrics.jsonl, the checkpoint manager, the evaluations and the batches (a
+    DataLoader per stage with `num_workers` worker processes)."""
     saving, opt, stab = recipe.checkpoint, recipe.optimizer, recipe.stability
     # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
     accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
+    batches = StageBatches(accelerator, collate, grad_accum=recipe.train.grad_accum,
+                           group_by_length=recipe.data.group_by_length, num_workers=num_workers)
     return Run(recipe, accelerator, model, optimizer, scheduler,
                StageFreezer(accelerator, model, optimizer, trainable.groups),
                StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
@@ -322,6 +330,7 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                preemption, curriculum, collate, identity,
                Evaluator(accelerator, curriculum, layout, generation, all_stages=recipe.eval.all_stages,
                          seed=recipe.train.seed),
+               batches,
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))

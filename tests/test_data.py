@@ -1,4 +1,5 @@
-"""Tests for toolkit/data.py: JSONL reading, loss masks with the tiny ChatML tokenizer, length policy, collator."""
+"""Tests for the data layer (toolkit/data/): JSONL reading, loss masks with the tiny ChatML tokenizer, length
+policy, collator."""
 
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ def test_resolve_data_paths() -> None:
 # --- encode_files: stats and length policy ---------------------------------------------------------------------
 
 
-def test_encode_files_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+def test_encode_files_stats_and_difficulty(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
     a = _write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT, "difficulty": 2}, {"text": "the cat", "id": "t"}])
     b = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "What is 2 + 3?", "completion": " 5."}])
     data = _load([a, b], tok)
@@ -309,7 +310,7 @@ def test_encode_files_stats_and_extras(tmp_path: Path, tok: PreTrainedTokenizerF
                 encode_row({"text": "the cat"}, tok, "assistant", ""),
                 encode_row({"prompt": "What is 2 + 3?", "completion": " 5."}, tok, "assistant", "")]
     assert data.samples == [{"input_ids": i, "labels": lab} for i, lab in expected]
-    assert data.extras == [{"difficulty": 2}, {"id": "t"}, {}]
+    assert data.difficulty == [2, None, None]
     st = data.stats
     assert (st.rows, st.kept, st.dropped_overlength, st.truncated, st.no_label_tokens) == (3, 3, 0, 0, 0)
     assert st.tokens == sum(len(i) for i, _ in expected)
@@ -427,3 +428,108 @@ def test_non_utf8_bytes_name_file_line_and_offset(tmp_path: Path, tok: PreTraine
 def test_data_path_that_is_a_directory(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
     with pytest.raises(ToolkitError, match=f"Data file {tmp_path} is a directory"):
         _load([tmp_path], tok)
+
+
+# --- what trains: per-turn flags and row keys, honoured exactly or refused ----------------------------------------
+# The stock Qwen templates (the ChatML span path, and VL rows) are in tests/test_qwen_templates.py; here the
+# {% generation %} path (the tiny tokenizer's template) and the prefix-render path (INST).
+
+def _weighted(messages: list[dict[str, Any]], **flags: Any) -> list[dict[str, Any]]:
+    """`messages` with flags (e.g. weight=0) on the first assistant turn."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return [dict(m, **flags) if i == first else m for i, m in enumerate(messages)]
+
+
+@pytest.mark.parametrize("flags", [{"weight": 0}, {"weight": 0.0}, {"training": False},
+                                   {"weight": 0, "training": False}])
+@pytest.mark.parametrize("template", ["generation", "prefix"])
+def test_turn_left_out_by_its_flag(tok: PreTrainedTokenizerFast, template: str, flags: dict[str, Any]) -> None:
+    t = copy.deepcopy(tok)
+    if template == "prefix":
+        t.chat_template = INST
+    ids, labels = encode_row({"messages": _weighted(MULTI, **flags)}, t, "assistant", "f:1")
+    plain_ids, plain_labels = encode_row({"messages": MULTI}, t, "assistant", "f:1")
+    assert ids == plain_ids  # the flag changes what trains, never the rendering
+    want = {"generation": "It is 8.<|im_end|>", "prefix": " It is 8. </s>"}[template]
+    assert tok.decode(_trained(ids, labels)) == want
+    kept = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+    assert all(labels[i] == plain_labels[i] for i in kept)  # the turn that trains is masked exactly as before
+    # Flags that say "train" (or a 0 on a turn that never trains) change nothing.
+    for same in ({"weight": 1}, {"training": True}):
+        assert encode_row({"messages": _weighted(MULTI, **same)}, t, "assistant", "f:1") == (plain_ids, plain_labels)
+    user_zero = [dict(MULTI[0], weight=0), *MULTI[1:]]
+    assert encode_row({"messages": user_zero}, t, "assistant", "f:1") == (plain_ids, plain_labels)
+
+
+def test_every_turn_left_out_is_a_row_without_loss(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    rows = [{"messages": [dict(m, weight=0) if m["role"] == "assistant" else m for m in MULTI]}, {"messages": CHAT}]
+    st = _load([_write_jsonl(tmp_path / "w.jsonl", rows)], tok).stats
+    assert (st.rows, st.kept, st.no_label_tokens) == (2, 1, 1)
+
+
+def test_generation_blocks_that_are_not_one_per_turn_refuse_weights(tok: PreTrainedTokenizerFast) -> None:
+    """A template whose {% generation %} block covers only the last turn: its one mask run cannot be matched to
+    two turns, so a weight is refused rather than guessed (without weights the template's mask is used as is)."""
+    last_only = copy.deepcopy(tok)
+    last_only.chat_template = (
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{%- if m['role'] == 'assistant' and loop.last %}{%- generation %}{{ m['content'] + '<|im_end|>' }}"
+        "{%- endgeneration %}{%- else %}{{ m['content'] + '<|im_end|>' }}{%- endif %}{{ '\\n' }}{%- endfor %}")
+    assert tok.decode(_trained(*encode_row({"messages": MULTI}, last_only, "assistant", "f:1"))) == \
+        "It is 8.<|im_end|>"
+    with pytest.raises(ToolkitError, match=r"^f:1: .*mark 1 span\(s\) for 2 assistant turn\(s\), so per-turn "
+                                           r"weights cannot be applied exactly"):
+        encode_row({"messages": _weighted(MULTI, weight=0)}, last_only, "assistant", "f:1")
+
+
+@pytest.mark.parametrize(("messages", "train_on", "match"), [
+    (_weighted(MULTI, weight=0.5), "assistant", r"messages\[1\]\.weight is 0\.5; only 0 .* or 1 .* is supported"),
+    (_weighted(MULTI, weight=2), "assistant", r"messages\[1\]\.weight is 2; only 0"),
+    (_weighted(MULTI, weight="0"), "assistant", r"messages\[1\]\.weight is '0'; only 0"),
+    (_weighted(MULTI, weight=True), "assistant", r"messages\[1\]\.weight is True; only 0"),
+    (_weighted(MULTI, training="no"), "assistant", r"messages\[1\]\.training is 'no'; it must be true or false"),
+    (_weighted(MULTI, weight=1, training=False), "assistant", r"messages\[1\] has weight 1 and training False, "
+                                                              "which disagree"),
+    (_weighted(MULTI, train_detail=[{"begin_offset": 0, "end_offset": 1, "train": False}]), "assistant",
+     r"messages\[1\]\.train_detail \(per-span training\) is not supported"),
+    ([dict(MULTI[0], weight=1), *MULTI[1:]], "assistant", r"messages\[0\]\.weight asks a user turn to train, but "
+                                                          "only assistant turns train"),
+    ([dict(MULTI[0], training=True), *MULTI[1:]], "assistant", r"messages\[0\]\.training asks a user turn"),
+    (_weighted(MULTI, weight=0), "all", r"messages\[1\]\.weight leaves the turn out of training, but "
+                                        "data.train_on is all"),
+    ([dict(MULTI[0], weight=0), *MULTI[1:]], "all", r"messages\[0\]\.weight leaves a user turn out of training"),
+])
+def test_turn_flags_that_cannot_be_honoured(tok: PreTrainedTokenizerFast, messages: list[dict[str, Any]],
+                                            train_on: str, match: str) -> None:
+    with pytest.raises(ToolkitError, match=rf"^f:3: {match}"):
+        encode_row({"messages": messages}, tok, train_on, "f:3")
+
+
+@pytest.mark.parametrize(("row", "match"), [
+    ({"messages": CHAT, "text": "more"}, r"the row has 'messages', 'text', which are 2 row shapes; keep one"),
+    ({"messages": CHAT, "prompt": "p", "completion": "c"}, r"the row has 'messages', 'prompt', 'completion', which"),
+    ({"prompt": "p", "completion": "c", "text": "t"}, r"the row has 'prompt', 'completion', 'text', which are 2"),
+    ({"prompt": "p", "text": "t"}, r"the row has 'prompt', 'text', which are 2 row shapes"),
+    ({"text": "t", "weight": 2.0}, r"the row has 'weight': per-row loss weighting is not supported"),
+    ({"messages": CHAT, "sample_weight": 0}, r"the row has 'sample_weight': per-row loss weighting"),
+    ({"prompt": "p", "completion": "c", "label": False}, r"the row has a true/false 'label' \(KTO preference data\)"),
+    ({"prompt": "p", "chosen": "a", "rejected": "b"}, r"the row has 'chosen': preference pairs \(DPO\)"),
+    ({"text": "t", "labels": [1, 2]}, r"the row has 'labels': pre-tokenised rows are not supported"),
+    ({"messages": CHAT, "train_on": "all"}, r"the row has 'train_on': data.train_on sets it for every row"),
+    ({"messages": CHAT, "system": "Be brief."}, r"the row has 'system': put the system prompt as the first message"),
+    ({"text": "t", "tools": [{"type": "function"}]}, r"the row has 'tools', which needs a chat \('messages'\)"),
+    ({"messages": CHAT, "images": ["a.png"]}, r"the row has 'images', which needs a vision-language model"),
+    ({"messages": CHAT, "videos": ["a.mp4"]}, r"the row has 'videos': video rows are not supported"),
+])
+def test_row_keys_that_would_be_ignored_are_refused(tok: PreTrainedTokenizerFast, row: dict[str, Any],
+                                                    match: str) -> None:
+    with pytest.raises(ToolkitError, match=rf"^f:5: {match}"):
+        encode_row(row, tok, "assistant", "f:5")
+
+
+def test_null_columns_and_plain_extras_are_not_keys(tok: PreTrainedTokenizerFast) -> None:
+    """A null where another shape's key would be (a table of mixed rows), and extras that change nothing (an id, a
+    class 'label' that is not a KTO true/false) train like the bare row."""
+    plain = encode_row({"messages": CHAT}, tok, "assistant", "f:1")
+    assert encode_row({"messages": CHAT, "text": None, "prompt": None, "weight": None, "id": 7, "label": "math"},
+                      tok, "assistant", "f:1") == plain

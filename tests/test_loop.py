@@ -74,7 +74,8 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     out.mkdir(parents=True, exist_ok=True)
     return tc.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
-                           curriculum=curriculum, collate=padding_collator(tokenizer), identity={"run_name": "unit"})
+                           curriculum=curriculum, collate=padding_collator(tokenizer), identity={"run_name": "unit"},
+                           num_workers=0)
 
 
 def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path) -> None:
@@ -160,6 +161,28 @@ def test_lr_scaling_and_the_eval_batch_follow_each_stage_micro_batch(tmp_path: P
     enter_stage(run, stage, second.start_step)
     evaluate_stage(run, stage, second.steps - 1, second.end_step)  # the stage's end: it evaluates
     assert sizes and set(sizes) == {1} and len(sizes) == len(stage.eval_rows)
+
+
+def test_a_stage_loader_ending_does_not_sync_early_micro_steps(tmp_path: Path) -> None:
+    """The loop takes all of a step's micro-batches before its first forward; the stage's DataLoader (prepared by
+    accelerate) is then at its end while the last step's first micro-step runs. That must not make accelerate sync
+    and step the optimizer there: one Adam update per optimizer step, the last step's included."""
+    run = build_run(tmp_path, "stages.0.max_steps=2")
+    stage = run.curriculum.stages[0]
+    syncs: list[bool] = []
+    step = run.optimizer.step
+
+    def recording_step(*args, **kwargs):  # accelerate's optimizer: a real update only where gradients sync
+        syncs.append(run.accelerator.sync_gradients)
+        return step(*args, **kwargs)
+
+    run.optimizer.step = recording_step  # type: ignore[method-assign]
+    enter_stage(run, stage, 0)
+    for k in range(2):
+        run_step(run, stage, k, k)
+    assert syncs == [False, True, False, True]
+    adam = run.optimizer.optimizer if hasattr(run.optimizer, "optimizer") else run.optimizer
+    assert {int(st["step"]) for st in adam.state.values()} == {2}
 
 
 def test_eval_time_is_left_out_of_training_throughput(tmp_path: Path) -> None:

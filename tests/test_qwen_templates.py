@@ -358,3 +358,65 @@ def test_thinking_key_is_validated() -> None:
     assert load_recipe(None).data.thinking == "auto"
     with pytest.raises(ToolkitError, match=r"data\.thinking"):
         load_recipe(None, ["data.thinking=maybe"])
+
+
+# --- per-turn weights: "weight": 0 (or "training": false) leaves exactly that turn out ----------------------------
+
+def _without_turn(messages: list[dict[str, Any]], k: int, flag: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages with `flag` on the k-th assistant turn."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [dict(m, **flag) if i == turns[k] else m for i, m in enumerate(messages)]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("shape", ["multi", "tool_calls", "think_in_content"])
+@pytest.mark.parametrize("flag", [{"weight": 0}, {"training": False}])
+def test_turn_weights_with_stock_templates(toks: dict[str, Any], template: str, shape: str,
+                                           flag: dict[str, Any]) -> None:
+    """The ChatML span path: leaving out turn k trains exactly the other turns' runs of the stock rendering (Qwen3's
+    history rewrite included), on the same token ids."""
+    _, row, expected = next(c for c in CASES if c[0] == shape)
+    want = expected[template]
+    if isinstance(want, str):  # a shape this template refuses, weights or not
+        return
+    tok = toks[template]
+    ids, _ = encode_row(row, tok, "assistant", "f:1")
+    for k in range(len(want)):
+        got_ids, labels = encode_row(dict(row, messages=_without_turn(row["messages"], k, flag)), tok, "assistant",
+                                     "f:1")
+        assert got_ids == ids
+        assert [tok.decode(got_ids[a:b]) for a, b in trained_runs(got_ids, labels, tok)] == \
+            [run for i, run in enumerate(want) if i != k]
+
+
+@pytest.mark.parametrize("thinking", ["none", "empty"])
+def test_turn_weights_with_thinking_modes(toks: dict[str, Any], thinking: str) -> None:
+    """data.thinking edits the rendering first; the flag then leaves out its turn of that rendering."""
+    tok = toks["qwen3"]
+    ids, labels = encode_row({"messages": MULTI}, tok, "assistant", "f:1", thinking)
+    runs = [tok.decode(ids[a:b]) for a, b in trained_runs(ids, labels, tok)]
+    got_ids, got_labels = encode_row({"messages": _without_turn(MULTI, 1, {"weight": 0})}, tok, "assistant", "f:1",
+                                     thinking)
+    assert got_ids == ids
+    assert [tok.decode(got_ids[a:b]) for a, b in trained_runs(got_ids, got_labels, tok)] == runs[:1]
+
+
+@pytest.mark.parametrize("template", ["qwen2.5-vl", "qwen3-vl"])
+def test_turn_weights_with_stock_vl_templates(vl_processors: tuple[dict[str, Any], Path], template: str) -> None:
+    """VL rows through the stock templates (turns read off the token ids): the flagged turn is left out."""
+    from toolkit.vl_data import encode_vl_row
+
+    processors, images = vl_processors
+    processor = processors[template]
+    _, row, expected = next(c for c in VL_CASES if c[0] == "multi_system")
+    kwargs = {"train_on": "assistant", "max_seq_len": 4096, "overlength": "error", "base_dir": images, "where": "f:1"}
+    full = encode_vl_row(row, processor, **kwargs)
+    tok = processor.tokenizer
+    for k, flag in ((0, {"weight": 0}), (1, {"training": False})):
+        got = encode_vl_row(dict(row, messages=_without_turn(row["messages"], k, flag)), processor, **kwargs)
+        assert got["input_ids"] == full["input_ids"] and got["image_grid_thw"] == full["image_grid_thw"]
+        runs = trained_runs(got["input_ids"], got["labels"], tok)
+        assert [tok.decode(got["input_ids"][a:b]) for a, b in runs] == [r for i, r in enumerate(expected[template])
+                                                                         if i != k]
+    with pytest.raises(ToolkitError, match=r"^f:1: messages\[2\]\.weight is 0\.5; only 0"):
+        encode_vl_row(dict(row, messages=_without_turn(row["messages"], 0, {"weight": 0.5})), processor, **kwargs)

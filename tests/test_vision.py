@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -239,6 +240,27 @@ def test_messages_are_checked_like_text_rows(processor: Any, messages: list[Any]
         encode({"messages": messages}, processor, Path())
 
 
+def test_turn_weights_with_generation_markers(processor: Any, data: dict[str, Path]) -> None:
+    """The tiny processor's {% generation %} template: a turn with "weight": 0 is left out, the other trains as
+    before; rows that mix shapes or carry ignored keys are refused like text rows."""
+    base = data["vl_stage1"].parent
+    row = image_row(1, base)
+    row["messages"] += [{"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Still red."}]
+    full = encode(row, processor, base)
+    left_out = encode(dict(row, messages=[dict(m, weight=0) if i == 1 else m for i, m in enumerate(row["messages"])]),
+                      processor, base)
+    assert full is not None and left_out is not None and left_out["input_ids"] == full["input_ids"]
+    tok = processor.tokenizer
+    trained = [t for t, lab in zip(left_out["input_ids"], left_out["labels"], strict=True) if lab != IGNORE_INDEX]
+    assert tok.decode(trained) == "Still red.<|im_end|>"
+    assert [lab for lab in left_out["labels"] if lab != IGNORE_INDEX] == \
+        [lab for lab in full["labels"] if lab != IGNORE_INDEX][-len(trained):]
+    for bad, error in ((dict(row, text="more"), "the row has 'messages', 'text', which are 2 row shapes"),
+                       (dict(row, weight=2), "the row has 'weight': per-row loss weighting")):
+        with pytest.raises(ToolkitError, match=rf"^{WHERE}: {error}"):
+            encode(bad, processor, base)
+
+
 # --- over-length ---
 
 def test_overlength_error_and_drop(processor: Any, data: dict[str, Path]) -> None:
@@ -419,3 +441,88 @@ def test_mixed_batches_across_ranks_do_not_hang(strategy: str, tmp_path: Path) -
     for r in results:
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
         assert r["strategy"] == ("zero3" if strategy == "zero3" else "fsdp2")
+
+
+# --- packing (data.packing for Qwen2.5-VL / Qwen3-VL) ---
+
+def _vl_rows(base: Path) -> list[dict[str, Any]]:
+    return [image_row(1, base), TEXT_ROWS[0], image_row(2, base, answer="Both are red."), TEXT_ROWS[1],
+            image_row(1, base, answer="Red, like the others.")]
+
+
+@pytest.mark.parametrize("arch", ["qwen2.5-vl", "qwen3-vl"])
+def test_packed_vl_loss_and_gradients_equal_unpacked(tmp_path: Path, data: dict[str, Path], model_dir: Path,
+                                                     arch: str) -> None:
+    """One flattened row of image and text samples (multimodal rotary ids per sample, text positions restarting)
+    gives the padded batch's summed loss and gradients: no sample attends to another, and every image token gets
+    its own image's features."""
+    from toolkit.collate import VLPackedCollator
+    from toolkit.data.plan import packed_row
+
+    path = model_dir if arch == "qwen2.5-vl" else write_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="sdpa")
+    model.config.use_cache = model.config.get_text_config().use_cache = False
+    base = data["vl_stage1"].parent
+    samples = [encode(r, processor, base) for r in _vl_rows(base)]
+    padded = VLCollator(processor)(samples)  # type: ignore[arg-type]
+    packed = VLPackedCollator(processor, model.config)([packed_row(samples[:3]), packed_row(samples[3:])])
+    assert "attention_mask" not in packed and packed["input_ids"].shape == (1, sum(len(s["input_ids"])
+                                                                                   for s in samples))
+    assert packed["position_ids"].shape == (4, 1, packed["input_ids"].shape[1])
+    assert torch.equal(packed["image_grid_thw"], padded["image_grid_thw"])
+    starts = (packed["position_ids"][0, 0] == 0).nonzero().flatten().tolist()
+    assert starts == [0, *np.cumsum([len(s["input_ids"]) for s in samples])[:-1].tolist()]
+
+    def loss_and_grads(batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        loss = model(**batch, num_items_in_batch=torch.tensor(1.0)).loss  # the sum over label tokens
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_padded, grads_padded = loss_and_grads(padded)
+    loss_packed, grads_packed = loss_and_grads(packed)
+    assert loss_packed == pytest.approx(loss_padded, rel=1e-6)  # wrong rotary ids move it by ~5e-6
+    assert grads_packed.keys() == grads_padded.keys() and any("visual" in n for n in grads_packed)
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_packed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    text_only = VLPackedCollator(processor, model.config)([packed_row(samples[1:2]), samples[3]])
+    assert "pixel_values" in text_only  # the dummy image, a sample of its own: the vision tower runs on every rank
+    plain = VLPackedCollator(processor, model.config, dummy_image=False)([packed_row(samples[1:2]), samples[3]])
+    n = plain["input_ids"].shape[1]
+    with torch.no_grad():
+        logits_dummy = model(**text_only).logits[0, :n]
+        logits_plain = model(**plain).logits[0]
+    torch.testing.assert_close(logits_dummy, logits_plain, rtol=1e-5, atol=1e-5)
+
+
+def test_image_grids_from_headers_match_processing(processor: Any, tmp_path: Path) -> None:
+    """The grid a row is prepared with (from the image file's size alone) is the grid decoding and resizing the
+    image gives, over sizes, aspect ratios and pixel bounds."""
+    from toolkit.vl_data import image_grid
+
+    for i, (w, h) in enumerate([(56, 56), (300, 40), (17, 90), (640, 480), (28, 28), (1000, 10)]):
+        path = tmp_path / f"{i}.png"
+        Image.new("RGB", (w, h), "red").save(path)
+        for bounds in ({}, {"min_pixels": 56 * 56, "max_pixels": 112 * 112}):
+            _, grid = process_images(processor, [str(path)], **bounds)
+            assert image_grid(processor.image_processor, path, "f:1", **bounds) == grid[0].tolist(), (w, h, bounds)
+
+
+def test_packed_vl_run_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """recipes/smoke_vl.yaml with data.packing: true trains end to end: VL rows prepared into stores (grids from
+    image headers), packed whole, images decoded in the DataLoader's workers, one flattened row per micro-batch."""
+    from tests._inprocess import Call, invoke
+    from toolkit.metrics import read_metrics
+
+    out = tmp_path / "run"
+    rc, stderr = invoke(Call(["--config", str(REPO / "recipes" / "smoke_vl.yaml"), "--create_dummy_data",
+                              "--num_dummy_samples", "32", f"output_dir={out}", "data.packing=true",
+                              "stages.0.max_steps=1", "stages.1.max_steps=1", "logging.trackers=[]"], out),
+                        tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "packed into" in caplog.text
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -1,6 +1,8 @@
 """Rows to batches: `batch_collator` picks the collator of a run. Text rows are padded (`padding_collator`,
 transformers' seq2seq collator) or flattened when packed (`toolkit.packing.PackedCollator`); vision-language rows
-go through `VLCollator`, which pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe.
+go through `VLCollator`, which pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe, or when packed
+through `VLPackedCollator` (one flattened row, multimodal rotary ids per sample). Collators run in the DataLoader's
+worker processes (toolkit/data/batching.py), so images are decoded there.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.packing import PackedCollator
+from toolkit.packing import PackedCollator, unpack_row
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from toolkit.vl_data import process_images
 
@@ -56,6 +58,17 @@ class VLCollator:
             self._dummy = (ids, out["pixel_values"], grid)
         return self._dummy
 
+    def images(self, paths: list[str], grids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, image_grid_thw) of the images, decoded and resized; each must give the grid its row was
+        prepared with."""
+        pixels, got = process_images(self.processor, paths, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        if got.tolist() != grids:
+            changed = next(p for p, g, e in zip(paths, got.tolist(), grids, strict=True) if g != e)
+            raise ToolkitError(f"Image {changed} no longer has the size it was tokenised with: it changed since its "
+                               "data file was prepared. Restore it, or delete the data's token store (data.cache_dir, "
+                               "stores/) so it is prepared again.")
+        return pixels, got
+
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [list(r["input_ids"]) for r in rows]
         labels = [list(r["labels"]) for r in rows]
@@ -63,14 +76,8 @@ class VLCollator:
         paths = [p for r in rows for p in r.get("images", [])]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch["pixel_values"], batch["image_grid_thw"] = process_images(
-                self.processor, paths, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-            expected = [g for r in rows for g in r.get("image_grid_thw", [])]
-            if batch["image_grid_thw"].tolist() != expected:
-                changed = next(p for p, g, e in zip(paths, batch["image_grid_thw"].tolist(), expected, strict=True)
-                               if g != e)
-                raise ToolkitError(f"Image {changed} no longer has the size it was tokenised with: it changed "
-                                   "during the run. Restore it, or restart so the data is tokenised again.")
+            batch["pixel_values"], batch["image_grid_thw"] = self.images(
+                paths, [g for r in rows for g in r.get("image_grid_thw", [])])
         elif self.dummy_image:
             dummy_ids, pixels, grid = self.dummy()
             ids[0] += dummy_ids
@@ -86,6 +93,82 @@ class VLCollator:
         return batch
 
 
+class MRopeIndex:
+    """A vision-language model's multimodal rotary position ids of one sample ([3, 1, n]), computed by the
+    model class's own `get_rope_index` from its config: the collator needs no model instance (it runs in DataLoader
+    workers) and the ids are exactly the model's."""
+
+    def __init__(self, config: Any) -> None:
+        from transformers import AutoModel
+
+        self.model_class = AutoModel._model_mapping[type(config)]
+        self.config = config
+
+    def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model_class.get_vision_position_ids(self, *args, **kwargs)
+
+    def __call__(self, ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
+        positions, _ = self.model_class.get_rope_index(self, ids, mm_token_type_ids=mm_token_type_ids,
+                                                       image_grid_thw=grids)
+        return positions
+
+
+class VLPackedCollator(VLCollator):
+    """Packed vision-language rows flattened into one row `[1, T]` with no padding (`data.packing` for Qwen2.5-VL
+    and Qwen3-VL), the VL side of `toolkit.packing.PackedCollator`.
+
+    Every sample keeps its own positions: `position_ids` is `[4, 1, T]`, the text positions restarting at 0 per
+    sample (transformers builds the block-diagonal mask from them, as for text) stacked on the multimodal rotary
+    ids of each sample computed alone (`MRopeIndex`), so RoPE sees each sample exactly as unpacked. There is no
+    `attention_mask`. Images stay whole (samples are packed whole) and in token order. A batch without images gets
+    the dummy image as a sample of its own (labels IGNORE_INDEX), which attends to nothing else."""
+
+    def __init__(self, processor: Any, model_config: Any, **kwargs: Any) -> None:
+        super().__init__(processor, **kwargs)
+        self.rope = MRopeIndex(model_config)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        samples = [s for r in rows for s in _vl_samples(r)]
+        paths = [p for s in samples for p in s["images"]]
+        grids = [g for s in samples for g in s["image_grid_thw"]]
+        batch: dict[str, torch.Tensor] = {}
+        if paths:
+            batch["pixel_values"], batch["image_grid_thw"] = self.images(paths, grids)
+        elif self.dummy_image:
+            dummy_ids, pixels, grid = self.dummy()
+            samples.append({"input_ids": dummy_ids, "labels": [IGNORE_INDEX] * len(dummy_ids), "images": ["dummy"],
+                            "image_grid_thw": grid.tolist()})
+            batch["pixel_values"], batch["image_grid_thw"] = pixels, grid
+        ids, text, rope, k = [], [], [], 0
+        for s in samples:
+            sample_ids = torch.tensor([s["input_ids"]])
+            mm = ((sample_ids == self.image_id).int() + 2 * (sample_ids == self.video_id).int())
+            n_images = len(s["images"])
+            sample_grids = batch["image_grid_thw"][k:k + n_images] if n_images else None
+            k += n_images
+            rope.append(self.rope(sample_ids, mm, sample_grids))
+            text.append(torch.arange(sample_ids.shape[1]).view(1, 1, -1))
+            ids.append(sample_ids)
+        batch["input_ids"] = torch.cat(ids, dim=1)
+        batch["labels"] = torch.tensor([[t for s in samples for t in s["labels"]]])
+        batch["position_ids"] = torch.cat([torch.cat(text, dim=2), torch.cat(rope, dim=2)], dim=0)
+        batch["mm_token_type_ids"] = ((batch["input_ids"] == self.image_id).int()
+                                      + 2 * (batch["input_ids"] == self.video_id).int())
+        return batch
+
+
+def _vl_samples(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A packed VL row split back into its samples (with their own images and grids); a plain row as one."""
+    samples = unpack_row(row)
+    counts = row.get("image_counts", [len(row.get("images", []))] if len(samples) == 1 else [0] * len(samples))
+    out, k = [], 0
+    for sample, n in zip(samples, counts, strict=True):
+        out.append({**sample, "images": row.get("images", [])[k:k + n],
+                    "image_grid_thw": row.get("image_grid_thw", [])[k:k + n]})
+        k += n
+    return out
+
+
 def padding_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
     """Pads a list of samples to the longest one (right padding, labels padded with IGNORE_INDEX)."""
     return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
@@ -93,9 +176,11 @@ def padding_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2S
 
 
 def batch_collator(processor: Any, *, vision: bool, packing: bool, min_pixels: int | None = None,
-                   max_pixels: int | None = None) -> Any:
-    """A run's collator: the VL collator (`processor` is the VL processor), the packing collator (flattened rows),
-    or plain padding (`processor` is the tokenizer)."""
+                   max_pixels: int | None = None, model_config: Any = None) -> Any:
+    """A run's collator: the VL collator (`processor` is the VL processor; packed: with the model's config for its
+    rotary ids), the packing collator (flattened rows), or plain padding (`processor` is the tokenizer)."""
+    if vision and packing:
+        return VLPackedCollator(processor, model_config, min_pixels=min_pixels, max_pixels=max_pixels)
     if vision:
         return VLCollator(processor, min_pixels=min_pixels, max_pixels=max_pixels)
     return PackedCollator() if packing else padding_collator(processor)

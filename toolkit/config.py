@@ -83,8 +83,12 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
-    cache_dir: str | None = Field(None, description="Tokenised-data cache (default <output_dir>/../.toolkit-cache/"
-                                  "tokenized); 'none' disables it.")
+    cache_dir: str | None = Field(None, description="Token stores, shared by runs and ranks (default <output_dir>/../"
+                                  ".toolkit-cache/tokenized); 'none': every process tokenises into its own memory.")
+    num_proc: int | None = Field(None, gt=0, description="Processes that tokenise a source (default: every core).")
+    num_workers: int | None = Field(None, ge=0, description="DataLoader worker processes per rank that build "
+                                    "batches (default: 1 for text, 2 for vision-language; 0 = in the training "
+                                    "process).")
     group_by_length: bool = Field(False, description="Without packing: split each global batch into micro-batches "
                                   "of similar lengths (less padding; the step's samples are unchanged).")
     packing: bool = Field(False, description="Pack samples into rows of max_seq_len tokens (no padding, no "
@@ -110,9 +114,40 @@ class DataConfig(_Section):
         return self
 
 
+COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
+                 "system", "history", "tools", "images", "difficulty")
+"""The row fields a data entry's `columns` may map to the source's own column names."""
+
+
 class DataSource(_Section):
-    path: str = Field(..., min_length=1, description="JSONL file (path from the cwd, or dummy:NAME).")
+    path: str = Field(..., min_length=1, description="Data file, folder, glob or hub dataset id (paths from the cwd; "
+                      "dummy:NAME for generated data).")
     weight: float | None = Field(None, gt=0, description="Mixture weight (all or none of a stage's files).")
+    split: str | None = Field(None, min_length=1, description="Split of a hub dataset or a save_to_disk "
+                              "DatasetDict (default train).")
+    columns: dict[str, str] | None = Field(None, description="The toolkit's row fields -> this source's column "
+                                           "names, e.g. {messages: dialog}.")
+
+    @field_validator("columns")
+    @classmethod
+    def _known_fields(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key in value or {}:
+            if key not in COLUMN_FIELDS:
+                raise ValueError(f"columns: '{key}' is not a row field; the fields are {', '.join(COLUMN_FIELDS)}")
+        return value
+
+    def entry(self) -> DataEntry:
+        return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())))
+
+
+@dataclass(frozen=True)
+class DataEntry:
+    """One data entry as the data layer reads it: a path (or hub id), a split and a column mapping (the toolkit's
+    field -> the source's column)."""
+
+    path: str
+    split: str | None = None
+    columns: tuple[tuple[str, str], ...] = ()
 
 
 class PacingConfig(_Section):
@@ -242,7 +277,8 @@ class StageConfig(_Section):
 
     name: str = Field(..., min_length=1, description="Stage name, used in logs and metrics.jsonl.")
     data: list[str | DataSource] = Field(..., min_length=1, validation_alias=AliasChoices("data", "datasets"),
-                                         description="JSONL files (or {path, weight} for a seeded mixture).")
+                                         description="Data files, folders, globs or hub ids (or {path, weight, split, "
+                                         "columns}; weights make a seeded mixture).")
     mixture_replacement: bool = Field(False, description="Mixture draws with replacement (else each file is "
                                       "used without repeats until exhausted).")
     order: Literal["shuffle", "sequential", "easy_to_hard"] = Field(
@@ -284,6 +320,10 @@ class StageConfig(_Section):
     @property
     def paths(self) -> list[str]:
         return [d if isinstance(d, str) else d.path for d in self.data]
+
+    @property
+    def entries(self) -> list[DataEntry]:
+        return [DataEntry(d) if isinstance(d, str) else d.entry() for d in self.data]
 
     @property
     def weights(self) -> list[float] | None:
@@ -469,6 +509,7 @@ class ResolvedStage:
     index: int
     name: str
     paths: tuple[str, ...]
+    entries: tuple[DataEntry, ...]  # paths with their split and column mapping
     weights: tuple[float, ...] | None
     mixture_replacement: bool
     order: str
@@ -502,7 +543,7 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
         micro = stage.micro_batch_size or recipe.train.micro_batch_size
         trainable = stage.trainable or default_trainable
         resolved.append(ResolvedStage(
-            index=i, name=stage.name, paths=tuple(stage.paths),
+            index=i, name=stage.name, paths=tuple(stage.paths), entries=tuple(stage.entries),
             weights=None if stage.weights is None else tuple(stage.weights),
             mixture_replacement=stage.mixture_replacement, order=stage.order, pacing=stage.pacing,
             max_seq_len=stage.max_seq_len or recipe.data.max_seq_len, micro_batch_size=micro,
@@ -699,6 +740,12 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     for stage in tree["stages"]:
         if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
             del stage["micro_batch_size"]
+        for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
+            for key in ("split", "columns"):
+                if isinstance(entry, dict) and entry.get(key) is None:
+                    entry.pop(key, None)
+    for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains
+        del tree["data"][key]
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
     tree["seed"] = recipe.train.seed

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
 from toolkit.errors import ToolkitError
 from toolkit.strategies import build_locks, deepspeed, fsdp
@@ -114,7 +114,9 @@ def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[st
     if deepspeed.launched_with_deepspeed():
         build_locks.clear_stale_build_locks(wait=True)  # DeepSpeed loads its JIT ops while the Accelerator is created
     accelerator = Accelerator(
-        gradient_accumulation_steps=grad_accum,
+        # The loop fetches a step's micro-batches before its first forward (the loss is normalised over all of
+        # them): the end of a stage's DataLoader must not force a gradient sync on the step's earlier micro-steps.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))],
         log_with=log_with,
         project_dir=project_dir,

@@ -19,7 +19,7 @@ from toolkit.config import Recipe, resolve_stages
 from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.run_data import encoding, write_dummy_files
+from toolkit.run_data import row_encoder, write_dummy_files
 from toolkit.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -88,8 +88,9 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
             if stage is not None and st.name != stage:
                 continue
             files = resolve_data_paths(list(st.paths), dummy_dir)
-            data = encode_files(files, tokenizer,
-                                **encoding(st.max_seq_len, recipe.data, processor if vision else None))
+            data = encode_files(files, tokenizer, max_seq_len=st.max_seq_len, overlength=recipe.data.overlength,
+                                train_on=recipe.data.train_on,
+                                encoder=row_encoder(recipe.data, tokenizer, processor if vision else None))
             lines += ["", f"=== stage '{st.name}' ({', '.join(map(str, files))}) ===",
                       data.stats.summary(), stage_statistics(data.samples)]
             for n, sample in enumerate(data.samples[:rows], start=1):

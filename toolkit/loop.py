@@ -26,14 +26,14 @@ from accelerate import Accelerator
 
 from toolkit import checkpoint, distributed
 from toolkit.config import Recipe
-from toolkit.curriculum import Curriculum, Stage, rank_micro_batches
+from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
 from toolkit.evals import Evaluator
 from toolkit.flops import batch_train_flops
 from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard, Verdict, injected_fault
 from toolkit.labels import IGNORE_INDEX
-from toolkit.metrics import Meter, MetricsLog, sample_lengths
+from toolkit.metrics import Meter, MetricsLog
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 log = logging.getLogger("toolkit")
@@ -117,6 +117,7 @@ class Run:
     collate: Any
     identity: dict[str, Any]  # meta.json keys that describe the run, not its progress (checked on resume)
     evaluator: Evaluator  # eval loss and generation evals, every eval.every_steps and at stage ends
+    batches: Any = None  # toolkit.data.batching.StageBatches: this rank's micro-batches, step by step
     text_config: Any = None  # the model's text config (FLOPs per token)
     max_norm: float = float("inf")  # gradient clipping
     peak_flops: float | None = None
@@ -178,22 +179,19 @@ def enter_stage(run: Run, stage: Stage, step: int) -> None:
 
 
 def micro_batches(run: Run, stage: Stage, step_in_stage: int) -> tuple[list[list[int]], list[dict]]:
-    """This rank's share of the stage's global batch at `step_in_stage`: sample indices and collated batches."""
-    acc, data, plan = run.accelerator, stage.data, stage.plan
-    indices = stage.sampler.batch(step_in_stage)
-    if run.recipe.data.group_by_length:  # same samples, fewer pad tokens: loss is normalised over the global batch
-        indices = sorted(indices, key=data.lengths.__getitem__)
-    rank_batches = rank_micro_batches(indices, rank=acc.process_index, world_size=acc.num_processes,
-                                      micro_batch_size=plan.micro_batch, grad_accum=run.recipe.train.grad_accum)
-    return rank_batches, [run.collate([data.samples[i] for i in idx]) for idx in rank_batches]
+    """This rank's share of the stage's global batch at `step_in_stage`: each micro-batch's sample lengths and the
+    collated batches, from the stage's DataLoader (toolkit/data/batching.py: rank r's micro-step j is slot
+    j * world + r of the step's global batch, `rank_micro_batches`)."""
+    taken = run.batches.take(stage, step_in_stage)
+    return [lengths for _, lengths in taken], [batch for batch, _ in taken]
 
 
 def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResult:
     """One optimizer step over the stage's global batch; stops the run when the guard has skipped too many."""
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
     world, accum, saving = acc.num_processes, run.recipe.train.grad_accum, run.recipe.checkpoint
-    samples, plan = stage.data.samples, stage.plan
-    rank_batches, batches = micro_batches(run, stage, step_in_stage)
+    plan = stage.plan
+    rank_lengths, batches = micro_batches(run, stage, step_in_stage)
 
     # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
     # is then independent of how the batch is split. Strategies average gradients over ranks and
@@ -202,9 +200,8 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (world * accum)
     local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
-    for j, (idx, batch) in enumerate(zip(rank_batches, batches, strict=True)):
+    for j, (lengths, batch) in enumerate(zip(rank_lengths, batches, strict=True)):
         batch = {k: v.to(acc.device) for k, v in batch.items()}
-        lengths = [n for i in idx for n in sample_lengths(samples[i])]
         meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled), len(lengths))
         with acc.accumulate(model):
             loss = model(**batch, num_items_in_batch=items_per_micro).loss

@@ -192,6 +192,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: st
     model = auto.from_pretrained(
         name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    model.config.get_text_config().use_cache = False  # what a vision-language model's language model reads
     return model
 
 

@@ -168,6 +168,6 @@ def check_packing_support(model: torch.nn.Module) -> None:
     attn = getattr(config, "_attn_implementation", None)
     if attn not in PACKING_ATTENTION:
         raise ValueError(f"packing needs one of {sorted(PACKING_ATTENTION)} attention, the model uses {attn!r}")
-    if getattr(config, "use_cache", False):
+    if getattr(config, "use_cache", False) or getattr(config.get_text_config(), "use_cache", False):
         raise ValueError("packing needs model.config.use_cache = False: with a KV cache transformers ignores the "
                          "position-id restarts and packed samples attend to each other")

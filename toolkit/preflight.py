@@ -17,9 +17,16 @@ from typing import Any
 import numpy as np
 import yaml
 
-from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, Recipe, ResolvedStage, resolve_stages
-from toolkit.data import encode_row, iter_jsonl, resolve_data_paths
-from toolkit.labels import IGNORE_INDEX
+from toolkit.config import (
+    TINY_MODEL,
+    TINY_QWEN3_VL_MODEL,
+    TINY_VL_MODEL,
+    DataConfig,
+    Recipe,
+    ResolvedStage,
+    resolve_stages,
+)
+from toolkit.data.sources import resolve_data_paths
 from toolkit.memory import GIB, estimate_all, format_table, load_model_config
 from toolkit.run_dir import RunLayout
 from toolkit.strategies import strategy_of_config
@@ -34,17 +41,21 @@ def _model_config(name_or_path: str) -> Any:
     return load_model_config(name_or_path)
 
 
-def scan_stage(files: list[Path], tokenizer: Any, *, max_seq_len: int, train_on: str,
+def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_len: int, train_on: str,
                thinking: str = "auto") -> dict[str, Any]:
-    """Length statistics of a stage's rows, before any over-length policy."""
-    lengths, no_loss = [], 0
-    for path in files:
-        for lineno, row in iter_jsonl(path):
-            ids, labels = encode_row(row, tokenizer, train_on, f"{path}:{lineno}", thinking)
-            lengths.append(len(ids))
-            no_loss += all(label == IGNORE_INDEX for label in labels)
-    arr = np.array(lengths or [0])
-    return {"rows": len(lengths), "p50": int(np.percentile(arr, 50)), "p90": int(np.percentile(arr, 90)),
+    """Length statistics of a stage's rows, before any over-length policy (tokenised in memory, on every core)."""
+    from toolkit.data import TextEncoder, resolve_source
+    from toolkit.data.store import open_store
+    from toolkit.run_data import num_proc
+
+    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking)
+    processes = num_proc(DataConfig())
+    stores = [open_store(resolve_source(e, dummy_dir), encoder, None, num_proc=processes) for e in entries]
+    arr = np.concatenate([s.lengths for s in stores] + [np.zeros(0, np.int64)])
+    no_loss = int(sum((s.label_tokens == 0).sum() for s in stores))
+    rows = len(arr)
+    arr = arr if rows else np.zeros(1, np.int64)
+    return {"rows": rows, "p50": int(np.percentile(arr, 50)), "p90": int(np.percentile(arr, 90)),
             "p99": int(np.percentile(arr, 99)), "max": int(arr.max()),
             "over_max_seq_len": int((arr > max_seq_len).sum()), "no_trainable_tokens": no_loss}
 
@@ -133,12 +144,13 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                 return "\n".join([*lines, "", f"data scan skipped: the tokenizer of {recipe.model.name_or_path} "
                                    "is not in the local Hugging Face cache (preflight does not download)."])
             lines += ["", "stage data (tokens per row):"]
+            dummy_dir = RunLayout(recipe.output_dir).dummy_data
             for stage in stages:
-                files = resolve_data_paths(list(stage.paths), RunLayout(recipe.output_dir).dummy_data)
-                if not all(f.is_file() for f in files):
+                files = resolve_data_paths(list(stage.paths), dummy_dir)
+                if not all(f.exists() or not f.suffix for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue
-                st = scan_stage(files, tokenizer, max_seq_len=stage.max_seq_len,
+                st = scan_stage(list(stage.entries), tokenizer, dummy_dir, max_seq_len=stage.max_seq_len,
                                 train_on=recipe.data.train_on, thinking=recipe.data.thinking)
                 lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "

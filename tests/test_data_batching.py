@@ -1,0 +1,106 @@
+"""Batches through the DataLoader (toolkit/data/batching.py): accelerate's sharding of the step's slots gives every
+rank exactly `rank_micro_batches`, a loader started at any step continues the same sequence (resume), workers give
+the same batches as the training process, and a collator's error arrives as its one line."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from accelerate.data_loader import prepare_data_loader
+
+from toolkit.curriculum import rank_micro_batches
+from toolkit.data.batching import StageBatches
+from toolkit.errors import ToolkitError
+from toolkit.sampling import StageSampler
+
+WORLD, ACCUM, MICRO, STEPS = 2, 2, 3, 7
+
+
+class Process:
+    """accelerate's view of one of WORLD processes: what StageBatches asks of the Accelerator."""
+
+    num_processes = WORLD
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def prepare_data_loader(self, loader: Any) -> Any:
+        return prepare_data_loader(loader, num_processes=WORLD, process_index=self.rank, put_on_device=False)
+
+
+def _stage(n: int = 40) -> Any:
+    rows = [{"input_ids": list(range(1 + i % 5)), "labels": [-100] * (1 + i % 5), "i": i} for i in range(n)]
+    lengths = np.array([len(r["input_ids"]) for r in rows])
+    sampler = StageSampler(sizes=[n], weights=None, replacement=False, order="shuffle", difficulty=None,
+                           lengths=lengths, pacing=None, seed=3, stage_index=0, global_batch=WORLD * ACCUM * MICRO,
+                           total_steps=STEPS)
+    return SimpleNamespace(index=0, sampler=sampler, data=SimpleNamespace(samples=rows, lengths=lengths),
+                           plan=SimpleNamespace(steps=STEPS, micro_batch=MICRO))
+
+
+def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if any(r["i"] == 13 for r in rows) and rows[0].get("fail"):
+        raise ToolkitError("data.jsonl:14: image file a.png does not exist.")
+    return {"i": [r["i"] for r in rows]}
+
+
+def _batches(stage: Any, rank: int, start: int, *, workers: int = 0, group: bool = False) -> list[list[list[int]]]:
+    batches = StageBatches(Process(rank), _collate, grad_accum=ACCUM, group_by_length=group, num_workers=workers)
+    out = []
+    for step in range(start, STEPS):
+        taken = batches.take(stage, step)
+        out.append([batch["i"] for batch, _ in taken])
+        assert [lengths for _, lengths in taken] == [[1 + i % 5 for i in b["i"]] for b, _ in taken]
+    return out
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_each_rank_gets_its_slots_of_every_step(group: bool) -> None:
+    stage = _stage()
+    for rank in range(WORLD):
+        expected = []
+        for step in range(STEPS):
+            indices = stage.sampler.batch(step)
+            if group:
+                indices = sorted(indices, key=stage.data.lengths.__getitem__)
+            expected.append(rank_micro_batches(indices, rank=rank, world_size=WORLD, micro_batch_size=MICRO,
+                                              grad_accum=ACCUM))
+        assert _batches(stage, rank, 0, group=group) == expected
+
+
+def test_a_loader_started_at_a_step_continues_the_same_sequence() -> None:
+    stage = _stage()
+    full = _batches(stage, 1, 0)
+    for start in (1, 4, STEPS - 1):
+        assert _batches(stage, 1, start) == full[start:]
+
+
+def test_workers_give_the_same_batches() -> None:
+    stage = _stage()
+    assert _batches(stage, 0, 2, workers=2) == _batches(stage, 0, 2)
+
+
+def test_a_collator_error_in_a_worker_is_its_one_line() -> None:
+    stage = _stage()
+    for row in stage.data.samples:
+        row["fail"] = True
+    with pytest.raises(ToolkitError) as info:
+        _batches(stage, 0, 0, workers=1) + _batches(stage, 1, 0, workers=1)
+    assert str(info.value) == "data.jsonl:14: image file a.png does not exist."
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_starting_a_loader_leaves_the_global_rng_alone(workers: int) -> None:
+    """A loader started at a resume must not draw from the global torch RNG (the uninterrupted run's loader drew
+    at the stage's start, not there): the dropout masks after a resume would be another stream's."""
+    import torch
+
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    batches = StageBatches(Process(0), _collate, grad_accum=ACCUM, group_by_length=False, num_workers=workers)
+    batches.take(_stage(), 2)
+    assert torch.equal(torch.rand(3), expected)

@@ -1,0 +1,483 @@
+"""The token store (toolkit/data/store.py) and the row plan over it (toolkit/data/plan.py): one preparation per
+key, every key part invalidates, length policies are views, damaged or half-written stores are never read as
+complete, concurrent and waiting processes prepare once, a failed preparation reaches its waiters in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+import toolkit.data.encoding as encoding_mod
+import toolkit.data.sources as sources_mod
+import toolkit.data.store as store_mod
+from toolkit.data import TextEncoder, encode_files, encode_row, load_training_set, resolve_source
+from toolkit.data.plan import select_rows
+from toolkit.data.sources import Entry
+from toolkit.data.store import open_store
+from toolkit.errors import ToolkitError
+from toolkit.tiny import build_tokenizer
+
+CHAT = [
+    {"role": "user", "content": "What is 17 + 25?"},
+    {"role": "assistant", "content": "17 + 25 = 42."},
+]
+ROWS: list[dict[str, Any]] = [
+    {"messages": CHAT, "difficulty": 2},
+    {"text": "the quick brown fox jumps over the lazy dog " * 6, "id": "long", "score": 0.25},
+    {"prompt": "What is 2 + 3?", "completion": " 5.", "tags": ["math", None]},
+    {"text": "the cat"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _load(path: Path, tok: PreTrainedTokenizerFast, cache: Path | None, *, max_seq_len: int = 40,
+          overlength: str = "truncate", train_on: str = "assistant", thinking: str = "auto", num_proc: int = 1
+          ) -> tuple[Any, int]:
+    """The loaded rows and how many rows this process tokenised to get them."""
+    before = encoding_mod.ENCODE_CALLS
+    data = encode_files([path], tok, max_seq_len=max_seq_len, overlength=overlength, train_on=train_on,
+                        thinking=thinking, cache_dir=cache, num_proc=num_proc)
+    return data, encoding_mod.ENCODE_CALLS - before
+
+
+def _stores(cache: Path) -> list[Path]:
+    return sorted(p for p in (cache / "stores").iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _expected(rows: list[dict[str, Any]], tok: PreTrainedTokenizerFast, max_seq_len: int = 40) -> list[dict]:
+    """What encoding each row alone and cutting it gives (truncate policy)."""
+    out = []
+    for row in rows:
+        ids, labels = encode_row(row, tok, "assistant", "f")
+        if any(label != -100 for label in labels[:max_seq_len]):
+            out.append({"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len]})
+    return out
+
+
+def test_prepared_once_then_mapped(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    in_memory, n0 = _load(path, tok, None)
+    first, n1 = _load(path, tok, cache)
+    second, n2 = _load(path, tok, cache)
+    assert (n0, n1, n2) == (len(ROWS), len(ROWS), 0)
+    assert in_memory.stats.truncated == 1
+    for got in (first, second):
+        assert got.samples == in_memory.samples == _expected(ROWS, tok)
+        assert got.stats == in_memory.stats
+        assert got.difficulty == [2.0, None, None, None]
+    (store,) = _stores(cache)
+    assert sorted(p.name for p in store.iterdir()) == ["data.arrow", "meta.json"]
+
+
+def test_store_is_a_datasets_arrow_file(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """The store is datasets' own cache-file format: `datasets.Dataset.from_file` maps it, columns and all."""
+    import datasets
+
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    _load(path, tok, tmp_path / "cache")
+    (store,) = _stores(tmp_path / "cache")
+    ds = datasets.Dataset.from_file(str(store / "data.arrow"))
+    assert len(ds) == len(ROWS) and ds.column_names[:4] == ["input_ids", "mask", "length", "label_tokens"]
+    ids, labels = encode_row(ROWS[0], tok, "assistant", "f")
+    assert ds[0]["input_ids"] == ids and [t if m else -100 for t, m in zip(ids, ds[0]["mask"], strict=True)] == labels
+    assert ds[2]["number"] == 3 and json.loads((store / "meta.json").read_text())["rows"] == len(ROWS)
+
+
+def test_length_policies_are_views_of_one_store(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """max_seq_len and overlength are applied to the store's columns: no new store, no re-tokenising."""
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    _load(path, tok, cache)
+    for kw in ({"max_seq_len": 50}, {"overlength": "drop"}, {"max_seq_len": 12, "overlength": "truncate"}):
+        got, n = _load(path, tok, cache, **kw)
+        expected, _ = _load(path, tok, None, **kw)
+        assert n == 0 and (got.samples, got.stats) == (expected.samples, expected.stats)
+    assert len(_stores(cache)) == 1
+    with pytest.raises(ToolkitError, match=rf"^{path}:2: \d+ tokens, over data.max_seq_len=40"):
+        _load(path, tok, cache, overlength="error")
+    assert _load(path, tok, cache, max_seq_len=512, overlength="error")[1] == 0
+
+
+def _other_template(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    other = copy.deepcopy(tok)
+    other.chat_template = tok.chat_template.replace("'\\n' }}{%- else %}", "'\\n\\n' }}{%- else %}")
+    assert other.chat_template != tok.chat_template
+    return other
+
+
+def _extra_special(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    other = copy.deepcopy(tok)
+    other.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    return other
+
+
+@pytest.mark.parametrize("change", ["chat_template", "special_token", "train_on", "content_same_size",
+                                    "content_appended"])
+def test_each_key_part_invalidates(tmp_path: Path, tok: PreTrainedTokenizerFast, change: str) -> None:
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    _load(path, tok, cache)
+    kw: dict[str, Any] = {}
+    new_tok = tok
+    if change == "chat_template":
+        new_tok = _other_template(tok)
+    elif change == "special_token":
+        new_tok = _extra_special(tok)
+    elif change == "train_on":
+        kw["train_on"] = "all"
+    elif change == "content_same_size":  # same size, written at once: only the content hash can tell
+        text = path.read_text()
+        path.write_text(text.replace("17 + 25 = 42", "17 + 25 = 43"))
+        assert len(path.read_text()) == len(text)
+    else:
+        _write_jsonl(path, [*ROWS, {"text": "one more row"}])
+    got, n = _load(path, new_tok, cache, **kw)
+    assert n > 0
+    expected, _ = _load(path, new_tok, None, **kw)
+    assert (got.samples, got.stats) == (expected.samples, expected.stats)
+    assert len(_stores(cache)) == 2
+    assert _load(path, new_tok, cache, **kw)[1] == 0  # and the new key is prepared in turn
+
+
+def test_thinking_mode_changes_the_store(tmp_path: Path, qwen_tokenizer: Any) -> None:
+    """With Qwen3's stock template, data.thinking changes the tokens, and each mode has its own store."""
+    from tests.conftest import stock_template
+
+    tok = copy.copy(qwen_tokenizer)
+    tok.chat_template = stock_template("qwen3")
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    cache = tmp_path / "cache"
+    auto, n_auto = _load(path, tok, cache, max_seq_len=512)
+    none, n_none = _load(path, tok, cache, max_seq_len=512, thinking="none")
+    assert n_auto == n_none == 1 and len(_stores(cache)) == 2
+    assert len(auto.samples[0]["input_ids"]) == len(none.samples[0]["input_ids"]) + 4  # <think>\n\n</think>\n\n
+    assert _load(path, tok, cache, max_seq_len=512)[0].samples == auto.samples
+    assert _load(path, tok, cache, max_seq_len=512, thinking="none")[0].samples == none.samples
+
+
+def test_worker_processes_give_the_same_store(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces encoded by a pool of processes, in order: the same rows as one process; the first bad row in file
+    order is the one named even when a later piece fails first."""
+    monkeypatch.setattr(store_mod, "PIECE_ROWS", 7)
+    monkeypatch.setattr(store_mod, "ROWS_PER_PROCESS", 10)
+    monkeypatch.setattr(sources_mod, "_jsonl_piece_bytes", lambda per_row, rows: 64)
+    rows = [dict(r, n=i) for i, r in enumerate(ROWS * 15)]
+    path = _write_jsonl(tmp_path / "a.jsonl", rows)
+    one, _ = _load(path, tok, tmp_path / "one")
+    meta_one = json.loads((_stores(tmp_path / "one")[0] / "meta.json").read_text())
+    pool, _ = _load(path, tok, tmp_path / "pool", num_proc=2)
+    meta_pool = json.loads((_stores(tmp_path / "pool")[0] / "meta.json").read_text())
+    assert (meta_one["prepared"]["processes"], meta_pool["prepared"]["processes"]) == (1, 2)
+    assert pool.samples == one.samples and pool.stats == one.stats
+    bad = [*rows[:40], {"foo": 1}, *rows[40:55], {"messages": []}, *rows[55:]]
+    path = _write_jsonl(tmp_path / "bad.jsonl", bad)
+    with pytest.raises(ToolkitError, match=rf"^{path}:41: a row needs"):
+        _load(path, tok, tmp_path / "pool", num_proc=2)
+
+
+def test_progress_bar_and_log_line(tmp_path: Path, tok: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(store_mod, "BAR_MIN_ROWS", 1)
+    monkeypatch.setattr(store_mod, "BAR_DELAY_S", 0.0)
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS * 10)
+    with caplog.at_level(logging.INFO, logger="toolkit.data"):
+        _load(path, tok, tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert f"tokenising {path}: 100%" in err and "rows/s]" in err and "<00:00" in err  # rate and time left
+    (store,) = _stores(tmp_path / "cache")
+    line = next(r.getMessage() for r in caplog.records if "prepared" in r.getMessage())
+    assert f"prepared {path}: 40 rows, " in line and " tokens (" in line and line.endswith(f"-> {store}")
+
+
+def test_missing_file_is_the_usual_error(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    with pytest.raises(ToolkitError, match="does not exist"):
+        _load(tmp_path / "nope.jsonl", tok, tmp_path / "cache")
+
+
+def _cut(store: Path) -> None:
+    data = store / "data.arrow"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _garbage(store: Path) -> None:
+    (store / "data.arrow").write_bytes(b"not a store")
+
+
+def _wrong_meta(store: Path) -> None:
+    meta = json.loads((store / "meta.json").read_text())
+    meta["rows"] += 1
+    (store / "meta.json").write_text(json.dumps(meta))
+
+
+def _no_meta(store: Path) -> None:
+    (store / "meta.json").unlink()
+
+
+@pytest.mark.parametrize("damage", [_cut, _garbage, _wrong_meta, _no_meta])
+def test_damaged_store_is_prepared_again(tmp_path: Path, tok: PreTrainedTokenizerFast, damage: Any) -> None:
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    good, _ = _load(path, tok, cache)
+    (store,) = _stores(cache)
+    damage(store)
+    if damage is _no_meta:  # a folder without its meta.json is no store: it is replaced
+        import shutil
+
+        shutil.rmtree(store)
+    rebuilt, n = _load(path, tok, cache)
+    assert n == len(ROWS) and (rebuilt.samples, rebuilt.stats) == (good.samples, good.stats)
+    assert _load(path, tok, cache)[1] == 0
+
+
+def test_remembered_hash_is_reused_until_the_file_changes(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sources_mod, "RACY_WINDOW_NS", -10**18)  # remember hashes even of files written just now
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    _load(path, tok, cache)
+    assert len(list((cache / "hashes").glob("*.json"))) == 1
+    calls = []
+    real = sources_mod._stream_sha256
+    monkeypatch.setattr(sources_mod, "_stream_sha256", lambda p: calls.append(p) or real(p))
+    assert _load(path, tok, cache)[1] == 0 and calls == []
+    _write_jsonl(path, ROWS[:2])
+    got, n = _load(path, tok, cache)
+    assert n == 2 and got.stats.rows == 2 and calls == [path]
+
+
+def test_packing_plan_and_difficulty_over_the_store(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """Packed rows come from the plan over the kept lengths, as packing the encoded samples does; a packed row's
+    difficulty is its hardest sample's."""
+    from toolkit.packing import pack_samples
+
+    rows = [dict(r, difficulty=i) for i, r in enumerate(ROWS * 3)]
+    path = _write_jsonl(tmp_path / "a.jsonl", rows)
+    kw: dict[str, Any] = {"max_seq_len": 40, "overlength": "truncate", "train_on": "assistant"}
+    plain = encode_files([path], tok, **kw)
+    packed = load_training_set([path], tok, **kw, packing=True, needs_difficulty=True, cache_dir=tmp_path / "c")
+    assert list(packed.samples) == pack_samples(plain.samples, 40)
+    assert packed.lengths.tolist() == [len(r["input_ids"]) for r in packed.samples] and packed.sizes == [
+        len(packed.samples)]
+    store = open_store(resolve_source(Entry(str(path)), tmp_path), TextEncoder(tok, train_on="assistant"),
+                       tmp_path / "c", num_proc=1)
+    selection = select_rows(store, max_seq_len=40, overlength="truncate")
+    members = packed.samples.parts[0]
+    for k in range(len(packed.samples)):
+        assert packed.difficulty[k] == max(store.difficulty[selection.index[j]] for j in members.members(k))
+    import toolkit.data.plan as plan_mod
+
+    def no_packing(*args: Any) -> None:
+        raise AssertionError("packed again")
+
+    with pytest.MonkeyPatch.context() as mp:  # the plan is kept in the store's folder: the next launch reads it
+        mp.setattr(plan_mod, "pack_best_fit_decreasing", no_packing)
+        again = load_training_set([path], tok, **kw, packing=True, needs_difficulty=True, cache_dir=tmp_path / "c")
+    assert list(again.samples) == list(packed.samples)
+    with pytest.raises(ToolkitError, match=rf"^{path}:2: difficulty 'hard' is not a number; easy_to_hard"):
+        bad = _write_jsonl(path, [rows[0], dict(rows[1], difficulty="hard"), *rows[2:]])
+        load_training_set([bad], tok, **kw, packing=False, needs_difficulty=True)
+
+
+# --- several processes: concurrent preparers, a killed one, a failed one ---------------------------------------------
+
+def _prepare_in_child(path: str, cache: str, out: str, barrier: Any, slow: float) -> None:
+    tok = build_tokenizer()
+    encoder = SlowEncoder(tok, slow) if slow else TextEncoder(tok, train_on="assistant")
+    if barrier is not None:
+        barrier.wait()
+    try:
+        store = open_store(resolve_source(Entry(path), Path()), encoder, Path(cache), num_proc=1)
+        result = {"rows": len(store), "here": store.meta["prepared"]["pid"] == os.getpid(),
+                  "samples": [store.sample(i) for i in range(len(store))]}
+    except ToolkitError as e:
+        result = {"error": str(e)}
+    Path(out).write_text(json.dumps(result))
+
+
+class SlowEncoder(TextEncoder):
+    """The text encoder, `delay` seconds per piece: a preparation long enough to watch (or kill)."""
+
+    def __init__(self, tokenizer: Any, delay: float) -> None:
+        super().__init__(tokenizer, train_on="assistant")
+        self.delay = delay
+
+    def encode(self, rows: Any, numbers: Any, address: Any, base_dir: Any = None) -> Any:
+        time.sleep(self.delay)
+        return super().encode(rows, numbers, address, base_dir)
+
+
+def _spawn(*args: Any) -> Any:
+    proc = multiprocessing.get_context("spawn").Process(target=_prepare_in_child, args=args)
+    proc.start()
+    return proc
+
+
+def test_concurrent_launches_prepare_once(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS * 50)
+    cache = tmp_path / "cache"
+    barrier = multiprocessing.get_context("spawn").Barrier(2)
+    outs = [tmp_path / f"out{i}.json" for i in range(2)]
+    procs = [_spawn(str(path), str(cache), str(o), barrier, 0.0) for o in outs]
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = [json.loads(o.read_text()) for o in outs]
+    assert sorted(r["here"] for r in results) == [False, True]  # one prepared it, the other waited and mapped it
+    assert len(_stores(cache)) == 1 and not list((cache / "stores").glob(".*.tmp"))
+    expected = _load(path, tok, None, max_seq_len=10**6)[0].samples
+    assert results[0]["samples"] == results[1]["samples"] == expected
+
+
+def _wait_for(condition: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_preparation_leaves_nothing_complete(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sources_mod, "_jsonl_piece_bytes", lambda per_row, rows: 256)
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS * 30)
+    cache = tmp_path / "cache"
+    proc = _spawn(str(path), str(cache), str(tmp_path / "out.json"), None, 0.5)
+    stores = cache / "stores"
+    _wait_for(lambda: stores.is_dir() and any(stores.glob(".*.tmp/data.arrow")))
+    time.sleep(0.5)  # some pieces written
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert not _stores(cache) and list(stores.glob(".*.tmp"))  # the partial store is no store
+    got, n = _load(path, tok, cache, max_seq_len=10**6)
+    assert n == len(ROWS) * 30 and got.samples == _load(path, tok, None, max_seq_len=10**6)[0].samples
+    assert not list(stores.glob(".*.tmp"))  # the dead preparation's folder is cleared
+
+
+def test_waiting_process_gets_the_preparers_error(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A process that waits for another's preparation (polling, no collective) raises that preparation's one-line
+    error as soon as it is written, however long the rest would have taken."""
+    rows = [*ROWS * 20, {"messages": [{"role": "robot", "content": "?"}]}, *ROWS * 200]
+    path = _write_jsonl(tmp_path / "a.jsonl", rows)
+    cache = tmp_path / "cache"
+    proc = _spawn(str(path), str(cache), str(tmp_path / "out.json"), None, 1.0)
+    _wait_for(lambda: (cache / "stores").is_dir() and any((cache / "stores").glob(".*.tmp")))
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="toolkit.data"), pytest.raises(ToolkitError) as info:
+        open_store(resolve_source(Entry(str(path)), Path()), TextEncoder(tok, train_on="assistant"), cache,
+                   num_proc=1)
+    proc.join(timeout=60)
+    assert str(info.value).startswith(f"{path}:81: messages[0] must have a role")
+    assert json.loads((tmp_path / "out.json").read_text())["error"] == str(info.value)
+    assert time.monotonic() - start < 30 and "waiting for " in caplog.text
+
+
+# --- real launches: ranks wait for a preparation without a collective, and share its failure -----------------------
+
+def _launch_recipe(tmp_path: Path, models: dict[str, str], data: str, *overrides: str) -> list[str]:
+    import yaml
+
+    from tests.conftest import REPO, base_recipe, launch_cmd
+
+    recipe = base_recipe(models["text"], data) | {"output_dir": str(tmp_path / "run")}
+    recipe["data"] |= {"num_proc": 1, "max_seq_len": 512}  # one process: a preparation slow enough to wait for
+    recipe["distributed"] = {"timeout_minutes": 0.1}  # 6 s
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return [*launch_cmd("ddp", 2), str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml"),
+            *overrides]
+
+
+def _dummy_rows(n: int) -> list[dict[str, Any]]:
+    import tempfile
+
+    from toolkit.dummy_data import write_dummy_data
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_dummy_data(Path(tmp), n, seed=0)["stage2"]
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_waiting_rank_outlives_the_collective_timeout(tmp_path: Path, models: dict[str, str]) -> None:
+    """DDP x 2 with distributed.timeout_minutes: 0.1 (6 s) on a file that takes longer than that to prepare: one
+    rank prepares, the other polls for the store (no collective), and the run trains to its end."""
+    from tests.conftest import run_launch
+
+    _write_jsonl(tmp_path / "big.jsonl", _dummy_rows(20000))  # ~15 s in one process on a shared 2-core VM
+    proc = run_launch(_launch_recipe(tmp_path, models, str(tmp_path / "big.jsonl")), timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    prepared = [line for line in output.splitlines() if "data: prepared" in line]
+    assert len(prepared) == 1, output[-4000:]  # one rank prepared it
+    seconds = float(prepared[0].split(" tokens (")[1].split(" in ")[1].split(" s ")[0])
+    assert seconds > 6, f"the preparation took {seconds} s, not longer than the timeout: the test proves nothing"
+    assert "data: waiting for " in output and "ready after waiting" in output
+    assert (tmp_path / "run" / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_a_failed_preparation_is_one_line_on_every_rank(tmp_path: Path, models: dict[str, str]) -> None:
+    """The preparing rank hits a bad row early in a file whose whole preparation would take minutes: both ranks
+    end within seconds with the same one-line error naming file and line, and no traceback of theirs."""
+    from tests.conftest import run_launch
+
+    rows = _dummy_rows(200000)  # minutes to prepare in one process
+    rows[300] = {"messages": [{"role": "robot", "content": "?"}]}
+    _write_jsonl(tmp_path / "bad.jsonl", rows)
+    start = time.monotonic()
+    proc = run_launch(_launch_recipe(tmp_path, models, str(tmp_path / "bad.jsonl")), timeout=600)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], output[-4000:]
+    assert errors[0].startswith(f"error: {tmp_path / 'bad.jsonl'}:301: messages[0] must have a role")
+    assert not re.search(r'File ".*(/toolkit/|train_curriculum\.py)"', output), output[-4000:]  # the launcher's own
+    # traceback (ChildFailedError, ending with the line as its root cause) is accelerate's, not a rank's
+    assert elapsed < 60, elapsed  # the whole file would take minutes; the launch ends once its first piece fails
+    assert not (tmp_path / "run").exists()
+
+
+def test_entry_options_and_image_settings_are_in_the_key(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """A column mapping and a split name an other store; so do a vision encoder's pixel bounds and template."""
+    from toolkit.data.store import store_key
+    from toolkit.tiny_vl import build_vl_processor
+    from toolkit.vl_data import VLEncoder
+
+    path = _write_jsonl(tmp_path / "a.jsonl", [{"dialog": CHAT, "messages": None}] * 3)
+    cache = tmp_path / "cache"
+    mapped = encode_files([Entry(str(path), None, (("messages", "dialog"),))], tok, max_seq_len=64,
+                          overlength="drop", train_on="assistant", cache_dir=cache)
+    assert mapped.stats.kept == 3
+    source = resolve_source(Entry(str(path)), tmp_path)
+    encoder = TextEncoder(tok, train_on="assistant")
+    keys = [store_key(resolve_source(Entry(str(path), split, columns), tmp_path), "d", encoder)
+            for split, columns in ((None, ()), ("test", ()), (None, (("messages", "dialog"),)))]
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
+    processor = build_vl_processor()
+    vl = [store_key(source, "d", VLEncoder(processor, train_on="assistant", **kw))
+          for kw in ({}, {"max_pixels": 56 * 56}, {"min_pixels": 56 * 56})]
+    assert len({json.dumps(k, sort_keys=True) for k in vl}) == 3
+    other = copy.deepcopy(processor)
+    other.chat_template = processor.chat_template + " "
+    assert store_key(source, "d", VLEncoder(other, train_on="assistant")) != vl[0]

@@ -1,0 +1,132 @@
+"""Batches: a stage's micro-batches through a `torch.utils.data.DataLoader`, prepared by accelerate, built by worker
+processes with prefetch (and pinned memory on CUDA), while which samples a step sees stays a pure function of the
+step.
+
+`StepBatchSampler` yields, for every step of a stage from a given step on, the step's global batch
+(`StageSampler.batch`, sorted by length with `data.group_by_length`) cut into `world x grad_accum` micro-batches in
+slot order; accelerate's `BatchSamplerShard` gives process r the slots r, r + world, ..., which is micro-step j of
+rank r taking slot j * world + r (`toolkit.curriculum.rank_micro_batches`). A resume, or an early stage advance,
+starts a new loader at its step: nothing to fast-forward, nothing in a checkpoint.
+
+Worker processes read the rows (from the memory-mapped stores) and collate them, images decoded and resized there
+(`toolkit.collate.VLCollator`); each batch comes with its samples' token lengths (FLOPs). A collator's error
+(an image gone missing) reaches the training process as the same one-line error, not a worker traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from toolkit.errors import ToolkitError
+from toolkit.metrics import sample_lengths
+
+
+class StepBatchSampler:
+    """The micro-batches (lists of sample indices) of steps [start, end) of a stage, in global slot order."""
+
+    def __init__(self, batch: Callable[[int], list[int]], lengths: Sequence[int], *, start: int, end: int,
+                 micro_batch_size: int, world_size: int, grad_accum: int, group_by_length: bool) -> None:
+        self.batch, self.lengths = batch, lengths
+        self.start, self.end = start, end
+        self.micro, self.world, self.accum = micro_batch_size, world_size, grad_accum
+        self.group_by_length = group_by_length
+
+    def __len__(self) -> int:
+        return (self.end - self.start) * self.world * self.accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.end):
+            indices = self.batch(step)
+            if self.group_by_length:  # same samples, fewer pad tokens: loss is normalised over the global batch
+                indices = sorted(indices, key=self.lengths.__getitem__)
+            m = self.micro
+            for slot in range(self.world * self.accum):
+                yield indices[slot * m:(slot + 1) * m]
+
+
+class Rows(Dataset):
+    """A stage's rows as a map-style dataset (the DataLoader's workers index it)."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+@dataclass
+class Failed:
+    """A collator's one-line error, carried out of a worker process as data (a raised one would arrive wrapped in
+    the worker's traceback)."""
+
+    message: str
+
+
+class Collate:
+    """The run's collator on a micro-batch, plus the token length of every sample in it (packed rows count each
+    sample); a ToolkitError becomes `Failed`."""
+
+    def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+        self.collate = collate
+
+    def __call__(self, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int]] | Failed:
+        try:
+            return self.collate(rows), [n for row in rows for n in sample_lengths(row)]
+        except ToolkitError as e:
+            return Failed(str(e))
+
+
+def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
+                 collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int, seed: int) -> Any:
+    """A DataLoader over the stage's rows, prepared by accelerate (its batch sampler sharded over processes,
+    batches placed on the device). Its own generator (seeded by `seed`) gives the workers' base seed: without one,
+    each new iterator draws it from the global torch RNG, so a loader started at a resume would shift the stream
+    (dropout masks) against the uninterrupted run, whose loader started at the stage's first step."""
+    loader = DataLoader(Rows(rows), batch_sampler=sampler, collate_fn=Collate(collate), num_workers=num_workers,
+                        prefetch_factor=2 if num_workers else None, pin_memory=torch.cuda.is_available(),
+                        generator=torch.Generator().manual_seed(seed))
+    return accelerator.prepare_data_loader(loader)
+
+
+class StageBatches:
+    """This rank's micro-batches, step after step, from one stage's loader at a time: `take(stage, step)` gives
+    the grad_accum micro-batches (batch, sample lengths) of that step, starting a loader at that step whenever the
+    stage or the position changes (a stage's start, a resume, an early advance)."""
+
+    def __init__(self, accelerator: Any, collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *,
+                 grad_accum: int, group_by_length: bool, num_workers: int) -> None:
+        self.accelerator, self.collate = accelerator, collate
+        self.accum, self.group_by_length, self.num_workers = grad_accum, group_by_length, num_workers
+        self._key: tuple[int, int] | None = None  # (stage index, next step in stage) the iterator is at
+        self._it: Iterator[Any] | None = None
+
+    def take(self, stage: Any, step_in_stage: int) -> list[tuple[dict[str, Any], list[int]]]:
+        if self._key != (stage.index, step_in_stage):
+            self._it = None  # drops the previous loader's iterator (its workers stop)
+            sampler = StepBatchSampler(stage.sampler.batch, stage.data.lengths, start=step_in_stage,
+                                       end=stage.plan.steps, micro_batch_size=stage.plan.micro_batch,
+                                       world_size=self.accelerator.num_processes, grad_accum=self.accum,
+                                       group_by_length=self.group_by_length)
+            self._it = iter(stage_loader(self.accelerator, stage.data.samples, sampler, self.collate,
+                                         num_workers=self.num_workers, seed=(stage.index << 32) + step_in_stage))
+        assert self._it is not None
+        out = []
+        for _ in range(self.accum):
+            item = next(self._it)
+            if isinstance(item, Failed):
+                raise ToolkitError(item.message)
+            batch, lengths = item
+            out.append((batch, lengths))
+        self._key = (stage.index, step_in_stage + 1)
+        return out
+
+    def close(self) -> None:
+        self._it, self._key = None, None

@@ -1,0 +1,579 @@
+"""Rows to token ids and loss masks, formatted by the tokenizer's own chat template, many rows at a time.
+
+Three row shapes are accepted (`row_shape`; a row has exactly one):
+  {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
+  {"prompt": "...", "completion": "..."}      (plain concatenation, loss on the completion)
+  {"text": "..."}                               (language modelling, loss on every token)
+A row's `difficulty` is kept for the curriculum; other extra keys are ignored, and keys that would change what
+trains but that no shape reads are refused (`REFUSED_ROW_KEYS`).
+
+Loss goes on assistant tokens only by default (`data.train_on`), and a message's `"weight": 0` / `"training":
+false` leaves its turn out (`assistant_trains`). How the assistant turns are found depends on the template:
+  * `{% generation %}` markers: the spans the renderer reports (transformers' `return_assistant_tokens_mask`
+    rule: every token that overlaps a span);
+  * a ChatML-family template (ChatML and the stock Qwen2.5 / Qwen3 / Qwen-VL templates): rendered once and the
+    turns read off the rendering, header excluded and `<|im_end|>` included, which holds for templates that rewrite
+    history (Qwen3 drops the think block of earlier turns, so it is not prefix-stable);
+  * any other template: by rendering prefixes (turn i is what rendering `messages[:i+1]` adds to `messages[:i]`
+    with a generation prompt), checked per row.
+A row's `tools` go to the template; fields a template cannot render (tools, reasoning_content, tool_calls, tool
+turns under ChatML) are refused rather than dropped. `data.thinking` adds or removes empty think blocks.
+
+`TextEncoder.encode` does a batch of rows at once: each row is checked and rendered (Python, Jinja), then every
+rendering is tokenised in one call of the fast tokenizer with character offsets, and the loss mask is read off the
+offsets against the turns' character spans (numpy), so no turn is ever re-encoded. `encode_row` is the same for one
+row. Errors name the row (`file:line`) and stop the batch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
+from toolkit.templates import IM_END, IM_START
+
+ROLES = ("system", "user", "assistant", "tool")
+
+ENCODE_CALLS = 0
+"""Rows encoded in this process (tests check that a prepared store is not tokenised again)."""
+
+
+@dataclass
+class DataStats:
+    """What happened to a stage's rows; reported at the stage start."""
+
+    rows: int = 0
+    kept: int = 0
+    dropped_overlength: int = 0
+    truncated: int = 0
+    no_label_tokens: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
+                f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
+                f"{self.no_label_tokens} skipped with no trainable tokens")
+
+    def add(self, other: DataStats) -> None:
+        for key in vars(self):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+
+
+ASSISTANT_HEADER = IM_START + "assistant"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+IMAGE_PARTS = '{"type": "text" | "image", ...} parts'  # a vision-language message's content list
+
+
+def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
+                   image_parts: bool = False) -> list[dict[str, Any]]:
+    """The row's messages, checked: roles, string contents (an assistant turn with tool_calls may have none), a
+    string `reasoning_content`, well-formed `tool_calls`. With train_on: assistant, a conversation with assistant
+    turns must open (after an optional system prompt) with a user turn and end with an assistant turn: a trailing
+    user or tool turn would train nothing, and changes how Qwen3 renders the turns before it. (A conversation with
+    no assistant turn has no trainable tokens and is skipped, as counted in the stage's statistics.) With
+    `image_parts` (vision-language rows) a content may also be a list of {"type": "text", "text": str} and
+    {"type": "image"} parts. Returns copies with a missing tool-call content made ""."""
+    if not isinstance(messages, list) or not messages:
+        raise ToolkitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+    content_kind = f"a string content or a list of {IMAGE_PARTS}" if image_parts else "a string content"
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
+        m = {k: v for k, v in m.items() if k not in TURN_FLAGS}  # read by assistant_trains; never rendered
+        if m["role"] == "assistant" and m.get("tool_calls") and m.get("content") is None:
+            m["content"] = ""
+        content = m.get("content")
+        if image_parts and isinstance(content, list):
+            _check_parts(content, f"{where}: messages[{i}]")
+        elif not isinstance(content, str):
+            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
+        if "reasoning_content" in m and not (m["role"] == "assistant" and isinstance(m["reasoning_content"], str)):
+            raise ToolkitError(f"{where}: messages[{i}].reasoning_content must be a string on an assistant turn.")
+        if "tool_calls" in m:
+            calls = m["tool_calls"]
+            if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(f := c.get("function", c), dict)
+                    and isinstance(f.get("name"), str) and isinstance(f.get("arguments", {}), dict | str)
+                    for c in calls):
+                raise ToolkitError(f"{where}: messages[{i}].tool_calls must be a list of {{\"type\": \"function\", "
+                                   "\"function\": {\"name\": str, \"arguments\": object}} on an assistant turn.")
+        texts = [("content", content)] if isinstance(content, str) else \
+            [("content", p["text"]) for p in content if p["type"] == "text"]
+        texts += [("reasoning_content", m["reasoning_content"])] if "reasoning_content" in m else []
+        for key, text in texts:
+            if IM_START in text or IM_END in text:
+                raise ToolkitError(f"{where}: messages[{i}].{key} contains {IM_START} or {IM_END}; these are "
+                                   "the chat format's own markers and cannot appear inside a message.")
+        out.append(m)
+    check_turn_order(out, where, train_on)
+    assistant_trains(messages, where, train_on)
+    return out
+
+
+TURN_FLAGS = ("weight", "training")
+"""Per-message keys that say whether a turn trains, honoured exactly: `"weight": 0 | 1` (OpenAI's chat fine-tuning
+format, ShareGPT/LLaMA-Factory data) and axolotl's `"training": false | true`."""
+
+
+def assistant_trains(messages: list[dict[str, Any]], where: str, train_on: str) -> list[bool]:
+    """Whether each assistant message (in order) trains, from its `weight` / `training` flag (default: it trains).
+
+    What cannot be honoured exactly is refused: a weight other than 0 or 1 (loss weighting), a flag asking a
+    user/system/tool turn to train under train_on: assistant, a turn left out under train_on: all (every token
+    trains), the two flags disagreeing, and axolotl's character-level `train_detail`."""
+    trains = []
+    for i, m in enumerate(messages):
+        if "train_detail" in m:
+            raise ToolkitError(f"{where}: messages[{i}].train_detail (per-span training) is not supported; set "
+                               "\"weight\": 0 or 1 on the whole turn, or split the turn.")
+        flags = []
+        if "weight" in m:
+            w = m["weight"]
+            if isinstance(w, bool) or not isinstance(w, int | float) or w not in (0, 1):
+                raise ToolkitError(f"{where}: messages[{i}].weight is {w!r}; only 0 (do not train this turn) or 1 "
+                                   "(train it) is supported, not loss weighting.")
+            flags.append(bool(w))
+        if "training" in m:
+            if not isinstance(m["training"], bool):
+                raise ToolkitError(f"{where}: messages[{i}].training is {m['training']!r}; it must be true or false.")
+            flags.append(m["training"])
+        if len(set(flags)) > 1:
+            raise ToolkitError(f"{where}: messages[{i}] has weight {m['weight']!r} and training {m['training']!r}, "
+                               "which disagree; keep one of them.")
+        train = flags[0] if flags else None
+        key = "weight" if "weight" in m else "training"
+        if m["role"] == "assistant":
+            if train is False and train_on == "all":
+                raise ToolkitError(f"{where}: messages[{i}].{key} leaves the turn out of training, but data.train_on "
+                                   "is all, which trains every token; set data.train_on: assistant.")
+            trains.append(train is not False)
+        elif train is True and train_on == "assistant":
+            raise ToolkitError(f"{where}: messages[{i}].{key} asks a {m['role']} turn to train, but only assistant "
+                               "turns train with data.train_on: assistant; drop the flag or set data.train_on: all.")
+        elif train is False and train_on == "all":
+            raise ToolkitError(f"{where}: messages[{i}].{key} leaves a {m['role']} turn out of training, but "
+                               "data.train_on is all, which trains every token; set data.train_on: assistant.")
+    return trains
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    """A vision-language content list: text parts with a string `text`, and image parts."""
+    if not all(isinstance(p, dict) and "type" in p for p in parts):
+        raise ToolkitError(f"{where}.content must be a string or a list of {IMAGE_PARTS}.")
+    for p in parts:
+        if p["type"] == "text" and not isinstance(p.get("text"), str):
+            raise ToolkitError(f"{where} has a text part without a string 'text'.")
+        if p["type"] not in ("image", "text"):
+            raise ToolkitError(f"{where} has a '{p['type']}' part; only text and image parts are supported.")
+
+
+def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) -> None:
+    """With train_on: assistant, a conversation with assistant turns opens with a user turn (after an optional
+    system prompt) and ends with an assistant turn."""
+    if train_on != "assistant" or not any(m["role"] == "assistant" for m in messages):
+        return
+    first = next(m["role"] for m in messages if m["role"] != "system")
+    if first != "user":
+        raise ToolkitError(f"{where}: the conversation starts with a{'n' if first == 'assistant' else ''} {first} "
+                           "turn; after an optional system prompt it must start with a user turn.")
+    if messages[-1]["role"] != "assistant":
+        raise ToolkitError(f"{where}: the conversation ends with a {messages[-1]['role']} turn; it must end with "
+                           "the assistant turn being trained (drop the trailing turn).")
+
+
+def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}")
+
+
+def check_renderable(template: str, messages: list[dict[str, Any]], tools: Any, where: str) -> None:
+    """Refuse what the chat template would silently drop: `tools`, `reasoning_content`, `tool_calls` or tool turns
+    that it never mentions (data.chat_template: chatml renders none of them)."""
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ToolkitError(f"{where}: 'tools' must be a list of JSON objects (function schemas).")
+        if "tools" not in template:
+            raise ToolkitError(f"{where}: the row has 'tools' but the chat template does not render tools, so the "
+                               "model would call functions whose schema it never saw. Use the model's own template "
+                               "(drop data.chat_template) or remove 'tools'.")
+    needs = [("reasoning_content", any("reasoning_content" in m for m in messages)),
+             ("tool_calls", any(m.get("tool_calls") for m in messages))]
+    for key, present in needs:
+        if present and key not in template:
+            raise ToolkitError(f"{where}: the row has '{key}' but the chat template does not render it, so it would "
+                               "be dropped from training. Use the model's own template (drop data.chat_template) "
+                               f"or remove '{key}'.")
+    if any(m["role"] == "tool" for m in messages) and not re.search(r"""==\s*['"]tool['"]""", template):
+        raise ToolkitError(f"{where}: the row has a tool turn but the chat template has no format for tool results "
+                           "(it would render them as a turn of role 'tool'). Use the model's own template.")
+
+
+def is_chatml_family(template: str) -> bool:
+    """Templates that render every turn as <|im_start|>role ... <|im_end|> (ChatML, Qwen2.5, Qwen3, Qwen-VL)."""
+    return IM_START in template and IM_END in template
+
+
+def chatml_assistant_spans(text: str, n_assistant: int, where: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in a ChatML-family rendering: from after the header
+    `<|im_start|>assistant\n` through `<|im_end|>` (the newline after it is not part of the turn).
+
+    This reads the turns off the rendering itself, so it holds whatever the template does to a turn (Qwen3 drops
+    the think block of history turns, which makes it not prefix-stable); the number of turns found must equal the
+    row's assistant messages."""
+    spans, pos = [], 0
+    while (start := text.find(IM_START, pos)) != -1:
+        end = text.find(IM_END, start)
+        if end == -1:
+            raise ToolkitError(f"{where}: the chat template rendered a turn without {IM_END}, so assistant turns "
+                               "cannot be located.")
+        end += len(IM_END)
+        if text.startswith(ASSISTANT_HEADER, start) and text[start + len(ASSISTANT_HEADER)] in ("\n", "<"):
+            body = start + len(ASSISTANT_HEADER)
+            spans.append((body + 1 if text[body] == "\n" else body, end))
+        pos = end
+    if len(spans) != n_assistant:
+        raise ToolkitError(f"{where}: the chat template rendered {len(spans)} assistant turn(s) for {n_assistant} "
+                           "assistant message(s), so they cannot be masked exactly.")
+    return spans
+
+
+def _apply_thinking(text: str, spans: list[tuple[int, int]], thinking: str, tokenizer: PreTrainedTokenizerBase,
+                    where: str) -> tuple[str, list[tuple[int, int]]]:
+    """data.thinking: 'none' removes the empty think block from the assistant turns the template gave one; 'empty'
+    gives the last assistant turn one when it has no think block. 'auto' keeps the template's rendering."""
+    if thinking == "auto" or not spans:
+        return text, spans
+    if thinking == "empty":
+        start, end = spans[-1]
+        if text.startswith("<think>", start):
+            return text, spans
+        if tokenizer.convert_tokens_to_ids("<think>") in (None, tokenizer.unk_token_id):
+            raise ToolkitError(f"{where}: data.thinking is 'empty' but the tokenizer has no <think> token; use "
+                               "auto or none with this model.")
+        n = len(EMPTY_THINK)
+        return text[:start] + EMPTY_THINK + text[start:], [*spans[:-1], (start, end + n)]
+    out, new_spans, shift, pos = [], [], 0, 0
+    for start, end in spans:
+        cut = len(EMPTY_THINK) if text.startswith(EMPTY_THINK, start) else 0
+        out += [text[pos:start]]
+        pos = start + cut
+        new_spans.append((start - shift, end - shift - cut))
+        shift += cut
+    out.append(text[pos:])
+    return "".join(out), new_spans
+
+
+def _prefix_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any, full: str,
+                  where: str) -> list[tuple[int, int]]:
+    """Spans of assistant turns for a prefix-stable template that is not ChatML-shaped (Llama 3, ...): turn i is
+    what rendering messages[:i+1] adds to messages[:i] with a generation prompt."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:i], tools, where, add_generation_prompt=True)[0] if i else ""
+        upto = render_chat(tokenizer, messages[: i + 1], tools, where)[0]
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ToolkitError(
+                f"{where}: the chat template is not prefix-stable for this conversation and has neither ChatML turns "
+                "nor {% generation %} markers, so assistant turns cannot be located. Set data.chat_template: chatml "
+                "or give a Jinja template with {% generation %} blocks.")
+        spans.append((len(before), len(upto.rstrip())))  # the newline after a turn is not trained
+    return spans
+
+
+SHAPES = {"messages": ("messages",), "prompt and completion": ("prompt", "completion"), "text": ("text",)}
+"""The row shapes, by the keys that make them; a row has exactly one."""
+
+REFUSED_ROW_KEYS = {
+    **dict.fromkeys(("weight", "loss_weight", "sample_weight"), "per-row loss weighting is not supported (a "
+                    "message's \"weight\": 0 or 1 leaves a turn out); remove it, or repeat rows to weight them"),
+    **dict.fromkeys(("chosen", "rejected"), "preference pairs (DPO) are not supported: rows train supervised, so "
+                    "a rejected answer would be learned; keep the answer to learn as the row's last assistant turn"),
+    **dict.fromkeys(("input_ids", "labels", "attention_mask", "loss_mask"), "pre-tokenised rows are not supported: "
+                    "give the text and let data.train_on decide the loss"),
+    "train_on": "data.train_on sets it for every row; remove it, or split the file into stages",
+    "system": "put the system prompt as the first message, {\"role\": \"system\", \"content\": ...}",
+    "videos": "video rows are not supported",
+    "audios": "audio rows are not supported",
+}
+"""Row keys that would change what trains but that no row shape reads: refused, never dropped."""
+
+
+def _present(row: dict[str, Any], key: str) -> bool:
+    return row.get(key) is not None  # a null column of a mixed-shape table is no key at all
+
+
+def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
+    """The row's shape (a key of SHAPES), once it is shown that nothing in the row that would change what trains
+    is ignored: two shapes in one row, a refused key (REFUSED_ROW_KEYS), `tools` outside a chat, `images` outside
+    a vision-language model's chat."""
+    for key, why in REFUSED_ROW_KEYS.items():
+        if _present(row, key):
+            raise ToolkitError(f"{where}: the row has '{key}': {why}.")
+    if isinstance(row.get("label"), bool):  # KTO's desirable / undesirable mark (another 'label' is an extra)
+        raise ToolkitError(f"{where}: the row has a true/false 'label' (KTO preference data), which is not "
+                           "supported: rows train supervised, so an undesirable answer would be learned; keep only "
+                           "rows to learn, without the label.")
+    shapes = [name for name, keys in SHAPES.items() if any(_present(row, k) for k in keys)]
+    if len(shapes) > 1:
+        keys = [k for name in shapes for k in SHAPES[name] if _present(row, k)]
+        raise ToolkitError(f"{where}: the row has {', '.join(repr(k) for k in keys)}, which are {len(shapes)} row "
+                           "shapes; keep one ('messages', 'prompt' and 'completion', or 'text'): the others would "
+                           "not be trained.")
+    shape = shapes[0] if shapes else None
+    if shape is None or not all(_present(row, k) for k in SHAPES[shape]):
+        raise ToolkitError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
+                           f"found keys {sorted(row)}.")
+    for key, needs in (("tools", "a chat ('messages')"),
+                       ("images", "a chat ('messages') for a vision-language model" if vision else
+                        "a vision-language model (this model reads text only)")):
+        if _present(row, key) and (shape != "messages" or (key == "images" and not vision)):
+            raise ToolkitError(f"{where}: the row has '{key}', which needs {needs}; it would not be trained.")
+    return shape
+
+
+def span_mask(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, int]], *, overlap: bool) -> np.ndarray:
+    """Which tokens (character offsets `starts`/`ends`) train, for sorted, disjoint character spans.
+
+    ChatML and prefix spans (`overlap` False): a token trains when it starts inside a span. `{% generation %}` spans
+    (`overlap` True): when it overlaps one, transformers' `return_assistant_tokens_mask` rule."""
+    if not spans:
+        return np.zeros(len(starts), dtype=np.uint8)
+    lo = np.fromiter((a for a, _ in spans), np.int64, len(spans))
+    hi = np.fromiter((b for _, b in spans), np.int64, len(spans))
+    k = np.searchsorted(hi, starts, side="right")  # the first span that ends after the token starts
+    inside = k < len(spans)
+    first = lo[np.minimum(k, len(spans) - 1)]
+    return (inside & (first < ends if overlap else first <= starts)).astype(np.uint8)
+
+
+@dataclass
+class EncodedBatch:
+    """Rows encoded together: every row's token ids and loss mask concatenated, and one entry per row. VL rows also
+    carry their image paths, image grids and how many leading tokens may not be cut (up to the last image)."""
+
+    ids: np.ndarray  # int32
+    mask: np.ndarray  # uint8: 1 where the token carries loss (its label is the token), 0 where it does not
+    lengths: np.ndarray  # int64, one per row
+    rows: np.ndarray  # int64: each row's number in its source (the line, for JSONL)
+    difficulty: list[Any] = field(default_factory=list)  # the rows' `difficulty` values (None where absent)
+    uncuttable: np.ndarray | None = None
+    images: list[list[str]] | None = None
+    grids: list[list[list[int]]] | None = None
+
+    @classmethod
+    def join(cls, parts: Sequence[EncodedBatch]) -> EncodedBatch:
+        vision = any(p.images is not None for p in parts)
+
+        def cat(name: str, dtype: Any) -> np.ndarray:
+            return np.concatenate([getattr(p, name) for p in parts]) if parts else np.zeros(0, dtype)
+
+        return cls(cat("ids", np.int32), cat("mask", np.uint8), cat("lengths", np.int64), cat("rows", np.int64),
+                   [d for p in parts for d in p.difficulty],
+                   cat("uncuttable", np.int64) if vision else None,
+                   [i for p in parts for i in p.images or []] if vision else None,
+                   [g for p in parts for g in p.grids or []] if vision else None)
+
+    def sample(self, i: int) -> dict[str, Any]:
+        """Row i as a sample: `input_ids` and `labels` lists (and its images and grids)."""
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        ids = self.ids[offsets[i]:offsets[i + 1]]
+        labels = np.where(self.mask[offsets[i]:offsets[i + 1]] != 0, ids, IGNORE_INDEX)
+        out: dict[str, Any] = {"input_ids": ids.tolist(), "labels": labels.tolist()}
+        if self.images is not None and self.images[i]:
+            out["images"], out["image_grid_thw"] = self.images[i], self.grids[i]  # type: ignore[index]
+        return out
+
+
+RowAddress = Callable[[int], str]
+"""A source's way of naming a row in an error: row number -> 'file:line' (JSONL) or 'file row N'."""
+
+
+class TextEncoder:
+    """Text rows to token ids and loss masks with a tokenizer and its chat template (see the module docstring).
+
+    Plain settings only (train_on, thinking), so it pickles with the tokenizer for worker processes."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto") -> None:
+        self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
+
+    def options(self) -> dict[str, Any]:
+        """What besides the tokenizer and the row decides the encoding (part of the store's key)."""
+        return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking}
+
+    def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
+               base_dir: Path | None = None) -> EncodedBatch:
+        """Encode `rows` (numbered `numbers` in their source); the first bad row raises, named by `address`.
+        (`base_dir`, where a vision encoder finds images, is not used by text rows.)"""
+        global ENCODE_CALLS
+        ENCODE_CALLS += len(rows)
+        tok = self.tokenizer
+        plans: list[tuple[str, Any]] = []
+        chats: list[str] = []
+        specials: list[str] = []  # prompts and texts: tokenised with the tokenizer's special tokens (BOS)
+        plain: list[str] = []  # completions
+        for row, number in zip(rows, numbers, strict=True):
+            where = address(number)
+            shape = row_shape(row, where)
+            if shape == "messages":
+                text, spans, overlap = self._render(row, where)
+                plans.append(("chat", (len(chats), spans, overlap)))
+                chats.append(text)
+            elif shape == "prompt and completion":
+                if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
+                    raise ToolkitError(f"{where}: 'prompt' and 'completion' must be strings.")
+                plans.append(("completion", (len(specials), len(plain))))
+                specials.append(row["prompt"])
+                plain.append(row["completion"])
+            else:
+                if not isinstance(row["text"], str):
+                    raise ToolkitError(f"{where}: 'text' must be a string.")
+                plans.append(("text", len(specials)))
+                specials.append(row["text"])
+        encoded = encode_with_offsets(tok, chats)
+        with_specials = tok(specials, add_special_tokens=True)["input_ids"] if specials else []
+        without = tok(plain, add_special_tokens=False)["input_ids"] if plain else []
+        eos = tok.eos_token_id
+        ids_parts, mask_parts = [], []
+        for kind, plan in plans:
+            if kind == "chat":
+                k, spans, overlap = plan
+                ids, starts, ends = encoded[k]
+                mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
+                        else span_mask(starts, ends, spans, overlap=overlap))
+            elif kind == "completion":
+                prompt, completion = with_specials[plan[0]], without[plan[1]]
+                ids = np.array([*prompt, *completion, eos], dtype=np.int32)
+                mask = np.ones(len(ids), np.uint8)
+                if self.train_on != "all":
+                    mask[:len(prompt)] = 0
+            else:
+                ids = np.array([*with_specials[plan], eos], dtype=np.int32)
+                mask = np.ones(len(ids), np.uint8)
+            if len(mask):
+                mask[0] = 0  # nothing predicts the first token
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+        return EncodedBatch(
+            np.concatenate(ids_parts).astype(np.int32) if ids_parts else np.zeros(0, np.int32),
+            np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+            np.array([len(i) for i in ids_parts], dtype=np.int64), np.array(numbers, dtype=np.int64),
+            [row.get("difficulty") for row in rows])
+
+    def _render(self, row: dict[str, Any], where: str) -> tuple[str, list[tuple[int, int]], bool]:
+        """(rendering, character spans of the turns that train, whether spans are {% generation %} blocks)."""
+        tok = self.tokenizer
+        if not tok.chat_template:
+            raise ToolkitError(
+                f"{where}: the row is a chat ('messages') but the tokenizer has no chat template. Use a chat "
+                "model's tokenizer or set data.chat_template (for example: chatml).")
+        train_on, thinking = self.train_on, self.thinking
+        messages = check_messages(row["messages"], where, train_on)
+        trains = assistant_trains(row["messages"], where, train_on)
+        tools = row.get("tools")
+        template = tok.chat_template
+        check_renderable(template, messages, tools, where)
+        generation = has_generation_tags(tok)
+        if thinking != "auto" and (generation or not is_chatml_family(template)):
+            raise ToolkitError(f"{where}: data.thinking: {thinking} applies to ChatML-family templates without "
+                               "{% generation %} markers (the stock Qwen templates); this template decides what "
+                               "trains itself. Use data.thinking: auto.")
+        if generation:
+            full, blocks = render_chat(tok, messages, tools, where, generation=True)
+            if not all(trains) and len(blocks) != len(trains):
+                raise ToolkitError(f"{where}: the chat template's {{% generation %}} blocks mark {len(blocks)} "
+                                   f"span(s) for {len(trains)} assistant turn(s), so per-turn weights cannot be "
+                                   "applied exactly; drop the weights or use the model's own template.")
+            spans = [b for b, t in zip(blocks, trains, strict=False) if t] if not all(trains) else blocks
+            return full, spans, True
+        full, _ = render_chat(tok, messages, tools, where)
+        if is_chatml_family(template):
+            spans = chatml_assistant_spans(full, len(trains), where)
+            full, spans = _apply_thinking(full, spans, thinking, tok, where)
+        else:
+            spans = _prefix_spans(tok, messages, tools, full, where)
+        return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+
+
+def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str]
+                         ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(ids, start offsets, end offsets) of each text, tokenised without special tokens in one batch: the fast
+    tokenizer's own batch call (Rust, parallel when allowed) where there is one, else transformers' call."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        out = []
+        for enc in backend.encode_batch(texts, add_special_tokens=False):
+            offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            out.append((np.array(enc.ids, dtype=np.int32), offsets[:, 0], offsets[:, 1]))
+        return out
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return [(np.array(ids, dtype=np.int32), np.array(off, dtype=np.int64).reshape(-1, 2)[:, 0],
+             np.array(off, dtype=np.int64).reshape(-1, 2)[:, 1])
+            for ids, off in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any, where: str, *,
+                generation: bool = False, add_generation_prompt: bool = False, template: str | None = None
+                ) -> tuple[str, list[tuple[int, int]]]:
+    """The chat rendered by the tokenizer's template, and the character spans of its {% generation %} blocks.
+
+    This is what `apply_chat_template` does before it tokenises (transformers' own `render_jinja_template`, after
+    dropping None-valued message keys as it does), called directly because only it reports the generation spans
+    and it skips the per-call setup that dominates rendering one row. `template` replaces the tokenizer's (a
+    processor's template)."""
+    try:
+        template = template or tokenizer.get_chat_template(None, tools)
+        normal = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rendered, blocks = render_jinja_template(
+            conversations=[normal], tools=tools, chat_template=template, return_assistant_tokens_mask=generation,
+            add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+    except Exception as e:  # a template's raise_exception, or Jinja errors on a shape it does not handle
+        raise ToolkitError(f"{where}: the chat template could not render this row ({type(e).__name__}: {e}).") from None
+    return rendered[0], [tuple(b) for b in blocks[0]] if generation else []  # type: ignore[misc]
+
+
+def encode_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, train_on: str,
+               where: str, thinking: str = "auto") -> tuple[list[int], list[int]]:
+    """Token ids and labels (IGNORE_INDEX where no loss) of one row: `TextEncoder` on a batch of one. The first
+    token never carries loss; a chat row's `tools` go to the template; `thinking` is data.thinking."""
+    batch = TextEncoder(tokenizer, train_on=train_on, thinking=thinking).encode([row], [0], lambda _: where)
+    sample = batch.sample(0)
+    return sample["input_ids"], sample["labels"]
+
+
+def fit_to_length(ids: list[int], labels: list[int], *, max_seq_len: int, overlength: str, where: str,
+                  stats: DataStats | None, uncuttable: int = 0) -> dict[str, Any] | None:
+    """data.overlength for a row over `max_seq_len` tokens: "error" raises, "drop" returns None, "truncate" cuts ids
+    and labels to max_seq_len. The first `uncuttable` tokens must stay whole (a vision-language row's image tokens):
+    a cut inside them drops the row instead. `stats`, when given, counts dropped and truncated rows."""
+    if len(ids) <= max_seq_len:
+        return {"input_ids": ids, "labels": labels}
+    if overlength == "error":
+        raise ToolkitError(overlength_message(where, len(ids), max_seq_len))
+    if overlength == "drop" or uncuttable > max_seq_len:
+        if stats is not None:
+            stats.dropped_overlength += 1
+        return None
+    if stats is not None:
+        stats.truncated += 1
+    return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len]}
+
+
+def overlength_message(where: str, length: int, max_seq_len: int) -> str:
+    return (f"{where}: {length} tokens, over data.max_seq_len={max_seq_len}. Raise max_seq_len, or set "
+            "data.overlength to drop or truncate.")

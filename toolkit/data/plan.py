@@ -1,0 +1,260 @@
+"""Packing and ordering: a stage's rows as index arrays over its sources' token stores.
+
+From a store's per-row columns alone (no token is read, except the few rows a truncation cuts), `select_rows` applies
+the stage's length policy (`data.max_seq_len`, `data.overlength`) and drops rows with nothing to train, counting
+each; `SourceRows` then serves the kept rows, packed with packing (best-fit decreasing over the kept lengths, as
+index arrays), and their lengths and difficulty, which the sampler orders by (`toolkit/sampling.py`). A row is
+assembled only when a batch asks for it. Results are the same as encoding the rows one by one and applying the
+policy to each (`toolkit.data.encoding.fit_to_length`): row order is the source's, and a packed row holds its
+samples in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from toolkit.atomic import write_atomic
+from toolkit.data.encoding import DataStats, overlength_message
+from toolkit.data.store import Store
+from toolkit.errors import ToolkitError
+from toolkit.packing import pack_best_fit_decreasing, pack_row
+
+
+@dataclass
+class Selection:
+    """The rows of a store a stage keeps (`index`), each cut to `limit` tokens, with their lengths and trained
+    token counts after the cut, and what happened to the others."""
+
+    index: np.ndarray  # store rows, in order
+    lengths: np.ndarray
+    label_tokens: np.ndarray
+    limit: int
+    stats: DataStats
+
+
+def select_rows(store: Store, *, max_seq_len: int, overlength: str) -> Selection:
+    """data.overlength over the store's rows: "error" raises naming the first row over `max_seq_len`, "drop"
+    drops those rows, "truncate" cuts them (a vision row whose images reach past the cut is dropped instead);
+    rows left with no trained token are skipped. All counted in the stats."""
+    lengths = store.lengths
+    over = lengths > max_seq_len
+    if overlength == "error" and over.any():
+        first = int(np.flatnonzero(over)[0])
+        raise ToolkitError(overlength_message(store.where(first), int(lengths[first]), max_seq_len))
+    drop = over if overlength == "drop" else over & (store.uncuttable > max_seq_len if store.vision else False)
+    cut = over & ~drop
+    labels = store.label_tokens.copy()
+    for i in np.flatnonzero(cut).tolist():
+        labels[i] = store.labels_within(i, max_seq_len)
+    no_label = ~drop & (labels == 0)
+    keep = ~drop & ~no_label
+    index = np.flatnonzero(keep)
+    kept_lengths = np.minimum(lengths[index], max_seq_len)
+    stats = DataStats(rows=len(store), kept=len(index), dropped_overlength=int(drop.sum()), truncated=int(cut.sum()),
+                      no_label_tokens=int(no_label.sum()), tokens=int(kept_lengths.sum()),
+                      label_tokens=int(labels[index].sum()))
+    return Selection(index, kept_lengths, labels[index], max_seq_len, stats)
+
+
+def kept_difficulty(store: Store, selection: Selection) -> np.ndarray | None:
+    """The kept rows' `difficulty` for easy_to_hard: None when no row has one (order by length); an error naming
+    the row when some kept row has none, or one that is not a number."""
+    if not store.has_difficulty and not store.bad_difficulty:
+        return None
+    values = store.difficulty[selection.index]
+    for i in np.flatnonzero(~np.isfinite(values)).tolist():
+        row = int(selection.index[i])
+        value = store.bad_difficulty.get(row)
+        problem = f"difficulty {value} is not a number" if value is not None else "no difficulty"
+        raise ToolkitError(f"{store.where(row)}: {problem}; easy_to_hard needs a number on every row (or on none, "
+                           "to order by token length).")
+    return values
+
+
+def packing_plan(store: Store, selection: Selection) -> tuple[np.ndarray, np.ndarray]:
+    """The packed rows of a selection as index arrays: packed row k holds the kept rows
+    members[offsets[k]:offsets[k + 1]] (best-fit decreasing over the kept lengths, `pack_best_fit_decreasing`).
+
+    A plan depends only on the store and the length policy, so it is kept in the store's folder (`plans/`) once
+    computed: at a million rows it saves each rank seconds per launch. A plan file that does not fit the selection
+    is computed again."""
+    path = None
+    if store.path is not None:
+        policy = f"{selection.limit}-{len(selection.index)}-{int(selection.lengths.sum())}"
+        path = store.path / "plans" / f"packed-{policy}.npz"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            with np.load(path, allow_pickle=False) as saved:
+                offsets, members = saved["offsets"], saved["members"]
+            if len(members) == len(selection.index) and offsets[-1] == len(members) and np.array_equal(
+                    np.sort(members), np.arange(len(members))):
+                return offsets, members
+    bins = pack_best_fit_decreasing(selection.lengths.tolist(), selection.limit)
+    offsets = np.cumsum([0, *map(len, bins)]).astype(np.int64)
+    members = np.fromiter((i for b in bins for i in b), np.int64, int(offsets[-1]))
+    if path is not None:
+        with contextlib.suppress(OSError):  # a read-only cache only costs the time
+            write_atomic(path, lambda f: np.savez(f, offsets=offsets, members=members))
+    return offsets, members
+
+
+class SourceRows(Sequence[dict[str, Any]]):
+    """One source's rows for a stage: its kept rows, or with packing the packed rows (a list of kept rows each,
+    `position_ids` restarting at every one, no more than `limit` tokens). Indexable; a row is read from the store
+    when asked for."""
+
+    def __init__(self, store: Store, selection: Selection, *, packing: bool,
+                 difficulty: np.ndarray | None = None) -> None:
+        self.store, self.selection = store, selection
+        self.bins: tuple[np.ndarray, np.ndarray] | None = None  # (offsets, members): packed row k holds
+        self.difficulty = difficulty                             # members[offsets[k]:offsets[k + 1]]
+        self.lengths = selection.lengths
+        if packing:
+            offsets, members = packing_plan(store, selection)
+            self.bins = (offsets, members)
+            n_bins = len(offsets) - 1
+            self.lengths = (np.add.reduceat(selection.lengths[members], offsets[:-1]) if n_bins
+                            else np.zeros(0, np.int64))
+            if difficulty is not None:
+                self.difficulty = np.maximum.reduceat(difficulty[members], offsets[:-1]) if n_bins else difficulty
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def members(self, k: int) -> list[int]:
+        """The kept rows (positions in the selection) in row k."""
+        if self.bins is None:
+            return [k]
+        offsets, members = self.bins
+        return members[offsets[k]:offsets[k + 1]].tolist()
+
+    def _sample(self, j: int) -> dict[str, Any]:
+        return self.store.sample(int(self.selection.index[j]), self.selection.limit)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        k %= len(self)
+        if self.bins is None:
+            return self._sample(k)
+        return packed_row([self._sample(j) for j in self.members(k)])
+
+
+def packed_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """`toolkit.packing.pack_row`, and for vision-language samples their images and grids in order, with how many
+    images each sample has (`image_counts`: the collator splits them back per sample). An image is never split:
+    samples are packed whole."""
+    row: dict[str, Any] = pack_row(samples)
+    if any("images" in s for s in samples):
+        row["images"] = [p for s in samples for p in s.get("images", [])]
+        row["image_grid_thw"] = [g for s in samples for g in s.get("image_grid_thw", [])]
+        row["image_counts"] = [len(s.get("images", [])) for s in samples]
+    return row
+
+
+class StageRows(Sequence[dict[str, Any]]):
+    """A stage's rows: its sources' rows one after another (the sampler's global indices)."""
+
+    def __init__(self, parts: list[SourceRows]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0, *map(len, parts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k][i - int(self.starts[k])]
+
+
+@dataclass
+class TrainingSet:
+    """A stage's training rows: samples (packed rows with packing; any indexable sequence), per-source sizes,
+    difficulty (None: no row has one, easy_to_hard then sorts by length), lengths, statistics."""
+
+    samples: Sequence[dict[str, Any]]
+    sizes: list[int]
+    difficulty: Any  # np.ndarray | list[float] | None
+    lengths: Any  # np.ndarray | list[int]
+    stats: DataStats
+
+
+def training_set(parts: list[SourceRows], *, needs_difficulty: bool) -> TrainingSet:
+    """The stage's training set over its sources' rows."""
+    stats = DataStats()
+    for part in parts:
+        stats.add(part.selection.stats)
+    difficulty = None
+    if needs_difficulty and parts and all(p.difficulty is not None for p in parts):
+        difficulty = np.concatenate([p.difficulty for p in parts])
+    lengths = np.concatenate([p.lengths for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return TrainingSet(StageRows(parts), [len(p) for p in parts], difficulty, lengths, stats)
+
+
+# --- convenience: files to rows, as a stage loads them ------------------------------------------------------------
+
+@dataclass
+class EncodedRows:
+    """Some files' kept rows as plain samples (`input_ids`, `labels`), their difficulty and statistics."""
+
+    samples: list[dict[str, Any]]
+    difficulty: list[float | None]
+    stats: DataStats
+
+
+def _selections(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overlength: str, train_on: str,
+                thinking: str, cache_dir: Any, encoder: Any, num_proc: int) -> list[tuple[Store, Selection]]:
+    from pathlib import Path
+
+    from toolkit.data.encoding import TextEncoder
+    from toolkit.data.sources import Entry, resolve_source
+    from toolkit.data.store import open_store
+
+    encoder = encoder or TextEncoder(tokenizer, train_on=train_on, thinking=thinking)
+    out = []
+    for path in paths:
+        entry = path if isinstance(path, Entry) else Entry(str(path))
+        store = open_store(resolve_source(entry, Path()), encoder, None if cache_dir is None else Path(cache_dir),
+                           num_proc=num_proc)
+        out.append((store, select_rows(store, max_seq_len=max_seq_len, overlength=overlength)))
+    return out
+
+
+def encode_files(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overlength: str, train_on: str,
+                 thinking: str = "auto", cache_dir: Any = None, encoder: Any = None, num_proc: int = 1
+                 ) -> EncodedRows:
+    """Read, tokenise and length-police some sources (paths, or `Entry`s with a split and columns; through their
+    stores when `cache_dir` is given, else in memory), as plain samples: for inspecting and small eval sets.
+    `encoder` replaces the text encoder (vision-language rows)."""
+    data = EncodedRows([], [], DataStats())
+    for store, selection in _selections(paths, tokenizer, max_seq_len=max_seq_len, overlength=overlength,
+                                        train_on=train_on, thinking=thinking, cache_dir=cache_dir, encoder=encoder,
+                                        num_proc=num_proc):
+        data.samples += [store.sample(int(i), selection.limit) for i in selection.index]
+        values = store.difficulty[selection.index]
+        data.difficulty += [None if np.isnan(v) else float(v) for v in values.tolist()]
+        data.stats.add(selection.stats)
+    return data
+
+
+def load_training_set(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overlength: str, train_on: str,
+                      packing: bool, needs_difficulty: bool, thinking: str = "auto", cache_dir: Any = None,
+                      encoder: Any = None, num_proc: int = 1) -> TrainingSet:
+    """A stage's training set over files (each one a source of the mixture), packed within each file."""
+    parts = [SourceRows(store, selection, packing=packing,
+                        difficulty=kept_difficulty(store, selection) if needs_difficulty else None)
+             for store, selection in _selections(paths, tokenizer, max_seq_len=max_seq_len, overlength=overlength,
+                                                 train_on=train_on, thinking=thinking, cache_dir=cache_dir,
+                                                 encoder=encoder, num_proc=num_proc)]
+    return training_set(parts, needs_difficulty=needs_difficulty)

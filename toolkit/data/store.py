@@ -1,0 +1,511 @@
+"""The token store: each source tokenised once per machine into one memory-mapped, columnar file that every rank
+maps read-only.
+
+A store holds, per row of the source: `input_ids` (int32) and `mask` (uint8, 1 where the token carries loss),
+`length`, `label_tokens`, the row's `number` and `file` in its source (for errors), `difficulty`, and for vision-
+language rows the image paths, their grids and how many leading tokens may not be cut. It is the full encoding,
+before any length policy: `max_seq_len`, `overlength`, packing and ordering are index arrays computed from its
+columns (toolkit/data/plan.py), so stages with other lengths share it. Ranks share its pages; what a rank keeps
+privately grows with the number of rows (the per-row columns, offsets, packing plan), never with tokens.
+
+Format: datasets' own cache-file format, an Arrow IPC stream (`datasets.Dataset.from_file` opens it), written and
+memory-mapped with pyarrow, the library under datasets. Not through datasets' API: importing datasets costs ~2 s in
+every process of every launch, and `Dataset.map(num_proc=N)` reports a worker's error only once every worker has
+finished its shard (`datasets.utils.py_utils.iflatmap_unordered`), so a bad first row of a million-row file would
+fail the launch only after the whole preparation. Here the pieces are encoded by a process pool in order and the
+first bad row stops everything at once.
+
+Layout under `data.cache_dir` (default `<output_dir>/../.toolkit-cache/tokenized`):
+  stores/<key>/data.arrow, meta.json   a complete store; it exists only once complete (built in a temporary folder
+                                        and renamed into place), so a killed preparation leaves nothing a later
+                                        launch reads as complete
+  stores/.<key>.<host>.<pid>.tmp/       a preparation in progress (cleared by the next one on that host)
+  stores/<key>.lock                     flock held while preparing; its text names the holder (host, pid)
+  stores/<key>.failed                   the one-line error of a failed preparation, for the ranks waiting on it
+  hashes/                               data files' sha256, remembered against their stat (toolkit/data/sources.py)
+key = sha256 of {STORE_VERSION, the source's content digest, format, split, column mapping, the tokenizer's
+fingerprint (chat template included), the encoder's options (train_on, thinking, image settings)}.
+
+No collective wait: a rank that finds no store takes the store's lock and prepares it on every core
+(`data.num_proc`); the other ranks, and other launches sharing the cache dir, poll the store folder (and the
+failure marker) without any collective, so `distributed.timeout_minutes` does not bound a preparation. A holder
+that dies releases its lock (the kernel drops it) and the next poller prepares instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import tokenizers
+import transformers
+from tqdm.auto import tqdm
+
+from toolkit.atomic import build_dir, fsync_dir, write_atomic
+from toolkit.data.encoding import EncodedBatch
+from toolkit.data.sources import Piece, Source, open_source, pieces, read_piece
+from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+STORE_VERSION = 1
+"""Bump whenever the encoding or the store's columns change what a source prepares to, so old stores miss."""
+PIECE_ROWS = 1000
+"""Rows per piece of work (and per record batch): small enough that the first bad row stops the pool in about a
+second, large enough to amortise the tokenizer's batch call."""
+ROWS_PER_PROCESS = 2000
+"""A preparation uses one process per this many rows, up to data.num_proc: small files stay in-process."""
+BAR_MIN_ROWS, BAR_DELAY_S = 5000, 2.0
+"""Preparations of fewer rows show no progress bar; others show it once they took this long."""
+POLL_S = (0.1, 1.0)
+"""Waiting ranks poll the store every 0.1 s at first, then at most every second."""
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of everything the encoding depends on besides the row: the tokenizer (its full serialisation when
+    fast, else its vocab), special and added tokens, BOS/EOS settings, the chat template, library versions."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "core": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "special": tokenizer.special_tokens_map,
+        "all_special": tokenizer.all_special_tokens,
+        "added": {str(i): str(t) for i, t in tokenizer.added_tokens_decoder.items()},
+        "eos_token_id": tokenizer.eos_token_id,
+        "flags": [getattr(tokenizer, name, None) for name in ("add_bos_token", "add_eos_token")],
+        "chat_template": tokenizer.chat_template,
+        "versions": [transformers.__version__, tokenizers.__version__],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def store_key(source: Source, digest: str, encoder: Any) -> dict[str, Any]:
+    """Everything a store's content depends on (its sha256 names the store), as JSON gives it back."""
+    fingerprint = getattr(encoder, "fingerprint", None)
+    if fingerprint is None:  # serialising a 150k-token vocabulary takes about a second: once per encoder
+        fingerprint = encoder.fingerprint = tokenizer_fingerprint(encoder.tokenizer)
+    key = {"store": STORE_VERSION, "content": digest, "format": source.fmt, "split": source.entry.split,
+           "columns": sorted(source.entry.columns), "tokenizer": fingerprint, "encoding": encoder.options()}
+    return json.loads(json.dumps(key))
+
+
+# --- reading a store --------------------------------------------------------------------------------------------
+
+class Store:
+    """A prepared source, memory-mapped read-only. Per-row columns are numpy arrays (rows-proportional private
+    memory); tokens are read from the mapped file per row (`tokens`, `sample`)."""
+
+    def __init__(self, table: pa.Table, meta: dict[str, Any], source: Source, path: Path | None) -> None:
+        self.meta, self.source, self.path = meta, source, path
+        batches = table.to_batches()
+        self.starts = np.cumsum([0, *(b.num_rows for b in batches)]).astype(np.int64)
+        self._ids = [(b.column("input_ids").offsets.to_numpy(), b.column("input_ids").values.to_numpy())
+                     for b in batches]
+        self._mask = [b.column("mask").values.to_numpy() for b in batches]
+
+        def col(name: str, dtype: Any) -> np.ndarray:
+            if not batches:
+                return np.zeros(0, dtype)
+            return np.concatenate([b.column(name).to_numpy(zero_copy_only=False) for b in batches]).astype(dtype)
+
+        self.lengths = col("length", np.int64)
+        self.label_tokens = col("label_tokens", np.int64)
+        self.numbers = col("number", np.int64)
+        self.files = col("file", np.int32)
+        self.difficulty = col("difficulty", np.float64)  # NaN where absent (or not a number: see bad_difficulty)
+        self.bad_difficulty = {int(self.starts[k]) + j: value for k, b in enumerate(batches)
+                               for j, value in _non_null(b.column("bad_difficulty"))}
+        self.has_difficulty = bool(batches) and any(b.column("difficulty").null_count < b.num_rows for b in batches)
+        self.vision = bool(batches) and "images" in table.column_names
+        if self.vision:
+            self.uncuttable = col("uncuttable", np.int64)
+            self._images = [(b.column("images"), b.column("image_grid_thw")) for b in batches]
+        self.table = table  # keeps the mapping alive
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def where(self, i: int) -> str:
+        """How errors name row i: `file:line` or `file row N`."""
+        return self.source.where(int(self.files[i]), int(self.numbers[i]))
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return k, i - int(self.starts[k])
+
+    def tokens(self, i: int, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Row i's token ids and loss mask (views of the mapped file), cut to `limit` tokens."""
+        k, j = self._locate(i)
+        offsets, values = self._ids[k]
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        if limit is not None:
+            b = min(b, a + limit)
+        return values[a:b], self._mask[k][a:b]
+
+    def sample(self, i: int, limit: int | None = None) -> dict[str, Any]:
+        """Row i as a training sample: `input_ids`, `labels` (IGNORE_INDEX where no loss), and for an image row its
+        `images` and `image_grid_thw`."""
+        ids, mask = self.tokens(i, limit)
+        out: dict[str, Any] = {"input_ids": ids.tolist(), "labels": np.where(mask != 0, ids, IGNORE_INDEX).tolist()}
+        if self.vision:
+            k, j = self._locate(i)
+            images, grids = self._images[k]
+            paths = images[j].as_py()
+            if paths:
+                flat = grids[j].as_py()
+                out["images"] = paths
+                out["image_grid_thw"] = [flat[n:n + 3] for n in range(0, len(flat), 3)]
+        return out
+
+    def labels_within(self, i: int, limit: int) -> int:
+        """Trained tokens among row i's first `limit` tokens."""
+        return int(np.count_nonzero(self.tokens(i, limit)[1]))
+
+
+def _non_null(column: pa.Array) -> Iterator[tuple[int, Any]]:
+    if column.null_count == len(column):
+        return iter(())
+    return ((j, v) for j, v in enumerate(column.to_pylist()) if v is not None)
+
+
+def _read_table(path: Path) -> pa.Table:
+    return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+
+
+def _open_ready(folder: Path, key: dict[str, Any], source: Source) -> Store | None:
+    """The complete store in `folder`, or None when there is none; a store that is damaged (unreadable, cut
+    short, or for another key) counts as none, with a warning."""
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        data = folder / "data.arrow"
+        if meta["key"] != key or data.stat().st_size != meta["bytes"]:
+            raise ValueError("does not match its meta.json")
+        table = _read_table(data)
+        if table.num_rows != meta["rows"]:
+            raise ValueError("row count differs from its meta.json")
+        return Store(table, meta, source, folder)
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as e:
+        log.warning("token store %s is damaged (%s); preparing it again", folder, e)
+        return None
+
+
+# --- preparing a store ------------------------------------------------------------------------------------------
+
+_WORK: tuple[Source, Any] | None = None  # (source, encoder) of the preparation this worker process serves
+
+
+def _init_worker(source: Source, encoder: Any) -> None:
+    """A pool worker: dies with its parent (Linux), leaves signals to the parent, tokenises single-threaded."""
+    global _WORK
+    _WORK = (source, encoder)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _encode_piece(piece: Piece) -> pa.RecordBatch:
+    assert _WORK is not None
+    source, encoder = _WORK
+    rows, numbers = read_piece(source, piece)
+    batch = encoder.encode(rows, numbers, lambda n: source.where(piece.file_index, n),
+                           base_dir=source.files[piece.file_index].parent if source.files else Path())
+    return record_batch(batch, piece.file_index)
+
+
+def record_batch(batch: EncodedBatch, file_index: int) -> pa.RecordBatch:
+    """The store's columns for encoded rows (see the module docstring)."""
+    offsets = np.concatenate([[0], np.cumsum(batch.lengths)]).astype(np.int32)
+    trained = np.concatenate([[0], np.cumsum(batch.mask, dtype=np.int64)])
+    label_tokens = trained[offsets[1:]] - trained[offsets[:-1]]
+    difficulty, bad = [], []
+    for value in batch.difficulty:
+        number = value is not None and not isinstance(value, bool) and isinstance(value, int | float) \
+            and math.isfinite(value)
+        difficulty.append(float(value) if number else None)
+        bad.append(None if value is None or number else repr(value))
+    columns = {
+        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(batch.ids, pa.int32())),
+        "mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(batch.mask, pa.uint8())),
+        "length": pa.array(batch.lengths.astype(np.int32)),
+        "label_tokens": pa.array(label_tokens.astype(np.int32)),
+        "number": pa.array(batch.rows.astype(np.int64)),
+        "file": pa.array(np.full(len(batch.lengths), file_index, np.int32)),
+        "difficulty": pa.array(difficulty, pa.float64()),
+        "bad_difficulty": pa.array(bad, pa.string()),
+    }
+    if batch.images is not None:
+        columns["uncuttable"] = pa.array(np.asarray(batch.uncuttable, np.int32))
+        columns["images"] = pa.array(batch.images, pa.list_(pa.string()))
+        columns["image_grid_thw"] = pa.array([[n for grid in grids for n in grid] for grids in batch.grids or []],
+                                             pa.list_(pa.int32()))
+    return pa.RecordBatch.from_pydict(columns)
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """fork where there is one (workers start at once and inherit the tokenizer); spawn elsewhere."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callable[[pa.RecordBatch], None],
+                  label: str) -> dict[str, Any]:
+    """Encode every row of `source` (in order) and hand each piece's record batch to `write`; returns counts. Uses
+    up to `num_proc` worker processes; the first bad row, in file order, raises its one-line error at once."""
+    open_source(source)
+    work = list(pieces(source, PIECE_ROWS))
+    total = sum(p.rows for p in work)
+    processes = max(1, min(num_proc, math.ceil(total / ROWS_PER_PROCESS), len(work)))
+    counts = {"rows": 0, "tokens": 0, "label_tokens": 0}
+    bar = tqdm(total=total, unit="rows", desc=f"tokenising {label}", delay=BAR_DELAY_S, dynamic_ncols=True,
+               disable=total < BAR_MIN_ROWS or os.environ.get("TQDM_DISABLE") == "1")
+
+    def take(batch: pa.RecordBatch, piece: Piece) -> None:
+        write(batch)
+        counts["rows"] += batch.num_rows
+        counts["tokens"] += int(pc.sum(batch.column("length")).as_py() or 0)
+        counts["label_tokens"] += int(pc.sum(batch.column("label_tokens")).as_py() or 0)
+        bar.update(piece.rows)
+
+    try:
+        if processes == 1:
+            _init_state(source, encoder)
+            for piece in work:
+                take(_encode_piece(piece), piece)
+        else:
+            with _pool_context().Pool(processes, initializer=_init_worker, initargs=(source, encoder)) as pool:
+                for piece, batch in zip(work, pool.imap(_encode_piece, work, chunksize=1), strict=True):
+                    take(batch, piece)
+    finally:
+        bar.close()
+    counts["processes"] = processes
+    return counts
+
+
+def _init_state(source: Source, encoder: Any) -> None:
+    global _WORK
+    _WORK = (source, encoder)
+
+
+@dataclass
+class _Lock:
+    """An exclusive flock on `path` (released by the kernel however the holder ends); its text names the holder."""
+
+    path: Path
+    fd: int | None = None
+    unsupported: bool = False
+
+    def try_acquire(self, what: str) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            # A filesystem without flock (some network filesystems): prepare anyway; the store is renamed into
+            # place whole, so concurrent preparers only repeat work.
+            self.unsupported = True
+            log.warning("cannot lock %s (%s); preparing without a lock", self.path, os.strerror(e.errno))
+            return True
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+                                 "what": what}).encode())
+        return True
+
+    def holder(self) -> str:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(self.path.read_text())
+            return f"{info['host']} pid {info['pid']}"
+        return "another process"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def _process_start() -> float:
+    """When this process started (a failure written after it belongs to a preparation this launch waits on)."""
+    with contextlib.suppress(Exception):
+        import psutil
+
+        return float(psutil.Process().create_time())
+    return 0.0
+
+
+def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: int) -> Store:
+    """The source's store: opened when prepared already, else prepared by this process (holding the store's lock)
+    or by whoever holds it, waiting by polling. With `cache` None every process encodes into its own memory."""
+    digest = _digest(source, cache)
+    key = store_key(source, digest, encoder)
+    if cache is None:
+        return _prepare_in_memory(source, encoder, key, num_proc=num_proc)
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    root = cache / "stores"
+    final, lock, failed = root / name, _Lock(root / f"{name}.lock"), root / f"{name}.failed"
+    started, waiting_since, delay = _process_start(), None, POLL_S[0]
+    while True:
+        store = _open_ready(final, key, source)
+        if store is not None:
+            if waiting_since is not None:
+                log.info("data: %s ready after waiting %.0f s", source.name, time.monotonic() - waiting_since)
+            return store
+        message = _failure(failed, started)
+        if message is not None:
+            raise ToolkitError(message)
+        if lock.try_acquire(source.name):
+            try:
+                store = _open_ready(final, key, source)
+                return store if store is not None else _prepare(source, encoder, key, final, failed,
+                                                                num_proc=num_proc)
+            finally:
+                lock.release()
+        if waiting_since is None:
+            waiting_since = time.monotonic()
+            log.info("data: waiting for %s to prepare %s (%s)", lock.holder(), source.name, final)
+        time.sleep(delay)
+        delay = min(POLL_S[1], delay * 1.5)
+
+
+def _digest(source: Source, cache: Path | None) -> str:
+    if source.fmt in ("hub", "disk"):
+        open_source(source)  # a hub dataset's files are known once found in the cache
+    return source.digest(cache)
+
+
+def _failure(path: Path, since: float) -> str | None:
+    """The one-line error of a preparation that failed after `since` (one this launch was waiting on)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        info = json.loads(path.read_text())
+        if info["time"] >= since:
+            return str(info["message"])
+    return None
+
+
+def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, failed: Path, *,
+             num_proc: int) -> Store:
+    """Prepare the store into a temporary folder and rename it into place (holding the lock). A failure is
+    written to `failed` for the waiting ranks, then raised."""
+    host = socket.gethostname()
+    _clear_dead_temporaries(final, host)
+    tmp = final.parent / f".{final.name}.{host}.{os.getpid()}.tmp"
+    signature = source.stat_signature()
+    start = time.monotonic()
+    info: dict[str, Any] = {}
+
+    def build(folder: Path) -> None:
+        path = folder / "data.arrow"
+        with pa.OSFile(str(path), "wb") as sink:
+            writer: list[pa.RecordBatchStreamWriter] = []
+
+            def write(batch: pa.RecordBatch) -> None:
+                if not writer:
+                    writer.append(pa.ipc.new_stream(sink, batch.schema))
+                writer[0].write_batch(batch)
+
+            info.update(encode_source(source, encoder, num_proc=num_proc, write=write, label=source.name))
+            if not writer:  # no rows at all: an empty stream of the text schema
+                writer.append(pa.ipc.new_stream(sink, record_batch(_empty_batch(), 0).schema))
+            writer[0].close()
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        if source.stat_signature() != signature:
+            raise ToolkitError(f"Data entry {source.name} changed while it was being prepared; start again.")
+        meta = {"key": key, "source": source.describe(), "rows": info["rows"], "tokens": info["tokens"],
+                "label_tokens": info["label_tokens"], "bytes": path.stat().st_size,
+                "prepared": {"host": host, "pid": os.getpid(), "time": time.time(),
+                             "seconds": round(time.monotonic() - start, 2), "processes": info["processes"]}}
+        write_atomic(folder / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+    try:
+        # A damaged store in the way is replaced (we hold the lock); else the first complete store wins.
+        build_dir(final, build, replace=final.exists(), tmp=tmp)
+        failed.unlink(missing_ok=True)
+    except ToolkitError as e:
+        _write_failure(failed, str(e))
+        raise
+    except Exception as e:
+        _write_failure(failed, f"preparing {source.name} failed on {host} ({type(e).__name__}: {e}); see that "
+                               "process's log.")
+        raise
+    store = _open_ready(final, key, source)
+    if store is None:
+        raise ToolkitError(f"The token store {final} could not be read back after preparing it.")
+    seconds = time.monotonic() - start
+    log.info("data: prepared %s: %d rows, %d tokens (%d trained) in %.1f s (%.0f rows/s, %d processes) on %s -> %s",
+             source.name, info["rows"], info["tokens"], info["label_tokens"], seconds,
+             info["rows"] / max(seconds, 1e-9), info["processes"], host, final)
+    return store
+
+
+def _empty_batch() -> EncodedBatch:
+    return EncodedBatch(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def _write_failure(path: Path, message: str) -> None:
+    payload = json.dumps({"message": message, "time": time.time(), "host": socket.gethostname(),
+                          "pid": os.getpid()}).encode()
+    with contextlib.suppress(OSError):
+        write_atomic(path, lambda f: f.write(payload))
+
+
+def _clear_dead_temporaries(final: Path, host: str) -> None:
+    """Temporary folders of earlier preparations of this store on this host whose process is gone (killed)."""
+    import shutil
+
+    for tmp in final.parent.glob(f".{final.name}.{host}.*.tmp"):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(tmp.name.split(".")[-2])
+            if pid != os.getpid() and not _alive(pid):
+                shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(final.parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prepare_in_memory(source: Source, encoder: Any, key: dict[str, Any], *, num_proc: int) -> Store:
+    """data.cache_dir: none: the store built in this process's memory (not shared, not kept)."""
+    batches: list[pa.RecordBatch] = []
+    info = encode_source(source, encoder, num_proc=num_proc, write=batches.append, label=source.name)
+    table = pa.Table.from_batches(batches) if batches else pa.Table.from_batches(
+        [record_batch(_empty_batch(), 0)])
+    meta = {"key": key, "source": source.describe(), **info}
+    return Store(table, meta, source, None)
