@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.atomic import write_text_atomic
+from toolkit.attention import choose_attention
 from toolkit.collate import batch_collator
 from toolkit.config import (
     Recipe,
@@ -49,7 +50,6 @@ from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
 from toolkit.model import (
     check_model_source,
     check_remote_code,
-    choose_attention,
     count_parameters,
     enable_gradient_checkpointing,
     is_vision_language,

@@ -178,6 +178,12 @@ def micro_batches(run: Run, stage: Stage, step_in_stage: int) -> tuple[list[list
     return rank_batches, [run.collate([data.samples[i] for i in idx]) for idx in rank_batches]
 
 
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated batch on `device`: its tensors moved, its ints (the packed row's `max_length_q/k`, which the
+    attention kernels take as host ints) left as they are."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResult:
     """One optimizer step over the stage's global batch; stops the run when the guard has skipped too many."""
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
@@ -193,7 +199,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
     for j, (idx, batch) in enumerate(zip(rank_batches, batches, strict=True)):
-        batch = {k: v.to(acc.device) for k, v in batch.items()}
+        batch = to_device(batch, acc.device)
         lengths = [n for i in idx for n in sample_lengths(samples[i])]
         meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled), len(lengths))
         with acc.accumulate(model):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -170,18 +169,6 @@ def resolve_dtype(name: str, *, lora: bool) -> torch.dtype:
     if lora and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
-
-
-def choose_attention(requested: str) -> str:
-    """`auto`: flash_attention_2 when flash-attn is importable and CUDA is present, else sdpa."""
-    if requested != "auto":
-        if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-            raise ToolkitError("model.attn_implementation is flash_attention_2 but flash-attn is not installed: "
-                               "pip install 'curriculum-toolkit[flash]' (needs CUDA), or use auto or sdpa.")
-        return requested
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
 
 
 def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
