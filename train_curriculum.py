@@ -58,6 +58,7 @@ from toolkit.model import (
     materialize_builtin,
     resolve_dtype,
     setup_lora,
+    skip_adapter_input_casts,
 )
 from toolkit.packing import check_packing_support
 from toolkit.preemption import PreemptionFlag
@@ -131,7 +132,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
-    model, trainable = build_model(recipe, resolved, model_path, vision=vision)
+    model, trainable = build_model(recipe, resolved, model_path, vision=vision,
+                                   mixed_precision=accelerator.mixed_precision)
     curriculum.set_trainable_params(trainable.stage_counts)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
@@ -316,9 +318,10 @@ def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
             "check the data, then resume from a checkpoint before the trouble began.")
 
 
-def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *,
-                vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
+def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *, vision: bool,
+                mixed_precision: str = "no") -> tuple[torch.nn.Module, TrainablePlan]:
     """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
+    `mixed_precision` is the launch's (accelerate's): under autocast LoRA layers keep no fp32 copy of their input.
 
     Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
     the adapter); `plan_trainable` then sets requires_grad on everything that trains in any stage.
@@ -337,6 +340,12 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
         model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
                            modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
                            stage_trainable=entries, trainable_keys=keys)
+        if mixed_precision in ("bf16", "fp16"):
+            skip_adapter_input_casts(model)  # the adapters compute in 16-bit under autocast: no fp32 input copies
+        elif dtype != torch.float32:
+            log.warning("model.dtype %s with mixed precision off: the fp32 LoRA adapters compute in fp32, and each "
+                        "adapted layer keeps an fp32 copy of its input for backward; launch with --mixed_precision "
+                        "bf16 to avoid it", str(dtype).removeprefix("torch."))
     install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
     if recipe.data.packing:
         check_packing_support(model)

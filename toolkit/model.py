@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -212,6 +213,22 @@ def setup_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float, 
     extra = modules_to_train(model, stage_trainable, trainable_keys)
     return apply_lora(model, r=r, alpha=alpha, dropout=dropout, target_modules=target_modules,
                       modules_to_save=[*modules_to_save, *extra], exclude_modules=exclude_modules)
+
+
+def skip_adapter_input_casts(model: torch.nn.Module) -> int:
+    """Stop PEFT from casting each adapted layer's input to the adapter's dtype; returns the number of layers.
+
+    Why: LoRA adapters stay fp32 over a 16-bit base (PEFT's autocast_adapter_dtype), and every adapted Linear casts
+    its input to fp32 before the adapter, so each one keeps its own fp32 copy of its input for backward (q, k and v
+    each copy the same normed hidden states). Under autocast (accelerate's bf16/fp16 mixed precision) the adapter
+    matmul runs in 16-bit anyway: the cast buys nothing and costs activation memory, so it is turned off for the
+    run, the switch `peft.helpers.disable_input_dtype_casting` flips for a block. Without autocast an fp32 adapter
+    cannot take a 16-bit input, so the cast must stay.
+    """
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
