@@ -59,6 +59,7 @@ from toolkit.model import (
     resolve_dtype,
     setup_lora,
     skip_adapter_input_casts,
+    upcast_trainable,
 )
 from toolkit.packing import check_packing_support
 from toolkit.preemption import PreemptionFlag
@@ -350,6 +351,8 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     if recipe.data.packing:
         check_packing_support(model)
     trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
+    if recipe.lora.enabled and dtype != torch.float32:
+        upcast_trainable(model)  # modules trained in full over a 16-bit base: fp32, as the adapters
     total = count_parameters(model)[1]
     for stage, count in zip(resolved, trainable.stage_counts, strict=True):
         log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)

@@ -18,8 +18,10 @@ computed over the whole row. So the toolkit registers its own kernels through tr
 
 The boundaries come with the batch: the packing collator adds `cu_seq_lens_q/k` (int32 offsets) and
 `max_length_q/k` (Python ints, so no kernel reads them back from the device) from `flash_boundaries`. They flow
-through the model's `**kwargs` to every attention call. Without them (a packed row built elsewhere) the kernels
-read the restarts off `position_ids`, once per forward.
+through the model's `**kwargs` to every attention call. transformers still looks for position-id restarts when it
+builds the mask (one host read per forward, `masking_utils.find_packed_sequence_indices`); the toolkit's mask
+functions turn what it finds into the marker `PACKED_ROW` instead of a T x T mask. Without collator boundaries (a
+packed row built elsewhere) the kernels read the restarts off `position_ids`, once per forward.
 
 `model.attn_implementation: auto` takes the best exact kernel available: flash_attention_2 on CUDA with flash-attn,
 else ``sdpa_packed``; `sdpa` and `eager` name the toolkit's kernels too (identical on unpacked batches).
@@ -92,15 +94,11 @@ def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(itertools.pairwise(offsets))
 
 
-def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(cu_seq_lens, max_length) of rows whose positions restart, or None when no row restarts. Only one row can
-    be split exactly here: several packed rows in a batch are an error (the toolkit's collator makes one)."""
-    restarts = (torch.diff(position_ids, dim=-1) != 1).any()
-    if not bool(restarts):
-        return None
-    if position_ids.shape[0] != 1 or int(position_ids[0, 0]) != 0:
-        raise ValueError("packed rows with sdpa_packed / eager_packed must come as one row starting at position 0 "
-                         "(toolkit.packing.PackedCollator's layout)")
+def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seq_lens, max_length) of a packed row from its restarting position_ids (one host read per forward)."""
+    if position_ids.ndim != 2 or position_ids.shape[0] != 1 or int(position_ids[0, 0]) != 0:
+        raise ValueError("packed rows with sdpa_packed / eager_packed must come as one row whose position_ids start "
+                         "at 0 (toolkit.packing.PackedCollator's layout)")
     found = flash_boundaries(position_ids.cpu())
     return found["cu_seq_lens_q"].to(position_ids.device), found["max_length_q"]
 
@@ -108,21 +106,27 @@ def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor
 _SPANS = _HostCache(_spans)
 _FROM_POSITIONS = _HostCache(_boundaries_from_positions)
 
+PACKED_ROW = torch.empty(0)
+"""The mask the toolkit's mask functions give a row whose position_ids restart: transformers has found the
+restarts itself (`find_packed_sequence_indices`, which then turns off `allow_is_causal_skip`), so the kernel splits
+the row at its sample boundaries instead of receiving a T x T mask. A marker, not a mask: only these kernels read
+it, and anything that tried to use it as a mask would fail on its shape."""
+
 
 def _packed_boundaries(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                        kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
-    """(cu_seq_lens, max_length) when this call is one packed row, from the batch's boundaries (the collator's) or,
-    failing those, from its position_ids; None for every other call (padding, a KV cache, a sliding window)."""
-    if attention_mask is not None or kwargs.get("sliding_window") or key.shape[2] != query.shape[2]:
-        return None
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:  # self-attention: the key boundaries are the query ones
-        if query.shape[0] != 1:
-            raise ValueError("cu_seq_lens_q is given for a batch of several rows; packed rows come as one row")
-        return cu, int(kwargs["max_length_q"])
-    pos = kwargs.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[-1] == query.shape[2]:
-        return _FROM_POSITIONS(pos)
+    """(cu_seq_lens, max_length) when this call is one packed row: the batch's boundaries (the collator's) or,
+    failing those, its position_ids' restarts; None for every other call (padding, a KV cache, a window)."""
+    cu = kwargs.get("cu_seq_lens_q")  # self-attention: the key boundaries are the query ones
+    if attention_mask is PACKED_ROW:
+        if cu is not None:
+            return cu, int(kwargs["max_length_q"])
+        position_ids = kwargs.get("position_ids")
+        if not isinstance(position_ids, torch.Tensor):
+            raise ValueError("a packed row reached the attention kernel without position_ids or cu_seq_lens_q")
+        return _FROM_POSITIONS(position_ids)
+    if attention_mask is None and cu is not None and query.shape[0] == 1 and key.shape[2] == query.shape[2]:
+        return cu, int(kwargs["max_length_q"])  # boundaries given without restarting position_ids
     return None
 
 
@@ -199,10 +203,10 @@ def _causal(q_len: int, kv_len: int, like: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- the masks
 
 
-def _causal_row_needs_no_mask(q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
-                              attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
+def _unpadded_causal_row(q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
+                         attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
     """A causal mask (`create_causal_mask` passes allow_is_causal_skip; bidirectional ones do not) over rows with no
-    padding, no cache offset, no window and no custom overlay (use_vmap): the kernel needs none."""
+    padding, no cache offset, no window and no custom overlay (use_vmap): the kernel needs no mask for it."""
     return ("allow_is_causal_skip" in kwargs and not kwargs.get("use_vmap") and kwargs.get("local_size") is None
             and attention_mask is None and q_length == kv_length
             and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0)
@@ -210,18 +214,18 @@ def _causal_row_needs_no_mask(q_length: int, kv_length: int, q_offset: Any, kv_o
 
 def sdpa_packed_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
                      attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """No mask for causal rows without padding or cache (causality and sample boundaries are the kernel's); the
-    stock sdpa mask otherwise."""
-    if _causal_row_needs_no_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
-        return None
+    """For an unpadded causal row: None (causal, sdpa's `is_causal`), or PACKED_ROW when transformers found
+    position-id restarts (it then forbids the causal skip). The stock sdpa mask for everything else."""
+    if _unpadded_causal_row(q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
+        return None if kwargs["allow_is_causal_skip"] else PACKED_ROW
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
 
 
 def eager_packed_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
                       attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """As `sdpa_packed_mask`, with the stock eager (additive) mask where one is needed."""
-    if _causal_row_needs_no_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
-        return None
+    if _unpadded_causal_row(q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
+        return None if kwargs["allow_is_causal_skip"] else PACKED_ROW
     return eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
 
 

@@ -11,7 +11,9 @@ activations, and it grows with sequence length. Here the cross-entropy is comput
   ``lora.Linear``), ``modules_to_save`` and tied embeddings are differentiated as usual.
 * ``liger`` (CUDA, ``pip install 'curriculum-toolkit[liger]'``): Liger-Kernel's fused linear cross-entropy,
   which computes the gradients of hidden states and weight chunk by chunk in forward. Only for a plain
-  ``nn.Linear`` head (no LoRA on it).
+  ``nn.Linear`` head (no LoRA on it). On the CPU its Triton kernels run in Triton's interpreter
+  (``TRITON_INTERPRET=1``): how CI checks it against the chunked head (tests/test_loss_head.py, and a ZeRO-3
+  launch in tests/test_strategies.py).
 
 Where it runs: under ZeRO-3 and FSDP2 the head's weight is sharded and gathered only while the head module runs
 (DeepSpeed's / FSDP's module hooks), and re-gathered for its backward. So the loss is computed *inside the head
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +63,19 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1): how CI runs Liger's kernels."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def check_loss_head(kind: str) -> None:
     """Fail in seconds, before the model loads, on a head that cannot run here."""
     if kind not in LOSS_HEADS:
         raise ToolkitError(f"model.loss_head is '{kind}'; choose one of {', '.join(LOSS_HEADS)}.")
-    if kind == "liger" and not (torch.cuda.is_available() and liger_available()):
+    if kind == "liger" and not (liger_available() and (torch.cuda.is_available() or triton_interpreted())):
         raise ToolkitError("model.loss_head is liger but " + ("liger-kernel is not installed: pip install "
-                           "'curriculum-toolkit[liger]'" if not liger_available() else "there is no CUDA device")
+                           "'curriculum-toolkit[liger]'" if not liger_available() else "there is no CUDA device "
+                           "(TRITON_INTERPRET=1 runs its kernels on the CPU, slowly: for tests)")
                            + "; use auto (Liger where it can run, the chunked head otherwise) or chunked.")
 
 
@@ -120,7 +129,7 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
 
 def liger_cross_entropy(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor,
                         shift_labels: torch.Tensor, *, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same sum and count through Liger-Kernel's fused linear cross-entropy (CUDA only)."""
+    """The same sum and count through Liger-Kernel's fused linear cross-entropy (CUDA, or TRITON_INTERPRET=1)."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -231,6 +231,23 @@ def skip_adapter_input_casts(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+def upcast_trainable(model: torch.nn.Module) -> int:
+    """Keep every trainable parameter in fp32 (modules a stage trains in full over a 16-bit base: PEFT's
+    modules_to_save copies take the base's dtype); returns how many were cast.
+
+    Why: an optimizer without master weights (single, DDP, FSDP2) steps a bf16 weight in bf16, where an update
+    smaller than half a unit in the last place (2**-9 relative) is lost: a norm weight near 1.0 never moves at a
+    learning rate of 1e-3. PEFT keeps LoRA adapters in fp32 for the same reason; under autocast they compute in
+    16-bit all the same. DeepSpeed keeps fp32 masters of whatever it is given.
+    """
+    cast = 0
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+            cast += 1
+    return cast
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; correct under ZeRO-3, where local tensors are empty shards."""
     trainable = total = 0
