@@ -360,8 +360,11 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    gpu = distributed.gpu_defaults()  # before anything touches CUDA (its allocator reads its config once)
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    if torch.cuda.is_available():
+        log.info("GPU defaults: %s", ", ".join(gpu) or "none (the allocator config is the user's)")
     try:
         if args.num_dummy_samples < 1:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")

@@ -32,7 +32,7 @@ from toolkit.flops import batch_train_flops
 from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard, Verdict, injected_fault
 from toolkit.labels import IGNORE_INDEX
-from toolkit.metrics import Meter, MetricsLog, sample_lengths
+from toolkit.metrics import Meter, MetricsLog, label_tokens, sample_lengths
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 log = logging.getLogger("toolkit")
@@ -201,7 +201,9 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     for j, (idx, batch) in enumerate(zip(rank_batches, batches, strict=True)):
         batch = to_device(batch, acc.device)
         lengths = [n for i in idx for n in sample_lengths(samples[i])]
-        meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled), len(lengths))
+        logits_for = None if run.recipe.model.loss_head == "standard" else sum(label_tokens(samples[i]) for i in idx)
+        meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled,
+                                                 head_tokens=logits_for), len(lengths))
         with acc.accumulate(model):
             loss = model(**batch, num_items_in_batch=items_per_micro).loss
             if injected_fault(step + 1, acc.process_index):

@@ -29,9 +29,9 @@ parameters the optimizer updates, "frozen" the rest):
 * buffers (working set outside the persistent state): DDP's reducer keeps a bucketed copy of all gradients
   (``gradient_as_bucket_view`` is off by default); ZeRO-2/3 keep a reduce bucket of hidden^2 elements
   (accelerate's "auto" ``reduce_bucket_size``); ZeRO-3 also gathers the largest single weight plus a prefetch
-  bucket of 0.9 * hidden^2 elements; FSDP2 gathers the root module (embeddings, head, final norm: kept
-  unsharded through forward and backward) plus two decoder layers (current and prefetched) and one layer's
-  unsharded gradients.
+  bucket of 2e8 elements (the shipped configs' ``stage3_prefetch_bucket_size``, at most the whole model);
+  FSDP2 gathers the root module (embeddings, head, final norm: kept unsharded through forward and backward)
+  plus two decoder layers (current and prefetched) and one layer's unsharded gradients.
 * activations, for T = micro_batch * seq_len tokens and ``activation_bytes`` b per element (2 under bf16 autocast or a
   bf16 model, the shipped launch configs), after Korthikanti et al. 2022 for GQA + SwiGLU with an SDPA/flash kernel
   (no seq^2 score matrix is stored), checked per term against the tensors autograd saves
@@ -96,6 +96,7 @@ GIB = 1024**3
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weight
 FP32_GRAD_BYTES = 4  # ZeRO-2 optimizer offload accumulates gradients into an fp32 partition on the CPU
+ZERO3_PREFETCH_BUCKET = 200_000_000  # ds_configs/zero3*.json's stage3_prefetch_bucket_size (the reason is there)
 
 _LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
 
@@ -274,7 +275,8 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
                 partitions += part
         shard = sum(_ceil_div(n, world) for _, n, t in table if t)
         largest = max(n for _, n, _ in table)
-        buffers = (largest + int(0.9 * reduce_bucket)) * param_bytes + min(reduce_bucket, trainable) * g_bytes
+        prefetch = min(ZERO3_PREFETCH_BUCKET, sum(n for _, n, _ in table))
+        buffers = (largest + prefetch) * param_bytes + min(reduce_bucket, trainable) * g_bytes
         if offload:
             params, grads, optimizer = persistent, 0, 0
             cpu = world * (partitions + shard * (g_bytes + ADAM_BYTES + master))

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from toolkit.atomic import write_text_atomic
 from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
 
 
 class MetricsLog:
@@ -106,6 +108,12 @@ def sample_lengths(sample: dict[str, list[int]]) -> list[int]:
         return [len(sample["input_ids"])]
     starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
     return [b - a for a, b in itertools.pairwise(starts)]
+
+
+def label_tokens(sample: dict[str, Any]) -> int:
+    """Tokens of a row (plain or packed) that carry a loss: the ones whose logits the chunked and Liger heads
+    compute (a row's first label is always ignored, so the shift loses none)."""
+    return int(np.count_nonzero(np.asarray(sample["labels"]) != IGNORE_INDEX))
 
 
 class Meter:
