@@ -10,6 +10,17 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
   batch, the one all-reduce (loss, preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
 * `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
   the checkpoint, the preemption exit.
+
+Host syncs (a device value read on the host stalls a GPU's queue; tests/test_sync_budget.py counts them):
+* every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
+  flags; every rank needs the verdict before the update is committed).
+* inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
+  position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
+  selects the label positions (`nonzero`: it skips the head's matmul for every other token). None per layer: the
+  packing collator hands the attention kernels their boundaries with host-side lengths.
+* logging steps: the meter's one reduction (tokens, FLOPs, samples) and the peak-memory max, read back, and the
+  gradient norm as a float; evaluation steps: the summed eval loss and token count; stage ends and checkpoints: the
+  token count (`Run.tokens_now`). Token and FLOP counts are host arithmetic on the known lengths.
 """
 
 from __future__ import annotations
