@@ -203,30 +203,28 @@ def _causal(q_len: int, kv_len: int, like: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- the masks
 
 
-def _unpadded_causal_row(q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
-                         attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
+def _unpadded_causal_row(kwargs: dict[str, Any]) -> bool:
     """A causal mask (`create_causal_mask` passes allow_is_causal_skip; bidirectional ones do not) over rows with no
     padding, no cache offset, no window and no custom overlay (use_vmap): the kernel needs no mask for it."""
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     return ("allow_is_causal_skip" in kwargs and not kwargs.get("use_vmap") and kwargs.get("local_size") is None
-            and attention_mask is None and q_length == kv_length
+            and kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length")
             and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0)
 
 
-def sdpa_packed_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
-                     attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+def sdpa_packed_mask(**kwargs: Any) -> torch.Tensor | None:
     """For an unpadded causal row: None (causal, sdpa's `is_causal`), or PACKED_ROW when transformers found
     position-id restarts (it then forbids the causal skip). The stock sdpa mask for everything else."""
-    if _unpadded_causal_row(q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
+    if _unpadded_causal_row(kwargs):
         return None if kwargs["allow_is_causal_skip"] else PACKED_ROW
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(**kwargs)
 
 
-def eager_packed_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
-                      attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+def eager_packed_mask(**kwargs: Any) -> torch.Tensor | None:
     """As `sdpa_packed_mask`, with the stock eager (additive) mask where one is needed."""
-    if _unpadded_causal_row(q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
+    if _unpadded_causal_row(kwargs):
         return None if kwargs["allow_is_causal_skip"] else PACKED_ROW
-    return eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
+    return eager_mask(**kwargs)
 
 
 def register_kernels() -> None:

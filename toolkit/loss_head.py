@@ -17,7 +17,7 @@ activations, and it grows with sequence length. Here the cross-entropy is comput
 
 Where it runs: under ZeRO-3 and FSDP2 the head's weight is sharded and gathered only while the head module runs
 (DeepSpeed's / FSDP's module hooks), and re-gathered for its backward. So the loss is computed *inside the head
-module's forward call*: a forward pre-hook on the causal LM records the labels of the call, the model calls its
+module's forward call*: a wrapper around the causal LM's forward records the labels of the call, the model calls its
 head once with the hidden states as usual, and the head's patched forward returns the loss (a 0-d tensor) in
 place of the logits. The model's ``loss_function`` (transformers' hook for exactly this) then hands that
 tensor back as ``loss``. ``num_items_in_batch`` normalises exactly as transformers' ``ForCausalLMLoss``: the
@@ -147,7 +147,7 @@ def liger_cross_entropy(weight: torch.Tensor, bias: torch.Tensor | None, hidden:
 
 @dataclass
 class _Call:
-    """What the pre-hook learnt about the current labelled forward call."""
+    """What the forward wrapper learnt about the current labelled forward call."""
 
     shift_labels: torch.Tensor
     num_items: Any
@@ -156,7 +156,7 @@ class _Call:
 
 
 class LossHead:
-    """The installed head: the causal LM's pre-hook, the head module's patched forward, the model's loss
+    """The installed head: the causal LM's forward wrapper, the head module's patched forward, the model's loss
     function. ``kind`` is ``chunked`` or ``liger``; ``calls`` counts the losses it computed (tests)."""
 
     def __init__(self, model: nn.Module, head: nn.Module, kind: str, chunk_tokens: int) -> None:
@@ -166,9 +166,16 @@ class LossHead:
         self._pending: _Call | None = None
         self._head_forward = head.forward  # the module's own forward (nn.Linear's, PEFT lora.Linear's, ...)
         self._standard_loss = model.loss_function
-        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        # The causal LM's forward is wrapped, not hooked: PEFT before 0.21 calls `model.forward(...)` directly,
+        # which skips module hooks (the labels would go unseen and the full-logits head would run, silently).
+        self._model_forward = model.forward
+        model.forward = self._forward_with_labels  # type: ignore[method-assign]
         head.forward = self._forward  # type: ignore[method-assign]
         model.loss_function = self._loss  # transformers calls self.loss_function(logits=..., labels=..., ...)
+
+    def _forward_with_labels(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(self.model, args, kwargs)
+        return self._model_forward(*args, **kwargs)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
@@ -201,7 +208,7 @@ class LossHead:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
               **kwargs: Any) -> torch.Tensor:
         call, self._pending = self._pending, None
-        if call is None:  # a call the pre-hook left to the standard path (no labels seen, logits_to_keep)
+        if call is None:  # a call the wrapper left to the standard path (no labels seen, logits_to_keep)
             return self._standard_loss(logits=logits, labels=labels, vocab_size=vocab_size, **kwargs)
         if not call.done:
             raise RuntimeError("the chunked loss head did not run in this forward call: the model did not call "
@@ -210,7 +217,7 @@ class LossHead:
 
     def remove(self) -> None:
         """Back to the standard head (tests compare both on one model)."""
-        self._hook.remove()
+        del self.model.forward  # the instance attribute: the class's forward shows through again
         del self.head.forward  # the instance attribute: the class's forward shows through again
         self.model.loss_function = self._standard_loss
         self._pending = None
