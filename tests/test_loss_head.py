@@ -255,3 +255,17 @@ def test_liger_equals_chunked_on_tiny_qwen2_5_vl(models: dict[str, str]) -> None
     batch = VLCollator(processor)(rows)  # text rows: the masked dummy image runs the vision tower too
     assert "pixel_values" in batch
     liger_against_chunked(model, batch)
+
+
+def test_the_head_runs_when_the_model_forward_is_called_directly() -> None:
+    """PEFT before 0.21 runs the base model as `model.forward(...)`, which skips module hooks: the head must still
+    see the labels (it wraps forward), or the full-logits head would run without a word."""
+    model = tiny_model()
+    batch = padded_batch()
+    ref = model(**batch).loss
+    head = install_loss_head(model, "chunked", 4)
+    assert head is not None
+    torch.testing.assert_close(model.forward(**batch).loss, ref, rtol=1e-5, atol=1e-6)
+    assert head.calls == 1
+    head.remove()
+    assert "forward" not in vars(model)
