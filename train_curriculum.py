@@ -41,9 +41,12 @@ from toolkit.config import (
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.errors import ToolkitError
+from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
 from toolkit.flops import peak_flops
+from toolkit.forgetting import prune_after
 from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard
+from toolkit.last_words import FAILED_EXIT_CODE, LastWords
 from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
 from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
@@ -71,7 +74,7 @@ from toolkit.run_data import (
     uses_dummy_data,
     write_dummy_files,
 )
-from toolkit.run_dir import RunLayout, RunLock, check_not_an_earlier_run, check_output_dir
+from toolkit.run_dir import RunLayout, RunLock, check_output_dir, set_aside_earlier_attempt
 from toolkit.strategies.deepspeed import configure_deepspeed
 from toolkit.trainable import TrainablePlan, plan_trainable
 
@@ -87,17 +90,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
+def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
+          recipe_dir: Path | None = None) -> int:
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
+    scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
     check_trackers(recipe.logging.trackers)
     accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
                                                 log_with=recipe.logging.trackers or None,
                                                 project_dir=str(layout.trackers))
+    ending.watch(layout)  # should this rank stop unexpectedly, the others can name it
     world, strategy = accelerator.num_processes, strategies.strategy_name(accelerator)
     global_batch = micro * accum * world
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
@@ -117,6 +123,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
     if create_dummy:  # stages not already on dummy data get the generated files
         use_dummy_data(recipe.stages, vision=vision)
+    if resume_from is None:  # the recipe is final now: it tells an interrupted attempt of this run from another run
+        start_afresh(layout, recipe, accelerator)
     resolved = resolve_stages(recipe)  # each stage's effective settings, from here on
     processor, tokenizer = prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data,
                                           vision=vision, dummy_samples=dummy_samples)
@@ -125,6 +133,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
                               layout.dummy_data, cache)
     collate = batch_collator(processor if vision else tokenizer, vision=vision, packing=recipe.data.packing,
                              min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels)
+    generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
+                                      layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
                             data_files=data_fingerprint(resolved, layout.dummy_data, cache))
     resume_meta, forced = {}, []
@@ -153,13 +163,14 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int) -> int:
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
     run = assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
-                       curriculum=curriculum, collate=collate, identity=identity)
+                       curriculum=curriculum, collate=collate, identity=identity, generation=generation)
 
     # --- Resume: weights, optimizer, scheduler, RNG and the run state; the data position is a function of the step.
     if resume_from is not None:
         resume_run(run, resume_from, resume_meta, forced)
     write_run_files(recipe, layout, accelerator, identity, curriculum.plans, trainable.stage_counts,
                     resumed_at=None if run.resumed is None else run.resumed.step)
+    ending.run_folder_ready()  # from here on an unexpected end's traceback goes to <output_dir>/logs
     accelerator.init_trackers(run_name, config=flat_config(recipe))
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
@@ -203,19 +214,20 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
 def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) -> None:
     """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state (with
     the curriculum's: stages that ended early on eval patience keep their length)."""
-    how = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
-                             strategy=run.identity["strategy"])
+    restored = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
+                                  strategy=run.identity["strategy"], seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
-    log.info("resumed (%s) from %s: step %d of %d, stage '%s'", f"{how}, forced past differences" if forced
-             else how, ckpt, run.resumed.step, run.curriculum.end_step, meta["stage"])
+    how = f"{restored.how}, forced past differences" if forced else restored.how
+    (log.warning if restored.lost else log.info)("resumed (%s) from %s: step %d of %d, stage '%s'", how, ckpt,
+                                                 run.resumed.step, run.curriculum.end_step, meta["stage"])
     for difference in forced:
         log.warning("checkpoint.resume_force: resumed despite %s", difference)
 
 
 def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
-    """Take the run lock (one writer per output dir: a second launch, or a requeue while an orphaned trainer runs,
-    stops here) and the checkpoint to resume from, refusing to overwrite an earlier run's outputs. The caller
-    holds the lock object for the whole run: the lock goes with it."""
+    """Take the run lock (one writer per output dir, however its path is spelled: a second launch, or a requeue
+    while an orphaned trainer runs, stops here) and the checkpoint to resume from, refusing to overwrite an earlier
+    run's checkpoints. The caller holds the lock object for the whole run: the lock goes with it."""
     out, lock = layout.root, RunLock(layout)
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
     if busy is not None:
@@ -224,9 +236,22 @@ def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -
     if resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
-    if resume_from is None:
-        check_not_an_earlier_run(out)
     return lock, resume_from
+
+
+def start_afresh(layout: RunLayout, recipe: Recipe, accelerator: Accelerator) -> None:
+    """A run with no checkpoint to resume, in a folder that may hold an earlier run's outputs: rank 0 sets aside
+    the records of an interrupted attempt of this recipe, or refuses (a finished run, another recipe's), and every
+    rank stops with that refusal (toolkit/run_dir.py, set_aside_earlier_attempt)."""
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            set_aside_earlier_attempt(layout, resume_invariants(recipe))
+        except ToolkitError as e:
+            refusal = str(e)
+    refusal = distributed.broadcast_from_main(accelerator, refusal)
+    if refusal is not None:
+        raise ToolkitError(refusal)
 
 
 def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str,
@@ -273,13 +298,14 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
         layout.metrics.unlink(missing_ok=True)
     else:
         truncate_after(layout.metrics, resumed_at)
+        prune_after(layout, resumed_at)  # completions and matrix records of the evals that are redone
 
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
                  trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
-                 identity: dict[str, Any]) -> Run:
+                 identity: dict[str, Any], generation: GenerationPlan | None = None) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
-    stability guard, the meters, metrics.jsonl and the checkpoint manager."""
+    stability guard, the meters, metrics.jsonl, the checkpoint manager and the evaluations."""
     saving, opt, stab = recipe.checkpoint, recipe.optimizer, recipe.stability
     # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
@@ -293,6 +319,8 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                                             best_metric=saving.best_metric, best_mode=saving.best_mode,
                                             is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone),
                preemption, curriculum, collate, identity,
+               Evaluator(accelerator, curriculum, layout, generation, all_stages=recipe.eval.all_stages,
+                         seed=recipe.train.seed),
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
@@ -360,25 +388,39 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every rank ends with one line: bad input (exit 2), Ctrl-C (130), or anything unexpected here or on another
+    rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/last_words.py)."""
     gpu = distributed.gpu_defaults()  # before anything touches CUDA (its allocator reads its config once)
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    ending = LastWords()
     if torch.cuda.is_available():
         log.info("GPU defaults: %s", ", ".join(gpu) or "none (the allocator config is the user's)")
     try:
         if args.num_dummy_samples < 1:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
-        return train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples)
+        code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
+                     ending=ending, recipe_dir=Path(args.config).parent if args.config else None)
+        ending.finished()
+        return code
     except ToolkitError as e:
+        ending.stopped_on_error(str(e))
         print(f"error: {e}", file=sys.stderr)
         distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
         return 2
     except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
+        ending.interrupted()
         print("interrupted (Ctrl-C): stopped without saving; relaunch the same command to resume from the last "
               "checkpoint.", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, or a peer process that died: one line here, the traceback in the rank's log
+        line = ending.unexpected(e)
+        print(line, file=sys.stderr)
+        distributed.record_launch_error(line)
+        return FAILED_EXIT_CODE
 
 
 if __name__ == "__main__":
-    distributed.exit_without_teardown(main())
+    exit_code = main()
+    distributed.exit_without_teardown(exit_code, group_intact=exit_code != FAILED_EXIT_CODE)

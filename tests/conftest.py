@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -94,10 +95,12 @@ def launch_cmd(strategy: str | Path, num_processes: int | None, *, mixed_precisi
 
 def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
           recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no", dummy_samples: int = 64,
-          check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train_curriculum.py under `accelerate launch` from the repository root; return the finished process."""
+          check: bool = True, env: dict[str, str] | None = None, script: Path | None = None
+          ) -> subprocess.CompletedProcess:
+    """Run train_curriculum.py (or `script`, a wrapper of it) under `accelerate launch` from the repository root;
+    return the finished process."""
     cmd = train_cmd(strategy, num_processes, out, *overrides, recipe=recipe, mixed_precision=mixed_precision,
-                    dummy_samples=dummy_samples)
+                    dummy_samples=dummy_samples, script=script)
     proc = run_launch(cmd, env=run_env() | (env or {}))
     if check and proc.returncode != 0:
         pytest.fail(f"{strategy} x{num_processes} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -107,10 +110,36 @@ def train(strategy: str | Path, num_processes: int | None, out: Path, *overrides
 
 def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overrides: str,
               recipe: str = "recipes/smoke.yaml", mixed_precision: str | None = "no",
-              dummy_samples: int = 64) -> list[str]:
-    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision),
-            str(REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
+              dummy_samples: int = 64, rank_logs: Path | None = None, script: Path | None = None) -> list[str]:
+    """`rank_logs`: the launcher also writes each rank's own stdout/stderr under that folder (see `rank_stderr`).
+    `script`: another entry point than train_curriculum.py (a test's wrapper of it)."""
+    extra = ["--log_dir", str(rank_logs), "--tee", "3"] if rank_logs is not None else None
+    return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision, extra=extra),
+            str(script or REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
             "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
+
+
+def rank_stderr(rank_logs: Path, local_rank: int) -> str:
+    """What one rank wrote to stderr, of a launch with `train_cmd(..., rank_logs=...)`."""
+    found = sorted(rank_logs.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    assert len(found) == 1, found
+    return found[0].read_text()
+
+
+def toolkit_lines(stderr: str) -> list[str]:
+    """The lines of a rank's stderr that the toolkit wrote (its log records and its `error:` lines)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ") or
+            (len(line) > 9 and line[2] == ":" and line[5] == ":" and line[8] == " ")]
+
+
+def kill_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """SIGKILL one training process of a launch (as the out-of-memory killer would); returns its pid."""
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if p.environ().get("RANK") == str(rank) and p.environ().get("LOCAL_RANK") is not None:
+                p.kill()
+                return p.pid
+    raise AssertionError(f"no process of rank {rank} under the launcher {launcher.pid}")
 
 
 def last_logged_step(out: Path) -> int:
@@ -122,6 +151,68 @@ def last_logged_step(out: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except json.JSONDecodeError:  # a line being written
         return 0
+
+
+# The 3-stage smoke curriculum (LoRA, then only model.norm, then both; mixture, paced easy_to_hard, short_to_long)
+# with a checkpoint after each of its 11 steps, all kept. The single process trains the same global batches.
+CURRICULUM = "recipes/smoke_curriculum.yaml"
+CURRICULUM_STEPS = 11
+EVERY_CHECKPOINT = ("checkpoint.save_steps=1", f"checkpoint.keep_last={CURRICULUM_STEPS}")
+SINGLE_CURRICULUM = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")
+# The curriculum runs of the strategy matrix also run a generation eval (at steps 4, 8 and 11): nine prompts in
+# batches of 4, 4 and 1, so two ranks hold 8 and 1 prompts in 2 and 1 batches; the model, trained on arithmetic,
+# answers them with varied junk. Launched through tests/_spy_generation.py, which counts each rank's collectives
+# inside generation (its counts: SPY_DIR of the run). The resumes of tests/test_resume.py run without it: their
+# bit-exact match with these runs shows that evaluating leaves training untouched.
+GENERATION = ("eval.every_steps=4", "eval.generation=[{name: facts, data: [dummy:facts_eval], scorers: [exact], "
+              "max_new_tokens: 6, batch_size: 4}]")
+SPY = REPO / "tests" / "_spy_generation.py"
+
+
+def spy_dir(run: Path) -> Path:
+    """Where tests/_spy_generation.py wrote the per-rank counts of a curriculum run."""
+    return run.parent / f"{run.name}-spy"
+
+
+def processes_for(strategy: str) -> int:
+    return 1 if strategy == "single" else 2
+
+
+def curriculum_args(strategy: str) -> tuple[str, ...]:
+    """The overrides of a curriculum run under `strategy` (fp32, 2 processes, or 1 with the same batches)."""
+    return (*(SINGLE_CURRICULUM if strategy == "single" else ()), *EVERY_CHECKPOINT)
+
+
+@pytest.fixture(scope="session")
+def curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`get(strategy)`: the fp32 curriculum run under `strategy`, launched once per session and shared by the
+    strategy matrix (same losses as one process, freezing, golden values, generation evals) and the exact-resume
+    test (resumes from each of its checkpoints)."""
+    root, done = tmp_path_factory.mktemp("curriculum"), {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in done:
+            train(strategy, processes_for(strategy), root / strategy, *curriculum_args(strategy), *GENERATION,
+                  recipe=CURRICULUM, script=SPY, env={"SPY_GENERATION_DIR": str(spy_dir(root / strategy))})
+            done[strategy] = root / strategy
+        return done[strategy]
+
+    return get
+
+
+def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str = "no") -> list[int]:
+    """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would,
+    each run in fresh processes forked from one parent that imported everything once (tests/_relaunch.py says
+    why); returns the exit codes. Each run's output (all ranks) is in its log."""
+    jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
+    jobs.write_text(json.dumps({
+        "launch": ["--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
+                   "--num_processes", str(processes_for(strategy)), "--mixed_precision", mixed_precision],
+        "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "timeout": LAUNCH_TIMEOUT_S}))
+    proc = run_launch([sys.executable, str(REPO / "tests" / "_relaunch.py"), str(jobs)],
+                      timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["codes"]
 
 
 _hung_launches: list[str] = []
@@ -159,9 +250,10 @@ def dump_stacks_and_kill(pid: int) -> None:
     signal_tree(pid, signal.SIGKILL)
 
 
-def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S
-                     ) -> subprocess.Popen:
-    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group."""
+def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout: float = LAUNCH_TIMEOUT_S,
+                     rank: int | None = None) -> subprocess.Popen:
+    """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group (SIGKILL:
+    to every process of the launch), or SIGKILL the training process of `rank` alone."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -172,7 +264,10 @@ def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout:
             signal_tree(proc.pid, signal.SIGKILL)
             pytest.fail(f"run did not reach step {at_step} in {timeout} s")
         time.sleep(0.05)
-    signal_tree(proc.pid, sig)
+    if rank is not None:
+        kill_rank(proc, rank)
+    else:
+        signal_tree(proc.pid, sig)
     return proc
 
 
@@ -183,6 +278,18 @@ def signal_tree(pid: int, sig: int) -> None:
     for p in [*root.children(recursive=True), root] if sig == signal.SIGKILL else [root]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch computes on one thread in this process, as launched runs do (run_env): on a small busy machine, more
+    threads than free cores make a tiny model many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"

@@ -161,7 +161,9 @@ def test_run_layout_names_every_path() -> None:
         "checkpoints": "runs/exp1/checkpoints", "final": "runs/exp1/final", "metrics": "runs/exp1/metrics.jsonl",
         "run_json": "runs/exp1/run.json", "recipe": "runs/exp1/recipe.yaml", "trackers": "runs/exp1/trackers",
         "dummy_data": "runs/exp1/dummy_data", "plot": "runs/exp1/training.png"}
-    # The shared cache is beside the output dir, not in it: a run stopped on bad input wrote nothing inside.
-    assert (str(run.cache), str(run.tokenized), str(run.locks)) == (
-        "runs/.toolkit-cache", "runs/.toolkit-cache/tokenized", "runs/.toolkit-cache/locks")
+    # The shared cache is beside the output dir, not in it: a run stopped on bad input wrote nothing inside. The
+    # locks are beside the resolved folder: every spelling of it meets the same one.
+    assert (str(run.cache), str(run.tokenized), run.locks) == (
+        "runs/.toolkit-cache", "runs/.toolkit-cache/tokenized", Path("runs").resolve() / ".toolkit-cache" / "locks")
+    assert run.lock_file.parent == run.locks and str(run.earlier_attempts) == "runs/exp1/earlier-attempts"
     assert RunLayout.of_checkpoint(run.checkpoints / "step-00000004") == run

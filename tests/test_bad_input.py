@@ -119,6 +119,34 @@ case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continu
 case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
 case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))
 case("patience-without-eval")(lambda c: c.train(change=stage("patience", 2)))
+GENERATION = {"name": "facts", "data": ["eval.jsonl"], "scorers": ["exact"]}
+
+
+def gated(metric: str, *, generation: bool = True) -> Callable[[dict[str, Any]], None]:
+    def change(tree: dict[str, Any]) -> None:
+        tree.setdefault("eval", {})["every_steps"] = 1
+        if generation:
+            tree["stages"][0]["generation"] = [GENERATION]
+        tree["stages"][0]["advance_when"] = {"metric": metric, "at_least": 0.9}
+    return change
+
+
+def with_scorer(c: Ctx, scorer: str, module: str | None = None, rows: list[object] | None = None) -> Call:
+    """A run whose stage has a generation eval on eval.jsonl with `scorer`; `module` is the text of the scorer's
+    module, in the recipe's folder (each case names its own module: this process imports each name once)."""
+    write_jsonl(c.tmp / "eval.jsonl", rows or [{"messages": [CHAT["messages"][0]], "reference": "4."}])
+    if module is not None:
+        (c.tmp / f"{scorer.partition(':')[0]}.py").write_text(module)
+    return c.train(change=stage("generation", [dict(GENERATION, scorers=[scorer])]))
+
+
+case("gate-unknown-metric")(lambda c: c.train(change=gated("facts.exakt")))
+case("gate-without-eval")(lambda c: c.train(change=gated("facts.exact", generation=False)))
+case("scorer-unknown")(lambda c: with_scorer(c, "exakt"))
+case("scorer-import-fails")(lambda c: with_scorer(c, "my_scorers:cad_parses", "import cadquery_missing\n"))
+case("scorer-missing-function")(lambda c: with_scorer(c, "cad_scorers:cad_parses", "def other(o, r, row):\n    "
+                                                                                       "return 1\n"))
+case("generation-row-without-reference")(lambda c: with_scorer(c, "exact", rows=[{"messages": [CHAT["messages"][0]]}]))
 case("lr-scaling-without-reference")(lambda c: c.train(change=section("optimizer", lr_scaling="linear")))
 case("min-pixels-over-max")(lambda c: c.train(change=section("data", min_pixels=4096, max_pixels=1024)))
 case("bad-exclude-regex")(lambda c: c.train(change=section("lora", exclude_modules="(visual")))
@@ -223,10 +251,40 @@ def _(c: Ctx) -> Call:
     return call
 
 
+@case("output-dir-in-use-via-symlink")
+def _(c: Ctx) -> Call:
+    real = c.tmp / "runs" / "exp"
+    real.mkdir(parents=True)
+    (c.tmp / "exp").symlink_to(real)  # beside another folder than the real one: another .toolkit-cache
+    lock = RunLock(RunLayout(real))  # the live run, launched with the real path
+    assert lock.acquire() is None
+    c.keep.append(lock)
+    return replace(c.train("output_dir=exp"), watch=real)
+
+
 @case("earlier-run-without-checkpoint", trained=True)
 def _(c: Ctx) -> Call:
     run = c.copy_of_trained()
     shutil.rmtree(run / "checkpoints")
+    return Call(["--config", "recipe.yaml"], run)
+
+
+def interrupted_run(c: Ctx) -> Path:
+    """The trained run as an attempt killed before its first checkpoint leaves it: no checkpoint, no final/."""
+    run = c.copy_of_trained()
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "final")
+    return run
+
+
+case("earlier-run-of-another-recipe", trained=True)(
+    lambda c: Call(["--config", "recipe.yaml", "optimizer.lr=1e-3"], interrupted_run(c)))
+
+
+@case("earlier-run-without-recipe", trained=True)
+def _(c: Ctx) -> Call:
+    run = interrupted_run(c)
+    (run / "recipe.yaml").unlink()
     return Call(["--config", "recipe.yaml"], run)
 
 
@@ -342,6 +400,23 @@ def _(c: Ctx) -> Call:
     (c.tmp / "stuff" / "a.txt").write_text("x")
     return Call(["export", str(c.tmp / "stuff"), "--out", str(c.tmp / "exported")], c.tmp / "exported",
                 tool="toolkit")
+
+
+@case("export-files-changed", trained=True)
+def _(c: Ctx) -> Call:
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000002"
+    shutil.copy2(ckpt.parent / "step-00000003" / "portable" / "lora_state.safetensors",
+                 ckpt / "portable" / "lora_state.safetensors")
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-base-model-moved", trained=True)
+def _(c: Ctx) -> Call:
+    """A run trained with `model.name_or_path: ../models/tiny-qwen3` from another folder records that path."""
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(meta | {"base_model": "../models/tiny-qwen3"}))
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
 
 
 @case("export-remote-code", trained=True)

@@ -214,6 +214,106 @@ def test_no_best_metric_keeps_only_last(tmp_path: Path) -> None:
     assert _steps(root) == {6, 7}
 
 
+# --- a damaged best.json ---------------------------------------------------------------------------------------
+
+def _run_with_best_at_4(root: Path) -> None:
+    """Steps 1-8 saved with keep_last 2, eval_loss lowest at step 4: on disk steps 4, 7, 8; best.json names 4."""
+    mgr = _manager(root, keep_last=2)
+    for step in range(1, 9):
+        _save(mgr, step, {"eval_loss": _loss_min_at_4(step)})
+    assert _steps(root) == {4, 7, 8}
+
+
+def _uncommitted_step_5(root: Path) -> str:
+    shutil.copytree(root / "step-00000007", root / "step-00000005")
+    (root / "step-00000005" / COMMIT_MARKER).unlink()
+    return json.dumps(_best_record(5, "eval_loss", 0.05))
+
+
+DAMAGED_BEST = {
+    "truncated": lambda root: json.dumps(_best_record(4, "eval_loss", 0.1))[:17],
+    "invalid-json": lambda root: "best: step 4\n",
+    "empty": lambda root: "",
+    "not-utf8": lambda root: b"\xff\xfe{".decode("latin-1"),
+    "a-list": lambda root: json.dumps([4, 0.1]),
+    "missing-keys": lambda root: json.dumps({"step": 4}),
+    "value-not-a-number": lambda root: json.dumps({**_best_record(4, "eval_loss", 0.1), "value": "0.1"}),
+    "path-not-of-step": lambda root: json.dumps({**_best_record(4, "eval_loss", 0.1), "path": "../../somewhere"}),
+    "another-metric": lambda root: json.dumps(_best_record(4, "eval_acc", 0.1)),
+    "deleted-step": lambda root: json.dumps(_best_record(2, "eval_loss", 0.01)),
+    "uncommitted-step": _uncommitted_step_5,
+    "stale": lambda root: json.dumps(_best_record(7, "eval_loss", _loss_min_at_4(7))),  # crash before its update
+    "missing": None,
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_BEST))
+def test_damaged_best_record_is_rebuilt_and_rotation_keeps_the_true_best(
+        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    """best.json damaged in any way (as a crash, a full disk or a hand edit leave it): the next run warns once,
+    rewrites it from the checkpoints' meta.json, deletes nothing because of it, and rotation keeps the true best."""
+    root = tmp_path / "ck"
+    _run_with_best_at_4(root)
+    make = DAMAGED_BEST[damage]
+    if make is None:
+        (root / BEST_FILE).unlink()
+    else:
+        (root / BEST_FILE).write_bytes(make(root).encode("latin-1" if damage == "not-utf8" else "utf-8"))
+    on_disk = _step_entries(root)
+
+    with caplog.at_level("WARNING", logger="toolkit.checkpoint"):
+        mgr = _manager(root, keep_last=2)  # a relaunch
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "rebuilt from the committed checkpoints' meta.json" in warnings[0], warnings
+    assert "step-00000004" in warnings[0] and "No checkpoint was deleted" in warnings[0]
+    assert _step_entries(root) == on_disk  # nothing deleted on the record's account
+    assert mgr.best == _best_record(4, "eval_loss", 0.1)
+    assert json.loads((root / BEST_FILE).read_text()) == _best_record(4, "eval_loss", 0.1)
+
+    for step in (9, 10, 11):  # rotation with the rebuilt record: the true best stays
+        _save(mgr, step, {"eval_loss": 0.5})
+    assert _steps(root) == {4, 10, 11}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="toolkit.checkpoint"):
+        assert _manager(root, keep_last=2).best == _best_record(4, "eval_loss", 0.1)  # and the next launch
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_best_record_damaged_during_a_run_does_not_stop_it(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    mgr = _manager(root, keep_last=1)
+    for step in range(1, 7):
+        _save(mgr, step, {"eval_loss": _loss_min_at_4(step)})
+        (root / BEST_FILE).write_text('{"step": ')
+    assert _steps(root) == {4, 6}
+    assert _manager(root, keep_last=1).best == _best_record(4, "eval_loss", 0.1)
+
+
+def test_damaged_best_record_without_any_metric_is_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "ck"
+    mgr = _manager(root, keep_last=2)
+    for step in (1, 2, 3):
+        _save(mgr, step, {"train_loss": 1.0})
+    (root / BEST_FILE).write_text(json.dumps(_best_record(1, "eval_loss", 0.1)))  # names a deleted step
+    with caplog.at_level("WARNING", logger="toolkit.checkpoint"):
+        mgr = _manager(root, keep_last=2)
+    assert "no committed checkpoint has a eval_loss value yet" in caplog.text
+    assert mgr.best is None and not (root / BEST_FILE).exists()
+    _save(mgr, 4, {"train_loss": 1.0})
+    assert _steps(root) == {3, 4}
+
+
+def test_best_record_of_a_run_without_best_metric_is_left_alone(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    _run_with_best_at_4(root)
+    (root / BEST_FILE).write_text("{")
+    mgr = _manager(root, keep_last=2, best_metric=None)
+    assert mgr.best is None
+    _save(mgr, 9)
+    assert (root / BEST_FILE).read_text() == "{"
+    assert _steps(root) == {8, 9}
+
+
 # --- crashes and resume lookup ----------------------------------------------------------------------------------
 
 def _crashing_writer(tmp: Path) -> None:

@@ -464,3 +464,62 @@ def test_resolve_stages_takes_each_stage_value_else_the_recipe_default() -> None
     assert (second.trainable, second.trainable_key) == (("lora", "*.norm"), "stages.1.trainable")
     full = resolve_stages(load_recipe(None, ["lora.enabled=false", "eval.micro_batch_size=3"]))
     assert full[0].trainable is None and full[0].eval_micro_batch_size == 3  # None: every parameter
+
+
+GEN = "eval.generation=[{name: facts, data: [f.jsonl], scorers: [exact, {kind: contains, name: has}]}]"
+
+
+def test_a_gate_names_a_metric_its_stage_evaluates() -> None:
+    from toolkit.config import stage_metrics
+
+    gated = ["eval.every_steps=2", "stages.0.advance_when={metric: facts.exact, at_least: 0.9, min_steps: 3}"]
+    recipe = load_recipe(None, [GEN, *gated])
+    assert recipe.stages[0].advance_when.describe() == "facts.exact >= 0.9"
+    stages = resolve_stages(recipe)
+    assert stage_metrics(stages, 0, all_stages=False) == ["facts.exact", "facts.has"]
+    own = load_recipe(None, ["stages.0.eval=[a.jsonl]", "stages.1.eval=[b.jsonl]",
+                             "stages.1.generation=[{name: late, data: [l.jsonl], scorers: [json_valid]}]"])
+    assert stage_metrics(resolve_stages(own), 0, all_stages=False) == ["eval_loss"]
+    assert stage_metrics(resolve_stages(own), 0, all_stages=True) == [
+        "eval_loss", "warmup_short.eval_loss", "longer_multiturn.eval_loss", "late.json_valid"]
+    at_most = load_recipe(None, ["stages.0.eval=[a.jsonl]", "eval.every_steps=5",
+                                 "stages.0.advance_when={metric: eval_loss, at_most: 1.5}"])
+    assert at_most.stages[0].advance_when.met(1.5) and not at_most.stages[0].advance_when.met(1.6)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["stages.0.advance_when={metric: facts.exact, at_least: 1}"],
+     "stages.0 ('warmup_short'): advance_when needs an eval of this stage to decide on"),
+    ([GEN, "eval.every_steps=2", "stages.0.advance_when={metric: facts.exakt, at_least: 1}"],
+     "advance_when.metric 'facts.exakt' is not a metric this stage evaluates (did you mean facts.exact?); its "
+     "metrics: facts.exact, facts.has"),
+    ([GEN, "eval.every_steps=2", "stages.0.advance_when={metric: eval_loss, at_most: 1}"],
+     "advance_when.metric 'eval_loss' is not a metric this stage evaluates"),
+    ([GEN, "stages.0.advance_when={metric: facts.exact, at_least: 1}"], "advance_when needs eval.every_steps"),
+    ([GEN, "eval.every_steps=2", "stages.0.advance_when={metric: facts.exact}"],
+     "advance_when needs exactly one of at_least and at_most"),
+    ([GEN, "eval.every_steps=2", "stages.0.advance_when={metric: facts.exact, at_least: 1, at_most: 2}"],
+     "advance_when needs exactly one of at_least and at_most"),
+    ([GEN, "eval.every_steps=2", "stages.1.schedule=continue",
+      "stages.0.advance_when={metric: facts.exact, at_least: 1}"],
+     "advance_when may end the stage early, which would cut the LR schedule that stage 'longer_multiturn' continues"),
+    ([GEN, "stages.1.generation=[{name: facts, data: [g.jsonl], scorers: [exact]}]"],
+     "generation eval names must be unique, repeated: ['facts'] (eval.generation, stages.1.generation)"),
+    (["eval.generation=[{name: 'a.b', data: [f.jsonl], scorers: [exact]}]"], "'eval.generation.0.name': String "
+     "should match pattern"),
+])
+def test_bad_gates_and_generation_evals(overrides: list[str], message: str) -> None:
+    with pytest.raises(ToolkitError) as err:
+        load_recipe(None, overrides)
+    assert message in str(err.value) and "'stages': [" not in str(err.value)  # no dump of the whole recipe
+
+
+def test_gates_bind_their_evals_to_checkpoints() -> None:
+    """A gated recipe's eval settings decide stage lengths: a resume with other ones is a changed recipe."""
+    from toolkit.config import resume_invariants
+
+    gated = [GEN, "eval.every_steps=2", "stages.0.advance_when={metric: facts.exact, at_least: 1}"]
+    assert resume_invariants(load_recipe(None, gated)) != resume_invariants(load_recipe(None, [*gated[:1],
+                                                                                              "eval.every_steps=3",
+                                                                                              gated[2]]))
+    assert "gate_evals" not in resume_invariants(load_recipe(None, [GEN]))  # ungated: as before

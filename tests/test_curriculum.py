@@ -573,3 +573,74 @@ def test_curriculum_state_restores_stage_lengths_and_patience_of_its_stage() -> 
     other.restore(mid, stage_index=0)
     other.enter(other.stages[1])
     assert other.patience == Patience(3)  # a later stage starts afresh
+
+
+# --- mastery gates ----------------------------------------------------------------------------------------------
+
+GATED = ("stages.0.advance_when={metric: eval_loss, at_most: 2.0, min_steps: 3}",)
+
+
+def test_a_gate_is_met_once_its_metric_reaches_the_threshold_after_min_steps() -> None:
+    from toolkit.config import AdvanceWhen
+    from toolkit.curriculum import Gate
+
+    gate = Gate(AdvanceWhen(metric="facts.exact", at_least=0.75, min_steps=3))
+    assert not gate.update({"facts.exact": 0.5}, steps_in_stage=1, step=11)
+    assert not gate.update({"facts.exact": 0.8}, steps_in_stage=2, step=12)  # met, but before min_steps
+    assert not gate.update({"other": 1.0}, steps_in_stage=3, step=13)  # this eval did not report it
+    assert (gate.last, gate.best, gate.best_step, gate.met_step) == (0.8, 0.8, 12, None)
+    assert gate.update({"facts.exact": 0.75}, steps_in_stage=3, step=13)
+    assert gate.summary() == {"metric": "facts.exact", "at_least": 0.75, "min_steps": 3, "required": False,
+                              "met": True, "met_step": 13, "last": 0.75, "best": 0.8, "best_step": 12}
+    assert Gate.from_state(gate.rule, gate.state()) == gate and Gate.from_state(gate.rule, None) == Gate(gate.rule)
+    loss = Gate(AdvanceWhen(metric="eval_loss", at_most=1.0))
+    assert not loss.update({"eval_loss": 1.5}, steps_in_stage=1, step=1)
+    assert not loss.update({"eval_loss": float("nan")}, steps_in_stage=2, step=2)  # never met by a NaN
+    assert loss.update({"eval_loss": 0.9}, steps_in_stage=3, step=3) and loss.best == 0.9
+
+
+def test_the_curriculum_advances_on_its_gate_before_patience_and_says_why() -> None:
+    cur = _curriculum(*GATED)
+    first = cur.stages[0]
+    cur.enter(first)
+    assert cur.advance(first, 1, 1, {"eval_loss": 3.0}) is None
+    assert cur.advance(first, 2, 2, {"eval_loss": 3.5}) is None
+    assert cur.advance(first, 3, 3, {"eval_loss": 3.5}) == {"reason": "patience", "best_eval_loss": 3.0}
+    cur.enter(first)  # afresh
+    assert cur.advance(first, 1, 1, {"eval_loss": 1.0}) is None  # below 2.0, but before min_steps
+    assert cur.advance(first, 2, 2, {"eval_loss": 1.5}) is None
+    # patience has run out too (no improvement on 1.0 twice): the gate is the reason given
+    assert cur.advance(first, 3, 3, {"eval_loss": 1.5}) == {"reason": "gate", "gate": "eval_loss <= 2",
+                                                            "metric": "eval_loss", "value": 1.5}
+    cur.end_stage_early(first, 3, "gate")
+    ending = cur.ending()
+    assert ending["ended_by"] == "gate" and ending["gate"]["met_step"] == 3
+    assert cur.plans[1].start_step == 3 and cur.unmet_required_gate(first) is None
+    cur.enter(cur.stages[1])
+    assert cur.gate is None and cur.ending() == {"ended_by": "planned_length"}
+
+
+def test_a_required_gate_left_unmet_stops_the_run_and_a_resume_there_stops_again() -> None:
+    required = ("stages.0.advance_when={metric: eval_loss, at_most: 0.5, required: true}",)
+    cur = _curriculum(*required)
+    first = cur.stages[0]
+    cur.enter(first)
+    for step in range(1, 11):
+        assert cur.advance(first, step, step, {"eval_loss": 3.0 - step / 10}) is None or step < 10
+    message = cur.unmet_required_gate(first)
+    assert message is not None and message.startswith(
+        "stage 'warmup_short' reached its length (10 steps, step 10) without meeting advance_when eval_loss <= 0.5 "
+        "(last 2, best 2 at step 10)")
+    state = cur.state(stage_end=True)  # what the stage-end checkpoint holds
+    assert state["gate"]["met_step"] is None and state["patience"] is None
+    resumed = _curriculum(*required)
+    resumed.restore(state, stage_index=0)
+    with pytest.raises(ToolkitError, match="reached its length"):
+        resumed.check_resumed_at(10, 0)
+    resumed.check_resumed_at(9, 0)  # inside the stage: it trains on and may still meet the gate
+    lowered = _curriculum("stages.0.advance_when={metric: eval_loss, at_most: 2.5, required: true}")
+    lowered.restore(state, stage_index=0)
+    lowered.check_resumed_at(10, 0)  # the last value meets the gate as the recipe now sets it
+    optional = _curriculum("stages.0.advance_when={metric: eval_loss, at_most: 0.5}")
+    optional.restore(state, stage_index=0)
+    optional.check_resumed_at(10, 0)  # not required: the run moves on

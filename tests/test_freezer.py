@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from toolkit.freezer import StageFreezer
+from toolkit.freezer import StageFreezer, create_optimizer_state
 
 
 def two_group_run() -> tuple[torch.nn.Module, torch.optim.Optimizer, StageFreezer]:
@@ -44,3 +44,30 @@ def test_stage_change_after_a_loaded_optimizer_state_freezes_the_right_groups() 
     inner = optimizer.optimizer
     steps = [int(inner.state[g["params"][0]]["step"]) for g in inner.param_groups]
     assert steps == [1, 1], f"Adam step counts {steps}: each layer updated once, in its own stage"
+
+
+def test_optimizer_state_exists_from_the_start_and_changes_nothing() -> None:
+    """Every parameter has its Adam state (zero moments, step 0) before any update, so a checkpoint taken before a
+    group's first update holds it (FSDP2's loader refused such checkpoints: "Missing key in checkpoint
+    state_dict"); parameters are untouched, even with weight decay, and training is bit-identical to an optimizer
+    that created its state lazily."""
+    def trained(precreate: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        before = [p.detach().clone() for p in model.parameters()]
+        if precreate:
+            create_optimizer_state(optimizer)
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+            for p in model.parameters():
+                state = optimizer.state[p]
+                assert int(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+                assert p.grad is None
+            assert optimizer.param_groups[0]["lr"] == 0.1
+        for _ in range(2):
+            model(torch.ones(3, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(trained(True), trained(False), strict=True))

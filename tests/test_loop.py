@@ -35,15 +35,20 @@ def test_run_state_round_trip_through_meta_json() -> None:
     """Every field survives meta.json (none forgotten), under the keys older checkpoints use."""
     state = RunState(step=7, stage="b", stage_index=1, stage_step=3, samples=56, tokens=1234,
                      pending_losses=[2.5, float("inf")], pending_skipped=1, stage_steps=[4, 5],
-                     patience={"best": 1.5, "since_best": 2}, adam_updates=[4, 3], metrics={"loss": 2.0})
+                     patience={"best": 1.5, "since_best": 2}, gate={"last": 0.5, "best": 0.75, "best_step": 6,
+                                                                  "met_step": None},
+                     adam_updates=[4, 3], metrics={"loss": 2.0}, stage_start_tokens=1000)
     defaults = RunState()
     assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RunState))
     meta = json.loads(json.dumps(state.to_meta()))
     assert RunState.from_meta(meta) == state
     assert meta["step"] == 7 and meta["tokens"] == 1234 and meta["stage_index"] == 1
     assert meta["pending"] == {"losses": [2.5, float("inf")], "skipped": 1}
-    assert meta["curriculum"] == {"stage_steps": [4, 5], "patience": {"best": 1.5, "since_best": 2}}
+    assert meta["curriculum"] == {"stage_steps": [4, 5], "patience": {"best": 1.5, "since_best": 2},
+                                  "gate": state.gate}
+    assert "gate" not in RunState(stage_steps=[4, 5]).to_meta()["curriculum"]  # ungated: as before gates existed
     assert meta["adam_updates"] == [4, 3] and meta["metrics"] == {"loss": 2.0}
+    assert meta["stage_start_tokens"] == 1000  # the stage summary of a resumed run counts the whole stage
     old = {"step": 3, "tokens": 10, "stage": "a", "stage_index": 0, "pending": {"losses": [], "skipped": 0}}
     assert RunState.from_meta(old) == RunState(step=3, tokens=10, stage="a")  # a checkpoint without the later keys
 
@@ -153,3 +158,26 @@ def test_lr_scaling_and_the_eval_batch_follow_each_stage_micro_batch(tmp_path: P
     enter_stage(run, stage, second.start_step)
     evaluate_stage(run, stage, second.steps - 1, second.end_step)  # the stage's end: it evaluates
     assert sizes and set(sizes) == {1} and len(sizes) == len(stage.eval_rows)
+
+
+def test_eval_time_is_left_out_of_training_throughput(tmp_path: Path) -> None:
+    """tokens/s, step time and MFU are training's: the interval clock skips an evaluation's time."""
+    run = build_run(tmp_path, "eval.data=[dummy:stage2]")
+    stage = run.curriculum.stages[0]
+    enter_stage(run, stage, 0)
+    results = []
+    evaluate = run.evaluator.evaluate
+
+    def recording(*args, **kwargs):  # the real evaluation, its result kept
+        results.append(evaluate(*args, **kwargs))
+        return results[-1]
+
+    run.evaluator.evaluate = recording  # type: ignore[method-assign]
+    started = run.meter.started
+    assert not evaluate_stage(run, stage, 0, 1)  # no eval.every_steps: step 1 is not due
+    assert results == [] and run.meter.started == started
+    evaluate_stage(run, stage, stage.plan.steps - 1, stage.plan.end_step)  # the stage's end: it evaluates
+    assert len(results) == 1 and results[0].seconds > 0
+    assert run.meter.started == pytest.approx(started + results[0].seconds, abs=1e-9)
+    record = read_metrics(run.metrics.path)[-1]
+    assert record["eval_seconds"] <= results[0].seconds and "eval_loss" in record

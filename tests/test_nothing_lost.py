@@ -19,11 +19,33 @@ import psutil
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from tests._inprocess import Call, invoke, snapshot
-from tests.conftest import CHAT, LAUNCH_TIMEOUT_S, REPO, base_recipe, free_port, run_env, write_jsonl
+from tests.conftest import (
+    CHAT,
+    LAUNCH_TIMEOUT_S,
+    REPO,
+    base_recipe,
+    free_port,
+    rank_stderr,
+    run_env,
+    run_launch,
+    start_and_signal,
+    toolkit_lines,
+    train_cmd,
+    write_jsonl,
+)
 from toolkit import atomic
-from toolkit.checkpoint import _unsaveable, committed_checkpoints
+from toolkit import export as export_module
+from toolkit.checkpoint import (
+    COMMIT_MARKER,
+    META_FILE,
+    CheckpointManager,
+    _unsaveable,
+    committed_checkpoints,
+    read_meta,
+)
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after
@@ -85,6 +107,31 @@ def test_export_overwrite_is_explicit_and_never_reaches_the_source(trained: Path
     export(run, empty)  # an empty folder holds nothing to lose
 
 
+def test_export_tells_folders_by_identity_not_spelling(trained: Path, tmp_path: Path) -> None:
+    """Symlinks lead to the run: refused however --out is spelled, even with --overwrite. A symlinked --out that
+    leads to an earlier export has that export replaced and stays a link (it used to be replaced by a folder); a
+    symlink to a run's final/ exports that run (it used to be "neither a checkpoint nor a run")."""
+    run = copy_run(trained, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run").symlink_to(run)
+    (tmp_path / "b" / "parent").symlink_to(run.parent)
+    before = snapshot(run)
+    for target in ("b/run", "b/parent", "b/run/final/inside", "b/parent/run/../run"):
+        with pytest.raises(ToolkitError, match="is being exported"):
+            export(run, tmp_path / target, overwrite=True)
+    assert snapshot(run) == before
+
+    exports = tmp_path / "exports"
+    export(run, exports / "v1")
+    (tmp_path / "latest").symlink_to(exports / "v1")
+    (tmp_path / "final_link").symlink_to(run / "final")
+    export(run / "checkpoints" / "step-00000001", tmp_path / "latest")
+    assert (tmp_path / "latest").is_symlink() and sorted(p.name for p in exports.iterdir()) == ["v1"]
+    assert json.loads((exports / "v1" / EXPORT_MARKER).read_text())["source"].endswith("step-00000001")
+    export(tmp_path / "final_link", exports / "v2")
+    assert json.loads((exports / "v2" / EXPORT_MARKER).read_text())["source"] == str((run / "final").resolve())
+
+
 def _fail_call(real: Any, n: int) -> Any:
     """`real`, raising at its n-th call (a crash at that point)."""
     calls = [0]
@@ -130,6 +177,160 @@ def test_export_swap_interrupted_or_refused_keeps_the_earlier_export(trained: Pa
         export(run, out)
     assert (out / "notes.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["adapter"]
+
+
+# --- exporting a run that is still training ----------------------------------------------------------------------
+
+def _rotate_like_a_live_run(run: Path, *, saves: tuple[int, ...] = (4, 5)) -> None:
+    """What the training run does meanwhile: commit new checkpoints (copies of step 3's state under later steps)
+    and rotate with keep_last 1, through its real CheckpointManager."""
+    root, source = run / "checkpoints", run.parent / "state-of-step-3"
+    if not source.is_dir():
+        shutil.copytree(root / "step-00000003", source)
+    mgr = CheckpointManager(root, keep_last=1, best_metric=None, best_mode="min", is_main=True,
+                            barrier=lambda: None)
+    for step in saves:
+        def copy_state(tmp: Path) -> None:
+            for f in source.iterdir():
+                if f.name not in (META_FILE, COMMIT_MARKER):
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+        meta = {k: v for k, v in read_meta(source).items() if k != "files"} | {"step": step}
+        mgr.save(step, copy_state, meta)
+
+
+def _exported_adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "adapter_model.safetensors")
+
+
+def _portable_adapter(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = load_file(ckpt / "portable" / "lora_state.safetensors")
+    return {k.removeprefix("param/").replace(".default", ""): v for k, v in state.items() if k.startswith("param/")}
+
+
+def test_export_of_a_live_run_reads_the_checkpoint_it_chose_while_rotation_runs(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotation runs at the worst moment: after the export read the chosen checkpoint's meta.json, before its
+    weights. The export holds a read lease, so rotation leaves that checkpoint for a later rotation."""
+    run = copy_run(trained, tmp_path)
+    shutil.rmtree(run / "final")  # still training: export takes the newest checkpoint, step 3
+    expected = _portable_adapter(run / "checkpoints" / "step-00000003")
+    real_verify = export_module.verify_checkpoint_files
+
+    def verify_while_rotating(ckpt: Path) -> None:
+        _rotate_like_a_live_run(run)
+        real_verify(ckpt)
+
+    monkeypatch.setattr(export_module, "verify_checkpoint_files", verify_while_rotating)
+    out = export(run, tmp_path / "adapter")
+    assert json.loads((out / EXPORT_MARKER).read_text())["source"] == str((run / "checkpoints" / "step-00000003"
+                                                                          ).resolve())
+    got = _exported_adapter(out)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0)
+    monkeypatch.undo()
+    _rotate_like_a_live_run(run, saves=(6,))  # released: the next rotation deletes it
+    assert [p.name for p in committed_checkpoints(run / "checkpoints")] == ["step-00000006"]
+
+
+def test_export_of_a_live_run_whose_chosen_checkpoint_was_rotated_away_takes_the_newest(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotation deletes the checkpoint the export chose before the export could hold it: an export of the run
+    folder takes the run's newest checkpoint; an export of that checkpoint by name says what happened."""
+    run = copy_run(trained, tmp_path)
+    shutil.rmtree(run / "final")
+    real_list = export_module.committed_checkpoints
+    calls = []
+
+    def listed_then_rotated(root: Path) -> list[Path]:
+        found = real_list(root)
+        calls.append(1)
+        if len(calls) == 1:
+            _rotate_like_a_live_run(run)  # step 3, just listed, is deleted; step 5 is the newest
+        return found
+
+    monkeypatch.setattr(export_module, "committed_checkpoints", listed_then_rotated)
+    out = export(run, tmp_path / "adapter")
+    assert json.loads((out / EXPORT_MARKER).read_text())["source"] == str((run / "checkpoints" / "step-00000005"
+                                                                          ).resolve())
+    assert "Exported at step 5." in (out / "README.md").read_text()
+
+    gone = run / "checkpoints" / "step-00000005"
+    real_acquire = export_module.ReadLease.acquire
+
+    def rotated_first(path: Path) -> Any:
+        _rotate_like_a_live_run(run, saves=(6,))
+        return real_acquire(path)
+
+    monkeypatch.setattr(export_module.ReadLease, "acquire", rotated_first)
+    with pytest.raises(ToolkitError, match="was deleted") as err:
+        export(gone, tmp_path / "other")
+    assert f"Export {run} for its newest checkpoint" in str(err.value)
+    assert not (tmp_path / "other").exists()
+
+
+def test_export_of_a_checkpoint_whose_files_changed_is_refused(trained: Path, tmp_path: Path) -> None:
+    run = copy_run(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step-00000002"
+    shutil.copy2(run / "checkpoints" / "step-00000003" / "portable" / "lora_state.safetensors",
+                 ckpt / "portable" / "lora_state.safetensors")  # another step's state, same size
+    with pytest.raises(ToolkitError, match=r"does not hold what was committed: portable/lora_state\.safetensors"):
+        export(ckpt, tmp_path / "adapter")
+
+
+def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of `builtin:tiny-qwen3` launched from one folder (relative output_dir, as the README's recipes are),
+    exported from another: the base model is the one training built in the run's cache, not a hub id."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    work.mkdir()
+    write_jsonl(work / "data.jsonl", [CHAT] * 8)
+    recipe = base_recipe("builtin:tiny-qwen3") | {"output_dir": "runs/tiny"}
+    recipe["stages"][0]["max_steps"] = 2
+    (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], work / "runs"), work, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    run = work / "runs" / "tiny"
+    monkeypatch.chdir(elsewhere)
+    for source in (Path("../work/runs/tiny"), Path("../work/runs/tiny/checkpoints/step-00000002")):
+        out = export(source, Path("adapter"), overwrite=True)
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+            (work / "runs" / ".toolkit-cache" / "tiny-qwen3").resolve())
+    merged = export(Path("../work/runs/tiny"), Path("merged"), merge=True)
+    assert (merged / "model.safetensors").is_file()
+    assert run.is_dir()
+
+
+# --- every rank ends with one line ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_ends_every_rank_with_one_line(tmp_path: Path) -> None:
+    """A bug that strikes rank 1 alone, at step 3 of a DDP x 2 run (tests/_crash_rank.py): rank 1 says what failed,
+    rank 0 names rank 1 and where its traceback is; each rank's traceback is in its own log file, not on stderr.
+    (A rank killed outright: tests/test_resume.py::test_sigkill_and_resume_is_exact.)"""
+    out, rank_logs = tmp_path / "run", tmp_path / "rank-logs"
+    cmd = train_cmd("ddp", 2, out, "stages.0.max_steps=4", "stages.1.max_steps=1", "checkpoint.save_steps=2",
+                    rank_logs=rank_logs, script=REPO / "tests" / "_crash_rank.py")
+    proc = run_launch(cmd, env=run_env() | {"TOOLKIT_TEST_CRASH": "1:3"})
+    assert proc.returncode != 0
+    ckpt, logs = out / "checkpoints" / "step-00000002", {r: out / "logs" / f"rank-{r}.log" for r in (0, 1)}
+    last_words = {}
+    for rank in (0, 1):
+        stderr = rank_stderr(rank_logs, rank)
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert "Traceback" not in stderr and len(errors) == 1, stderr[-4000:]
+        assert toolkit_lines(stderr)[-1] == errors[0]
+        last_words[rank] = errors[0]
+    assert last_words[1] == (f"error: rank 1 failed: RuntimeError: injected failure on rank 1 at step 3 (its "
+                             f"traceback is in {logs[1]}). Relaunch the same command to resume from {ckpt}. If it "
+                             "fails the same way, report it with that traceback.")
+    assert last_words[0].startswith("error: rank 0 stopped: rank 1 (pid ")
+    assert last_words[0].endswith(f"failed (RuntimeError: injected failure on rank 1 at step 3; its traceback is in "
+                                  f"{logs[1]}), and this rank stopped with it. Relaunch the same command to resume "
+                                  f"from {ckpt}. The traceback of rank 0 is in {logs[0]}.")
+    assert "in run_step" in logs[1].read_text() and "injected failure" in logs[1].read_text()
+    assert "gloo" in logs[0].read_text()
+    assert last_words[1] in proc.stderr  # the launcher's failure summary ends with the ranks' own lines
 
 
 # --- signals and the run lock ------------------------------------------------------------------------------------
@@ -212,6 +413,36 @@ def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
     assert committed_checkpoints(tmp_path / "run" / "checkpoints")  # still there to resume from
+
+
+def test_requeue_after_a_kill_before_the_first_checkpoint_starts_afresh(trained: Path, tmp_path: Path) -> None:
+    """A run SIGKILLed before its first checkpoint, then the same command again (a scheduler's requeue): it used
+    to be refused as "an earlier run". It trains to the end from step 1; the killed attempt's records are set
+    aside, not deleted, and one warning line says where. On dummy data: the recipe the attempt saved names the
+    generated files, and the relaunch must still be told the same recipe."""
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "run")
+    run = tmp_path / "run"
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    recipe |= {"output_dir": str(run), "checkpoint": {"save_steps": 1000}}  # the end of the stage is the first
+    recipe["stages"][0]["max_steps"] = 40
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml"),
+           "--create_dummy_data", "--num_dummy_samples", "16"]
+    proc = start_and_signal(cmd, run, at_step=2, sig=signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not committed_checkpoints(run / "checkpoints") and not (run / "final").exists()
+    killed = {name: (run / name).read_text() for name in ("metrics.jsonl", "run.json", "recipe.yaml")}
+    assert 2 <= len(read_metrics(run / "metrics.jsonl", "train")) < 40
+
+    again = run_launch(cmd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (aside,) = (run / "earlier-attempts").iterdir()
+    assert {p.name: p.read_text() for p in aside.iterdir()} == killed
+    said = [line for line in again.stderr.splitlines() if "earlier attempt" in line]
+    assert len(said) == 1 and str(aside) in said[0] and "WARNING" in said[0], said
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "train")] == list(range(1, 41))
+    assert (run / "final").is_dir() and committed_checkpoints(run / "checkpoints")
 
 
 # --- resume on changed inputs ------------------------------------------------------------------------------------

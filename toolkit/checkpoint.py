@@ -8,7 +8,10 @@ Commit protocol: every rank writes into `step-N.tmp`; after a barrier rank 0 wri
 (fsynced), renames the directory to `step-N` (toolkit/atomic.py), and only then rotates old checkpoints. A
 directory without the marker is never loaded, so a crash at any moment leaves the previous committed checkpoint as
 the resume point.
-Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it.
+Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it. The
+checkpoints' own meta.json files are the record of truth: a damaged, stale or missing `best.json` is rebuilt from
+them when the run starts (one warning), so it can never make rotation delete the best checkpoint, nor crash a run.
+A checkpoint that a reader holds a lease on (`toolkit export`, toolkit/read_lease.py) is left for a later rotation.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import pickle
 import re
+import secrets
 import shutil
 import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +37,17 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit import distributed
-from toolkit.atomic import build_dir, replace_dir, write_text_atomic
+from toolkit.atomic import build_dir, swap_dir, write_text_atomic
+from toolkit.config import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
+from toolkit.read_lease import delete_unless_leased
 from toolkit.strategies import consolidate, param_state
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
+
+log = logging.getLogger(__name__)
 
 
 def portable_lora_file(ckpt: Path) -> Path:
@@ -133,21 +143,22 @@ class CheckpointManager:
         self.root, self.keep_last = root, keep_last
         self.best_metric, self.best_mode = best_metric, best_mode
         self.is_main, self.barrier = is_main, barrier
+        self._best: dict[str, Any] | None = None
         if is_main and root.is_dir():  # partial saves of a run that died (the run lock rules out a live writer)
-            for stale in root.glob("step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+            self._clear_stale()
+            self._best = self._load_best()
 
     @property
     def best(self) -> dict[str, Any] | None:
-        path = self.root / BEST_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        """The best checkpoint's record, as in best.json: {step, metric, value, path} (rank 0; None elsewhere)."""
+        return self._best
 
     def save(self, step: int, write_state: Callable[[Path], None], meta: dict[str, Any]) -> Path:
         """Write a checkpoint for `step` with `write_state(tmp_dir)` on every rank, then commit and rotate."""
         final, tmp = checkpoint_dir(self.root, step), self.root / f"step-{step:08d}.tmp"
         try:
             if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _discard(tmp)
                 tmp.mkdir(parents=True)
             self.barrier()
             write_state(tmp)
@@ -164,33 +175,106 @@ class CheckpointManager:
                                "The partial checkpoint was removed; the previous one is intact. Free space "
                                "and relaunch the same command to resume.") from None
         if self.is_main:
-            replace_dir(tmp, final)  # the same step may be saved again (e.g. end of stage right after a resume)
+            # The same step may be saved again (e.g. end of stage right after a resume): the folder it replaces
+            # goes once no reader holds it.
+            if (replaced := swap_dir(tmp, final)) is not None:
+                _discard(replaced)
             self._update_best(step, meta.get("metrics", {}))
             self._rotate()
         self.barrier()
         return final
 
+    def _better(self, value: Any, than: dict[str, Any] | None) -> bool:
+        """Whether a checkpoint's `best_metric` value is a new best (finite, and strictly better than `than`)."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return False
+        return than is None or (value < than["value"] if self.best_mode == "min" else value > than["value"])
+
     def _update_best(self, step: int, metrics: dict[str, Any]) -> None:
         value = metrics.get(self.best_metric) if self.best_metric else None
-        if value is None or not math.isfinite(value):
-            return
-        best = self.best
-        better = best is None or (value < best["value"] if self.best_mode == "min" else value > best["value"])
-        if better:
-            record = {"step": step, "metric": self.best_metric, "value": value,
-                      "path": checkpoint_dir(self.root, step).name}
-            write_text_atomic(self.root / BEST_FILE, json.dumps(record))
+        if self._better(value, self._best):
+            self._best = {"step": step, "metric": self.best_metric, "value": value,
+                          "path": checkpoint_dir(self.root, step).name}
+            write_text_atomic(self.root / BEST_FILE, json.dumps(self._best))
+
+    def _best_by_metadata(self) -> dict[str, Any] | None:
+        """The best committed checkpoint by the metric values in their meta.json, chosen as saving chose it: the
+        earliest strictly better one. Rotation never deleted the best, so this is the record's true content."""
+        best = None
+        for ckpt in committed_checkpoints(self.root):
+            try:
+                meta = read_meta(ckpt)
+            except ToolkitError:  # a damaged meta.json: its metric cannot be known (nor can it be resumed)
+                continue
+            value = (meta.get("metrics") or {}).get(self.best_metric)
+            if self._better(value, best):
+                best = {"step": meta["step"], "metric": self.best_metric, "value": value, "path": ckpt.name}
+        return best
+
+    def _load_best(self) -> dict[str, Any] | None:
+        """best.json as checked against the checkpoints themselves. A record that is unreadable, of another shape
+        or metric, names a checkpoint that is gone or uncommitted, or disagrees with the checkpoints' metadata
+        (a crash between a commit and its best.json update) is rewritten from that metadata, with one warning;
+        no checkpoint is deleted because of it."""
+        if self.best_metric is None:
+            return None
+        path, truth = self.root / BEST_FILE, self._best_by_metadata()
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8"))
+            problem = None if recorded == truth else _record_problem(recorded, self.root, self.best_metric)
+        except FileNotFoundError:
+            recorded, problem = None, "is missing"
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            recorded, problem = None, f"cannot be read ({type(e).__name__}: {str(e)[:120]})"
+        if recorded == truth:
+            return truth
+        rebuilt = (f"the best by {self.best_metric} ({self.best_mode}) is {truth['path']} ({truth['value']:.6g})"
+                   if truth else f"no committed checkpoint has a {self.best_metric} value yet")
+        log.warning("%s %s: rebuilt from the committed checkpoints' meta.json; %s. No checkpoint was deleted.",
+                    path, problem or "does not match the checkpoints' meta.json", rebuilt)
+        if truth is not None:
+            write_text_atomic(path, json.dumps(truth))
+        else:
+            path.unlink(missing_ok=True)
+        return truth
+
+    def _clear_stale(self) -> None:
+        """Partial saves (`*.tmp`) of a run that died, or replaced folders a reader held until now."""
+        for path in self.root.iterdir():
+            if path.name.endswith(".tmp") and path.is_dir():
+                delete_unless_leased(path)
 
     def _rotate(self) -> None:
-        """Delete committed checkpoints beyond the last `keep_last`, never the best; clear stale temp dirs."""
+        """Delete committed checkpoints beyond the last `keep_last`, never the best nor one that a reader holds
+        (a later rotation deletes it); clear stale temp dirs."""
         keep = {p.name for p in committed_checkpoints(self.root)[-self.keep_last:]}
-        if (best := self.best) is not None:
-            keep.add(best["path"])
-        for path in self.root.iterdir():
-            stale_tmp = path.name.endswith(".tmp") and path.is_dir()
-            old = _STEP_DIR.match(path.name) and path.name not in keep
-            if stale_tmp or old:
-                shutil.rmtree(path, ignore_errors=True)
+        if self._best is not None:
+            keep.add(self._best["path"])
+        self._clear_stale()
+        for path in sorted(self.root.iterdir()):
+            if _STEP_DIR.match(path.name) and path.name not in keep and not delete_unless_leased(path):
+                log.info("kept %s for now: a reader holds it (toolkit export); a later rotation deletes it", path)
+
+
+def _record_problem(record: Any, root: Path, metric: str) -> str | None:
+    """What is wrong with a parsed best.json record in itself (None: well-formed, for this metric, naming a
+    committed checkpoint; it may still disagree with that checkpoint's metadata)."""
+    keys = {"step": int, "metric": str, "value": int | float, "path": str}
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t) for k, t in keys.items()):
+        return "is not a best-checkpoint record ({step, metric, value, path})"
+    if record["metric"] != metric:
+        return f"was kept for the metric {record['metric']!r}, not checkpoint.best_metric {metric!r}"
+    if record["path"] != checkpoint_dir(root, record["step"]).name or not (root / record["path"] / COMMIT_MARKER
+                                                                            ).is_file():
+        return f"names {record['path']!r}, which is not a committed checkpoint (deleted, or never committed)"
+    return None
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint-shaped folder unless a reader holds it; then it is renamed to a `*.tmp` name of its own,
+    which a later rotation deletes once the reader is done."""
+    if not delete_unless_leased(path):
+        path.rename(path.with_name(f"{path.name.removesuffix('.tmp')}.{secrets.token_hex(4)}.tmp"))
 
 
 def find_resume(resume: str, root: Path) -> Path | None:
@@ -303,11 +387,14 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
                        adam_steps: dict[str, int]) -> None:
     """Every rank calls this (gathers are collective); rank 0 writes full fp32 tensors in safetensors.
 
-    `adam_steps`: each trainable parameter's Adam step count (it differs from the global step when stages
-    freeze some parameters, or steps were skipped); restored with the moments on a portable resume.
+    Every trainable parameter gets `param/`, `exp_avg/` and `exp_avg_sq/` entries (zero moments for one never
+    updated yet, Adam's own start), so the file is the same whatever layout wrote it. `adam_steps`: each trainable
+    parameter's Adam step count (it differs from the global step when stages freeze some parameters, or steps were
+    skipped); restored with the moments on a portable resume.
     """
     from safetensors.torch import save_file
 
+    param_state.ensure_adam_state(accelerator, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable(accelerator, model):
         for key, value in param_state.full_param_state(accelerator, optimizer, param).items():
@@ -318,13 +405,16 @@ def save_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
         save_file(tensors, str(target), metadata={"adam_steps": json.dumps(adam_steps)})
 
 
-def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, ckpt: Path) -> None:
-    """Put a portable LoRA state into a prepared model/optimizer of any strategy (every rank calls this)."""
+def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, ckpt: Path) -> list[str]:
+    """Put a portable LoRA state into a prepared model/optimizer of any strategy (every rank calls this): weights,
+    Adam moments and each parameter's Adam step count. A parameter without moments in the file (an earlier version
+    wrote none before its first update) starts from Adam's start (zero moments, step 0). Returns what was not
+    restored as the checkpoint has it (Adam state reset for such parameters that had been updated, ...)."""
     from safetensors import safe_open
 
     with safe_open(str(portable_lora_file(ckpt)), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        metadata = f.metadata()
+        metadata = f.metadata() or {}
     # Checkpoints of earlier versions hold one global step for every parameter.
     steps = json.loads(metadata["adam_steps"]) if "adam_steps" in metadata else None
     named = _trainable(accelerator, model)
@@ -332,10 +422,20 @@ def load_portable_lora(accelerator: Accelerator, model: torch.nn.Module, optimiz
     if missing:
         raise ToolkitError(f"The portable LoRA state in {portable_lora_file(ckpt)} has no entry for {missing[:3]}: "
                            "the LoRA settings changed since the checkpoint. Resume with the same lora: section.")
+    entries, reset = [], []
     for name, param in named:
-        values = {k: stored[f"{k}/{name}"] for k in ("param", "exp_avg", "exp_avg_sq") if f"{k}/{name}" in stored}
+        value = stored[f"param/{name}"]
         step = steps[name] if steps is not None else int(metadata["adam_step"])
-        param_state.set_full_param_state(accelerator, optimizer, param, values, step)
+        moments = {k: stored.get(f"{k}/{name}") for k in param_state.MOMENTS}
+        if any(m is None for m in moments.values()):  # zeros at step 0 are Adam's start: a loss only if it stepped
+            reset += [name] if step > 0 else []
+            moments, step = {k: torch.zeros_like(value) for k in moments}, 0
+        entries.append((param, {"param": value, **moments}, step))
+    lost = param_state.set_full_state(accelerator, optimizer, entries)
+    if reset:
+        lost.insert(0, f"Adam state of {len(reset)} parameter(s) the checkpoint holds none for (e.g. {reset[0]}) "
+                       "reset")
+    return lost
 
 
 def _unsaveable(state_dict: dict[str, Any], out_dir: Path) -> str | None:
@@ -390,19 +490,16 @@ def write_state(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any
         save_portable_lora(accelerator, model, optimizer, tmp, adam_steps)
 
 
+# Same-layout resumes proven bit-exact by tests/test_resume.py::test_resume_from_every_checkpoint_is_exact: from
+# every checkpoint of the 3-stage curriculum (stages training different parameters), every later step's loss, lr,
+# gradient norm and counts and the final adapter equal the uninterrupted run's. (strategy name, mixed precision).
+EXACT_RESUME_TESTED = frozenset((s, "no") for s in ("single", "ddp", "fsdp2", "zero2", "zero3", "zero3_offload"))
+EXACT_RESUME_SCOPE = "fp32 (mixed_precision: no) single, ddp, fsdp2, zero2, zero3 and zero3_offload"
+
+
 def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     """Whether the checkpoint's shards fit this run as they are (same strategy, same process count)."""
     return meta["world_size"] == world_size and meta["strategy"] == strategy
-
-
-def _changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two recipe trees."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [k for key in sorted(set(old) | set(new), key=str)
-                for k in _changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in _changed_keys(a, b, f"{prefix}{i}.")]
-    return [] if old == new else [prefix.rstrip(".") or "(all)"]
 
 
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
@@ -415,10 +512,10 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     are compared with what the checkpoint recorded (checkpoints of earlier versions recorded only the hash).
     """
     if not same_layout(meta, strategy, world_size) and not portable_lora_file(ckpt).is_file():
-        layout = f"{meta['strategy']} x {meta['world_size']}"
+        layout = layout_name(meta["strategy"], meta["world_size"])
         raise ToolkitError(
-            f"Checkpoint {ckpt} was written by {layout}; this run is {strategy} x {world_size}. Sharded full "
-            f"fine-tuning states cannot be re-partitioned: resume with {layout}, or export the weights "
+            f"Checkpoint {ckpt} was written by {layout}; this run is {layout_name(strategy, world_size)}. Sharded "
+            f"full fine-tuning states cannot be re-partitioned: resume with {layout}, or export the weights "
             f"(toolkit export {ckpt} --out DIR) and start a new run from them.")
     differences = []
     if meta["recipe_hash"] != invariants_hash:
@@ -450,19 +547,57 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     return differences
 
 
-def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
-            strategy: str) -> str:
-    """Load `ckpt` into the prepared objects; returns how ('exact' or 'portable'). All ranks call this.
+def layout_name(strategy: str, world_size: int) -> str:
+    return f"{strategy} x {world_size}"
 
-    Same strategy and process count: accelerate's load_state restores everything bit for bit (model, optimizer,
-    scheduler, RNG per rank, accumulation counter). Otherwise (checked by `check_resumable`: a LoRA run with a
-    portable state) the adapter, its Adam moments and the scheduler position are scattered into this layout.
+
+def reseed_for_layout(seed: int, step: int, rank: int) -> None:
+    """After a portable resume: seed this rank's Python, NumPy and torch RNG from (seed, step, rank). The saved
+    per-rank streams cannot carry over to another process count; this is deterministic (the same resume replays
+    the same run) and never replays the streams the run started with (seed + rank)."""
+    import numpy as np
+    from accelerate.utils import set_seed
+
+    set_seed(int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0]))
+
+
+@dataclass(frozen=True)
+class Restored:
+    """How a checkpoint was loaded, for the resume's log line: `exact`, or `portable (A -> B; ...)` naming what
+    could not be carried over. `lost` is training state that starts afresh (the line is then a warning)."""
+
+    how: str
+    lost: tuple[str, ...] = ()
+
+
+def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
+            strategy: str, seed: int) -> Restored:
+    """Load `ckpt` into the prepared objects. All ranks call this.
+
+    Same strategy and process count: accelerate's load_state restores everything (model, optimizer, scheduler, RNG
+    per rank, accumulation counter); 'exact' is said only where EXACT_RESUME_TESTED proves it. Otherwise (checked
+    by `check_resumable`: a LoRA run with a portable state) the adapter, its Adam moments and step counts are
+    scattered into this layout, the scheduler position is loaded (and the lr it set for the next step put back
+    into the optimizer), and each rank's RNG is reseeded from the step (`reseed_for_layout`). The data position is
+    a function of the step either way.
     """
     verify_checkpoint_files(ckpt)
-    if same_layout(read_meta(ckpt), strategy, accelerator.num_processes):
+    meta = read_meta(ckpt)
+    if same_layout(meta, strategy, accelerator.num_processes):
         accelerator.load_state(str(ckpt))
-        return "exact"
-    load_portable_lora(accelerator, model, optimizer, ckpt)
+        if (strategy, accelerator.mixed_precision) in EXACT_RESUME_TESTED:
+            return Restored("exact")
+        return Restored(f"same layout: every state restored, but bit-exact resume is tested for "
+                        f"{EXACT_RESUME_SCOPE} only, not {strategy} in {accelerator.mixed_precision}")
+    lost = load_portable_lora(accelerator, model, optimizer, ckpt)
     scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
     scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))
-    return "portable"
+    # load_state_dict restores the position, not the optimizer's lr: that was set by the step before the save.
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    reseed_for_layout(seed, meta["step"], accelerator.process_index)
+    if accelerator.mixed_precision == "fp16":
+        lost.append("fp16 loss scale reset")
+    before, after = layout_name(meta["strategy"], meta["world_size"]), layout_name(strategy, accelerator.num_processes)
+    notes = [f"{before} -> {after}", "RNG reseeded per rank from the step", *lost]
+    return Restored(f"portable ({'; '.join(notes)})", tuple(lost))

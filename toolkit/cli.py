@@ -50,9 +50,13 @@ def _inspect_data(args: argparse.Namespace) -> None:
 
 
 def _plot(args: argparse.Namespace) -> None:
+    from toolkit.forgetting import plot_forgetting
     from toolkit.plot import plot_run
 
     print(plot_run(args.output_dir))
+    matrix = plot_forgetting(args.output_dir)  # with eval.all_stages: the forgetting matrix's heatmap beside it
+    if matrix is not None:
+        print(matrix)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
     p.set_defaults(func=_inspect_data)
 
-    p = sub.add_parser("plot", help="Write <output_dir>/training.png: loss, eval loss, LR, tokens/s by stage.")
+    p = sub.add_parser("plot", help="Write <output_dir>/training.png (loss, eval loss, LR, tokens/s by stage) and, "
+                       "with eval.all_stages, forgetting.png (the forgetting matrix as a heatmap).")
     p.add_argument("output_dir")
     p.set_defaults(func=_plot)
     return parser

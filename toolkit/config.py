@@ -121,6 +121,123 @@ class PacingConfig(_Section):
     start_fraction: float = Field(0.2, gt=0, le=1, description="Share of the easiest data available at first.")
 
 
+SCORER_KINDS = ("exact", "contains", "regex", "json_valid")
+"""Built-in scorers of generation evals; a user function is given as `module:function`."""
+RESERVED_METRICS = ("eval_loss", "eval_ppl", "eval_tokens")
+"""Metric names of the loss evaluation: no scorer may take them."""
+_NAME = r"^[A-Za-z0-9_-]+$"
+
+
+class ScorerConfig(_Section):
+    kind: Literal["exact", "contains", "regex", "json_valid", "function"] = Field(
+        ..., description="exact / contains: the reference equals / is contained in the output (after the "
+        "normalisation below); regex: with `pattern`, the pattern's match in the output (its first group if it has "
+        "one) equals the reference, without, the reference is a regular expression the output must match; "
+        "json_valid: the output parses as JSON; function: `function` is called.")
+    name: str | None = Field(None, pattern=_NAME, description="Metric name (<eval name>.<name>); default the kind, "
+                             "or the function's name.")
+    strip: bool = Field(True, description="Compare with leading and trailing whitespace removed.")
+    lower: bool = Field(False, description="Compare lower-cased.")
+    whitespace: bool = Field(False, description="Compare with every run of whitespace made one space.")
+    pattern: str | None = Field(None, description="regex: the pattern that extracts the answer from the output.")
+    function: str | None = Field(None, description="function: `module:function`, imported from the recipe's folder "
+                                 "or the installed packages, called as fn(output, reference, row) -> number.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScorerConfig:
+        if self.pattern is not None:
+            if self.kind != "regex":
+                raise ValueError(f"pattern is for kind: regex, not {self.kind}")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"pattern is not a valid regular expression: {e}") from None
+        if (self.kind == "function") != (self.function is not None):
+            raise ValueError("a function scorer needs function: module:function (and only a function scorer has one)")
+        if self.function is not None and not re.fullmatch(r"[\w.]+:\w+", self.function):
+            raise ValueError(f"function '{self.function}' is not of the form module:function (e.g. "
+                             "my_scorers:cad_parses)")
+        return self
+
+    @property
+    def metric(self) -> str:
+        """The score's name in metrics (after the eval's name and a dot)."""
+        if self.name is not None:
+            return self.name
+        return self.function.rpartition(":")[2] if self.function else self.kind
+
+
+def _scorer_shorthand(value: Any) -> Any:
+    """`exact` -> {kind: exact}; `module:function` -> {kind: function, function: ...}."""
+    if not isinstance(value, str):
+        return value
+    if ":" in value:
+        return {"kind": "function", "function": value}
+    if value not in SCORER_KINDS:
+        close = difflib.get_close_matches(value, SCORER_KINDS, n=1)
+        raise ValueError(f"unknown scorer '{value}'{f' (did you mean {close[0]}?)' if close else ''}; the built-in "
+                         f"scorers are {', '.join(SCORER_KINDS)}, or give a user function as module:function")
+    return {"kind": value}
+
+
+class GenerationEvalConfig(_Section):
+    name: str = Field(..., pattern=_NAME, description="Eval name: its metrics are <name>.<scorer>.")
+    data: list[str] = Field(..., min_length=1, description="JSONL files of prompts: {messages, reference} rows, or "
+                            "chat rows whose last assistant turn is the reference (images for VL models).")
+    scorers: list[ScorerConfig] = Field(..., min_length=1, description="exact, contains, regex, json_valid, "
+                                        "module:function, or {kind, name, ...} mappings; each reports its mean.")
+    max_new_tokens: int = Field(128, gt=0, description="Longest completion, in tokens.")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy (the default); above 0 samples, seeded per batch.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (with temperature > 0).")
+    batch_size: int = Field(8, gt=0, description="Prompts per generate call (left-padded); the same batches on any "
+                            "number of processes.")
+    enable_thinking: bool | None = Field(None, description="The chat template's enable_thinking (Qwen3); default: "
+                                         "false unless data.thinking is none, the format the answers trained in.")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_file(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("scorers", mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return [_scorer_shorthand(v) for v in value] if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _unique_metrics(self) -> GenerationEvalConfig:
+        names = [s.metric for s in self.scorers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"scorer names must be unique within an eval, repeated: {dupes} (give one a name:)")
+        reserved = sorted(set(names) & set(RESERVED_METRICS))
+        if reserved:
+            raise ValueError(f"scorer name {reserved[0]} is the loss evaluation's; choose another name")
+        return self
+
+
+class AdvanceWhen(_Section):
+    metric: str = Field(..., description="<eval name>.<score> of a generation eval, or eval_loss.")
+    at_least: float | None = Field(None, description="Advance once the metric is at least this.")
+    at_most: float | None = Field(None, description="Advance once the metric is at most this (a loss).")
+    min_steps: int = Field(0, ge=0, description="Steps the stage trains before its gate may end it.")
+    required: bool = Field(False, description="Stop the run when the stage reaches its length without meeting "
+                           "the gate (default: move on and say so).")
+
+    @model_validator(mode="after")
+    def _one_threshold(self) -> AdvanceWhen:
+        if (self.at_least is None) == (self.at_most is None):
+            raise ValueError("advance_when needs exactly one of at_least and at_most")
+        return self
+
+    def met(self, value: float) -> bool:
+        return value >= self.at_least if self.at_least is not None else value <= self.at_most  # type: ignore[operator]
+
+    def describe(self) -> str:
+        return (f"{self.metric} >= {self.at_least:g}" if self.at_least is not None
+                else f"{self.metric} <= {self.at_most:g}")
+
+
 class StageConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -149,6 +266,10 @@ class StageConfig(_Section):
                                  "for this many evaluations (needs eval data and eval.every_steps).")
     patience_min_delta: float = Field(0.0, ge=0, description="Smallest eval_loss decrease that counts as an "
                                       "improvement for patience.")
+    generation: list[GenerationEvalConfig] | None = Field(None, description="Generation evals of this stage "
+                                                          "(default: eval.generation).")
+    advance_when: AdvanceWhen | None = Field(None, description="Mastery gate: end the stage once an eval metric "
+                                             "reaches a threshold (max_steps / epochs stay the ceiling).")
 
     @model_validator(mode="after")
     def _consistent(self) -> StageConfig:
@@ -235,6 +356,10 @@ class EvalConfig(_Section):
     every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at stage ends).")
     micro_batch_size: int | None = Field(None, gt=0, description="Eval batch per process (default: the stage's "
                                             "training micro batch).")
+    generation: list[GenerationEvalConfig] = Field(default_factory=list, description="Generation evals of every "
+                                                   "stage (a stage's generation: wins).")
+    all_stages: bool = Field(False, description="Every eval evaluates every stage's eval sets (loss and generation): "
+                             "the forgetting matrix, evals/matrix.jsonl.")
 
 
 class StabilityConfig(_Section):
@@ -297,6 +422,40 @@ class Recipe(_Section):
                                  "schedule")
         return self
 
+    @model_validator(mode="after")
+    def _generation_evals_and_gates(self) -> Recipe:
+        """Generation eval names are unique; a gate names a metric its stage evaluates, every eval.every_steps."""
+        defined = [(g.name, "eval.generation") for g in self.eval.generation] + [
+            (g.name, f"stages.{i}.generation") for i, s in enumerate(self.stages) for g in s.generation or []]
+        names = [n for n, _ in defined]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"generation eval names must be unique, repeated: {dupes} "
+                             f"({', '.join(k for n, k in defined if n == dupes[0])})")
+        resolved = resolve_stages(self)
+        for i, stage in enumerate(resolved):
+            gate = stage.advance_when
+            if gate is None:
+                continue
+            where = f"stages.{i} ('{stage.name}')"
+            metrics = stage_metrics(resolved, i, all_stages=self.eval.all_stages)
+            if not metrics:
+                raise ValueError(f"{where}: advance_when needs an eval of this stage to decide on: eval files "
+                                 "(stages[].eval or eval.data) or generation evals (stages[].generation or "
+                                 "eval.generation)")
+            if gate.metric not in metrics:
+                close = difflib.get_close_matches(gate.metric, metrics, n=1, cutoff=0.5)
+                raise ValueError(f"{where}: advance_when.metric '{gate.metric}' is not a metric this stage "
+                                 f"evaluates{f' (did you mean {close[0]}?)' if close else ''}; its metrics: "
+                                 f"{', '.join(metrics)}")
+            if not self.eval.every_steps:
+                raise ValueError(f"{where}: advance_when needs eval.every_steps (a gate is checked at each eval)")
+            if i + 1 < len(self.stages) and self.stages[i + 1].schedule == "continue":
+                raise ValueError(f"{where}: advance_when may end the stage early, which would cut the LR schedule "
+                                 f"that stage '{self.stages[i + 1].name}' continues; give that stage its own "
+                                 "schedule")
+        return self
+
 
 @dataclass(frozen=True)
 class ResolvedStage:
@@ -330,6 +489,8 @@ class ResolvedStage:
     trainable_key: str  # the recipe key `trainable` comes from, for error messages
     patience: int | None
     patience_min_delta: float
+    generation: tuple[GenerationEvalConfig, ...] = ()
+    advance_when: AdvanceWhen | None = None
 
 
 def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
@@ -354,8 +515,23 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
             eval_micro_batch_size=recipe.eval.micro_batch_size or micro,
             trainable=None if trainable is None else tuple(trainable),
             trainable_key=f"stages.{i}.trainable" if stage.trainable else "train.trainable",
-            patience=stage.patience, patience_min_delta=stage.patience_min_delta))
+            patience=stage.patience, patience_min_delta=stage.patience_min_delta,
+            generation=tuple(stage.generation if stage.generation is not None else recipe.eval.generation),
+            advance_when=stage.advance_when))
     return resolved
+
+
+def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) -> list[str]:
+    """The eval metrics a stage's evaluations report, the names its gate may use: `eval_loss` (its eval files),
+    `<eval>.<score>` of its generation evals, and with eval.all_stages every stage's (`<stage>.eval_loss`)."""
+    own = stages[index]
+    names = ["eval_loss"] if own.eval else []
+    evaluated = stages if all_stages else [own]
+    if all_stages:
+        names += [f"{s.name}.eval_loss" for s in stages if s.eval]
+    for stage in evaluated:
+        names += [f"{g.name}.{scorer.metric}" for g in stage.generation for scorer in g.scorers]
+    return list(dict.fromkeys(names))
 
 
 DEFAULT_RECIPE: dict[str, Any] = {
@@ -476,6 +652,8 @@ def _explain(err: ValidationError, source: str) -> ToolkitError:
             lines.append(f"unknown key '{key}'.{hint} Valid keys here: {', '.join(valid)}.")
         elif e["type"] == "missing":
             lines.append(f"'{key}' is required.")
+        elif not loc:  # a check across sections: its message names the keys; the input is the whole recipe
+            lines.append(f"{e['msg'].removeprefix('Value error, ')}.")
         else:
             lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r}).")
     return ToolkitError(f"Invalid recipe {source}: " + " ".join(lines))
@@ -527,7 +705,19 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     tree["seed"] = recipe.train.seed
     if recipe.train.trainable is not None:  # only when set, so checkpoints of earlier versions still resume
         tree["trainable"] = recipe.train.trainable
+    if any(stage.advance_when for stage in recipe.stages):  # gates decide stage lengths from these evals
+        tree["gate_evals"] = recipe.eval.model_dump(mode="json", exclude={"micro_batch_size"})
     return tree
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two recipe trees (e.g. two `resume_invariants`)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [k for key in sorted(set(old) | set(new), key=str)
+                for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in changed_keys(a, b, f"{prefix}{i}.")]
+    return [] if old == new else [prefix.rstrip(".") or "(all)"]
 
 
 def flat_config(recipe: Recipe) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
-from toolkit.config import ResolvedStage
+from toolkit.config import AdvanceWhen, ResolvedStage
 from toolkit.data import TrainingSet
 from toolkit.errors import ToolkitError
 from toolkit.sampling import Pacing, StageSampler
@@ -133,6 +133,49 @@ class Patience:
         return cls(patience, min_delta, math.inf if best is None else best, state.get("since_best", 0))
 
 
+@dataclass
+class Gate:
+    """A stage's mastery gate (`advance_when`): met at an evaluation whose metric reaches the threshold once the
+    stage has trained `min_steps` steps. Keeps the last and best values and where it was met, for the stage summary
+    and its messages; serialisable (`state` / `from_state`) for exact resume."""
+
+    rule: AdvanceWhen
+    last: float | None = None
+    best: float | None = None
+    best_step: int | None = None
+    met_step: int | None = None  # the global step it was met at
+
+    def update(self, metrics: dict[str, Any], *, steps_in_stage: int, step: int) -> bool:
+        """Take an evaluation's metrics (rank 0's, the same on every rank); True when the gate is met."""
+        value = metrics.get(self.rule.metric)
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return False
+        self.last = float(value)
+        higher = self.rule.at_least is not None
+        if self.best is None or (value > self.best if higher else value < self.best):
+            self.best, self.best_step = self.last, step
+        if steps_in_stage >= self.rule.min_steps and self.rule.met(self.last):
+            self.met_step = step
+            return True
+        return False
+
+    def summary(self) -> dict[str, Any]:
+        """What the stage summary and metrics.jsonl say about the gate."""
+        rule = self.rule
+        threshold = {"at_least": rule.at_least} if rule.at_least is not None else {"at_most": rule.at_most}
+        return {"metric": self.rule.metric, **threshold, "min_steps": self.rule.min_steps,
+                "required": self.rule.required, "met": self.met_step is not None, "met_step": self.met_step,
+                "last": self.last, "best": self.best, "best_step": self.best_step}
+
+    def state(self) -> dict[str, Any]:
+        return {"last": self.last, "best": self.best, "best_step": self.best_step, "met_step": self.met_step}
+
+    @classmethod
+    def from_state(cls, rule: AdvanceWhen, state: dict[str, Any] | None) -> Gate:
+        state = state or {}
+        return cls(rule, state.get("last"), state.get("best"), state.get("best_step"), state.get("met_step"))
+
+
 def locate(plans: list[StagePlan], step: int) -> tuple[StagePlan, int]:
     """(stage, step within it) of a global step; steps past the end map to the last stage's last step."""
     for plan in plans:
@@ -226,7 +269,10 @@ class Curriculum:
         self.stages = stages
         self.default_schedule = default_schedule
         self.patience: Patience | None = None
+        self.gate: Gate | None = None
+        self.ended_by: str | None = None  # what ended the current stage early: patience | gate
         self._resumed_patience: tuple[int, dict[str, Any] | None] | None = None  # (stage index, counters)
+        self._resumed_gate: tuple[int, dict[str, Any] | None] | None = None
         self._schedule = build_lr_lambda(self.plans, default_schedule)
 
     @property
@@ -255,17 +301,53 @@ class Curriculum:
             stage.trainable_params = count
 
     def enter(self, stage: Stage) -> None:
-        """Start `stage`'s eval patience: the checkpoint's counters when the run resumed inside this stage."""
-        saved = None
+        """Start `stage`'s eval patience and mastery gate: the checkpoint's counters when the run resumed inside this
+        stage."""
+        saved, saved_gate = None, None
         if self._resumed_patience is not None and self._resumed_patience[0] == stage.index:
             saved = self._resumed_patience[1]
+        if self._resumed_gate is not None and self._resumed_gate[0] == stage.index:
+            saved_gate = self._resumed_gate[1]
         settings = stage.resolved
         self.patience = None if settings.patience is None else Patience.from_state(
             settings.patience, settings.patience_min_delta, saved)
+        self.gate = None if settings.advance_when is None else Gate.from_state(settings.advance_when, saved_gate)
+        self.ended_by = None
 
-    def end_stage_early(self, stage: Stage, steps: int) -> None:
+    def advance(self, stage: Stage, steps_in_stage: int, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """Whether an evaluation after `steps_in_stage` steps of `stage` (global step `step`) ends it: its gate met
+        (first), or its eval_loss patience run out. Returns the reason's record fields, or None. The caller cuts the
+        stage (`end_stage_early`) unless this was its last step anyway."""
+        if self.gate is not None and self.gate.update(metrics, steps_in_stage=steps_in_stage, step=step):
+            return {"reason": "gate", "gate": self.gate.rule.describe(), "metric": self.gate.rule.metric,
+                    "value": self.gate.last}
+        patience = self.patience
+        if patience is not None and "eval_loss" in metrics and patience.update(metrics["eval_loss"]):
+            return {"reason": "patience", "best_eval_loss": patience.best}
+        return None
+
+    def end_stage_early(self, stage: Stage, steps: int, reason: str = "patience") -> None:
         """Cut `stage` to its first `steps` steps; later stages move up and the LR schedule is rebuilt."""
+        self.ended_by = reason
         self._replan(end_stage_early(self.plans, stage.index, steps))
+
+    def ending(self) -> dict[str, Any]:
+        """What ended the current stage, for its summary: `ended_by` (gate, patience, or its planned length) and its
+        gate's outcome."""
+        return {"ended_by": self.ended_by or "planned_length",
+                **({"gate": self.gate.summary()} if self.gate is not None else {})}
+
+    def unmet_required_gate(self, stage: Stage) -> str | None:
+        """The message that stops the run when `stage` ended without meeting a required gate, else None."""
+        gate = self.gate
+        if gate is None or not gate.rule.required or gate.met_step is not None:
+            return None
+        seen = "it was never evaluated" if gate.best is None else (
+            f"last {gate.last:.4g}, best {gate.best:.4g} at step {gate.best_step}")
+        return (f"stage '{stage.name}' reached its length ({stage.plan.steps} steps, step {stage.plan.end_step}) "
+                f"without meeting advance_when {gate.rule.describe()} ({seen}), and the gate is required "
+                f"(stages.{stage.index}.advance_when.required): the run stops here. Train the stage longer (a new run "
+                "with more max_steps / epochs), or lower the threshold, or set required: false to move on.")
 
     def _replan(self, plans: list[StagePlan]) -> None:
         for stage, plan in zip(self.stages, plans, strict=True):
@@ -273,17 +355,35 @@ class Curriculum:
         self._schedule = build_lr_lambda(plans, self.default_schedule)
 
     def state(self, *, stage_end: bool) -> dict[str, Any]:
-        """The checkpoint's `curriculum` entry: actual stage lengths and the current stage's patience counters
-        (none at a stage end: the next stage starts afresh)."""
+        """The checkpoint's `curriculum` entry: actual stage lengths, the current stage's patience counters (none
+        at a stage end: the next stage starts afresh) and, for a gated stage, its gate (at a stage end too: a
+        resume there must know whether a required gate was met)."""
         return {"stage_steps": [p.steps for p in self.plans],
-                "patience": None if self.patience is None or stage_end else self.patience.state()}
+                "patience": None if self.patience is None or stage_end else self.patience.state(),
+                **({"gate": self.gate.state()} if self.gate is not None else {})}
 
     def restore(self, state: dict[str, Any], *, stage_index: int) -> None:
         """Continue from a checkpoint taken in stage `stage_index`: the stage lengths it ran (stages that ended
-        early keep their length; samplers keep the planned one) and, for that stage, its patience counters."""
+        early keep their length; samplers keep the planned one) and, for that stage, its patience counters and
+        gate."""
         stage_steps = state.get("stage_steps") or [p.steps for p in self.plans]
         self._replan(apply_stage_steps(self.plans, stage_steps))
         self._resumed_patience = (stage_index, state.get("patience"))
+        self._resumed_gate = (stage_index, state.get("gate"))
+
+    def check_resumed_at(self, step: int, stage_index: int) -> None:
+        """A resume at the end of a stage that stopped the run on its unmet required gate stops again (it would
+        otherwise move on to the next stage as if the gate had been met)."""
+        stage = self.stages[stage_index]
+        if step != stage.plan.end_step:
+            return
+        self.enter(stage)
+        gate = self.gate
+        if gate is not None and gate.last is not None and gate.rule.met(gate.last):
+            return  # its last value meets the gate as the recipe now sets it (a lowered threshold)
+        message = self.unmet_required_gate(stage)
+        if message is not None:
+            raise ToolkitError(message)
 
 
 def build_curriculum(stages: list[ResolvedStage], training_sets: list[TrainingSet],

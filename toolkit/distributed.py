@@ -112,7 +112,7 @@ def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[st
     quiet_library_logs()
     apply_cpu_compat()
     if deepspeed.launched_with_deepspeed():
-        build_locks.clear_stale_build_locks()  # DeepSpeed loads its JIT ops while the Accelerator is created
+        build_locks.clear_stale_build_locks(wait=True)  # DeepSpeed loads its JIT ops while the Accelerator is created
     accelerator = Accelerator(
         gradient_accumulation_steps=grad_accum,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))],
@@ -223,17 +223,19 @@ def record_launch_error(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int, *, group_intact: bool = True) -> None:
     """End the process after a finished run, skipping interpreter teardown.
 
     With DeepSpeed ZeRO-3 on gloo, a process that has finished, written everything and destroyed its process
     group still aborts now and then in C++ static destruction ('terminate called without an active exception',
     SIGABRT), which turns a good run into a failed launch. Everything is flushed first, so nothing is lost.
+    `group_intact=False` (a peer is gone, or this rank failed mid-collective): the process group is not destroyed,
+    which could wait on the missing peer; the process's end closes its connections.
     """
     import logging
     import sys
 
-    if torch.distributed.is_initialized():
+    if group_intact and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()

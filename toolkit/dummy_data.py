@@ -119,6 +119,33 @@ def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) ->
     return paths
 
 
+# --- facts to memorise, then overwrite (generation evals, gates, forgetting) ----------------------------------------
+
+FACT_SUBJECTS = ("cat", "dog", "tree", "house", "car", "book", "bird", "apple", "fish")
+
+
+def _fact_row(subject: str, revised: bool) -> Row:
+    answer = "red" if revised else "blue"
+    return {"messages": [_msg("user", f"What colour is the {subject}?"), _msg("assistant", answer)]}
+
+
+def write_dummy_facts(out_dir: str | Path, num_samples: int) -> dict[str, Path]:
+    """Data that a tiny model learns in a few steps and that a later stage overwrites, for generation evals, mastery
+    gates and the forgetting matrix: the same nine questions ("What colour is the cat?"), answered "blue" in
+    `facts.jsonl` and "red" in `facts_revised.jsonl` (training files of `num_samples` rows, cycling through the
+    questions), and each question once with its answer in `facts_eval.jsonl` and `facts_revised_eval.jsonl` (nine
+    prompts: generation batches split unevenly over ranks)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, revised in (("facts", False), ("facts_revised", True)):
+        for file, count in ((name, num_samples), (f"{name}_eval", len(FACT_SUBJECTS))):
+            rows = [_fact_row(FACT_SUBJECTS[i % len(FACT_SUBJECTS)], revised) for i in range(count)]
+            paths[file] = out / f"{file}.jsonl"
+            write_text_atomic(paths[file], "".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
 # --- image-text (vision-language) dummy data ------------------------------------------------------------------------
 
 _COLOURS: dict[str, tuple[int, int, int]] = {

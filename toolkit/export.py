@@ -5,6 +5,11 @@ weights and writes a plain safetensors model (loads with `AutoModelForCausalLM.f
 `AutoModelForImageTextToText` for vision-language models, whose processor is exported too). Full
 fine-tuning checkpoints are consolidated from whatever strategy wrote them (DeepSpeed ZeRO partitions, FSDP
 shards). Tokenizer and a short model card with the curriculum summary are included.
+
+A run that is still training can be exported: its checkpoint is read under a read lease (toolkit/read_lease.py)
+that the run's rotation respects, and checked against what was committed (every file's size and sha256), so the
+export is of one whole committed checkpoint. The base model is found from any working directory: a built-in one
+(`builtin:tiny-qwen3`) in the run's own cache beside its output dir, as training built it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from toolkit.atomic import build_dir
 from toolkit.checkpoint import (
     COMMIT_MARKER,
+    changed_files,
     committed_checkpoints,
     portable_lora_file,
     read_meta,
@@ -29,8 +35,9 @@ from toolkit.checkpoint import (
 )
 from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
-from toolkit.model import is_vision_language, load_processor, setup_lora
-from toolkit.run_dir import RunLayout
+from toolkit.model import check_model_source, is_vision_language, load_processor, materialize_builtin, setup_lora
+from toolkit.read_lease import ReadLease
+from toolkit.run_dir import RunLayout, is_within
 from toolkit.strategies.consolidate import consolidate_full_weights
 
 
@@ -52,13 +59,19 @@ def _resolve(source: Path) -> tuple[Path, RunLayout]:
                        "Pass <output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
 
 
-def _base_model(src: Path, meta: dict[str, Any] | None, recipe: dict[str, Any]) -> str:
-    """The resolved base model path the run trained from (recorded in checkpoints and adapter configs)."""
-    if meta is not None:
-        return meta["base_model"]
-    if (src / "adapter_config.json").is_file():
-        return json.loads((src / "adapter_config.json").read_text())["base_model_name_or_path"]
-    return recipe["model"]["name_or_path"]
+def _base_model(name: str, recorded: str, run: RunLayout) -> str:
+    """The base model the run trained from. A built-in name (the recipe's `model.name_or_path`) is the folder
+    training built in the run's own cache (built again if it was deleted), found from wherever the run folder is
+    now; otherwise the path or hub id recorded with the checkpoint or adapter."""
+    if name.startswith("builtin:"):
+        return str(Path(materialize_builtin(name, run.cache)).resolve())
+    try:
+        check_model_source(recorded)
+    except ToolkitError as e:
+        raise ToolkitError(f"The base model of {run.root} cannot be loaded: {e} A relative path is read from the "
+                           "folder export runs in: run it where the run was launched.") from None
+    # A local folder is written into the export's adapter_config.json as an absolute path: usable from anywhere.
+    return str(Path(recorded).resolve()) if Path(recorded).is_dir() else recorded
 
 
 def _no_empty(path: Path) -> None:
@@ -122,17 +135,21 @@ def _check_replaceable(folder: Path, out: Path, *, overwrite: bool) -> None:
 
 def check_out(out: Path, src: Path, run: RunLayout, *, overwrite: bool) -> None:
     """Refuse an --out whose replacement would lose anything: the source or a folder holding it (never), or a
-    non-empty folder that is not an earlier export (unless --overwrite)."""
-    target = out.resolve()
-    for protected in (src.resolve(), run.root.resolve()):
-        if target == protected or target in protected.parents:
+    non-empty folder that is not an earlier export (unless --overwrite). Folders are compared by identity, not
+    spelling (`is_within`): a symlink or bind mount leading to the run is the run."""
+    for protected in (src, run.root):
+        if is_within(protected, out):
             raise ToolkitError(f"--out {out} contains what is being exported ({protected}): choose another folder.")
-    if src.resolve() in target.parents:
+    if is_within(out, src):
         raise ToolkitError(f"--out {out} is inside what is being exported ({src}): choose another folder.")
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"--out {out} is a file; name a folder.")
     if out.is_dir():
         _check_replaceable(out, out, overwrite=overwrite)
+
+
+_READ_TRIES = 5
+"""Times an export of a live run looks again for a checkpoint that rotation removed (or a re-save replaced)."""
 
 
 def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrite: bool = False,
@@ -145,35 +162,23 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
     it beside `out` as `.<name>.old-*`. The folder swapped out is checked again (an earlier export, empty, or
     --overwrite) before it is deleted, else put back. A failure leaves `out` as it was and no temporary folder.
     """
-    src, run = _resolve(Path(source))
+    src, run = _resolve(Path(source).resolve())  # a symlink to a run's final/ is that run's final/
     out = Path(out)
     check_out(out, src, run, overwrite=overwrite)
-    recipe = yaml.safe_load(run.recipe.read_text())
-    meta = read_meta(src) if (src / COMMIT_MARKER).is_file() else None
-    base = _base_model(src, meta, recipe)
-    if meta is not None:
-        verify_checkpoint_files(src)
     typed = load_recipe(run.recipe)
     trust = typed.model.trust_remote_code
     if trust and not trust_remote_code:
         raise ToolkitError(f"The run's recipe sets model.trust_remote_code: exporting it runs Python code from "
-                           f"{base}. Pass --trust-remote-code to allow that.")
-    vision = is_vision_language(base, trust_remote_code=trust)
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust)
-    if typed.lora.enabled:
-        if meta is None:
-            model = PeftModel.from_pretrained(model, src)
-        else:
-            model = _lora_from_portable_state(model, typed, src, run.root)
-        if merge:
-            model = model.merge_and_unload()
-    elif meta is not None:
-        weights = consolidate_full_weights(src, meta["strategy"])
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
-            raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}).")
+                           f"{typed.model.name_or_path}. Pass --trust-remote-code to allow that.")
+    if src != run.final:  # a checkpoint (even one that rotation removed since it was chosen)
+        src, meta, base, vision, model = _read_checkpoint(src, run, typed, merge=merge,
+                                                          from_run=src.resolve() != Path(source).resolve())
+    else:  # final/: written once, at the end of the run
+        meta = None
+        recorded = (json.loads((src / "adapter_config.json").read_text())["base_model_name_or_path"]
+                    if (src / "adapter_config.json").is_file() else typed.model.name_or_path)
+        base = _base_model(typed.model.name_or_path, recorded, run)
+        vision, model = _load_model(src, None, base, typed, run, merge=merge)
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -186,5 +191,74 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
         _no_empty(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(src.resolve()), "merged": merge}))
 
-    build_dir(out, write, check_replaced=lambda old: _check_replaceable(old, out, overwrite=overwrite))
+    # Into the folder --out leads to: a symlink --out stays, and the earlier export it points at is replaced.
+    build_dir(out.resolve(), write, check_replaced=lambda old: _check_replaceable(old, out, overwrite=overwrite))
     return out
+
+
+def _read_checkpoint(chosen: Path, run: RunLayout, typed: Recipe, *, merge: bool, from_run: bool
+                     ) -> tuple[Path, dict[str, Any], str, bool, Any]:
+    """(checkpoint, its meta, base model, vision, the model to export) read from one whole committed checkpoint.
+
+    The checkpoint is read under a read lease, so a live run's rotation leaves it in place until the export has
+    read it; its files are checked against the sizes and sha256 committed with it. Should it be gone before the
+    lease is held (rotated away), an export of a run folder takes the run's newest checkpoint instead; should it
+    change while being read (the same step saved again, or rotated on a filesystem that cannot lock folders), it is
+    read again."""
+    for _ in range(_READ_TRIES):
+        lease = ReadLease.acquire(chosen)
+        if lease is None or not (chosen / COMMIT_MARKER).is_file():
+            if lease is not None:
+                lease.release()
+            if not from_run:
+                raise ToolkitError(f"{chosen} was deleted (its run's checkpoint rotation keeps the last "
+                                   f"checkpoint.keep_last) before it could be read. Export {run.root} for its newest "
+                                   "checkpoint, or name a later one.")
+            found = committed_checkpoints(run.checkpoints)
+            if not found:
+                raise ToolkitError(f"{run.root} has no committed checkpoint left to export.")
+            chosen = found[-1]
+            continue
+        with lease:
+            try:
+                meta = read_meta(chosen)
+                problem = changed_files(chosen, meta)
+                if problem is not None:
+                    raise ToolkitError(f"Checkpoint {chosen} does not hold what was committed: {problem}. Export "
+                                       "another checkpoint, or restore the original files.")
+                verify_checkpoint_files(chosen)
+                base = _base_model(typed.model.name_or_path, meta["base_model"], run)
+                vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
+            except (ToolkitError, OSError):
+                if lease.still_held():
+                    raise
+                continue  # the folder went or changed while it was read: look again
+            if lease.still_held():
+                return chosen, meta, base, vision, model
+    raise ToolkitError(f"Could not read a checkpoint of {run.root} whole in {_READ_TRIES} tries: the run replaced "
+                       "each one while it was read. Export a checkpoint folder of a finished run, or try again.")
+
+
+def _load_model(src: Path, meta: dict[str, Any] | None, base: str, typed: Recipe, run: RunLayout, *,
+                merge: bool) -> tuple[bool, Any]:
+    """(vision, model): the base model with the run's training in it, from a checkpoint (`meta`) or final/."""
+    trust = typed.model.trust_remote_code
+    vision = is_vision_language(base, trust_remote_code=trust)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust)
+    if typed.lora.enabled:
+        if meta is None:
+            model = PeftModel.from_pretrained(model, src)
+            for config in model.peft_config.values():  # final/ recorded the base as training's folder named it
+                config.base_model_name_or_path = base
+        else:
+            model = _lora_from_portable_state(model, typed, src, run.root)
+        if merge:
+            model = model.merge_and_unload()
+    elif meta is not None:
+        weights = consolidate_full_weights(src, meta["strategy"])
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if [k for k in missing if "lm_head" not in k or not model.config.tie_word_embeddings] or unexpected:
+            raise ToolkitError(f"{src}: consolidated weights do not match {base} (missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}).")
+    return vision, model

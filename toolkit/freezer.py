@@ -22,6 +22,8 @@ class StageFreezer:
         them back after, so AdamW (or DeepSpeed's CPU Adam) skips it: no update, no weight decay, no change to
         its moments or step count, and DeepSpeed's own gradient buffers are left as they were. DeepSpeed steps
         that optimizer once per (flat, partitioned) group, so the same hooks work on its fp32 partitions.
+    Every parameter's Adam state exists from the start (`create_optimizer_state`), so a checkpoint taken while a
+    group has not trained yet holds its (zero) state under every strategy.
     Parameters frozen in a stage still get (zeroed) weight gradients computed: the cost of keeping the set of
     trainable parameters, and so every strategy's wrapping, the same for the whole run.
     """
@@ -36,22 +38,15 @@ class StageFreezer:
         if len(self.groups) != len(groups):
             raise ValueError(f"{len(self.groups)} optimizer param groups for {len(groups)} signature groups")
         self.deepspeed = uses_deepspeed(accelerator)
+        base = self._base
+        create_optimizer_state(base)
         if all(all(sig) for sig in self.signatures):
             return  # nothing is ever frozen: no hooks at all
-        base = self._base
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         base.register_step_pre_hook(self._hide_frozen_grads)
         base.register_step_post_hook(self._restore_grads)
         if not self.deepspeed:
             return
-        # ZeRO-2 creates Adam state lazily and links it to the parameters after its first step: a group frozen
-        # at that step would stay linked to an empty state. Create the state now, exactly as AdamW would.
-        if isinstance(base, torch.optim.AdamW):
-            for group in base.param_groups:
-                for p in group["params"]:
-                    if not base.state[p]:
-                        base.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                             exp_avg_sq=torch.zeros_like(p))
         group_of = {name: g for g, (_, names) in enumerate(groups) for name in names}
         for name, param in accelerator.unwrap_model(model).named_parameters():
             if name in group_of:
@@ -94,3 +89,39 @@ class StageFreezer:
     def adam_steps(self) -> dict[str, int]:
         """Each trainable parameter's Adam step count, by name (for strategy-independent checkpoints)."""
         return {name: self.updates[g] for g, names in enumerate(self.names) for name in names}
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of the torch optimizer that updates tensors its state now, as its first update would:
+    zero moments, step count 0.
+
+    Adam creates a parameter's state at its first update, so a checkpoint taken before a group's first update (a
+    group that a stage freezes, or every group after a skipped first step) holds no state for it, and the resumed
+    run must find exactly that. Strategies do not: FSDP2's loader (torch.distributed.checkpoint) expects an entry
+    for every parameter ("Missing key in checkpoint state_dict") and otherwise creates the state with a zero step
+    of its own, which counts as an Adam step; ZeRO-2 links state to its partitions at its first step. With every
+    state present from the start, checkpoints hold the same keys at every step under every strategy.
+
+    The state is made by the optimizer itself (its own dtypes and devices: fused or CPU Adam included) in one step
+    over zero gradients at learning rate 0, the way torch.distributed.checkpoint initialises a state to load into,
+    then the step counts are set back to 0. At lr 0 that step changes no parameter (weight decay multiplies by
+    exactly 1, the update is 0 times the moments) and leaves zero moments. Call before any hook on its step.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+    for p in params:
+        state = optimizer.state[p]
+        state["step"] = state["step"].zero_() if isinstance(state["step"], torch.Tensor) else 0

@@ -38,7 +38,7 @@ from toolkit import checkpoint, distributed
 from toolkit.config import Recipe
 from toolkit.curriculum import Curriculum, Stage, rank_micro_batches
 from toolkit.errors import ToolkitError
-from toolkit.evaluation import evaluate
+from toolkit.evals import Evaluator
 from toolkit.flops import batch_train_flops
 from toolkit.freezer import StageFreezer
 from toolkit.guards import StabilityGuard, Verdict, injected_fault
@@ -67,15 +67,19 @@ class RunState:
     pending_skipped: int = 0
     stage_steps: list[int] | None = None  # actual stage lengths (a stage ended early on patience is shorter)
     patience: dict[str, Any] | None = None  # the current stage's patience counters; None at a stage end
+    gate: dict[str, Any] | None = None  # the current stage's mastery gate (a gated stage only; at its end too)
     adam_updates: list[int] | None = None  # optimizer updates applied to each parameter group
     metrics: dict[str, Any] = field(default_factory=dict)  # the latest train and eval values (best-checkpoint)
+    stage_start_tokens: int | None = None  # `tokens` when the current stage began (its summary counts from it)
 
     def to_meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
                 "stage_step": self.stage_step, "samples": self.samples, "tokens": self.tokens,
                 "pending": {"losses": self.pending_losses, "skipped": self.pending_skipped},
-                "curriculum": {"stage_steps": self.stage_steps, "patience": self.patience},
-                "adam_updates": self.adam_updates, "metrics": self.metrics}
+                "curriculum": {"stage_steps": self.stage_steps, "patience": self.patience,
+                               **({"gate": self.gate} if self.gate is not None else {})},
+                "adam_updates": self.adam_updates, "metrics": self.metrics,
+                "stage_start_tokens": self.stage_start_tokens}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunState:
@@ -84,8 +88,9 @@ class RunState:
         return cls(step=meta["step"], stage=meta.get("stage", ""), stage_index=meta.get("stage_index", 0),
                    stage_step=meta.get("stage_step", 0), samples=meta.get("samples", 0), tokens=meta["tokens"],
                    pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
-                   stage_steps=cur.get("stage_steps"), patience=cur.get("patience"),
-                   adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})))
+                   stage_steps=cur.get("stage_steps"), patience=cur.get("patience"), gate=cur.get("gate"),
+                   adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})),
+                   stage_start_tokens=meta.get("stage_start_tokens"))
 
 
 @dataclass
@@ -121,6 +126,7 @@ class Run:
     curriculum: Curriculum
     collate: Any
     identity: dict[str, Any]  # meta.json keys that describe the run, not its progress (checked on resume)
+    evaluator: Evaluator  # eval loss and generation evals, every eval.every_steps and at stage ends
     text_config: Any = None  # the model's text config (FLOPs per token)
     max_norm: float = float("inf")  # gradient clipping
     peak_flops: float | None = None
@@ -139,12 +145,14 @@ class Run:
         """Continue from a checkpoint's state: meter totals, pending losses, Adam update counts, the curriculum's
         stage lengths and patience."""
         self.resumed = state
-        self.curriculum.restore({"stage_steps": state.stage_steps, "patience": state.patience},
+        self.curriculum.restore({"stage_steps": state.stage_steps, "patience": state.patience, "gate": state.gate},
                                 stage_index=state.stage_index)
+        self.curriculum.check_resumed_at(state.step, state.stage_index)  # a required gate left unmet stops again
         self.meter.tokens_total = state.tokens
         self.meter.losses, self.meter.skipped = state.pending_losses, state.pending_skipped
         self.freezer.updates = state.adam_updates or [state.step] * len(self.freezer.updates)
-        self.stage_start_tokens = state.tokens  # approximate after a mid-stage resume (counts from the resume)
+        # Checkpoints of earlier versions lack it: their stage summary then counts from the resume.
+        self.stage_start_tokens = state.tokens if state.stage_start_tokens is None else state.stage_start_tokens
 
     def tokens_now(self) -> int:
         """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
@@ -156,8 +164,9 @@ class Run:
         return RunState(step=done, stage=stage.name, stage_index=stage.index, stage_step=step_in_stage + 1,
                         samples=self.curriculum.samples_seen(done), tokens=tokens,
                         pending_losses=self.meter.losses, pending_skipped=self.meter.skipped,
-                        stage_steps=cur["stage_steps"], patience=cur["patience"],
-                        adam_updates=self.freezer.updates, metrics=self.latest)
+                        stage_steps=cur["stage_steps"], patience=cur["patience"], gate=cur.get("gate"),
+                        adam_updates=self.freezer.updates, metrics=self.latest,
+                        stage_start_tokens=self.stage_start_tokens)
 
 
 def record_header(done: int, stage: Stage) -> dict[str, Any]:
@@ -285,6 +294,8 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
         stage_summary(run, stage, done, tokens)
     if save:
         save_checkpoint(run, run.state(done, stage, step_in_stage, stage_end=stage_end, tokens=tokens))
+    if stage_end and (unmet := run.curriculum.unmet_required_gate(stage)) is not None:
+        raise ToolkitError(unmet)  # after the checkpoint: its state says so, and a resume there stops again
     if result.preempted:
         log.warning("preempted (%s): stopped after step %d, checkpoint saved; resume with the same command",
                     run.preemption.signal_name or "signal on another rank", done)
@@ -294,27 +305,32 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
 
 
 def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> bool:
-    """Evaluation every eval.every_steps and at the end of each stage, on the stage's (or global) eval set. With
-    patience, an evaluation that has not improved on the stage's best for that long ends the stage: the curriculum
-    moves the later stages up (`stage.plan` is then the shortened one). Returns whether the stage ends at `done`."""
+    """Evaluation every eval.every_steps and at the end of each stage (toolkit/evals.py: eval loss and generation
+    evals of the stage, or of every stage with eval.all_stages). Its time is left out of training tokens/s. A gate
+    met, or patience run out, ends the stage: the curriculum moves the later stages up (`stage.plan` is then the
+    shortened one). Every rank decides on rank 0's metrics. Returns whether the stage ends at `done`."""
     recipe, cur = run.recipe, run.curriculum
     stage_end = done == stage.plan.end_step
-    if not stage.eval_rows or not (stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)):
+    due = stage_end or (recipe.eval.every_steps and done % recipe.eval.every_steps == 0)
+    if not due or not run.evaluator.has_evals(stage):
         return stage_end
-    result = evaluate(run.accelerator, run.model, stage.eval_rows, run.collate,
-                      stage.resolved.eval_micro_batch_size)
-    run.log_record({**record_header(done, stage), **result})
-    run.latest.update(result)
-    log.info("step %d eval: loss %.4f, ppl %.2f", done, result["eval_loss"], result["eval_ppl"])
-    patience = cur.patience
-    if patience is not None and patience.update(result["eval_loss"]) and not stage_end:
-        log.info("stage '%s' ends early after %d of %d steps: eval_loss has not improved on %.4f for %d "
-                 "evaluations", stage.name, step_in_stage + 1, stage.plan.steps, patience.best, patience.since_best)
-        cur.end_stage_early(stage, step_in_stage + 1)
+    result = run.evaluator.evaluate(run.model, run.collate, stage, done)
+    run.meter.exclude(result.seconds)  # tokens/s, step time and MFU stay training's
+    run.log_record({**record_header(done, stage), **result.metrics})
+    run.latest.update(result.metrics)
+    log.info("step %d eval: %s", done, ", ".join(f"{k} {v:.4g}" for k, v in result.metrics.items()
+                                               if k not in ("eval_tokens", "eval_seconds", "eval_gen_seconds")))
+    advance = cur.advance(stage, step_in_stage + 1, done, result.metrics)
+    if advance is not None and not stage_end:
+        why = (f"advance_when {advance['gate']} is met ({advance['value']:.4g})" if advance["reason"] == "gate" else
+               f"eval_loss has not improved on {advance['best_eval_loss']:.4f} for {cur.patience.since_best} "
+               "evaluations")
+        log.info("stage '%s' ends early after %d of %d steps: %s", stage.name, step_in_stage + 1, stage.plan.steps, why)
+        cur.end_stage_early(stage, step_in_stage + 1, advance["reason"])
         reapply_schedule(run.scheduler)
         if run.bar is not None:
             run.bar.total = cur.end_step
-        run.log_record({**record_header(done, stage), "event": "early_advance", "best_eval_loss": patience.best})
+        run.log_record({**record_header(done, stage), "event": "early_advance", **advance})
         return True
     return stage_end
 
@@ -332,10 +348,15 @@ def stage_summary(run: Run, stage: Stage, done: int, tokens_now: int) -> None:
     plan = stage.plan
     summary = {**record_header(done, stage), "event": "stage_end",
                "stage_steps": plan.steps, "stage_samples": plan.steps * plan.global_batch,
-               "stage_tokens": tokens_now - run.stage_start_tokens, "trainable_params": stage.trainable_params}
+               "stage_tokens": tokens_now - run.stage_start_tokens, "trainable_params": stage.trainable_params,
+               **run.curriculum.ending()}
     run.metrics.write(summary)
     log.info("stage '%s' done: %d steps, %d samples, %d tokens, %d trainable parameters", plan.name,
              plan.steps, summary["stage_samples"], summary["stage_tokens"], summary["trainable_params"])
+    gate = summary.get("gate")
+    if gate is not None and not gate["met"]:
+        log.warning("stage '%s' ended at its length (%d steps) without meeting advance_when %s (last %s, best %s)",
+                    plan.name, plan.steps, run.curriculum.gate.rule.describe(), gate["last"], gate["best"])
     run.stage_start_tokens = tokens_now
 
 

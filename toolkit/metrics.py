@@ -141,6 +141,11 @@ class Meter:
         self.losses.append(loss)
         self.skipped += skipped
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of non-training work (an evaluation) out of the interval's time, so tokens/s, samples/s,
+        step time and MFU are training's."""
+        self.started += seconds
+
     def reduced(self, accelerator: Any) -> tuple[int, int, float, int]:
         """(real tokens, slots, flops, samples) of the interval, summed over ranks."""
         host = torch.tensor([self.flops, float(self.samples)], dtype=torch.float64, device=self.device)

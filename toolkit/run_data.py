@@ -30,7 +30,12 @@ def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
 
 def uses_dummy_data(stages: list[ResolvedStage]) -> bool:
     """Whether any stage trains or evaluates on generated dummy files."""
-    return any(path.startswith(DUMMY_PREFIX) for stage in stages for path in [*stage.paths, *stage.eval])
+    return any(path.startswith(DUMMY_PREFIX) for stage in stages for path in _files(stage))
+
+
+def _files(stage: ResolvedStage) -> list[str]:
+    """Every data file a stage reads: training, eval, generation-eval prompts."""
+    return [*stage.paths, *stage.eval, *(path for g in stage.generation for path in g.data)]
 
 
 def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path | None:
@@ -44,16 +49,17 @@ def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path |
 def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path | None) -> dict[str, str]:
     """sha256 of every data file the run reads (training and eval), by its recipe entry. Stored in checkpoints:
     a resume on data that changed since is refused (the steps left would see other samples)."""
-    entries = sorted({p for s in stages for p in [*s.paths, *s.eval]})
+    entries = sorted({p for s in stages for p in _files(s)})
     paths = resolve_data_paths(entries, dummy_dir)
     return {entry: content_digest(path, cache) for entry, path in zip(entries, paths, strict=True)}
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
     """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
-    from toolkit.dummy_data import write_dummy_data, write_dummy_vl_data  # only runs on dummy data need them
+    from toolkit.dummy_data import write_dummy_data, write_dummy_facts, write_dummy_vl_data  # dummy-data runs only
 
     write_dummy_data(dummy_dir, num_samples, seed=seed)
+    write_dummy_facts(dummy_dir, num_samples)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
 

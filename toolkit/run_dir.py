@@ -4,8 +4,16 @@ time, and an earlier run's outputs never replaced silently.
 The lock is an advisory `flock` held by rank 0 for the life of the process: the kernel releases it when the
 process ends, however it ends (SIGKILL included), so a crashed or killed run never blocks the next one, while a
 live one (a trainer orphaned by its launcher, a second job on the same folder) makes a new run refuse to start.
-It lives beside the output dir, in the `.toolkit-cache` that also holds the built-in models, so a run that stops
-on bad input has written nothing inside the output dir.
+It is keyed by the folder itself, not by how the path to it is spelled: a lock file beside the *resolved* output
+dir (in the `.toolkit-cache` there, so a run that stops on bad input has written nothing inside the output dir),
+named by the folder's name, and, where the folder exists, an flock on the folder itself. A symlink, `a/../b`, a
+relative or absolute path, a bind mount of a folder above it or of the folder itself (a container's volume) all
+meet the same lock.
+
+A fresh start (no committed checkpoint to resume) in a folder holding an earlier run's outputs: an attempt of the
+same recipe that stopped before its first checkpoint (a scheduler requeues the same command) has its records
+moved aside, into `earlier-attempts/`, and the run starts afresh; a run that finished, or one of another recipe,
+is refused.
 """
 
 from __future__ import annotations
@@ -13,14 +21,22 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from toolkit.config import changed_keys, load_recipe, resume_invariants
 from toolkit.errors import ToolkitError
+
+log = logging.getLogger(__name__)
+
+CACHE = ".toolkit-cache"
 
 
 @dataclass(frozen=True)
@@ -80,9 +96,44 @@ class RunLayout:
         return self.root / "training.png"
 
     @property
+    def evals(self) -> Path:
+        """Generation-eval completions and the forgetting matrix (toolkit/evals.py, toolkit/forgetting.py)."""
+        return self.root / "evals"
+
+    def completions(self, stage: str, step: int) -> Path:
+        """One eval's completions, `evals/<stage>/step-N.jsonl` (N as in checkpoint names)."""
+        return self.evals / re.sub(r"[^\w.-]|^\.", "_", stage) / f"step-{step:08d}.jsonl"
+
+    @property
+    def eval_matrix(self) -> Path:
+        """The forgetting matrix (eval.all_stages): one record per step, eval set and metric."""
+        return self.evals / "matrix.jsonl"
+
+    @property
+    def matrix_plot(self) -> Path:
+        """`toolkit plot`'s heatmap of the forgetting matrix."""
+        return self.root / "forgetting.png"
+
+    @property
+    def logs(self) -> Path:
+        """Each rank's log, `rank-N.log`: the traceback of an unexpected exception that stopped it (its one-line
+        ending is on stderr; toolkit/last_words.py). Created only once the run's outputs are being written."""
+        return self.root / "logs"
+
+    def rank_log(self, rank: int, *, outputs_written: bool) -> Path:
+        """Rank `rank`'s log file: in `logs`, or, for a run stopped before its outputs were written (its inputs
+        still being checked), in the shared cache beside the output dir, which is then left as it was."""
+        folder = self.logs if outputs_written else self.cache / "logs" / (self.root.resolve().name or "root")
+        return folder / f"rank-{rank}.log"
+
+    @property
     def cache(self) -> Path:
-        """The cache shared by the runs beside this one; it holds the built-in models' folders."""
-        return self.root.parent / ".toolkit-cache"
+        """The cache shared by the runs beside this one: the built-in models' folders and tokenised data. It stays
+        beside the output dir as written (where the user put a symlink, say), not as resolved: its entries are
+        content-addressed and published atomically (toolkit/atomic.py), so two spellings of one folder that use two
+        caches cost a rebuild, never a wrong or torn entry; and the resolved folder's parent may not be writable.
+        Only the lock must be the same for every spelling (`lock_file`)."""
+        return self.root.parent / CACHE
 
     @property
     def tokenized(self) -> Path:
@@ -91,13 +142,51 @@ class RunLayout:
 
     @property
     def locks(self) -> Path:
-        """The run locks, one file per output dir."""
-        return self.cache / "locks"
+        """The run locks of the folder that really holds the output dir: beside its *resolved* path, so that every
+        spelling of it (a symlink to it or to a folder above it, `a/../b`, relative or absolute) meets one lock."""
+        return self.root.resolve().parent / CACHE / "locks"
+
+    @property
+    def lock_file(self) -> Path:
+        """The output dir's lock file, named by the resolved folder's name (not its whole path: reached through a
+        bind mount of a folder above it, the path differs but the folder of locks is the same one)."""
+        return self.locks / f"{hashlib.sha256(self.root.resolve().name.encode()).hexdigest()[:20]}.lock"
 
     @property
     def earlier_run_files(self) -> tuple[Path, ...]:
         """What a run writes into its output dir once training starts; their presence marks an earlier run."""
-        return self.metrics, self.run_json, self.final
+        return self.metrics, self.run_json, self.final, self.evals
+
+    @property
+    def records(self) -> tuple[Path, ...]:
+        """What a run writes about itself into its output dir: its logs and identity (not its checkpoints, final
+        model or generated inputs). An attempt that stopped before its first checkpoint has these set aside."""
+        return (self.trackers, self.plot, self.matrix_plot, self.evals, self.metrics, self.run_json,
+                self.recipe)  # the recipe last: see set_aside
+
+    @property
+    def earlier_attempts(self) -> Path:
+        """Where the records of attempts that stopped before their first checkpoint are kept, one folder each."""
+        return self.root / "earlier-attempts"
+
+
+def is_within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it, told by the folders' identity (device and inode), not by how
+    the paths are spelled: a symlink, `..` or a bind mount on the way changes the spelling, not the folder. False
+    when `folder` does not exist."""
+    try:
+        target = folder.stat()
+    except OSError:
+        return False
+    spelled, resolved = path.absolute(), path.resolve()  # `..` after a symlink: the kernel's folder is resolve()'s
+    for step in (spelled, *spelled.parents, resolved, *resolved.parents):
+        try:
+            here = step.stat()
+        except OSError:  # not created yet
+            continue
+        if (here.st_dev, here.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
 
 
 def check_output_dir(out: Path) -> None:
@@ -113,27 +202,86 @@ def check_output_dir(out: Path) -> None:
                            "Choose a folder you can write to.")
 
 
-def check_not_an_earlier_run(out: Path) -> None:
-    """Refuse to start afresh in a folder holding an earlier run's outputs that no checkpoint continues: its
-    metrics and final model would be replaced, and its tracker logs mixed with the new run's."""
-    found = [path.name for path in RunLayout(out).earlier_run_files if path.exists()]
-    if found:
-        raise ToolkitError(f"output_dir {out} holds the outputs of an earlier run ({', '.join(found)}) and no "
-                           "checkpoint to resume from: starting here would replace them. Use a new output_dir, "
-                           "or delete this one if you no longer need it.")
+def set_aside_earlier_attempt(layout: RunLayout, invariants: dict[str, Any]) -> Path | None:
+    """Ready the output dir for a fresh start (no committed checkpoint to resume) of a run whose resume invariants
+    (config.resume_invariants) are `invariants`. Where an earlier run left outputs (`earlier_run_files`):
+
+    * it finished (final/): refused, starting here would replace its model and logs;
+    * its recipe.yaml is another recipe's (other invariants), or is missing or unreadable: refused, these are not
+      this run's to move;
+    * else it is an attempt of this recipe that stopped before its first checkpoint (killed, preempted, crashed: a
+      scheduler requeues the same command): its records are moved, not deleted, to
+      `earlier_attempts/<its start time>/` with one warning saying where; that folder is returned.
+
+    None where the folder holds no earlier run. Call it on one process (rank 0)."""
+    out = layout.root
+    found = ", ".join(path.name for path in layout.earlier_run_files if path.exists())
+    if not found:
+        return None
+    held = f"output_dir {out} holds the outputs of an earlier run ({found}) and no checkpoint to resume from"
+    fix = "Use a new output_dir, or delete this one if you no longer need it."
+    if layout.final.exists():
+        raise ToolkitError(f"{held}: that run finished ({layout.final.name}/ is there) and starting here would "
+                           f"replace its outputs. {fix}")
+    if not layout.recipe.is_file():
+        raise ToolkitError(f"{held}, and no {layout.recipe.name} to tell whether it was this run: starting here "
+                           f"would replace them. {fix}")
+    try:
+        earlier = resume_invariants(load_recipe(layout.recipe))
+    except ToolkitError as e:
+        raise ToolkitError(f"{held}, and its {layout.recipe.name} cannot tell whether it was this run ({e}). "
+                           f"{fix}") from None
+    if earlier != invariants:
+        keys = changed_keys(earlier, invariants)
+        differs = ", ".join(keys[:5]) + (", ..." if len(keys) > 5 else "")
+        raise ToolkitError(f"output_dir {out} holds the outputs of an earlier run of another recipe ({found}; its "
+                           f"{layout.recipe.name} differs in {differs}) and no checkpoint to resume from: starting "
+                           f"here would replace them. {fix}")
+    started = time.strftime("%Y%m%d-%H%M%S", time.localtime(layout.recipe.stat().st_mtime))
+    aside = layout.earlier_attempts / started
+    for n in range(2, 1000):
+        if not aside.exists():
+            break
+        aside = layout.earlier_attempts / f"{started}-{n}"
+    aside.mkdir(parents=True)
+    moved = []
+    for path in layout.records:  # the recipe last: stopped midway, the next launch finds it and moves the rest
+        if path.exists():
+            path.rename(aside / path.name)
+            moved.append(path.name)
+    log.warning("output_dir %s: an earlier attempt of this recipe stopped before its first checkpoint; its records "
+                "(%s) were moved to %s, and this run starts afresh.", out, ", ".join(moved), aside)
+    return aside
 
 
 class RunLock:
     """Exclusive, process-lifetime lock on an output dir (see the module docstring). Hold the object."""
 
     def __init__(self, layout: RunLayout) -> None:
-        out = layout.root
-        self.path = layout.locks / f"{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:20]}.lock"
-        self.out = out
+        self.path = layout.lock_file
+        self.out = layout.root
         self._file: IO[str] | None = None
+        self._folder: weakref.finalize | None = None
 
     def acquire(self) -> str | None:
         """Take the lock; returns None, or why it cannot be taken (who holds it)."""
+        busy = self._lock_file()
+        if busy is None:
+            busy = self._lock_folder()
+            if busy is not None:
+                self.release()  # the lock file too: a launch that refuses to start holds nothing
+        return busy
+
+    def release(self) -> None:
+        """Let the lock go now (the end of the process, or of the object, does it too)."""
+        if self._folder is not None:
+            self._folder()
+            self._folder = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _lock_file(self) -> str | None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             f = self.path.open("a+", encoding="utf-8")
@@ -159,4 +307,25 @@ class RunLock:
                             "output_dir": str(self.out.resolve())}))
         f.flush()
         self._file = f  # open for the life of the process; closing it would release the lock
+        return None
+
+    def _lock_folder(self) -> str | None:
+        """The output dir's own flock, where it exists: one inode however it is reached, also through a bind mount
+        of the folder itself (a container's volume), whose lock file would be beside another parent. A folder not
+        created yet is reached through its parent, whose lock file every path meets."""
+        try:
+            fd = os.open(self.out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:  # not created yet, or not readable: the lock file guards it
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return ("a live run is writing it (a process that reached the folder by another path: a bind mount or a "
+                    "container's volume). Wait for it to end or stop it; a run stopped by a signal saves and exits "
+                    "within a step")
+        except OSError:  # a file system without flock on folders (NFS): the lock file guards it
+            os.close(fd)
+            return None
+        self._folder = weakref.finalize(self, os.close, fd)  # open for the life of the object (the process)
         return None

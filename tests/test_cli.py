@@ -1,0 +1,42 @@
+"""Tests for toolkit/cli.py: the commands that read a recipe resolve built-in model names (`builtin:...`) as
+training does, from any working directory (export's own case is in tests/test_nothing_lost.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests._inprocess import Call, invoke
+from tests.conftest import CHAT, REPO, base_recipe, write_jsonl
+from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL
+
+
+def _recipe(folder: Path, model: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / "data.jsonl", [CHAT] * 4)
+    recipe = base_recipe(model, str(folder / "data.jsonl")) | {"output_dir": str(folder / "runs" / "r")}
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return folder / "recipe.yaml"
+
+
+@pytest.mark.parametrize("model", [TINY_MODEL, TINY_QWEN3_VL_MODEL])
+def test_preflight_and_inspect_data_resolve_builtin_models_from_any_folder(
+        model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    recipe = _recipe(tmp_path / "recipes", model)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    preflight = ["preflight", "--config", str(recipe), "--accelerate-config",
+                 str(REPO / "accelerate_configs" / "ddp.yaml")]
+    rc, stderr = invoke(Call(preflight, tmp_path, tool="toolkit"), elsewhere, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    shown = capsys.readouterr().out
+    assert f"model {model}:" in shown and "recommended:" in shown
+    if model == TINY_MODEL:  # the data scan tokenises with the built-in model's tokenizer
+        assert "only: 4 rows" in shown
+        rc, stderr = invoke(Call(["inspect-data", "--config", str(recipe), "--rows", "1"], tmp_path, tool="toolkit"),
+                            elsewhere, monkeypatch)
+        assert rc == 0, stderr[-3000:]
+        assert "[[4.<|im_end|>]]" in capsys.readouterr().out
+    assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing written where the command ran

@@ -1,0 +1,211 @@
+"""The output dir: one lock however its path is spelled, and an earlier run's outputs set aside (an interrupted
+attempt of the same recipe) or refused (a finished run, another recipe's), never replaced."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_env
+from toolkit.config import load_recipe, recipe_to_yaml, resume_invariants
+from toolkit.errors import ToolkitError
+from toolkit.run_dir import RunLayout, RunLock, set_aside_earlier_attempt
+
+BUSY = "a live run is writing it"
+
+
+def take(path: Path) -> RunLock:
+    lock = RunLock(RunLayout(path))
+    assert lock.acquire() is None
+    return lock
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_every_spelling_of_one_folder_meets_one_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     exists: bool) -> None:
+    """A symlink to the folder or to a folder above it (in another parent folder), `a/../b`, relative or absolute:
+    one lock. Also for a folder a live run has not created yet (a symlink may already point at it)."""
+    real = tmp_path / "runs" / "exp"
+    real.parent.mkdir()
+    if exists:
+        real.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "exp").symlink_to(real)  # another parent folder: another .toolkit-cache beside it
+    (tmp_path / "runs_link").symlink_to(tmp_path / "runs")
+    (tmp_path / "runs" / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    holder = take(real)
+    for spelling in ("elsewhere/exp", "runs_link/exp", "runs/other/../exp", "runs/exp", str(real)):
+        busy = RunLock(RunLayout(spelling)).acquire()
+        assert busy is not None and busy.startswith(BUSY) and f"pid {os.getpid()}" in busy, spelling
+    assert take(tmp_path / "runs" / "other")  # another folder is free
+    holder.release()
+    assert take(Path("elsewhere/exp"))  # the lock went with its holder
+
+
+def test_a_folder_that_is_busy_releases_the_lock_file(tmp_path: Path) -> None:
+    """Where the folder's own flock is held (reached by another path, see below) the lock file taken first is let
+    go again: the next launch must not find it held by a process that is refusing to start."""
+    (tmp_path / "exp").mkdir()
+    import fcntl
+
+    fd = os.open(tmp_path / "exp", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run that reached the folder through a bind mount
+        busy = RunLock(RunLayout(tmp_path / "exp")).acquire()
+        assert busy is not None and busy.startswith(BUSY) and "bind mount" in busy
+    finally:
+        os.close(fd)
+    assert take(tmp_path / "exp")
+
+
+def unshare_mount() -> bool:
+    return shutil.which("unshare") is not None and os.geteuid() == 0 and subprocess.run(
+        ["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+PROBE = """
+import sys
+from toolkit.run_dir import RunLayout, RunLock
+print("|".join(str(RunLock(RunLayout(path)).acquire()) for path in sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not unshare_mount(), reason="needs root and unshare(1) to make a mount namespace")
+def test_lock_holds_through_bind_mounts(tmp_path: Path) -> None:
+    """A container's volume: the output dir itself, or a folder above it, mounted at another path. The resolved
+    paths differ (and so does the folder beside the first); the folder's flock and the lock file named by the
+    folder's name still meet the live run's lock."""
+    real = tmp_path / "runs" / "exp"
+    real.mkdir(parents=True)
+    (tmp_path / "volume").mkdir()
+    (tmp_path / "home").mkdir()
+    holder = take(real)
+    script = ('mount --bind "$1" "$2" && mount --bind "$3" "$4" && exec "$5" -c "$6" "$2" "$4/exp"')
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", str(real), str(tmp_path / "volume"),
+                          str(real.parent), str(tmp_path / "home"), sys.executable, PROBE],
+                         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    volume, home = out.stdout.strip().split("|")
+    assert volume.startswith(BUSY) and "bind mount" in volume
+    assert home.startswith(BUSY) and f"pid {os.getpid()}" in home
+    holder.release()
+
+
+IDENTITY_PROBE = """
+import sys
+from pathlib import Path
+from toolkit.run_dir import is_within
+print(is_within(Path(sys.argv[1]), Path(sys.argv[2])), is_within(Path(sys.argv[3]), Path(sys.argv[2])))
+"""
+
+
+def test_is_within_tells_folders_by_identity(tmp_path: Path) -> None:
+    from toolkit.run_dir import is_within
+
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    assert is_within(tmp_path / "link" / "final" / "not-yet" / "x", tmp_path / "run" / "final")
+    assert is_within(tmp_path / "run", tmp_path / "link") and is_within(tmp_path / "run/final/..", tmp_path / "run")
+    (tmp_path / "p" / "y" / "z").mkdir(parents=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "link").symlink_to(tmp_path / "p" / "y" / "z")
+    assert is_within(tmp_path / "a" / "link" / ".." / "w", tmp_path / "p")  # the kernel's `..`: p/y/z/.. = p/y
+    assert not is_within(tmp_path / "run", tmp_path / "run" / "final")
+    assert not is_within(tmp_path / "run", tmp_path / "missing")
+    if unshare_mount():  # a bind mount of the run's parent: another path, the same folders
+        script = 'mount --bind "$1" "$2" && exec "$3" -c "$4" "$2/run/final/x" "$1/run" "$2/other"'
+        (tmp_path / "view").mkdir()
+        out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", str(tmp_path), str(tmp_path / "view"),
+                              sys.executable, IDENTITY_PROBE], cwd=REPO, env=run_env(), capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout.split() == ["True", "False"], out.stderr[-3000:]
+
+
+# --- an earlier run's outputs --------------------------------------------------------------------------------------
+
+def earlier_attempt(root: Path, lr: float = 2e-4) -> tuple[RunLayout, dict[str, str]]:
+    """An output dir as an attempt of the embedded recipe (optimizer.lr=`lr`) leaves it when killed before its
+    first checkpoint: its records, an uncommitted checkpoint folder and the generated data; returns the records."""
+    layout = RunLayout(root)
+    root.mkdir()
+    layout.recipe.write_text(recipe_to_yaml(load_recipe(None, [f"optimizer.lr={lr}"])))
+    layout.run_json.write_text(json.dumps({"run_name": "first"}))
+    layout.metrics.write_text('{"step": 1, "loss": 7.1}\n{"step": 2, "loss": 7.0}\n')
+    (layout.trackers / "first").mkdir(parents=True)
+    (layout.trackers / "first" / "events.out").write_text("events")
+    (layout.checkpoints / "step-00000005.tmp").mkdir(parents=True)
+    layout.dummy_data.mkdir()
+    (layout.dummy_data / "easy.jsonl").write_text("{}\n")
+    records = {p.name: p.read_text() for p in (layout.recipe, layout.run_json, layout.metrics)}
+    return layout, records
+
+
+def test_interrupted_attempt_of_the_same_recipe_is_set_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    layout, records = earlier_attempt(tmp_path / "run")
+    invariants = resume_invariants(load_recipe(None, ["optimizer.lr=2e-4", "train.grad_accum=8"]))
+    with caplog.at_level(logging.WARNING):
+        aside = set_aside_earlier_attempt(layout, invariants)
+    assert aside is not None and aside.parent == layout.earlier_attempts
+    assert {p.name: p.read_text() for p in aside.iterdir() if p.is_file()} == records  # moved whole
+    assert (aside / "trackers" / "first" / "events.out").read_text() == "events"
+    assert not any(p.exists() for p in (layout.recipe, layout.run_json, layout.metrics, layout.trackers))
+    assert (layout.dummy_data / "easy.jsonl").exists() and (layout.checkpoints / "step-00000005.tmp").exists()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(aside) in warnings[0] and "starts afresh" in warnings[0]
+    assert set_aside_earlier_attempt(layout, invariants) is None  # nothing left to set aside
+
+
+def test_same_start_second_gets_its_own_folder(tmp_path: Path) -> None:
+    """Two attempts killed in a row, started within the same second: a folder each, nothing overwritten."""
+    layout, _ = earlier_attempt(tmp_path / "run")
+    invariants = resume_invariants(load_recipe(None, ["optimizer.lr=2e-4"]))
+    start = layout.recipe.stat().st_mtime
+    first = set_aside_earlier_attempt(layout, invariants)
+    layout.recipe.write_text(recipe_to_yaml(load_recipe(None, ["optimizer.lr=2e-4"])))
+    layout.metrics.write_text("{}\n")
+    os.utime(layout.recipe, (start, start))
+    second = set_aside_earlier_attempt(layout, invariants)
+    assert first is not None and second == first.with_name(f"{first.name}-2")
+
+
+def refused(layout: RunLayout, invariants: dict[str, object]) -> str:
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in layout.root.rglob("*"))
+    with pytest.raises(ToolkitError) as e:
+        set_aside_earlier_attempt(layout, invariants)
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in layout.root.rglob("*")) == before  # nothing moved
+    return str(e.value)
+
+
+def test_another_recipe_a_finished_run_or_an_unknown_one_are_refused(tmp_path: Path) -> None:
+    layout, _ = earlier_attempt(tmp_path / "run", lr=2e-4)
+    message = refused(layout, resume_invariants(load_recipe(None, ["optimizer.lr=1e-3"])))
+    assert "earlier run of another recipe (metrics.jsonl, run.json; its recipe.yaml differs in optimizer.lr)" in \
+        message
+
+    same = resume_invariants(load_recipe(None, ["optimizer.lr=2e-4"]))
+    layout.recipe.write_text("optimizer: {lr: [1, 2]}\n")
+    assert "its recipe.yaml cannot tell whether it was this run" in refused(layout, same)
+    layout.recipe.unlink()
+    assert "and no recipe.yaml to tell whether it was this run" in refused(layout, same)
+
+    layout.recipe.write_text(recipe_to_yaml(load_recipe(None, ["optimizer.lr=2e-4"])))
+    layout.final.mkdir()
+    assert "(metrics.jsonl, run.json, final) and no checkpoint to resume from: that run finished" in \
+        refused(layout, same)
+
+
+def test_an_empty_or_new_folder_is_left_alone(tmp_path: Path) -> None:
+    invariants = resume_invariants(load_recipe(None))
+    assert set_aside_earlier_attempt(RunLayout(tmp_path / "new"), invariants) is None
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    assert set_aside_earlier_attempt(RunLayout(tmp_path / "mine"), invariants) is None
+    assert not (tmp_path / "new").exists() and (tmp_path / "mine" / "notes.txt").exists()
