@@ -32,6 +32,7 @@ function raises instead of silently falling back.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -168,14 +169,18 @@ class LossHead:
         self._standard_loss = model.loss_function
         # The causal LM's forward is wrapped, not hooked: PEFT before 0.21 calls `model.forward(...)` directly,
         # which skips module hooks (the labels would go unseen and the full-logits head would run, silently).
-        self._model_forward = model.forward
-        model.forward = self._forward_with_labels  # type: ignore[method-assign]
+        # The wrapper keeps the forward's signature (functools.wraps): `generate` reads it to decide what to pass
+        # (position_ids of left-padded rows, logits_to_keep=1 at prefill instead of full-vocabulary logits).
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def forward_with_labels(*args: Any, **kwargs: Any) -> Any:
+            self._before_forward(model, args, kwargs)
+            return forward(*args, **kwargs)
+
+        model.forward = forward_with_labels  # type: ignore[method-assign]
         head.forward = self._forward  # type: ignore[method-assign]
         model.loss_function = self._loss  # transformers calls self.loss_function(logits=..., labels=..., ...)
-
-    def _forward_with_labels(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward(self.model, args, kwargs)
-        return self._model_forward(*args, **kwargs)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
