@@ -14,9 +14,9 @@
 #                         (test_loss_head); the adapters' input-cast switch over a bf16 base (test_activation_memory)
 #   accelerate >= 1.10    the single-process training loop in-process (test_loop)
 #   deepspeed >= 0.19.3   installed and imported, not launched: a 2-process ZeRO-3 launch costs 3 minutes here
-#                         (test_vision's mixed batches, ZeRO-3 + LoRA: passed at these floors on 2026-11-24; to run it, pass
-#                         "tests/test_vision.py::test_mixed_batches_across_ranks_do_not_hang[zero3]" to this
-#                         script), and the fix the floor is for (ZeRO-3 + LoRA + non-reentrant checkpointing) is
+#                         (test_vision's mixed batches, ZeRO-3 + LoRA: passed at these floors on 2026-11-24; to
+#                         run it, pass "tests/test_vision.py::test_mixed_batches_across_ranks_do_not_hang[zero3]"
+#                         to this script), and the fix the floor is for (ZeRO-3 + LoRA + non-reentrant checkpointing) is
 #                         the release's, not shown by any fast test
 #   datasets >= 3.0       the toolkit does not import it (bench/throughput.py does, through TRL): installed at its
 #                         floor so the environment resolves
