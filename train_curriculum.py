@@ -29,6 +29,7 @@ from transformers import AutoConfig
 
 from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.atomic import write_text_atomic
+from toolkit.attention import choose_attention
 from toolkit.collate import batch_collator
 from toolkit.config import (
     Recipe,
@@ -54,7 +55,6 @@ from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
 from toolkit.model import (
     check_model_source,
     check_remote_code,
-    choose_attention,
     count_parameters,
     enable_gradient_checkpointing,
     is_vision_language,
@@ -63,6 +63,8 @@ from toolkit.model import (
     materialize_builtin,
     resolve_dtype,
     setup_lora,
+    skip_adapter_input_casts,
+    upcast_trainable,
 )
 from toolkit.packing import check_packing_support
 from toolkit.preemption import PreemptionFlag
@@ -146,7 +148,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
-    model, trainable = build_model(recipe, resolved, model_path, vision=vision)
+    model, trainable = build_model(recipe, resolved, model_path, vision=vision,
+                                   mixed_precision=accelerator.mixed_precision)
     curriculum.set_trainable_params(trainable.stage_counts)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
@@ -357,9 +360,10 @@ def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
             "check the data, then resume from a checkpoint before the trouble began.")
 
 
-def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *,
-                vision: bool) -> tuple[torch.nn.Module, TrainablePlan]:
+def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *, vision: bool,
+                mixed_precision: str = "no") -> tuple[torch.nn.Module, TrainablePlan]:
     """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
+    `mixed_precision` is the launch's (accelerate's): under autocast LoRA layers keep no fp32 copy of their input.
 
     Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
     the adapter); `plan_trainable` then sets requires_grad on everything that trains in any stage.
@@ -378,10 +382,18 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
         model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
                            modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
                            stage_trainable=entries, trainable_keys=keys)
+        if mixed_precision in ("bf16", "fp16"):
+            skip_adapter_input_casts(model)  # the adapters compute in 16-bit under autocast: no fp32 input copies
+        elif dtype != torch.float32:
+            log.warning("model.dtype %s with mixed precision off: the fp32 LoRA adapters compute in fp32, and each "
+                        "adapted layer keeps an fp32 copy of its input for backward; launch with --mixed_precision "
+                        "bf16 to avoid it", str(dtype).removeprefix("torch."))
     install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
     if recipe.data.packing:
         check_packing_support(model)
     trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
+    if recipe.lora.enabled and dtype != torch.float32:
+        upcast_trainable(model)  # modules trained in full over a 16-bit base: fp32, as the adapters
     total = count_parameters(model)[1]
     for stage, count in zip(resolved, trainable.stage_counts, strict=True):
         log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)
@@ -391,9 +403,12 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
 def main(argv: list[str] | None = None) -> int:
     """Every rank ends with one line: bad input (exit 2), Ctrl-C (130), or anything unexpected here or on another
     rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/last_words.py)."""
+    gpu = distributed.gpu_defaults()  # before anything touches CUDA (its allocator reads its config once)
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     ending = LastWords()
+    if torch.cuda.is_available():
+        log.info("GPU defaults: %s", ", ".join(gpu) or "none (the allocator config is the user's)")
     try:
         if args.num_dummy_samples < 1:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")

@@ -1,8 +1,12 @@
 """GPU benchmark: the Qwen3-8B architecture (random weights), LoRA r16 on all linear layers, bf16, packed rows of
-4096 tokens, flash-attention 2 when installed (else sdpa), without and with gradient checkpointing, one GPU.
+4096 tokens, flash-attention 2 when installed (else sdpa_packed), without and with gradient checkpointing, one GPU.
 
     python bench/gpu_qwen3_8b.py [--steps 20] [--warmup 5] [--out bench/results]
     python bench/gpu_qwen3_8b.py --tiny     # the same pipeline on the tiny Qwen3, anywhere (what the tests run)
+
+--tiny runs the GPU run's settings (bf16 base, bf16 mixed precision, LoRA, packed rows through the attention
+kernel `auto` picks, the default loss head, MFU against --peak-tflops) on the tiny Qwen3, so a first run on a GPU
+only measures.
 
 What is measured is the product itself: `train_curriculum.py` under `accelerate launch` (one process), reading
 its own `metrics.jsonl`: non-pad tokens/s, MFU (toolkit/flops.py: 4N per token for LoRA plus causal attention,
@@ -60,18 +64,18 @@ def write_model(out: Path, *, tiny: bool) -> Path:
 
 
 def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int, checkpointing: bool,
-           tiny: bool) -> dict[str, Any]:
+           peak_tflops: float | None = None) -> dict[str, Any]:
     """One stage of `steps` optimizer steps over packed rows; no checkpoints (they would write the 16 GB base)."""
     return {
         "output_dir": str(out),
-        "model": {"name_or_path": str(model_dir), "dtype": "float32" if tiny else "bfloat16",
+        "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
                   "attn_implementation": "auto", "gradient_checkpointing": checkpointing},
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
         "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache")},
         "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
         "train": {"micro_batch_size": 1, "grad_accum": 1, "seed": 0},
         "checkpoint": {"save_on_stage_end": False, "best_metric": None},
-        "logging": {"logging_steps": 1, "progress_bar": False, "trackers": []},
+        "logging": {"logging_steps": 1, "progress_bar": False, "trackers": [], "peak_tflops": peak_tflops},
     }
 
 
@@ -81,22 +85,26 @@ def run_variant(model_dir: Path, data: Path, work: Path, *, checkpointing: bool,
     name = "grad_ckpt" if checkpointing else "no_grad_ckpt"
     out = work / name
     path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len, tiny=args.tiny,
-                                          steps=args.warmup + args.steps, checkpointing=checkpointing)))
+    path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
+                                          peak_tflops=args.peak_tflops, steps=args.warmup + args.steps,
+                                          checkpointing=checkpointing)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
-           "--mixed_precision", "no" if args.tiny else "bf16", str(REPO / "train_curriculum.py"), "--config", str(path)]
+           "--mixed_precision", "bf16", str(REPO / "train_curriculum.py"), "--config", str(path)]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(threads=1 if args.tiny else 8), capture_output=True,
                           text=True, timeout=3000)
     if proc.returncode != 0:
         return {"status": "failed", "returncode": proc.returncode, "log_tail": proc.stderr[-3000:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r for r in records if "loss" in r and r["step"] > args.warmup]
-    attention = next((line.split("attention=")[1].split(")")[0].split(",")[0] for line in proc.stderr.splitlines()
-                      if "attention=" in line), None)
+    attention = next((line.split("attention: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
+                      if " attention: " in line), None)
+    loss_head = next((line.split("loss head: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
+                      if "loss head: " in line), None)
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {
-        "status": "ok", "gradient_checkpointing": checkpointing, "attention": attention, "timed_steps": len(timed),
+        "status": "ok", "gradient_checkpointing": checkpointing, "attention": attention, "loss_head": loss_head,
+        "timed_steps": len(timed),
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in timed) / len(timed),
         "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
         "mfu": sum(mfu) / len(mfu) if mfu else None,
@@ -126,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation, allocator)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="packed row length (default 4096; tiny 256)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON result")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense bf16 peak for MFU (default: looked up from the GPU's name)")
     args = parser.parse_args(argv)
     stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):  # libraries print to stdout; it must carry only the JSON

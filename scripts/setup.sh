@@ -15,5 +15,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 # DeepSpeed's build imports torch to decide which ops to prebuild: build it against the torch just installed.
-python -m pip install -q --no-build-isolation "deepspeed>=0.17; sys_platform == 'linux'"
-python -m pip install -q -e ".[dev]"
+python -m pip install -q --no-build-isolation "deepspeed>=0.19.3; sys_platform == 'linux'"
+# liger: its loss head is tested on the CPU in Triton's interpreter (triton is about 1 GB installed)
+python -m pip install -q -e ".[dev,liger]"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+
+# Without a GPU, Triton kernels (Liger's loss head) run in Triton's CPU interpreter. Triton reads the switch when
+# its modules are imported, so it is set here, before any test imports them; launches inherit it (run_env).
+if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of stalling CI

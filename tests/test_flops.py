@@ -101,3 +101,27 @@ def test_mfu_arithmetic() -> None:
     assert mfu(2e14, 2.0, 4, 100e12) == pytest.approx(0.25)
     assert mfu(2e14, 2.0, 4, None) is None
     assert mfu(2e14, 0.0, 4, 100e12) is None
+
+
+def test_h200_nvl_is_not_the_sxm_peak() -> None:
+    assert peak_flops("NVIDIA H200 NVL") == 835.0e12 and peak_flops("NVIDIA H200") == 989.0e12
+    assert PEAK_TFLOPS["H200 NVL"] < PEAK_TFLOPS["H200"]
+
+
+def test_lm_head_charged_only_for_tokens_with_logits(small: Qwen3Config) -> None:
+    """The chunked / Liger heads compute logits for label tokens only: the head's matmul is charged for those."""
+    lengths = [100, 28]
+    every = batch_train_flops(small, lengths, lora=True)
+    assert every == sum(n * train_flops_per_token(small, lora=True, seq_len=n) for n in lengths)  # the default
+    labelled = batch_train_flops(small, lengths, lora=True, head_tokens=40)
+    assert every - labelled == (128 - 40) * 4 * count_params(small)["lm_head"]
+    full = batch_train_flops(small, lengths, lora=False, head_tokens=40)
+    assert full - batch_train_flops(small, lengths, lora=False, head_tokens=0) == 40 * 6 * 65536
+
+
+def test_label_tokens_of_plain_and_packed_rows() -> None:
+    from toolkit.labels import IGNORE_INDEX
+    from toolkit.metrics import label_tokens
+
+    assert label_tokens({"labels": [IGNORE_INDEX, 5, 6, IGNORE_INDEX]}) == 2
+    assert label_tokens({"labels": [IGNORE_INDEX, 5, IGNORE_INDEX, 7, 8], "position_ids": [0, 1, 0, 1, 2]}) == 3

@@ -5,15 +5,18 @@ training's random state alone."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests.conftest import write_jsonl
 from toolkit import distributed
+from toolkit.attention import EAGER_PACKED, SDPA_PACKED
 from toolkit.config import GenerationEvalConfig
 from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
@@ -26,6 +29,7 @@ from toolkit.generation import (
     plan_batches,
     read_generation_rows,
 )
+from toolkit.loss_head import install_loss_head
 from toolkit.model import load_processing
 from toolkit.scorers import build_scorers
 
@@ -205,3 +209,32 @@ def test_vision_language_generation_with_images(tmp_path: Path, models: dict[str
     full, small = (encode_batch(processing, gen.prompts[1:2], vision=True, image_kwargs=kw)["image_grid_thw"]
                    for kw in ({}, bounded))
     assert int(small.prod()) < int(full.prod())
+
+
+@pytest.mark.parametrize("kernel", [SDPA_PACKED, EAGER_PACKED])
+def test_generation_under_the_training_kernels_and_loss_head(tmp_path: Path, models: dict[str, str], accelerator,
+                                                             kernel: str) -> None:
+    """A run's evals generate with what it trains with: the toolkit's attention kernel (what attn_implementation
+    auto / sdpa / eager load), the loss head's forward wrapper and a PEFT adapter. Left-padded batches take the
+    kernels' stock path and equal stock sdpa one prompt at a time; `generate`, which reads the forward's signature,
+    still passes position_ids and logits_to_keep (the head sees one position per row, never the whole prompt), and
+    the loss head computes nothing."""
+    questions = ["What is 2 + 2?", "Reverse this list: cat, dog, tree, house, car", "Hi", "Count: the quick fox"]
+    path = write_jsonl(tmp_path / "eval.jsonl", [{"messages": [{"role": "user", "content": q}], "reference": "x"}
+                                                 for q in questions])
+    processing, gen = evaluation(models["text"], path, batch_size=4, max_new_tokens=8)
+    stock = AutoModelForCausalLM.from_pretrained(models["text"], attn_implementation="sdpa").eval()
+    expected = one_at_a_time(accelerator, stock, processing, gen)
+    base = AutoModelForCausalLM.from_pretrained(models["text"], attn_implementation=kernel)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()  # B = 0: base outputs
+    head = install_loss_head(model, "chunked", 16)
+    assert head is not None and "position_ids" in inspect.signature(base.forward).parameters
+    positions: list[int] = []
+    given: list[bool] = []
+    base.lm_head.register_forward_pre_hook(lambda _, args: positions.append(args[0].shape[1]))
+    base.model.register_forward_pre_hook(lambda _, args, kwargs: given.append(kwargs.get("position_ids") is not None),
+                                         with_kwargs=True)
+    assert [text for _, text in generate(accelerator, model, gen, processing, vision=False, lockstep=True, seed=0,
+                                         step=1)] == expected
+    assert positions and set(positions) == {1} and all(given)
+    assert head.calls == 0

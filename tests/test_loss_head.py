@@ -18,7 +18,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from toolkit.config import load_recipe
 from toolkit.data import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.loss_head import LossHead, default_chunk_tokens, install_loss_head, liger_available, shifted_labels
+from toolkit.loss_head import (
+    LossHead,
+    default_chunk_tokens,
+    install_loss_head,
+    liger_available,
+    shifted_labels,
+    triton_interpreted,
+)
 
 VOCAB = 301
 
@@ -143,13 +150,14 @@ def test_evaluation_and_calls_without_labels() -> None:
         torch.testing.assert_close(model(**batch).logits, logits)
 
 
-def test_recipe_keys_and_the_default_chunk() -> None:
+def test_recipe_keys_and_the_default_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     recipe = load_recipe(None, [])
     assert recipe.model.loss_head == "auto" and recipe.model.loss_chunk_size is None
     assert default_chunk_tokens(151_936) == 220 and default_chunk_tokens(1024) == 32768
     for bad in ("model.loss_head=fused", "model.loss_chunk_size=0"):
         with pytest.raises(ToolkitError, match=bad.split("=")[0].split(".")[1]):
             load_recipe(None, [bad])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not (torch.cuda.is_available() and liger_available()):  # CPU CI: an explicit liger fails with the fix
         with pytest.raises(ToolkitError, match=r"model\.loss_head is liger"):
             install_loss_head(tiny_model(), "liger")
@@ -196,3 +204,68 @@ def test_the_loss_is_computed_where_a_sharded_head_weight_is_gathered() -> None:
     head = assert_same_as_standard(model, batch, chunk=4, num_items_in_batch=items(batch))
     assert head.calls == 1
     harness.gather()
+
+
+# ------------------------------------------------------------------- Liger's fused kernel, in Triton's interpreter
+
+
+def liger_against_chunked(model: torch.nn.Module, batch: dict[str, torch.Tensor], **kwargs: object) -> None:
+    """The Liger head gives the chunked head's loss and gradients (fp32, within 1e-5) on the same model and batch."""
+    chunked = install_loss_head(model, "chunked", 5)
+    assert chunked is not None
+    ref_loss, ref_grads = loss_and_grads(model, batch, **kwargs)
+    chunked.remove()
+    liger = install_loss_head(model, "liger")
+    assert liger is not None and liger.kind == "liger"
+    loss, grads = loss_and_grads(model, batch, **kwargs)
+    assert liger.calls == 1, "the Liger head did not compute this loss"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and any(g.abs().max() > 0 for g in grads.values())
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+needs_liger = pytest.mark.skipif(not (liger_available() and triton_interpreted()),
+                                 reason="needs liger-kernel (the dev extra) and TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
+@needs_liger
+def test_liger_equals_chunked_on_tiny_qwen3() -> None:
+    batch = packed_batch()
+    liger_against_chunked(lora(tiny_model()), batch, num_items_in_batch=items(batch))
+    liger_against_chunked(tiny_model(), padded_batch())  # full fine-tuning: the head's weight gradient too
+
+
+@needs_liger
+def test_liger_equals_chunked_on_tiny_qwen2_5_vl(models: dict[str, str]) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.collate import VLCollator
+    from toolkit.model import load_processor
+
+    processor = load_processor(models["vl"], trust_remote_code=False, chat_template=None)
+    torch.manual_seed(0)
+    model = lora(AutoModelForImageTextToText.from_pretrained(models["vl"], dtype=torch.float32),
+                 ["q_proj", "v_proj"])  # the language model's attention (the vision blocks name theirs qkv)
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for n in (11, 7):
+        ids = torch.randint(10, 200, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * 3 + ids[3:]})
+    batch = VLCollator(processor)(rows)  # text rows: the masked dummy image runs the vision tower too
+    assert "pixel_values" in batch
+    liger_against_chunked(model, batch)
+
+
+def test_the_head_runs_when_the_model_forward_is_called_directly() -> None:
+    """PEFT before 0.21 runs the base model as `model.forward(...)`, which skips module hooks: the head must still
+    see the labels (it wraps forward), or the full-logits head would run without a word."""
+    model = tiny_model()
+    batch = padded_batch()
+    ref = model(**batch).loss
+    head = install_loss_head(model, "chunked", 4)
+    assert head is not None
+    torch.testing.assert_close(model.forward(**batch).loss, ref, rtol=1e-5, atol=1e-6)
+    assert head.calls == 1
+    head.remove()
+    assert "forward" not in vars(model)

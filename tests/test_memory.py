@@ -42,9 +42,10 @@ def tiny() -> Qwen3Config:
 
 
 def _est(config: Qwen3Config, strategy: str, *, lora_r: int | None = None, param_bytes: int = 4,
-         grad_ckpt: bool = False, loss_head: str = "chunked") -> dict[str, int]:
+         grad_ckpt: bool = False, loss_head: str = "chunked", adapter_input_copies: bool = False) -> dict[str, int]:
     return estimate(config, strategy=strategy, num_gpus=2, lora_r=lora_r, param_bytes=param_bytes,
-                    micro_batch=2, seq_len=16, grad_ckpt=grad_ckpt, loss_head=loss_head)
+                    micro_batch=2, seq_len=16, grad_ckpt=grad_ckpt, loss_head=loss_head,
+                    adapter_input_copies=adapter_input_copies)
 
 
 def test_meta_counts_are_exact(tiny: Qwen3Config) -> None:
@@ -92,18 +93,25 @@ def test_lora_accounting(tiny: Qwen3Config) -> None:
 
 
 def test_activations_formula(tiny: Qwen3Config) -> None:
-    # e = 4*64 + 2*(4*16) + 2*(2*16) + 4*128 = 960 elements per token and layer; T = 2 * 16 = 32 tokens;
-    # logits: 1024 * (2 + 8) = 10240 bytes per token.
+    # One layer, per token (b = 2): (2*64 + 3*64 + 2*32 + 4*128) * 2 = 1792 bytes in the compute dtype, plus the
+    # fp32 inputs of the two RMSNorms and Qwen3's q/k norms, (2*64 + 64 + 32) * 4 = 896: 2688 bytes. Shared: rotary
+    # cos/sin 2*16*2 = 64 and the final norm's fp32 input 4*64 = 256. T = 2 * 16 = 32 tokens; logits:
+    # 1024 * (2 + 8) = 10240 bytes per token.
     standard = {"loss_head": "standard"}
-    assert _est(tiny, "ddp", **standard)["activations"] == 32 * (2 * 960 * 2 + 10240) == 450560
-    assert _est(tiny, "ddp", grad_ckpt=True, **standard)["activations"] == 32 * ((2 * 64 + 960) * 2 + 10240)
+    assert _est(tiny, "ddp", **standard)["activations"] == 32 * (2 * 2688 + 320 + 10240) == 509952
+    # checkpointed: each layer's input (64 * 2 bytes) and one recomputed layer
+    assert _est(tiny, "ddp", grad_ckpt=True, **standard)["activations"] == 32 * (2 * 64 * 2 + 2688 + 320 + 10240)
     # The chunked head (default): one chunk of logits (here all 32 tokens fit in one) + fp32 hidden-state grads.
-    assert _est(tiny, "ddp")["activations"] == 450560 + 32 * 64 * 4
+    assert _est(tiny, "ddp")["activations"] == 509952 + 32 * 64 * 4
     long = {"micro_batch": 1, "seq_len": 8192, "grad_ckpt": True}
     chunked = estimate(tiny, strategy="single", num_gpus=1, lora_r=None, param_bytes=4, loss_chunk_size=100, **long)
-    assert chunked["activations"] == 8192 * (2 * 64 + 960) * 2 + 100 * 10240 + 8192 * 64 * 4
+    assert chunked["activations"] == 8192 * (2 * 64 * 2 + 2688 + 320) + 100 * 10240 + 8192 * 64 * 4
     full = estimate(tiny, strategy="single", num_gpus=1, lora_r=None, param_bytes=4, loss_head="standard", **long)
-    assert full["activations"] == 8192 * ((2 * 64 + 960) * 2 + 10240)
+    assert full["activations"] == 8192 * (2 * 64 * 2 + 2688 + 320 + 10240)
+    # fp32 LoRA adapters on a bf16 base without autocast: each adapted Linear keeps an fp32 copy of its input,
+    # (5*64 + 64 + 128) * 4 = 2048 bytes in place of the shared 16-bit inputs (2*64 + 64 + 128) * 2 = 640.
+    copies = _est(tiny, "ddp", adapter_input_copies=True, **standard)["activations"]
+    assert copies == 509952 + 32 * 2 * (2048 - 640)
 
 
 def test_unknown_strategy(tiny: Qwen3Config) -> None:

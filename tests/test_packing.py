@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
 
+from toolkit.attention import BOUNDARY_KEYS, EAGER_PACKED, SDPA_PACKED
 from toolkit.collate import padding_collator
 from toolkit.data import IGNORE_INDEX, encode_row
 from toolkit.packing import (
@@ -136,9 +137,9 @@ def test_collator_flattens_packed_rows_and_plain_samples() -> None:
     order = [i for bin_ in pack_best_fit_decreasing([len(s["input_ids"]) for s in samples], 8) for i in bin_]
     for features in (rows, [samples[i] for i in order]):
         batch = PackedCollator()(features)
-        assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention_mask, on purpose
-        for v in batch.values():
-            assert v.dtype == torch.long and v.shape == (1, 20)
+        assert set(batch) == {"input_ids", "labels", "position_ids", *BOUNDARY_KEYS}  # no attention_mask, on purpose
+        for k in ("input_ids", "labels", "position_ids"):
+            assert batch[k].dtype == torch.long and batch[k].shape == (1, 20)
         assert batch["input_ids"][0].tolist() == [t for i in order for t in samples[i]["input_ids"]]
         assert batch["labels"][0].tolist() == [t for i in order for t in samples[i]["labels"]]
         assert batch["position_ids"][0].tolist() == [p for i in order for p in range(len(samples[i]["input_ids"]))]
@@ -151,7 +152,7 @@ def test_flash_varlen_boundaries_match_collator() -> None:
     """flash_attention_2 infers cu_seqlens from position_ids; they must equal the collator's own."""
     rng = random.Random(3)
     samples = [_random_sample(rng, n) for n in (4, 1, 7, 3)]
-    batch = PackedCollator(return_flash_attn_kwargs=True)(pack_samples(samples, 8))
+    batch = PackedCollator()(pack_samples(samples, 8))
     assert _is_packed_sequence(batch["position_ids"], batch_size=1)
     (cu_q, _), (max_q, _) = prepare_fa_kwargs_from_position_ids(batch["position_ids"])
     assert cu_q.tolist() == batch["cu_seq_lens_q"].tolist()
@@ -192,7 +193,7 @@ def _loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", SDPA_PACKED, EAGER_PACKED])
 def test_packed_batch_matches_padded_batch(model_dir: Path, attn: str) -> None:
     tokenizer = build_tokenizer()
     samples = [dict(zip(("input_ids", "labels"), encode_row(r, tokenizer, "assistant", f"row {i}"), strict=True))
@@ -217,7 +218,7 @@ def test_packed_batch_matches_padded_batch(model_dir: Path, attn: str) -> None:
         torch.testing.assert_close(grad, grads_padded[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", SDPA_PACKED, EAGER_PACKED])
 def test_no_attention_across_samples(model_dir: Path, attn: str) -> None:
     model = _load(model_dir, attn).eval()
     check_packing_support(model)

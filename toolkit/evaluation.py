@@ -35,7 +35,7 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, samples: list[dic
         idx = shard[start:start + micro_batch_size]
         weight = 1.0 if idx else 0.0  # a rank past its shard still runs a forward, contributing nothing
         batch = collate([samples[i] for i in (idx or [0])])
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         # num_items_in_batch=1 turns the model's loss into the sum over label tokens
         summed = model(**batch, num_items_in_batch=torch.ones((), device=accelerator.device)).loss
         loss_sum += weight * summed.double()

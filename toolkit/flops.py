@@ -19,7 +19,9 @@ comparable across strategies, kernels and sequence lengths. The count follows Ka
 
 h hidden size, a attention heads, k key/value heads, d head dim, i MLP size, L layers, V vocabulary. Norms,
 rotary embeddings, activations and the softmax are elementwise and left out, as is the recomputation of
-gradient checkpointing (not useful work: MFU is defined without it). Padding tokens are not counted.
+gradient checkpointing (not useful work: MFU is defined without it). Padding tokens are not counted, and the LM
+head is charged only for the tokens whose logits are computed (`batch_train_flops`' head_tokens: the label tokens
+with the chunked or Liger head).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ PEAK_TFLOPS: dict[str, float] = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
     "H100": 989.0,  # SXM (the name reads "NVIDIA H100 80GB HBM3")
-    "H200": 989.0,
+    "H200 NVL": 835.0,  # the PCIe card: 1,671 TFLOPS with sparsity, half that dense
+    "H200": 989.0,  # SXM
     "A100": 312.0,  # SXM and PCIe alike
     "L40S": 362.0,
     "L40": 181.0,
@@ -92,9 +95,19 @@ def train_flops_per_token(config: Any, *, lora: bool, seq_len: int | None = None
     return dense + (attention_flops_per_token(config, seq_len) if seq_len else 0.0)
 
 
-def batch_train_flops(config: Any, seq_lens: list[int], *, lora: bool) -> float:
-    """Training FLOPs of a batch of real (unpadded) sample lengths; each sample's attention uses its own length."""
-    return sum(n * train_flops_per_token(config, lora=lora, seq_len=n) for n in seq_lens if n > 0)
+def batch_train_flops(config: Any, seq_lens: list[int], *, lora: bool, head_tokens: int | None = None) -> float:
+    """Training FLOPs of a batch of real (unpadded) sample lengths; each sample's attention uses its own length.
+
+    ``head_tokens``: the tokens whose logits the loss head computes, charged the LM head's matmul. Default: every
+    token (transformers' standard head). The chunked and Liger heads compute logits for label tokens only, so a
+    run with a prompt-masked loss is charged the head for its label tokens (the chunked head's recomputation in
+    backward is not counted, like checkpointing's)."""
+    seq_lens = [n for n in seq_lens if n > 0]
+    per_weight = 4.0 if lora else 6.0
+    counts = count_params(config)
+    body = sum(n * (per_weight * counts["layers"] + attention_flops_per_token(config, n)) for n in seq_lens)
+    charged = sum(seq_lens) if head_tokens is None else head_tokens
+    return body + charged * per_weight * counts["lm_head"]
 
 
 def peak_flops(device_name: str | None, override_tflops: float | None = None) -> float | None:

@@ -10,6 +10,17 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
   batch, the one all-reduce (loss, preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
 * `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
   the checkpoint, the preemption exit.
+
+Host syncs (a device value read on the host stalls a GPU's queue; tests/test_sync_budget.py counts them):
+* every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
+  flags; every rank needs the verdict before the update is committed).
+* inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
+  position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
+  selects the label positions (`nonzero`: it skips the head's matmul for every other token). None per layer: the
+  packing collator hands the attention kernels their boundaries with host-side lengths.
+* logging steps: the meter's one reduction (tokens, FLOPs, samples) and the peak-memory max, read back, and the
+  gradient norm as a float; evaluation steps: the summed eval loss and token count; stage ends and checkpoints: the
+  token count (`Run.tokens_now`). Token and FLOP counts are host arithmetic on the known lengths.
 """
 
 from __future__ import annotations
@@ -186,6 +197,12 @@ def micro_batches(run: Run, stage: Stage, step_in_stage: int) -> tuple[list[list
     return [lengths for _, lengths in taken], [batch for batch, _ in taken]
 
 
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated batch on `device`: its tensors moved, its ints (the packed row's `max_length_q/k`, which the
+    attention kernels take as host ints) left as they are."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResult:
     """One optimizer step over the stage's global batch; stops the run when the guard has skipped too many."""
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
@@ -201,8 +218,11 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
     for j, (lengths, batch) in enumerate(zip(rank_lengths, batches, strict=True)):
-        batch = {k: v.to(acc.device) for k, v in batch.items()}
-        meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled), len(lengths))
+        # The chunked and Liger heads compute logits only for label tokens (counted on the host copy: no sync).
+        logits_for = None if run.recipe.model.loss_head == "standard" else int((batch["labels"] != IGNORE_INDEX).sum())
+        batch = to_device(batch, acc.device)
+        meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled,
+                                                 head_tokens=logits_for), len(lengths))
         with acc.accumulate(model):
             loss = model(**batch, num_items_in_batch=items_per_micro).loss
             if injected_fault(step + 1, acc.process_index):

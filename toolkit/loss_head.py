@@ -11,11 +11,13 @@ activations, and it grows with sequence length. Here the cross-entropy is comput
   ``lora.Linear``), ``modules_to_save`` and tied embeddings are differentiated as usual.
 * ``liger`` (CUDA, ``pip install 'curriculum-toolkit[liger]'``): Liger-Kernel's fused linear cross-entropy,
   which computes the gradients of hidden states and weight chunk by chunk in forward. Only for a plain
-  ``nn.Linear`` head (no LoRA on it).
+  ``nn.Linear`` head (no LoRA on it). On the CPU its Triton kernels run in Triton's interpreter
+  (``TRITON_INTERPRET=1``): how CI checks it against the chunked head (tests/test_loss_head.py, and a ZeRO-3
+  launch in tests/test_strategies.py).
 
 Where it runs: under ZeRO-3 and FSDP2 the head's weight is sharded and gathered only while the head module runs
 (DeepSpeed's / FSDP's module hooks), and re-gathered for its backward. So the loss is computed *inside the head
-module's forward call*: a forward pre-hook on the causal LM records the labels of the call, the model calls its
+module's forward call*: a wrapper around the causal LM's forward records the labels of the call, the model calls its
 head once with the hidden states as usual, and the head's patched forward returns the loss (a 0-d tensor) in
 place of the logits. The model's ``loss_function`` (transformers' hook for exactly this) then hands that
 tensor back as ``loss``. ``num_items_in_batch`` normalises exactly as transformers' ``ForCausalLMLoss``: the
@@ -30,8 +32,10 @@ function raises instead of silently falling back.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +64,19 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1): how CI runs Liger's kernels."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def check_loss_head(kind: str) -> None:
     """Fail in seconds, before the model loads, on a head that cannot run here."""
     if kind not in LOSS_HEADS:
         raise ToolkitError(f"model.loss_head is '{kind}'; choose one of {', '.join(LOSS_HEADS)}.")
-    if kind == "liger" and not (torch.cuda.is_available() and liger_available()):
+    if kind == "liger" and not (liger_available() and (torch.cuda.is_available() or triton_interpreted())):
         raise ToolkitError("model.loss_head is liger but " + ("liger-kernel is not installed: pip install "
-                           "'curriculum-toolkit[liger]'" if not liger_available() else "there is no CUDA device")
+                           "'curriculum-toolkit[liger]'" if not liger_available() else "there is no CUDA device "
+                           "(TRITON_INTERPRET=1 runs its kernels on the CPU, slowly: for tests)")
                            + "; use auto (Liger where it can run, the chunked head otherwise) or chunked.")
 
 
@@ -120,7 +130,7 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
 
 def liger_cross_entropy(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor,
                         shift_labels: torch.Tensor, *, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same sum and count through Liger-Kernel's fused linear cross-entropy (CUDA only)."""
+    """The same sum and count through Liger-Kernel's fused linear cross-entropy (CUDA, or TRITON_INTERPRET=1)."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -138,7 +148,7 @@ def liger_cross_entropy(weight: torch.Tensor, bias: torch.Tensor | None, hidden:
 
 @dataclass
 class _Call:
-    """What the pre-hook learnt about the current labelled forward call."""
+    """What the forward wrapper learnt about the current labelled forward call."""
 
     shift_labels: torch.Tensor
     num_items: Any
@@ -147,7 +157,7 @@ class _Call:
 
 
 class LossHead:
-    """The installed head: the causal LM's pre-hook, the head module's patched forward, the model's loss
+    """The installed head: the causal LM's forward wrapper, the head module's patched forward, the model's loss
     function. ``kind`` is ``chunked`` or ``liger``; ``calls`` counts the losses it computed (tests)."""
 
     def __init__(self, model: nn.Module, head: nn.Module, kind: str, chunk_tokens: int) -> None:
@@ -157,7 +167,18 @@ class LossHead:
         self._pending: _Call | None = None
         self._head_forward = head.forward  # the module's own forward (nn.Linear's, PEFT lora.Linear's, ...)
         self._standard_loss = model.loss_function
-        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        # The causal LM's forward is wrapped, not hooked: PEFT before 0.21 calls `model.forward(...)` directly,
+        # which skips module hooks (the labels would go unseen and the full-logits head would run, silently).
+        # The wrapper keeps the forward's signature (functools.wraps): `generate` reads it to decide what to pass
+        # (position_ids of left-padded rows, logits_to_keep=1 at prefill instead of full-vocabulary logits).
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def forward_with_labels(*args: Any, **kwargs: Any) -> Any:
+            self._before_forward(model, args, kwargs)
+            return forward(*args, **kwargs)
+
+        model.forward = forward_with_labels  # type: ignore[method-assign]
         head.forward = self._forward  # type: ignore[method-assign]
         model.loss_function = self._loss  # transformers calls self.loss_function(logits=..., labels=..., ...)
 
@@ -192,7 +213,7 @@ class LossHead:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
               **kwargs: Any) -> torch.Tensor:
         call, self._pending = self._pending, None
-        if call is None:  # a call the pre-hook left to the standard path (no labels seen, logits_to_keep)
+        if call is None:  # a call the wrapper left to the standard path (no labels seen, logits_to_keep)
             return self._standard_loss(logits=logits, labels=labels, vocab_size=vocab_size, **kwargs)
         if not call.done:
             raise RuntimeError("the chunked loss head did not run in this forward call: the model did not call "
@@ -201,7 +222,7 @@ class LossHead:
 
     def remove(self) -> None:
         """Back to the standard head (tests compare both on one model)."""
-        self._hook.remove()
+        del self.model.forward  # the instance attribute: the class's forward shows through again
         del self.head.forward  # the instance attribute: the class's forward shows through again
         self.model.loss_function = self._standard_loss
         self._pending = None

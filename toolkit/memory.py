@@ -29,22 +29,29 @@ parameters the optimizer updates, "frozen" the rest):
 * buffers (working set outside the persistent state): DDP's reducer keeps a bucketed copy of all gradients
   (``gradient_as_bucket_view`` is off by default); ZeRO-2/3 keep a reduce bucket of hidden^2 elements
   (accelerate's "auto" ``reduce_bucket_size``); ZeRO-3 also gathers the largest single weight plus a prefetch
-  bucket of 0.9 * hidden^2 elements; FSDP2 gathers the root module (embeddings, head, final norm: kept
-  unsharded through forward and backward) plus two decoder layers (current and prefetched) and one layer's
-  unsharded gradients.
-* activations, for T = micro_batch * seq_len tokens and ``activation_bytes`` b per element (2 under bf16
-  autocast, the shipped launch configs), following Korthikanti et al. 2022 adapted to GQA + SwiGLU with an
-  SDPA/flash kernel (no seq^2 score matrix is stored). One decoder layer saves per token
-      e = 4*h + 2*a*d + 2*k*d + 4*i   elements
-  (attention: the norm's input and output, q, k, v and the attention output; MLP: the norm's input and
-  output, gate, up, silu(gate) and their product). Without checkpointing all L layers are kept: L*T*e*b.
-  With checkpointing only each layer's input is kept, L*T*h*b, plus one layer recomputed in backward, T*e*b.
-  The loss head adds C*V*(b + 8) (the logits, and the fp32 log-softmax and gradient the cross-entropy makes) for
-  C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T, loss_chunk_size), with the chunked
-  head (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the hidden states it selects. On CPU
-  this matches a measured step within 7% up to 4096 tokens (bench/loss_head_memory.py, tests/test_memory.py;
-  at 16384 the measured step is 25% larger, outside the head: docs/benchmarks.md). Vision-tower
-  activations of VL models depend on the images and are not included.
+  bucket of 2e8 elements (the shipped configs' ``stage3_prefetch_bucket_size``, at most the whole model);
+  FSDP2 gathers the root module (embeddings, head, final norm: kept unsharded through forward and backward)
+  plus two decoder layers (current and prefetched) and one layer's unsharded gradients.
+* activations, for T = micro_batch * seq_len tokens and ``activation_bytes`` b per element (2 under bf16 autocast or a
+  bf16 model, the shipped launch configs), after Korthikanti et al. 2022 for GQA + SwiGLU with an SDPA/flash kernel
+  (no seq^2 score matrix is stored), checked per term against the tensors autograd saves
+  (tests/test_activation_memory.py, 1k-16k tokens, within 15%). One decoder layer saves per token
+      (2*h + 3*a*d + 2*k*d + 4*i) * b  +  (2*h + qk) * 4  bytes
+  (the matmul inputs (two norm outputs, the attention output), q, k, v and the kernel's output, the MLP's gate, up,
+  silu(gate) and product; RMSNorm normalises in fp32 and keeps that fp32 input, as do Qwen3's per-head q/k norms, qk =
+  a*d + k*d). A frozen Linear keeps no input (its weight needs no gradient): the matmul inputs are kept by the LoRA
+  adapters (or the trained weights) beside it, once per input in b. fp32 LoRA adapters over a 16-bit base without
+  autocast keep (5*h + a*d + i) * 4 instead of (2*h + a*d + i) * b: PEFT casts each adapted Linear's input to fp32 and
+  each keeps its own copy, q, k and v three of the same input (under autocast the toolkit turns the cast off:
+  toolkit.model.skip_adapter_input_casts). Without checkpointing all L layers are kept: L*T*e. With checkpointing only
+  each layer's input is kept, L*T*h*r (r: bytes of the hidden states, the weights' dtype), plus one layer recomputed
+  in backward, T*e. Shared by all layers: rotary cos/sin (2*d*r) and the final norm's fp32 input (4*h). The loss head
+  adds C*V*(b + 8) (the logits, and the fp32 log-softmax and gradient the cross-entropy makes) for C tokens: all T
+  with ``model.loss_head: standard``; one chunk, C = min(T, loss_chunk_size), with the chunked head
+  (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the hidden states it selects. On CPU the whole
+  step matches a measured one within 7% up to 4096 tokens (bench/loss_head_memory.py, tests/test_memory.py; at 16384
+  the measured step is 25% larger, outside what autograd saves: docs/benchmarks.md). Vision-tower activations of VL
+  models depend on the images and are not included.
 
 The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
 allocator's fragmentation and the CUDA context come on top: see ``format_table``'s headroom).
@@ -89,6 +96,7 @@ GIB = 1024**3
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weight
 FP32_GRAD_BYTES = 4  # ZeRO-2 optimizer offload accumulates gradients into an fp32 partition on the CPU
+ZERO3_PREFETCH_BUCKET = 200_000_000  # ds_configs/zero3*.json's stage3_prefetch_bucket_size (the reason is there)
 
 _LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
 
@@ -157,19 +165,41 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int,
-                     loss_head: str = "chunked", loss_chunk_size: int | None = None) -> int:
-    """Activation bytes of one micro-batch of ``tokens`` tokens: the decoder layers' (see the module docstring)
-    plus the loss head's working set, ``loss_bytes``."""
+def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_copies: bool = False) -> int:
+    """Bytes one decoder layer saves for backward per token (see the module docstring; counted against autograd's
+    saved tensors in tests/test_activation_memory.py)."""
     c = config.get_text_config()
-    h, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    h, inter = c.hidden_size, c.intermediate_size
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or h // heads
-    per_layer = 4 * h + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
-    kept = layers * h + per_layer if grad_ckpt else layers * per_layer
-    return tokens * kept * activation_bytes + loss_bytes(config, tokens=tokens, activation_bytes=activation_bytes,
-                                                         loss_head=loss_head, loss_chunk_size=loss_chunk_size)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    qk_norm = q + kv if "qwen3" in str(getattr(c, "model_type", "")) else 0  # Qwen3's per-head q/k RMSNorms
+    matmul_inputs = 2 * h + q + inter  # the two norms' outputs, the attention output, the MLP product
+    rest = 2 * q + 2 * kv + 3 * inter  # the kernel's q, k, v and output; gate, up and silu(gate)
+    fp32 = 2 * h + qk_norm  # RMSNorms normalise in fp32 and keep their fp32 input
+    if adapter_input_copies:  # PEFT's fp32 cast: each adapted Linear keeps its own copy (q, k, v: three of one)
+        return rest * activation_bytes + (fp32 + 5 * h + q + inter) * 4
+    return (matmul_inputs + rest) * activation_bytes + fp32 * 4
+
+
+def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int,
+                      loss_head: str = "chunked", loss_chunk_size: int | None = None,
+                      residual_bytes: int | None = None, adapter_input_copies: bool = False) -> int:
+    """Activation bytes of one micro-batch of ``tokens`` tokens: the decoder layers' (see the module docstring)
+    plus the loss head's working set, ``loss_bytes``. ``residual_bytes``: the hidden states between layers (the
+    weights' dtype; default ``activation_bytes``); ``adapter_input_copies``: fp32 LoRA adapters on a 16-bit base
+    without autocast, where PEFT casts every adapted layer's input to fp32 (all-linear targets)."""
+    c = config.get_text_config()
+    h, layers = c.hidden_size, c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    res = residual_bytes or activation_bytes
+    per_layer = layer_activation_bytes(config, activation_bytes=activation_bytes,
+                                       adapter_input_copies=adapter_input_copies)
+    shared = 2 * head_dim * res + 4 * h  # rotary cos and sin (all layers share them); the final norm's fp32 input
+    kept = layers * h * res + per_layer if grad_ckpt else layers * per_layer
+    return tokens * (kept + shared) + loss_bytes(config, tokens=tokens, activation_bytes=activation_bytes,
+                                                 loss_head=loss_head, loss_chunk_size=loss_chunk_size)
 
 
 def loss_bytes(config: Any, *, tokens: int, activation_bytes: int, loss_head: str = "chunked",
@@ -192,7 +222,8 @@ def loss_bytes(config: Any, *, tokens: int, activation_bytes: int, loss_head: st
 def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, param_bytes: int,
              micro_batch: int, seq_len: int, grad_ckpt: bool, lora_targets: str | Iterable[str] = "all-linear",
              activation_bytes: int = 2, persistence_threshold: int | None = None, loss_head: str = "chunked",
-             loss_chunk_size: int | None = None) -> dict[str, int]:
+             loss_chunk_size: int | None = None, residual_bytes: int | None = None,
+             adapter_input_copies: bool = False) -> dict[str, int]:
     """Bytes per GPU of ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers`` and their ``total``,
     plus ``cpu_offload`` (CPU RAM of the whole node), for one strategy; see the module docstring.
 
@@ -244,7 +275,8 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
                 partitions += part
         shard = sum(_ceil_div(n, world) for _, n, t in table if t)
         largest = max(n for _, n, _ in table)
-        buffers = (largest + int(0.9 * reduce_bucket)) * param_bytes + min(reduce_bucket, trainable) * g_bytes
+        prefetch = min(ZERO3_PREFETCH_BUCKET, sum(n for _, n, _ in table))
+        buffers = (largest + prefetch) * param_bytes + min(reduce_bucket, trainable) * g_bytes
         if offload:
             params, grads, optimizer = persistent, 0, 0
             cpu = world * (partitions + shard * (g_bytes + ADAM_BYTES + master))
@@ -268,7 +300,8 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
         buffers = root_bytes + 2 * layer_bytes + max(layer_grads, root_grads) if world > 1 else 0
     activations = activation_memory(config, tokens=micro_batch * seq_len, grad_ckpt=grad_ckpt,
                                     activation_bytes=activation_bytes, loss_head=loss_head,
-                                    loss_chunk_size=loss_chunk_size)
+                                    loss_chunk_size=loss_chunk_size, residual_bytes=residual_bytes,
+                                    adapter_input_copies=adapter_input_copies)
     total = params + grads + optimizer + activations + buffers
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "buffers": buffers, "total": total, "cpu_offload": cpu}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -172,18 +172,6 @@ def resolve_dtype(name: str, *, lora: bool) -> torch.dtype:
     return torch.float32
 
 
-def choose_attention(requested: str) -> str:
-    """`auto`: flash_attention_2 when flash-attn is importable and CUDA is present, else sdpa."""
-    if requested != "auto":
-        if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-            raise ToolkitError("model.attn_implementation is flash_attention_2 but flash-attn is not installed: "
-                               "pip install 'curriculum-toolkit[flash]' (needs CUDA), or use auto or sdpa.")
-        return requested
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
 def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
                vision: bool = False) -> PreTrainedModel:
     """The base causal LM (or image-text-to-text model), loaded with from_pretrained (under ZeRO-3 init when
@@ -226,6 +214,39 @@ def setup_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float, 
     extra = modules_to_train(model, stage_trainable, trainable_keys)
     return apply_lora(model, r=r, alpha=alpha, dropout=dropout, target_modules=target_modules,
                       modules_to_save=[*modules_to_save, *extra], exclude_modules=exclude_modules)
+
+
+def skip_adapter_input_casts(model: torch.nn.Module) -> int:
+    """Stop PEFT from casting each adapted layer's input to the adapter's dtype; returns the number of layers.
+
+    Why: LoRA adapters stay fp32 over a 16-bit base (PEFT's autocast_adapter_dtype), and every adapted Linear casts
+    its input to fp32 before the adapter, so each one keeps its own fp32 copy of its input for backward (q, k and v
+    each copy the same normed hidden states). Under autocast (accelerate's bf16/fp16 mixed precision) the adapter
+    matmul runs in 16-bit anyway: the cast buys nothing and costs activation memory, so it is turned off for the
+    run, the switch `peft.helpers.disable_input_dtype_casting` flips for a block. Without autocast an fp32 adapter
+    cannot take a 16-bit input, so the cast must stay.
+    """
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
+
+
+def upcast_trainable(model: torch.nn.Module) -> int:
+    """Keep every trainable parameter in fp32 (modules a stage trains in full over a 16-bit base: PEFT's
+    modules_to_save copies take the base's dtype); returns how many were cast.
+
+    Why: an optimizer without master weights (single, DDP, FSDP2) steps a bf16 weight in bf16, where an update
+    smaller than half a unit in the last place (2**-9 relative) is lost: a norm weight near 1.0 never moves at a
+    learning rate of 1e-3. PEFT keeps LoRA adapters in fp32 for the same reason; under autocast they compute in
+    16-bit all the same. DeepSpeed keeps fp32 masters of whatever it is given.
+    """
+    cast = 0
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+            cast += 1
+    return cast
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -7,21 +7,21 @@ row with no padding at all.
 
 Guarantees:
   * No cross-sample attention. `position_ids` restart at 0 at every sample start and there is no
-    `attention_mask`. transformers then finds the boundaries itself: for sdpa, eager and flex,
-    `masking_utils.create_causal_mask` calls `find_packed_sequence_indices(position_ids)` (a new sample wherever
-    the position does not step by +1) and builds a block-diagonal causal mask; flash_attention_2/3 derive
-    varlen `cu_seqlens` from the restarts (`modeling_flash_attention_utils._is_packed_sequence` and
-    `prepare_fa_kwargs_from_position_ids`). This happens only when `attention_mask` is None and there is no
-    KV cache: a 2D all-ones mask, or `use_cache=True` (the config default, which builds a DynamicCache even in
-    training), silently turns it back into one causal sequence. `check_packing_support` checks the model.
+    `attention_mask`; the collator adds the varlen boundaries (`cu_seq_lens_q/k`, `max_length_q/k`:
+    `toolkit.attention.flash_boundaries`), which reach every attention call through the model's kwargs.
+    flash_attention_2 runs varlen on them; the toolkit's `sdpa_packed` / `eager_packed` kernels
+    (toolkit/attention.py) attend within each sample span, with no T x T mask. transformers' stock sdpa and eager
+    would split the row too (`masking_utils.find_packed_sequence_indices`), with a dense `[T, T]` mask. All of
+    this holds only when `attention_mask` is None and there is no KV cache: a 2D all-ones mask, or
+    `use_cache=True` (the config default, which builds a DynamicCache even in training), silently turns the row
+    back into one causal sequence. `check_packing_support` checks the model.
   * Positions restart, so RoPE sees each sample exactly as it would alone.
   * Loss normalisation is unchanged: every sample's first label is IGNORE_INDEX, so after the loss's label
     shift no token predicts across a boundary, and the set of label tokens (hence `num_items_in_batch`) is
     exactly that of the padded batch.
 
-Cost: with flash attention each sample attends only within itself. sdpa and eager materialise a dense
-`[T, T]` mask over the flattened row and still compute attention over all of it, so their attention cost grows
-with the square of the micro-batch's total tokens; the saving there is in everything but attention.
+Cost: with flash attention or the toolkit's kernels each sample attends only within itself, so attention costs
+the sum of the samples' squared lengths, not the square of the row's.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
+from toolkit.attention import EAGER_PACKED, SDPA_PACKED, flash_boundaries
 from toolkit.labels import IGNORE_INDEX
 
 # Attention implementations that honour position-id restarts (see the module docstring).
-PACKING_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"})
+PACKING_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                               SDPA_PACKED, EAGER_PACKED})
 
 
 def pack_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -139,23 +141,23 @@ class PackedCollator(DataCollatorWithFlattening):
     """Padding-free collator: flattens a micro-batch of packed rows (or plain samples) into one row.
 
     Returns int64 tensors of shape [1, total_tokens]: `input_ids`, `labels` and `position_ids`, and
-    deliberately no `attention_mask` (its presence would disable boundary detection in transformers).
-    transformers' `DataCollatorWithFlattening` does the flattening; it treats each feature as one sequence,
-    so packed rows are first split back into their samples at the position-id restarts. Its
-    `labels[0] = -100` per sequence is a no-op for our samples. With `return_flash_attn_kwargs=True` it also
-    returns `cu_seq_lens_q/k` and `max_length_q/k` (flash attention only; saves recomputing them per layer).
+    deliberately no `attention_mask` (its presence would disable boundary detection in transformers); plus the
+    row's varlen boundaries (`flash_boundaries`: `cu_seq_lens_q/k` tensors, `max_length_q/k` ints), so no
+    attention layer recomputes them. transformers' `DataCollatorWithFlattening` does the flattening; it treats
+    each feature as one sequence, so packed rows are first split back into their samples at the position-id
+    restarts. Its `labels[0] = -100` per sequence is a no-op for our samples.
     """
 
-    def __init__(self, *, return_flash_attn_kwargs: bool = False) -> None:
-        super().__init__(return_position_ids=True, separator_id=IGNORE_INDEX,
-                         return_flash_attn_kwargs=return_flash_attn_kwargs, return_tensors="pt")
+    def __init__(self) -> None:
+        super().__init__(return_position_ids=True, separator_id=IGNORE_INDEX, return_tensors="pt")
 
     def __call__(self, features: list[dict[str, Any]], return_tensors: str | None = None,
                  separator_id: int | None = None) -> dict[str, Any]:
         if not features:
             raise ValueError("cannot collate an empty micro-batch")
         samples = [s for row in features for s in unpack_row(row)]
-        return super().__call__(samples, return_tensors="pt", separator_id=IGNORE_INDEX)
+        batch = super().__call__(samples, return_tensors="pt", separator_id=IGNORE_INDEX)
+        return {**batch, **flash_boundaries(batch["position_ids"])}
 
 
 def check_packing_support(model: torch.nn.Module) -> None:

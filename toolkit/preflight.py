@@ -67,8 +67,19 @@ def weight_bytes(recipe: Recipe, mixed_precision: str) -> int:
     return 2 if (lora and mixed_precision in ("bf16", "fp16")) or recipe.model.dtype in ("bfloat16", "float16") else 4
 
 
+def activation_precision(recipe: Recipe, mixed_precision: str) -> dict[str, Any]:
+    """How activations are held: `activation_bytes` (2 under autocast or with 16-bit weights), `residual_bytes`
+    (the hidden states between layers: the weights' dtype) and `adapter_input_copies` (fp32 LoRA adapters on a
+    16-bit base without autocast: PEFT's per-layer fp32 input copies, which training turns off under autocast)."""
+    autocast = mixed_precision in ("bf16", "fp16")
+    param_bytes = weight_bytes(recipe, mixed_precision)
+    return {"activation_bytes": 2 if autocast or param_bytes == 2 else 4, "residual_bytes": param_bytes,
+            "adapter_input_copies": recipe.lora.enabled and param_bytes == 2 and not autocast}
+
+
 def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *, num_gpus: int, param_bytes: int,
-                    activation_bytes: int = 2) -> list[dict[str, dict[str, int]]]:
+                    activation_bytes: int = 2, residual_bytes: int | None = None,
+                    adapter_input_copies: bool = False) -> list[dict[str, dict[str, int]]]:
     """Per stage, `estimate_all`'s rows (strategy -> bytes) for one micro-batch of that stage: its own
     micro_batch_size x max_seq_len tokens (with packing a packed row is max_seq_len tokens; without, max_seq_len
     is the longest row the stage keeps, so the estimate is its worst case)."""
@@ -77,7 +88,8 @@ def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *,
                          micro_batch=stage.micro_batch_size, seq_len=stage.max_seq_len,
                          grad_ckpt=recipe.model.gradient_checkpointing, lora_targets=recipe.lora.target_modules,
                          loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
-                         activation_bytes=activation_bytes)
+                         activation_bytes=activation_bytes, residual_bytes=residual_bytes,
+                         adapter_input_copies=adapter_input_copies)
             for stage in stages]
 
 
@@ -110,7 +122,8 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     lora = recipe.lora.enabled
     param_bytes = weight_bytes(recipe, mixed)
     stages = resolve_stages(recipe)
-    estimates = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes)
+    estimates = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes,
+                                **activation_precision(recipe, mixed))
     worst = worst_stage(estimates)
     shown, note = table_row(chosen, estimates[worst])
     width = max(len(s.name) for s in stages)

@@ -1,0 +1,30 @@
+"""bench/gpu_qwen3_8b.py --tiny, end to end on CPU (fast suite): the GPU benchmark's pipeline with the GPU run's
+settings (bf16 base under bf16 mixed precision, LoRA, packed rows through the kernel `auto` picks, the chunked
+loss head, MFU against a given peak), without and with gradient checkpointing, metrics read back, so that a first
+run on a GPU only measures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, run_env
+
+
+def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_qwen3_8b.py"), "--tiny", "--steps", "2",
+                           "--warmup", "1", "--peak-tflops", "1", "--out", str(tmp_path)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = json.loads(proc.stdout)
+    variants = summary["variants"]
+    assert [v["gradient_checkpointing"] for v in variants.values()] == [False, True]
+    for result in variants.values():
+        assert result["status"] == "ok" and result["timed_steps"] == 2
+        assert result["attention"] == "sdpa_packed" and result["loss_head"] == "chunked"  # no flash-attn, no CUDA
+        assert result["tokens_per_sec"] > 0 and result["peak_memory_gb"] > 0 and result["padding_fraction"] <= 0.02
+        assert 0 < result["mfu"] < 1  # against the given 1 TFLOP/s
+    assert Path(summary["results_file"]).parent == tmp_path and Path(summary["results_file"]).is_file()
+    assert proc.stderr.count("| sdpa_packed |") == 2  # the markdown rows for docs/benchmarks.md

@@ -1,0 +1,263 @@
+"""Attention kernels: which one runs, and packed rows without a T x T mask.
+
+A packed row (`data.packing: true`) is one `[1, T]` sequence of several samples whose `position_ids` restart at 0.
+transformers keeps the samples apart by itself, but the stock sdpa and eager paths do it with a dense boolean mask
+of T x T elements (`masking_utils.create_causal_mask` -> `find_packed_sequence_indices`): 1 GiB per row at 32k
+tokens, no causal fast path, no `enable_gqa` (sdpa expands the key/value heads by hand, `repeat_kv`), and attention
+computed over the whole row. So the toolkit registers its own kernels through transformers' `AttentionInterface`
+(and `AttentionMaskInterface` for their masks):
+
+* ``sdpa_packed``: for a packed row, exact attention per sample span: PyTorch's varlen flash kernel
+  (`torch.nn.attention.varlen.varlen_attn`) on CUDA in 16-bit, else `scaled_dot_product_attention` once per span
+  with `is_causal=True` and `enable_gqa=True`. Nothing of T x T is built and each sample attends only to itself,
+  as it would alone. Any other batch (padded rows, a KV cache, a sliding window) takes the stock sdpa path with
+  the stock mask, unchanged to the bit.
+* ``eager_packed``: the same span split around the model's own eager attention (a causal mask per span); the
+  exact reference, for tests.
+* ``flash_attention_2`` is transformers' own and already varlen: it gets the boundaries from the batch.
+
+The boundaries come with the batch: the packing collator adds `cu_seq_lens_q/k` (int32 offsets) and
+`max_length_q/k` (Python ints, so no kernel reads them back from the device) from `flash_boundaries`. They flow
+through the model's `**kwargs` to every attention call. transformers still looks for position-id restarts when it
+builds the mask (one host read per forward, `masking_utils.find_packed_sequence_indices`); the toolkit's mask
+functions turn what it finds into the marker `PACKED_ROW` instead of a T x T mask. Without collator boundaries (a
+packed row built elsewhere) the kernels read the restarts off `position_ids`, once per forward.
+
+`model.attn_implementation: auto` takes the best exact kernel available: flash_attention_2 on CUDA with flash-attn,
+else ``sdpa_packed``; `sdpa` and `eager` name the toolkit's kernels too (identical on unpacked batches).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from toolkit.errors import ToolkitError
+
+log = logging.getLogger(__name__)
+
+SDPA_PACKED = "sdpa_packed"
+EAGER_PACKED = "eager_packed"
+RECIPE_TO_KERNEL = {"sdpa": SDPA_PACKED, "eager": EAGER_PACKED, "flash_attention_2": "flash_attention_2"}
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def flash_boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The varlen boundaries of a packed row from its `position_ids` (`[1, T]` or `[T]`, restarting at 0 at every
+    sample): `cu_seq_lens_q/k`, int32 offsets of the sample starts plus T (flash-attn's `cu_seqlens`), and
+    `max_length_q/k`, the longest sample as a Python int. Computed on the host, where the collator runs."""
+    pos = position_ids.reshape(-1)
+    starts = (pos == 0).nonzero().reshape(-1)
+    if pos.numel() == 0 or starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("a packed row's position_ids must start at 0")
+    cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+# ------------------------------------------------------------------------------------------- the kernels
+
+
+def _varlen_attn() -> Callable[..., torch.Tensor] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+class _HostCache:
+    """One value per tensor object, recomputed when the object changes. Every layer of a forward gets the same
+    `cu_seq_lens` (or `position_ids`) tensor, so only the first layer reads it back to the host: one device sync per
+    forward on a GPU, none on the CPU where the collator built the boundaries."""
+
+    def __init__(self, compute: Callable[[torch.Tensor], Any]) -> None:
+        self.compute, self.source, self.value = compute, None, None
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        if tensor is not self.source:
+            self.source, self.value = tensor, self.compute(tensor)
+        return self.value
+
+
+def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
+    offsets = cu.tolist()
+    return list(itertools.pairwise(offsets))
+
+
+def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seq_lens, max_length) of a packed row from its restarting position_ids (one host read per forward)."""
+    if position_ids.ndim != 2 or position_ids.shape[0] != 1 or int(position_ids[0, 0]) != 0:
+        raise ValueError("packed rows with sdpa_packed / eager_packed must come as one row whose position_ids start "
+                         "at 0 (toolkit.packing.PackedCollator's layout)")
+    found = flash_boundaries(position_ids.cpu())
+    return found["cu_seq_lens_q"].to(position_ids.device), found["max_length_q"]
+
+
+_SPANS = _HostCache(_spans)
+_FROM_POSITIONS = _HostCache(_boundaries_from_positions)
+
+PACKED_ROW = torch.empty(0)
+"""The mask the toolkit's mask functions give a row whose position_ids restart: transformers has found the
+restarts itself (`find_packed_sequence_indices`, which then turns off `allow_is_causal_skip`), so the kernel splits
+the row at its sample boundaries instead of receiving a T x T mask. A marker, not a mask: only these kernels read
+it, and anything that tried to use it as a mask would fail on its shape."""
+
+
+def _packed_boundaries(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                       kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+    """(cu_seq_lens, max_length) when this call is one packed row: the batch's boundaries (the collator's) or,
+    failing those, its position_ids' restarts; None for every other call (padding, a KV cache, a window)."""
+    cu = kwargs.get("cu_seq_lens_q")  # self-attention: the key boundaries are the query ones
+    if attention_mask is PACKED_ROW:
+        if cu is not None:
+            return cu, int(kwargs["max_length_q"])
+        position_ids = kwargs.get("position_ids")
+        if not isinstance(position_ids, torch.Tensor):
+            raise ValueError("a packed row reached the attention kernel without position_ids or cu_seq_lens_q")
+        return _FROM_POSITIONS(position_ids)
+    if attention_mask is None and cu is not None and query.shape[0] == 1 and key.shape[2] == query.shape[2]:
+        return cu, int(kwargs["max_length_q"])  # boundaries given without restarting position_ids
+    return None
+
+
+def varlen_runs(query: torch.Tensor, dropout: float) -> bool:
+    """Whether PyTorch's varlen flash kernel takes this call: CUDA, 16-bit, no dropout (it has none)."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+
+
+def _per_span(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], query: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """`attend(q, k, v)` (each `[1, heads, s, d]`, output `[1, s, heads, d]`) on every sample span, concatenated
+    along the sequence: the exact block-diagonal causal attention, with no T x T tensor anywhere."""
+    outs = [attend(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]) for a, b in _SPANS(cu)]
+    return torch.cat(outs, dim=1)
+
+
+def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa for every batch but a packed row; for a packed row, varlen (CUDA, 16-bit) or sdpa per
+    span with `is_causal` and `enable_gqa` (key/value heads are never repeated by hand)."""
+    packed = _packed_boundaries(query, key, attention_mask, kwargs)
+    if packed is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    cu, longest = packed
+    gqa = key.shape[1] != query.shape[1]
+    varlen = _varlen_attn()
+    if varlen is not None and varlen_runs(query, dropout):
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, d]
+        out = varlen(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+        return out.unsqueeze(0), None
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
+                                                               is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    return _per_span(attend, query, key, value, cu).contiguous(), None
+
+
+def _model_eager(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The model's own eager attention: every transformers modeling file defines `eager_attention_forward`."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ToolkitError(f"{type(module).__name__} has no eager_attention_forward; use attn_implementation sdpa.")
+    return eager
+
+
+def eager_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The model's eager attention; a packed row goes through it span by span, each with its own causal mask."""
+    eager = _model_eager(module)
+    packed = _packed_boundaries(query, key, attention_mask, kwargs)
+    if packed is None:
+        if attention_mask is None and query.shape[2] > 1:  # eager needs the causal mask spelt out
+            attention_mask = _causal(query.shape[2], key.shape[2], query)
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return eager(module, q, k, v, _causal(q.shape[2], k.shape[2], q), **kwargs)[0]
+
+    return _per_span(attend, query, key, value, packed[0]), None
+
+
+def _causal(q_len: int, kv_len: int, like: torch.Tensor) -> torch.Tensor:
+    """An additive causal mask `[1, 1, q_len, kv_len]` (bottom-right aligned) in `like`'s dtype."""
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=like.device).tril(kv_len - q_len)
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.where(allowed, zero, torch.finfo(like.dtype).min)[None, None]
+
+
+# ------------------------------------------------------------------------------------------- the masks
+
+
+def _unpadded_causal_row(kwargs: dict[str, Any]) -> bool:
+    """A causal mask (`create_causal_mask` passes allow_is_causal_skip; bidirectional ones do not) over rows with no
+    padding, no cache offset, no window and no custom overlay (use_vmap): the kernel needs no mask for it."""
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    return ("allow_is_causal_skip" in kwargs and not kwargs.get("use_vmap") and kwargs.get("local_size") is None
+            and kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length")
+            and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0)
+
+
+def sdpa_packed_mask(**kwargs: Any) -> torch.Tensor | None:
+    """For an unpadded causal row: None (causal, sdpa's `is_causal`), or PACKED_ROW when transformers found
+    position-id restarts (it then forbids the causal skip). The stock sdpa mask for everything else."""
+    if _unpadded_causal_row(kwargs):
+        return None if kwargs["allow_is_causal_skip"] else PACKED_ROW
+    return sdpa_mask(**kwargs)
+
+
+def eager_packed_mask(**kwargs: Any) -> torch.Tensor | None:
+    """As `sdpa_packed_mask`, with the stock eager (additive) mask where one is needed."""
+    if _unpadded_causal_row(kwargs):
+        return None if kwargs["allow_is_causal_skip"] else PACKED_ROW
+    return eager_mask(**kwargs)
+
+
+def register_kernels() -> None:
+    """Make the toolkit's kernels known to transformers (idempotent; before a model is loaded with one)."""
+    AttentionInterface.register(SDPA_PACKED, sdpa_packed_forward)
+    AttentionInterface.register(EAGER_PACKED, eager_packed_forward)
+    AttentionMaskInterface.register(SDPA_PACKED, sdpa_packed_mask)
+    AttentionMaskInterface.register(EAGER_PACKED, eager_packed_mask)
+
+
+register_kernels()
+
+
+# ------------------------------------------------------------------------------------------- the choice
+
+
+def choose_attention(requested: str) -> str:
+    """The kernel a recipe's `model.attn_implementation` runs, logged with why.
+
+    `auto`: flash_attention_2 when flash-attn is importable and CUDA is present (varlen by design), else
+    ``sdpa_packed`` (on CUDA its packed rows use PyTorch's varlen flash kernel in 16-bit; elsewhere sdpa per
+    sample span). `sdpa` / `eager` are the toolkit's span-exact versions of transformers' kernels.
+    """
+    flash = importlib.util.find_spec("flash_attn") is not None
+    if requested == "flash_attention_2" and not flash:
+        raise ToolkitError("model.attn_implementation is flash_attention_2 but flash-attn is not installed: "
+                           "pip install 'curriculum-toolkit[flash]' (needs CUDA), or use auto or sdpa.")
+    if requested == "auto":
+        requested = "flash_attention_2" if flash and torch.cuda.is_available() else "sdpa"
+    kernel = RECIPE_TO_KERNEL[requested]
+    packed_rows = {"flash_attention_2": "flash-attn varlen",
+                   SDPA_PACKED: ("PyTorch varlen flash in 16-bit, else sdpa per sample"
+                                 if torch.cuda.is_available() and _varlen_attn() is not None else "sdpa per sample"),
+                   EAGER_PACKED: "eager per sample"}[kernel]
+    log.info("attention: %s (packed rows: %s, no T x T mask)", kernel, packed_rows)
+    return kernel
