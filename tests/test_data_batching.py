@@ -32,7 +32,7 @@ class Process:
 
 
 def _stage(n: int = 40) -> Any:
-    rows = [{"input_ids": list(range(1 + i % 5)), "labels": [-100] * (1 + i % 5), "i": i} for i in range(n)]
+    rows = [{"input_ids": list(range(1 + i % 5)), "labels": [-100] + [7] * (i % 5), "i": i} for i in range(n)]
     lengths = np.array([len(r["input_ids"]) for r in rows])
     sampler = StageSampler(sizes=[n], weights=None, replacement=False, order="shuffle", difficulty=None,
                            lengths=lengths, pacing=None, seed=3, stage_index=0, global_batch=WORLD * ACCUM * MICRO,
@@ -52,8 +52,9 @@ def _batches(stage: Any, rank: int, start: int, *, workers: int = 0, group: bool
     out = []
     for step in range(start, STEPS):
         taken = batches.take(stage, step)
-        out.append([batch["i"] for batch, _ in taken])
-        assert [lengths for _, lengths in taken] == [[1 + i % 5 for i in b["i"]] for b, _ in taken]
+        out.append([m.batch["i"] for m in taken])
+        assert [m.lengths for m in taken] == [[1 + i % 5 for i in m.batch["i"]] for m in taken]
+        assert [m.label_tokens for m in taken] == [sum(i % 5 for i in m.batch["i"]) for m in taken]
     return out
 
 

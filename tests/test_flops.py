@@ -117,11 +117,3 @@ def test_lm_head_charged_only_for_tokens_with_logits(small: Qwen3Config) -> None
     assert every - labelled == (128 - 40) * 4 * count_params(small)["lm_head"]
     full = batch_train_flops(small, lengths, lora=False, head_tokens=40)
     assert full - batch_train_flops(small, lengths, lora=False, head_tokens=0) == 40 * 6 * 65536
-
-
-def test_label_tokens_of_plain_and_packed_rows() -> None:
-    from toolkit.labels import IGNORE_INDEX
-    from toolkit.metrics import label_tokens
-
-    assert label_tokens({"labels": [IGNORE_INDEX, 5, 6, IGNORE_INDEX]}) == 2
-    assert label_tokens({"labels": [IGNORE_INDEX, 5, IGNORE_INDEX, 7, 8], "position_ids": [0, 1, 0, 1, 2]}) == 3

@@ -189,14 +189,6 @@ def enter_stage(run: Run, stage: Stage, step: int) -> None:
              " (continued schedule)" if plan.schedule == "continue" else "")
 
 
-def micro_batches(run: Run, stage: Stage, step_in_stage: int) -> tuple[list[list[int]], list[dict]]:
-    """This rank's share of the stage's global batch at `step_in_stage`: each micro-batch's sample lengths and the
-    collated batches, from the stage's DataLoader (toolkit/data/batching.py: rank r's micro-step j is slot
-    j * world + r of the step's global batch, `rank_micro_batches`)."""
-    taken = run.batches.take(stage, step_in_stage)
-    return [lengths for _, lengths in taken], [batch for batch, _ in taken]
-
-
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A collated batch on `device`: its tensors moved, its ints (the packed row's `max_length_q/k`, which the
     attention kernels take as host ints) left as they are."""
@@ -208,7 +200,10 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
     world, accum, saving = acc.num_processes, run.recipe.train.grad_accum, run.recipe.checkpoint
     plan = stage.plan
-    rank_lengths, batches = micro_batches(run, stage, step_in_stage)
+    # This rank's micro-batches of the step, from the stage's DataLoader (toolkit/data/batching.py: rank r's
+    # micro-step j is slot j * world + r of the step's global batch, `rank_micro_batches`).
+    micro = run.batches.take(stage, step_in_stage)
+    batches = [m.batch for m in micro]
 
     # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
     # is then independent of how the batch is split. Strategies average gradients over ranks and
@@ -217,10 +212,9 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (world * accum)
     local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
-    for j, (lengths, batch) in enumerate(zip(rank_lengths, batches, strict=True)):
-        # The chunked and Liger heads compute logits only for label tokens (counted on the host copy: no sync).
-        logits_for = None if run.recipe.model.loss_head == "standard" else int((batch["labels"] != IGNORE_INDEX).sum())
+    for j, (batch, lengths, label_tokens) in enumerate(micro):
         batch = to_device(batch, acc.device)
+        logits_for = None if run.recipe.model.loss_head == "standard" else label_tokens  # chunked / Liger heads
         meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled,
                                                  head_tokens=logits_for), len(lengths))
         with acc.accumulate(model):

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from toolkit.errors import ToolkitError
+from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import sample_lengths
 
 
@@ -70,16 +72,25 @@ class Failed:
     message: str
 
 
+class MicroBatch(NamedTuple):
+    """A collated micro-batch and what the loop counts of it, taken from the rows on the host (the batch itself
+    arrives on the device, where reading a count back would be a sync)."""
+
+    batch: dict[str, Any]
+    lengths: list[int]  # token length of every sample (a packed row counts each of its samples)
+    label_tokens: int  # tokens that carry a loss: the logits the chunked and Liger heads compute
+
+
 class Collate:
-    """The run's collator on a micro-batch, plus the token length of every sample in it (packed rows count each
-    sample); a ToolkitError becomes `Failed`."""
+    """The run's collator on a micro-batch, with the counts of `MicroBatch`; a ToolkitError becomes `Failed`."""
 
     def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
         self.collate = collate
 
-    def __call__(self, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int]] | Failed:
+    def __call__(self, rows: list[dict[str, Any]]) -> MicroBatch | Failed:
         try:
-            return self.collate(rows), [n for row in rows for n in sample_lengths(row)]
+            return MicroBatch(self.collate(rows), [n for row in rows for n in sample_lengths(row)],
+                              sum(int(np.count_nonzero(np.asarray(row["labels"]) != IGNORE_INDEX)) for row in rows))
         except ToolkitError as e:
             return Failed(str(e))
 
@@ -98,7 +109,7 @@ def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: Step
 
 class StageBatches:
     """This rank's micro-batches, step after step, from one stage's loader at a time: `take(stage, step)` gives
-    the grad_accum micro-batches (batch, sample lengths) of that step, starting a loader at that step whenever the
+    the grad_accum micro-batches (`MicroBatch`) of that step, starting a loader at that step whenever the
     stage or the position changes (a stage's start, a resume, an early advance)."""
 
     def __init__(self, accelerator: Any, collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *,
@@ -108,7 +119,7 @@ class StageBatches:
         self._key: tuple[int, int] | None = None  # (stage index, next step in stage) the iterator is at
         self._it: Iterator[Any] | None = None
 
-    def take(self, stage: Any, step_in_stage: int) -> list[tuple[dict[str, Any], list[int]]]:
+    def take(self, stage: Any, step_in_stage: int) -> list[MicroBatch]:
         if self._key != (stage.index, step_in_stage):
             self._it = None  # drops the previous loader's iterator (its workers stop)
             sampler = StepBatchSampler(stage.sampler.batch, stage.data.lengths, start=step_in_stage,
@@ -123,8 +134,7 @@ class StageBatches:
             item = next(self._it)
             if isinstance(item, Failed):
                 raise ToolkitError(item.message)
-            batch, lengths = item
-            out.append((batch, lengths))
+            out.append(item)
         self._key = (stage.index, step_in_stage + 1)
         return out
 
