@@ -212,6 +212,7 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
                                         effective_batch=identity["effective_batch"], strategy=identity["strategy"],
                                         world_size=identity["world_size"], force=force,
                                         stage_batches=identity["stage_batches"], invariants=identity["invariants"],
+                                        stage_steps=identity["stage_plan_steps"],
                                         data_files=identity["data_files"])
     checkpoint.check_integrity(accelerator, ckpt, meta)
     return meta, forced
@@ -345,7 +346,8 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
     world, settings = accelerator.num_processes, resume_invariants(recipe)
     return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
             "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
-            "stage_batches": [p.global_batch for p in plans], "lora": recipe.lora.enabled,
+            "stage_batches": [p.global_batch for p in plans], "stage_plan_steps": [p.steps for p in plans],
+            "lora": recipe.lora.enabled,
             "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,
             "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
 

@@ -764,6 +764,19 @@ def test_check_resumable_compares_each_stage_global_batch(tmp_path: Path) -> Non
     _check(_meta("h", 8), tmp_path, invariants_hash="h", effective_batch=8, stage_batches=[8, 8, 8])  # older meta
 
 
+def test_check_resumable_keeps_the_length_of_begun_stages(tmp_path: Path) -> None:
+    """Stages up to the checkpoint's own keep their planned length (even forced); later ones may change."""
+    meta = _meta("h", 8) | {"stage_plan_steps": [4, 3, 4], "stage_index": 1}
+    assert check_resumable(meta, tmp_path, invariants_hash="h", effective_batch=8, strategy="ddp", world_size=2,
+                           force=True, stage_steps=[4, 3, 9]) == []  # a later stage: this run's plan
+    for changed, stage in (([5, 3, 4], 0), ([4, 2, 4], 1), ([4], 1)):
+        with pytest.raises(ToolkitError, match=rf"stage {stage} was planned for .* even with checkpoint.resume_force"):
+            check_resumable(meta, tmp_path, invariants_hash="h", effective_batch=8, strategy="ddp", world_size=2,
+                            force=True, stage_steps=changed)
+    check_resumable(_meta("h", 8), tmp_path, invariants_hash="h", effective_batch=8, strategy="ddp", world_size=2,
+                    force=False, stage_steps=[9, 9, 9])  # checkpoints of earlier versions recorded no plan
+
+
 def test_check_resumable_names_changed_keys_and_data_files(tmp_path: Path) -> None:
     old = {"optimizer": {"lr": 1e-4, "eps": 1e-8}, "stages": [{"name": "a", "lr": None}, {"name": "b", "lr": 2.0}]}
     new = {"optimizer": {"lr": 3e-4, "eps": 1e-8}, "stages": [{"name": "a", "lr": None}, {"name": "b", "lr": 1.0}]}

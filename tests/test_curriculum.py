@@ -573,6 +573,9 @@ def test_curriculum_state_restores_stage_lengths_and_patience_of_its_stage() -> 
     other.restore(mid, stage_index=0)
     other.enter(other.stages[1])
     assert other.patience == Patience(3)  # a later stage starts afresh
+    longer = _curriculum("stages.1.max_steps=9")  # a later stage's new length (resume_force) is honoured
+    longer.restore(mid, stage_index=0)
+    assert [p.steps for p in longer.plans] == [4, 9]
 
 
 # --- mastery gates ----------------------------------------------------------------------------------------------

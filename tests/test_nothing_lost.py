@@ -453,12 +453,28 @@ def test_resume_force_says_what_differs(trained: Path, tmp_path: Path, monkeypat
     with (tmp_path / "data.jsonl").open("a") as f:
         f.write(json.dumps(CHAT) + "\n")
     rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", "optimizer.lr=1e-3",
-                              "stages.0.max_steps=4"], tmp_path / "run"), tmp_path, monkeypatch)
+                              "optimizer.weight_decay=0.1"], tmp_path / "run"), tmp_path, monkeypatch)
     assert rc == 0, stderr[-3000:]
     assert "resumed (exact, forced past differences)" in caplog.text
     assert "resumed (exact) from" not in caplog.text
-    assert "resumed despite changed settings: optimizer.lr, stages.0.max_steps" in caplog.text
+    assert "resumed despite changed settings: optimizer.lr, optimizer.weight_decay" in caplog.text
     assert "resumed despite data files whose content changed since the checkpoint: data.jsonl" in caplog.text
+
+
+def test_a_begun_stage_cannot_be_forced_to_another_length(trained: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hostile pass lengthened the finished run's only stage (stages.0.max_steps 3 -> 4) with resume_force: it
+    said the change was accepted, trained no step and ended 'done' (the checkpoint's stage lengths won). A stage the
+    checkpoint has begun keeps its length: refused before training, naming the stage and both lengths; the run's
+    folder stays as it was (`Call.watch`)."""
+    run = copy_run(trained, tmp_path)
+    for ckpt in ("", "checkpoint.resume=run/checkpoints/step-00000001"):  # the finished stage, and mid-stage
+        rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", "stages.0.max_steps=4",
+                                  *([ckpt] if ckpt else [])], run), tmp_path, monkeypatch)
+        assert rc == 2, stderr[-3000:]
+        (line,) = [x for x in stderr.splitlines() if x.startswith("error: ")]
+        assert "stage 0 was planned for 3 steps and this run plans 4 steps" in line, line
+        assert "even with checkpoint.resume_force" in line
 
 
 def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path: Path,

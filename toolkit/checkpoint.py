@@ -526,7 +526,8 @@ UNFORCIBLE_KEYS = ("lora.enabled", "lora.r", "lora.target_modules", "lora.module
 
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
                     strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None,
-                    invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None) -> list[str]:
+                    invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None,
+                    stage_steps: list[int] | None = None) -> list[str]:
     """Refuse a resume that would silently change training (unless `resume_force`) or cannot load.
 
     Returns what differs from the checkpoint and was accepted because of `force` (empty when nothing does):
@@ -572,7 +573,28 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
             f"Checkpoint {ckpt} trained stage {i} with a global batch of {saved[i]}, this run has "
             f"{stage_batches[i]} (stages.{i}.micro_batch_size x grad_accum x processes). The data order depends on "
             f"it: set stages.{i}.micro_batch_size so the product with the process count matches.")
+    _check_begun_stage_lengths(meta, ckpt, stage_steps)
     return differences
+
+
+def _check_begun_stage_lengths(meta: dict[str, Any], ckpt: Path, stage_steps: list[int] | None) -> None:
+    """A stage the checkpoint has begun (or finished) keeps its planned length, even under `resume_force`: its data
+    order, pacing and lr schedule were drawn for that length, and a resume keeps the steps the checkpoint ran (an
+    early end included), so a changed max_steps / epochs / data size would be ignored. Later stages follow this
+    run's plan (`Curriculum.restore`)."""
+    saved = meta.get("stage_plan_steps")  # planned lengths; absent in checkpoints of earlier versions
+    if stage_steps is None or saved is None:
+        return
+    for i in range(min(meta.get("stage_index", 0) + 1, len(saved))):
+        now = stage_steps[i] if i < len(stage_steps) else None
+        if now != saved[i]:
+            raise ToolkitError(
+                f"Checkpoint {ckpt} was taken in stage {meta.get('stage_index', 0)}; stage {i} was planned for "
+                f"{saved[i]} steps and this run plans {'no such stage' if now is None else f'{now} steps'} "
+                f"(stages.{i}.max_steps / epochs, or its data). A stage that has begun keeps its length (its data "
+                "order and lr schedule were drawn for it), even with checkpoint.resume_force. Resume with the stage "
+                "lengths it was written with; to train more, add a later stage, or start a new output_dir from the "
+                f"exported weights (toolkit export {ckpt} --merge).")
 
 
 def layout_name(strategy: str, world_size: int) -> str:

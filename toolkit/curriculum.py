@@ -363,10 +363,12 @@ class Curriculum:
                 **({"gate": self.gate.state()} if self.gate is not None else {})}
 
     def restore(self, state: dict[str, Any], *, stage_index: int) -> None:
-        """Continue from a checkpoint taken in stage `stage_index`: the stage lengths it ran (stages that ended
-        early keep their length; samplers keep the planned one) and, for that stage, its patience counters and
-        gate."""
-        stage_steps = state.get("stage_steps") or [p.steps for p in self.plans]
+        """Continue from a checkpoint taken in stage `stage_index`: the lengths of the stages it began (stages that
+        ended early keep their length; samplers keep the planned one; `checkpoint.check_resumable` refused a changed
+        plan for them), this run's plan for the later ones (a forced change of their length is honoured) and, for
+        that stage, its patience counters and gate."""
+        planned = [p.steps for p in self.plans]
+        stage_steps = (state.get("stage_steps") or planned)[:stage_index + 1] + planned[stage_index + 1:]
         self._replan(apply_stage_steps(self.plans, stage_steps))
         self._resumed_patience = (stage_index, state.get("patience"))
         self._resumed_gate = (stage_index, state.get("gate"))
