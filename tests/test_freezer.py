@@ -71,3 +71,15 @@ def test_optimizer_state_exists_from_the_start_and_changes_nothing() -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(trained(True), trained(False), strict=True))
+
+
+def test_optimizer_state_creation_puts_existing_gradients_back() -> None:
+    """ZeRO-1/2 with optimizer offload keeps pinned CPU gradient buffers on its fp32 partitions from the start and
+    writes into them in backward: creating the state must leave them (it set them to None, and every ZeRO-2 offload
+    launch failed in its first backward)."""
+    flat = torch.nn.Parameter(torch.ones(6))
+    buffer = torch.zeros(6)
+    flat.grad = buffer
+    optimizer = torch.optim.AdamW([flat], lr=0.1)
+    create_optimizer_state(optimizer)
+    assert flat.grad is buffer and not buffer.any() and int(optimizer.state[flat]["step"]) == 0

@@ -111,6 +111,9 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if all(optimizer.state.get(p) for p in params):
         return
     lrs = [group["lr"] for group in optimizer.param_groups]
+    # Gradients already there are put back as they were: ZeRO-1/2 with optimizer offload keeps its pinned CPU
+    # gradient buffers on the fp32 partitions from the start and writes into them (a None there fails its backward).
+    grads = [p.grad for p in params]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     for p in params:
@@ -120,8 +123,8 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        for p in params:
-            p.grad = None
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
     for p in params:
         state = optimizer.state[p]
         state["step"] = state["step"].zero_() if isinstance(state["step"], torch.Tensor) else 0
