@@ -32,6 +32,10 @@ cd "$(dirname "$0")/.."
 VENV=${MIN_VENV:-.venv-min}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# DeepSpeed JIT-builds its CPU ops (cpu_adam, shm_comm) into torch's extensions folder, shared by default: an older
+# DeepSpeed's build there would be loaded by the main environment's newer DeepSpeed (seen: "deepspeed_shm_comm has
+# no attribute vector_kernel_level" in launches running beside this script). This environment builds into its own.
+export TORCH_EXTENSIONS_DIR="$(cd "$VENV" && pwd)/torch_extensions"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 # "name>=X" of the five packages in [project].dependencies, as "name==X"
