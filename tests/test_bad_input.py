@@ -308,6 +308,11 @@ case("resume-changed-recipe", trained=True)(lambda c: c.resume("optimizer.lr=1e-
 case("resume-other-batch", trained=True)(lambda c: c.resume("train.grad_accum=4"))
 
 
+case("resume-forced-stage-length", trained=True)(
+    lambda c: c.resume("checkpoint.resume_force=true", "stages.0.max_steps=4"))
+case("resume-forced-lora-rank", trained=True)(lambda c: c.resume("checkpoint.resume_force=true", "lora.r=8"))
+
+
 @case("resume-uncommitted", trained=True)
 def _(c: Ctx) -> Call:
     call = c.resume("checkpoint.resume=run/checkpoints/step-00000002")
