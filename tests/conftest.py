@@ -133,12 +133,17 @@ def toolkit_lines(stderr: str) -> list[str]:
 
 
 def kill_rank(launcher: subprocess.Popen, rank: int) -> int:
-    """SIGKILL one training process of a launch (as the out-of-memory killer would); returns its pid."""
+    """SIGKILL one training process of a launch (as the out-of-memory killer would); returns its pid. Its
+    DataLoader workers (forked from it: the same environment) are not it."""
+    ranks = []
     for p in psutil.Process(launcher.pid).children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             if p.environ().get("RANK") == str(rank) and p.environ().get("LOCAL_RANK") is not None:
-                p.kill()
-                return p.pid
+                ranks.append(p)
+    for p in ranks:
+        if p.ppid() not in {q.pid for q in ranks}:
+            p.kill()
+            return p.pid
     raise AssertionError(f"no process of rank {rank} under the launcher {launcher.pid}")
 
 

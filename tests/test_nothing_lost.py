@@ -369,8 +369,10 @@ def test_signal_to_the_launcher_alone_stops_every_trainer_with_a_checkpoint(
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         _wait_for_step(tmp_path / "run", 3, launcher)
-        trainers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                    if "train_curriculum.py" in " ".join(p.cmdline())]
+        # The trainers, not their DataLoader workers (forked from a trainer: the same command line).
+        runs = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                if "train_curriculum.py" in " ".join(p.cmdline())]
+        trainers = [p for p in runs if p.ppid() not in {q.pid for q in runs}]
         assert len(trainers) == processes
 
         second = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
