@@ -105,3 +105,26 @@ def test_starting_a_loader_leaves_the_global_rng_alone(workers: int) -> None:
     batches = StageBatches(Process(0), _collate, grad_accum=ACCUM, group_by_length=False, num_workers=workers)
     batches.take(_stage(), 2)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_workers_leave_stop_signals_to_the_trainer() -> None:
+    """A launcher's SIGTERM (or a terminal's Ctrl-C) reaches the workers too: they ignore it, so the trainer can
+    finish its step and save (a killed worker made it raise "DataLoader worker ... is killed by signal" instead,
+    and the preempted ZeRO-3 launch of tests/test_resume.py crashed)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    stage = _stage()
+    batches = StageBatches(Process(0), _collate, grad_accum=ACCUM, group_by_length=False, num_workers=1)
+    batches.take(stage, 0)
+    workers = psutil.Process().children()
+    assert workers
+    for worker in workers:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            os.kill(worker.pid, sig)
+    time.sleep(0.5)
+    assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    assert [m.batch["i"] for m in batches.take(stage, 1)]

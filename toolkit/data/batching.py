@@ -15,6 +15,7 @@ Worker processes read the rows (from the memory-mapped stores) and collate them,
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -95,6 +96,16 @@ class Collate:
             return Failed(str(e))
 
 
+def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
+    """A DataLoader worker ignores the signals that stop a run. They reach the workers too (a launcher signals each
+    rank's whole process group, a terminal's Ctrl-C the foreground one), and a worker they kill makes its trainer
+    raise "DataLoader worker ... is killed by signal" in its next collective: a preempted run then crashed instead
+    of finishing its step and saving (toolkit/preemption.py). The trainer decides; its workers stop with its loader,
+    or on their own when it dies (PyTorch's worker watchdog)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
                  collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int, seed: int) -> Any:
     """A DataLoader over the stage's rows, prepared by accelerate (its batch sampler sharded over processes,
@@ -103,7 +114,8 @@ def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: Step
     (dropout masks) against the uninterrupted run, whose loader started at the stage's first step."""
     loader = DataLoader(Rows(rows), batch_sampler=sampler, collate_fn=Collate(collate), num_workers=num_workers,
                         prefetch_factor=2 if num_workers else None, pin_memory=torch.cuda.is_available(),
-                        generator=torch.Generator().manual_seed(seed))
+                        generator=torch.Generator().manual_seed(seed),
+                        worker_init_fn=_leave_stop_signals_to_the_trainer if num_workers else None)
     return accelerator.prepare_data_loader(loader)
 
 
