@@ -9,7 +9,8 @@ LoRA r8 all-linear, fp32 on CPU), so the head is nearly all there is: micro batc
 Each (head, length) is measured in its own fresh process (a process's peak RSS is a high-water mark that never
 goes down): the model is built, one warm-up step runs on 16 tokens (allocator and autograd caches), then the
 process's RSS is read (`baseline`), one full step (forward, backward, AdamW) runs at the measured length, and
-`peak` is the process's peak RSS (`ru_maxrss`). `step` = peak - baseline is the step's own working set, which is
+`peak` is the peak RSS during that step (the kernel's VmHWM, reset just before it; `ru_maxrss` where it cannot
+be reset). `step` = peak - baseline is the step's own working set, which is
 what `toolkit.memory`'s activation estimate predicts for the same head; both are reported.
 
 A measurement whose estimate exceeds --max-gb is not run (this is a shared machine) and is reported as not
@@ -58,6 +59,27 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak_rss() -> bool:
+    """Reset the kernel's record of this process's peak RSS (VmHWM), so the next `peak_rss_bytes` is the peak since
+    now; False where that is not allowed. Without it the peak could be an earlier one: building the model (its
+    151,936-token embedding initialised through temporaries) can peak higher than a short step, and a baseline taken
+    after the allocator returned those temporaries to the system then made the step look twice its size."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes(since_reset: bool) -> int:
+    """Peak RSS: VmHWM after `reset_peak_rss`, else the process's lifetime peak (`ru_maxrss`)."""
+    if since_reset:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def worker(head: str, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:
     """One step of `micro_batch` rows of `seq_len` tokens in this process; returns its memory figures."""
     import torch
@@ -86,8 +108,9 @@ def worker(head: str, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:
     if installed is not None:
         installed.calls = 0
     baseline = rss_bytes()
+    since_reset = reset_peak_rss()
     loss = step(seq_len, micro_batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes(since_reset)
     return {"status": "ok", "peak_gb": peak / GB, "baseline_gb": baseline / GB, "step_gb": (peak - baseline) / GB,
             "loss": loss, "chunked_calls": installed.calls if installed is not None else 0}
 

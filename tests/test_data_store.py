@@ -424,7 +424,8 @@ def test_a_waiting_rank_outlives_the_collective_timeout(tmp_path: Path, models: 
     rank prepares, the other polls for the store (no collective), and the run trains to its end."""
     from tests.conftest import run_launch
 
-    _write_jsonl(tmp_path / "big.jsonl", _dummy_rows(20000))  # ~15 s in one process on a shared 2-core VM
+    # ~45 s in one process on a shared 2-core VM; 20,000 rows took under the 6 s timeout on a quiet one
+    _write_jsonl(tmp_path / "big.jsonl", _dummy_rows(60000))
     proc = run_launch(_launch_recipe(tmp_path, models, str(tmp_path / "big.jsonl")), timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
