@@ -61,9 +61,9 @@ def rss_bytes() -> int:
 
 def reset_peak_rss() -> bool:
     """Reset the kernel's record of this process's peak RSS (VmHWM), so the next `peak_rss_bytes` is the peak since
-    now; False where that is not allowed. Without it the peak could be an earlier one: building the model (its
-    151,936-token embedding initialised through temporaries) can peak higher than a short step, and a baseline taken
-    after the allocator returned those temporaries to the system then made the step look twice its size."""
+    now; False where that is not allowed. Without it the peak could be an earlier one: Linux carries ru_maxrss
+    across exec, so a worker started from a large process (pytest late in the suite, 1.8 GB) reported its parent's
+    peak (a CI run measured 1.79 GB for a 0.94 GB step), and building the model can peak above a short step."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
