@@ -27,13 +27,14 @@ PREEMPTED_EXIT_CODE = 75
 _PR_SET_PDEATHSIG = 1
 
 
-def _term_when_parent_dies() -> bool:
-    """Ask for SIGTERM when the parent process dies (Linux only); False where that is not available."""
+def signal_when_parent_dies(sig: int) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux PR_SET_PDEATHSIG); False where
+    that is not available. Training processes ask for SIGTERM (save and exit), helper processes for SIGKILL."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -46,7 +47,7 @@ class PreemptionFlag:
         self.signal_name: str | None = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
-        if not _term_when_parent_dies():
+        if not signal_when_parent_dies(signal.SIGTERM):
             log.debug("no parent-death signal on %s: signal the training processes, not only the launcher",
                       sys.platform)
 

@@ -15,6 +15,7 @@ Worker processes read the rows (from the memory-mapped stores) and collate them,
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import sample_lengths
+from toolkit.preemption import signal_when_parent_dies
 
 
 class StepBatchSampler:
@@ -97,13 +99,19 @@ class Collate:
 
 
 def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
-    """A DataLoader worker ignores the signals that stop a run. They reach the workers too (a launcher signals each
-    rank's whole process group, a terminal's Ctrl-C the foreground one), and a worker they kill makes its trainer
-    raise "DataLoader worker ... is killed by signal" in its next collective: a preempted run then crashed instead
-    of finishing its step and saving (toolkit/preemption.py). The trainer decides; its workers stop with its loader,
-    or on their own when it dies (PyTorch's worker watchdog)."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+    """A DataLoader worker leaves its trainer's process group, and dies with its trainer.
+
+    The signals that stop a run go to a whole process group: a launcher signals each rank's group, a terminal's
+    Ctrl-C the foreground one. A worker they killed made its trainer raise "DataLoader worker ... is killed by
+    signal" in its next collective, so a preempted run crashed instead of finishing its step and saving
+    (toolkit/preemption.py). In a group of its own the worker does not receive them: the trainer decides.
+
+    Ignoring those signals instead (SIG_IGN) deadlocked every exit with a live loader: Python's multiprocessing
+    stops daemonic children at exit with SIGTERM, then waits for them. A signal sent to the worker itself (that
+    one, or the loader's own shutdown) still ends it, and the kernel kills it when its trainer dies (Linux), so a
+    SIGKILLed trainer leaves no worker holding its files and pipes."""
+    os.setpgid(0, 0)
+    signal_when_parent_dies(signal.SIGKILL)
 
 
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,

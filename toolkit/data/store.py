@@ -45,7 +45,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from toolkit.data.encoding import EncodedBatch
 from toolkit.data.sources import Piece, Source, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
+from toolkit.preemption import signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +224,7 @@ def _init_worker(source: Source, encoder: Any) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    signal_when_parent_dies(signal.SIGKILL)
 
 
 def _encode_piece(piece: Piece) -> pa.RecordBatch:
