@@ -106,13 +106,29 @@ def test_resume_from_every_checkpoint_is_exact(strategy: str, curriculum_runs: C
 
 KILLED_RANK = {"ddp": 1, "zero3": 0}
 """Under these strategies one training process is killed (as the out-of-memory killer does) and the launcher ends
-the other; under the others the whole launch is (a lost node)."""
+the other; under FSDP the whole launch is (a lost node). What a kill leaves (a half-written checkpoint, a dead
+peer) is the same under every strategy; that each strategy resumes exactly from every checkpoint is
+test_resume_from_every_checkpoint_is_exact's."""
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
-def test_sigkill_and_resume_is_exact(strategy: str, tmp_path: Path) -> None:
-    reference, out, rank_logs = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "rank-logs"
-    train(strategy, 2, reference, *LONGER)
+@pytest.fixture(scope="module")
+def longer_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`get(strategy)`: the uninterrupted 16-step run (LONGER) under `strategy`, launched once per module. Its
+    checkpoint settings do not change what trains, so runs that save differently compare with it too."""
+    root, done = tmp_path_factory.mktemp("longer"), {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in done:
+            train(strategy, 2, root / strategy, *LONGER)
+            done[strategy] = root / strategy
+        return done[strategy]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_sigkill_and_resume_is_exact(strategy: str, tmp_path: Path, longer_runs: Callable[[str], Path]) -> None:
+    reference, out, rank_logs = longer_runs(strategy), tmp_path / "killed", tmp_path / "rank-logs"
     kill_at = random.Random(strategy).randint(9, TOTAL_STEPS - 2)  # epoch 2 of stage 1, or inside stage 2
     killed = KILLED_RANK.get(strategy)
     proc = start_and_signal(train_cmd(strategy, 2, out, *LONGER, rank_logs=rank_logs), out, kill_at,
@@ -141,12 +157,11 @@ def assert_survivor_names_the_lost_rank(stderr: str, killed: int, survivor: int,
     assert "Traceback (most recent call last)" in log.read_text() and "gloo" in log.read_text()
 
 
-def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path: Path) -> None:
+def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path: Path, longer_runs: Callable[[str], Path]) -> None:
     """Preemption without per-step saves: SIGTERM to the launcher makes every rank finish its step, save and
     exit with PREEMPTED_EXIT_CODE within the launcher's grace period."""
-    reference, out = tmp_path / "uninterrupted", tmp_path / "preempted"
+    reference, out = longer_runs("zero3"), tmp_path / "preempted"
     no_periodic = (*LONGER[:2], "checkpoint.save_on_stage_end=false")
-    train("zero3", 2, reference, *no_periodic)
     proc = start_and_signal(train_cmd("zero3", 2, out, *no_periodic), out, 5, signal.SIGTERM)
     output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     assert f"exitcode: {PREEMPTED_EXIT_CODE}" in output or "preempted" in output, output[-3000:]
