@@ -152,3 +152,25 @@ def test_workers_leave_stop_signals_to_the_trainer() -> None:
     expected = sorted(int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1))
     assert out.startswith(f"signals {expected} batches "), out
     assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_worker_thread_says_nothing_when_the_trainer_hangs_up(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The worker's fd-passing thread failing because the trainer stopped mid-transfer (CI: a traceback after
+    Ctrl-C's one line) is quiet; any other exception in a worker thread is still printed."""
+    import threading
+
+    from toolkit.data import batching
+
+    monkeypatch.setattr(threading, "excepthook", batching._quiet_when_the_trainer_hangs_up)
+
+    def raising(error: BaseException) -> None:
+        raise error
+
+    for error in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset"), EOFError(),
+                  ValueError("a real bug")):
+        thread = threading.Thread(target=raising, args=(error,))
+        thread.start()
+        thread.join()
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 1 and "ValueError: a real bug" in err, err

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -112,6 +113,18 @@ def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     SIGKILLed trainer leaves no worker holding its files and pipes."""
     os.setpgid(0, 0)
     signal_when_parent_dies(signal.SIGKILL)
+    threading.excepthook = _quiet_when_the_trainer_hangs_up
+
+
+def _quiet_when_the_trainer_hangs_up(args: threading.ExceptHookArgs) -> None:
+    """A worker thread's exception, printed unless it is the trainer hanging up. A worker hands each batch's
+    tensors over by passing file descriptors from a thread of its own (multiprocessing's resource sharer); when the
+    trainer stops mid-transfer (Ctrl-C, an error), that thread's send fails with a connection error, and its
+    traceback on the stderr the worker shares with the trainer would follow the trainer's one last line (seen in
+    CI after a Ctrl-C). The trainer sees its own side of a failed transfer and reports it; this one says nothing."""
+    if issubclass(args.exc_type, (ConnectionError, EOFError)):
+        return
+    threading.__excepthook__(args)
 
 
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
