@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import socket
 import subprocess
 import sys
@@ -73,11 +72,15 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes(since_reset: bool) -> int:
-    """Peak RSS: VmHWM after `reset_peak_rss`, else the process's lifetime peak (`ru_maxrss`)."""
+    """Peak RSS: VmHWM after `reset_peak_rss`, else the process's lifetime peak (what the trainer records)."""
     if since_reset:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    import torch
+
+    from toolkit.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(torch.device("cpu"))
 
 
 def worker(head: str, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:

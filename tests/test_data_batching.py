@@ -108,15 +108,18 @@ def test_starting_a_loader_leaves_the_global_rng_alone(workers: int) -> None:
 
 
 TRAINER = """
-import signal, sys
-from tests.test_data_batching import Process, StageBatches, ACCUM, _collate, _stage
+import signal, sys, threading
+from tests.test_data_batching import Process, StageBatches, ACCUM, _stage
+
+def collate(rows):  # runs in the worker: which thread exception hook the worker's init left there
+    return {"i": [r["i"] for r in rows], "hook": threading.excepthook.__name__}
+
 got = []
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
     signal.signal(sig, lambda signum, frame: got.append(signum))  # as toolkit/preemption.py: note it, go on
 stage = _stage()
-BATCHES = StageBatches(Process(0), _collate, grad_accum=ACCUM, group_by_length=False, num_workers=1)
-BATCHES.take(stage, 0)
-print("ready", flush=True)
+BATCHES = StageBatches(Process(0), collate, grad_accum=ACCUM, group_by_length=False, num_workers=1)
+print("ready", "hook", BATCHES.take(stage, 0)[0].batch["hook"], flush=True)
 sys.stdin.readline()
 print("signals", sorted(got), "batches", [m.batch["i"] for m in BATCHES.take(stage, 1)], flush=True)
 # exits with its loader's iterator (and worker) alive, as a preempted or failed trainer does
@@ -140,7 +143,10 @@ def test_workers_leave_stop_signals_to_the_trainer() -> None:
     proc = subprocess.Popen([sys.executable, "-c", TRAINER], cwd=Path(__file__).parents[1], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        ready = proc.stdout.readline().strip()
+        if ready != "ready hook _quiet_when_the_trainer_hangs_up":
+            proc.kill()  # before reading its stderr to the end
+            pytest.fail(f"{ready!r}\n{proc.communicate()[1][-3000:]}")
         workers = psutil.Process(proc.pid).children()
         assert len(workers) == 1 and os.getpgid(workers[0].pid) != os.getpgid(proc.pid)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

@@ -99,8 +99,9 @@ class Collate:
             return Failed(str(e))
 
 
-def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
-    """A DataLoader worker leaves its trainer's process group, and dies with its trainer.
+def _init_loader_worker(_worker_id: int) -> None:
+    """A DataLoader worker leaves its trainer's process group, dies with its trainer, and keeps quiet when the
+    trainer hangs up on it (`_quiet_when_the_trainer_hangs_up`).
 
     The signals that stop a run go to a whole process group: a launcher signals each rank's group, a terminal's
     Ctrl-C the foreground one. A worker they killed made its trainer raise "DataLoader worker ... is killed by
@@ -136,7 +137,7 @@ def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: Step
     loader = DataLoader(Rows(rows), batch_sampler=sampler, collate_fn=Collate(collate), num_workers=num_workers,
                         prefetch_factor=2 if num_workers else None, pin_memory=torch.cuda.is_available(),
                         generator=torch.Generator().manual_seed(seed),
-                        worker_init_fn=_leave_stop_signals_to_the_trainer if num_workers else None)
+                        worker_init_fn=_init_loader_worker if num_workers else None)
     return accelerator.prepare_data_loader(loader)
 
 
