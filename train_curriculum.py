@@ -100,6 +100,10 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
     scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
+    # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
+    # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
+    # Processes building at once are safe (each builds aside; the first rename wins, the copies are identical).
+    model_path = materialize_builtin(recipe.model.name_or_path, layout.cache)
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
     check_trackers(recipe.logging.trackers)
@@ -119,8 +123,6 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     _lock, resume_from = claim_output_dir(layout, recipe.checkpoint.resume, accelerator)  # held until exit
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
-    with accelerator.local_main_process_first():  # the builtin tiny models are built once per machine
-        model_path = materialize_builtin(recipe.model.name_or_path, layout.cache)
     check_model_source(model_path)
     check_remote_code(model_path, trust_remote_code=recipe.model.trust_remote_code)
     vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)

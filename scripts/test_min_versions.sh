@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tests at the lowest versions pyproject.toml allows of transformers, accelerate, peft, datasets and deepspeed, in a
 # virtual environment of its own (.venv-min, or $MIN_VENV; the project's .venv is not touched). CI runs it after
-# scripts/test.sh (.ci/run). Extra arguments go to pytest (they replace the subset below).
+# scripts/test.sh (.ci/run). Extra arguments go to pytest (they replace the subset below); `--install-only` (alone)
+# builds the environment and stops (CI builds it while the main suite runs; a second call finds it done).
 #
 # A representative subset, not the fast suite: the whole CI must stay under 45 minutes on 2 cores, the main suite
 # takes about 35, the install here about 5 (torch, a DeepSpeed build) and the fast suite at these versions another
@@ -71,6 +72,9 @@ if wrong:
     sys.exit(f"error: not at the floor: {', '.join(wrong)}")
 PYEOF
 echo "install: ${SECONDS}s"
+if [ "${1:-}" = "--install-only" ]; then
+  exit 0
+fi
 if [ "$#" -eq 0 ]; then
   set -- tests/test_attention.py tests/test_vision.py tests/test_generation.py tests/test_loss_head.py \
     tests/test_activation_memory.py tests/test_loop.py -m "not slow"

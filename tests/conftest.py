@@ -188,31 +188,62 @@ def curriculum_args(strategy: str) -> tuple[str, ...]:
     return (*(SINGLE_CURRICULUM if strategy == "single" else ()), *EVERY_CHECKPOINT)
 
 
+def launched_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+                  launch: Callable[[str, Path], object]) -> Callable[[str], Path]:
+    """`get(key)`: the folder of the run `launch(key, folder)` makes, launched the first time a test asks for it
+    and shared by every later one (a fixture's memo: one reference run per key, however many tests compare with
+    it)."""
+    root, done = tmp_path_factory.mktemp(name), set()
+
+    def get(key: str) -> Path:
+        if key not in done:
+            launch(key, root / key)
+            done.add(key)
+        return root / key
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`get(strategy)`: the fp32 curriculum run under `strategy`, launched once per session and shared by the
     strategy matrix (same losses as one process, freezing, golden values, generation evals) and the exact-resume
     test (resumes from each of its checkpoints)."""
-    root, done = tmp_path_factory.mktemp("curriculum"), {}
+    def launch(strategy: str, out: Path) -> None:
+        train(strategy, processes_for(strategy), out, *curriculum_args(strategy), *GENERATION,
+              recipe=CURRICULUM, script=SPY, env={"SPY_GENERATION_DIR": str(spy_dir(out))})
 
-    def get(strategy: str) -> Path:
-        if strategy not in done:
-            train(strategy, processes_for(strategy), root / strategy, *curriculum_args(strategy), *GENERATION,
-                  recipe=CURRICULUM, script=SPY, env={"SPY_GENERATION_DIR": str(spy_dir(root / strategy))})
-            done[strategy] = root / strategy
-        return done[strategy]
-
-    return get
+    return launched_once(tmp_path_factory, "curriculum", launch)
 
 
-def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str = "no") -> list[int]:
+BF16_BASE = "model.dtype=bfloat16"
+"""The base model in bf16, as `model.dtype: auto` loads it on a GPU (the adapters and a trained norm stay fp32)."""
+
+
+@pytest.fixture(scope="session")
+def bf16_curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`get(strategy)`: the curriculum as a user launches it: the shipped config's own precision (bf16; only
+    `--num_processes 2` added, nothing for one process), a bf16 base, a checkpoint after every step. Shared by the
+    bf16 strategy matrix (tests/test_strategies.py) and the bf16 exact resume (tests/test_resume.py); the launch's
+    output is kept beside the run, in `<run>.log`."""
+    def launch(strategy: str, out: Path) -> None:
+        proc = train(strategy, None if strategy == "single" else 2, out, *curriculum_args(strategy), BF16_BASE,
+                     recipe=CURRICULUM, mixed_precision=None)
+        out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+
+    return launched_once(tmp_path_factory, "curriculum-bf16", launch)
+
+
+def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no") -> list[int]:
     """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would,
     each run in fresh processes forked from one parent that imported everything once (tests/_relaunch.py says
-    why); returns the exit codes. Each run's output (all ranks) is in its log."""
+    why); returns the exit codes. Each run's output (all ranks) is in its log. `mixed_precision` None: the
+    config file's."""
     jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
     jobs.write_text(json.dumps({
         "launch": ["--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
-                   "--num_processes", str(processes_for(strategy)), "--mixed_precision", mixed_precision],
+                   "--num_processes", str(processes_for(strategy)),
+                   *(["--mixed_precision", mixed_precision] if mixed_precision is not None else [])],
         "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "timeout": LAUNCH_TIMEOUT_S}))
     proc = run_launch([sys.executable, str(REPO / "tests" / "_relaunch.py"), str(jobs)],
                       timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))

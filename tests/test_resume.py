@@ -17,10 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import (
+    BF16_BASE,
     CURRICULUM,
     CURRICULUM_STEPS,
     LAUNCH_TIMEOUT_S,
     curriculum_args,
+    launched_once,
     rank_stderr,
     relaunch,
     start_and_signal,
@@ -60,25 +62,37 @@ EXACT_KEYS = ("step", "stage", "stage_index", "stage_step", "loss", "lr", "grad_
 EXACT_EVENT_KEYS = ("step", "stage", "event", "stage_steps", "stage_samples", "stage_tokens", "trainable_params")
 
 
+EXACT_RESUMES = [*((s, "no") for s in ("single", "ddp", "fsdp", "zero2", "zero3", "zero3_offload")),
+                 ("single", "bf16"), ("zero3", "bf16")]
+"""(shipped config, precision) pairs resumed from every checkpoint: fp32 under every strategy, and the precision
+the shipped configs train in (bf16 autocast or DeepSpeed's bf16, a bf16 base) for one process and ZeRO-3, the
+flagship launch."""
+
+
 @pytest.mark.timeout(1800)  # the reference launch and 11 resumes: about 2 minutes on a quiet 2-core machine
-@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
-def test_resume_from_every_checkpoint_is_exact(strategy: str, curriculum_runs: Callable[[str], Path]) -> None:
-    """The uninterrupted fp32 curriculum (LoRA, then only the norm, then both; a checkpoint after every step) is
+@pytest.mark.parametrize(("strategy", "precision"), EXACT_RESUMES, ids=[f"{s}-{p}" for s, p in EXACT_RESUMES])
+def test_resume_from_every_checkpoint_is_exact(strategy: str, precision: str,
+                                               curriculum_runs: Callable[[str], Path],
+                                               bf16_curriculum_runs: Callable[[str], Path]) -> None:
+    """The uninterrupted curriculum (LoRA, then only the norm, then both; a checkpoint after every step) is
     resumed from each of its 11 checkpoints into a new output_dir: every later step's loss, applied lr, gradient
     norm, token and sample counts, the stage summaries and the final adapter equal the uninterrupted run's, to the
     last bit. A kill at one random step would miss a state that only some steps carry (stage boundaries, a frozen
     group thawing, the pacing and epoch position): this is the test that lets the log say "resumed (exact)"
-    (toolkit/checkpoint.EXACT_RESUME_TESTED names what it covers)."""
+    (toolkit/checkpoint.EXACT_RESUME_TESTED names what it covers). The bf16 runs are launched as users launch
+    them: the config file's precision, a bf16 base."""
     name = {"fsdp": "fsdp2"}.get(strategy, strategy)
-    assert (name, "no") in EXACT_RESUME_TESTED
-    reference = curriculum_runs(strategy)
+    assert (name, precision) in EXACT_RESUME_TESTED
+    bf16 = precision == "bf16"
+    reference = (bf16_curriculum_runs if bf16 else curriculum_runs)(strategy)
     checkpoints = committed_checkpoints(reference / "checkpoints")
     assert [read_meta(c)["step"] for c in checkpoints] == list(range(1, CURRICULUM_STEPS + 1))
     outs = [reference.parent / f"{strategy}-from-{read_meta(c)['step']}" for c in checkpoints]
     argv = ["--config", CURRICULUM, "--create_dummy_data", "--num_dummy_samples", "64",
-            *curriculum_args(strategy)]
+            *curriculum_args(strategy), *((BF16_BASE,) if bf16 else ())]
     codes = relaunch(strategy, [([*argv, f"output_dir={out}", f"checkpoint.resume={c}"], out.with_suffix(".log"))
-                                for out, c in zip(outs, checkpoints, strict=True)])
+                                for out, c in zip(outs, checkpoints, strict=True)],
+                     mixed_precision=None if bf16 else "no")
     expected = {r["step"]: r for r in read_metrics(reference / "metrics.jsonl", "train")}
     expected_ends = [r for r in read_metrics(reference / "metrics.jsonl") if r.get("event") == "stage_end"]
     final = load_file(reference / "final" / "adapter_model.safetensors")
@@ -115,15 +129,7 @@ test_resume_from_every_checkpoint_is_exact's."""
 def longer_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`get(strategy)`: the uninterrupted 16-step run (LONGER) under `strategy`, launched once per module. Its
     checkpoint settings do not change what trains, so runs that save differently compare with it too."""
-    root, done = tmp_path_factory.mktemp("longer"), {}
-
-    def get(strategy: str) -> Path:
-        if strategy not in done:
-            train(strategy, 2, root / strategy, *LONGER)
-            done[strategy] = root / strategy
-        return done[strategy]
-
-    return get
+    return launched_once(tmp_path_factory, "longer", lambda strategy, out: train(strategy, 2, out, *LONGER))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
