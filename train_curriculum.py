@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--create_dummy_data", action="store_true", help="Train every stage on generated dummy data.")
     p.add_argument("--num_dummy_samples", type=int, default=256, help="Rows per dummy data file.")
     p.add_argument("overrides", nargs="*", help="Recipe overrides, e.g. optimizer.lr=1e-4 stages.0.max_steps=5")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before, between and after the options
 
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,

@@ -76,6 +76,12 @@ def child(env: dict[str, str], rank: int, world: int, port: int, argv: list[str]
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A launched rank's torch reads OMP_NUM_THREADS (accelerate sets 1) when it is imported; this child's torch was
+    # imported by the parent, with its own thread count. Sums split over other thread counts round differently (the
+    # tiny Qwen-VL's resumed losses differed in the last bit from the launched run's), so set the launched one.
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
     fd = os.open(log.with_name(f"{log.name}.rank{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

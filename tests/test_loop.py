@@ -55,6 +55,14 @@ def test_run_state_round_trip_through_meta_json() -> None:
     assert RunState.from_meta(old) == RunState(step=3, tokens=10, stage="a")  # a checkpoint without the later keys
 
 
+def test_overrides_may_come_between_and_after_the_options() -> None:
+    """`train_curriculum.py --config R a=1 --create_dummy_data b=2` takes both overrides (argparse's default parse
+    stopped at the first option after them: "unrecognized arguments: b=2")."""
+    args = tc.parse_args(["--config", "r.yaml", "a=1", "--create_dummy_data", "b=2", "--num_dummy_samples", "4", "c=3"])
+    assert (args.config, args.create_dummy_data, args.num_dummy_samples) == ("r.yaml", True, 4)
+    assert args.overrides == ["a=1", "b=2", "c=3"]
+
+
 def build_run(tmp_path: Path, *overrides: str) -> Run:
     """A single-process run of the embedded tiny recipe, wired by train_curriculum's own helpers."""
     recipe = load_recipe(None, [f"output_dir={tmp_path / 'run'}", "train.grad_accum=2", *overrides])
