@@ -201,7 +201,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     final = checkpoint.save_final(accelerator, model, processor, layout.final)
     log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final,
              run.guard.total_skipped)
-    accelerator.end_training()
+    distributed.finish_trackers(accelerator)
     return 0
 
 
@@ -440,4 +440,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     exit_code = main()
-    distributed.exit_without_teardown(exit_code, group_intact=exit_code != FAILED_EXIT_CODE)
+    distributed.exit_without_teardown(exit_code)

@@ -75,9 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator.is_main_process:
         args.out.write_text(json.dumps(records, indent=2))
     accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if torch.distributed.is_initialized():  # orderly gloo teardown; leaving it to exit can abort a rank
-        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -1,14 +1,20 @@
-"""`train_curriculum.py` with a spy on the collectives each rank issues while generation evals run.
+"""`train_curriculum.py` with a spy on the collectives each rank issues while generation evals run, and on when its
+process group is destroyed.
 
 Launched in place of train_curriculum.py (`accelerate launch tests/_spy_generation.py --config ...`, with
 SPY_GENERATION_DIR set): it counts the parameter all-gathers issued inside `toolkit.generation.generate` (the
 token-by-token forwards) and around it (the gather of the full weights, once per eval), and writes one JSON per
 rank. Weights gathered once per eval means no all-gather at all inside `generate`: under ZeRO-3 and FSDP2 a
 forward through sharded weights would all-gather every layer's parameters at every new token.
+
+It also counts `destroy_process_group` calls made while a DistributedDataParallel model is alive: its Reducer holds
+the group, so the group's destructor would run when the model is freed, with the GIL held, and can deadlock
+(toolkit.distributed.finish_trackers).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -23,7 +29,7 @@ from toolkit import distributed, evals
 GATHERS = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "all_gather_coalesced",
            "broadcast")
 counts = {"generate_calls": 0, "gathers_inside_generate": 0, "all_reduces_inside_generate": 0, "gathers_in_evals": 0,
-          "evals": 0}
+          "evals": 0, "destroyed_with_ddp_alive": 0}
 state = {"generating": False, "evaluating": False}
 
 
@@ -67,6 +73,18 @@ def _spied_generation(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 evals.Evaluator._generate = _spied_generation
+_destroy = dist.destroy_process_group
+
+
+def _spied_destroy(*args: Any, **kwargs: Any) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(o, DistributedDataParallel) for o in gc.get_objects()):
+        counts["destroyed_with_ddp_alive"] += 1
+    return _destroy(*args, **kwargs)
+
+
+dist.destroy_process_group = _spied_destroy
 
 if __name__ == "__main__":
     code = train_curriculum.main(sys.argv[1:])

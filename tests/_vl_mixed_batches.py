@@ -107,9 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rank": rank, "strategy": strategy_name(accelerator), "losses": losses,
               "finite": all(math.isfinite(x) for x in losses), "real_images": want_images}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-    accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -183,7 +183,8 @@ def completions(out: Path) -> dict[str, list[dict]]:
 def check_generation(out: Path, reference: Path, strategy: str, spy: Path) -> None:
     """The generation evals' completions equal the single process's (greedy, the same batches on any number of
     processes); under ZeRO-3 and FSDP2 the weights were gathered once per eval: not one all-gather inside
-    `generate`, where a sharded forward gathers every layer at every token (1,179 all-gathers under ZeRO-3 here)."""
+    `generate`, where a sharded forward gathers every layer at every token (1,179 all-gathers under ZeRO-3 here).
+    No rank destroyed its process group while its DDP model was alive (a hang after 'done')."""
     got, expected = completions(out), completions(reference)
     assert list(got) == ["easy_to_hard/step-00000008.jsonl", "mixture/step-00000004.jsonl",
                          "short_to_long/step-00000011.jsonl"]
@@ -193,6 +194,7 @@ def check_generation(out: Path, reference: Path, strategy: str, spy: Path) -> No
     assert all(c["evals"] == 3 and c["generate_calls"] == 3 for c in ranks), ranks
     if strategy in ("zero3", "zero3_offload", "fsdp"):
         assert all(c["gathers_inside_generate"] == 0 and c["gathers_in_evals"] > 0 for c in ranks), ranks
+    assert all(c["destroyed_with_ddp_alive"] == 0 for c in ranks), ranks  # toolkit.distributed.finish_trackers
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

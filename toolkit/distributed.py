@@ -225,20 +225,31 @@ def record_launch_error(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
-def exit_without_teardown(code: int, *, group_intact: bool = True) -> None:
-    """End the process after a finished run, skipping interpreter teardown.
+def finish_trackers(accelerator: Accelerator) -> None:
+    """What `accelerator.end_training()` does at a run's end, but its `destroy_process_group()`: the trackers are
+    finished, and the process group is left to the process's end (`exit_without_teardown`).
 
-    With DeepSpeed ZeRO-3 on gloo, a process that has finished, written everything and destroyed its process
-    group still aborts now and then in C++ static destruction ('terminate called without an active exception',
-    SIGABRT), which turns a good run into a failed launch. Everything is flushed first, so nothing is lost.
-    `group_intact=False` (a peer is gone, or this rank failed mid-collective): the process group is not destroyed,
-    which could wait on the missing peer; the process's end closes its connections.
+    A DDP model holds the process group in C++ (its Reducer). Destroyed while the model lives (end_training inside
+    `train`), the group's last reference goes when the model is freed, and ProcessGroupGloo's destructor waits for
+    its worker threads with the GIL held, while a worker that is finishing the last collective needs the GIL to free
+    a tensor made in Python: the rank hangs after its run is done (a CI launch did; PyTorch guards the Python-held
+    group against exactly this, not the Reducer's reference). Checked by tests/test_strategies.py's spy."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the process after a run (finished, stopped or failed), skipping interpreter teardown.
+
+    Everything is flushed first, so nothing is lost. Nothing is torn down: with DeepSpeed ZeRO-3 on gloo, a process
+    that finished and destroyed its process group still aborted now and then in C++ static destruction ('terminate
+    called without an active exception', SIGABRT), which turned a good run into a failed launch; destroying the
+    group can deadlock (`finish_trackers`), or wait on a peer that is gone. The process's end closes its
+    connections.
     """
     import logging
     import sys
 
-    if group_intact and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -298,7 +298,7 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
     if result.preempted:
         log.warning("preempted (%s): stopped after step %d, checkpoint saved; resume with the same command",
                     run.preemption.signal_name or "signal on another rank", done)
-        acc.end_training()
+        distributed.finish_trackers(acc)
         return PREEMPTED_EXIT_CODE
     return None
 
