@@ -188,6 +188,24 @@ def curriculum_args(strategy: str) -> tuple[str, ...]:
     return (*(SINGLE_CURRICULUM if strategy == "single" else ()), *EVERY_CHECKPOINT)
 
 
+@pytest.fixture(scope="session")
+def deepspeed_comm_op() -> Path:
+    """The folder of DeepSpeed's shared-memory comm op in torch's default extensions folder, built there first if
+    missing (about 40 s on 2 cores), as the suite's first DeepSpeed launch would build it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("DeepSpeed is installed on Linux only")
+    env = {k: v for k, v in run_env().items() if k != "TORCH_EXTENSIONS_DIR"}
+    proc = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    folder = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / \
+        "deepspeed_shm_comm"
+    assert folder.is_dir(), f"{folder} was not built:\n{proc.stdout[-2000:]}"
+    return folder
+
+
 def launched_once(tmp_path_factory: pytest.TempPathFactory, name: str,
                   launch: Callable[[str, Path], object]) -> Callable[[str], Path]:
     """`get(key)`: the folder of the run `launch(key, folder)` makes, launched the first time a test asks for it

@@ -286,19 +286,14 @@ def test_extensions_root_follows_torch(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="DeepSpeed is installed on Linux only")
-def test_deepspeed_launch_after_a_killed_one_does_not_hang(tmp_path: Path) -> None:
+def test_deepspeed_launch_after_a_killed_one_does_not_hang(tmp_path: Path, deepspeed_comm_op: Path) -> None:
     """The way users meet it: a ZeRO-3 launch killed while loading DeepSpeed's comm op left its lock; the next
     launch (the README's line, bf16 from the file, 2 processes) trains instead of waiting forever at 0% CPU.
     Without the fix this test fails at its timeout. The extensions folder is the test's own
-    (TORCH_EXTENSIONS_DIR), seeded with the op already built where this machine has it, so the test never touches
-    the user's cache."""
-    from torch.utils.cpp_extension import get_default_build_root
-
+    (TORCH_EXTENSIONS_DIR), seeded with the op as built in the default folder (by the fixture, as any DeepSpeed
+    launch of the suite would), so the test never touches that folder and builds nothing twice."""
     ext = tmp_path / "torch_extensions"
-    built = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-    if (built / "deepspeed_shm_comm").is_dir():
-        shutil.copytree(built / "deepspeed_shm_comm", ext / "deepspeed_shm_comm",
-                        ignore=shutil.ignore_patterns("lock"))
+    shutil.copytree(deepspeed_comm_op, ext / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
     lock = plant_lock(ext)
     out = tmp_path / "run"
     cmd = [*launch_cmd("zero3", 2, mixed_precision=None), str(REPO / "train_curriculum.py"), "--config",
