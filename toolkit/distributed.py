@@ -226,7 +226,7 @@ def record_launch_error(message: str) -> None:
 
 
 def finish_trackers(accelerator: Accelerator) -> None:
-    """What `accelerator.end_training()` does at a run's end, but its `destroy_process_group()`: the trackers are
+    """What `accelerator.end_training()` does at a run's end, except its `destroy_process_group()`: the trackers are
     finished, and the process group is left to the process's end (`exit_without_teardown`).
 
     A DDP model holds the process group in C++ (its Reducer). Destroyed while the model lives (end_training inside
