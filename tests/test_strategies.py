@@ -1,7 +1,8 @@
 """The strategy matrix: every accelerate config, 2 processes over gloo on CPU, gives single-process losses.
 
-Each 2-process run trains the 2-stage smoke recipe (LoRA, gradient checkpointing on) with the same global batch
-as the 1-process reference and must reproduce its per-step losses and its final adapter. The loss head is the
+Each 2-process run trains the 2-stage smoke recipe packed (LoRA, gradient checkpointing on, `data.packing`: rows of
+whole samples, attention per sample) with the same global batch as the 1-process reference and must reproduce its
+per-step losses and its final adapter; unpacked rows are the curriculum matrix's below. The loss head is the
 default chunked one (toolkit/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight is
 tested in tests/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
 after the head's forward (even with stage3_max_live_parameters and max_reuse_distance 0), so a head computed
@@ -43,8 +44,10 @@ from toolkit.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
-# smoke.yaml: micro 2 x accum 2 x 2 processes = 8; the reference gets micro 4 x accum 2 x 1 process = 8.
-REFERENCE_OVERRIDES = ("train.micro_batch_size=4",)
+# smoke.yaml: micro 2 x accum 2 x 2 processes = 8; the reference gets micro 4 x accum 2 x 1 process = 8. Packed, as
+# the flagship recipe trains.
+PACKED = "data.packing=true"
+REFERENCE_OVERRIDES = ("train.micro_batch_size=4", PACKED)
 # The references compute the loss in one chunk (the default for this 1,024-token vocabulary); the 2-process runs in
 # chunks of 16 tokens.
 CHUNKED = "model.loss_chunk_size=16"
@@ -84,8 +87,9 @@ def test_reference_trains(reference: Path) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_matches_single_process(strategy: str, runs: Path, reference: Path) -> None:
     out = runs / strategy
-    proc = train(strategy, 2, out, "model.gradient_checkpointing=true", CHUNKED)
+    proc = train(strategy, 2, out, "model.gradient_checkpointing=true", CHUNKED, PACKED)
     assert "loss head: chunked (16 tokens per chunk" in proc.stderr  # the match below is the chunked head's
+    assert "packed into" in proc.stderr and "attention: sdpa_packed" in proc.stderr
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     ref, got = adapter(reference), adapter(out)
     assert got.keys() == ref.keys()
@@ -101,7 +105,7 @@ def test_strategy_matches_single_process(strategy: str, runs: Path, reference: P
 def test_two_machines_on_loopback_match_two_processes(runs: Path, reference: Path) -> None:
     """accelerate's multi-node launch (2 machines x 1 process, rendezvous on 127.0.0.1) equals 2 processes."""
     out = runs / "two-machines"
-    two_machines_on_loopback("ddp", out, "--num_machines", "2")
+    two_machines_on_loopback("ddp", out, "--num_machines", "2", overrides=(PACKED,))
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
 
 
