@@ -230,10 +230,17 @@ def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path
     assert [r["lr"] for r in got[2:]] == pytest.approx([r["lr"] for r in full[8:]], rel=1e-9)
     assert (early / "final" / "adapter_model.safetensors").is_file()
 
-    for step in (1, 2, 3):  # before the advance (patience counters saved), at it, and after (stages moved up)
-        resumed = tmp_path / f"from-{step}"
-        train("single", 1, resumed, *PATIENCE, f"checkpoint.resume={early / 'checkpoints' / f'step-{step:08d}'}")
-        again = records(resumed)
+    # Resumed before the advance (patience counters saved), at it, and after (stages moved up); forked from one
+    # warm parent, as the every-checkpoint test's resumes are (the launches above are the ones users make).
+    steps = (1, 2, 3)
+    argv = ["--config", "recipes/smoke.yaml", "--create_dummy_data", "--num_dummy_samples", "64", *PATIENCE]
+    codes = relaunch("single", [([*argv, f"output_dir={tmp_path / f'from-{step}'}",
+                                  f"checkpoint.resume={early / 'checkpoints' / f'step-{step:08d}'}"],
+                                 tmp_path / f"from-{step}.log") for step in steps])
+    for step, code in zip(steps, codes, strict=True):
+        log = (tmp_path / f"from-{step}.log").read_text()
+        assert code == 0 and f"resumed (exact) from {early / 'checkpoints'}" in log, log[-4000:]
+        again = records(tmp_path / f"from-{step}")
         assert [(r["step"], r["stage"]) for r in again] == [(r["step"], r["stage"]) for r in got[step:]]
         assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in got[step:]], rel=1e-6)
         assert [r["lr"] for r in again] == pytest.approx([r["lr"] for r in got[step:]], rel=1e-9)
