@@ -115,8 +115,14 @@ def train_cmd(strategy: str | Path, num_processes: int | None, out: Path, *overr
     `script`: another entry point than train_curriculum.py (a test's wrapper of it)."""
     extra = ["--log_dir", str(rank_logs), "--tee", "3"] if rank_logs is not None else None
     return [*launch_cmd(strategy, num_processes, mixed_precision=mixed_precision, extra=extra),
-            str(script or REPO / "train_curriculum.py"), "--config", recipe, "--create_dummy_data",
-            "--num_dummy_samples", str(dummy_samples), f"output_dir={out}", *overrides]
+            str(script or REPO / "train_curriculum.py"),
+            *dummy_run_args(f"output_dir={out}", *overrides, recipe=recipe, dummy_samples=dummy_samples)]
+
+
+def dummy_run_args(*overrides: str, recipe: str = "recipes/smoke.yaml", dummy_samples: int = 64) -> list[str]:
+    """train_curriculum.py's arguments for `recipe` on generated data (what `train` launches; `relaunch` takes
+    them as they are)."""
+    return ["--config", recipe, "--create_dummy_data", "--num_dummy_samples", str(dummy_samples), *overrides]
 
 
 def rank_stderr(rank_logs: Path, local_rank: int) -> str:

@@ -22,6 +22,7 @@ from tests.conftest import (
     CURRICULUM_STEPS,
     LAUNCH_TIMEOUT_S,
     curriculum_args,
+    dummy_run_args,
     launched_once,
     rank_stderr,
     relaunch,
@@ -85,8 +86,7 @@ def test_resume_from_every_checkpoint_is_exact(strategy: str, precision: str,
     assert (name, precision) in EXACT_RESUME_TESTED
     bf16 = precision == "bf16"
     reference = (bf16_curriculum_runs if bf16 else curriculum_runs)(strategy)
-    argv = ["--config", CURRICULUM, "--create_dummy_data", "--num_dummy_samples", "64",
-            *curriculum_args(strategy), *((BF16_BASE,) if bf16 else ())]
+    argv = dummy_run_args(*curriculum_args(strategy), *((BF16_BASE,) if bf16 else ()), recipe=CURRICULUM)
     assert_exact_from_every_checkpoint(strategy, reference, argv, steps=CURRICULUM_STEPS,
                                        mixed_precision=None if bf16 else "no")
 
@@ -105,7 +105,7 @@ def test_packed_vl_resume_from_every_checkpoint_is_exact(tmp_path: Path) -> None
     (decoded in 2 DataLoader workers per rank), an epoch boundary inside a stage, LoRA thawed in the second stage
     beside the trained vision merger. The log says "resumed (exact)" for such runs too."""
     reference = tmp_path / "reference"
-    argv = ["--config", "recipes/smoke_vl.yaml", "--create_dummy_data", "--num_dummy_samples", "48", *PACKED_VL]
+    argv = dummy_run_args(*PACKED_VL, recipe="recipes/smoke_vl.yaml", dummy_samples=48)
     proc = train("ddp", 2, reference, *PACKED_VL, recipe="recipes/smoke_vl.yaml", dummy_samples=48)
     assert "stage 'align' data: 48 rows, 48 kept" in proc.stderr and "packed into 14 rows" in proc.stderr
     assert_exact_from_every_checkpoint("ddp", reference, argv, steps=9, mixed_precision="no")
@@ -233,7 +233,7 @@ def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path
     # Resumed before the advance (patience counters saved), at it, and after (stages moved up); forked from one
     # warm parent, as the every-checkpoint test's resumes are (the launches above are the ones users make).
     steps = (1, 2, 3)
-    argv = ["--config", "recipes/smoke.yaml", "--create_dummy_data", "--num_dummy_samples", "64", *PATIENCE]
+    argv = dummy_run_args(*PATIENCE)
     codes = relaunch("single", [([*argv, f"output_dir={tmp_path / f'from-{step}'}",
                                   f"checkpoint.resume={early / 'checkpoints' / f'step-{step:08d}'}"],
                                  tmp_path / f"from-{step}.log") for step in steps])

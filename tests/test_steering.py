@@ -20,7 +20,7 @@ import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from tests._inprocess import Call, invoke
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, run_env, run_launch, start_and_signal, train
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, dummy_run_args, run_env, run_launch, start_and_signal, train
 from toolkit.checkpoint import committed_checkpoints, read_meta
 from toolkit.metrics import read_metrics
 from toolkit.run_dir import RunLayout
@@ -33,8 +33,7 @@ ONE_PROCESS = ("train.micro_batch_size=4",)  # the global batch of 2 processes x
 
 
 def argv(out: Path, *overrides: str, recipe: str = GATED) -> list[str]:
-    return ["--config", str(REPO / recipe), "--create_dummy_data", "--num_dummy_samples", "64", f"output_dir={out}",
-            *overrides]
+    return dummy_run_args(f"output_dir={out}", *overrides, recipe=str(REPO / recipe))
 
 
 def one_process_cmd(out: Path, *overrides: str) -> list[str]:
