@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -114,18 +115,21 @@ def _init_loader_worker(_worker_id: int) -> None:
     SIGKILLed trainer leaves no worker holding its files and pipes."""
     os.setpgid(0, 0)
     signal_when_parent_dies(signal.SIGKILL)
-    threading.excepthook = _quiet_when_the_trainer_hangs_up
+    sys.excepthook = _quiet_when_the_trainer_hangs_up
 
 
-def _quiet_when_the_trainer_hangs_up(args: threading.ExceptHookArgs) -> None:
-    """A worker thread's exception, printed unless it is the trainer hanging up. A worker hands each batch's
-    tensors over by passing file descriptors from a thread of its own (multiprocessing's resource sharer); when the
-    trainer stops mid-transfer (Ctrl-C, an error), that thread's send fails with a connection error, and its
-    traceback on the stderr the worker shares with the trainer would follow the trainer's one last line (seen in
-    CI after a Ctrl-C). The trainer sees its own side of a failed transfer and reports it; this one says nothing."""
-    if issubclass(args.exc_type, (ConnectionError, EOFError)):
+def _quiet_when_the_trainer_hangs_up(exc_type: type[BaseException], exc: BaseException,
+                                     tb: TracebackType | None) -> None:
+    """A worker's unhandled exception, printed unless it is the trainer hanging up. A worker hands each batch's
+    tensors over by passing file descriptors from a thread of its own (multiprocessing's resource sharer). When the
+    trainer stops mid-transfer (Ctrl-C, an error), that thread's handshake or send fails with a connection error,
+    and it reports the failure itself through `sys.excepthook` (not `threading.excepthook`: it catches everything
+    it raises). Its traceback on the stderr the worker shares with the trainer would follow the trainer's one last
+    line (seen in CI after a Ctrl-C). The trainer sees its own side of a failed transfer and reports it; this one
+    says nothing."""
+    if issubclass(exc_type, (ConnectionError, EOFError)):
         return
-    threading.__excepthook__(args)
+    sys.__excepthook__(exc_type, exc, tb)
 
 
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
