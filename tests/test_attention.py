@@ -197,6 +197,30 @@ def test_varlen_branch_gets_flash_layout(model_dir: Path, monkeypatch: pytest.Mo
         assert call["window"] == (-1, 0) and call["gqa"]
 
 
+def test_varlen_of_torch_2_10_gets_causal_and_repeated_heads(model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """torch 2.10's varlen_attn had `is_causal` and neither `window_size` nor `enable_gqa`: sdpa_packed asks it for
+    causal attention that way and repeats the key/value heads itself, with the same loss."""
+    calls: list[dict[str, Any]] = []
+
+    def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+               max_q: int, max_k: int, *, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+        calls.append({"k": tuple(k.shape), "causal": is_causal})
+        spans = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True)
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=scale,
+            is_causal=is_causal).transpose(0, 1) for a, b in spans])  # no enable_gqa: fails on unequal heads
+
+    batch = packed_batch()
+    model = load(model_dir, SDPA_PACKED)
+    expected = train_step(model, batch)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    monkeypatch.setattr(attention, "varlen_runs", lambda query, dropout: True)
+    torch.testing.assert_close(train_step(model, batch), expected, rtol=1e-6, atol=1e-6)
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(c["causal"] and c["k"] == (sum(LENGTHS), HEADS, model.config.head_dim) for c in calls)
+
+
 def test_flash_boundaries() -> None:
     got = flash_boundaries(torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]]))
     assert got["cu_seq_lens_q"].tolist() == [0, 3, 4, 8] and got["cu_seq_lens_k"] is got["cu_seq_lens_q"]

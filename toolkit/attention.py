@@ -29,7 +29,9 @@ else ``sdpa_packed``; `sdpa` and `eager` name the toolkit's kernels too (identic
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import itertools
 import logging
 import sys
@@ -73,6 +75,31 @@ def _varlen_attn() -> Callable[..., torch.Tensor] | None:
     except ImportError:  # torch < 2.10
         return None
     return varlen_attn
+
+
+@functools.cache
+def _parameters(function: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
+def _causal_varlen(varlen: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
+    """Causal varlen attention over `[T, heads, d]` tensors in the form this torch's `varlen_attn` takes: causal
+    through `window_size=(-1, 0)` (torch 2.11 on) or `is_causal=True` (2.10, which had no window); grouped heads
+    through `enable_gqa` where it exists, else key/value heads repeated to the query's."""
+    params = _parameters(varlen)
+    options: dict[str, Any] = {"scale": scale}
+    if "window_size" in params:
+        options["window_size"] = (-1, 0)
+    else:
+        options["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return varlen(q, k, v, cu, cu, longest, longest, **options)
 
 
 class _HostCache:
@@ -158,8 +185,7 @@ def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     if varlen is not None and varlen_runs(query, dropout):
         cu = cu.to(device=query.device, dtype=torch.int32)
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, d]
-        out = varlen(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
-        return out.unsqueeze(0), None
+        return _causal_varlen(varlen, q, k, v, cu, longest, scaling).unsqueeze(0), None
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
