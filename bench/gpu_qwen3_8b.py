@@ -38,6 +38,15 @@ from throughput import machine_info, versions, worker_env, write_chat_data  # no
 
 MFU_TARGET = 0.45
 
+# name: (gradient checkpointing, recipe `model` keys over the defaults). The first two are the issue's rows; the
+# others change one thing against no_grad_ckpt, measured in the same invocation (before/after on one machine).
+VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
+    "no_grad_ckpt": (False, {}),
+    "grad_ckpt": (True, {}),
+    "chunked_head": (False, {"loss_head": "chunked"}),  # the toolkit's own head where `auto` picked Liger (CUDA)
+    "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
+}
+
 
 def write_model(out: Path, *, tiny: bool) -> Path:
     """The benchmark model directory: random Qwen3-8B weights (bf16, built on the GPU) or the tiny Qwen3, each with
@@ -64,12 +73,13 @@ def write_model(out: Path, *, tiny: bool) -> Path:
 
 
 def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int, checkpointing: bool,
-           peak_tflops: float | None = None) -> dict[str, Any]:
-    """One stage of `steps` optimizer steps over packed rows; no checkpoints (they would write the 16 GB base)."""
+           peak_tflops: float | None = None, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stage of `steps` optimizer steps over packed rows; no checkpoints (they would write the 16 GB base).
+    `model` holds recipe `model` keys over the defaults (a variant's one change)."""
     return {
         "output_dir": str(out),
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
-                  "attn_implementation": "auto", "gradient_checkpointing": checkpointing},
+                  "attn_implementation": "auto", "gradient_checkpointing": checkpointing, **(model or {})},
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
         "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache")},
         "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
@@ -79,31 +89,39 @@ def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: i
     }
 
 
-def run_variant(model_dir: Path, data: Path, work: Path, *, checkpointing: bool, args: argparse.Namespace
-                ) -> dict[str, Any]:
-    """Train one variant through train_curriculum.py and summarise its metrics after the warmup steps."""
-    name = "grad_ckpt" if checkpointing else "no_grad_ckpt"
+def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: argparse.Namespace,
+                profile: bool = False) -> dict[str, Any]:
+    """Train one variant through train_curriculum.py and summarise its metrics after the warmup steps. With
+    `profile`, two more steps run under torch.profiler (bench/profile_step.py) and are not timed."""
+    checkpointing, model = VARIANTS[name]
     out = work / name
     path = work / f"{name}.yaml"
+    extra = 2 if profile else 0
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
-                                          peak_tflops=args.peak_tflops, steps=args.warmup + args.steps,
-                                          checkpointing=checkpointing)))
+                                          peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
+                                          checkpointing=checkpointing, model=model)))
+    script = REPO / ("bench/profile_step.py" if profile else "train_curriculum.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
-           "--mixed_precision", "bf16", str(REPO / "train_curriculum.py"), "--config", str(path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(threads=1 if args.tiny else 8), capture_output=True,
-                          text=True, timeout=3000)
+           "--mixed_precision", "bf16", str(script), "--config", str(path)]
+    env = worker_env(threads=1 if args.tiny else 8)
+    profile_file = args.out / f"{name}-profile.json"
+    if profile:
+        env |= {"PROFILE_STEP": str(args.warmup + args.steps + 1), "PROFILE_OUT": str(profile_file),
+                "PROFILE_VOCAB": str(args.vocab)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     if proc.returncode != 0:
         return {"status": "failed", "returncode": proc.returncode, "log_tail": proc.stderr[-3000:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = [r for r in records if "loss" in r and r["step"] > args.warmup]
+    timed = [r for r in records if "loss" in r and args.warmup < r["step"] <= args.warmup + args.steps]
     attention = next((line.split("attention: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
                       if " attention: " in line), None)
     loss_head = next((line.split("loss head: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
                       if "loss head: " in line), None)
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {
-        "status": "ok", "gradient_checkpointing": checkpointing, "attention": attention, "loss_head": loss_head,
+        "status": "ok", "gradient_checkpointing": checkpointing, "model_keys": model,
+        "attention": attention, "loss_head": loss_head,
         "timed_steps": len(timed),
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in timed) / len(timed),
         "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
@@ -111,6 +129,7 @@ def run_variant(model_dir: Path, data: Path, work: Path, *, checkpointing: bool,
         "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
         "padding_fraction": sum(r["padding_fraction"] for r in timed) / len(timed),
         "final_loss": timed[-1]["loss"],
+        "profile": json.loads(profile_file.read_text()) if profile and profile_file.is_file() else None,
     }
 
 
@@ -122,8 +141,9 @@ def markdown_rows(summary: dict[str, Any]) -> str:
         if result["status"] != "ok":
             continue
         mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
-        rows.append(f"| {date} | {gpu} | {result['attention']} | {'on' if result['gradient_checkpointing'] else 'off'}"
-                    f" | {result['tokens_per_sec']:.0f} | {mfu} | {result['peak_memory_gb']:.1f} GiB |")
+        rows.append(f"| {date} | {gpu} | {result['attention']} | {result['loss_head']} | "
+                    f"{'on' if result['gradient_checkpointing'] else 'off'} | {result['tokens_per_sec']:.0f} | "
+                    f"{mfu} | {result['peak_memory_gb']:.1f} GiB |")
     return "\n".join(rows)
 
 
@@ -134,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation, allocator)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="packed row length (default 4096; tiny 256)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON result")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["no_grad_ckpt", "grad_ckpt"],
+                        help="what to run, in order (default: without and with gradient checkpointing)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile two more steps of the first variant (bench/profile_step.py), untimed")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak for MFU (default: looked up from the GPU's name)")
     args = parser.parse_args(argv)
@@ -167,8 +191,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         # Enough rows for every step to get full packed rows (about 6 rows per 4096-token row at this mix).
         rows = 12 * (args.warmup + args.steps) + 64
         write_chat_data(data, AutoTokenizer.from_pretrained(model_dir), rows, args.max_seq_len, seed=0)
-        variants = {name: run_variant(model_dir, data, work, checkpointing=ckpt, args=args)
-                    for name, ckpt in (("no_grad_ckpt", False), ("grad_ckpt", True))}
+        from transformers import AutoConfig
+
+        args.vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        args.out.mkdir(parents=True, exist_ok=True)
+        variants = {}
+        for i, name in enumerate(args.variants):
+            variants[name] = run_variant(name, model_dir, data, work, args=args, profile=args.profile and i == 0)
+            print(f"variant {name}: {json.dumps(variants[name])}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -178,12 +208,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         "machine": machine_info(), "versions": versions(),
         "settings": {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B architecture, random weights",
                      "lora": "r16 all-linear", "max_seq_len": args.max_seq_len, "packing": True,
-                     "micro_batch_size": 1, "warmup": args.warmup, "steps": args.steps},
+                     "micro_batch_size": 1, "warmup": args.warmup, "steps": args.steps,
+                     "variants": {name: VARIANTS[name] for name in args.variants}},
         "variants": variants,
         "target": {"mfu": MFU_TARGET, "best_mfu": best,
                    "met": None if best is None or args.tiny else best >= MFU_TARGET},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     name = f"{summary['date']}-{socket.gethostname()}-gpu8b{'-tiny' if args.tiny else ''}.json"
     summary["results_file"] = str(args.out / name)
     (args.out / name).write_text(json.dumps(summary, indent=2))
