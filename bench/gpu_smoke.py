@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     jobs = [(r, c) for r in args.recipes for c in args.configs]
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "results": [], "logs": str(work)}
     with ThreadPoolExecutor(args.parallel) as pool:
         futures = [pool.submit(run_one, r, c, 29600 + i, work) for i, (r, c) in enumerate(jobs)]
-        results = [f.result() for f in futures]
-    summary = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "results": results, "logs": str(work)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu-smoke.json").write_text(json.dumps(summary, indent=2))
+        for future in as_completed(futures):  # written as each ends: a run cut off still leaves the others
+            summary["results"].append(future.result())
+            (args.out / "gpu-smoke.json").write_text(json.dumps(summary, indent=2))
+    results = summary["results"]
     print(json.dumps(summary, indent=2))
     print("| recipe | config | exit | steps | last loss | final/ merged, loaded, finite | seconds |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|", file=sys.stderr)
