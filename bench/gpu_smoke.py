@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=8, help="runs at once")
     args = parser.parse_args(argv)
     import torch
+    import transformers  # resolved here: transformers' lazy imports are not safe across the checking threads
+
+    for name in ("AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText"):
+        getattr(transformers, name)
 
     work = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     jobs = [(r, c) for r in args.recipes for c in args.configs]
