@@ -45,7 +45,9 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "grad_ckpt": (True, {}),
     "chunked_head": (False, {"loss_head": "chunked"}),  # the toolkit's own head where `auto` picked Liger (CUDA)
     "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
+    "liger_model": (False, {}),  # Liger's fused RMSNorm, RoPE and SwiGLU patched in (bench/liger_model.py)
 }
+SCRIPTS = {"liger_model": "bench/liger_model.py"}  # the launched script where it is not train_curriculum.py
 
 
 def write_model(out: Path, *, tiny: bool) -> Path:
@@ -100,7 +102,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
                                           peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
                                           checkpointing=checkpointing, model=model)))
-    script = REPO / ("bench/profile_step.py" if profile else "train_curriculum.py")
+    script = REPO / ("bench/profile_step.py" if profile else SCRIPTS.get(name, "train_curriculum.py"))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
            "--mixed_precision", "bf16", str(script), "--config", str(path)]
