@@ -4,10 +4,11 @@
 
 The run is the product's own (same recipe, same launch); only `run_step` is wrapped. Steps PROFILE_STEP and
 PROFILE_STEP + 1 (1-based, optimizer steps) are recorded, so the window holds the code between two steps too
-(metrics, the next batch). PROFILE_OUT receives a JSON summary: the window's wall time, the device's busy share
-and its longest idle gap, the top operators by device time, the attention kernels, and the share of the loss head
-(every operator with an input of the vocabulary's width, PROFILE_VOCAB: its matmuls forward and backward, softmax,
-cross-entropy). bench/gpu_qwen3_8b.py --profile runs it and excludes the two steps from its timings.
+(metrics, the next batch). PROFILE_OUT receives a JSON summary: the window's wall time, the device's busy time
+(the union of its kernels) and longest idle gap, the top operators by the device time of the kernels they launched,
+the attention kernels, and the share of the loss head (every operator with an input of the vocabulary's width,
+PROFILE_VOCAB: its matmuls forward and backward, softmax, cross-entropy), each share over the busy time.
+bench/gpu_qwen3_8b.py --profile runs it and excludes the two steps from its timings.
 """
 
 from __future__ import annotations
@@ -59,22 +60,26 @@ def summarise(prof: torch.profiler.profile, wall_s: float, vocab: int, top: int 
         elif stop > end:
             busy_us += stop - end
             end = stop
-    ops = [e for e in prof.key_averages() if self_us(e) > 0]
-    total_us = sum(self_us(e) for e in ops) or 1.0
+    # On a GPU, key_averages() lists both the operators (aten::mm) and the kernels they launched, each with that
+    # device time: shares are taken over the busy time (the kernels' union) and the top list holds operators only.
+    # On the CPU the operators' own time is all there is.
+    averages = prof.key_averages()
+    ops = [e for e in averages if self_us(e) > 0 and (not kernels or e.device_type == DeviceType.CPU)]
+    total_us = busy_us if kernels else sum(self_us(e) for e in ops) or 1.0
     by_shape = prof.key_averages(group_by_input_shape=True)
     head_us = sum(self_us(e) for e in by_shape
                   if any(vocab in shape for shape in (e.input_shapes or []) if isinstance(shape, list | tuple)))
-    attention = sorted(((e.key, self_us(e)) for e in ops
-                        if any(word in e.key.lower() for word in ATTENTION_WORDS)), key=lambda x: -x[1])
+    attention = sorted(((e.key, self_us(e)) for e in averages if self_us(e) > 0
+                        and (not kernels or e.device_type != DeviceType.CPU)
+                        and any(word in e.key.lower() for word in ATTENTION_WORDS)), key=lambda x: -x[1])
     return {
         "window_steps": 2, "wall_s": wall_s,
         "time_basis": "device" if kernels else "cpu (no GPU kernels)",
         "device_busy_s": busy_us / 1e6, "device_busy_share": busy_us / 1e6 / wall_s if kernels else None,
         "longest_idle_gap_ms": max(gaps, default=0.0) / 1e3, "idle_gaps_over_1ms": sum(g > 1e3 for g in gaps),
-        "device_op_time_s": total_us / 1e6,
         "top_ops": [{"name": e.key, "device_ms": self_us(e) / 1e3, "share": self_us(e) / total_us,
                      "calls": e.count} for e in sorted(ops, key=lambda e: -self_us(e))[:top]],
-        "attention_ops": [{"name": name, "device_ms": us / 1e3, "share": us / total_us} for name, us in attention],
+        "attention_kernels": [{"name": name, "device_ms": us / 1e3, "share": us / total_us} for name, us in attention],
         "loss_head_share": head_us / total_us, "vocab": vocab,
     }
 

@@ -31,6 +31,6 @@ def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert variants["grad_ckpt"]["profile"] is None and profile["time_basis"].startswith("cpu")
     assert profile["wall_s"] > 0 and len(profile["top_ops"]) == 15 and profile["vocab"] == 1024
     assert 0 < profile["loss_head_share"] < 1  # the head's matmuls and cross-entropy, found by the vocab width
-    assert any("attention" in op["name"] for op in profile["attention_ops"]), profile["attention_ops"]
+    assert any("attention" in op["name"] for op in profile["attention_kernels"]), profile["attention_kernels"]
     assert Path(summary["results_file"]).parent == tmp_path and Path(summary["results_file"]).is_file()
     assert proc.stderr.count("| sdpa_packed |") == 2  # the markdown rows for docs/benchmarks.md
