@@ -47,6 +47,7 @@ from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_genera
 from toolkit.flops import peak_flops
 from toolkit.forgetting import prune_after
 from toolkit.freezer import StageFreezer
+from toolkit.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
 from toolkit.guards import StabilityGuard
 from toolkit.last_words import FAILED_EXIT_CODE, LastWords
 from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
@@ -107,6 +108,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
     check_trackers(recipe.logging.trackers)
+    check_loss_head(recipe.model.loss_head)  # a kernel that cannot run here fails before the data work
+    check_fused_layers(recipe.model.fused_layers)
     accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
                                                 log_with=recipe.logging.trackers or None,
                                                 project_dir=str(layout.trackers))
@@ -374,10 +377,14 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     """
     attn = choose_attention(recipe.model.attn_implementation)
     check_loss_head(recipe.model.loss_head)  # a missing kernel fails before the weights load
+    check_fused_layers(recipe.model.fused_layers)
     dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
+    model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code).model_type
+    resolve_fused_layers(recipe.model.fused_layers, model_type)  # before the weights: a kernel that cannot load
     log.info("loading %s (%s, attention=%s%s)", model_path, dtype, attn, ", vision-language" if vision else "")
     model = load_model(model_path, dtype=dtype, attn_implementation=attn,
                        trust_remote_code=recipe.model.trust_remote_code, vision=vision)
+    install_fused_layers(model, recipe.model.fused_layers)  # Liger's RMSNorm, RoPE, SwiGLU on CUDA
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]

@@ -45,9 +45,8 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "grad_ckpt": (True, {}),
     "chunked_head": (False, {"loss_head": "chunked"}),  # the toolkit's own head where `auto` picked Liger (CUDA)
     "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
-    "liger_model": (False, {}),  # Liger's fused RMSNorm, RoPE and SwiGLU patched in (bench/liger_model.py)
+    "unfused": (False, {"fused_layers": "none"}),  # the model's own RMSNorm, RoPE, SwiGLU where auto fuses (CUDA)
 }
-SCRIPTS = {"liger_model": "bench/liger_model.py"}  # the launched script where it is not train_curriculum.py
 
 
 def write_model(out: Path, *, tiny: bool) -> Path:
@@ -102,7 +101,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
                                           peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
                                           checkpointing=checkpointing, model=model)))
-    script = REPO / ("bench/profile_step.py" if profile else SCRIPTS.get(name, "train_curriculum.py"))
+    script = REPO / ("bench/profile_step.py" if profile else "train_curriculum.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
            "--mixed_precision", "bf16", str(script), "--config", str(path)]
@@ -120,10 +119,12 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
                       if " attention: " in line), None)
     loss_head = next((line.split("loss head: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
                       if "loss head: " in line), None)
+    fused = next((line.split("fused layers: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
+                  if "fused layers: " in line), None)
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {
         "status": "ok", "gradient_checkpointing": checkpointing, "model_keys": model,
-        "attention": attention, "loss_head": loss_head,
+        "attention": attention, "loss_head": loss_head, "fused_layers": fused,
         "timed_steps": len(timed),
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in timed) / len(timed),
         "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
@@ -143,7 +144,7 @@ def markdown_rows(summary: dict[str, Any]) -> str:
         if result["status"] != "ok":
             continue
         mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
-        rows.append(f"| {date} | {gpu} | {result['attention']} | {result['loss_head']} | "
+        rows.append(f"| {date} | {gpu} | {result['attention']} | {result['fused_layers']} | {result['loss_head']} | "
                     f"{'on' if result['gradient_checkpointing'] else 'off'} | {result['tokens_per_sec']:.0f} | "
                     f"{mfu} | {result['peak_memory_gb']:.1f} GiB |")
     return "\n".join(rows)

@@ -72,7 +72,9 @@ def run_one(recipe: str, config: str, port: int, work: Path) -> dict[str, Any]:
     losses = [r["loss"] for r in records if "loss" in r]
     result |= {"steps": len(losses), "losses_finite": all(x is not None and math.isfinite(x) for x in losses),
                "last_loss": losses[-1] if losses else None,
-               "last_line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""}
+               "last_line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "",
+               "fused_layers": next((line.split("fused layers: ")[1].split(" ")[0]
+                                     for line in proc.stderr.splitlines() if "fused layers: " in line), None)}
     result |= check_final(out / "final", copy / "merged")
     result["ok"] = bool(losses) and result["losses_finite"] and result.get("logits_finite", False)
     return result
@@ -103,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "gpu-smoke.json").write_text(json.dumps(summary, indent=2))
     results = summary["results"]
     print(json.dumps(summary, indent=2))
-    print("| recipe | config | exit | steps | last loss | final/ merged, loaded, finite | seconds |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|", file=sys.stderr)
+    print("| recipe | config | exit | fused layers | steps | last loss | final/ merged, loaded, finite | seconds |",
+          file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in results:
-        print(f"| {r['recipe']} | {r['config']} | {r['returncode']} | {r.get('steps', '-')} | "
-              f"{r.get('last_loss', '-')} | {r.get('logits_finite', '-')} | {r['seconds']} |", file=sys.stderr)
+        print(f"| {r['recipe']} | {r['config']} | {r['returncode']} | {r.get('fused_layers', '-')} | "
+              f"{r.get('steps', '-')} | {r.get('last_loss', '-')} | {r.get('logits_finite', '-')} | {r['seconds']} |",
+              file=sys.stderr)
     return 0 if all(r["ok"] for r in results) else 1
 
 

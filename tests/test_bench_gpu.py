@@ -25,6 +25,7 @@ def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
     for result in variants.values():
         assert result["status"] == "ok" and result["timed_steps"] == 2
         assert result["attention"] == "sdpa_packed" and result["loss_head"] == "chunked"  # no flash-attn, no CUDA
+        assert result["fused_layers"] == "none"  # auto: no CUDA here
         assert result["tokens_per_sec"] > 0 and result["peak_memory_gb"] > 0 and result["padding_fraction"] <= 0.02
         assert 0 < result["mfu"] < 1  # against the given 1 TFLOP/s
     profile = variants["no_grad_ckpt"]["profile"]  # two untimed steps after the timed ones

@@ -39,19 +39,20 @@ parameters the optimizer updates, "frozen" the rest):
       (2*h + 3*a*d + 2*k*d + 4*i) * b  +  (2*h + qk) * 4  bytes
   (the matmul inputs (two norm outputs, the attention output), q, k, v and the kernel's output, the MLP's gate, up,
   silu(gate) and product; RMSNorm normalises in fp32 and keeps that fp32 input, as do Qwen3's per-head q/k norms, qk =
-  a*d + k*d). A frozen Linear keeps no input (its weight needs no gradient): the matmul inputs are kept by the LoRA
-  adapters (or the trained weights) beside it, once per input in b. fp32 LoRA adapters over a 16-bit base without
-  autocast keep (5*h + a*d + i) * 4 instead of (2*h + a*d + i) * b: PEFT casts each adapted Linear's input to fp32 and
-  each keeps its own copy, q, k and v three of the same input (under autocast the toolkit turns the cast off:
-  toolkit.model.skip_adapter_input_casts). Without checkpointing all L layers are kept: L*T*e. With checkpointing only
-  each layer's input is kept, L*T*h*r (r: bytes of the hidden states, the weights' dtype), plus one layer recomputed
-  in backward, T*e. Shared by all layers: rotary cos/sin (2*d*r) and the final norm's fp32 input (4*h). The loss head
-  adds C*V*(b + 8) (the logits, and the fp32 log-softmax and gradient the cross-entropy makes) for C tokens: all T
-  with ``model.loss_head: standard``; one chunk, C = min(T, loss_chunk_size), with the chunked head
-  (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the hidden states it selects. On CPU the whole
-  step matches a measured one within 7% up to 4096 tokens (bench/loss_head_memory.py, tests/test_memory.py; at 16384
-  the measured step is 25% larger, outside what autograd saves: docs/benchmarks.md). Vision-tower activations of VL
-  models depend on the images and are not included.
+  a*d + k*d). With Liger's fused layers (toolkit/fused_layers.py) the norms keep their input in b and SwiGLU
+  recomputes silu(gate): (2*h + 3*a*d + 2*k*d + 3*i) * b + (2*h + qk) * b. A frozen Linear keeps no input (its weight
+  needs no gradient): the matmul inputs are kept by the LoRA adapters (or the trained weights) beside it, once per
+  input in b. fp32 LoRA adapters over a 16-bit base without autocast keep (5*h + a*d + i) * 4 instead of (2*h + a*d +
+  i) * b: PEFT casts each adapted Linear's input to fp32 and each keeps its own copy, q, k and v three of the same
+  input (under autocast the toolkit turns the cast off: toolkit.model.skip_adapter_input_casts). Without checkpointing
+  all L layers are kept: L*T*e. With checkpointing only each layer's input is kept, L*T*h*r (r: bytes of the hidden
+  states, the weights' dtype), plus one layer recomputed in backward, T*e. Shared by all layers: rotary cos/sin
+  (2*d*r) and the final norm's fp32 input (4*h). The loss head adds C*V*(b + 8) (the logits, and the fp32 log-softmax
+  and gradient the cross-entropy makes) for C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T,
+  loss_chunk_size), with the chunked head (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the
+  hidden states it selects. On CPU the whole step matches a measured one within 7% up to 4096 tokens
+  (bench/loss_head_memory.py, tests/test_memory.py; at 16384 the measured step is 25% larger, outside what autograd
+  saves: docs/benchmarks.md). Vision-tower activations of VL models depend on the images and are not included.
 
 The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
 allocator's fragmentation and the CUDA context come on top: see ``format_table``'s headroom).
@@ -165,9 +166,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_copies: bool = False) -> int:
+def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_copies: bool = False,
+                           fused_layers: bool = False) -> int:
     """Bytes one decoder layer saves for backward per token (see the module docstring; counted against autograd's
-    saved tensors in tests/test_activation_memory.py)."""
+    saved tensors in tests/test_activation_memory.py). ``fused_layers``: Liger's RMSNorm keeps its 16-bit input
+    instead of an fp32 copy, its SwiGLU gate and up without silu(gate) (toolkit/fused_layers.py; 1% under the
+    measured H100 peak of Qwen3-8B LoRA at 4096 tokens, docs/benchmarks.md)."""
     c = config.get_text_config()
     h, inter = c.hidden_size, c.intermediate_size
     heads = c.num_attention_heads
@@ -176,16 +180,19 @@ def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_
     q, kv = heads * head_dim, kv_heads * head_dim
     qk_norm = q + kv if "qwen3" in str(getattr(c, "model_type", "")) else 0  # Qwen3's per-head q/k RMSNorms
     matmul_inputs = 2 * h + q + inter  # the two norms' outputs, the attention output, the MLP product
-    rest = 2 * q + 2 * kv + 3 * inter  # the kernel's q, k, v and output; gate, up and silu(gate)
-    fp32 = 2 * h + qk_norm  # RMSNorms normalise in fp32 and keep their fp32 input
+    rest = 2 * q + 2 * kv + (2 if fused_layers else 3) * inter  # the kernel's q, k, v and output; gate, up (and
+    # silu(gate), which Liger's SwiGLU recomputes)
+    norm_inputs = 2 * h + qk_norm  # stock RMSNorms normalise in fp32 and keep that fp32 input; Liger's the 16-bit one
+    norm_bytes = activation_bytes if fused_layers else 4
     if adapter_input_copies:  # PEFT's fp32 cast: each adapted Linear keeps its own copy (q, k, v: three of one)
-        return rest * activation_bytes + (fp32 + 5 * h + q + inter) * 4
-    return (matmul_inputs + rest) * activation_bytes + fp32 * 4
+        return rest * activation_bytes + norm_inputs * norm_bytes + (5 * h + q + inter) * 4
+    return (matmul_inputs + rest) * activation_bytes + norm_inputs * norm_bytes
 
 
 def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int,
                       loss_head: str = "chunked", loss_chunk_size: int | None = None,
-                      residual_bytes: int | None = None, adapter_input_copies: bool = False) -> int:
+                      residual_bytes: int | None = None, adapter_input_copies: bool = False,
+                      fused_layers: bool = False) -> int:
     """Activation bytes of one micro-batch of ``tokens`` tokens: the decoder layers' (see the module docstring)
     plus the loss head's working set, ``loss_bytes``. ``residual_bytes``: the hidden states between layers (the
     weights' dtype; default ``activation_bytes``); ``adapter_input_copies``: fp32 LoRA adapters on a 16-bit base
@@ -195,8 +202,9 @@ def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_b
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     res = residual_bytes or activation_bytes
     per_layer = layer_activation_bytes(config, activation_bytes=activation_bytes,
-                                       adapter_input_copies=adapter_input_copies)
-    shared = 2 * head_dim * res + 4 * h  # rotary cos and sin (all layers share them); the final norm's fp32 input
+                                       adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)
+    final_norm = (activation_bytes if fused_layers else 4) * h  # the final norm's input (fp32 unless fused)
+    shared = 2 * head_dim * res + final_norm  # rotary cos and sin (all layers share them); the final norm's input
     kept = layers * h * res + per_layer if grad_ckpt else layers * per_layer
     return tokens * (kept + shared) + loss_bytes(config, tokens=tokens, activation_bytes=activation_bytes,
                                                  loss_head=loss_head, loss_chunk_size=loss_chunk_size)
@@ -223,7 +231,7 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
              micro_batch: int, seq_len: int, grad_ckpt: bool, lora_targets: str | Iterable[str] = "all-linear",
              activation_bytes: int = 2, persistence_threshold: int | None = None, loss_head: str = "chunked",
              loss_chunk_size: int | None = None, residual_bytes: int | None = None,
-             adapter_input_copies: bool = False) -> dict[str, int]:
+             adapter_input_copies: bool = False, fused_layers: bool = False) -> dict[str, int]:
     """Bytes per GPU of ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers`` and their ``total``,
     plus ``cpu_offload`` (CPU RAM of the whole node), for one strategy; see the module docstring.
 
@@ -301,7 +309,7 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
     activations = activation_memory(config, tokens=micro_batch * seq_len, grad_ckpt=grad_ckpt,
                                     activation_bytes=activation_bytes, loss_head=loss_head,
                                     loss_chunk_size=loss_chunk_size, residual_bytes=residual_bytes,
-                                    adapter_input_copies=adapter_input_copies)
+                                    adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)
     total = params + grads + optimizer + activations + buffers
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "buffers": buffers, "total": total, "cpu_offload": cpu}

@@ -27,6 +27,7 @@ from toolkit.config import (
     resolve_stages,
 )
 from toolkit.data.sources import resolve_data_paths
+from toolkit.fused_layers import resolve_fused_layers
 from toolkit.memory import GIB, estimate_all, format_table, load_model_config
 from toolkit.run_dir import RunLayout
 from toolkit.strategies import strategy_of_config
@@ -77,6 +78,14 @@ def activation_precision(recipe: Recipe, mixed_precision: str) -> dict[str, Any]
             "adapter_input_copies": recipe.lora.enabled and param_bytes == 2 and not autocast}
 
 
+def fused_layers_counted(recipe: Recipe, config: Any) -> str:
+    """The fused layers the estimate counts: `auto` as training on this machine would resolve it; `liger` wherever
+    preflight runs (it may estimate a GPU job from a machine without one)."""
+    if recipe.model.fused_layers == "liger":
+        return "liger"
+    return resolve_fused_layers(recipe.model.fused_layers, str(config.model_type))[0]
+
+
 def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *, num_gpus: int, param_bytes: int,
                     activation_bytes: int = 2, residual_bytes: int | None = None,
                     adapter_input_copies: bool = False) -> list[dict[str, dict[str, int]]]:
@@ -84,12 +93,13 @@ def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *,
     micro_batch_size x max_seq_len tokens (with packing a packed row is max_seq_len tokens; without, max_seq_len
     is the longest row the stage keeps, so the estimate is its worst case)."""
     lora = recipe.lora.enabled
+    fused = fused_layers_counted(recipe, config) == "liger"
     return [estimate_all(config, num_gpus=num_gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
                          micro_batch=stage.micro_batch_size, seq_len=stage.max_seq_len,
                          grad_ckpt=recipe.model.gradient_checkpointing, lora_targets=recipe.lora.target_modules,
                          loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
                          activation_bytes=activation_bytes, residual_bytes=residual_bytes,
-                         adapter_input_copies=adapter_input_copies)
+                         adapter_input_copies=adapter_input_copies, fused_layers=fused)
             for stage in stages]
 
 
@@ -137,6 +147,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     lines = [f"model {recipe.model.name_or_path}: {'LoRA r=' + str(recipe.lora.r) if lora else 'full fine-tuning'}"
              f", {param_bytes * 8}-bit weights, gradient checkpointing "
              f"{'on' if recipe.model.gradient_checkpointing else 'off'}, loss head {recipe.model.loss_head}, "
+             f"fused layers {fused_layers_counted(recipe, config)}, "
              f"{gpus} GPU(s) of {gpu_memory_gb:g} GiB",
              f"selected by {accelerate_config}: {chosen}", "", *per_stage, "",
              f"worst stage '{stages[worst].name}' (micro batch {stages[worst].micro_batch_size} x "
