@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -37,6 +38,12 @@ def launch_line(recipe: str, config: str, port: int) -> list[str]:
             "--config", f"recipes/{recipe}.yaml", *EXTRA_ARGS[recipe]]
 
 
+LOADING = threading.Lock()
+"""One from_pretrained at a time: it sets torch's default dtype for the whole process while it builds, so two
+threads loading at once can leave a parameter in the other's dtype (seen on the GPU: a float32 q_norm beside
+bfloat16 keys, "Expected query, key, and value to have the same dtype"; reproduced on CPU with four threads)."""
+
+
 def check_final(final: Path, merged: Path) -> dict[str, Any]:
     """Export `final` merged, load the merged model on the GPU (or CPU) and run one forward."""
     proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", str(final), "--merge", "--out", str(merged)],
@@ -49,7 +56,8 @@ def check_final(final: Path, merged: Path) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(merged)
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = cls.from_pretrained(merged, dtype=torch.bfloat16).to(device)
+    with LOADING:
+        model = cls.from_pretrained(merged, dtype=torch.bfloat16).to(device)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[1, 2, 3, 4]], device=device)).logits
     return {"export": "ok", "loaded_as": cls.__name__, "logits_finite": bool(torch.isfinite(logits).all())}
@@ -75,7 +83,10 @@ def run_one(recipe: str, config: str, port: int, work: Path) -> dict[str, Any]:
                "last_line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "",
                "fused_layers": next((line.split("fused layers: ")[1].split(" ")[0]
                                      for line in proc.stderr.splitlines() if "fused layers: " in line), None)}
-    result |= check_final(out / "final", copy / "merged")
+    try:
+        result |= check_final(out / "final", copy / "merged")
+    except Exception as e:  # recorded, so that the other runs' results are still written
+        result |= {"export": "failed", "check_error": f"{type(e).__name__}: {e}"}
     result["ok"] = bool(losses) and result["losses_finite"] and result.get("logits_finite", False)
     return result
 
