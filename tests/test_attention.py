@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,28 @@ def test_flash_kernel_receives_the_collators_boundaries(model_dir: Path) -> None
     torch.testing.assert_close(loss, train_step(load(model_dir, SDPA_PACKED), batch), rtol=1e-6, atol=1e-6)
 
 
+def per_span_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, **sdpa: Any
+                  ) -> torch.Tensor:
+    """An exact CPU stand-in for torch's varlen kernel: sdpa on each span of `[T, heads, d]` tensors."""
+    spans = zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), **sdpa).transpose(0, 1)
+        for a, b in spans])
+
+
+def loss_with_varlen_equals_per_span(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                     varlen: Callable[..., torch.Tensor]) -> Any:
+    """The packed batch's loss through sdpa_packed's varlen branch (`varlen` standing in for torch's kernel)
+    equals the per-span sdpa one; returns the model."""
+    batch = packed_batch()
+    model = load(model_dir, SDPA_PACKED)
+    expected = train_step(model, batch)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    monkeypatch.setattr(attention, "varlen_runs", lambda query, dropout: True)
+    torch.testing.assert_close(train_step(model, batch), expected, rtol=1e-6, atol=1e-6)
+    return model
+
+
 def test_varlen_branch_gets_flash_layout(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA in 16-bit sdpa_packed calls torch's varlen kernel; here it is replaced by an exact CPU stand-in that
     records its arguments, and the loss must equal the per-span sdpa one."""
@@ -178,17 +201,9 @@ def test_varlen_branch_gets_flash_layout(model_dir: Path, monkeypatch: pytest.Mo
                enable_gqa: bool = False) -> torch.Tensor:
         calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "cu": cu_q, "max": (max_q, max_k),
                       "window": window_size, "gqa": enable_gqa, "same": cu_k is cu_q})
-        spans = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True)
-        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=scale, is_causal=True,
-            enable_gqa=enable_gqa).transpose(0, 1) for a, b in spans])
+        return per_span_sdpa(q, k, v, cu_q, scale=scale, is_causal=True, enable_gqa=enable_gqa)
 
-    batch = packed_batch()
-    model = load(model_dir, SDPA_PACKED)
-    expected = train_step(model, batch)
-    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
-    monkeypatch.setattr(attention, "varlen_runs", lambda query, dropout: True)
-    torch.testing.assert_close(train_step(model, batch), expected, rtol=1e-6, atol=1e-6)
+    model = loss_with_varlen_equals_per_span(model_dir, monkeypatch, varlen)
     tokens, head_dim = sum(LENGTHS), model.config.head_dim
     assert len(calls) == model.config.num_hidden_layers
     for call in calls:
@@ -206,17 +221,9 @@ def test_varlen_of_torch_2_10_gets_causal_and_repeated_heads(model_dir: Path, mo
     def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                max_q: int, max_k: int, *, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
         calls.append({"k": tuple(k.shape), "causal": is_causal})
-        spans = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True)
-        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=scale,
-            is_causal=is_causal).transpose(0, 1) for a, b in spans])  # no enable_gqa: fails on unequal heads
+        return per_span_sdpa(q, k, v, cu_q, scale=scale, is_causal=is_causal)  # no GQA: fails on unequal heads
 
-    batch = packed_batch()
-    model = load(model_dir, SDPA_PACKED)
-    expected = train_step(model, batch)
-    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
-    monkeypatch.setattr(attention, "varlen_runs", lambda query, dropout: True)
-    torch.testing.assert_close(train_step(model, batch), expected, rtol=1e-6, atol=1e-6)
+    model = loss_with_varlen_equals_per_span(model_dir, monkeypatch, varlen)
     assert len(calls) == model.config.num_hidden_layers
     assert all(c["causal"] and c["k"] == (sum(LENGTHS), HEADS, model.config.head_dim) for c in calls)
 
