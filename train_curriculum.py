@@ -377,14 +377,13 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     """
     attn = choose_attention(recipe.model.attn_implementation)
     check_loss_head(recipe.model.loss_head)  # a missing kernel fails before the weights load
-    check_fused_layers(recipe.model.fused_layers)
     dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
     model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code).model_type
-    resolve_fused_layers(recipe.model.fused_layers, model_type)  # before the weights: a kernel that cannot load
+    fused = resolve_fused_layers(recipe.model.fused_layers, model_type)  # before the weights: kernels that cannot load
     log.info("loading %s (%s, attention=%s%s)", model_path, dtype, attn, ", vision-language" if vision else "")
     model = load_model(model_path, dtype=dtype, attn_implementation=attn,
                        trust_remote_code=recipe.model.trust_remote_code, vision=vision)
-    install_fused_layers(model, recipe.model.fused_layers)  # Liger's RMSNorm, RoPE, SwiGLU on CUDA
+    install_fused_layers(model, fused)  # Liger's RMSNorm, RoPE, SwiGLU on CUDA
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]

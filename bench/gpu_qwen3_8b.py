@@ -90,6 +90,12 @@ def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: i
     }
 
 
+def logged(log: str, label: str) -> str | None:
+    """The first word after `<label>: ` in a run's log (the kernels train_curriculum.py says it chose)."""
+    return next((line.split(f" {label}: ")[1].split(" ")[0] for line in log.splitlines() if f" {label}: " in line),
+                None)
+
+
 def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: argparse.Namespace,
                 profile: bool = False) -> dict[str, Any]:
     """Train one variant through train_curriculum.py and summarise its metrics after the warmup steps. With
@@ -115,12 +121,8 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
         return {"status": "failed", "returncode": proc.returncode, "log_tail": proc.stderr[-3000:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r for r in records if "loss" in r and args.warmup < r["step"] <= args.warmup + args.steps]
-    attention = next((line.split("attention: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
-                      if " attention: " in line), None)
-    loss_head = next((line.split("loss head: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
-                      if "loss head: " in line), None)
-    fused = next((line.split("fused layers: ")[1].split(" ")[0] for line in proc.stderr.splitlines()
-                  if "fused layers: " in line), None)
+    attention, loss_head, fused = (logged(proc.stderr, label) for label in ("attention", "loss head",
+                                                                             "fused layers"))
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {
         "status": "ok", "gradient_checkpointing": checkpointing, "model_keys": model,

@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from gpu_qwen3_8b import logged  # noqa: E402
+
 EXTRA_ARGS = {"smoke": ["--create_dummy_data", "--num_dummy_samples", "64"], "smoke_vl": []}  # the headers' lines
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv*", "outputs", ".toolkit-cache", "results", "__pycache__",
                                      ".whl", ".ci-logs", "*.egg-info")
@@ -81,8 +84,7 @@ def run_one(recipe: str, config: str, port: int, work: Path) -> dict[str, Any]:
     result |= {"steps": len(losses), "losses_finite": all(x is not None and math.isfinite(x) for x in losses),
                "last_loss": losses[-1] if losses else None,
                "last_line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "",
-               "fused_layers": next((line.split("fused layers: ")[1].split(" ")[0]
-                                     for line in proc.stderr.splitlines() if "fused layers: " in line), None)}
+               "fused_layers": logged(proc.stderr, "fused layers")}
     try:
         result |= check_final(out / "final", copy / "merged")
     except Exception as e:  # recorded, so that the other runs' results are still written

@@ -40,6 +40,15 @@ def test_auto_is_none_without_cuda_and_liger_with_it(monkeypatch: pytest.MonkeyP
             resolve_fused_layers("liger", model_type)
         except ToolkitError as e:
             assert f"Liger-Kernel's layers for '{model_type}' do not load with this transformers" in str(e)
+
+    def broken(name: str) -> None:
+        raise ImportError("cannot import name 'LigerQwen3CausalLMOutput'")
+
+    monkeypatch.setattr(fused_layers.importlib, "import_module", broken)  # whatever Liger release: the branch runs
+    with pytest.raises(ToolkitError, match="Liger-Kernel's layers for 'qwen3' do not load with this transformers "
+                                           r"\(cannot import name"):
+        resolve_fused_layers("liger", "qwen3")
+    assert resolve_fused_layers("auto", "qwen3").runs == "liger"  # auto does not import ahead: measured type
     runs, why = resolve_fused_layers("auto", "gpt2")
     assert runs == "none" and "no fused layers" not in why and "'gpt2'" in why
     with pytest.raises(ToolkitError, match="Liger-Kernel has no fused layers for model type 'gpt2'"):
@@ -61,7 +70,7 @@ INSTALL = """
 import json, logging, sys
 import torch
 torch.cuda.is_available = lambda: True  # what the GPU would answer; no forward runs (see the module docstring)
-from toolkit.fused_layers import install_fused_layers
+from toolkit.fused_layers import install_fused_layers, resolve_fused_layers
 from toolkit.model import load_model, setup_lora
 from liger_kernel.transformers.rms_norm import LigerRMSNorm
 from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
@@ -69,7 +78,7 @@ from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 path, vision = sys.argv[1], sys.argv[2] == "vl"
 model = load_model(path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=False, vision=vision)
-runs = install_fused_layers(model, "auto")
+runs = install_fused_layers(model, resolve_fused_layers("auto", model.config.model_type))
 model = setup_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear", modules_to_save=[],
                    exclude_modules=".*visual.*" if vision else None, stage_trainable=[None], trainable_keys=["t"])
 norms = [m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm") and "visual" not in n]

@@ -22,6 +22,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -58,22 +59,29 @@ def check_fused_layers(kind: str) -> None:
                            "'curriculum-toolkit[liger]', or use auto (fused where it can run) or none.")
 
 
-def resolve_fused_layers(kind: str, model_type: str) -> tuple[str, str]:
-    """What `model.fused_layers: kind` runs on this machine for a model of `model_type`, ``liger`` or ``none``, and
-    why (for the log). Training and preflight's memory estimate both decide with it."""
+class FusedLayers(NamedTuple):
+    """What `model.fused_layers` runs for one model on this machine: ``liger`` or ``none``, and why (for the log)."""
+
+    runs: str
+    why: str
+
+
+def resolve_fused_layers(kind: str, model_type: str) -> FusedLayers:
+    """What `model.fused_layers: kind` runs on this machine for a model of `model_type`. Training (before the
+    weights load) and preflight's memory estimate both decide with it."""
     check_fused_layers(kind)
     if kind == "none":
-        return "none", "the model's own RMSNorm, RoPE and SwiGLU"
+        return FusedLayers("none", "the model's own RMSNorm, RoPE and SwiGLU")
     if kind == "auto" and not (torch.cuda.is_available() and liger_available()):
-        return "none", "model.fused_layers: auto fuses with Liger on CUDA when liger-kernel is installed"
+        return FusedLayers("none", "model.fused_layers: auto fuses with Liger on CUDA when liger-kernel is installed")
     if model_type not in _liger_patches():
         if kind == "liger":
             raise ToolkitError(f"model.fused_layers is liger but Liger-Kernel has no fused layers for model type "
                                f"'{model_type}'; use auto or none.")
-        return "none", f"Liger-Kernel has none for model type '{model_type}'"
+        return FusedLayers("none", f"Liger-Kernel has none for model type '{model_type}'")
     if kind == "auto" and model_type not in VERIFIED:
-        return "none", (f"auto fuses the model types measured with them, {', '.join(VERIFIED)}; model.fused_layers: "
-                        f"liger tries Liger's for '{model_type}'")
+        return FusedLayers("none", f"auto fuses the model types measured with them, {', '.join(VERIFIED)}; "
+                           f"model.fused_layers: liger tries Liger's for '{model_type}'")
     if kind == "liger":
         try:  # Liger's patch imports its modelling module first; one that cannot load fails here, before weights
             importlib.import_module(f"liger_kernel.transformers.model.{model_type}")
@@ -82,17 +90,16 @@ def resolve_fused_layers(kind: str, model_type: str) -> tuple[str, str]:
         except ImportError as e:
             raise ToolkitError(f"model.fused_layers is liger but Liger-Kernel's layers for '{model_type}' do not load "
                                f"with this transformers ({e}); use auto or none.") from None
-    return "liger", f"{', '.join(FUSED)}; model.fused_layers: none turns them off"
+    return FusedLayers("liger", f"{', '.join(FUSED)}; model.fused_layers: none turns them off")
 
 
-def install_fused_layers(model: nn.Module, kind: str = "auto") -> str:
-    """Fuse `model`'s RMSNorm, rotary embedding and SwiGLU with Liger's kernels (call on the loaded base model,
-    before LoRA and `accelerator.prepare`); logs and returns what runs: ``liger`` or ``none``."""
-    model_type = str(model.config.model_type)
-    runs, why = resolve_fused_layers(kind, model_type)
-    if runs == "liger":
-        apply = _liger_patches()[model_type]
+def install_fused_layers(model: nn.Module, choice: FusedLayers) -> str:
+    """Apply `choice` (`resolve_fused_layers` for this model's type) to the loaded base model, before LoRA and
+    `accelerator.prepare`: Liger's kernels for its RMSNorm, rotary embedding and SwiGLU, or nothing. Logs and
+    returns what runs: ``liger`` or ``none``."""
+    if choice.runs == "liger":
+        apply = _liger_patches()[str(model.config.model_type)]
         accepted = inspect.signature(apply).parameters
         apply(model=model, **{k: v for k, v in (FUSED | NOT_THE_HEAD).items() if k in accepted})
-    log.info("fused layers: %s (%s)", runs, why)
-    return runs
+    log.info("fused layers: %s (%s)", choice.runs, choice.why)
+    return choice.runs

@@ -166,6 +166,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _norm_input_bytes(activation_bytes: int, fused_layers: bool) -> int:
+    """Bytes per element of the input an RMSNorm keeps: stock ones normalise in fp32 and keep that fp32 input,
+    Liger's keep the 16-bit one."""
+    return activation_bytes if fused_layers else 4
+
+
 def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_copies: bool = False,
                            fused_layers: bool = False) -> int:
     """Bytes one decoder layer saves for backward per token (see the module docstring; counted against autograd's
@@ -182,8 +188,8 @@ def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_
     matmul_inputs = 2 * h + q + inter  # the two norms' outputs, the attention output, the MLP product
     rest = 2 * q + 2 * kv + (2 if fused_layers else 3) * inter  # the kernel's q, k, v and output; gate, up (and
     # silu(gate), which Liger's SwiGLU recomputes)
-    norm_inputs = 2 * h + qk_norm  # stock RMSNorms normalise in fp32 and keep that fp32 input; Liger's the 16-bit one
-    norm_bytes = activation_bytes if fused_layers else 4
+    norm_inputs = 2 * h + qk_norm  # the two RMSNorms' inputs, and Qwen3's q/k norms'
+    norm_bytes = _norm_input_bytes(activation_bytes, fused_layers)
     if adapter_input_copies:  # PEFT's fp32 cast: each adapted Linear keeps its own copy (q, k, v: three of one)
         return rest * activation_bytes + norm_inputs * norm_bytes + (5 * h + q + inter) * 4
     return (matmul_inputs + rest) * activation_bytes + norm_inputs * norm_bytes
@@ -203,7 +209,7 @@ def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_b
     res = residual_bytes or activation_bytes
     per_layer = layer_activation_bytes(config, activation_bytes=activation_bytes,
                                        adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)
-    final_norm = (activation_bytes if fused_layers else 4) * h  # the final norm's input (fp32 unless fused)
+    final_norm = _norm_input_bytes(activation_bytes, fused_layers) * h
     shared = 2 * head_dim * res + final_norm  # rotary cos and sin (all layers share them); the final norm's input
     kept = layers * h * res + per_layer if grad_ckpt else layers * per_layer
     return tokens * (kept + shared) + loss_bytes(config, tokens=tokens, activation_bytes=activation_bytes,

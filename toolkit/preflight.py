@@ -83,23 +83,24 @@ def fused_layers_counted(recipe: Recipe, config: Any) -> str:
     preflight runs (it may estimate a GPU job from a machine without one)."""
     if recipe.model.fused_layers == "liger":
         return "liger"
-    return resolve_fused_layers(recipe.model.fused_layers, str(config.model_type))[0]
+    return resolve_fused_layers(recipe.model.fused_layers, str(config.model_type)).runs
 
 
 def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *, num_gpus: int, param_bytes: int,
                     activation_bytes: int = 2, residual_bytes: int | None = None,
-                    adapter_input_copies: bool = False) -> list[dict[str, dict[str, int]]]:
+                    adapter_input_copies: bool = False, fused_layers: bool = False
+                    ) -> list[dict[str, dict[str, int]]]:
     """Per stage, `estimate_all`'s rows (strategy -> bytes) for one micro-batch of that stage: its own
     micro_batch_size x max_seq_len tokens (with packing a packed row is max_seq_len tokens; without, max_seq_len
-    is the longest row the stage keeps, so the estimate is its worst case)."""
+    is the longest row the stage keeps, so the estimate is its worst case). `fused_layers`: Liger's layers counted
+    (`fused_layers_counted`)."""
     lora = recipe.lora.enabled
-    fused = fused_layers_counted(recipe, config) == "liger"
     return [estimate_all(config, num_gpus=num_gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
                          micro_batch=stage.micro_batch_size, seq_len=stage.max_seq_len,
                          grad_ckpt=recipe.model.gradient_checkpointing, lora_targets=recipe.lora.target_modules,
                          loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
                          activation_bytes=activation_bytes, residual_bytes=residual_bytes,
-                         adapter_input_copies=adapter_input_copies, fused_layers=fused)
+                         adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)
             for stage in stages]
 
 
@@ -132,8 +133,9 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     lora = recipe.lora.enabled
     param_bytes = weight_bytes(recipe, mixed)
     stages = resolve_stages(recipe)
+    fused = fused_layers_counted(recipe, config)
     estimates = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes,
-                                **activation_precision(recipe, mixed))
+                                fused_layers=fused == "liger", **activation_precision(recipe, mixed))
     worst = worst_stage(estimates)
     shown, note = table_row(chosen, estimates[worst])
     width = max(len(s.name) for s in stages)
@@ -147,7 +149,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     lines = [f"model {recipe.model.name_or_path}: {'LoRA r=' + str(recipe.lora.r) if lora else 'full fine-tuning'}"
              f", {param_bytes * 8}-bit weights, gradient checkpointing "
              f"{'on' if recipe.model.gradient_checkpointing else 'off'}, loss head {recipe.model.loss_head}, "
-             f"fused layers {fused_layers_counted(recipe, config)}, "
+             f"fused layers {fused}, "
              f"{gpus} GPU(s) of {gpu_memory_gb:g} GiB",
              f"selected by {accelerate_config}: {chosen}", "", *per_stage, "",
              f"worst stage '{stages[worst].name}' (micro batch {stages[worst].micro_batch_size} x "
