@@ -290,7 +290,7 @@ def _registry(root: Path) -> Path:
          "history": [["What is 1 + 1?", "2."]]}]))
     _jsonl(data / "qa.jsonl", [{"question": U1["content"], "answer": A1["content"], "sys": "Be brief."}])
     _jsonl(data / "agents.jsonl", [{"dialog": AXOLOTL["conversations"], "sys": "Be brief."}])
-    _jsonl(data / "chat" / "openai.jsonl", [{"messages": [SYSTEM, *CHAT]}])
+    _jsonl(data / "chat" / "openai.jsonl", [{"messages": [SYSTEM, dict(U1, lang="en"), *CHAT[1:]]}])
     (data / "json").mkdir()
     (data / "json" / "mllm.json").write_text(json.dumps([{"messages": [
         {"role": "user", "content": "<image>What colour is this?"}, {"role": "assistant", "content": "Red."},
@@ -405,3 +405,24 @@ def test_registry_multimodal_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     want = encoder.encode([parts], [1], lambda n: "f", base_dir=data / "imgs").sample(0)
     assert got[0]["input_ids"] == want["input_ids"] and got[0]["labels"] == want["labels"]
     assert got[0]["images"] == [str((data / "imgs" / f"{c}.png").absolute()) for c in ("red", "blue", "green")]
+
+
+def test_a_run_trains_on_registry_entries(tmp_path: Path, models: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Through a recipe: two registry datasets with mixture weights, and the message key nothing reads named once
+    in the stage's data log."""
+    import yaml
+
+    from tests._inprocess import Call, invoke
+    from tests.conftest import base_recipe
+
+    _registry(tmp_path)
+    recipe = base_recipe(models["text"]) | {"stages": [
+        {"name": "lf", "max_steps": 1, "data": [{"dataset": "alpaca_demo", "weight": 1},
+                                                {"dataset": "openai_chat", "dataset_dir": "data", "weight": 1}]}]}
+    recipe["train"] = {"micro_batch_size": 1, "grad_accum": 2}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "stage 'lf' data: 3 rows, 3 kept" in caplog.text
+    assert "stage 'lf' data: messages carry keys not read: lang (1 rows)" in caplog.text
