@@ -488,6 +488,9 @@ SHAREGPT_ROLES = ROLE_NAMES
 TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system", "observation_tag": "tool",
              "function_tag": CALL}
 """Tags that name a role (LLaMA-Factory's `tags`)."""
+ROLE_KEY_HINTS = ("speaker", "author", "sender", "who", "role_name", "type", "name")
+CONTENT_KEY_HINTS = ("text", "message", "utterance", "body", "msg", "content_text")
+"""Key names that suggest a turn's role or content, for the hint of a turn with unknown keys."""
 TURN_KEYS = {"conversations": ("from", "value"), "messages": ("role", "content")}
 """The keys of a turn, by the field that holds the turns (unless the turns or the entry's tags say otherwise)."""
 
@@ -555,12 +558,17 @@ def _turn_keys(turns: list[Any], name: str, where: str, tags: dict[str, str]) ->
             return keys
     if not dicts:
         return TURN_KEYS[name]
-    strings = sorted({k for t in dicts for k, v in t.items() if isinstance(v, str)},
-                     key=lambda k: sum(len(t[k]) for t in dicts if isinstance(t.get(k), str)))
+    strings = {k for t in dicts for k, v in t.items() if isinstance(v, str)}
     if len(strings) < 2:
         raise ToolkitError(f"{where}: {name}[0] has keys {sorted(dicts[0])}, none a role and a content; each turn "
                            "needs role/content (or from/value) keys, or the entry's tags naming them.")
-    role, content = strings[0], strings[-1]
+
+    def values(k: str) -> list[str]:
+        return [t[k] for t in dicts if isinstance(t.get(k), str)]
+
+    # A guess for the hint only: the role key is named like one, or repeats few values; the content the longest.
+    role = min(strings, key=lambda k: (k not in ROLE_KEY_HINTS, len(set(values(k))), sum(map(len, values(k))), k))
+    content = max(strings - {role}, key=lambda k: (k in CONTENT_KEY_HINTS, sum(map(len, values(k))), k))
     names = list(dict.fromkeys(t[role] for t in dicts if isinstance(t.get(role), str)))
     hint = [f"role_tag: {role}", f"content_tag: {content}"]
     hint += [f"{tag}: {n}" for tag, n in zip(("user_tag", "assistant_tag"), [n for n in names if n not in ROLE_NAMES],
