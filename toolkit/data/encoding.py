@@ -4,11 +4,15 @@ Three row shapes are accepted (`row_shape`; a row has exactly one):
   {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
   {"prompt": "...", "completion": "..."}      (plain concatenation, loss on the completion)
   {"text": "..."}                               (language modelling, loss on every token)
-A row's `difficulty` is kept for the curriculum; other extra keys are ignored, and keys that would change what
-trains but that no shape reads are refused (`REFUSED_ROW_KEYS`).
+Other tools' shapes reach here already mapped to these (toolkit/data/sources.py). A row's `difficulty` is kept for
+the curriculum; other extra keys are ignored, keys that would change what trains but that no shape reads are
+refused (`REFUSED_ROW_KEYS`), and message keys nothing reads are counted for the stage's log
+(`unread_message_keys`).
 
-Loss goes on assistant tokens only by default (`data.train_on`), and a message's `"weight": 0` / `"training":
-false` leaves its turn out (`assistant_trains`). How the assistant turns are found depends on the template:
+Loss goes on assistant tokens only by default (`data.train_on`), and a message's training flag (`"weight": 0`,
+`"training": false` and every peer's other flag: TURN_FLAGS) leaves its turn out (`assistant_trains`). Content
+given as text parts is joined for a text model (a vision-language model keeps its parts). How the assistant turns
+are found depends on the template:
   * `{% generation %}` markers: the spans the renderer reports (transformers' `return_assistant_tokens_mask`
     rule: every token that overlaps a span);
   * a ChatML-family template (ChatML and the stock Qwen2.5 / Qwen3 / Qwen-VL templates): rendered once and the

@@ -11,12 +11,17 @@ An entry (`stages[].data`, `eval.data`) is a path from the working directory, or
 | a folder written by `Dataset.save_to_disk` | the dataset (a DatasetDict: `split`, default `train`) |
 | a folder of data files, or a glob (`data/*.parquet`, `shards/**/*.jsonl`) | its files in name order, one format |
 | `owner/name` that is not a local path | a hub dataset from the local Hugging Face cache, never downloaded |
+| `{dataset: NAME, dataset_dir: DIR}` | entry NAME of LLaMA-Factory's DIR/dataset_info.json, then its path |
 
-Per entry, `split` picks a split (hub datasets, DatasetDict folders) and `columns` maps the toolkit's field names to
-the source's (`{messages: dialog}`). Rows with ShareGPT's `conversations` (`from`/`value` turns, per-turn `weight`,
-row `system` and `tools`) or Alpaca's `instruction`/`input`/`output` (`system`, `history`) become `messages` rows
-(`to_messages`); a row missing a field gets an error naming the file, the row and the field. Table cells that hold
-structure as JSON text (CSV, LLaMA-Factory's `tools`) are decoded.
+Per entry, `split` picks a split (hub datasets, DatasetDict folders), `columns` maps the toolkit's field names to
+the source's (`{messages: dialog}`) and `tags` the keys and role names inside its messages (LLaMA-Factory's
+`role_tag`, `content_tag`, `user_tag`, ...). Every peer's chat shape becomes a `messages` row here and only here
+(`to_messages`; the table of shapes is docs/data.md): ShareGPT and OpenAI turns (told apart by their keys, under
+either `conversations` or `messages`), Alpaca, ms-swift's query/response, conversation pairs and agent roles, TRL's
+conversational prompt/completion, LLaMA-Factory v1 content parts, `<image>` placeholders; training flags stay on
+the messages for the encoder. A row missing a field gets an error naming the file, the row and the field; turns in
+another tool's key names get the exact `tags` that read them. Table cells that hold structure as JSON text (CSV,
+LLaMA-Factory's and ms-swift's `tools`) are decoded.
 
 JSON Lines and JSON arrays are parsed by Python's json, not through `datasets`: Arrow's schema inference unifies the
 rows of a file into one type, which turns a tool call's `arguments` into a struct with a null for every key another
@@ -484,7 +489,6 @@ ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": 
               "function_response": "tool", "tool_response": "tool", "function_call": CALL, "tool_call": CALL}
 """Role names of the peers' turns -> the toolkit's roles (ShareGPT / LLaMA-Factory, OpenAI, ms-swift's agent roles
 `tool_call` / `tool_response`); CALL is a turn whose content is a JSON tool call."""
-SHAREGPT_ROLES = ROLE_NAMES
 TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system", "observation_tag": "tool",
              "function_tag": CALL}
 """Tags that name a role (LLaMA-Factory's `tags`)."""
