@@ -244,6 +244,8 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
     ({"conversation": [{"human": "hi"}]}, r"'conversation' must be a non-empty list of \{\"human\": str"),
     ({"messages": [U1, {"role": "tool_call", "content": "add(2, 3)"}]},
      r"messages\[1\] is a tool call whose content is not JSON"),
+    ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1], "videos": ["clip.mp4"]},
+     r"the row has 'videos': video rows are not supported"),
 ])
 def test_shapes_refused_with_their_reason(tmp_path: Path, tok: PreTrainedTokenizerFast, row: dict,
                                           error: str) -> None:
@@ -426,3 +428,22 @@ def test_a_run_trains_on_registry_entries(tmp_path: Path, models: dict[str, str]
     assert rc == 0, stderr[-3000:]
     assert "stage 'lf' data: 3 rows, 3 kept" in caplog.text
     assert "stage 'lf' data: messages carry keys not read: lang (1 rows)" in caplog.text
+
+
+def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An `hf_hub_url` entry reads as that hub id does (local cache only), its registry `split` or the entry's."""
+    from tests.test_data_sources import _cached_hub_dataset
+
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _cached_hub_dataset(home, "someone/tiny-chat", {"train": [{"messages": CHAT}], "test": [{"messages": [U1, A1]}]})
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({
+        "hub_chat": {"hf_hub_url": "someone/tiny-chat", "formatting": "openai", "split": "test"}}))
+    monkeypatch.chdir(tmp_path)
+    assert _samples([DataSource(dataset="hub_chat").entry()], tok) == _expected([{"messages": [U1, A1]}], tok)
+    assert _samples([DataSource(dataset="hub_chat", split="train").entry()], tok) == _expected([{"messages": CHAT}],
+                                                                                                 tok)
