@@ -244,6 +244,9 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
     ({"conversation": [{"human": "hi"}]}, r"'conversation' must be a non-empty list of \{\"human\": str"),
     ({"messages": [U1, {"role": "tool_call", "content": "add(2, 3)"}]},
      r"messages\[1\] is a tool call whose content is not JSON"),
+    ({"dialog": [U1, A1], "id": 3}, r"a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
+                                     r"\['dialog', 'id'\]; if 'dialog' holds the chat, map it: columns: "
+                                     r"\{messages: dialog\}"),
     ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1], "videos": ["clip.mp4"]},
      r"the row has 'videos': video rows are not supported"),
 ])

@@ -383,8 +383,10 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
                            "not be trained.")
     shape = shapes[0] if shapes else None
     if shape is None or not all(_present(row, k) for k in SHAPES[shape]):
+        chats = [k for k, v in row.items() if isinstance(v, list) and v and all(isinstance(t, dict) for t in v)]
+        hint = f"; if '{chats[0]}' holds the chat, map it: columns: {{messages: {chats[0]}}}" if chats else ""
         raise ToolkitError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
-                           f"found keys {sorted(row)}.")
+                           f"found keys {sorted(row)}{hint}.")
     for key, needs in (("tools", "a chat ('messages')"),
                        ("images", "a chat ('messages') for a vision-language model" if vision else
                         "a vision-language model (this model reads text only)")):
