@@ -532,12 +532,14 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
         row = _from_turns(row, "messages", where, tags, system="system" in dict(entry.columns))
     elif row.get("instruction") is not None:
         row = _from_alpaca(row, where)
+    elif isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
+        row = _from_conversational(row, where, tags)
+    elif any(row.get(k) is not None for k in ("prompt", "completion", "text")):
+        pass  # a text row: ms-swift's keys beside it are extras, as any other key
     elif row.get("query") is not None or row.get("response") is not None:
         row = _from_query_response(row, where)
     elif row.get("conversation") is not None:
         row = _from_pairs(row, where)
-    elif isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
-        row = _from_conversational(row, where, tags)
     if entry.dataset is not None and isinstance(row.get("images"), list):  # LLaMA-Factory: paths from dataset_dir
         base = Path(entry.dataset_dir or "data").absolute()
         row["images"] = [str(base / p) if isinstance(p, str) else p for p in row["images"]]
