@@ -140,7 +140,7 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
                  f"; packed into {len(src.samples)} rows" if data.packing else "")
-        unread = Counter()
+        unread: Counter[str] = Counter()
         for entry in stage.entries:
             unread.update(stores(entry).unread_keys)
         if unread:
