@@ -504,6 +504,7 @@ registry_case("registry-ranking", "pairs", pairs={"file_name": "alpaca.jsonl", "
 registry_case("registry-kto", "kto", kto={"file_name": "alpaca.jsonl", "formatting": "sharegpt",
                                           "tags": {"kto_tag": "label"}})
 registry_case("registry-remote", "scripted", scripted={"script_url": "my_loader"})
+registry_case("registry-hub-not-cached", "hub", hub={"hf_hub_url": "someone/not-cached"})
 registry_case("registry-num-samples", "sampled", sampled={"file_name": "alpaca.jsonl", "num_samples": 4})
 case("dataset-comma-list")(lambda c: c.train(change=stage("data", [{"dataset": "alpaca_demo,glaive_toolcall"}])))
 case("data-path-and-dataset")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl",

@@ -348,7 +348,9 @@ def test_llama_factory_registry(tmp_path: Path, tok: PreTrainedTokenizerFast, mo
     refusals = {
         "alpaca_dem": r"data/dataset_info.json has no dataset 'alpaca_dem'; close names: alpaca_demo",
         "missing_file": r"^Data file data/not_here.json does not exist",
-        "hub_only": r"no hub dataset 'someone/not-cached' is in the local Hugging Face cache",
+        "hub_only": r"^data/dataset_info.json entry 'hub_only' has hf_hub_url someone/not-cached: Data entry "
+                    r"someone/not-cached is not a local path, and no hub dataset 'someone/not-cached' is in the local "
+                    r"Hugging Face cache",
         "script": r"entry 'script' has script_url 'my_script' and no file_name or hf_hub_url, which this toolkit "
                   r"does not read",
         "ms_only": r"entry 'ms_only' has ms_hub_url",

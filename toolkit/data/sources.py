@@ -421,7 +421,14 @@ def _open_tables(source: Source) -> list[Any]:
     split = source.entry.split
     try:
         if source.fmt == "hub":
-            ds = _hub_dataset(source.name, split)
+            try:
+                ds = _hub_dataset(source.name, split)
+            except ToolkitError as e:
+                if source.registry is None:
+                    raise
+                entry = source.entry
+                raise ToolkitError(f"{entry.dataset_dir}/dataset_info.json entry '{entry.dataset}' has hf_hub_url "
+                                   f"{source.name}: {e}") from None
             source.files = sorted({Path(f["filename"]) for f in ds.cache_files})
             return [ds]
         if source.fmt == "disk":
