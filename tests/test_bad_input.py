@@ -478,6 +478,54 @@ def _(c: Ctx) -> Call:
                  str(REPO / "accelerate_configs" / "single.yaml")], c.tmp / "run", tool="toolkit")
 
 
+def lf_registry(c: Ctx, **entries: dict[str, Any]) -> None:
+    """A LLaMA-Factory data folder lfdata/ (its dataset_info.json and an Alpaca file) with these registry entries."""
+    (c.tmp / "lfdata").mkdir(exist_ok=True)
+    write_jsonl(c.tmp / "lfdata" / "alpaca.jsonl", [{"instruction": "2 + 2?", "output": "4."}] * 8)
+    (c.tmp / "lfdata" / "dataset_info.json").write_text(json.dumps({"alpaca_demo": {"file_name": "alpaca.jsonl"},
+                                                                    **entries}))
+
+
+def registry_case(name: str, dataset: str, **entries: dict[str, Any]) -> None:
+    @case(name)
+    def _(c: Ctx) -> Call:
+        lf_registry(c, **entries)
+        return c.train(change=stage("data", [{"dataset": dataset, "dataset_dir": "lfdata"}]))
+
+
+@case("data-lf-folder-as-path")
+def _(c: Ctx) -> Call:
+    lf_registry(c)
+    return c.train(change=stage("data", ["lfdata"]))
+
+
+registry_case("registry-unknown-dataset", "alpaca_dem")
+registry_case("registry-ranking", "pairs", pairs={"file_name": "alpaca.jsonl", "ranking": True})
+registry_case("registry-kto", "kto", kto={"file_name": "alpaca.jsonl", "formatting": "sharegpt",
+                                          "tags": {"kto_tag": "label"}})
+registry_case("registry-remote", "scripted", scripted={"script_url": "my_loader"})
+registry_case("registry-hub-not-cached", "hub", hub={"hf_hub_url": "someone/not-cached"})
+registry_case("registry-num-samples", "sampled", sampled={"file_name": "alpaca.jsonl", "num_samples": 4})
+case("dataset-comma-list")(lambda c: c.train(change=stage("data", [{"dataset": "alpaca_demo,glaive_toolcall"}])))
+case("data-path-and-dataset")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl",
+                                                                        "dataset": "alpaca_demo"}])))
+case("data-unknown-tag")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "tags": {"role": "speaker"}}])))
+case("data-turn-keys-unmapped")(lambda c: c.train(rows=[{"conversations": [
+    {"speaker": "customer", "text": "2 + 2?"}, {"speaker": "agent", "text": "4."}]}]))
+case("data-unknown-role")(lambda c: c.train(rows=[{"messages": [dict(USER, role="customer"), ANSWER]}]))
+case("data-turn-loss-scale")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, loss_scale=2.0)]}]))
+case("data-part-flags-disagree")(lambda c: c.train(rows=[{"messages": [USER, {"role": "assistant", "content": [
+    {"type": "text", "text": "It is ", "train": False}, {"type": "text", "text": "4.", "train": True}]}]}]))
+case("data-part-not-text")(lambda c: c.train(rows=[{"messages": [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}, ANSWER]}]))
+case("data-trl-stepwise")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completions": ["Two and two", " is 4."],
+                                                    "labels": [True, True]}]))
+case("data-trl-image-not-path")(lambda c: c.train(rows=[dict(CHAT, image={"bytes": None, "path": None})]))
+case("data-prompt-list-completion-string")(lambda c: c.train(rows=[{"prompt": [USER], "completion": "4."}]))
+case("data-tool-call-not-json")(lambda c: c.train(rows=[{"messages": [
+    USER, {"role": "tool_call", "content": "add(2, 2)"}, {"role": "tool_response", "content": "4"}, ANSWER]}]))
+
+
 # --- running them ----------------------------------------------------------------------------------------------
 
 def test_table_and_cases_agree() -> None:
@@ -541,6 +589,11 @@ HONOURED: dict[str, Callable[[Any], None]] = {
     "all-turns-weight-zero": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, weight=0), 3, weight=0), []),
     "null-other-shape": lambda tok: _expect(tok, TWO_TURNS, None, text=None, prompt=None),
     "plain-extras": lambda tok: _expect(tok, TWO_TURNS, None, id=3, source="web", label="math", difficulty=2),
+    "turn-train-false": lambda tok: _expect(tok, _flag(TWO_TURNS, 3, train=False), ["4." + E]),
+    "turn-loss-false": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, loss=None), 3, loss=False), ["4." + E]),
+    "turn-loss-scale-zero": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, loss_scale=1), 3, loss_scale=0),
+                                                ["4." + E]),
+    "turn-loss-weight-zero": lambda tok: _expect(tok, _flag(TWO_TURNS, 3, loss_weight=0.0), ["4." + E]),
 }
 
 

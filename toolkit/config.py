@@ -122,16 +122,29 @@ class DataConfig(_Section):
 COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
                  "system", "history", "tools", "images", "difficulty")
 """The row fields a data entry's `columns` may map to the source's own column names."""
+TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
+"""Keys of a data entry's `tags` (LLaMA-Factory's names): the keys inside each message (`role_tag`, `content_tag`)
+and the role names (`user_tag` ...) a source uses."""
 
 
 class DataSource(_Section):
-    path: str = Field(..., min_length=1, description="Data file, folder, glob or hub dataset id (paths from the cwd; "
-                      "dummy:NAME for generated data).")
+    path: str | None = Field(None, min_length=1, description="Data file, folder, glob or hub dataset id (paths from "
+                             "the cwd; dummy:NAME for generated data). Give a path or a dataset, not both.")
+    dataset: str | None = Field(None, min_length=1, description="A dataset named in LLaMA-Factory's registry, "
+                                "dataset_dir/dataset_info.json (read as LLaMA-Factory reads it: file_name, "
+                                "formatting, columns, tags).")
+    dataset_dir: str | None = Field(None, min_length=1, description="The folder of the registry and of the files "
+                                    "its entries name, from the cwd (default data; only with dataset).")
     weight: float | None = Field(None, gt=0, description="Mixture weight (all or none of a stage's files).")
     split: str | None = Field(None, min_length=1, description="Split of a hub dataset or a save_to_disk "
                               "DatasetDict (default train).")
     columns: dict[str, str] | None = Field(None, description="The toolkit's row fields -> this source's column "
                                            "names, e.g. {messages: dialog}.")
+    tags: dict[str, str] | None = Field(None, description="The keys and role names inside this source's messages, "
+                                        "as LLaMA-Factory's tags: role_tag, content_tag (the keys), user_tag, "
+                                        "assistant_tag, system_tag, observation_tag (tool results), function_tag "
+                                        "(tool calls), e.g. {role_tag: speaker, content_tag: text, user_tag: "
+                                        "customer, assistant_tag: agent}.")
 
     @field_validator("columns")
     @classmethod
@@ -141,18 +154,54 @@ class DataSource(_Section):
                 raise ValueError(f"columns: '{key}' is not a row field; the fields are {', '.join(COLUMN_FIELDS)}")
         return value
 
+    @field_validator("tags")
+    @classmethod
+    def _known_tags(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, name in (value or {}).items():
+            if key not in TAG_KEYS:
+                close = difflib.get_close_matches(key, TAG_KEYS, n=1)
+                raise ValueError(f"tags: '{key}' is not a tag{f' (did you mean {close[0]}?)' if close else ''}; "
+                                 f"the tags are {', '.join(TAG_KEYS)}")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tags: {key} must be a non-empty string")
+        return value
+
+    @model_validator(mode="after")
+    def _path_or_dataset(self) -> DataSource:
+        if (self.path is None) == (self.dataset is None):
+            raise ValueError("a data entry needs a path or a dataset (a name in dataset_dir/dataset_info.json), "
+                             "not both")
+        if self.dataset_dir is not None and self.dataset is None:
+            raise ValueError("dataset_dir is the folder of a registry: give it with dataset")
+        if self.dataset is not None and "," in self.dataset:
+            names = [n.strip() for n in self.dataset.split(",")]
+            raise ValueError(f"dataset '{self.dataset}' names {len(names)} datasets; list them as separate data "
+                             f"entries ({', '.join(f'{{dataset: {n}}}' for n in names)}), each with its own weight")
+        return self
+
     def entry(self) -> DataEntry:
-        return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())))
+        return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())),
+                         tuple(sorted((self.tags or {}).items())), self.dataset,
+                         (self.dataset_dir or "data") if self.dataset is not None else None)
 
 
 @dataclass(frozen=True)
 class DataEntry:
-    """One data entry as the data layer reads it: a path (or hub id), a split and a column mapping (the toolkit's
-    field -> the source's column)."""
+    """One data entry as the data layer reads it: a path (or hub id), or a dataset of a LLaMA-Factory registry
+    (`dataset` in `dataset_dir`); a split, a column mapping (the toolkit's field -> the source's column) and the
+    tags that name the keys and roles inside its messages."""
 
-    path: str
+    path: str | None
     split: str | None = None
     columns: tuple[tuple[str, str], ...] = ()
+    tags: tuple[tuple[str, str], ...] = ()
+    dataset: str | None = None
+    dataset_dir: str | None = None
+
+    @property
+    def name(self) -> str:
+        """How the recipe names it: the path, or `DIR/dataset_info.json:NAME`."""
+        return self.path if self.path is not None else f"{self.dataset_dir}/dataset_info.json:{self.dataset}"
 
 
 class PacingConfig(_Section):
@@ -324,7 +373,7 @@ class StageConfig(_Section):
 
     @property
     def paths(self) -> list[str]:
-        return [d if isinstance(d, str) else d.path for d in self.data]
+        return [d if isinstance(d, str) else d.entry().name for d in self.data]
 
     @property
     def entries(self) -> list[DataEntry]:
@@ -746,7 +795,7 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
         if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
             del stage["micro_batch_size"]
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns"):
+            for key in ("split", "columns", "tags", "dataset", "dataset_dir"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
     for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains

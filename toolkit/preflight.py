@@ -172,7 +172,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
             lines += ["", "stage data (tokens per row):"]
             dummy_dir = RunLayout(recipe.output_dir).dummy_data
             for stage in stages:
-                files = resolve_data_paths(list(stage.paths), dummy_dir)
+                files = resolve_data_paths([e.path for e in stage.entries if e.path is not None], dummy_dir)
                 if not all(f.exists() or not f.suffix for f in files):
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue

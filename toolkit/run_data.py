@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def tokenized_cache_dir(cache_dir: str | None, output_dir: str | Path) -> Path |
 def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path | None) -> dict[str, str]:
     """sha256 of every source the run reads (training, eval and generation-eval prompts), by its recipe entry.
     Stored in checkpoints: a resume on data that changed since is refused (the steps left would see other samples)."""
-    entries = {e.path: e for s in stages
+    entries = {e.name: e for s in stages
                for e in [*s.entries, *(DataEntry(p) for p in [*s.eval, *(p for g in s.generation for p in g.data)])]}
     out = {}
     for path in sorted(entries):
@@ -139,6 +140,12 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
                  f"; packed into {len(src.samples)} rows" if data.packing else "")
+        unread: Counter[str] = Counter()
+        for entry in stage.entries:
+            unread.update(stores(entry).unread_keys)
+        if unread:
+            log.info("stage '%s' data: messages carry keys not read: %s", stage.name,
+                     ", ".join(f"{k} ({n} rows)" for k, n in sorted(unread.items())))
         training_sets.append(src)
     evals = []
     for stage in stages:  # the same stores for every stage when from eval.data

@@ -1,8 +1,8 @@
 """The data layer: rows from the formats users bring, tokenised once per machine into a shared token store, and
 served to the training loop as index arrays and batches.
 
-  sources.py   sources and formats: a data entry resolved (files, folders, globs, hub ids, split, columns), rows read
-               in pieces, ShareGPT / Alpaca rows mapped to messages
+  sources.py   sources and formats: a data entry resolved (files, folders, globs, hub ids, LLaMA-Factory registry
+               entries, split, columns, tags), rows read in pieces, the peers' shapes mapped to messages
   encoding.py  rows to token ids and loss masks with the chat template, many rows per tokenizer call
   store.py     the token store: prepared once per machine on every core, memory-mapped read-only by every rank
   plan.py      packing and ordering: length policy, packing plan, difficulty, as index arrays over the stores

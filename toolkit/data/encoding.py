@@ -4,11 +4,15 @@ Three row shapes are accepted (`row_shape`; a row has exactly one):
   {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
   {"prompt": "...", "completion": "..."}      (plain concatenation, loss on the completion)
   {"text": "..."}                               (language modelling, loss on every token)
-A row's `difficulty` is kept for the curriculum; other extra keys are ignored, and keys that would change what
-trains but that no shape reads are refused (`REFUSED_ROW_KEYS`).
+Other tools' shapes reach here already mapped to these (toolkit/data/sources.py). A row's `difficulty` is kept for
+the curriculum; other extra keys are ignored, keys that would change what trains but that no shape reads are
+refused (`REFUSED_ROW_KEYS`), and message keys nothing reads are counted for the stage's log
+(`unread_message_keys`).
 
-Loss goes on assistant tokens only by default (`data.train_on`), and a message's `"weight": 0` / `"training":
-false` leaves its turn out (`assistant_trains`). How the assistant turns are found depends on the template:
+Loss goes on assistant tokens only by default (`data.train_on`), and a message's training flag (`"weight": 0`,
+`"training": false` and every peer's other flag: TURN_FLAGS) leaves its turn out (`assistant_trains`). Content
+given as text parts is joined for a text model (a vision-language model keeps its parts). How the assistant turns
+are found depends on the template:
   * `{% generation %}` markers: the spans the renderer reports (transformers' `return_assistant_tokens_mask`
     rule: every token that overlaps a span);
   * a ChatML-family template (ChatML and the stock Qwen2.5 / Qwen3 / Qwen-VL templates): rendered once and the
@@ -89,13 +93,18 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
-        m = {k: v for k, v in m.items() if k not in TURN_FLAGS}  # read by assistant_trains; never rendered
+            role = m.get("role") if isinstance(m, dict) else None
+            hint = (f"; its role is {role!r}: map role names with the data entry's tags (user_tag, assistant_tag, "
+                    "system_tag, observation_tag, function_tag)") if isinstance(role, str) else ""
+            raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}{hint}.")
+        m = {k: v for k, v in m.items() if k not in TURN_FLAGS and k != PROMPT_TURN}  # flags are never rendered
         if m["role"] == "assistant" and m.get("tool_calls") and m.get("content") is None:
             m["content"] = ""
         content = m.get("content")
         if image_parts and isinstance(content, list):
             _check_parts(content, f"{where}: messages[{i}]")
+        elif isinstance(content, list) and content:  # text parts (OpenAI, TRL) on a text model: one string
+            m["content"] = content = _joined_text(content, f"{where}: messages[{i}]")
         elif not isinstance(content, str):
             raise ToolkitError(f"{where}: messages[{i}] must have a role in {ROLES} and {content_kind}.")
         if "reasoning_content" in m and not (m["role"] == "assistant" and isinstance(m["reasoning_content"], str)):
@@ -121,43 +130,68 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
     return out
 
 
-TURN_FLAGS = ("weight", "training")
-"""Per-message keys that say whether a turn trains, honoured exactly: `"weight": 0 | 1` (OpenAI's chat fine-tuning
-format, ShareGPT/LLaMA-Factory data) and axolotl's `"training": false | true`."""
+TURN_FLAGS = ("weight", "loss_weight", "training", "train", "loss", "loss_scale")
+"""Per-message keys that say whether a turn trains, honoured exactly as 0/1 or false/true: `weight` (OpenAI's chat
+fine-tuning format, ShareGPT/LLaMA-Factory data), `loss_weight` (LLaMA-Factory v1), `training` and `train`
+(axolotl), `loss` and `loss_scale` (ms-swift). Anything else (loss weighting) is refused."""
+PROMPT_TURN = "_prompt_turn"
+"""Marks an assistant turn of a conversational prompt (TRL, set by sources.py): context, not trained under
+train_on: assistant (under train_on: all every token trains)."""
+MESSAGE_KEYS = ("role", "content", "tool_calls", "reasoning_content", "name", "tool_call_id", *TURN_FLAGS,
+                PROMPT_TURN)
+"""Message keys that are read (rendered by the template or read as flags); any other is counted and named in the
+stage's data log (`unread_message_keys`)."""
+
+
+def unread_message_keys(row: dict[str, Any]) -> set[str]:
+    """The keys on the row's messages that nothing reads (not in MESSAGE_KEYS)."""
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        return set()
+    return {k for m in messages if isinstance(m, dict) for k in m if k not in MESSAGE_KEYS}
+
+
+NUMERIC_FLAGS = ("weight", "loss_weight", "loss_scale")
+"""TURN_FLAGS whose values are numbers (0 or 1 here); the others are true / false."""
+
+
+def _flag(m: dict[str, Any], key: str, i: int, where: str) -> bool | None:
+    value = m[key]
+    if value is None:  # ms-swift writes "loss": null for its default
+        return None
+    if key not in NUMERIC_FLAGS:
+        if not isinstance(value, bool):
+            raise ToolkitError(f"{where}: messages[{i}].{key} is {value!r}; it must be true or false.")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or value not in (0, 1):
+        raise ToolkitError(f"{where}: messages[{i}].{key} is {value!r}; only 0 (do not train this turn) or 1 "
+                           "(train it) is supported, not loss weighting.")
+    return bool(value)
 
 
 def assistant_trains(messages: list[dict[str, Any]], where: str, train_on: str) -> list[bool]:
-    """Whether each assistant message (in order) trains, from its `weight` / `training` flag (default: it trains).
+    """Whether each assistant message (in order) trains, from its flags (TURN_FLAGS; default: it trains).
 
-    What cannot be honoured exactly is refused: a weight other than 0 or 1 (loss weighting), a flag asking a
-    user/system/tool turn to train under train_on: assistant, a turn left out under train_on: all (every token
-    trains), the two flags disagreeing, and axolotl's character-level `train_detail`."""
+    What cannot be honoured exactly is refused: a flag other than 0/1 or false/true (loss weighting), a flag asking
+    a user/system/tool turn to train under train_on: assistant, a turn left out under train_on: all (every token
+    trains), two flags disagreeing, and axolotl's character-level `train_detail`. An assistant turn of a
+    conversational prompt (PROMPT_TURN) does not train under train_on: assistant."""
     trains = []
     for i, m in enumerate(messages):
         if "train_detail" in m:
             raise ToolkitError(f"{where}: messages[{i}].train_detail (per-span training) is not supported; set "
                                "\"weight\": 0 or 1 on the whole turn, or split the turn.")
-        flags = []
-        if "weight" in m:
-            w = m["weight"]
-            if isinstance(w, bool) or not isinstance(w, int | float) or w not in (0, 1):
-                raise ToolkitError(f"{where}: messages[{i}].weight is {w!r}; only 0 (do not train this turn) or 1 "
-                                   "(train it) is supported, not loss weighting.")
-            flags.append(bool(w))
-        if "training" in m:
-            if not isinstance(m["training"], bool):
-                raise ToolkitError(f"{where}: messages[{i}].training is {m['training']!r}; it must be true or false.")
-            flags.append(m["training"])
-        if len(set(flags)) > 1:
-            raise ToolkitError(f"{where}: messages[{i}] has weight {m['weight']!r} and training {m['training']!r}, "
-                               "which disagree; keep one of them.")
-        train = flags[0] if flags else None
-        key = "weight" if "weight" in m else "training"
+        flags = {key: flag for key in TURN_FLAGS if key in m and (flag := _flag(m, key, i, where)) is not None}
+        if len(set(flags.values())) > 1:
+            said = " and ".join(f"{key} {m[key]!r}" for key in flags)
+            raise ToolkitError(f"{where}: messages[{i}] has {said}, which disagree; keep one of them.")
+        train = next(iter(flags.values())) if flags else None
+        key = next(iter(flags), "weight")
         if m["role"] == "assistant":
             if train is False and train_on == "all":
                 raise ToolkitError(f"{where}: messages[{i}].{key} leaves the turn out of training, but data.train_on "
                                    "is all, which trains every token; set data.train_on: assistant.")
-            trains.append(train is not False)
+            trains.append(train is not False and not (m.get(PROMPT_TURN) and train_on == "assistant"))
         elif train is True and train_on == "assistant":
             raise ToolkitError(f"{where}: messages[{i}].{key} asks a {m['role']} turn to train, but only assistant "
                                "turns train with data.train_on: assistant; drop the flag or set data.train_on: all.")
@@ -165,6 +199,19 @@ def assistant_trains(messages: list[dict[str, Any]], where: str, train_on: str) 
             raise ToolkitError(f"{where}: messages[{i}].{key} leaves a {m['role']} turn out of training, but "
                                "data.train_on is all, which trains every token; set data.train_on: assistant.")
     return trains
+
+
+def _joined_text(parts: list[Any], where: str) -> str:
+    """A text model's content given as parts: the text parts joined (as a vision-language template joins them);
+    an image or other part is refused, as the model reads text only."""
+    texts = []
+    for p in parts:
+        if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            kind = f"a '{p.get('type')}' part" if isinstance(p, dict) else "a part that is not an object"
+            raise ToolkitError(f"{where}.content has {kind}; this model reads text only, so content must be a string "
+                               "or a list of {\"type\": \"text\", \"text\": str} parts.")
+        texts.append(p["text"])
+    return "".join(texts)
 
 
 def _check_parts(parts: list[Any], where: str) -> None:
@@ -301,6 +348,8 @@ REFUSED_ROW_KEYS = {
                     "message's \"weight\": 0 or 1 leaves a turn out); remove it, or repeat rows to weight them"),
     **dict.fromkeys(("chosen", "rejected"), "preference pairs (DPO) are not supported: rows train supervised, so "
                     "a rejected answer would be learned; keep the answer to learn as the row's last assistant turn"),
+    "completions": "TRL's stepwise-supervision rows (a prompt, completions and labels per step) train process "
+                   "reward models, which is not supported; give chats or prompt/completion rows",
     **dict.fromkeys(("input_ids", "labels", "attention_mask", "loss_mask"), "pre-tokenised rows are not supported: "
                     "give the text and let data.train_on decide the loss"),
     "train_on": "data.train_on sets it for every row; remove it, or split the file into stages",
@@ -334,8 +383,10 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
                            "not be trained.")
     shape = shapes[0] if shapes else None
     if shape is None or not all(_present(row, k) for k in SHAPES[shape]):
+        chats = [k for k, v in row.items() if isinstance(v, list) and v and all(isinstance(t, dict) for t in v)]
+        hint = f"; if '{chats[0]}' holds the chat, map it: columns: {{messages: {chats[0]}}}" if chats else ""
         raise ToolkitError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
-                           f"found keys {sorted(row)}.")
+                           f"found keys {sorted(row)}{hint}.")
     for key, needs in (("tools", "a chat ('messages')"),
                        ("images", "a chat ('messages') for a vision-language model" if vision else
                         "a vision-language model (this model reads text only)")):

@@ -23,7 +23,7 @@ Layout under `data.cache_dir` (default `<output_dir>/../.toolkit-cache/tokenized
   stores/<key>.lock                     flock held while preparing; its text names the holder (host, pid)
   stores/<key>.failed                   the one-line error of a failed preparation, for the ranks waiting on it
   hashes/                               data files' sha256, remembered against their stat (toolkit/data/sources.py)
-key = sha256 of {STORE_VERSION, the source's content digest, format, split, column mapping, the tokenizer's
+key = sha256 of {STORE_VERSION, the source's content digest, format, split, column mapping, tags, the tokenizer's
 fingerprint (chat template included), the encoder's options (train_on, thinking, image settings)}.
 
 No collective wait: a rank that finds no store takes the store's lock and prepares it on every core
@@ -46,6 +46,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from toolkit.atomic import build_dir, fsync_dir, write_atomic
-from toolkit.data.encoding import EncodedBatch
+from toolkit.data.encoding import EncodedBatch, unread_message_keys
 from toolkit.data.sources import Piece, Source, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
@@ -67,7 +68,7 @@ from toolkit.preemption import signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: every peer's per-message training flags honoured (train, loss, loss_scale, ...)
 """Bump whenever the encoding or the store's columns change what a source prepares to, so old stores miss."""
 PIECE_ROWS = 1000
 """Rows per piece of work (and per record batch): small enough that the first bad row stops the pool in about a
@@ -105,6 +106,8 @@ def store_key(source: Source, digest: str, encoder: Any) -> dict[str, Any]:
         fingerprint = encoder.fingerprint = tokenizer_fingerprint(encoder.tokenizer)
     key = {"store": STORE_VERSION, "content": digest, "format": source.fmt, "split": source.entry.split,
            "columns": sorted(source.entry.columns), "tokenizer": fingerprint, "encoding": encoder.options()}
+    if source.entry.tags:  # only when set, so stores of entries without tags keep their names
+        key["tags"] = sorted(source.entry.tags)
     return json.loads(json.dumps(key))
 
 
@@ -140,6 +143,7 @@ class Store:
             self.uncuttable = col("uncuttable", np.int64)
             self._images = [(b.column("images"), b.column("image_grid_thw")) for b in batches]
         self.table = table  # keeps the mapping alive
+        self.unread_keys: dict[str, int] = meta.get("unread_keys") or {}  # message key -> rows carrying it
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -227,13 +231,14 @@ def _init_worker(source: Source, encoder: Any) -> None:
     signal_when_parent_dies(signal.SIGKILL)
 
 
-def _encode_piece(piece: Piece) -> pa.RecordBatch:
+def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int]]:
+    """The piece's record batch, and how many of its rows carry each message key that nothing reads."""
     assert _WORK is not None
     source, encoder = _WORK
     rows, numbers = read_piece(source, piece)
     batch = encoder.encode(rows, numbers, lambda n: source.where(piece.file_index, n),
                            base_dir=source.files[piece.file_index].parent if source.files else Path())
-    return record_batch(batch, piece.file_index)
+    return record_batch(batch, piece.file_index), dict(Counter(k for row in rows for k in unread_message_keys(row)))
 
 
 def record_batch(batch: EncodedBatch, file_index: int) -> pa.RecordBatch:
@@ -279,11 +284,14 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
     work = list(pieces(source, PIECE_ROWS))
     total = sum(p.rows for p in work)
     processes = max(1, min(num_proc, math.ceil(total / ROWS_PER_PROCESS), len(work)))
-    counts = {"rows": 0, "tokens": 0, "label_tokens": 0}
+    counts: dict[str, Any] = {"rows": 0, "tokens": 0, "label_tokens": 0}
+    unread: Counter[str] = Counter()
     bar = tqdm(total=total, unit="rows", desc=f"tokenising {label}", delay=BAR_DELAY_S, dynamic_ncols=True,
                disable=total < BAR_MIN_ROWS or os.environ.get("TQDM_DISABLE") == "1")
 
-    def take(batch: pa.RecordBatch, piece: Piece) -> None:
+    def take(encoded: tuple[pa.RecordBatch, dict[str, int]], piece: Piece) -> None:
+        batch = encoded[0]
+        unread.update(encoded[1])
         write(batch)
         counts["rows"] += batch.num_rows
         counts["tokens"] += int(pc.sum(batch.column("length")).as_py() or 0)
@@ -302,6 +310,7 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
     finally:
         bar.close()
     counts["processes"] = processes
+    counts["unread_keys"] = dict(sorted(unread.items()))
     return counts
 
 
@@ -438,7 +447,8 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
         if source.stat_signature() != signature:
             raise ToolkitError(f"Data entry {source.name} changed while it was being prepared; start again.")
         meta = {"key": key, "source": source.describe(), "rows": info["rows"], "tokens": info["tokens"],
-                "label_tokens": info["label_tokens"], "bytes": path.stat().st_size,
+                "label_tokens": info["label_tokens"], "unread_keys": info["unread_keys"],
+                "bytes": path.stat().st_size,
                 "prepared": {"host": host, "pid": os.getpid(), "time": time.time(),
                              "seconds": round(time.monotonic() - start, 2), "processes": info["processes"]}}
         write_atomic(folder / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
