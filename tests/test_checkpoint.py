@@ -860,9 +860,24 @@ def test_a_failed_library_write_is_a_failed_save(tmp_path: Path, writer: Callabl
     root = tmp_path / "ck"
     mgr = _manager(root, best_metric=None)
     _save(mgr, 1)
-    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: .*previous one is intact"):
+    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: .*the last committed one, "
+                                           r".*step-00000001, is intact"):
         mgr.save(2, writer, {"step": 2})
     assert _step_entries(root) == ["step-00000001"] and not list(root.glob("*.tmp"))
+
+
+def test_a_failed_first_save_does_not_speak_of_a_previous_checkpoint(tmp_path: Path) -> None:
+    """The hostile pass filled the disk at the first save: the line said "the previous one is intact" with no
+    checkpoint at all. It now says none was committed and that a relaunch starts again."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    root = tmp_path / "ck"
+    with pytest.raises(ToolkitError) as info:
+        _manager(root, best_metric=None).save(1, _torch_save_onto_a_full_device, {"step": 1})
+    assert "intact" not in str(info.value) and "previous" not in str(info.value)
+    assert "no checkpoint was committed before it" in str(info.value)
+    assert "starts again from the first step" in str(info.value)
+    assert not list(root.glob("*.tmp"))
 
 
 def test_partial_saves_of_a_dead_run_are_cleared_when_the_next_run_starts(tmp_path: Path) -> None:

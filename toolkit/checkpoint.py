@@ -190,8 +190,12 @@ class CheckpointManager:
                 raise
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise ToolkitError(f"Could not write checkpoint {final}: {why}. The partial checkpoint was removed; the "
-                               "previous one is intact. Free space and relaunch the same command to resume.") from None
+            earlier = [c for c in committed_checkpoints(self.root) if c != final]
+            after = (f"the last committed one, {earlier[-1]}, is intact. Free space and relaunch the same command to "
+                     "resume from it." if earlier else "no checkpoint was committed before it. Free space and "
+                     "relaunch the same command: it starts again from the first step.")
+            raise ToolkitError(f"Could not write checkpoint {final}: {why}. The partial checkpoint was removed; "
+                               f"{after}") from None
         if self.is_main:
             # The same step may be saved again (e.g. end of stage right after a resume): the folder it replaces
             # goes once no reader holds it.
