@@ -478,6 +478,17 @@ def _(c: Ctx) -> Call:
                  str(REPO / "accelerate_configs" / "single.yaml")], c.tmp / "run", tool="toolkit")
 
 
+@case("resume-forced-model", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume("checkpoint.resume_force=true", "model.name_or_path=other-model")
+    shutil.copytree(c.models["text"], c.tmp / "other-model")
+    return call
+
+
+case("resume-forced-trainable", trained=True)(
+    lambda c: c.resume("checkpoint.resume_force=true", "train.trainable=[lora,model.norm]"))
+
+
 # --- running them ----------------------------------------------------------------------------------------------
 
 def test_table_and_cases_agree() -> None:

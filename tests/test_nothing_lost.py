@@ -619,6 +619,30 @@ def test_a_begun_stage_cannot_be_forced_to_another_length(trained: Path, tmp_pat
         assert "even with checkpoint.resume_force" in line
 
 
+def test_a_forced_resume_into_another_model_or_trainable_set_is_refused_in_one_line(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hostile pass forced resumes past a changed model.name_or_path and train.trainable: a raw RuntimeError
+    (`Error(s) in loading state_dict`) and "report it". Each is refused before the weights load, in one line naming
+    the key and both values, and the run's folder stays as it was (`Call.watch`)."""
+    run = copy_run(trained, tmp_path)
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    model = Path(recipe["model"]["name_or_path"])
+    shutil.copytree(model, tmp_path / "other-model")  # the same architecture and shapes, another model
+    for override, said in [
+            (f"model.name_or_path={tmp_path / 'other-model'}",
+             f'model.name_or_path ("{model}" -> "{tmp_path / "other-model"}") changed, and its state holds the '
+             "weights of the model it trained"),
+            ("train.trainable=[lora,model.norm]",
+             'trainable (null -> ["lora", "model.norm"]) changed, and its weights and its Adam state do not fit'),
+            ("lora.r=8", "lora.r (16 -> 8) changed, and its weights do not fit")]:
+        rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", override], run),
+                            tmp_path, monkeypatch)
+        assert rc == 2, stderr[-3000:]
+        (line,) = [x for x in stderr.splitlines() if x.startswith("error: ")]
+        assert said in line and "even with checkpoint.resume_force" in line, line
+        assert "report it" not in stderr and "Traceback" not in stderr
+
+
 def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced past a changed lr mid-stage, step 3 trains at the new recipe's lr, as a fresh run of it does: the
