@@ -487,6 +487,7 @@ def _(c: Ctx) -> Call:
 
 case("resume-forced-trainable", trained=True)(
     lambda c: c.resume("checkpoint.resume_force=true", "train.trainable=[lora,model.norm]"))
+case("cache-not-writable")(lambda c: replace(c.train(), env={"TOOLKIT_CACHE_DIR": "/dev/null/cache"}))
 
 
 # --- running them ----------------------------------------------------------------------------------------------
