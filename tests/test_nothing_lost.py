@@ -642,6 +642,16 @@ def test_a_forced_resume_into_another_model_or_trainable_set_is_refused_in_one_l
         assert said in line and "even with checkpoint.resume_force" in line, line
         assert "report it" not in stderr and "Traceback" not in stderr
 
+    # A checkpoint of an earlier version records no state signature: its load says what it is, in one line.
+    meta = read_meta(run / "checkpoints" / "step-00000003")
+    del meta["state"]
+    (run / "checkpoints" / "step-00000003" / META_FILE).write_text(json.dumps(meta))
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", "lora.r=8"], run),
+                        tmp_path, monkeypatch)
+    (line,) = [x for x in stderr.splitlines() if x.startswith("error: ")]
+    assert rc == 2 and "does not fit this run's model (Error(s) in loading state_dict" in line, stderr[-3000:]
+    assert "report it" not in stderr and "Traceback" not in stderr
+
 
 def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
