@@ -241,10 +241,12 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
     restored = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
                                   strategy=run.identity["strategy"], seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
-    if forced:  # the optimizer holds the lr the checkpointed recipe set for the next step: the forced one applies now
+    if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
+        opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
         for group, base, lr_at in zip(run.optimizer.param_groups, run.scheduler.base_lrs, run.scheduler.lr_lambdas,
                                       strict=True):
-            group["lr"] = base * lr_at(run.scheduler.last_epoch)
+            group.update(lr=base * lr_at(run.scheduler.last_epoch), weight_decay=opt.weight_decay,
+                         betas=tuple(opt.betas), eps=opt.eps)
     how = f"{restored.how}, forced past differences" if forced else restored.how
     (log.warning if restored.lost else log.info)("resumed (%s) from %s: step %d of %d, stage '%s'", how, ckpt,
                                                  run.resumed.step, run.curriculum.end_step, meta["stage"])

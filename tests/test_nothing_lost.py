@@ -670,6 +670,22 @@ def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path
     assert [(r["step"], r["lr"]) for r in forced] == [(r["step"], r["lr"]) for r in fresh if r["step"] >= 3]
 
 
+def test_forced_weight_decay_and_betas_apply_after_a_resume(trained: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer's state restores the checkpointed recipe's weight decay, betas and eps with its moments: a
+    forced change of them was said to be accepted and silently ignored (the step trained as without it)."""
+    run = copy_run(trained, tmp_path)
+    adapters = {}
+    for name, forced in (("as-saved", []), ("decayed", ["checkpoint.resume_force=true", "optimizer.weight_decay=0.5",
+                                                         "optimizer.betas=[0.5,0.5]"])):
+        rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume=run/checkpoints/step-00000002",
+                                  f"output_dir={name}", *forced], tmp_path / name), tmp_path, monkeypatch)
+        assert rc == 0, stderr[-3000:]
+        adapters[name] = load_file(tmp_path / name / "final" / "adapter_model.safetensors")
+    assert run.is_dir() and adapters["as-saved"].keys() == adapters["decayed"].keys()
+    assert any(not torch.equal(adapters["as-saved"][k], adapters["decayed"][k]) for k in adapters["as-saved"])
+
+
 # --- runs that end in garbage do not succeed -------------------------------------------------------------------
 
 def test_run_that_diverges_at_its_end_fails_and_writes_no_final(models: dict[str, str], tmp_path: Path) -> None:
