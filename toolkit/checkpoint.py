@@ -41,7 +41,7 @@ from toolkit.atomic import build_dir, swap_dir, write_text_atomic
 from toolkit.config import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
 from toolkit.read_lease import delete_unless_leased
-from toolkit.strategies import consolidate, param_state
+from toolkit.strategies import consolidate, deepspeed, param_state
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
@@ -534,7 +534,7 @@ def state_signature(model: torch.nn.Module, groups: list[tuple[tuple[bool, ...],
     """What a checkpoint's state is made of, as digests: every parameter of the (unprepared) model by name and
     shape (accelerate's state holds them all), and the optimizer's groups (which parameters train in which stages:
     their Adam state). A run whose model differs in either cannot load the state, forced or not."""
-    params = [(name, list(getattr(p, "ds_shape", p.shape))) for name, p in model.named_parameters()]  # ZeRO-3: full
+    params = [(name, deepspeed.full_shape(p)) for name, p in model.named_parameters()]
 
     def digest(value: Any) -> str:
         return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
