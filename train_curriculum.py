@@ -469,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stopped(ending: LastWords, preemption: PreemptionFlag, signal_name: str) -> int:
     """The end of a run stopped by `signal_name` before its first step: one line, the signal's exit code."""
-    ending.stopped(signal_name)
     preemption.say_once(preemption.stop_line(signal_name))
+    ending.stopped(signal_name)  # for the peers' lines (a store that went away may hold it: the watcher ends it)
     return exit_code(signal_name)
 
 

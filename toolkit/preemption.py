@@ -169,10 +169,8 @@ class _Watcher:
             if flag is not cls.flag or flag.started:  # the run ended, or its loop took the signal over
                 continue
             name = flag.signal_name if flag.signal_name is not None else names[0]
-            if flag.say_once(flag.stop_line(name)):
-                with contextlib.suppress(Exception):
-                    logging.shutdown()
-                os._exit(exit_code(name))
+            flag.say_once(flag.stop_line(name))  # unless the main thread said it, and then hung
+            os._exit(exit_code(name))  # no logging.shutdown: the stuck main thread may hold a handler's lock
 
 
 def _forget_wakeup_fd() -> None:
