@@ -68,7 +68,14 @@ from toolkit.model import (
     upcast_trainable,
 )
 from toolkit.packing import check_packing_support
-from toolkit.preemption import PreemptionFlag
+from toolkit.preemption import (
+    INTERRUPTED_EXIT_CODE,
+    INTERRUPTED_LINE,
+    PREEMPTED_EXIT_CODE,
+    PreemptionFlag,
+    Stopped,
+    exit_code,
+)
 from toolkit.run_data import (
     data_fingerprint,
     load_curriculum_data,
@@ -95,9 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
-          recipe_dir: Path | None = None) -> int:
+          preemption: PreemptionFlag, recipe_dir: Path | None = None) -> int:
+    """One run. A stop signal ends it at once until the first step begins (`Stopped`: nothing to save yet), and
+    from then on after the step it is in, with a checkpoint (toolkit/preemption.py)."""
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
+    ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
     scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
@@ -121,8 +131,6 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     run_name = distributed.broadcast_from_main(accelerator, recipe.run_name or time.strftime("%Y%m%d-%H%M%S"))
     log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
              run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
-    # The launcher's death reaches the trainer as SIGTERM from here on (see toolkit/preemption.py).
-    preemption = PreemptionFlag()
     _lock, resume_from = claim_output_dir(layout, recipe.checkpoint.resume, accelerator)  # held until exit
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
@@ -156,6 +164,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     model, trainable = build_model(recipe, resolved, model_path, vision=vision,
                                    mixed_precision=accelerator.mixed_precision)
     curriculum.set_trainable_params(trainable.stage_counts)
+    identity["state"] = checkpoint.state_signature(model, trainable.groups)
+    if resume_from is not None:  # before its weights load: a model that cannot hold them is refused, even forced
+        checkpoint.check_state(resume_meta, resume_from, identity["state"], identity["invariants"])
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---
@@ -187,6 +198,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
     step = run.resumed.step if run.resumed else 0
+    preemption.training()  # a signal from here on finishes the step it is in, saves and exits
     run.bar = tqdm(total=curriculum.end_step, initial=step,
                    disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
     while step < curriculum.end_step:  # the end moves up when a stage ends early
@@ -229,10 +241,12 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
     restored = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
                                   strategy=run.identity["strategy"], seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
-    if forced:  # the optimizer holds the lr the checkpointed recipe set for the next step: the forced one applies now
+    if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
+        opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
         for group, base, lr_at in zip(run.optimizer.param_groups, run.scheduler.base_lrs, run.scheduler.lr_lambdas,
                                       strict=True):
-            group["lr"] = base * lr_at(run.scheduler.last_epoch)
+            group.update(lr=base * lr_at(run.scheduler.last_epoch), weight_decay=opt.weight_decay,
+                         betas=tuple(opt.betas), eps=opt.eps)
     how = f"{restored.how}, forced past differences" if forced else restored.how
     (log.warning if restored.lost else log.info)("resumed (%s) from %s: step %d of %d, stage '%s'", how, ckpt,
                                                  run.resumed.step, run.curriculum.end_step, meta["stage"])
@@ -417,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     ending = LastWords()
+    # Stop signals from here on: before the first step they end the run at once, then after a step with a checkpoint;
+    # the launcher's death reaches the trainer as SIGTERM (toolkit/preemption.py).
+    preemption = PreemptionFlag(advice=ending.relaunch_advice)
     if torch.cuda.is_available():
         log.info("GPU defaults: %s", ", ".join(gpu) or "none (the allocator config is the user's)")
     try:
@@ -424,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
         code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
-                     ending=ending, recipe_dir=Path(args.config).parent if args.config else None)
+                     ending=ending, preemption=preemption,
+                     recipe_dir=Path(args.config).parent if args.config else None)
         ending.finished()
         return code
     except ToolkitError as e:
@@ -432,16 +450,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
         return 2
+    except Stopped as e:  # a stop signal before the first step: nothing to save, nothing half-written kept
+        return _stopped(ending, preemption, e.signal_name)
     except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
         ending.interrupted()
-        print("interrupted (Ctrl-C): stopped without saving; relaunch the same command to resume from the last "
-              "checkpoint.", file=sys.stderr)
-        return 130
+        preemption.say_once(INTERRUPTED_LINE)
+        return INTERRUPTED_EXIT_CODE
     except Exception as e:  # a bug, or a peer process that died: one line here, the traceback in the rank's log
+        if preemption.requested and not preemption.started:  # a collective that failed as its peers stopped too
+            return _stopped(ending, preemption, preemption.signal_name or "SIGTERM")
         line = ending.unexpected(e)
         print(line, file=sys.stderr)
         distributed.record_launch_error(line)
-        return FAILED_EXIT_CODE
+        return PREEMPTED_EXIT_CODE if ending.stopped_with_a_peer else FAILED_EXIT_CODE
+    finally:
+        preemption.ended()
+
+
+def _stopped(ending: LastWords, preemption: PreemptionFlag, signal_name: str) -> int:
+    """The end of a run stopped by `signal_name` before its first step: one line, the signal's exit code."""
+    preemption.say_once(preemption.stop_line(signal_name))
+    ending.stopped(signal_name)  # for the peers' lines (a store that went away may hold it: the watcher ends it)
+    return exit_code(signal_name)
 
 
 if __name__ == "__main__":

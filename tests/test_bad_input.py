@@ -524,6 +524,16 @@ case("data-trl-image-not-path")(lambda c: c.train(rows=[dict(CHAT, image={"bytes
 case("data-prompt-list-completion-string")(lambda c: c.train(rows=[{"prompt": [USER], "completion": "4."}]))
 case("data-tool-call-not-json")(lambda c: c.train(rows=[{"messages": [
     USER, {"role": "tool_call", "content": "add(2, 2)"}, {"role": "tool_response", "content": "4"}, ANSWER]}]))
+@case("resume-forced-model", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume("checkpoint.resume_force=true", "model.name_or_path=other-model")
+    shutil.copytree(c.models["text"], c.tmp / "other-model")
+    return call
+
+
+case("resume-forced-trainable", trained=True)(
+    lambda c: c.resume("checkpoint.resume_force=true", "train.trainable=[lora,model.norm]"))
+case("cache-not-writable")(lambda c: replace(c.train(), env={"TOOLKIT_CACHE_DIR": "/dev/null/cache"}))
 
 
 # --- running them ----------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from toolkit.checkpoint import (
     META_FILE,
     CheckpointManager,
     check_resumable,
+    check_state,
     committed_checkpoints,
     file_digests,
     find_resume,
@@ -712,20 +713,36 @@ def test_check_resumable_force_skips_only_hash(tmp_path: Path) -> None:
         _check(_meta("a", 8), ckpt, invariants_hash="a", effective_batch=32, force=True)
 
 
-@pytest.mark.parametrize("key", ["r", "target_modules", "enabled"])
-def test_force_cannot_resume_into_other_trained_parameters(tmp_path: Path, key: str) -> None:
-    """A forced resume with another LoRA rank or target set cannot load the checkpoint's tensors: the hostile pass
-    saw `lora.r=16 checkpoint.resume_force=true` end in a raw load_state_dict RuntimeError telling the user to
-    relaunch the same command. It is refused before loading, naming the key; other changes are still forcible."""
+def test_force_cannot_carry_a_resume_past_what_the_state_holds(tmp_path: Path) -> None:
+    """What resume_force may override follows from the checkpoint's state (it used to be a hand-kept list of lora
+    keys, and a changed model or trainable set ended in a raw load_state_dict RuntimeError and "report it"): the
+    model it trained (its state holds every weight) is refused before the model is built; a change of the
+    parameters' set or shapes is refused once the model is built, by its state signature, before the weights load,
+    naming the keys with both values; what shapes nothing (lora.alpha, the lr) stays forcible."""
     ckpt = tmp_path / "step-00000010"
-    saved = {"lora": {"enabled": True, "r": 8, "target_modules": "all-linear"}, "optimizer": {"lr": 1e-3}}
-    changed = {**saved, "lora": {**saved["lora"], key: {"r": 16, "target_modules": ["q_proj"], "enabled": False}[key]}}
+    saved = {"model": {"name_or_path": "org/a"}, "lora": {"r": 8, "alpha": 16}, "optimizer": {"lr": 1e-3}}
     meta = {**_meta(recipe_hash(saved), 8), "invariants": saved}
-    with pytest.raises(ToolkitError, match=rf"lora\.{key} .*cannot be forced.*start a new output_dir"):
-        _check(meta, ckpt, invariants_hash=recipe_hash(changed), effective_batch=8, force=True, invariants=changed)
-    lr_only = {**saved, "optimizer": {"lr": 2e-3}}
-    assert _check(meta, ckpt, invariants_hash=recipe_hash(lr_only), effective_batch=8, force=True,
-                  invariants=lr_only) == ["changed settings: optimizer.lr"]
+
+    def check(now: dict[str, Any]) -> list[str]:
+        return _check(meta, ckpt, invariants_hash=recipe_hash(now), effective_batch=8, force=True, invariants=now)
+
+    with pytest.raises(ToolkitError, match=r'even with checkpoint.resume_force: model\.name_or_path \("org/a" -> '
+                                           r'"org/b"\) changed, and its state holds the weights of the model it'):
+        check({**saved, "model": {"name_or_path": "org/b"}})
+    rank = {**saved, "lora": {"r": 16, "alpha": 16}}
+    assert check(rank) == ["changed settings: lora.r"]  # the settings alone do not tell: the built model does
+    state = {"parameters": "p1", "optimizer": "o1"}
+    with pytest.raises(ToolkitError, match=r"lora\.r \(8 -> 16\) changed, and its weights and its Adam state do not "
+                                           r"fit the parameters this recipe trains"):
+        check_state({**meta, "state": state}, ckpt, {"parameters": "p2", "optimizer": "o2"}, rank)
+    trainable = {**saved, "trainable": ["lora", "model.norm"]}
+    with pytest.raises(ToolkitError, match=r'trainable \(null -> \["lora", "model.norm"\]\) changed, and its Adam '
+                                           r"state do not fit"):
+        check_state({**meta, "state": state}, ckpt, {"parameters": "p1", "optimizer": "o2"}, trainable)
+    alpha = {**saved, "lora": {"r": 8, "alpha": 32}}
+    assert check(alpha) == ["changed settings: lora.alpha"]
+    check_state({**meta, "state": state}, ckpt, state, alpha)  # the same parameters: forcible
+    check_state(meta, ckpt, state, rank)  # a checkpoint of an earlier version: its load says it (restore)
 
 
 @pytest.mark.parametrize(("strategy", "world_size"), [("fsdp", 2), ("ddp", 4), ("zero3", 1)])
@@ -860,9 +877,24 @@ def test_a_failed_library_write_is_a_failed_save(tmp_path: Path, writer: Callabl
     root = tmp_path / "ck"
     mgr = _manager(root, best_metric=None)
     _save(mgr, 1)
-    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: .*previous one is intact"):
+    with pytest.raises(ToolkitError, match=r"Could not write checkpoint .*step-00000002: .*the last committed one, "
+                                           r".*step-00000001, is intact"):
         mgr.save(2, writer, {"step": 2})
     assert _step_entries(root) == ["step-00000001"] and not list(root.glob("*.tmp"))
+
+
+def test_a_failed_first_save_does_not_speak_of_a_previous_checkpoint(tmp_path: Path) -> None:
+    """The hostile pass filled the disk at the first save: the line said "the previous one is intact" with no
+    checkpoint at all. It now says none was committed and that a relaunch starts again."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    root = tmp_path / "ck"
+    with pytest.raises(ToolkitError) as info:
+        _manager(root, best_metric=None).save(1, _torch_save_onto_a_full_device, {"step": 1})
+    assert "intact" not in str(info.value) and "previous" not in str(info.value)
+    assert "no checkpoint was committed before it" in str(info.value)
+    assert "starts again from the first step" in str(info.value)
+    assert not list(root.glob("*.tmp"))
 
 
 def test_partial_saves_of_a_dead_run_are_cleared_when_the_next_run_starts(tmp_path: Path) -> None:

@@ -263,6 +263,14 @@ def test_malformed_json_names_file_and_line(tmp_path: Path, tok: PreTrainedToken
     path.write_text('{"text": "a"}\n{"text": \'b\'}\n')
     with pytest.raises(ToolkitError, match=r":2: not valid JSON \(Expecting value at column 10\)"):
         _load([path], tok)
+    # json's messages that end in "at" ("Unterminated string starting at") said "at at column" (hostile pass).
+    path.write_text('{"text": "a"}\n{"text": "b')
+    with pytest.raises(ToolkitError, match=r":2: not valid JSON \(Unterminated string starting at column 10\)"):
+        _load([path], tok)
+    array = tmp_path / "bad.json"
+    array.write_text('[{"text": "a\tb"}]')
+    with pytest.raises(ToolkitError, match=r"not valid JSON \(Invalid control character at line 1, column 13\)"):
+        _load([array], tok)
 
 
 def test_json_list_row_is_error(tmp_path: Path) -> None:

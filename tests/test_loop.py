@@ -81,7 +81,9 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
                                             betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)
     out.mkdir(parents=True, exist_ok=True)
-    return tc.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=PreemptionFlag(),
+    preemption = PreemptionFlag()
+    preemption.training()  # these runs are in their loop: a signal asks for a save
+    return tc.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
                            curriculum=curriculum, collate=padding_collator(tokenizer), identity={"run_name": "unit"},
                            num_workers=0)
 

@@ -31,6 +31,7 @@ from tests.conftest import (
     rank_stderr,
     run_env,
     run_launch,
+    signal_tree,
     start_and_signal,
     toolkit_lines,
     train_cmd,
@@ -447,6 +448,145 @@ def test_requeue_after_a_kill_before_the_first_checkpoint_starts_afresh(trained:
     assert (run / "final").is_dir() and committed_checkpoints(run / "checkpoints")
 
 
+# --- stop signals before the first step ----------------------------------------------------------------------------
+
+_HELD_IN_NATIVE_CODE = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from toolkit.preemption import PreemptionFlag
+flag = PreemptionFlag()
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=120))
+print("blocked", flush=True)
+store.get("a key nobody sets")  # held in C++ (as in a collective whose peer is gone): no Python handler runs
+"""
+
+
+@pytest.mark.parametrize(("sig", "code", "line"), [
+    (signal.SIGTERM, 75, "stopped by SIGTERM before training began: nothing to save. Relaunch the same command."),
+    (signal.SIGINT, 130, "interrupted (Ctrl-C): stopped without saving")])
+def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, code: int, line: str) -> None:
+    """The hostile pass saw a run hung before its first step outlive SIGTERM by 10 minutes, until SIGKILL: the
+    handler only set a flag that the loop reads. A main thread held in native code runs no Python handler at all;
+    the watcher thread ends the process within STOP_GRACE_S, with one line and the signal's exit code."""
+    from toolkit.preemption import STOP_GRACE_S
+
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_NATIVE_CODE], cwd=REPO, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    try:
+        assert proc.stdout.readline() == "blocked\n"
+        time.sleep(0.3)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=STOP_GRACE_S + 20)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), stderr[-3000:]
+    assert took < STOP_GRACE_S + 10
+
+
+def _rank_stderrs(rank_logs: Path) -> list[str]:
+    return [path.read_text() for path in sorted(rank_logs.glob("*/attempt_*/*/stderr.log"))]
+
+
+def _wait_until(what: str, condition: Any, proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc={proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            signal_tree(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {what} after {timeout} s")
+        time.sleep(0.05)
+
+
+def _stop_after(proc: subprocess.Popen, sig: signal.Signals, timeout: float = 30) -> float:
+    """Send `sig` to `proc` and return how long it took to end (failing the test past `timeout`)."""
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running {timeout} s after {sig.name}")
+    return time.monotonic() - sent
+
+
+@pytest.mark.slow
+def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Path) -> None:
+    """SIGTERM to the launcher of a DDP x 2 run while one rank tokenises a large file on a process pool and the
+    other polls for that token store: each rank ends within seconds with one line (preemption exit code), nothing
+    of the store is kept (no half-written store, no pool worker left). Then SIGINT to a run waiting for a store
+    whose lock another process holds (a rank of another launch preparing it): one line, 130, within seconds. The
+    same command relaunched trains to the end, with the losses of an uninterrupted run."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i % 97}? Say it in full, step by step."},
+                          {"role": "assistant", "content": f"{i} + {i % 97} = {i + i % 97}. " * 3}]}
+            for i in range(40_000)]
+    write_jsonl(tmp_path / "big.jsonl", rows)
+    overrides = (f"stages=[{{name: only, data: [{tmp_path / 'big.jsonl'}], max_steps: 3}}]", "data.num_proc=2",
+                 f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.save_steps=10")
+    rank_logs, out = tmp_path / "rank-logs", tmp_path / "run"
+    cmd = [a for a in train_cmd("ddp", 2, out, *overrides, rank_logs=rank_logs)
+           if a not in ("--create_dummy_data", "--num_dummy_samples", "64")]
+    stores = tmp_path / "cache" / "stores"
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        _wait_until("store preparation with a rank waiting for it", lambda: list(stores.glob(".*.tmp")) and any(
+            "data: waiting for" in text for text in _rank_stderrs(rank_logs)), proc)
+        time.sleep(0.3)  # into the preparation (40k rows: tens of seconds here, a few on a fast machine)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+        took = _stop_after(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            signal_tree(proc.pid, signal.SIGKILL)
+    assert took < 20, took
+    _, alive = psutil.wait_procs(ranks, timeout=5)
+    assert not alive, f"left running: {alive}"  # ranks and their tokenising workers
+    for stderr in _rank_stderrs(rank_logs):
+        ending = [line for line in stderr.splitlines() if "before training began" in line or "error" in line]
+        assert ending == ["stopped by SIGTERM before training began: nothing to save. No checkpoint was committed "
+                          "yet: relaunch the same command to start again."], stderr[-3000:]
+        assert "Traceback" not in stderr
+    assert not [p for p in stores.iterdir() if not p.name.endswith(".lock")]  # no store, no temporary folder
+    assert not out.exists() or not any(p.name in ("metrics.jsonl", "checkpoints") for p in out.iterdir())
+
+    # A run waiting for a store whose lock another process holds, then Ctrl-C.
+    import fcntl
+
+    (lock,) = stores.glob("*.lock")
+    with lock.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        single = subprocess.Popen([sys.executable, *cmd[cmd.index(str(REPO / "train_curriculum.py")):]],
+                                  cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        said: list[str] = []
+
+        def waiting() -> bool:
+            said.append(single.stdout.readline())
+            return "data: waiting for" in said[-1]
+
+        _wait_until("a wait for the held store", waiting, single)
+        took = _stop_after(single, signal.SIGINT)
+        said.extend(single.stdout.read().splitlines())
+    assert single.returncode == 130 and took < 10, said[-20:]
+    assert [line for line in said if line.strip()][-1].startswith("interrupted (Ctrl-C)"), said[-20:]
+
+    # The same command again, and an uninterrupted run of it (its store is ready now).
+    again = run_launch(cmd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    fresh = run_launch([*cmd, f"output_dir={tmp_path / 'fresh'}"])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    losses = [[(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl", "train")]
+              for run in (out, tmp_path / "fresh")]
+    assert losses[0] == losses[1] and [s for s, _ in losses[0]] == [1, 2, 3]
+
+
 # --- resume on changed inputs ------------------------------------------------------------------------------------
 
 def test_resume_force_says_what_differs(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -479,6 +619,40 @@ def test_a_begun_stage_cannot_be_forced_to_another_length(trained: Path, tmp_pat
         assert "even with checkpoint.resume_force" in line
 
 
+def test_a_forced_resume_into_another_model_or_trainable_set_is_refused_in_one_line(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hostile pass forced resumes past a changed model.name_or_path and train.trainable: a raw RuntimeError
+    (`Error(s) in loading state_dict`) and "report it". Each is refused before the weights load, in one line naming
+    the key and both values, and the run's folder stays as it was (`Call.watch`)."""
+    run = copy_run(trained, tmp_path)
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    model = Path(recipe["model"]["name_or_path"])
+    shutil.copytree(model, tmp_path / "other-model")  # the same architecture and shapes, another model
+    for override, said in [
+            (f"model.name_or_path={tmp_path / 'other-model'}",
+             f'model.name_or_path ("{model}" -> "{tmp_path / "other-model"}") changed, and its state holds the '
+             "weights of the model it trained"),
+            ("train.trainable=[lora,model.norm]",
+             'trainable (null -> ["lora", "model.norm"]) changed, and its weights and its Adam state do not fit'),
+            ("lora.r=8", "lora.r (16 -> 8) changed, and its weights do not fit")]:
+        rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", override], run),
+                            tmp_path, monkeypatch)
+        assert rc == 2, stderr[-3000:]
+        (line,) = [x for x in stderr.splitlines() if x.startswith("error: ")]
+        assert said in line and "even with checkpoint.resume_force" in line, line
+        assert "report it" not in stderr and "Traceback" not in stderr
+
+    # A checkpoint of an earlier version records no state signature: its load says what it is, in one line.
+    meta = read_meta(run / "checkpoints" / "step-00000003")
+    del meta["state"]
+    (run / "checkpoints" / "step-00000003" / META_FILE).write_text(json.dumps(meta))
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true", "lora.r=8"], run),
+                        tmp_path, monkeypatch)
+    (line,) = [x for x in stderr.splitlines() if x.startswith("error: ")]
+    assert rc == 2 and "does not fit this run's model (Error(s) in loading state_dict" in line, stderr[-3000:]
+    assert "report it" not in stderr and "Traceback" not in stderr
+
+
 def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced past a changed lr mid-stage, step 3 trains at the new recipe's lr, as a fresh run of it does: the
@@ -494,6 +668,22 @@ def test_a_forced_lr_applies_from_the_first_resumed_step(trained: Path, tmp_path
     assert rc == 0, stderr[-3000:]
     forced, fresh = (read_metrics(tmp_path / name / "metrics.jsonl", "train") for name in ("again", "fresh"))
     assert [(r["step"], r["lr"]) for r in forced] == [(r["step"], r["lr"]) for r in fresh if r["step"] >= 3]
+
+
+def test_forced_weight_decay_and_betas_apply_after_a_resume(trained: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer's state restores the checkpointed recipe's weight decay, betas and eps with its moments: a
+    forced change of them was said to be accepted and silently ignored (the step trained as without it)."""
+    run = copy_run(trained, tmp_path)
+    adapters = {}
+    for name, forced in (("as-saved", []), ("decayed", ["checkpoint.resume_force=true", "optimizer.weight_decay=0.5",
+                                                         "optimizer.betas=[0.5,0.5]"])):
+        rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume=run/checkpoints/step-00000002",
+                                  f"output_dir={name}", *forced], tmp_path / name), tmp_path, monkeypatch)
+        assert rc == 0, stderr[-3000:]
+        adapters[name] = load_file(tmp_path / name / "final" / "adapter_model.safetensors")
+    assert run.is_dir() and adapters["as-saved"].keys() == adapters["decayed"].keys()
+    assert any(not torch.equal(adapters["as-saved"][k], adapters["decayed"][k]) for k in adapters["as-saved"])
 
 
 # --- runs that end in garbage do not succeed -------------------------------------------------------------------

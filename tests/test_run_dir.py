@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO, run_env
 from toolkit.config import load_recipe, recipe_to_yaml, resume_invariants
 from toolkit.errors import ToolkitError
-from toolkit.run_dir import RunLayout, RunLock, set_aside_earlier_attempt
+from toolkit.run_dir import CACHE, RunLayout, RunLock, set_aside_earlier_attempt
 
 BUSY = "a live run is writing it"
 
@@ -209,3 +209,70 @@ def test_an_empty_or_new_folder_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / "mine" / "notes.txt").write_text("the user's")
     assert set_aside_earlier_attempt(RunLayout(tmp_path / "mine"), invariants) is None
     assert not (tmp_path / "new").exists() and (tmp_path / "mine" / "notes.txt").exists()
+
+
+# --- an output dir whose parent is read-only (a container's volume in a read-only tree) -------------------------
+
+def in_read_only_tree(tmp_path: Path, script: str, *, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the shell `script` with `tmp_path/tree` read-only and `tmp_path/tree/out` a writable folder mounted on it
+    (a container's volume), in a mount namespace of its own (the mounts go with it, whatever happens). HOME and
+    XDG_CACHE_HOME point into tmp_path. Skips where this machine allows no such mounts. Even root cannot write to a
+    read-only mount, unlike a chmod 0555 folder."""
+    tree, volume = tmp_path / "tree", tmp_path / "volume"
+    (tree / "out").mkdir(parents=True)
+    volume.mkdir()
+    mounts = (f"mount --bind {tree} {tree} && mount -o remount,bind,ro {tree} && mount --bind {volume} {tree}/out "
+              f"&& ! touch {tree}/x 2>/dev/null && touch {tree}/out/x && rm {tree}/out/x")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mounts],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs a private mount namespace with bind mounts (unshare, mount): {probe.stderr.strip()}")
+    env = run_env() | {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    env.pop("TOOLKIT_CACHE_DIR", None)
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{mounts} && {script}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+_LAYOUT_CHECK = """
+import json, os, sys
+from pathlib import Path
+from toolkit.run_dir import RunLayout, RunLock, check_output_dir
+out = Path(sys.argv[1])
+check_output_dir(out)
+layout = RunLayout(out)
+first, second = RunLock(layout), RunLock(RunLayout(str(out) + "/../out"))
+print(json.dumps({"cache": str(layout.cache), "tokenized": str(layout.tokenized), "lock": str(layout.lock_file),
+                  "first": first.acquire(), "second": second.acquire(),
+                  "env": str(RunLayout(out).cache) if os.environ.setdefault("TOOLKIT_CACHE_DIR", "/srv/c") else ""}))
+"""
+
+
+def test_a_read_only_parent_puts_the_cache_and_the_lock_in_the_user_cache(tmp_path: Path) -> None:
+    """The hostile pass's container layout: the run lock and the built-in model cache always went to
+    `<parent>/.toolkit-cache`, so an output dir on a writable volume in a read-only tree could not be used. They go
+    to $XDG_CACHE_HOME/curriculum-toolkit (or $TOOLKIT_CACHE_DIR) then; the lock still keeps a second writer out."""
+    out = tmp_path / "tree" / "out"
+    proc = in_read_only_tree(tmp_path, f"{sys.executable} -c '{_LAYOUT_CHECK}' {out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout)
+    user = tmp_path / "xdg" / "curriculum-toolkit"
+    assert seen["cache"] == str(user) and seen["tokenized"] == str(user / "tokenized")
+    assert Path(seen["lock"]).parent == user / "locks" and seen["first"] is None
+    assert seen["second"] is not None and seen["second"].startswith(BUSY)
+    assert seen["env"] == "/srv/c"  # the user's own cache folder, where set
+    # A writable parent keeps today's layout (existing runs, caches and resume hashes as they were).
+    assert RunLayout(tmp_path / "volume").cache == tmp_path / CACHE
+
+
+def test_the_smoke_recipe_trains_into_a_volume_in_a_read_only_tree(tmp_path: Path) -> None:
+    """A real run of recipes/smoke.yaml (its built-in model) into that output dir finishes; it used to fail on the
+    lock, and on the built-in model's cache with a crash "to report". Its cache is the user's."""
+    out, user = tmp_path / "tree" / "out", tmp_path / "xdg" / "curriculum-toolkit"
+    proc = in_read_only_tree(tmp_path, f"{sys.executable} train_curriculum.py --config recipes/smoke.yaml "
+                                       f"--create_dummy_data --num_dummy_samples 16 output_dir={out} "
+                                       "stages.0.max_steps=2 stages.1.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "volume" / "final" / "adapter_model.safetensors").is_file()  # what the run saw as out/final
+    assert sorted(p.name for p in (tmp_path / "tree").iterdir()) == ["out"]
+    assert (user / "tiny-qwen3" / "config.json").is_file() and list((user / "tokenized").iterdir())
+    assert [p.suffix for p in (user / "locks").iterdir()] == [".lock"]

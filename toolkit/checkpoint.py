@@ -41,7 +41,7 @@ from toolkit.atomic import build_dir, swap_dir, write_text_atomic
 from toolkit.config import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
 from toolkit.read_lease import delete_unless_leased
-from toolkit.strategies import consolidate, param_state
+from toolkit.strategies import consolidate, deepspeed, param_state
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
@@ -190,8 +190,12 @@ class CheckpointManager:
                 raise
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise ToolkitError(f"Could not write checkpoint {final}: {why}. The partial checkpoint was removed; the "
-                               "previous one is intact. Free space and relaunch the same command to resume.") from None
+            earlier = [c for c in committed_checkpoints(self.root) if c != final]
+            after = (f"the last committed one, {earlier[-1]}, is intact. Free space and relaunch the same command to "
+                     "resume from it." if earlier else "no checkpoint was committed before it. Free space and "
+                     "relaunch the same command: it starts again from the first step.")
+            raise ToolkitError(f"Could not write checkpoint {final}: {why}. The partial checkpoint was removed; "
+                               f"{after}") from None
         if self.is_main:
             # The same step may be saved again (e.g. end of stage right after a resume): the folder it replaces
             # goes once no reader holds it.
@@ -522,8 +526,62 @@ def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:
     return meta["world_size"] == world_size and meta["strategy"] == strategy
 
 
-UNFORCIBLE_KEYS = ("lora.enabled", "lora.r", "lora.target_modules", "lora.modules_to_save", "lora.exclude_modules")
-"""Recipe keys that change which parameters exist (or their shapes): no resume_force can load across them."""
+BASE_MODEL_KEY = "model.name_or_path"
+"""The recipe key naming the model whose weights a checkpoint's state holds (accelerate's state: every weight)."""
+
+
+def state_signature(model: torch.nn.Module, groups: list[tuple[tuple[bool, ...], list[str]]]) -> dict[str, str]:
+    """What a checkpoint's state is made of, as digests: every parameter of the (unprepared) model by name and
+    shape (accelerate's state holds them all), and the optimizer's groups (which parameters train in which stages:
+    their Adam state). A run whose model differs in either cannot load the state, forced or not."""
+    params = [(name, deepspeed.full_shape(p)) for name, p in model.named_parameters()]
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
+
+    return {"parameters": digest(params), "optimizer": digest([[list(stages), names] for stages, names in groups])}
+
+
+def _value_at(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if isinstance(tree, dict):
+            tree = tree.get(part)
+        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return None
+    return tree
+
+
+def _both_values(keys: list[str], saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """`key (old -> new)` for each key: what a refusal names."""
+    return ", ".join(f"{k} ({json.dumps(_value_at(saved, k))} -> {json.dumps(_value_at(now, k))})" for k in keys)
+
+
+def _unfollowable(ckpt: Path, changes: str, why: str) -> ToolkitError:
+    return ToolkitError(
+        f"Checkpoint {ckpt} cannot be resumed into this run, even with checkpoint.resume_force: {changes} changed, "
+        f"and {why}. Resume with the recipe it was written with, or start a new output_dir from its weights "
+        f"(toolkit export {ckpt} --merge).")
+
+
+def check_state(meta: dict[str, Any], ckpt: Path, state: dict[str, str], invariants: dict[str, Any]) -> None:
+    """Refuse a resume whose model cannot hold the checkpoint's state (`state`: this run's `state_signature`, of the
+    model built and not yet loaded), forced or not: the recipe keys that build the model (model, lora, trainable)
+    and changed are named with both values. Checkpoints of earlier versions recorded no signature: their load says
+    it (`restore`)."""
+    saved = meta.get("state")
+    if saved is None or saved == state:
+        return
+    parts = [{"parameters": "its weights", "optimizer": "its Adam state"}[p] for p in ("parameters", "optimizer")
+             if saved.get(p) != state.get(p)]
+    before = meta.get("invariants") or {}
+    keys = [k for k in _changed_keys(before, invariants)
+            if k.split(".")[0] in ("model", "lora", "trainable") or re.fullmatch(r"stages\.\d+\.trainable(\..*)?", k)]
+    changes = _both_values(keys, before, invariants) if keys else "no recipe key (this version builds the model " \
+                                                                  "otherwise)"
+    raise _unfollowable(ckpt, changes, f"{' and '.join(parts)} do not fit the parameters this recipe trains "
+                                       "(another set or other shapes)")
 
 
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
@@ -545,12 +603,9 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     differences = []
     if meta["recipe_hash"] != invariants_hash:
         keys = _changed_keys(meta["invariants"], invariants) if "invariants" in meta and invariants else []
-        if force and (shaped := [k for k in keys if k.startswith(UNFORCIBLE_KEYS)]):
-            raise ToolkitError(
-                f"Checkpoint {ckpt} trained other parameters ({', '.join(shaped)} changed): its weights and Adam "
-                "state cannot be loaded into this run, so the change cannot be forced (checkpoint.resume_force). "
-                "Resume with the recipe it was written with, or start a new output_dir (export the adapter with "
-                f"toolkit export {ckpt} --merge to start from its weights).")
+        if force and BASE_MODEL_KEY in keys:  # its state holds every weight of the model it trained
+            raise _unfollowable(ckpt, _both_values([BASE_MODEL_KEY], meta["invariants"], invariants),
+                                "its state holds the weights of the model it trained, not of this one")
         differences.append("changed settings: " + (", ".join(keys) if keys else "model, lora, data, stages, "
                                                   "optimizer, schedule or seed"))
     saved_data = meta.get("data_files") or {}
@@ -622,6 +677,11 @@ class Restored:
     lost: tuple[str, ...] = ()
 
 
+_LOAD_MISFITS = ("Error(s) in loading state_dict", "size mismatch", "doesn't match the size of optimizer's group",
+                 "parameter group that doesn't match")
+"""What torch's load_state_dict says of a model or optimizer state written for other parameters."""
+
+
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
             strategy: str, seed: int) -> Restored:
     """Load `ckpt` into the prepared objects. All ranks call this.
@@ -636,7 +696,15 @@ def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, sc
     verify_checkpoint_files(ckpt)
     meta = read_meta(ckpt)
     if same_layout(meta, strategy, accelerator.num_processes):
-        accelerator.load_state(str(ckpt))
+        try:
+            accelerator.load_state(str(ckpt))
+        except (RuntimeError, ValueError) as e:  # a checkpoint of an earlier version, without a state signature
+            if not any(sign in str(e) for sign in _LOAD_MISFITS):
+                raise
+            raise ToolkitError(
+                f"Checkpoint {ckpt} does not fit this run's model ({str(e).strip().splitlines()[0][:160]}): it was "
+                "written for other parameters (model, lora or trainable settings). Resume with the recipe it was "
+                f"written with, or start a new output_dir from its weights (toolkit export {ckpt} --merge).") from None
         if (strategy, accelerator.mixed_precision) in EXACT_RESUME_TESTED:
             return Restored("exact")
         return Restored(f"same layout: every state restored, but bit-exact resume is tested for "

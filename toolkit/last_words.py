@@ -103,6 +103,9 @@ def blame(exc: BaseException, peers: list[Peer]) -> tuple[str, bool] | None:
                     "rank stopped with it"), True
         if note.get("kind") == "interrupted":
             return f"{peer.describe()} was interrupted (Ctrl-C), and this rank stopped with it", True
+        if note.get("kind") == "stopped":
+            return (f"{peer.describe()} was stopped by {note['signal']} before training began, and this rank "
+                    "stopped with it"), True
     dead = [p for p in peers if p.note is None and p.gone]
     if dead:
         names = ", ".join(p.describe() for p in dead)
@@ -122,6 +125,7 @@ class LastWords:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.layout: RunLayout | None = None
         self.outputs_written = False
+        self.stopped_with_a_peer = False  # the last `unexpected` blamed a peer stopped by a signal
 
     def watch(self, layout: RunLayout) -> None:
         """The run's folder, and this rank's host and pid in the store (collectives are up)."""
@@ -139,6 +143,10 @@ class LastWords:
     def interrupted(self) -> None:
         self._store_set(f"end/{self.rank}", {"kind": "interrupted"})
 
+    def stopped(self, signal_name: str) -> None:
+        """This rank ends on a stop signal that came before the first step: the others may name it."""
+        self._store_set(f"end/{self.rank}", {"kind": "stopped", "signal": signal_name})
+
     def finished(self) -> None:
         """This rank ended as planned (done, or preempted): a peer that fails later does not blame it."""
         self._store_set(f"end/{self.rank}", {"kind": "done"})
@@ -153,14 +161,16 @@ class LastWords:
         if blamed is None:
             summary = f"{type(exc).__name__}: {_first_line(str(exc))}"
             self._store_set(f"end/{self.rank}", {"kind": "failed", "summary": summary, "log": str(log)})
-            return (f"error: {who} failed: {summary} ({where}). {self._resume_advice()} If it fails the same way, "
+            return (f"error: {who} failed: {summary} ({where}). {self.relaunch_advice()} If it fails the same way, "
                     "report it with that traceback.")
         self._store_set(f"end/{self.rank}", {"kind": "lost"})
         cause, resumable = blamed
-        advice = f" {self._resume_advice()}" if resumable else ""
+        self.stopped_with_a_peer = any((p.note or {}).get("kind") == "stopped" for p in peers)
+        advice = f" {self.relaunch_advice()}" if resumable else ""
         return f"error: {who} stopped: {cause}.{advice} The traceback of {who} is {f'in {log}' if log else 'above'}."
 
-    def _resume_advice(self) -> str:
+    def relaunch_advice(self) -> str:
+        """What relaunching the same command does: resume from the last committed checkpoint, or start again."""
         found = committed_checkpoints(self.layout.checkpoints) if self.layout is not None else []
         if found:
             return f"Relaunch the same command to resume from {found[-1]}."

@@ -8,7 +8,9 @@ It is keyed by the folder itself, not by how the path to it is spelled: a lock f
 dir (in the `.toolkit-cache` there, so a run that stops on bad input has written nothing inside the output dir),
 named by the folder's name, and, where the folder exists, an flock on the folder itself. A symlink, `a/../b`, a
 relative or absolute path, a bind mount of a folder above it or of the folder itself (a container's volume) all
-meet the same lock.
+meet the same lock. Where that parent is not writable (a container's writable volume mounted into a read-only
+tree), the lock file and the shared cache go to the per-user cache (`user_cache`): a run writes nothing outside its
+output dir and that cache.
 
 A fresh start (no committed checkpoint to resume) in a folder holding an earlier run's outputs: an attempt of the
 same recipe that stopped before its first checkpoint (a scheduler requeues the same command) has its records
@@ -37,6 +39,24 @@ from toolkit.errors import ToolkitError
 log = logging.getLogger(__name__)
 
 CACHE = ".toolkit-cache"
+CACHE_ENV = "TOOLKIT_CACHE_DIR"
+"""The user's own cache folder: built-in models, tokenised data (unless data.cache_dir), and, where an output dir's
+parent is not writable, its lock file."""
+
+
+def user_cache() -> Path:
+    """The per-user cache: $TOOLKIT_CACHE_DIR, else $XDG_CACHE_HOME/curriculum-toolkit, else
+    ~/.cache/curriculum-toolkit (the XDG base directory default)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "curriculum-toolkit"
+
+
+def writable(folder: Path) -> bool:
+    """Whether this process may create `folder`'s entries: the folder, or where it does not exist yet its nearest
+    existing ancestor, is a writable folder (access(2): a read-only mount says no, also to root)."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
 
 
 @dataclass(frozen=True)
@@ -132,8 +152,10 @@ class RunLayout:
         beside the output dir as written (where the user put a symlink, say), not as resolved: its entries are
         content-addressed and published atomically (toolkit/atomic.py), so two spellings of one folder that use two
         caches cost a rebuild, never a wrong or torn entry; and the resolved folder's parent may not be writable.
-        Only the lock must be the same for every spelling (`lock_file`)."""
-        return self.root.parent / CACHE
+        Only the lock must be the same for every spelling (`lock_file`). $TOOLKIT_CACHE_DIR, where set, and the
+        per-user cache where the parent is not writable, hold it instead (`user_cache`)."""
+        beside = self.root.parent / CACHE
+        return beside if not os.environ.get(CACHE_ENV) and writable(beside) else user_cache()
 
     @property
     def tokenized(self) -> Path:
@@ -143,14 +165,21 @@ class RunLayout:
     @property
     def locks(self) -> Path:
         """The run locks of the folder that really holds the output dir: beside its *resolved* path, so that every
-        spelling of it (a symlink to it or to a folder above it, `a/../b`, relative or absolute) meets one lock."""
-        return self.root.resolve().parent / CACHE / "locks"
+        spelling of it (a symlink to it or to a folder above it, `a/../b`, relative or absolute) meets one lock; in
+        the per-user cache where that parent is not writable (not $TOOLKIT_CACHE_DIR alone: launches that set it
+        and launches that do not must meet one lock)."""
+        beside = self.root.resolve().parent / CACHE / "locks"
+        return beside if writable(beside) else user_cache() / "locks"
 
     @property
     def lock_file(self) -> Path:
         """The output dir's lock file, named by the resolved folder's name (not its whole path: reached through a
-        bind mount of a folder above it, the path differs but the folder of locks is the same one)."""
-        return self.locks / f"{hashlib.sha256(self.root.resolve().name.encode()).hexdigest()[:20]}.lock"
+        bind mount of a folder above it, the path differs but the folder of locks is the same one); in the per-user
+        cache, which holds the locks of every parent, by its whole resolved path (a folder there exists: its parent
+        is not writable; its own flock meets every other spelling, `RunLock`)."""
+        resolved, locks = self.root.resolve(), self.locks
+        name = resolved.name if locks == resolved.parent / CACHE / "locks" else str(resolved)
+        return locks / f"{hashlib.sha256(name.encode()).hexdigest()[:20]}.lock"
 
     @property
     def earlier_run_files(self) -> tuple[Path, ...]:
@@ -200,6 +229,10 @@ def check_output_dir(out: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ToolkitError(f"output_dir {out} is not writable ({existing} does not allow this user to write). "
                            "Choose a folder you can write to.")
+    cache = RunLayout(out).cache
+    if not writable(cache):
+        raise ToolkitError(f"The toolkit's cache {cache} (built-in models, tokenised data, run locks) cannot be "
+                           f"written. Set {CACHE_ENV} to a folder you can write to.")
 
 
 def set_aside_earlier_attempt(layout: RunLayout, invariants: dict[str, Any]) -> Path | None:

@@ -396,8 +396,13 @@ def _parse_jsonl(path: Path, start: int, end: int, first: int) -> Iterator[tuple
         except json.JSONDecodeError as e:
             # e.colno counts from the last newline json saw, the line's own one included: say it by position.
             at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
-            raise ToolkitError(f"{path}:{lineno}: not valid JSON ({e.msg} at {at}). "
+            raise ToolkitError(f"{path}:{lineno}: not valid JSON ({_json_problem(e)} at {at}). "
                                "Each line must be one JSON object.") from None
+
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """json's message without its trailing "at" ("Unterminated string starting at"): the caller says where."""
+    return e.msg.removesuffix(" at")
 
 
 def _load_json_array(path: Path) -> list[Any]:
@@ -407,7 +412,8 @@ def _load_json_array(path: Path) -> list[Any]:
         raise ToolkitError(f"{path}: byte offset {e.start} of the file is not UTF-8. Data files must be UTF-8 "
                            "text.") from None
     except json.JSONDecodeError as e:
-        raise ToolkitError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).") from None
+        raise ToolkitError(f"{path}: not valid JSON ({_json_problem(e)} at line {e.lineno}, column {e.colno}).") \
+            from None
     if not isinstance(rows, list):
         raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")
     return rows

@@ -195,6 +195,11 @@ def full_numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
 
+def full_shape(param: torch.Tensor) -> list[int]:
+    """A parameter's full shape, also under ZeRO-3, where the local tensor is an empty shard."""
+    return list(getattr(param, "ds_shape", param.shape))
+
+
 @contextmanager
 def without_zero3_init() -> Iterator[None]:
     """Build a plain local model even inside a ZeRO-3 run: Qwen2.5-VL creates its sub-models with `_from_config`,
