@@ -351,11 +351,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
+TEMPLATES = REPO / "toolkit" / "chat_templates"
 
 
 def stock_template(name: str) -> str:
-    """A stock Qwen chat template (tests/data/templates/NAME.jinja; sources in its README)."""
+    """A stock Qwen chat template as the package ships it (toolkit/chat_templates/NAME.jinja; sources in its
+    README), read from the file rather than through the toolkit's name lookup that tests check."""
     return (TEMPLATES / f"{name}.jinja").read_text()
 
 

@@ -23,7 +23,7 @@ from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE
 from toolkit.tiny import QWEN_VOCAB_SIZE
 
-TEMPLATES = ["qwen2.5-instruct", "qwen3", "qwen2.5-vl", "qwen3-vl"]
+TEMPLATES = ["qwen2.5", "qwen3", "qwen2.5-vl", "qwen3-vl"]
 Q = "What is 17 + 25?"
 SINGLE = [{"role": "user", "content": Q}, {"role": "assistant", "content": "42."}]
 MULTI = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."},
@@ -58,26 +58,26 @@ EMPTY = "<think>\n\n</think>\n\n"
 # renders one (empty when there is no reasoning) on the turns after the last user query.
 CASES: list[tuple[str, dict[str, Any], dict[str, list[str] | str]]] = [
     ("single", {"messages": SINGLE}, {
-        "qwen2.5-instruct": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
+        "qwen2.5": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
         "qwen3-vl": ["42." + E]}),
     ("multi", {"messages": MULTI}, {
-        "qwen2.5-instruct": ["5." + E, "It is 8." + E], "qwen3": ["5." + E, EMPTY + "It is 8." + E],
+        "qwen2.5": ["5." + E, "It is 8." + E], "qwen3": ["5." + E, EMPTY + "It is 8." + E],
         "qwen2.5-vl": ["5." + E, "It is 8." + E], "qwen3-vl": ["5." + E, "It is 8." + E]}),
     ("system", {"messages": SYSTEM}, {
-        "qwen2.5-instruct": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
+        "qwen2.5": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
         "qwen3-vl": ["42." + E]}),
     ("think_in_content", {"messages": THINK_IN_CONTENT}, {
-        "qwen2.5-instruct": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
+        "qwen2.5": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
         "qwen3": ["5." + E, "<think>\nAdd again.\n</think>\n\nIt is 8." + E],
         "qwen2.5-vl": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
         "qwen3-vl": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E]}),
     ("reasoning_content", {"messages": REASONING_FIELD}, {
-        "qwen2.5-instruct": "has 'reasoning_content' but the chat template does not render it",
+        "qwen2.5": "has 'reasoning_content' but the chat template does not render it",
         "qwen3": ["5." + E, "<think>\nAdd again.\n</think>\n\nIt is 8." + E],
         "qwen2.5-vl": "has 'reasoning_content' but the chat template does not render it",
         "qwen3-vl": "has 'reasoning_content' but the chat template does not render it"}),
     ("tool_calls", {"messages": TOOL_CALLS, "tools": TOOLS}, {
-        "qwen2.5-instruct": [CALL, "2 + 3 = 5." + E], "qwen3": [CALL, EMPTY + "2 + 3 = 5." + E],
+        "qwen2.5": [CALL, "2 + 3 = 5." + E], "qwen3": [CALL, EMPTY + "2 + 3 = 5." + E],
         "qwen2.5-vl": "has 'tools' but the chat template does not render tools",
         "qwen3-vl": [CALL, "2 + 3 = 5." + E]}),
     ("assistant_first", {"messages": [{"role": "assistant", "content": "Hi."}, *SINGLE]},
@@ -128,7 +128,7 @@ def test_stock_template_shapes(toks: dict[str, Any], template: str, shape: str, 
     header = tok.encode("<|im_start|>assistant\n")
     for a, b in runs:
         assert ids[a - 3:a] == header or (ids[a - 2:a] == header[:2] and tok.decode(ids[a:a + 1])[0] == "\n"
-                                          and template == "qwen2.5-instruct")  # "\n<tool_call>": see below
+                                          and template == "qwen2.5")  # "\n<tool_call>": see below
         assert ids[b - 1] == tok.convert_tokens_to_ids("<|im_end|>") and tok.decode(ids[b:b + 1]) == "\n"
     assert sum(b - a for a, b in runs) == sum(lab != IGNORE_INDEX for lab in labels)
 
@@ -136,7 +136,7 @@ def test_stock_template_shapes(toks: dict[str, Any], template: str, shape: str, 
 def test_qwen25_tool_call_header(toks: dict[str, Any]) -> None:
     """Qwen2.5 renders a tool-call turn as `<|im_start|>assistant\\n<tool_call>...`: the newline is the header's,
     as at inference, where the prompt ends with `<|im_start|>assistant\\n`."""
-    tok = toks["qwen2.5-instruct"]
+    tok = toks["qwen2.5"]
     ids, labels = encode_row({"messages": TOOL_CALLS, "tools": TOOLS}, tok, "assistant", "f:1")
     a, _ = trained_runs(ids, labels, tok)[0]
     assert ids[a - 3:a] == tok.encode("<|im_start|>assistant\n") and tok.decode(ids[a:a + 1]) == "<tool_call>"
@@ -153,9 +153,9 @@ def test_tools_reach_the_template(toks: dict[str, Any]) -> None:
     ("auto", "qwen3", [EMPTY + "42." + E]),
     ("none", "qwen3", ["42." + E]),
     ("empty", "qwen3", [EMPTY + "42." + E]),
-    ("auto", "qwen2.5-instruct", ["42." + E]),
-    ("empty", "qwen2.5-instruct", [EMPTY + "42." + E]),
-    ("none", "qwen2.5-instruct", ["42." + E]),
+    ("auto", "qwen2.5", ["42." + E]),
+    ("empty", "qwen2.5", [EMPTY + "42." + E]),
+    ("none", "qwen2.5", ["42." + E]),
 ])
 def test_thinking_modes(toks: dict[str, Any], thinking: str, template: str, want: list[str]) -> None:
     tok = toks[template]
