@@ -343,7 +343,7 @@ def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[st
     from toolkit.vl_data import encode_vl_row
 
     _, images = vl_processors
-    marked, plain = build_vl_processor(), build_vl_processor()
+    marked, plain = build_vl_processor(VL_CHATML_TEMPLATE), build_vl_processor(VL_CHATML_TEMPLATE)
     plain.chat_template = VL_CHATML_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     kwargs = {"train_on": "assistant", "max_seq_len": 4096, "overlength": "error", "base_dir": images, "where": "f:1"}
     for _, row, _ in VL_CASES[:2]:

@@ -32,6 +32,17 @@ from toolkit.trainable import modules_to_train
 log = logging.getLogger(__name__)
 
 
+BUILTIN_BUILD = 2
+"""The version of what the built-in models' builders write, in their cache folder's name, so that a cache holding an
+earlier build is never reused: bump it whenever toolkit/tiny.py or toolkit/tiny_vl.py change their output (2: each
+carries its family's stock chat template, and the tokenizer Qwen's think and tool tokens)."""
+
+
+def builtin_dir(name_or_path: str, cache_dir: Path) -> Path:
+    """Where `materialize_builtin` builds the built-in model `name_or_path` (`builtin:NAME`) under `cache_dir`."""
+    return cache_dir / f"{name_or_path.removeprefix('builtin:')}-build{BUILTIN_BUILD}"
+
+
 def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
     """Turn `builtin:tiny-qwen3` / `builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl` into a real model directory
     (built once, then loaded like any checkpoint)."""
@@ -41,8 +52,7 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
                            f"{', '.join(builtins)}.")
     if name_or_path not in builtins:
         return name_or_path
-    name = name_or_path.removeprefix("builtin:")
-    target = cache_dir / name
+    target = builtin_dir(name_or_path, cache_dir)
     if not (target / "config.json").is_file():
         # The test-model builders are imported only here, when a built-in model is first built: loading any model
         # (a built one included) never imports them.
