@@ -193,6 +193,36 @@ def test_chatml_override_refuses_what_it_cannot_render(tmp_path: Path, toks: dic
     assert str(info.value).startswith(f"{path}:2: ")
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The built-in tiny Qwen3's tokenizer, as `builtin:tiny-qwen3` saves it."""
+    from toolkit.config import TINY_MODEL
+    from toolkit.model import materialize_builtin
+
+    return AutoTokenizer.from_pretrained(materialize_builtin(TINY_MODEL, tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.mark.parametrize(("shape", "row", "expected"), [*CASES, ("thinking_with_tools", {"messages": [
+    *TOOL_CALLS[:3], {"role": "assistant", "content": "2 + 3 = 5.", "reasoning_content": "The tool said 5."}],
+    "tools": TOOLS}, {})], ids=[*(c[0] for c in CASES), "thinking_with_tools"])
+def test_tiny_qwen3_renders_and_trains_as_qwen3(toks: dict[str, Any], tiny_qwen3_tok: Any, shape: str,
+                                                row: dict[str, Any], expected: dict[str, list[str] | str]) -> None:
+    """The embedded default's tokenizer renders every shape (tools, tool calls and results, think blocks) to the
+    text the real Qwen3 tokenizer with its stock template renders, trains the same text, and refuses what Qwen3
+    refuses; its template tokens are single ids as Qwen's are."""
+    real, tiny = toks["qwen3"], tiny_qwen3_tok
+    if isinstance(expected.get("qwen3"), str):
+        with pytest.raises(ToolkitError, match=expected["qwen3"]):
+            encode_row(row, tiny, "assistant", "f:1")
+        return
+    got, want = encode_row(row, tiny, "assistant", "f:1"), encode_row(row, real, "assistant", "f:1")
+    assert tiny.decode(got[0]) == real.decode(want[0])
+    trained = [[t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX] for ids, labels in (got, want)]
+    assert tiny.decode(trained[0]) == real.decode(trained[1])
+    for token in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert got[0].count(tiny.convert_tokens_to_ids(token)) == want[0].count(real.convert_tokens_to_ids(token))
+
+
 def test_real_tokenizer_and_tiny_qwen3_load_with_from_pretrained(qwen3_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(qwen3_dir)
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir)
