@@ -478,6 +478,10 @@ def _(c: Ctx) -> Call:
                  str(REPO / "accelerate_configs" / "single.yaml")], c.tmp / "run", tool="toolkit")
 
 
+case("chat-template-unknown")(lambda c: c.train(change=section("data", chat_template="qwen4")))
+case("chat-template-missing")(lambda c: c.train(change=section("data", chat_template="templates/chat.jinja")))
+
+
 # --- running them ----------------------------------------------------------------------------------------------
 
 def test_table_and_cases_agree() -> None:
