@@ -96,6 +96,8 @@ def test_an_unknown_name_is_refused_at_validation(value: str) -> None:
     assert "\n" not in message and f"'{value}' is not a template the toolkit knows" in message
     assert f"({', '.join(TEMPLATE_NAMES)})" in message and "a path to a .jinja file" in message
     assert "Jinja text" in message
+    with pytest.raises(ToolkitError, match=r"'data\.chat_template': Value error, is empty; give a template name"):
+        load_recipe(None, ['data.chat_template=" "'])
 
 
 def test_a_missing_path_is_named_missing(tmp_path: Path, models: dict[str, str],

@@ -96,6 +96,8 @@ def chat_template_problem(value: str) -> str | None:
     """Why `data.chat_template: value` is none of its forms (None when it is one), checked at recipe validation,
     before the model loads. Paths are only read (and a missing one named) by `resolve_chat_template`: a saved
     recipe is re-read from other working directories (export, resume)."""
+    if not value.strip():
+        return f"is empty; give {_TEMPLATE_FORMS}, or leave it out for the model's own template"
     if is_jinja_text(value) or value in TEMPLATE_NAMES or _looks_like_path(value):
         return None
     return f"'{value}' is not a template the toolkit knows, an existing path or Jinja text; give {_TEMPLATE_FORMS}"
