@@ -18,7 +18,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests._portable import check_portable_files, portable_state
-from tests.conftest import CURRICULUM, EVERY_CHECKPOINT, REPO, SINGLE_CURRICULUM, processes_for, run_env, train
+from tests.conftest import (
+    CURRICULUM,
+    EVERY_CHECKPOINT,
+    NO_THINK,
+    REPO,
+    SINGLE_CURRICULUM,
+    processes_for,
+    run_env,
+    train,
+)
 from toolkit.config import TINY_MODEL
 from toolkit.metrics import read_metrics
 from toolkit.model import builtin_dir
@@ -88,7 +97,7 @@ RESUME_AT = 6
 def test_portable_resume_into_another_layout(reader: str, processes: int, writer: str,
                                              curriculum_runs: Callable[[str], Path], runs: Path) -> None:
     source, out = curriculum_runs(writer), runs / f"{writer}-to-{reader}x{processes}"
-    proc = train(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT,
+    proc = train(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT, *NO_THINK,
                  f"checkpoint.resume={ckpt(source, RESUME_AT)}", recipe=CURRICULUM)
     layouts = f"{strategy_name(writer)} x {processes_for(writer)} -> {strategy_name(reader)} x {processes}"
     assert (f"INFO resumed (portable ({layouts}; RNG reseeded per rank from the step)) from "
