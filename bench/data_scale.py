@@ -47,7 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3.jinja"
+TEMPLATE = REPO / "toolkit" / "chat_templates" / "qwen3.jinja"
 SYSTEMS = ["You are a careful assistant. Show each step.", "Answer briefly and precisely.",
            "You are a patient tutor for arithmetic and everyday reasoning."]
 TOPICS = ["apples", "trains", "savings", "recipes", "gardens", "bicycles", "libraries", "rivers"]

@@ -51,11 +51,13 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
 
 def write_model(out: Path, *, tiny: bool) -> Path:
     """The benchmark model directory: random Qwen3-8B weights (bf16, built on the GPU) or the tiny Qwen3, each with
-    the toolkit's local ChatML tokenizer (token ids only need to be inside the vocabulary)."""
+    the toolkit's local tokenizer with the ChatML template the recorded results were measured with (token ids only
+    need to be inside the vocabulary)."""
+    from toolkit.templates import CHATML_TEMPLATE
     from toolkit.tiny import build_tokenizer, write_tiny_qwen3
 
     if tiny:
-        return write_tiny_qwen3(out)
+        return write_tiny_qwen3(out, tokenizer=build_tokenizer(CHATML_TEMPLATE))
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,7 +71,7 @@ def write_model(out: Path, *, tiny: bool) -> Path:
     model.save_pretrained(out)
     del model
     torch.cuda.empty_cache()
-    build_tokenizer().save_pretrained(out)
+    build_tokenizer(CHATML_TEMPLATE).save_pretrained(out)
     return out
 
 

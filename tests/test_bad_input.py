@@ -534,6 +534,8 @@ def _(c: Ctx) -> Call:
 case("resume-forced-trainable", trained=True)(
     lambda c: c.resume("checkpoint.resume_force=true", "train.trainable=[lora,model.norm]"))
 case("cache-not-writable")(lambda c: replace(c.train(), env={"TOOLKIT_CACHE_DIR": "/dev/null/cache"}))
+case("chat-template-unknown")(lambda c: c.train(change=section("data", chat_template="qwen4")))
+case("chat-template-missing")(lambda c: c.train(change=section("data", chat_template="templates/chat.jinja")))
 
 
 # --- running them ----------------------------------------------------------------------------------------------

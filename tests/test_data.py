@@ -45,7 +45,8 @@ MULTI = [
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
-    return build_tokenizer()
+    """The tiny tokenizer with the ChatML template (data.chat_template: chatml): {% generation %} markers."""
+    return build_tokenizer(CHATML_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

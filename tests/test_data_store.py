@@ -26,6 +26,7 @@ from toolkit.data.plan import select_rows
 from toolkit.data.sources import Entry
 from toolkit.data.store import open_store
 from toolkit.errors import ToolkitError
+from toolkit.templates import stock_template
 from toolkit.tiny import build_tokenizer
 
 CHAT = [
@@ -121,7 +122,7 @@ def test_length_policies_are_views_of_one_store(tmp_path: Path, tok: PreTrainedT
 
 def _other_template(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
     other = copy.deepcopy(tok)
-    other.chat_template = tok.chat_template.replace("'\\n' }}{%- else %}", "'\\n\\n' }}{%- else %}")
+    other.chat_template = tok.chat_template.replace("'<|im_end|>' + '\\n'", "'<|im_end|>' + '\\n\\n'")
     assert other.chat_template != tok.chat_template
     return other
 
@@ -475,7 +476,7 @@ def test_entry_options_and_image_settings_are_in_the_key(tmp_path: Path, tok: Pr
     keys = [store_key(resolve_source(Entry(str(path), split, columns), tmp_path), "d", encoder)
             for split, columns in ((None, ()), ("test", ()), (None, (("messages", "dialog"),)))]
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
-    processor = build_vl_processor()
+    processor = build_vl_processor(stock_template("qwen2.5-vl"))
     vl = [store_key(source, "d", VLEncoder(processor, train_on="assistant", **kw))
           for kw in ({}, {"max_pixels": 56 * 56}, {"min_pixels": 56 * 56})]
     assert len({json.dumps(k, sort_keys=True) for k in vl}) == 3

@@ -47,9 +47,11 @@ from toolkit.checkpoint import (
     committed_checkpoints,
     read_meta,
 )
+from toolkit.config import TINY_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after
+from toolkit.model import builtin_dir
 from toolkit.plot import plot_run
 from toolkit.run_dir import RunLayout, RunLock
 
@@ -296,7 +298,7 @@ def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monke
     for source in (Path("../work/runs/tiny"), Path("../work/runs/tiny/checkpoints/step-00000002")):
         out = export(source, Path("adapter"), overwrite=True)
         assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
-            (work / "runs" / ".toolkit-cache" / "tiny-qwen3").resolve())
+            builtin_dir(TINY_MODEL, work / "runs" / ".toolkit-cache").resolve())
     merged = export(Path("../work/runs/tiny"), Path("merged"), merge=True)
     assert (merged / "model.safetensors").is_file()
     assert run.is_dir()

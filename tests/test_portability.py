@@ -18,8 +18,19 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests._portable import check_portable_files, portable_state
-from tests.conftest import CURRICULUM, EVERY_CHECKPOINT, REPO, SINGLE_CURRICULUM, processes_for, run_env, train
+from tests.conftest import (
+    CURRICULUM,
+    EVERY_CHECKPOINT,
+    NO_THINK,
+    REPO,
+    SINGLE_CURRICULUM,
+    processes_for,
+    run_env,
+    train,
+)
+from toolkit.config import TINY_MODEL
 from toolkit.metrics import read_metrics
+from toolkit.model import builtin_dir
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +97,7 @@ RESUME_AT = 6
 def test_portable_resume_into_another_layout(reader: str, processes: int, writer: str,
                                              curriculum_runs: Callable[[str], Path], runs: Path) -> None:
     source, out = curriculum_runs(writer), runs / f"{writer}-to-{reader}x{processes}"
-    proc = train(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT,
+    proc = train(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT, *NO_THINK,
                  f"checkpoint.resume={ckpt(source, RESUME_AT)}", recipe=CURRICULUM)
     layouts = f"{strategy_name(writer)} x {processes_for(writer)} -> {strategy_name(reader)} x {processes}"
     assert (f"INFO resumed (portable ({layouts}; RNG reseeded per rank from the step)) from "
@@ -134,7 +145,7 @@ def test_export_lora_adapter_and_merged_model_agree(zero3_lora: Path, tmp_path: 
     _no_empty_tensors(tmp_path / "adapter")
     _no_empty_tensors(tmp_path / "merged")
     assert "| short | 10 |" in (tmp_path / "adapter" / "README.md").read_text()
-    base_dir = zero3_lora.parent / ".toolkit-cache" / "tiny-qwen3"
+    base_dir = builtin_dir(TINY_MODEL, zero3_lora.parent / ".toolkit-cache")
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ids = torch.randint(3, 900, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -155,7 +166,7 @@ def test_export_carries_modules_trained_by_stage_patterns(curriculum_runs: Calla
         trained = f.get_tensor("param/base_model.model.model.norm.modules_to_save.default.weight")
     exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     torch.testing.assert_close(exported["base_model.model.model.norm.weight"], trained, rtol=0, atol=0)
-    base = AutoModelForCausalLM.from_pretrained(curriculum_zero3.parent / ".toolkit-cache" / "tiny-qwen3")
+    base = AutoModelForCausalLM.from_pretrained(builtin_dir(TINY_MODEL, curriculum_zero3.parent / ".toolkit-cache"))
     model = PeftModel.from_pretrained(base, tmp_path / "adapter")
     norm = dict(model.named_parameters())["base_model.model.model.norm.modules_to_save.default.weight"]
     assert torch.equal(norm.detach(), trained)

@@ -23,7 +23,7 @@ from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE
 from toolkit.tiny import QWEN_VOCAB_SIZE
 
-TEMPLATES = ["qwen2.5-instruct", "qwen3", "qwen2.5-vl", "qwen3-vl"]
+TEMPLATES = ["qwen2.5", "qwen3", "qwen2.5-vl", "qwen3-vl"]
 Q = "What is 17 + 25?"
 SINGLE = [{"role": "user", "content": Q}, {"role": "assistant", "content": "42."}]
 MULTI = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."},
@@ -58,26 +58,26 @@ EMPTY = "<think>\n\n</think>\n\n"
 # renders one (empty when there is no reasoning) on the turns after the last user query.
 CASES: list[tuple[str, dict[str, Any], dict[str, list[str] | str]]] = [
     ("single", {"messages": SINGLE}, {
-        "qwen2.5-instruct": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
+        "qwen2.5": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
         "qwen3-vl": ["42." + E]}),
     ("multi", {"messages": MULTI}, {
-        "qwen2.5-instruct": ["5." + E, "It is 8." + E], "qwen3": ["5." + E, EMPTY + "It is 8." + E],
+        "qwen2.5": ["5." + E, "It is 8." + E], "qwen3": ["5." + E, EMPTY + "It is 8." + E],
         "qwen2.5-vl": ["5." + E, "It is 8." + E], "qwen3-vl": ["5." + E, "It is 8." + E]}),
     ("system", {"messages": SYSTEM}, {
-        "qwen2.5-instruct": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
+        "qwen2.5": ["42." + E], "qwen3": [EMPTY + "42." + E], "qwen2.5-vl": ["42." + E],
         "qwen3-vl": ["42." + E]}),
     ("think_in_content", {"messages": THINK_IN_CONTENT}, {
-        "qwen2.5-instruct": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
+        "qwen2.5": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
         "qwen3": ["5." + E, "<think>\nAdd again.\n</think>\n\nIt is 8." + E],
         "qwen2.5-vl": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E],
         "qwen3-vl": [THINK_IN_CONTENT[1]["content"] + E, THINK_IN_CONTENT[3]["content"] + E]}),
     ("reasoning_content", {"messages": REASONING_FIELD}, {
-        "qwen2.5-instruct": "has 'reasoning_content' but the chat template does not render it",
+        "qwen2.5": "has 'reasoning_content' but the chat template does not render it",
         "qwen3": ["5." + E, "<think>\nAdd again.\n</think>\n\nIt is 8." + E],
         "qwen2.5-vl": "has 'reasoning_content' but the chat template does not render it",
         "qwen3-vl": "has 'reasoning_content' but the chat template does not render it"}),
     ("tool_calls", {"messages": TOOL_CALLS, "tools": TOOLS}, {
-        "qwen2.5-instruct": [CALL, "2 + 3 = 5." + E], "qwen3": [CALL, EMPTY + "2 + 3 = 5." + E],
+        "qwen2.5": [CALL, "2 + 3 = 5." + E], "qwen3": [CALL, EMPTY + "2 + 3 = 5." + E],
         "qwen2.5-vl": "has 'tools' but the chat template does not render tools",
         "qwen3-vl": [CALL, "2 + 3 = 5." + E]}),
     ("assistant_first", {"messages": [{"role": "assistant", "content": "Hi."}, *SINGLE]},
@@ -128,7 +128,7 @@ def test_stock_template_shapes(toks: dict[str, Any], template: str, shape: str, 
     header = tok.encode("<|im_start|>assistant\n")
     for a, b in runs:
         assert ids[a - 3:a] == header or (ids[a - 2:a] == header[:2] and tok.decode(ids[a:a + 1])[0] == "\n"
-                                          and template == "qwen2.5-instruct")  # "\n<tool_call>": see below
+                                          and template == "qwen2.5")  # "\n<tool_call>": see below
         assert ids[b - 1] == tok.convert_tokens_to_ids("<|im_end|>") and tok.decode(ids[b:b + 1]) == "\n"
     assert sum(b - a for a, b in runs) == sum(lab != IGNORE_INDEX for lab in labels)
 
@@ -136,7 +136,7 @@ def test_stock_template_shapes(toks: dict[str, Any], template: str, shape: str, 
 def test_qwen25_tool_call_header(toks: dict[str, Any]) -> None:
     """Qwen2.5 renders a tool-call turn as `<|im_start|>assistant\\n<tool_call>...`: the newline is the header's,
     as at inference, where the prompt ends with `<|im_start|>assistant\\n`."""
-    tok = toks["qwen2.5-instruct"]
+    tok = toks["qwen2.5"]
     ids, labels = encode_row({"messages": TOOL_CALLS, "tools": TOOLS}, tok, "assistant", "f:1")
     a, _ = trained_runs(ids, labels, tok)[0]
     assert ids[a - 3:a] == tok.encode("<|im_start|>assistant\n") and tok.decode(ids[a:a + 1]) == "<tool_call>"
@@ -153,9 +153,9 @@ def test_tools_reach_the_template(toks: dict[str, Any]) -> None:
     ("auto", "qwen3", [EMPTY + "42." + E]),
     ("none", "qwen3", ["42." + E]),
     ("empty", "qwen3", [EMPTY + "42." + E]),
-    ("auto", "qwen2.5-instruct", ["42." + E]),
-    ("empty", "qwen2.5-instruct", [EMPTY + "42." + E]),
-    ("none", "qwen2.5-instruct", ["42." + E]),
+    ("auto", "qwen2.5", ["42." + E]),
+    ("empty", "qwen2.5", [EMPTY + "42." + E]),
+    ("none", "qwen2.5", ["42." + E]),
 ])
 def test_thinking_modes(toks: dict[str, Any], thinking: str, template: str, want: list[str]) -> None:
     tok = toks[template]
@@ -191,6 +191,36 @@ def test_chatml_override_refuses_what_it_cannot_render(tmp_path: Path, toks: dic
     with pytest.raises(ToolkitError, match=match) as info:
         encode_files([path], toks["chatml"], max_seq_len=512, overlength="drop", train_on="assistant")
     assert str(info.value).startswith(f"{path}:2: ")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The built-in tiny Qwen3's tokenizer, as `builtin:tiny-qwen3` saves it."""
+    from toolkit.config import TINY_MODEL
+    from toolkit.model import materialize_builtin
+
+    return AutoTokenizer.from_pretrained(materialize_builtin(TINY_MODEL, tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.mark.parametrize(("shape", "row", "expected"), [*CASES, ("thinking_with_tools", {"messages": [
+    *TOOL_CALLS[:3], {"role": "assistant", "content": "2 + 3 = 5.", "reasoning_content": "The tool said 5."}],
+    "tools": TOOLS}, {})], ids=[*(c[0] for c in CASES), "thinking_with_tools"])
+def test_tiny_qwen3_renders_and_trains_as_qwen3(toks: dict[str, Any], tiny_qwen3_tok: Any, shape: str,
+                                                row: dict[str, Any], expected: dict[str, list[str] | str]) -> None:
+    """The embedded default's tokenizer renders every shape (tools, tool calls and results, think blocks) to the
+    text the real Qwen3 tokenizer with its stock template renders, trains the same text, and refuses what Qwen3
+    refuses; its template tokens are single ids as Qwen's are."""
+    real, tiny = toks["qwen3"], tiny_qwen3_tok
+    if isinstance(expected.get("qwen3"), str):
+        with pytest.raises(ToolkitError, match=expected["qwen3"]):
+            encode_row(row, tiny, "assistant", "f:1")
+        return
+    got, want = encode_row(row, tiny, "assistant", "f:1"), encode_row(row, real, "assistant", "f:1")
+    assert tiny.decode(got[0]) == real.decode(want[0])
+    trained = [[t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX] for ids, labels in (got, want)]
+    assert tiny.decode(trained[0]) == real.decode(trained[1])
+    for token in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert got[0].count(tiny.convert_tokens_to_ids(token)) == want[0].count(real.convert_tokens_to_ids(token))
 
 
 def test_real_tokenizer_and_tiny_qwen3_load_with_from_pretrained(qwen3_dir: Path) -> None:
@@ -343,7 +373,7 @@ def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[st
     from toolkit.vl_data import encode_vl_row
 
     _, images = vl_processors
-    marked, plain = build_vl_processor(), build_vl_processor()
+    marked, plain = build_vl_processor(VL_CHATML_TEMPLATE), build_vl_processor(VL_CHATML_TEMPLATE)
     plain.chat_template = VL_CHATML_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     kwargs = {"train_on": "assistant", "max_seq_len": 4096, "overlength": "error", "base_dir": images, "where": "f:1"}
     for _, row, _ in VL_CASES[:2]:

@@ -38,8 +38,10 @@ from tests.conftest import (
     spy_dir,
     train,
 )
+from toolkit.config import TINY_MODEL, TINY_VL_MODEL
 from toolkit.loss_head import liger_available, triton_interpreted
 from toolkit.metrics import read_metrics
+from toolkit.model import builtin_dir
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +98,7 @@ def test_strategy_matches_single_process(strategy: str, runs: Path, reference: P
     assert all(t.numel() > 0 for t in got.values()), "empty tensors in the saved adapter"
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")
-    base = AutoModelForCausalLM.from_pretrained(out.parent / ".toolkit-cache" / "tiny-qwen3")
+    base = AutoModelForCausalLM.from_pretrained(builtin_dir(TINY_MODEL, out.parent / ".toolkit-cache"))
     model = PeftModel.from_pretrained(base, out / "final")
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == sum(
         t.numel() for t in ref.values())
@@ -257,7 +259,7 @@ def check_curriculum(out: Path, reference: Path, strategy: str, *, rel: float,
     lora = [k for k in ends[0] if "lora_" in k]
     norm = [k for k in ends[0] if k.startswith("param/") and "model.norm.modules_to_save" in k]
     assert lora and len(norm) == 1
-    base = load_file(out.parent / ".toolkit-cache" / "tiny-qwen3" / "model.safetensors")
+    base = load_file(builtin_dir(TINY_MODEL, out.parent / ".toolkit-cache") / "model.safetensors")
     frozen_norm = base["model.norm.weight"].to(base_dtype).float()  # as loaded: a bf16 base holds it rounded
     assert torch.equal(ends[0][norm[0]], frozen_norm), f"{strategy}: norm moved while frozen"
     for k in lora:  # weights, exp_avg and exp_avg_sq of every adapter: untouched by stage 2
@@ -355,7 +357,8 @@ def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_refe
     first = portable_state(out, 4)
     lora_b = [k for k in first if k.startswith("param/") and "lora_B" in k]
     assert lora_b and all(first[k].abs().max() == 0 for k in lora_b), "LoRA B moved while frozen (it starts at 0)"
-    base = AutoModelForImageTextToText.from_pretrained(out.parent / ".toolkit-cache" / "tiny-qwen2.5-vl").state_dict()
+    base_dir = builtin_dir(TINY_VL_MODEL, out.parent / ".toolkit-cache")
+    base = AutoModelForImageTextToText.from_pretrained(base_dir).state_dict()
     merger = {k: k.removeprefix("param/base_model.model.").replace(".modules_to_save.default", "")
               for k in first if k.startswith("param/") and "merger.modules_to_save" in k}
     assert merger and all(v in base for v in merger.values())

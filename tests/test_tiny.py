@@ -1,4 +1,4 @@
-"""Tests for the tiny offline Qwen3 model and its locally trained ChatML tokenizer."""
+"""Tests for the tiny offline Qwen3 model and its locally trained tokenizer (Qwen3's stock chat template)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from toolkit.templates import CHATML_TEMPLATE
-from toolkit.tiny import build_tokenizer, write_tiny_qwen3
+from toolkit.templates import CHATML_TEMPLATE, stock_template
+from toolkit.tiny import TEMPLATE_TOKENS, build_tokenizer, write_tiny_qwen3
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful math tutor."},
@@ -24,6 +24,8 @@ EXPECTED_CHATML = (
     "<|im_start|>user\nWhat is 17 + 25?<|im_end|>\n"
     "<|im_start|>assistant\n17 + 25 = 42.<|im_end|>\n"
 )
+# Qwen3's rendering: the last answer gets an empty think block (its non-thinking format).
+EXPECTED_QWEN3 = EXPECTED_CHATML.replace("assistant\n", "assistant\n<think>\n\n</think>\n\n")
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +76,29 @@ def test_offsets_map_back_to_text(tokenizer: PreTrainedTokenizerFast) -> None:
         assert tokenizer.decode([token_id]) == text[start:end]
 
 
-def test_chat_template_renders_chatml(tokenizer: PreTrainedTokenizerFast) -> None:
-    assert tokenizer.chat_template == CHATML_TEMPLATE
-    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == EXPECTED_CHATML
+def test_chat_template_is_qwen3s(tokenizer: PreTrainedTokenizerFast) -> None:
+    assert tokenizer.chat_template == stock_template("qwen3")
+    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == EXPECTED_QWEN3
     prompt = tokenizer.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True)
     assert prompt == EXPECTED_CHATML.rsplit("17 + 25 = 42.", 1)[0]
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_assistant_mask_covers_content_and_im_end(tokenizer: PreTrainedTokenizerFast) -> None:
+def test_template_tokens_are_qwens_added_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    """The tokens Qwen's templates render are single, non-special ids (decoding keeps them, as Qwen's tokenizer
+    does) after the 1000 BPE entries; the model's vocabulary stays 1024 rows."""
+    assert TEMPLATE_TOKENS == ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                               "</think>"]
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in TEMPLATE_TOKENS]
+    assert ids == list(range(1000, 1006)) and len(tokenizer) == 1006
+    text = "<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call><tool_response>5</tool_response>"
+    assert [i for i in tokenizer.encode(text) if i >= 1000] == [1004, 1005, 1000, 1001, 1002, 1003]
+    assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) == text
+
+
+def test_assistant_mask_covers_content_and_im_end() -> None:
+    """The ChatML template's {% generation %} markers (data.chat_template: chatml) mark each answer and its end."""
+    tokenizer = build_tokenizer(CHATML_TEMPLATE)
     out = tokenizer.apply_chat_template(MESSAGES, return_assistant_tokens_mask=True, return_dict=True)
     ids, mask = out["input_ids"], out["assistant_masks"]
     assert len(ids) == len(mask)
@@ -105,8 +121,8 @@ def test_write_and_load(model_dir: Path) -> None:
     assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= len(tokenizer)
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.config.pad_token_id == tokenizer.pad_token_id
-    assert model.dtype == torch.float32
-    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == EXPECTED_CHATML
+    assert model.dtype == torch.float32 and model.config.vocab_size == 1024
+    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == EXPECTED_QWEN3
 
     batch = tokenizer(["What is 2 + 3?", "2 + 3 = 5."], return_tensors="pt", padding=True)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)

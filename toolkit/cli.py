@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_dummy_data)
 
-    p = sub.add_parser("tiny-model", help="Write a tiny random Qwen3 with a real ChatML tokenizer (no network).")
+    p = sub.add_parser("tiny-model", help="Write a tiny random Qwen3 with a small trained tokenizer and "
+                       "Qwen3's chat template (no network).")
     p.add_argument("--out", required=True, help="Output directory (loadable with from_pretrained).")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)

@@ -16,6 +16,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import ToolkitError
+from toolkit.templates import chat_template_problem
 
 TINY_MODEL = "builtin:tiny-qwen3"
 """`model.name_or_path` value that builds the tiny random Qwen3 locally (tests, demo, laptops)."""
@@ -99,8 +100,9 @@ class DataConfig(_Section):
     packing: bool = Field(False, description="Pack samples into rows of max_seq_len tokens (no padding, no "
                           "cross-sample attention); micro_batch_size then counts packed rows.")
     chat_template: str | None = Field(
-        None, description="Override the tokenizer's chat template: 'chatml' or a Jinja template string (final/ "
-        "saves the tokenizer with this override)."
+        None, description="Override the model's chat template: a name (chatml, qwen2.5, qwen3, qwen2.5-vl, "
+        "qwen3-vl), a path to a .jinja file or a tokenizer/model folder (from the cwd), or Jinja text; final/ saves "
+        "the template text that trained."
     )
     thinking: Literal["auto", "empty", "none"] = Field(
         "auto", description="Think blocks of answers without reasoning: 'auto' trains what the chat template "
@@ -111,6 +113,13 @@ class DataConfig(_Section):
                                    "in pixels (default: the processor's).")
     max_pixels: int | None = Field(None, gt=0, description="Vision models: largest image area after resizing, "
                                    "in pixels (bounds image tokens; default: the processor's).")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_form(cls, value: str | None) -> str | None:
+        if value is not None and (problem := chat_template_problem(value)) is not None:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _pixel_bounds(self) -> DataConfig:

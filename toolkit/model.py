@@ -26,10 +26,21 @@ from toolkit.atomic import build_dir
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
-from toolkit.templates import CHATML_TEMPLATE, VL_CHATML_TEMPLATE
+from toolkit.templates import resolve_chat_template
 from toolkit.trainable import modules_to_train
 
 log = logging.getLogger(__name__)
+
+
+BUILTIN_BUILD = 2
+"""The version of what the built-in models' builders write, in their cache folder's name, so that a cache holding an
+earlier build is never reused: bump it whenever toolkit/tiny.py or toolkit/tiny_vl.py change their output (2: each
+carries its family's stock chat template, and the tokenizer Qwen's think and tool tokens)."""
+
+
+def builtin_dir(name_or_path: str, cache_dir: Path) -> Path:
+    """Where `materialize_builtin` builds the built-in model `name_or_path` (`builtin:NAME`) under `cache_dir`."""
+    return cache_dir / f"{name_or_path.removeprefix('builtin:')}-build{BUILTIN_BUILD}"
 
 
 def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
@@ -41,8 +52,7 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
                            f"{', '.join(builtins)}.")
     if name_or_path not in builtins:
         return name_or_path
-    name = name_or_path.removeprefix("builtin:")
-    target = cache_dir / name
+    target = builtin_dir(name_or_path, cache_dir)
     if not (target / "config.json").is_file():
         # The test-model builders are imported only here, when a built-in model is first built: loading any model
         # (a built one included) never imports them.
@@ -106,11 +116,13 @@ def check_remote_code(name_or_path: str, *, trust_remote_code: bool) -> None:
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None,
                    local_files_only: bool = False) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, with an optional chat-template override ('chatml' or a Jinja string)."""
+    """The model's tokenizer, with an optional `data.chat_template` override (a name, a path or Jinja text, resolved
+    to its text: what the tokenizer saves is the template that trained)."""
+    template = resolve_chat_template(chat_template, vision=False) if chat_template is not None else None
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                               local_files_only=local_files_only)
-    if chat_template is not None:
-        tokenizer.chat_template = CHATML_TEMPLATE if chat_template == "chatml" else chat_template
+    if template is not None:
+        tokenizer.chat_template = template
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # pad positions carry no loss and no attention
     return tokenizer
@@ -123,8 +135,9 @@ def is_vision_language(name_or_path: str, *, trust_remote_code: bool) -> bool:
 
 
 def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None) -> ProcessorMixin:
-    """A vision-language model's processor. `chat_template: chatml` selects the VL ChatML training template (with
-    {% generation %} markers, which loss masking on assistant turns needs); a Jinja string replaces it."""
+    """A vision-language model's processor, with an optional `data.chat_template` override resolved to its text
+    (`chatml`: the VL ChatML template, with {% generation %} markers)."""
+    template = resolve_chat_template(chat_template, vision=True) if chat_template is not None else None
     if _saved_processor_class(name_or_path) == "Qwen2_5_VLImageOnlyProcessor":
         # The tiny VL models' processor class: AutoProcessor finds it only registered (else it silently returns the
         # tokenizer). Imported here, for such a model only, so loading other models never imports the test models.
@@ -136,8 +149,8 @@ def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template:
         raise ToolkitError(f"model.name_or_path '{name_or_path}' is a vision-language model but AutoProcessor found "
                            f"no processor for it (got a {type(processor).__name__}); its processor_config.json must "
                            "name a processor class that transformers knows.")
-    if chat_template is not None:
-        processor.chat_template = VL_CHATML_TEMPLATE if chat_template == "chatml" else chat_template
+    if template is not None:
+        processor.chat_template = template
     if processor.tokenizer.pad_token_id is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     return processor

@@ -43,13 +43,14 @@ def _model_config(name_or_path: str) -> Any:
 
 
 def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_len: int, train_on: str,
-               thinking: str = "auto") -> dict[str, Any]:
-    """Length statistics of a stage's rows, before any over-length policy (tokenised in memory, on every core)."""
+               thinking: str = "auto", chat_template: str | None = None) -> dict[str, Any]:
+    """Length statistics of a stage's rows, before any over-length policy (tokenised in memory, on every core).
+    `chat_template`: the recipe's data.chat_template that `tokenizer` carries (named by refusals)."""
     from toolkit.data import TextEncoder, resolve_source
     from toolkit.data.store import open_store
     from toolkit.run_data import num_proc
 
-    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking)
+    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template)
     processes = num_proc(DataConfig())
     stores = [open_store(resolve_source(e, dummy_dir), encoder, None, num_proc=processes) for e in entries]
     arr = np.concatenate([s.lengths for s in stores] + [np.zeros(0, np.int64)])
@@ -177,7 +178,8 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                     lines.append(f"  {stage.name}: data not found ({', '.join(map(str, files))})")
                     continue
                 st = scan_stage(list(stage.entries), tokenizer, dummy_dir, max_seq_len=stage.max_seq_len,
-                                train_on=recipe.data.train_on, thinking=recipe.data.thinking)
+                                train_on=recipe.data.train_on, thinking=recipe.data.thinking,
+                                chat_template=recipe.data.chat_template)
                 lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "
                              f"{st['no_trainable_tokens']} without trainable tokens")

@@ -80,8 +80,9 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None) -> Any:
     if processor is not None:
         from toolkit.vl_data import VLEncoder  # image rows only
 
-        return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels)
-    return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking)
+        return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
+                         chat_template=data.chat_template)
+    return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template)
 
 
 def num_proc(data: DataConfig) -> int:

@@ -1,10 +1,11 @@
 """Tiny random-weight Qwen3 model with a real, locally trained tokenizer.
 
-Tests and the demo need a genuine causal LM and a genuine fast tokenizer with a ChatML chat template
-(assistant masks, offsets, special tokens) that load through the normal ``from_pretrained`` path, yet
-there is no network. Everything here is built in-process and deterministically: a byte-level BPE
-tokenizer trained on an embedded corpus and a seeded, randomly initialised ``Qwen3ForCausalLM``. The tiny
-vision-language models are in `toolkit.tiny_vl`; the chat template is `toolkit.templates.CHATML_TEMPLATE`.
+Tests and the demo need a genuine causal LM and a genuine fast tokenizer with Qwen3's own chat template (think
+blocks, tools, tool calls and results; offsets, special tokens) that load through the normal ``from_pretrained``
+path, yet there is no network. Everything here is built in-process and deterministically: a byte-level BPE
+tokenizer trained on an embedded corpus, with the added tokens of Qwen's that its templates render, and a seeded,
+randomly initialised ``Qwen3ForCausalLM``. The tiny vision-language models are in `toolkit.tiny_vl`; the stock
+templates are in `toolkit/chat_templates/` (`toolkit.templates.stock_template`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from toolkit.templates import CHATML_TEMPLATE, IM_END, IM_START
+from toolkit.templates import IM_END, IM_START, VISION_TOKENS, stock_template
 
 PAD_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
@@ -66,8 +67,28 @@ def _corpus(num_lines: int = 1200, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer (~1000 tokens, no unknowns) with ChatML special tokens."""
+# The added tokens of Qwen2.5 / Qwen3 (ids 151643-151668, after the 151,643 BPE ranks), as their tokenizer_config.json
+# lists them: (token, special). The <|...|> ones are special (skipped when decoding with skip_special_tokens).
+QWEN_ADDED_TOKENS = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+]
+TEMPLATE_TOKENS = [t for t, special in QWEN_ADDED_TOKENS if not special and not t.startswith("<|")]
+"""The added tokens that Qwen's stock templates render (<tool_call>, </tool_call>, <tool_response>,
+</tool_response>, <think>, </think>): not special, as in Qwen's tokenizer, so decoding keeps them."""
+
+
+def build_tokenizer(chat_template: str | None = None, *, vision: bool = False) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (1000 entries, no unknowns) with ChatML special tokens, then add Qwen's
+    vision tokens (`vision`) and TEMPLATE_TOKENS, in Qwen's order. `chat_template` defaults to Qwen3's stock one.
+
+    The added tokens come after the BPE training, so the ids of ordinary text (and of the vision tokens) are those
+    of the tokenizer without them; the model's 1024 embedding rows hold them all."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -80,29 +101,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
         eos_token=IM_END,
         additional_special_tokens=[IM_START],
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template if chat_template is not None else stock_template("qwen3"),
         model_max_length=32768,
         padding_side="right",
         clean_up_tokenization_spaces=False,
     )
+    if vision:
+        tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, *VISION_TOKENS]})
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEMPLATE_TOKENS])
+    return tokenizer
 
 
-# The added tokens of Qwen2.5 / Qwen3 (ids 151643-151668, after the 151,643 BPE ranks), as their tokenizer_config.json
-# lists them: (token, special). The <|...|> ones are special (skipped when decoding with skip_special_tokens).
-QWEN_ADDED_TOKENS = [
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
-    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
-]
 QWEN_VOCAB_SIZE = 151936  # the embedding rows of every Qwen2.5 / Qwen3 checkpoint (padded past the 151,669 tokens)
 # Qwen2's pre-tokenizer split (digits one by one), from its tokenization_qwen2.py.
 QWEN_PRETOKENIZE_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
@@ -147,8 +161,8 @@ def write_tiny_qwen3(
 ) -> Path:
     """Save a seeded random-weight Qwen3 model, its tokenizer and generation config to ``out_dir``.
 
-    `tokenizer` defaults to the tiny ChatML tokenizer; given the real Qwen tokenizer (`build_qwen_tokenizer`), the
-    model gets Qwen's 151,936-row vocabulary."""
+    `tokenizer` defaults to the tiny tokenizer (with Qwen3's stock template); given the real Qwen tokenizer
+    (`build_qwen_tokenizer`), the model gets Qwen's 151,936-row vocabulary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer or build_tokenizer()

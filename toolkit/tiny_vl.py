@@ -1,8 +1,9 @@
 """Tiny random-weight Qwen2.5-VL and Qwen3-VL models for tests and offline demos (the VL side of `toolkit.tiny`).
 
 Each is built in-process and deterministically from a config: the `toolkit.tiny` tokenizer plus Qwen's vision
-tokens, a PIL image processor, and a seeded 2+2-layer model, saved so it loads through the normal
-`from_pretrained` path (`builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl` via `toolkit.model.materialize_builtin`).
+tokens, its family's stock chat template (Qwen2.5-VL's, Qwen3-VL's), a PIL image processor, and a seeded 2+2-layer
+model, saved so it loads through the normal `from_pretrained` path (`builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl`
+via `toolkit.model.materialize_builtin`).
 
 Works without torchvision: transformers 5.x' stock `Qwen2_5_VLProcessor` insists on a (torchvision-only) video
 processor, so the tiny models ship `Qwen2_5_VLImageOnlyProcessor` (same processing, images only). AutoProcessor only
@@ -29,15 +30,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.processing_utils import ProcessorMixin
 
 from toolkit.strategies.deepspeed import without_zero3_init
-from toolkit.templates import (
-    IM_START,
-    IMAGE_PAD,
-    VIDEO_PAD,
-    VISION_END,
-    VISION_START,
-    VISION_TOKENS,
-    VL_CHATML_TEMPLATE,
-)
+from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, VISION_TOKENS, stock_template
 from toolkit.tiny import build_tokenizer
 
 # Small images -> few tokens: at most 112x112 px = 8x8 patches of 14 px = 16 merged (2x2) image tokens.
@@ -69,19 +62,18 @@ def register_image_only_processor() -> None:
     AutoProcessor.register(Qwen2_5_VLImageOnlyProcessor, Qwen2_5_VLImageOnlyProcessor, exist_ok=True)
 
 
-def build_vl_processor(*, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS,
+def build_vl_processor(chat_template: str, *, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS,
                        patch_size: int = 14) -> Qwen2_5_VLImageOnlyProcessor:
-    """The tiny models' processor: `toolkit.tiny` tokenizer + Qwen vision tokens + VL ChatML, PIL image processor
+    """The tiny models' processor: `toolkit.tiny` tokenizer + Qwen vision tokens + `chat_template` (each tiny model
+    its family's stock one), PIL image processor
     (14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL; both merge 2x2 patches into one image token). Registers its
     class, so what it saves also loads back in this process."""
     register_image_only_processor()
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, *VISION_TOKENS]})
-    tokenizer.chat_template = VL_CHATML_TEMPLATE
+    tokenizer = build_tokenizer(chat_template, vision=True)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size,
                                                temporal_patch_size=2, merge_size=2)
     return Qwen2_5_VLImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                        chat_template=VL_CHATML_TEMPLATE)
+                                        chat_template=chat_template)
 
 
 def _tiny_language_model_config(tok: Any, hidden: int) -> dict[str, Any]:
@@ -110,7 +102,7 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     Loads back with `AutoModelForImageTextToText` and `toolkit.model.load_processor` (or `AutoProcessor` after
     `register_image_only_processor()`).
     """
-    processor = build_vl_processor()
+    processor = build_vl_processor(stock_template("qwen2.5-vl"))
     hidden = 64
     config = Qwen2_5_VLConfig(
         text_config=_tiny_language_model_config(processor.tokenizer, hidden),
@@ -128,7 +120,8 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
 
 def write_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Save a seeded random-weight Qwen3-VL (2+2 layers, one DeepStack level) and its processor to `out_dir`."""
-    processor = build_vl_processor(min_pixels=32 * 32, max_pixels=64 * 64 * 4, patch_size=16)
+    processor = build_vl_processor(stock_template("qwen3-vl"), min_pixels=32 * 32, max_pixels=64 * 64 * 4,
+                                   patch_size=16)
     hidden = 64
     text = _tiny_language_model_config(processor.tokenizer, hidden)
     text["rope_parameters"]["mrope_interleaved"] = True

@@ -91,8 +91,9 @@ class VLEncoder:
     """Vision-language rows to token ids and loss masks with a processor (see the module docstring)."""
 
     def __init__(self, processor: Any, *, train_on: str, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
+                 max_pixels: int | None = None, chat_template: str | None = None) -> None:
         self.processor, self.train_on = processor, train_on
+        self.chat_template = chat_template  # the recipe's override the processor carries, for refusals' advice
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.tokenizer = processor.tokenizer
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
@@ -154,10 +155,11 @@ class VLEncoder:
                                "order.")
         if not template or (train_on != "all" and not generation and not is_chatml_family(template)):
             raise ToolkitError(f"{where}: the processor's chat template has neither ChatML turns nor {{% generation "
-                               "%}} markers, so assistant tokens cannot be located. Set data.chat_template: chatml "
-                               "(or train_on: all).")
+                               "%}} markers, so assistant tokens cannot be located. Set data.chat_template to "
+                               "one that has (chatml, qwen2.5-vl or qwen3-vl for a Qwen-VL model), or train_on: "
+                               "all.")
         tools = row.get("tools")
-        check_renderable(template, messages, tools, where)
+        check_renderable(template, messages, tools, where, override=self.chat_template)
         paths = [base_dir / p for p in images]
         grids = [image_grid(processor.image_processor, p, where, min_pixels=self.min_pixels,
                             max_pixels=self.max_pixels) for p in paths]

@@ -43,7 +43,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.templates import IM_END, IM_START
+from toolkit.templates import IM_END, IM_START, STOCK_FILES, TEMPLATE_NAMES, is_jinja_text, stock_template
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -244,26 +244,49 @@ def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}")
 
 
-def check_renderable(template: str, messages: list[dict[str, Any]], tools: Any, where: str) -> None:
+_RENDERS: dict[str, Callable[[str], bool]] = {
+    "tools": lambda t: "tools" in t,
+    "reasoning_content": lambda t: "reasoning_content" in t,
+    "tool_calls": lambda t: "tool_calls" in t,
+    "tool": lambda t: re.search(r"""==\s*['"]tool['"]""", t) is not None,
+}
+"""Whether a chat template renders each field (a template that never mentions it drops it)."""
+
+
+def _fix(key: str, field: str, override: str | None) -> str:
+    """What to do about a field the template in use cannot render: name the stock templates that render it, and
+    the recipe's override when there is one (`override`: data.chat_template; None: the model's own template)."""
+    names = ", ".join(n for n in TEMPLATE_NAMES if n in STOCK_FILES and n != "qwen2.5-instruct"
+                      and _RENDERS[key](stock_template(n)))
+    if override is None:
+        return (f"The model's own template is in use: set data.chat_template to one that renders {field} (for a "
+                f"Qwen model: {names}), or remove them from the data.")
+    shown = "Jinja text" if is_jinja_text(override) else override
+    return (f"The template in use is data.chat_template ({shown}): use one that renders {field} (for a Qwen model: "
+            f"{names}), remove data.chat_template to use the model's own, or remove them from the data.")
+
+
+def check_renderable(template: str, messages: list[dict[str, Any]], tools: Any, where: str, *,
+                     override: str | None = None) -> None:
     """Refuse what the chat template would silently drop: `tools`, `reasoning_content`, `tool_calls` or tool turns
-    that it never mentions (data.chat_template: chatml renders none of them)."""
+    that it never mentions (data.chat_template: chatml renders none of them). `override`: the recipe's
+    data.chat_template (None: the model's own template is in use), for the message's advice."""
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise ToolkitError(f"{where}: 'tools' must be a list of JSON objects (function schemas).")
-        if "tools" not in template:
+        if not _RENDERS["tools"](template):
             raise ToolkitError(f"{where}: the row has 'tools' but the chat template does not render tools, so the "
-                               "model would call functions whose schema it never saw. Use the model's own template "
-                               "(drop data.chat_template) or remove 'tools'.")
+                               f"model would call functions whose schema it never saw. "
+                               f"{_fix('tools', 'tools', override)}")
     needs = [("reasoning_content", any("reasoning_content" in m for m in messages)),
              ("tool_calls", any(m.get("tool_calls") for m in messages))]
     for key, present in needs:
-        if present and key not in template:
+        if present and not _RENDERS[key](template):
             raise ToolkitError(f"{where}: the row has '{key}' but the chat template does not render it, so it would "
-                               "be dropped from training. Use the model's own template (drop data.chat_template) "
-                               f"or remove '{key}'.")
-    if any(m["role"] == "tool" for m in messages) and not re.search(r"""==\s*['"]tool['"]""", template):
+                               f"be dropped from training. {_fix(key, repr(key), override)}")
+    if any(m["role"] == "tool" for m in messages) and not _RENDERS["tool"](template):
         raise ToolkitError(f"{where}: the row has a tool turn but the chat template has no format for tool results "
-                           "(it would render them as a turn of role 'tool'). Use the model's own template.")
+                           f"(it would render them as a turn of role 'tool'). {_fix('tool', 'tool turns', override)}")
 
 
 def is_chatml_family(template: str) -> bool:
@@ -455,10 +478,13 @@ RowAddress = Callable[[int], str]
 class TextEncoder:
     """Text rows to token ids and loss masks with a tokenizer and its chat template (see the module docstring).
 
-    Plain settings only (train_on, thinking), so it pickles with the tokenizer for worker processes."""
+    Plain settings only (train_on, thinking, the recipe's data.chat_template that refusals name), so it pickles
+    with the tokenizer for worker processes."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto") -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
+                 chat_template: str | None = None) -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
 
     def options(self) -> dict[str, Any]:
@@ -536,7 +562,7 @@ class TextEncoder:
         trains = assistant_trains(row["messages"], where, train_on)
         tools = row.get("tools")
         template = tok.chat_template
-        check_renderable(template, messages, tools, where)
+        check_renderable(template, messages, tools, where, override=self.chat_template)
         generation = has_generation_tags(tok)
         if thinking != "auto" and (generation or not is_chatml_family(template)):
             raise ToolkitError(f"{where}: data.thinking: {thinking} applies to ChatML-family templates without "
