@@ -34,6 +34,10 @@ TOOL_CHAT = [{"role": "user", "content": "Add 2 and 3."},
              {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]
 
 
+# The tiny tokenizer carries Qwen3's template, which gives the answer after the last user turn an empty think block.
+LAST_ANSWER = "<think>\n\n</think>\n\nIt is 8.<|im_end|>"
+
+
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
     return build_tokenizer()
@@ -92,7 +96,7 @@ def test_llama_factory_v1_rows(tmp_path: Path, tok: PreTrainedTokenizerFast) -> 
                                                         v1(A2, loss_weight=1.0)]}])
     got = _samples([path], tok)
     assert got == _expected([{"messages": [U1, dict(A1, weight=0), U2, A2]}], tok)
-    assert _trained(got[0], tok) == "It is 8.<|im_end|>"
+    assert _trained(got[0], tok) == LAST_ANSWER
 
 
 def test_text_parts_on_a_text_model(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
@@ -111,7 +115,7 @@ def test_trl_conversational_prompt_completion(tmp_path: Path, tok: PreTrainedTok
     path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": [SYSTEM, U1, A1, U2], "completion": [A2]}])
     got = _samples([path], tok)
     assert got == _expected([{"messages": [SYSTEM, U1, dict(A1, weight=0), U2, A2]}], tok)
-    assert _trained(got[0], tok) == "It is 8.<|im_end|>"
+    assert _trained(got[0], tok) == LAST_ANSWER
     assert _samples([path], tok, train_on="all") == _expected([{"messages": [SYSTEM, *CHAT]}], tok, "all")
     mixed = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": [U1], "completion": "5."}])
     with pytest.raises(ToolkitError, match=r"mixed.jsonl:1: 'prompt' and 'completion' must both be strings, or both "
@@ -162,7 +166,7 @@ def test_every_peers_turn_flag_is_honoured(tmp_path: Path, tok: PreTrainedTokeni
                                          {"messages": [U1, dict(A1, loss=None)]}])  # ms-swift's default
     got = _samples([path], tok)
     assert got == _expected([{"messages": [U1, dict(A1, weight=0), U2, A2]}, {"messages": [U1, A1]}], tok)
-    assert _trained(got[0], tok) == "It is 8.<|im_end|>"
+    assert _trained(got[0], tok) == LAST_ANSWER
 
 
 @pytest.mark.parametrize(("flag", "error"), [
