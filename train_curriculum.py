@@ -73,6 +73,7 @@ from toolkit.run_data import (
     data_fingerprint,
     load_curriculum_data,
     loader_workers,
+    store_checksums,
     tokenized_cache_dir,
     use_dummy_data,
     uses_dummy_data,
@@ -146,7 +147,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
                                       layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
-                            data_files=data_fingerprint(resolved, layout.dummy_data, cache))
+                            data_files=data_fingerprint(resolved, layout.dummy_data, cache),
+                            data_stores=store_checksums([s.data for s in curriculum.stages],
+                                                        [s.eval_rows for s in curriculum.stages]))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
@@ -218,7 +221,7 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
                                         world_size=identity["world_size"], force=force,
                                         stage_batches=identity["stage_batches"], invariants=identity["invariants"],
                                         stage_steps=identity["stage_plan_steps"],
-                                        data_files=identity["data_files"])
+                                        data_files=identity["data_files"], data_stores=identity["data_stores"])
     checkpoint.check_integrity(accelerator, ckpt, meta)
     return meta, forced
 
@@ -346,7 +349,7 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
 
 
 def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan], *, run_name: str,
-                 model_path: str, data_files: dict[str, str]) -> dict[str, Any]:
+                 model_path: str, data_files: dict[str, str], data_stores: dict[str, str]) -> dict[str, Any]:
     """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
     world, settings = accelerator.num_processes, resume_invariants(recipe)
     return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
@@ -354,6 +357,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
             "stage_batches": [p.global_batch for p in plans], "stage_plan_steps": [p.steps for p in plans],
             "lora": recipe.lora.enabled,
             "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,
+            "data_stores": data_stores,
             "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
 
 

@@ -301,6 +301,33 @@ def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monke
     assert run.is_dir()
 
 
+# --- the token store ---------------------------------------------------------------------------------------------
+
+def test_a_damaged_token_store_is_prepared_again_and_trains_as_undamaged(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: token ids overwritten in place in the store (same size) changed the step-3 loss, exit 0, and a
+    resume would have said "resumed (exact)". The next launch finds the damage, prepares the store again (a warning
+    says so) and trains the undamaged losses; its checkpoints record the store's checksum for resumes to compare."""
+    import pyarrow as pa
+
+    run = copy_run(trained, tmp_path)
+    (store,) = [p for p in (tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir()
+                if p.is_dir() and not p.name.startswith(".")]
+    data = store / "data.arrow"
+    ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
+    raw = data.read_bytes()
+    at = raw.find(ids.tobytes())
+    data.write_bytes(raw[:at] + (ids[::-1].copy()).tobytes() + raw[at + ids.nbytes:])  # same size, other ids
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "output_dir=run2"], tmp_path / "run2"), tmp_path,
+                        monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert f"stores/{store.name} is damaged (data.arrow's sha256 is" in caplog.text
+    losses = [[r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")] for out in (run, tmp_path / "run2")]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    checksum = json.loads((store / "meta.json").read_text())["sha256"]
+    assert read_meta(tmp_path / "run2" / "checkpoints" / "step-00000003")["data_stores"] == {"data.jsonl": checksum}
+
+
 # --- every rank ends with one line ---------------------------------------------------------------------------------
 
 @pytest.mark.slow

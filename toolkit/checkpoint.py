@@ -529,12 +529,13 @@ UNFORCIBLE_KEYS = ("lora.enabled", "lora.r", "lora.target_modules", "lora.module
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
                     strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None,
                     invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None,
-                    stage_steps: list[int] | None = None) -> list[str]:
+                    stage_steps: list[int] | None = None, data_stores: dict[str, str] | None = None) -> list[str]:
     """Refuse a resume that would silently change training (unless `resume_force`) or cannot load.
 
     Returns what differs from the checkpoint and was accepted because of `force` (empty when nothing does):
-    settings by recipe key, data files whose content changed. `invariants` / `data_files` are this run's; they
-    are compared with what the checkpoint recorded (checkpoints of earlier versions recorded only the hash).
+    settings by recipe key, data files whose content changed, token stores whose tokens differ. `invariants` /
+    `data_files` / `data_stores` are this run's; they are compared with what the checkpoint recorded (checkpoints
+    of earlier versions recorded only the hash, or no store checksums).
     """
     if not same_layout(meta, strategy, world_size) and not portable_lora_file(ckpt).is_file():
         layout = layout_name(meta["strategy"], meta["world_size"])
@@ -557,6 +558,12 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     changed = [e for e in sorted(set(saved_data) & set(data_files or {})) if saved_data[e] != data_files[e]]
     if changed:
         differences.append("data files whose content changed since the checkpoint: " + ", ".join(changed))
+    saved_stores = meta.get("data_stores") or {}
+    retokenised = [e for e in sorted(set(saved_stores) & set(data_stores or {}))
+                   if saved_stores[e] != (data_stores or {})[e] and e not in changed]
+    if retokenised:
+        differences.append("token stores whose tokens differ from the checkpoint's (same data files, other "
+                           "tokens: prepared by other library versions, or edited): " + ", ".join(retokenised))
     if differences and not force:
         raise ToolkitError(
             f"Checkpoint {ckpt} was written with different training settings or data ({'; '.join(differences)}). "
