@@ -278,6 +278,45 @@ def test_export_of_a_checkpoint_whose_files_changed_is_refused(trained: Path, tm
         export(ckpt, tmp_path / "adapter")
 
 
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _corrupt_same_size(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-64:] = bytes(255 - b for b in raw[-64:])  # tensor bytes: the file still loads, with other weights
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _corrupt_same_size])
+def test_export_of_a_damaged_final_is_refused_in_one_line(trained: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, damage: Any) -> None:
+    """Issue 31: a truncated adapter in final/ gave `toolkit export` a 31-line traceback, and a same-size corruption
+    was exported with exit 0. final/ records its files' sizes and sha256 (checksums.json), checked before loading:
+    one line naming the file, nothing written."""
+    run = copy_run(trained, tmp_path)
+    assert "adapter_model.safetensors" in json.loads((run / "final" / "checksums.json").read_text())["files"]
+    damage(run / "final" / "adapter_model.safetensors")
+    for merge in ([], ["--merge"]):
+        rc, stderr = invoke(Call(["export", str(run), "--out", str(tmp_path / "out"), *merge], tmp_path / "out",
+                                 tool="toolkit"), tmp_path, monkeypatch)
+        assert rc == 2 and stderr.count("\n") == 1, stderr[-3000:]
+        assert stderr.startswith(f"error: {run / 'final'} does not hold what training saved: "
+                                 "adapter_model.safetensors ")
+
+
+def test_a_final_without_checksums_still_exports_unverified(trained: Path, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A final/ written by an earlier version (no checksums.json) is exported as before, with a warning that it is
+    unverified."""
+    run = copy_run(trained, tmp_path)
+    (run / "final" / "checksums.json").unlink()
+    out = export(run, tmp_path / "adapter")
+    assert (out / "adapter_model.safetensors").is_file()
+    assert (f"{run / 'final'} has no checksums.json (written by an earlier version): loading it unverified"
+            in caplog.text)
+
+
 def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run of `builtin:tiny-qwen3` launched from one folder (relative output_dir, as the README's recipes are),
     exported from another: the base model is the one training built in the run's cache, not a hub id."""

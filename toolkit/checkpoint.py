@@ -46,6 +46,8 @@ from toolkit.strategies import consolidate, param_state
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
+FINAL_CHECKSUMS = "checksums.json"
+"""In final/: the size and sha256 of every file training saved there, as a checkpoint's meta.json records its own."""
 
 log = logging.getLogger(__name__)
 
@@ -491,10 +493,38 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
         def write(tmp: Path) -> None:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            # Checked by whatever loads final/ (verify_final): a file cut short or swapped is refused.
+            write_text_atomic(tmp / FINAL_CHECKSUMS, json.dumps({"files": file_digests(tmp)}, indent=1))
 
         build_dir(out_dir, write, tmp=out_dir.with_name(out_dir.name + ".tmp"))
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def verify_final(folder: Path, *, weights: bool = True) -> None:
+    """Refuse a final/ whose files are not the ones training saved (cut short, corrupted, swapped), in one line
+    naming the file; `weights` False checks all but the weights (a reader of its tokenizer only). A final/ of an
+    earlier version, without checksums, is loaded with a warning that it is unverified."""
+    path = folder / FINAL_CHECKSUMS
+    if not path.is_file():
+        log.warning("%s has no %s (written by an earlier version): loading it unverified", folder, FINAL_CHECKSUMS)
+        return
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["files"]
+        if not isinstance(recorded, dict):
+            raise TypeError("files is not an object")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ToolkitError(f"{path} cannot be read ({type(e).__name__}: {e}): {folder} cannot be verified. Export "
+                           "a checkpoint of the run instead, or restore the original files.") from None
+    if not weights:
+        recorded = {rel: want for rel, want in recorded.items() if not rel.endswith((".safetensors", ".bin"))}
+    try:
+        problem = changed_files(folder, {"files": recorded})
+    except (KeyError, TypeError) as e:
+        problem = f"{FINAL_CHECKSUMS} is not a record of its files ({type(e).__name__}: {e})"
+    if problem is not None:
+        raise ToolkitError(f"{folder} does not hold what training saved: {problem}. Export a checkpoint of the run "
+                           "instead (toolkit export <output_dir>/checkpoints/step-N), or restore the original files.")
 
 
 # --- What the training script calls. ---
