@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from toolkit.config import (
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
 from toolkit.flops import peak_flops
 from toolkit.forgetting import prune_after
@@ -414,6 +415,21 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     return model, trainable
 
 
+def _stopped_on_error(ending: LastWords, e: ToolkitError) -> int:
+    """Bad input or a full disk: one line on this rank (exit 2), which the other ranks can name."""
+    ending.stopped_on_error(str(e))
+    print(f"error: {e}", file=sys.stderr)
+    distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
+    return 2
+
+
+def _quiet_about_full_disks(args: threading.ExceptHookArgs) -> None:
+    """A library's writer thread (TensorBoard's event writer) that stops on a full disk hands the error to the
+    training thread's next write, which ends the run in one line: its own traceback would only repeat it."""
+    if out_of_space(args.exc_value) is None:
+        threading.__excepthook__(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every rank ends with one line: bad input (exit 2), Ctrl-C (130), or anything unexpected here or on another
     rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/last_words.py)."""
@@ -421,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     ending = LastWords()
+    threading.excepthook = _quiet_about_full_disks
     if torch.cuda.is_available():
         log.info("GPU defaults: %s", ", ".join(gpu) or "none (the allocator config is the user's)")
     try:
@@ -432,16 +449,15 @@ def main(argv: list[str] | None = None) -> int:
         ending.finished()
         return code
     except ToolkitError as e:
-        ending.stopped_on_error(str(e))
-        print(f"error: {e}", file=sys.stderr)
-        distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
-        return 2
+        return _stopped_on_error(ending, e)
     except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
         ending.interrupted()
         print("interrupted (Ctrl-C): stopped without saving; relaunch the same command to resume from the last "
               "checkpoint.", file=sys.stderr)
         return 130
     except Exception as e:  # a bug, or a peer process that died: one line here, the traceback in the rank's log
+        if (full := out_of_space(e)) is not None:  # a full disk that no writer of ours named (a library's file)
+            return _stopped_on_error(ending, full)
         line = ending.unexpected(e)
         print(line, file=sys.stderr)
         distributed.record_launch_error(line)

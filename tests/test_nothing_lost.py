@@ -4,6 +4,7 @@ crash."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -616,3 +617,127 @@ def test_metrics_are_standard_json_and_survive_a_cut_last_line(tmp_path: Path) -
     path.write_text(text.replace('"step": 2', '"step": 2 oops', 1))  # damage in the middle is not a crash
     with pytest.raises(ToolkitError, match=r"metrics\.jsonl:2 is not a JSON record"):
         read_metrics(path)
+
+
+# --- a full disk anywhere (issue 31) -------------------------------------------------------------------------------
+# Each writer on a small tmpfs (tests/conftest.py mounted_tmpfs; skipped with the reason where mounting is not
+# allowed): one OutOfSpace line naming what was being written, nothing half-written left, and the same call with
+# space succeeds.
+
+def _fill(disk: Path) -> None:
+    """Fill a tmpfs up to its last byte."""
+    with (disk / "filler").open("wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def _grow(disk: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+
+
+def test_a_full_disk_while_the_builtin_model_is_written_is_one_line(tmp_path: Path) -> None:
+    from tests.conftest import mounted_tmpfs
+    from toolkit.config import TINY_MODEL
+    from toolkit.errors import OutOfSpace
+    from toolkit.model import materialize_builtin
+
+    with mounted_tmpfs(tmp_path / "cache", "256k") as cache:
+        with pytest.raises(OutOfSpace) as err:
+            materialize_builtin(TINY_MODEL, cache)
+        assert str(err.value).startswith(f"No space left on device writing {cache / 'tiny-qwen3'}. Free space")
+        assert "\n" not in str(err.value) and list(cache.iterdir()) == []  # no half-built model, no temporary
+        _grow(cache)
+        assert (Path(materialize_builtin(TINY_MODEL, cache)) / "config.json").is_file()
+
+
+def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import toolkit.data.store as store_module
+    from tests.conftest import mounted_tmpfs
+    from toolkit.data import TextEncoder, resolve_source
+    from toolkit.data.sources import Entry
+    from toolkit.data.store import open_store
+    from toolkit.errors import OutOfSpace
+    from toolkit.tiny import build_tokenizer
+
+    data = write_jsonl(tmp_path / "a.jsonl", [{"text": f"row {i} " + "the quick brown fox " * 20} for i in range(400)])
+    encoder, source = TextEncoder(build_tokenizer(), train_on="all"), resolve_source(Entry(str(data)), tmp_path)
+    with mounted_tmpfs(tmp_path / "cache", "96k") as cache:
+        with pytest.raises(OutOfSpace, match=rf"^No space left on device writing {cache}/stores/[0-9a-f]{{32}}\. "):
+            open_store(source, encoder, cache, num_proc=1)
+        assert [p.name for p in (cache / "stores").iterdir() if p.is_dir()] == []  # no store, no temporary
+        failed = next((cache / "stores").glob("*.failed"), None)  # what ranks waiting on it read, if it fit
+        assert failed is None or "No space left on device writing" in failed.read_text()
+        _grow(cache)
+        monkeypatch.setattr(store_module, "_process_start", time.time)  # a relaunch: the failure was before it
+        assert len(open_store(source, encoder, cache, num_proc=1)) == 400
+
+
+def test_a_full_disk_while_final_is_written_is_one_line(tmp_path: Path, models: dict[str, str]) -> None:
+    from tests.conftest import mounted_tmpfs
+    from toolkit import distributed
+    from toolkit.checkpoint import save_final
+    from toolkit.errors import OutOfSpace
+    from toolkit.model import load_model, load_processing, setup_lora
+
+    accelerator = distributed.build_accelerator(1, 10)
+    model = setup_lora(load_model(models["text"], dtype=torch.float32, attn_implementation="sdpa",
+                                  trust_remote_code=False, vision=False),
+                       r=4, alpha=8, dropout=0.0, target_modules="all-linear", modules_to_save=[],
+                       exclude_modules=None, stage_trainable=[None], trainable_keys=["lora"])
+    tokenizer = load_processing(models["text"], vision=False, trust_remote_code=False, chat_template=None)[1]
+    with mounted_tmpfs(tmp_path / "out", "64k") as out:
+        with pytest.raises(OutOfSpace, match=rf"^No space left on device writing {out / 'final'}\. Free space"):
+            save_final(accelerator, model, tokenizer, out / "final")
+        assert list(out.iterdir()) == []  # no final/, no final.tmp
+        _grow(out)
+        save_final(accelerator, model, tokenizer, out / "final")
+        assert (out / "final" / "checksums.json").is_file()
+
+
+def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path: Path) -> None:
+    from tests.conftest import mounted_tmpfs
+    from toolkit.errors import OutOfSpace
+
+    with mounted_tmpfs(tmp_path / "run", "64k") as run:
+        log = MetricsLog(run / "metrics.jsonl", enabled=True)
+        log.write({"step": 1, "loss": 2.0})
+        _fill(run)
+        with pytest.raises(OutOfSpace, match=rf"^No space left on device writing {run / 'metrics.jsonl'}\. "):
+            log.write({"step": 2, "loss": 1.5, "note": "x" * 8192})
+        assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]  # a cut last line is left out
+
+
+def test_a_run_whose_disk_fills_at_final_ends_in_one_line_and_a_relaunch_finishes_it(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: the disk fills just before final/ is written (the hostile pass's case: a traceback and "report
+    it"). One `error:` line naming final/, exit 2, no final/ nor its temporary; relaunched with space, the run
+    resumes from its last checkpoint and writes the adapter an uninterrupted run writes."""
+    from tests.conftest import mounted_tmpfs
+    from toolkit import checkpoint as checkpoint_module
+
+    shutil.copy2(trained / "recipe.yaml", tmp_path / "recipe.yaml")
+    shutil.copy2(trained / "data.jsonl", tmp_path / "data.jsonl")
+    real_save_final = checkpoint_module.save_final
+
+    def disk_fills_first(*args: Any) -> Path:
+        _fill(tmp_path / "run")
+        return real_save_final(*args)
+
+    with mounted_tmpfs(tmp_path / "run", "8m") as run:
+        monkeypatch.setattr(checkpoint_module, "save_final", disk_fills_first)
+        rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
+        lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert lines[0].startswith(f"error: No space left on device writing {Path('run') / 'final'}. Free space")
+        assert not (run / "final").exists() and not (run / "final.tmp").exists()
+        (run / "filler").unlink()
+        monkeypatch.setattr(checkpoint_module, "save_final", real_save_final)
+        gc.collect()  # the first call's frames (its run lock among them) are in a reference cycle with its error
+        rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
+        assert rc == 0, stderr[-3000:]
+        got = load_file(run / "final" / "adapter_model.safetensors")
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "output_dir=ref"], tmp_path / "ref"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]  # the uninterrupted run, in this process as the others (threads, kernels)
+    want = load_file(tmp_path / "ref" / "final" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

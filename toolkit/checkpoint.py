@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from toolkit import distributed
 from toolkit.atomic import build_dir, swap_dir, write_text_atomic
 from toolkit.config import changed_keys as _changed_keys
-from toolkit.errors import ToolkitError
+from toolkit.errors import OutOfSpace, ToolkitError
 from toolkit.read_lease import delete_unless_leased
 from toolkit.strategies import consolidate, param_state
 
@@ -144,6 +144,8 @@ def _write_failure(e: Exception) -> str | None:
     OSError, but also wrapped by safetensors (SafetensorError) and torch.save (RuntimeError) in their own types."""
     from safetensors import SafetensorError
 
+    if isinstance(e, OutOfSpace):  # from toolkit/atomic.py's writers (meta.json, the commit marker)
+        return f"{e.reason} ({e.path})"
     if isinstance(e, OSError):
         return f"{e.strerror or e} ({e.filename})" if e.filename else str(e.strerror or e)
     if isinstance(e, SafetensorError) or (isinstance(e, RuntimeError) and any(
