@@ -543,10 +543,11 @@ def test_a_store_without_a_checksum_is_prepared_again(tmp_path: Path, tok: PreTr
     assert "sha256" in json.loads((_stores(cache)[0] / "meta.json").read_text())
 
 
-def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(tmp_path: Path,
-                                                                     tok: PreTrainedTokenizerFast) -> None:
+def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(
+        tmp_path: Path, tok: PreTrainedTokenizerFast, caplog: pytest.LogCaptureFixture) -> None:
     """Where the store cannot be prepared again (its cache is read-only), a damaged one is refused in one line
-    naming it, never trained on; an intact one is checked and used."""
+    naming it, never trained on; an intact one is checked and used, one of an earlier version (no checksum) used
+    with a warning that it is unverified."""
     from tests.conftest import mounted_tmpfs, remount_read_only
 
     path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
@@ -557,6 +558,14 @@ def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(tmp_path: P
         assert n == 0 and same.samples == good.samples
         subprocess.run(["mount", "-o", "remount,rw", str(cache)], check=True)
         (store,) = _stores(cache)
+        meta = (store / "meta.json").read_text()
+        (store / "meta.json").write_text(json.dumps({k: v for k, v in json.loads(meta).items() if k != "sha256"}))
+        remount_read_only(cache)  # a store of an earlier version: used, said to be unverified
+        with caplog.at_level(logging.WARNING, logger="toolkit.data"):
+            assert _load(path, tok, cache)[1] == 0
+        assert "has no checksum (an earlier version prepared it) and its cache folder is not writable" in caplog.text
+        subprocess.run(["mount", "-o", "remount,rw", str(cache)], check=True)
+        (store / "meta.json").write_text(meta)
         _flip_token_ids(store, tok)
         remount_read_only(cache)
         with pytest.raises(ToolkitError, match=rf"^The token store {store} cannot be used \(data.arrow's sha256 is "

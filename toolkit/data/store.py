@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -247,13 +247,15 @@ def _verify(folder: Path, meta: dict[str, Any], data: Path, *, remember: bool) -
             write_atomic(folder / VERIFIED_FILE, lambda f: f.write(record.encode()))
 
 
-def _open_ready(folder: Path, key: dict[str, Any], source: Source, *, verify: str) -> Store | None:
+def _open_ready(folder: Path, key: dict[str, Any], source: Source, *,
+                verify: Literal["no", "remembered", "yes", "yes-read-only"]) -> Store | None:
     """The complete store in `folder`, or None when there is none; a store that is damaged (unreadable, cut
     short, for another key, or its content not the one prepared) counts as none, with a warning.
 
     `verify`: "no" (the caller just wrote it and hashed it), "remembered" (only a verified.json that matches
-    counts: _Unverified is raised otherwise), "yes" (hash it unless remembered, and remember), "yes-read-only"
-    (hash it unless remembered; the cache cannot be written)."""
+    counts: _Unverified is raised otherwise), "yes" (hash it unless remembered, and remember; a store without a
+    checksum counts as damaged), "yes-read-only" (hash it unless remembered; the cache cannot be written, so a
+    store without a checksum is used, with a warning, and a damaged one refused)."""
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         return None
@@ -262,9 +264,14 @@ def _open_ready(folder: Path, key: dict[str, Any], source: Source, *, verify: st
         data = folder / "data.arrow"
         if meta["key"] != key or data.stat().st_size != meta["bytes"]:
             raise ValueError("does not match its meta.json")
-        if not isinstance(meta.get("sha256"), str):
-            raise ValueError("has no checksum: an earlier version prepared it")
-        if verify != "no" and not _verified(folder, meta, data):
+        if not isinstance(meta.get("sha256"), str):  # prepared by an earlier version
+            if verify == "remembered":
+                raise _Unverified
+            if verify != "yes-read-only":
+                raise ValueError("has no checksum: an earlier version prepared it")
+            log.warning("token store %s has no checksum (an earlier version prepared it) and its cache folder is "
+                        "not writable: using it unverified", folder)
+        elif verify != "no" and not _verified(folder, meta, data):
             if verify == "remembered":
                 raise _Unverified
             _verify(folder, meta, data, remember=verify == "yes")
