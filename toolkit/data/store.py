@@ -474,10 +474,13 @@ def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: in
         if acquired:
             try:
                 store = _open_ready(final, key, source, verify="yes")
-                return store if store is not None else _prepare(source, encoder, key, final, failed,
-                                                                num_proc=num_proc)
+                if store is None:
+                    return _prepare(source, encoder, key, final, failed, num_proc=num_proc)
             finally:
                 lock.release()
+            if waiting_since is not None:  # another process prepared it; this one checked it
+                log.info("data: %s ready after waiting %.0f s", source.name, time.monotonic() - waiting_since)
+            return store
         if waiting_since is None:
             waiting_since = time.monotonic()
             log.info("data: waiting for %s to prepare or check %s (%s)", lock.holder(), source.name, final)
