@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from toolkit.config import (
 )
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
 from toolkit.flops import peak_flops
 from toolkit.forgetting import prune_after
@@ -80,6 +81,7 @@ from toolkit.run_data import (
     data_fingerprint,
     load_curriculum_data,
     loader_workers,
+    store_checksums,
     tokenized_cache_dir,
     use_dummy_data,
     uses_dummy_data,
@@ -154,7 +156,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
                                       layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
-                            data_files=data_fingerprint(resolved, layout.dummy_data, cache))
+                            data_files=data_fingerprint(resolved, layout.dummy_data, cache),
+                            data_stores=store_checksums([s.data for s in curriculum.stages],
+                                                        [s.eval_rows for s in curriculum.stages]))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
@@ -230,7 +234,7 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
                                         world_size=identity["world_size"], force=force,
                                         stage_batches=identity["stage_batches"], invariants=identity["invariants"],
                                         stage_steps=identity["stage_plan_steps"],
-                                        data_files=identity["data_files"])
+                                        data_files=identity["data_files"], data_stores=identity["data_stores"])
     checkpoint.check_integrity(accelerator, ckpt, meta)
     return meta, forced
 
@@ -360,7 +364,7 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
 
 
 def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan], *, run_name: str,
-                 model_path: str, data_files: dict[str, str]) -> dict[str, Any]:
+                 model_path: str, data_files: dict[str, str], data_stores: dict[str, str]) -> dict[str, Any]:
     """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
     world, settings = accelerator.num_processes, resume_invariants(recipe)
     return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
@@ -368,6 +372,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
             "stage_batches": [p.global_batch for p in plans], "stage_plan_steps": [p.steps for p in plans],
             "lora": recipe.lora.enabled,
             "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,
+            "data_stores": data_stores,
             "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
 
 
@@ -424,6 +429,21 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     return model, trainable
 
 
+def _stopped_on_error(ending: LastWords, e: ToolkitError) -> int:
+    """Bad input or a full disk: one line on this rank (exit 2), which the other ranks can name."""
+    ending.stopped_on_error(str(e))
+    print(f"error: {e}", file=sys.stderr)
+    distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
+    return 2
+
+
+def _quiet_about_full_disks(args: threading.ExceptHookArgs) -> None:
+    """A library's writer thread (TensorBoard's event writer) that stops on a full disk hands the error to the
+    training thread's next write, which ends the run in one line: its own traceback would only repeat it."""
+    if out_of_space(args.exc_value) is None:
+        threading.__excepthook__(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every rank ends with one line: bad input (exit 2), Ctrl-C (130), or anything unexpected here or on another
     rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/last_words.py)."""
@@ -434,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     # Stop signals from here on: before the first step they end the run at once, then after a step with a checkpoint;
     # the launcher's death reaches the trainer as SIGTERM (toolkit/preemption.py).
     preemption = PreemptionFlag(advice=ending.relaunch_advice)
+    threading.excepthook = _quiet_about_full_disks
     if torch.cuda.is_available():
         log.info("GPU defaults: %s", ", ".join(gpu) or "none (the allocator config is the user's)")
     try:
@@ -446,10 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         ending.finished()
         return code
     except ToolkitError as e:
-        ending.stopped_on_error(str(e))
-        print(f"error: {e}", file=sys.stderr)
-        distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
-        return 2
+        return _stopped_on_error(ending, e)
     except Stopped as e:  # a stop signal before the first step: nothing to save, nothing half-written kept
         return _stopped(ending, preemption, e.signal_name)
     except KeyboardInterrupt:  # one line, not a traceback per frame; committed checkpoints are intact
@@ -459,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug, or a peer process that died: one line here, the traceback in the rank's log
         if preemption.requested and not preemption.started:  # a collective that failed as its peers stopped too
             return _stopped(ending, preemption, preemption.signal_name or "SIGTERM")
+        if (full := out_of_space(e)) is not None:  # a full disk that no writer of ours named (a library's file)
+            return _stopped_on_error(ending, full)
         line = ending.unexpected(e)
         print(line, file=sys.stderr)
         distributed.record_launch_error(line)

@@ -385,3 +385,24 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer) -> Path:
     tok.chat_template = stock_template("qwen3")
     return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3-real", tokenizer=tok, hidden_size=16,
                             num_heads=2, num_kv_heads=1, intermediate_size=32)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax: 64k, 2m) at `path`, unmounted afterwards: a disk that fills up, or
+    is remounted read-only (`remount_read_only`). Skips the test, with the reason, where mounting is not allowed
+    (not root, no CAP_SYS_ADMIN in a container)."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"needs a small tmpfs (mount -t tmpfs as root): {done.stderr.strip() or done.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount_read_only(path: Path) -> None:
+    """Make a `mounted_tmpfs` read-only (root can write through permissions, not through a read-only mount)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)

@@ -167,3 +167,35 @@ def test_run_layout_names_every_path() -> None:
         "runs/.toolkit-cache", "runs/.toolkit-cache/tokenized", Path("runs").resolve() / ".toolkit-cache" / "locks")
     assert run.lock_file.parent == run.locks and str(run.earlier_attempts) == "runs/exp1/earlier-attempts"
     assert RunLayout.of_checkpoint(run.checkpoints / "step-00000004") == run
+
+
+def test_a_full_disk_is_recognised_however_it_is_wrapped(tmp_path: Path) -> None:
+    """toolkit.errors.out_of_space, the one place a full disk becomes an error line: ENOSPC and EDQUOT, bare, chained
+    or only in the text a library keeps (safetensors' Rust writer); the innermost writer's path wins; anything
+    else is not one."""
+    import errno
+
+    import pytest
+
+    from toolkit.atomic import writing
+    from toolkit.errors import OutOfSpace, out_of_space
+
+    bare = OSError(errno.ENOSPC, "No space left on device")
+    assert str(out_of_space(bare, tmp_path / "m.jsonl")).startswith(
+        f"No space left on device writing {tmp_path / 'm.jsonl'}. Free space (or raise the quota) and relaunch")
+    quota = out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded", "/q/f"))
+    assert quota is not None and (quota.reason, quota.path) == ("Disk quota exceeded", Path("/q/f"))
+    wrapped = RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                           "\"No space left on device\" })")
+    assert out_of_space(wrapped, "x") is not None
+    try:
+        try:
+            raise bare
+        except OSError as e:
+            raise ValueError("a library's own error") from e
+    except ValueError as chained:
+        assert out_of_space(chained, "y") is not None
+    assert out_of_space(OSError(errno.EIO, "Input/output error"), "z") is None
+    with pytest.raises(OutOfSpace) as err, writing(tmp_path / "outer"), writing(tmp_path / "outer" / "inner"):
+        raise bare
+    assert err.value.path == tmp_path / "outer" / "inner"

@@ -82,3 +82,19 @@ def test_data_scale_growth_is_per_rank() -> None:
     spec.loader.exec_module(bench)
     assert bench.rank_growth([0.744, 0.872], [0.939, 0.95], [0.912, 0.934]) == 0.195
     assert bench.rank_growth([0.8, 0.5], [0.7, 0.9], [0.85, 0.6]) == 0.4  # the rank that grew most, by rank
+
+
+def test_data_scale_prepare_only_times_the_store_checksum(tmp_path: Path) -> None:
+    """`--prepare-only` times the cold preparation, the first warm open (the store's checksum checked), a warm open
+    once the check is remembered, and the check alone in GB/s (issue 31's cost measurement)."""
+    from toolkit.tiny import build_tokenizer
+
+    spec = importlib.util.spec_from_file_location("data_scale", REPO / "bench" / "data_scale.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = bench.write_rows(tmp_path / "chat.jsonl", 50)
+    out = bench.prepare_only(data, build_tokenizer(), tmp_path / "cache", 1)
+    assert out["rows"] == 50 and out["checksum_s"] >= 0 and out["checksum_gb_per_s"] >= 0
+    assert {"cold_s", "warm_s", "warm_remembered_s", "store_gb"} <= set(out)
+    assert len(list((tmp_path / "cache" / "stores").glob("*/verified.json"))) == 1

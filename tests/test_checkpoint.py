@@ -813,6 +813,24 @@ def test_check_resumable_names_changed_keys_and_data_files(tmp_path: Path) -> No
                       "data files whose content changed since the checkpoint: b.jsonl"]
 
 
+def test_check_resumable_compares_token_store_checksums(tmp_path: Path) -> None:
+    """Issue 31: the checkpoint fingerprinted only the data files, so a resume over other tokens (a store that was
+    damaged, or prepared differently) said "resumed (exact)". The stores' checksums are compared too; a checkpoint
+    of an earlier version (no store checksums) still resumes."""
+    h = recipe_hash({"lr": 1e-4})
+    files = {"a.jsonl": "1" * 64}
+    meta = _meta(h, 8) | {"data_files": files, "data_stores": {"a.jsonl": "5" * 64}}
+    kw: dict[str, Any] = {"invariants_hash": h, "effective_batch": 8, "strategy": "ddp", "world_size": 2,
+                          "data_files": files}
+    assert check_resumable(meta, tmp_path, **kw, force=False, data_stores={"a.jsonl": "5" * 64}) == []
+    with pytest.raises(ToolkitError, match=r"token stores whose tokens differ from the checkpoint's .*: a\.jsonl\)"):
+        check_resumable(meta, tmp_path, **kw, force=False, data_stores={"a.jsonl": "6" * 64})
+    forced = check_resumable(meta, tmp_path, **kw, force=True, data_stores={"a.jsonl": "6" * 64})
+    assert len(forced) == 1 and forced[0].startswith("token stores whose tokens differ")
+    older = {k: v for k, v in meta.items() if k != "data_stores"}
+    assert check_resumable(older, tmp_path, **kw, force=False, data_stores={"a.jsonl": "6" * 64}) == []
+
+
 def test_committed_files_are_checked_on_resume(tmp_path: Path) -> None:
     from toolkit.checkpoint import changed_files
 

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,8 @@ def test_prepared_once_then_mapped(tmp_path: Path, tok: PreTrainedTokenizerFast)
         assert got.stats == in_memory.stats
         assert got.difficulty == [2.0, None, None, None]
     (store,) = _stores(cache)
-    assert sorted(p.name for p in store.iterdir()) == ["data.arrow", "meta.json"]
+    # verified.json too, once the store is older than the racy window when it is checked
+    assert sorted(p.name for p in store.iterdir() if p.name != "verified.json") == ["data.arrow", "meta.json"]
 
 
 def test_store_is_a_datasets_arrow_file(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
@@ -483,3 +485,90 @@ def test_entry_options_and_image_settings_are_in_the_key(tmp_path: Path, tok: Pr
     other = copy.deepcopy(processor)
     other.chat_template = processor.chat_template + " "
     assert store_key(source, "d", VLEncoder(other, train_on="assistant")) != vl[0]
+
+
+def _flip_token_ids(store: Path, tok: PreTrainedTokenizerFast) -> None:
+    """Overwrite the first row's token ids in data.arrow in place: same size, the file still reads."""
+    import numpy as np
+
+    data = store / "data.arrow"
+    ids = np.asarray(encode_row(ROWS[0], tok, "assistant", "f")[0], np.int32)
+    at = data.read_bytes().find(ids.tobytes())
+    assert at > 0
+    size = data.stat().st_size
+    with data.open("r+b") as f:
+        f.seek(at)
+        f.write(((ids + 1) % len(tok)).astype(np.int32).tobytes())
+    assert data.stat().st_size == size
+
+
+def test_a_same_size_overwrite_of_token_ids_is_found_and_prepared_again(
+        tmp_path: Path, tok: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: 40 token ids overwritten in place (same size) were trained on without a word. The checksum
+    recorded at preparation is checked by the next open, which prepares the store again; once checked, later opens
+    compare the file's stat only, and a later overwrite changes it."""
+    monkeypatch.setattr(store_mod, "RACY_WINDOW_NS", -10**18)  # remember checks even of files written just now
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    good, _ = _load(path, tok, cache)
+    (store,) = _stores(cache)
+    assert re.fullmatch("[0-9a-f]{64}", json.loads((store / "meta.json").read_text())["sha256"])
+    _flip_token_ids(store, tok)  # before any check: the first open finds it
+    with caplog.at_level(logging.WARNING, logger="toolkit.data"):
+        rebuilt, n = _load(path, tok, cache)
+    assert n == len(ROWS) and rebuilt.samples == good.samples
+    assert any("is damaged (data.arrow's sha256 is" in r.getMessage() for r in caplog.records)
+    hashed: list[Path] = []
+    real = store_mod.file_sha256
+    monkeypatch.setattr(store_mod, "file_sha256", lambda p: hashed.append(p) or real(p))
+    assert _load(path, tok, cache)[1] == 0 and len(hashed) == 1  # checked once, remembered in verified.json
+    assert _load(path, tok, cache)[1] == 0 and len(hashed) == 1  # then the stat is enough
+    time.sleep(0.02)  # past the filesystem's timestamp tick
+    (store,) = _stores(cache)
+    _flip_token_ids(store, tok)  # after a check: the changed stat sends it to be checked again
+    again, n = _load(path, tok, cache)
+    assert n == len(ROWS) and again.samples == good.samples
+
+
+def test_a_store_without_a_checksum_is_prepared_again(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """A store an earlier version prepared (no sha256 in its meta.json) cannot be checked: it is prepared again."""
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    _load(path, tok, cache)
+    (store,) = _stores(cache)
+    meta = json.loads((store / "meta.json").read_text())
+    del meta["sha256"]
+    (store / "meta.json").write_text(json.dumps(meta))
+    assert _load(path, tok, cache)[1] == len(ROWS)
+    assert "sha256" in json.loads((_stores(cache)[0] / "meta.json").read_text())
+
+
+def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(
+        tmp_path: Path, tok: PreTrainedTokenizerFast, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the store cannot be prepared again (its cache is read-only), a damaged one is refused in one line
+    naming it, never trained on; an intact one is checked and used, one of an earlier version (no checksum) used
+    with a warning that it is unverified."""
+    from tests.conftest import mounted_tmpfs, remount_read_only
+
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    with mounted_tmpfs(tmp_path / "cache", "16m") as cache:
+        good, _ = _load(path, tok, cache)
+        remount_read_only(cache)
+        same, n = _load(path, tok, cache)
+        assert n == 0 and same.samples == good.samples
+        subprocess.run(["mount", "-o", "remount,rw", str(cache)], check=True)
+        (store,) = _stores(cache)
+        meta = (store / "meta.json").read_text()
+        (store / "meta.json").write_text(json.dumps({k: v for k, v in json.loads(meta).items() if k != "sha256"}))
+        remount_read_only(cache)  # a store of an earlier version: used, said to be unverified
+        with caplog.at_level(logging.WARNING, logger="toolkit.data"):
+            assert _load(path, tok, cache)[1] == 0
+        assert "has no checksum (an earlier version prepared it) and its cache folder is not writable" in caplog.text
+        subprocess.run(["mount", "-o", "remount,rw", str(cache)], check=True)
+        (store / "meta.json").write_text(meta)
+        _flip_token_ids(store, tok)
+        remount_read_only(cache)
+        with pytest.raises(ToolkitError, match=rf"^The token store {store} cannot be used \(data.arrow's sha256 is "
+                                               r".* cannot be prepared again: its cache folder is not writable"):
+            _load(path, tok, cache)

@@ -4,6 +4,7 @@ crash."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -281,6 +282,45 @@ def test_export_of_a_checkpoint_whose_files_changed_is_refused(trained: Path, tm
         export(ckpt, tmp_path / "adapter")
 
 
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _corrupt_same_size(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-64:] = bytes(255 - b for b in raw[-64:])  # tensor bytes: the file still loads, with other weights
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _corrupt_same_size])
+def test_export_of_a_damaged_final_is_refused_in_one_line(trained: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, damage: Any) -> None:
+    """Issue 31: a truncated adapter in final/ gave `toolkit export` a 31-line traceback, and a same-size corruption
+    was exported with exit 0. final/ records its files' sizes and sha256 (checksums.json), checked before loading:
+    one line naming the file, nothing written."""
+    run = copy_run(trained, tmp_path)
+    assert "adapter_model.safetensors" in json.loads((run / "final" / "checksums.json").read_text())["files"]
+    damage(run / "final" / "adapter_model.safetensors")
+    for merge in ([], ["--merge"]):
+        rc, stderr = invoke(Call(["export", str(run), "--out", str(tmp_path / "out"), *merge], tmp_path / "out",
+                                 tool="toolkit"), tmp_path, monkeypatch)
+        assert rc == 2 and stderr.count("\n") == 1, stderr[-3000:]
+        assert stderr.startswith(f"error: {run / 'final'} does not hold what training saved: "
+                                 "adapter_model.safetensors ")
+
+
+def test_a_final_without_checksums_still_exports_unverified(trained: Path, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A final/ written by an earlier version (no checksums.json) is exported as before, with a warning that it is
+    unverified."""
+    run = copy_run(trained, tmp_path)
+    (run / "final" / "checksums.json").unlink()
+    out = export(run, tmp_path / "adapter")
+    assert (out / "adapter_model.safetensors").is_file()
+    assert (f"{run / 'final'} has no checksums.json (written by an earlier version): loading it unverified"
+            in caplog.text)
+
+
 def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run of `builtin:tiny-qwen3` launched from one folder (relative output_dir, as the README's recipes are),
     exported from another: the base model is the one training built in the run's cache, not a hub id."""
@@ -302,6 +342,33 @@ def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monke
     merged = export(Path("../work/runs/tiny"), Path("merged"), merge=True)
     assert (merged / "model.safetensors").is_file()
     assert run.is_dir()
+
+
+# --- the token store ---------------------------------------------------------------------------------------------
+
+def test_a_damaged_token_store_is_prepared_again_and_trains_as_undamaged(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: token ids overwritten in place in the store (same size) changed the step-3 loss, exit 0, and a
+    resume would have said "resumed (exact)". The next launch finds the damage, prepares the store again (a warning
+    says so) and trains the undamaged losses; its checkpoints record the store's checksum for resumes to compare."""
+    import pyarrow as pa
+
+    run = copy_run(trained, tmp_path)
+    (store,) = [p for p in (tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir()
+                if p.is_dir() and not p.name.startswith(".")]
+    data = store / "data.arrow"
+    ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
+    raw = data.read_bytes()
+    at = raw.find(ids.tobytes())
+    data.write_bytes(raw[:at] + (ids[::-1].copy()).tobytes() + raw[at + ids.nbytes:])  # same size, other ids
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "output_dir=run2"], tmp_path / "run2"), tmp_path,
+                        monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert f"stores/{store.name} is damaged (data.arrow's sha256 is" in caplog.text
+    losses = [[r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")] for out in (run, tmp_path / "run2")]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    checksum = json.loads((store / "meta.json").read_text())["sha256"]
+    assert read_meta(tmp_path / "run2" / "checkpoints" / "step-00000003")["data_stores"] == {"data.jsonl": checksum}
 
 
 # --- every rank ends with one line ---------------------------------------------------------------------------------
@@ -742,3 +809,127 @@ def test_metrics_are_standard_json_and_survive_a_cut_last_line(tmp_path: Path) -
     path.write_text(text.replace('"step": 2', '"step": 2 oops', 1))  # damage in the middle is not a crash
     with pytest.raises(ToolkitError, match=r"metrics\.jsonl:2 is not a JSON record"):
         read_metrics(path)
+
+
+# --- a full disk anywhere (issue 31) -------------------------------------------------------------------------------
+# Each writer on a small tmpfs (tests/conftest.py mounted_tmpfs; skipped with the reason where mounting is not
+# allowed): one OutOfSpace line naming what was being written, nothing half-written left, and the same call with
+# space succeeds.
+
+def _fill(disk: Path) -> None:
+    """Fill a tmpfs up to its last byte."""
+    with (disk / "filler").open("wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def _grow(disk: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+
+
+def test_a_full_disk_while_the_builtin_model_is_written_is_one_line(tmp_path: Path) -> None:
+    from tests.conftest import mounted_tmpfs
+    from toolkit.config import TINY_MODEL
+    from toolkit.errors import OutOfSpace
+    from toolkit.model import materialize_builtin
+
+    with mounted_tmpfs(tmp_path / "cache", "256k") as cache:
+        with pytest.raises(OutOfSpace) as err:
+            materialize_builtin(TINY_MODEL, cache)
+        assert str(err.value).startswith(f"No space left on device writing {cache / 'tiny-qwen3'}. Free space")
+        assert "\n" not in str(err.value) and list(cache.iterdir()) == []  # no half-built model, no temporary
+        _grow(cache)
+        assert (Path(materialize_builtin(TINY_MODEL, cache)) / "config.json").is_file()
+
+
+def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import toolkit.data.store as store_module
+    from tests.conftest import mounted_tmpfs
+    from toolkit.data import TextEncoder, resolve_source
+    from toolkit.data.sources import Entry
+    from toolkit.data.store import open_store
+    from toolkit.errors import OutOfSpace
+    from toolkit.tiny import build_tokenizer
+
+    data = write_jsonl(tmp_path / "a.jsonl", [{"text": f"row {i} " + "the quick brown fox " * 20} for i in range(400)])
+    encoder, source = TextEncoder(build_tokenizer(), train_on="all"), resolve_source(Entry(str(data)), tmp_path)
+    with mounted_tmpfs(tmp_path / "cache", "96k") as cache:
+        with pytest.raises(OutOfSpace, match=rf"^No space left on device writing {cache}/stores/[0-9a-f]{{32}}\. "):
+            open_store(source, encoder, cache, num_proc=1)
+        assert [p.name for p in (cache / "stores").iterdir() if p.is_dir()] == []  # no store, no temporary
+        failed = next((cache / "stores").glob("*.failed"), None)  # what ranks waiting on it read, if it fit
+        assert failed is None or "No space left on device writing" in failed.read_text()
+        _grow(cache)
+        monkeypatch.setattr(store_module, "_process_start", time.time)  # a relaunch: the failure was before it
+        assert len(open_store(source, encoder, cache, num_proc=1)) == 400
+
+
+def test_a_full_disk_while_final_is_written_is_one_line(tmp_path: Path, models: dict[str, str]) -> None:
+    from tests.conftest import mounted_tmpfs
+    from toolkit import distributed
+    from toolkit.checkpoint import save_final
+    from toolkit.errors import OutOfSpace
+    from toolkit.model import load_model, load_processing, setup_lora
+
+    accelerator = distributed.build_accelerator(1, 10)
+    model = setup_lora(load_model(models["text"], dtype=torch.float32, attn_implementation="sdpa",
+                                  trust_remote_code=False, vision=False),
+                       r=4, alpha=8, dropout=0.0, target_modules="all-linear", modules_to_save=[],
+                       exclude_modules=None, stage_trainable=[None], trainable_keys=["lora"])
+    tokenizer = load_processing(models["text"], vision=False, trust_remote_code=False, chat_template=None)[1]
+    with mounted_tmpfs(tmp_path / "out", "64k") as out:
+        with pytest.raises(OutOfSpace, match=rf"^No space left on device writing {out / 'final'}\. Free space"):
+            save_final(accelerator, model, tokenizer, out / "final")
+        assert list(out.iterdir()) == []  # no final/, no final.tmp
+        _grow(out)
+        save_final(accelerator, model, tokenizer, out / "final")
+        assert (out / "final" / "checksums.json").is_file()
+
+
+def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path: Path) -> None:
+    from tests.conftest import mounted_tmpfs
+    from toolkit.errors import OutOfSpace
+
+    with mounted_tmpfs(tmp_path / "run", "64k") as run:
+        log = MetricsLog(run / "metrics.jsonl", enabled=True)
+        log.write({"step": 1, "loss": 2.0})
+        _fill(run)
+        with pytest.raises(OutOfSpace, match=rf"^No space left on device writing {run / 'metrics.jsonl'}\. "):
+            log.write({"step": 2, "loss": 1.5, "note": "x" * 8192})
+        assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]  # a cut last line is left out
+
+
+def test_a_run_whose_disk_fills_at_final_ends_in_one_line_and_a_relaunch_finishes_it(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: the disk fills just before final/ is written (the hostile pass's case: a traceback and "report
+    it"). One `error:` line naming final/, exit 2, no final/ nor its temporary; relaunched with space, the run
+    resumes from its last checkpoint and writes the adapter an uninterrupted run writes."""
+    from tests.conftest import mounted_tmpfs
+    from toolkit import checkpoint as checkpoint_module
+
+    shutil.copy2(trained / "recipe.yaml", tmp_path / "recipe.yaml")
+    shutil.copy2(trained / "data.jsonl", tmp_path / "data.jsonl")
+    real_save_final = checkpoint_module.save_final
+
+    def disk_fills_first(*args: Any) -> Path:
+        _fill(tmp_path / "run")
+        return real_save_final(*args)
+
+    with mounted_tmpfs(tmp_path / "run", "8m") as run:
+        monkeypatch.setattr(checkpoint_module, "save_final", disk_fills_first)
+        rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
+        lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert lines[0].startswith(f"error: No space left on device writing {Path('run') / 'final'}. Free space")
+        assert not (run / "final").exists() and not (run / "final.tmp").exists()
+        (run / "filler").unlink()
+        monkeypatch.setattr(checkpoint_module, "save_final", real_save_final)
+        gc.collect()  # the first call's frames (its run lock among them) are in a reference cycle with its error
+        rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
+        assert rc == 0, stderr[-3000:]
+        got = load_file(run / "final" / "adapter_model.safetensors")
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "output_dir=ref"], tmp_path / "ref"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]  # the uninterrupted run, in this process as the others (threads, kernels)
+    want = load_file(tmp_path / "ref" / "final" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

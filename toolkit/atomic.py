@@ -10,6 +10,10 @@ folder or the new one. Where the kernel or filesystem lacks the exchange (other 
 filesystems), the old folder is moved aside first and the new one renamed in: a crash between those two renames
 leaves the target missing and the old folder beside it as `.<name>.old-*`. The old folder is deleted only once the
 new one is in place.
+
+A write that fails for want of space or quota (ENOSPC, EDQUOT) ends in `toolkit.errors.OutOfSpace`, one line naming
+the file or folder being written (`writing`): the temporary file or folder is gone by then, so nothing
+half-written is left for a later launch to use.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import platform
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from toolkit.errors import out_of_space
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -48,6 +54,18 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Writes to `path` (a file, or a folder being built) happen inside: a full disk or quota, however the writing
+    library wraps it, ends them in one OutOfSpace line naming `path` (toolkit/errors.py)."""
+    try:
+        yield
+    except Exception as e:
+        if (full := out_of_space(e, path)) is None:
+            raise
+        raise full from e
+
+
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
@@ -58,19 +76,20 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write `path` with `write(f)` on a temporary file beside it, fsync, rename it over `path`, fsync the folder.
     Readers see all of the new content or the old one; a failure leaves no temporary file. The file gets the
     permissions a plain open() would give it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make it private to this user
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make it private to this user
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     fsync_dir(path.parent)
 
 
@@ -177,22 +196,23 @@ def build_dir(target: Path, build: Callable[[Path], Any], *, replace: bool = Tru
     an existing one is kept and the new build discarded (several processes building the same content: the first
     one wins); returns whether the new folder went in. `tmp` names the temporary folder (a fixed name that a later
     run clears; it is deleted first), else a fresh `.<name>.*.tmp`. A failure leaves `target` as it was and no
-    temporary folder."""
-    if tmp is None:
-        tmp = temp_dir_beside(target)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    try:
-        build(tmp)
-        if replace:
-            replace_dir(tmp, target, check_replaced=check_replaced)
-            return True
+    temporary folder; a full disk, one OutOfSpace line naming `target`."""
+    with writing(target):
+        if tmp is None:
+            tmp = temp_dir_beside(target)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         try:
-            os.rename(tmp, target)
-        except OSError:  # someone else's copy is in place
-            return False
-        fsync_dir(target.parent)
-        return True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed into place
+            build(tmp)
+            if replace:
+                replace_dir(tmp, target, check_replaced=check_replaced)
+                return True
+            try:
+                os.rename(tmp, target)
+            except OSError:  # someone else's copy is in place
+                return False
+            fsync_dir(target.parent)
+            return True
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed into place

@@ -39,13 +39,15 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from toolkit import distributed
 from toolkit.atomic import build_dir, swap_dir, write_text_atomic
 from toolkit.config import changed_keys as _changed_keys
-from toolkit.errors import ToolkitError
+from toolkit.errors import OutOfSpace, ToolkitError
 from toolkit.read_lease import delete_unless_leased
 from toolkit.strategies import consolidate, deepspeed, param_state
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
+FINAL_CHECKSUMS = "checksums.json"
+"""In final/: the size and sha256 of every file training saved there, as a checkpoint's meta.json records its own."""
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,8 @@ def _write_failure(e: Exception) -> str | None:
     OSError, but also wrapped by safetensors (SafetensorError) and torch.save (RuntimeError) in their own types."""
     from safetensors import SafetensorError
 
+    if isinstance(e, OutOfSpace):  # from toolkit/atomic.py's writers (meta.json, the commit marker)
+        return f"{e.reason} ({e.path})"
     if isinstance(e, OSError):
         return f"{e.strerror or e} ({e.filename})" if e.filename else str(e.strerror or e)
     if isinstance(e, SafetensorError) or (isinstance(e, RuntimeError) and any(
@@ -495,10 +499,38 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
         def write(tmp: Path) -> None:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            # Checked by whatever loads final/ (verify_final): a file cut short or swapped is refused.
+            write_text_atomic(tmp / FINAL_CHECKSUMS, json.dumps({"files": file_digests(tmp)}, indent=1))
 
         build_dir(out_dir, write, tmp=out_dir.with_name(out_dir.name + ".tmp"))
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def verify_final(folder: Path, *, weights: bool = True) -> None:
+    """Refuse a final/ whose files are not the ones training saved (cut short, corrupted, swapped), in one line
+    naming the file; `weights` False checks all but the weights (a reader of its tokenizer only). A final/ of an
+    earlier version, without checksums, is loaded with a warning that it is unverified."""
+    path = folder / FINAL_CHECKSUMS
+    if not path.is_file():
+        log.warning("%s has no %s (written by an earlier version): loading it unverified", folder, FINAL_CHECKSUMS)
+        return
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["files"]
+        if not isinstance(recorded, dict):
+            raise TypeError("files is not an object")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ToolkitError(f"{path} cannot be read ({type(e).__name__}: {e}): {folder} cannot be verified. Export "
+                           "a checkpoint of the run instead, or restore the original files.") from None
+    if not weights:
+        recorded = {rel: want for rel, want in recorded.items() if not rel.endswith((".safetensors", ".bin"))}
+    try:
+        problem = changed_files(folder, {"files": recorded})
+    except (KeyError, TypeError) as e:
+        problem = f"{FINAL_CHECKSUMS} is not a record of its files ({type(e).__name__}: {e})"
+    if problem is not None:
+        raise ToolkitError(f"{folder} does not hold what training saved: {problem}. Export a checkpoint of the run "
+                           "instead (toolkit export <output_dir>/checkpoints/step-N), or restore the original files.")
 
 
 # --- What the training script calls. ---
@@ -587,12 +619,13 @@ def check_state(meta: dict[str, Any], ckpt: Path, state: dict[str, str], invaria
 def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, effective_batch: int,
                     strategy: str, world_size: int, force: bool, stage_batches: list[int] | None = None,
                     invariants: dict[str, Any] | None = None, data_files: dict[str, str] | None = None,
-                    stage_steps: list[int] | None = None) -> list[str]:
+                    stage_steps: list[int] | None = None, data_stores: dict[str, str] | None = None) -> list[str]:
     """Refuse a resume that would silently change training (unless `resume_force`) or cannot load.
 
     Returns what differs from the checkpoint and was accepted because of `force` (empty when nothing does):
-    settings by recipe key, data files whose content changed. `invariants` / `data_files` are this run's; they
-    are compared with what the checkpoint recorded (checkpoints of earlier versions recorded only the hash).
+    settings by recipe key, data files whose content changed, token stores whose tokens differ. `invariants` /
+    `data_files` / `data_stores` are this run's; they are compared with what the checkpoint recorded (checkpoints
+    of earlier versions recorded only the hash, or no store checksums).
     """
     if not same_layout(meta, strategy, world_size) and not portable_lora_file(ckpt).is_file():
         layout = layout_name(meta["strategy"], meta["world_size"])
@@ -612,6 +645,12 @@ def check_resumable(meta: dict[str, Any], ckpt: Path, *, invariants_hash: str, e
     changed = [e for e in sorted(set(saved_data) & set(data_files or {})) if saved_data[e] != data_files[e]]
     if changed:
         differences.append("data files whose content changed since the checkpoint: " + ", ".join(changed))
+    saved_stores = meta.get("data_stores") or {}
+    retokenised = [e for e in sorted(set(saved_stores) & set(data_stores or {}))
+                   if saved_stores[e] != (data_stores or {})[e] and e not in changed]
+    if retokenised:
+        differences.append("token stores whose tokens differ from the checkpoint's (same data files, other "
+                           "tokens: prepared by other library versions, or edited): " + ", ".join(retokenised))
     if differences and not force:
         raise ToolkitError(
             f"Checkpoint {ckpt} was written with different training settings or data ({'; '.join(differences)}). "

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, out_of_space
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if (full := out_of_space(e)) is None:  # a full disk that no writer of ours named: one line too
+            raise
+        print(f"error: {full}", file=sys.stderr)
         return 2
     return 0
 

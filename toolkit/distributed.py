@@ -20,6 +20,7 @@ import logging
 import os
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
+from toolkit.atomic import writing
 from toolkit.errors import ToolkitError
 from toolkit.strategies import build_locks, deepspeed, fsdp
 
@@ -234,8 +236,9 @@ def finish_trackers(accelerator: Accelerator) -> None:
     its worker threads with the GIL held, while a worker that is finishing the last collective needs the GIL to free
     a tensor made in Python: the rank hangs after its run is done (a CI launch did; PyTorch guards the Python-held
     group against exactly this, not the Reducer's reference). Checked by tests/test_strategies.py's spy."""
-    for tracker in accelerator.trackers:
-        tracker.finish()
+    with writing(Path(accelerator.logging_dir or ".")):  # their last events are flushed here
+        for tracker in accelerator.trackers:
+            tracker.finish()
 
 
 def exit_without_teardown(code: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from toolkit import distributed
-from toolkit.atomic import write_text_atomic
+from toolkit.atomic import write_text_atomic, writing
 from toolkit.config import Recipe, ResolvedStage
 from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
@@ -213,13 +213,16 @@ def completions_to_trackers(accelerator: Accelerator, stage: str, step: int, lin
     evals = dict.fromkeys(line["eval"] for line in lines)
     if "tensorboard" in names:
         writer = accelerator.get_tracker("tensorboard", unwrap=True)
+        events = Path(accelerator.logging_dir or ".")  # TensorBoard's event files
         for name in evals:
             rows = [line for line in lines if line["eval"] == name][:TRACKER_ROWS]
             table = "| row | prompt | output | reference | score |\n|---|---|---|---|---|\n" + "".join(
                 f"| {r['row']} | {_cell(r['prompt'])} | {_cell(r['output'])} | {_cell(r['reference'])} | "
                 f"{_cell(r['score'])} |\n" for r in rows)
-            writer.add_text(f"completions/{stage}/{name}", table, global_step=step)
-        writer.flush()
+            with writing(events):
+                writer.add_text(f"completions/{stage}/{name}", table, global_step=step)
+        with writing(events):
+            writer.flush()
     if "wandb" in names:
         data = [[line[c] if isinstance(line[c], str | int) else json.dumps(line[c]) for c in columns]
                 for line in lines]

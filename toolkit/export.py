@@ -32,6 +32,7 @@ from toolkit.checkpoint import (
     portable_lora_file,
     read_meta,
     verify_checkpoint_files,
+    verify_final,
 )
 from toolkit.config import Recipe, load_recipe, resolve_stages
 from toolkit.errors import ToolkitError
@@ -175,14 +176,18 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
                                                           from_run=src.resolve() != Path(source).resolve())
     else:  # final/: written once, at the end of the run
         meta = None
+        verify_final(src)  # before anything reads it: a file cut short or corrupted is refused in one line
         recorded = (json.loads((src / "adapter_config.json").read_text())["base_model_name_or_path"]
                     if (src / "adapter_config.json").is_file() else typed.model.name_or_path)
         base = _base_model(typed.model.name_or_path, recorded, run)
         vision, model = _load_model(src, None, base, typed, run, merge=merge)
 
+    tokenizer_src = str(run.final) if (run.final / "tokenizer_config.json").is_file() else base
+    if src != run.final and tokenizer_src == str(run.final):
+        verify_final(run.final, weights=False)  # its tokenizer goes into the export of a checkpoint
+
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer_src = str(run.final) if (run.final / "tokenizer_config.json").is_file() else base
         if vision:  # the processor (image processor + tokenizer + chat template) makes the export usable as it is
             load_processor(tokenizer_src, trust_remote_code=trust, chat_template=None).save_pretrained(tmp)
         else:

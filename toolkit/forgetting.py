@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from toolkit.atomic import write_atomic
+from toolkit.atomic import write_atomic, writing
 from toolkit.metrics import read_metrics, to_json_line, truncate_after
 from toolkit.run_dir import RunLayout
 
@@ -37,7 +37,7 @@ class MatrixLog:
         if not self.enabled or not records:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as f:
+        with writing(self.path), self.path.open("a", encoding="utf-8") as f:
             f.write("".join(to_json_line(r) for r in records))
 
 

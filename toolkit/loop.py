@@ -30,12 +30,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
 from toolkit import checkpoint, distributed
+from toolkit.atomic import writing
 from toolkit.config import Recipe
 from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
@@ -141,7 +143,9 @@ class Run:
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
-        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+        with writing(Path(self.accelerator.logging_dir or ".")):  # the trackers' files (TensorBoard's events)
+            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)},
+                                 step=record["step"])
 
     def restore(self, state: RunState) -> None:
         """Continue from a checkpoint's state: meter totals, pending losses, Adam update counts, the curriculum's

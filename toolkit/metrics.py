@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from toolkit.atomic import write_text_atomic
+from toolkit.atomic import write_text_atomic, writing
 from toolkit.errors import ToolkitError
 
 
@@ -27,7 +27,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a", encoding="utf-8") as f:
+        with writing(self.path), self.path.open("a", encoding="utf-8") as f:  # a cut last line is left out on read
             f.write(to_json_line(record))
 
 

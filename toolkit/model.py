@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from toolkit.atomic import build_dir
+from toolkit.checkpoint import FINAL_CHECKSUMS, verify_final
 from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
@@ -75,6 +76,8 @@ def check_model_source(name_or_path: str) -> None:
         if not (Path(name_or_path).expanduser() / "config.json").is_file():
             raise ToolkitError(f"model.name_or_path '{name_or_path}' is not a model directory (no config.json). "
                                "Give a local directory saved with save_pretrained, or a hub id.")
+        if (Path(name_or_path).expanduser() / FINAL_CHECKSUMS).is_file():  # a run's final/ (full fine-tuning)
+            verify_final(Path(name_or_path).expanduser())
         return
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError

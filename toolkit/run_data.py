@@ -64,6 +64,19 @@ def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path |
     return out
 
 
+def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> dict[str, str]:
+    """sha256 of every token store the run reads (toolkit/data/store.py; stores kept in memory have none), by
+    its recipe entry. Stored in checkpoints beside `data_fingerprint`: a resume compares the tokens themselves,
+    not only the files they came from."""
+    out = {}
+    for rows in [*(t.samples for t in training_sets), *eval_rows]:
+        for part in getattr(rows, "parts", ()):
+            checksum = part.store.meta.get("sha256")
+            if checksum is not None:
+                out[part.store.source.entry.path] = checksum
+    return dict(sorted(out.items()))
+
+
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
     """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
     from toolkit.dummy_data import write_dummy_data, write_dummy_facts, write_dummy_vl_data  # dummy-data runs only

@@ -18,7 +18,9 @@ first bad row stops everything at once.
 Layout under `data.cache_dir` (default `<output_dir>/../.toolkit-cache/tokenized`):
   stores/<key>/data.arrow, meta.json   a complete store; it exists only once complete (built in a temporary folder
                                         and renamed into place), so a killed preparation leaves nothing a later
-                                        launch reads as complete
+                                        launch reads as complete. meta.json records data.arrow's sha256, hashed
+                                        as it was written
+  stores/<key>/verified.json            data.arrow's stat when its content was last found to match that sha256
   stores/.<key>.<host>.<pid>.tmp/       a preparation in progress (cleared by the next one on that host)
   stores/<key>.lock                     flock held while preparing; its text names the holder (host, pid)
   stores/<key>.failed                   the one-line error of a failed preparation, for the ranks waiting on it
@@ -30,6 +32,13 @@ No collective wait: a rank that finds no store takes the store's lock and prepar
 (`data.num_proc`); the other ranks, and other launches sharing the cache dir, poll the store folder (and the
 failure marker) without any collective, so `distributed.timeout_minutes` does not bound a preparation. A holder
 that dies releases its lock (the kernel drops it) and the next poller prepares instead.
+
+A store is trained on only once its content is shown to be what was prepared: a same-size overwrite passes every
+size and row check. The first process to open it (holding its lock, so one process per store reads it, not every
+rank) hashes data.arrow through a read-only mapping, about 1.5 GB/s, and records the file's stat in verified.json;
+later opens compare the stat only, as data files' hashes are remembered (toolkit/data/sources.py): a rewrite changes
+mtime and ctime. A store that does not match is prepared again (a warning says it was damaged), or refused in one
+line where the cache cannot be written.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import multiprocessing
 import os
 import signal
@@ -50,7 +60,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -61,7 +71,7 @@ from tqdm.auto import tqdm
 
 from toolkit.atomic import build_dir, fsync_dir, write_atomic
 from toolkit.data.encoding import EncodedBatch, unread_message_keys
-from toolkit.data.sources import Piece, Source, open_source, pieces, read_piece
+from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, _stat_sig, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.preemption import signal_when_parent_dies
@@ -79,6 +89,9 @@ BAR_MIN_ROWS, BAR_DELAY_S = 5000, 2.0
 """Preparations of fewer rows show no progress bar; others show it once they took this long."""
 POLL_S = (0.1, 1.0)
 """Waiting ranks poll the store every 0.1 s at first, then at most every second."""
+VERIFIED_FILE = "verified.json"
+"""In a store's folder: data.arrow's stat signature when its content last matched the sha256 in meta.json."""
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -195,9 +208,58 @@ def _read_table(path: Path) -> pa.Table:
     return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
 
 
-def _open_ready(folder: Path, key: dict[str, Any], source: Source) -> Store | None:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read through a read-only mapping (the page cache, no copy in this process)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for at in range(0, len(view), 1 << 26):  # hashlib releases the GIL on each chunk
+                        h.update(view[at:at + (1 << 26)])
+                finally:
+                    view.release()
+    return h.hexdigest()
+
+
+class _Unverified(Exception):
+    """A complete store whose content was not yet checked against its checksum on this stat signature."""
+
+
+def _verified(folder: Path, meta: dict[str, Any], data: Path) -> bool:
+    """Whether verified.json says data.arrow, as it is now (stat), matched meta.json's sha256."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        record = json.loads((folder / VERIFIED_FILE).read_text())
+        return bool(record["sha256"] == meta["sha256"] and record["stat"] == _stat_sig(data))
+    return False
+
+
+def _verify(folder: Path, meta: dict[str, Any], data: Path, *, remember: bool) -> None:
+    """Hash data.arrow against meta.json's sha256 (ValueError when it differs); remembered in verified.json
+    against the file's stat when `remember` (the cache is writable) and the file was last changed over
+    RACY_WINDOW_NS before: a same-size rewrite in the same timestamp tick cannot hide behind the remembered stat
+    (a store that young is hashed again by the next opener)."""
+    sig, started = _stat_sig(data), time.time_ns()
+    digest = file_sha256(data)
+    if digest != meta["sha256"]:
+        raise ValueError(f"data.arrow's sha256 is {digest[:12]}..., {meta['sha256'][:12]}... when it "
+                         "was prepared")
+    if remember and started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(data) == sig:
+        record = json.dumps({"stat": sig, "sha256": digest, "host": socket.gethostname(), "time": time.time()})
+        with contextlib.suppress(OSError):
+            write_atomic(folder / VERIFIED_FILE, lambda f: f.write(record.encode()))
+
+
+def _open_ready(folder: Path, key: dict[str, Any], source: Source, *,
+                verify: Literal["no", "remembered", "yes", "yes-read-only"]) -> Store | None:
     """The complete store in `folder`, or None when there is none; a store that is damaged (unreadable, cut
-    short, or for another key) counts as none, with a warning."""
+    short, for another key, or its content not the one prepared) counts as none, with a warning.
+
+    `verify`: "no" (the caller just wrote it and hashed it), "remembered" (only a verified.json that matches
+    counts: _Unverified is raised otherwise), "yes" (hash it unless remembered, and remember; a store without a
+    checksum counts as damaged), "yes-read-only" (hash it unless remembered; the cache cannot be written, so a
+    store without a checksum is used, with a warning, and a damaged one refused)."""
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         return None
@@ -206,11 +268,26 @@ def _open_ready(folder: Path, key: dict[str, Any], source: Source) -> Store | No
         data = folder / "data.arrow"
         if meta["key"] != key or data.stat().st_size != meta["bytes"]:
             raise ValueError("does not match its meta.json")
+        if not isinstance(meta.get("sha256"), str):  # prepared by an earlier version
+            if verify == "remembered":
+                raise _Unverified
+            if verify != "yes-read-only":
+                raise ValueError("has no checksum: an earlier version prepared it")
+            log.warning("token store %s has no checksum (an earlier version prepared it) and its cache folder is "
+                        "not writable: using it unverified", folder)
+        elif verify != "no" and not _verified(folder, meta, data):
+            if verify == "remembered":
+                raise _Unverified
+            _verify(folder, meta, data, remember=verify == "yes")
         table = _read_table(data)
         if table.num_rows != meta["rows"]:
             raise ValueError("row count differs from its meta.json")
         return Store(table, meta, source, folder)
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as e:
+        if verify == "yes-read-only":
+            raise ToolkitError(f"The token store {folder} cannot be used ({e}) and cannot be prepared again: its "
+                               "cache folder is not writable. Set data.cache_dir to a writable folder, or delete "
+                               "the store from a process that may.") from None
         log.warning("token store %s is damaged (%s); preparing it again", folder, e)
         return None
 
@@ -380,7 +457,10 @@ def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: in
     final, lock, failed = root / name, _Lock(root / f"{name}.lock"), root / f"{name}.failed"
     started, waiting_since, delay = _process_start(), None, POLL_S[0]
     while True:
-        store = _open_ready(final, key, source)
+        try:
+            store = _open_ready(final, key, source, verify="remembered")
+        except _Unverified:  # complete, its content not yet checked: by the lock's holder, once
+            store = None
         if store is not None:
             if waiting_since is not None:
                 log.info("data: %s ready after waiting %.0f s", source.name, time.monotonic() - waiting_since)
@@ -388,16 +468,31 @@ def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: in
         message = _failure(failed, started)
         if message is not None:
             raise ToolkitError(message)
-        if lock.try_acquire(source.name):
+        try:
+            acquired = lock.try_acquire(source.name)
+        except OSError as e:
+            if e.errno not in _READ_ONLY:
+                raise
+            # A cache this process cannot write: a complete store is checked here; none can be prepared.
+            store = _open_ready(final, key, source, verify="yes-read-only")
+            if store is None:
+                raise ToolkitError(f"The token store of {source.name} is not prepared in {root}, and this process "
+                                   f"cannot write there ({os.strerror(e.errno)}): set data.cache_dir to a "
+                                   "writable folder.") from None
+            return store
+        if acquired:
             try:
-                store = _open_ready(final, key, source)
-                return store if store is not None else _prepare(source, encoder, key, final, failed,
-                                                                num_proc=num_proc)
+                store = _open_ready(final, key, source, verify="yes")
+                if store is None:
+                    return _prepare(source, encoder, key, final, failed, num_proc=num_proc)
             finally:
                 lock.release()
+            if waiting_since is not None:  # another process prepared it; this one checked it
+                log.info("data: %s ready after waiting %.0f s", source.name, time.monotonic() - waiting_since)
+            return store
         if waiting_since is None:
             waiting_since = time.monotonic()
-            log.info("data: waiting for %s to prepare %s (%s)", lock.holder(), source.name, final)
+            log.info("data: waiting for %s to prepare or check %s (%s)", lock.holder(), source.name, final)
         time.sleep(delay)
         delay = min(POLL_S[1], delay * 1.5)
 
@@ -430,7 +525,9 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
 
     def build(folder: Path) -> None:
         path = folder / "data.arrow"
-        with pa.OSFile(str(path), "wb") as sink:
+        with path.open("wb") as file:
+            hashing = _HashingFile(file)  # the checksum of what is written, without reading the file again
+            sink = pa.PythonFile(hashing, mode="w")
             writer: list[pa.RecordBatchStreamWriter] = []
 
             def write(batch: pa.RecordBatch) -> None:
@@ -442,13 +539,13 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
             if not writer:  # no rows at all: an empty stream of the text schema
                 writer.append(pa.ipc.new_stream(sink, record_batch(_empty_batch(), 0).schema))
             writer[0].close()
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
+            file.flush()
+            os.fsync(file.fileno())
         if source.stat_signature() != signature:
             raise ToolkitError(f"Data entry {source.name} changed while it was being prepared; start again.")
         meta = {"key": key, "source": source.describe(), "rows": info["rows"], "tokens": info["tokens"],
                 "label_tokens": info["label_tokens"], "unread_keys": info["unread_keys"],
-                "bytes": path.stat().st_size,
+                "bytes": path.stat().st_size, "sha256": hashing.hexdigest(),
                 "prepared": {"host": host, "pid": os.getpid(), "time": time.time(),
                              "seconds": round(time.monotonic() - start, 2), "processes": info["processes"]}}
         write_atomic(folder / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
@@ -464,7 +561,7 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
         _write_failure(failed, f"preparing {source.name} failed on {host} ({type(e).__name__}: {e}); see that "
                                "process's log.")
         raise
-    store = _open_ready(final, key, source)
+    store = _open_ready(final, key, source, verify="no")  # hashed as it was written
     if store is None:
         raise ToolkitError(f"The token store {final} could not be read back after preparing it.")
     seconds = time.monotonic() - start
@@ -472,6 +569,26 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
              source.name, info["rows"], info["tokens"], info["label_tokens"], seconds,
              info["rows"] / max(seconds, 1e-9), info["processes"], host, final)
     return store
+
+
+class _HashingFile:
+    """A binary file that hashes what is written to it (pyarrow writes through its `write`)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.hash, self.closed = file, hashlib.sha256(), False
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        return int(self.file.write(data))
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:  # the `with` that opened the file closes it
+        self.closed = True
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()
 
 
 def _empty_batch() -> EncodedBatch:
