@@ -52,6 +52,7 @@ class Ctx:
     models: dict[str, str]
     trained: Path | None = None
     keep: list[object] = field(default_factory=list)  # objects a case holds until it ends (a live run's lock)
+    cleanups: list[Callable[[], object]] = field(default_factory=list)  # run when the case ends (unmounts)
 
     def recipe(self, change: Callable[[dict[str, Any]], object] | None = None, rows: list[object] | None = None,
                text: str | None = None) -> Path:
@@ -558,7 +559,7 @@ class _ReadOnlyCache:
     def read_only(self) -> None:
         subprocess.run(["mount", "-o", "remount,ro", str(self.path)], check=True)
 
-    def __del__(self) -> None:
+    def close(self) -> None:
         subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
 
 
@@ -574,7 +575,7 @@ def _(c: Ctx) -> Call:
     from toolkit.run_data import row_encoder
 
     cache = _ReadOnlyCache(c.tmp / "cache")
-    c.keep.append(cache)
+    c.cleanups.append(cache.close)  # unmounted when the case ends, not whenever the object is collected
     recipe = load_recipe(c.recipe(), [f"data.cache_dir={cache.path}"])
     tokenizer = load_processing(c.models["text"], vision=False, trust_remote_code=False, chat_template=None)[1]
     entry = resolve_stages(recipe)[0].entries[0]  # the run's store, prepared here (a store's key has no path)
@@ -603,9 +604,13 @@ def test_table_and_cases_agree() -> None:
 def test_bad_input(name: str, tmp_path: Path, models: dict[str, str], request: pytest.FixtureRequest,
                    monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = Ctx(tmp_path, models, request.getfixturevalue("trained") if name in NEEDS_TRAINED_RUN else None)
-    call = CASES[name](ctx)
-    before = snapshot(call.watch)
-    rc, stderr = invoke(call, tmp_path, monkeypatch)
+    try:
+        call = CASES[name](ctx)
+        before = snapshot(call.watch)
+        rc, stderr = invoke(call, tmp_path, monkeypatch)
+    finally:
+        for cleanup in ctx.cleanups:
+            cleanup()
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert rc == 2, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_env
-from toolkit.config import load_recipe, recipe_to_yaml, resume_invariants
+from toolkit.config import TINY_MODEL, load_recipe, recipe_to_yaml, resume_invariants
 from toolkit.errors import ToolkitError
+from toolkit.model import builtin_dir
 from toolkit.run_dir import CACHE, RunLayout, RunLock, set_aside_earlier_attempt
 
 BUSY = "a live run is writing it"
@@ -274,5 +275,5 @@ def test_the_smoke_recipe_trains_into_a_volume_in_a_read_only_tree(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "volume" / "final" / "adapter_model.safetensors").is_file()  # what the run saw as out/final
     assert sorted(p.name for p in (tmp_path / "tree").iterdir()) == ["out"]
-    assert (user / "tiny-qwen3" / "config.json").is_file() and list((user / "tokenized").iterdir())
+    assert (builtin_dir(TINY_MODEL, user) / "config.json").is_file() and list((user / "tokenized").iterdir())
     assert [p.suffix for p in (user / "locks").iterdir()] == [".lock"]
