@@ -557,6 +557,8 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
         base = Path(entry.dataset_dir or "data").absolute()
         row["images"] = [str(base / p) if isinstance(p, str) else p for p in row["images"]]
     return row
+
+
 def _json_cell(value: str, key: str, where: str) -> Any:
     try:
         return json.loads(value)
