@@ -119,8 +119,9 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
             if not len(src.samples):
                 lines.append(f"training refuses this stage: Stage '{st.name}' has no usable rows.")
             parts = src.samples.parts if isinstance(src.samples, StageRows) else []
-            if len(parts) > 1:
-                lines += [f"  {p.store.source.name}: {p.selection.stats.summary()}" for p in parts]
+            if len(parts) > 1:  # per entry, in the stage's order
+                lines += [f"  {describe_entry(e, w)}: {p.selection.stats.summary()}"
+                          for e, w, p in zip(st.entries, weights, parts, strict=True)]
             lines.append(stage_statistics(src))
             shown = ((p, int(i)) for p in parts for i in p.selection.index)
             for part, i in itertools.islice(shown, rows):
