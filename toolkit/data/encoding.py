@@ -521,18 +521,27 @@ class TextEncoder:
         return full, [span for span, train in zip(spans, trains, strict=True) if train], False
 
 
+GUARD_MIN_CHARS = 1 << 20
+"""Texts of up to this many characters are always tokenised whole (tens of MB at most): the size guard is for rows
+far over max_seq_len, and an ordinary over-length row keeps its exact token count (and error message)."""
+
+
 class SizeGuard:
     """Keeps one enormous row from exhausting the machine: a text far longer than `max_tokens` is measured in
     characters before it is tokenised, and only a prefix of it is.
 
     A token covers at most L characters, L the longest token's text in the vocabulary (byte-level BPE: a vocabulary
     string has one character per byte, an upper bound on the characters it decodes to), so a text of C characters
-    has at least C / L tokens: over (max_tokens + 1) * L characters it is over every max_seq_len of the run. Such a
-    text is tokenised as a prefix that yields over twice max_tokens + 1 tokens (grown by doubling, so a tokenizer
-    whose tokens cover more than L characters only costs another call), and the row keeps its first max_tokens + 1
-    tokens: what truncation keeps is the row's own first tokens (a cut can only change the tokens near itself), and
-    drop and error see the row as over-length. Each call tokenises at most a few times (max_tokens + 1) * L
-    characters, whatever the row's size; counting characters is len(str)."""
+    has at least C / L tokens: over (max_tokens + 1) * L characters (and GUARD_MIN_CHARS) it is over every
+    max_seq_len of the run. Such a text is tokenised as a prefix that yields over twice max_tokens + 1 tokens
+    (grown by doubling, so a tokenizer whose tokens cover more than L characters only costs another call), and the
+    row keeps its first max_tokens + 1 tokens: what truncation keeps is the row's own first tokens (a cut only
+    changes the tokens near itself, and the kept ones are followed by as many again before it), and drop and error
+    see the row as over-length. Tokenising costs a few times max((max_tokens + 1) * L, GUARD_MIN_CHARS) characters
+    whatever the row's size; counting characters is len(str), O(1).
+
+    What it does not bound: the row's text itself, parsed and rendered by the chat template (about three times the
+    row's size at the peak, for a chat row)."""
 
     def __init__(self, encoder: Any, max_tokens: int | None) -> None:
         self.encoder, self.max_tokens = encoder, max_tokens
@@ -540,18 +549,19 @@ class SizeGuard:
 
     @property
     def limit(self) -> int | None:
-        """Characters above which a text is surely over max_tokens + 1 tokens (None: no guard)."""
+        """Characters above which a text is surely over max_tokens + 1 tokens, and is long enough that tokenising
+        it whole costs memory (None: no guard)."""
         if self.max_tokens is None:
             return None
         longest = getattr(self.encoder, "longest_token", None)
         if longest is None:  # once per encoder and process (0.2 s for a 150k vocabulary)
             longest = self.encoder.longest_token = max(
                 1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
-        return (self.max_tokens + 1) * longest
+        return max((self.max_tokens + 1) * longest, GUARD_MIN_CHARS)
 
     def _long(self, texts: list[str]) -> list[int]:
-        if self.max_tokens is None or not any(len(t) > self.max_tokens + 1 for t in texts):
-            return []  # cheap exit: no text has even max_tokens + 1 characters
+        if self.max_tokens is None or not any(len(t) > GUARD_MIN_CHARS for t in texts):
+            return []  # cheap exit: no text is long enough to guard
         limit = self.limit
         assert limit is not None
         return [k for k, t in enumerate(texts) if len(t) > limit]

@@ -298,8 +298,11 @@ def _jsonl_pieces(index: int, path: Path, target_rows: int) -> Iterator[Piece]:
                 f.readline()  # to the end of the line the cut falls in
             end = min(f.tell(), size)
             f.seek(start)
-            block = f.read(end - start)
-            lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+            lines, last = 0, b""
+            for _ in range(start, end, 1 << 20):  # in megabytes: a piece may be one enormous line
+                chunk = f.read(min(1 << 20, end - f.tell()))
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+            lines += 0 if last == b"\n" else 1
             yield Piece(index, start, end, line, lines)
             start, line = end, line + lines
 
@@ -345,27 +348,38 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _parse_jsonl(path: Path, start: int, end: int, first: int) -> Iterator[tuple[int, Any]]:
+    """Rows of bytes [start, end) of a JSON Lines file, lines numbered from `first`. Read line by line (cut at
+    newlines, as pieces count them) and each line's bytes and text let go as soon as they are used, and a blank line
+    found without a stripped copy: an enormous line is held at most as its text and its parsed row at once (the size
+    guard, toolkit/data/encoding.py SizeGuard, takes it from there)."""
     with path.open("rb") as f:
         f.seek(start)
-        block = f.read(end - start)
-    offset = start
-    for lineno, raw in enumerate(block.splitlines(keepends=True), start=first):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ToolkitError(f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} of "
-                               "the file is not UTF-8. Data files must be UTF-8 text: re-encode the file (for "
-                               "example iconv -f latin1 -t utf-8).") from None
-        offset += len(raw)
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            # e.colno counts from the last newline json saw, the line's own one included: say it by position.
-            at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
-            raise ToolkitError(f"{path}:{lineno}: not valid JSON ({e.msg} at {at}). "
-                               "Each line must be one JSON object.") from None
+        offset, number = start, first
+        while offset < end:
+            raw = f.readline(end - offset)
+            if not raw:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ToolkitError(f"{path}:{number}: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
+                                   "of the file is not UTF-8. Data files must be UTF-8 text: re-encode the file (for "
+                                   "example iconv -f latin1 -t utf-8).") from None
+            offset += len(raw)
+            del raw
+            if line and not line.isspace():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    # e.colno counts from the last newline json saw, the line's own one included: say it by
+                    # position.
+                    at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
+                    raise ToolkitError(f"{path}:{number}: not valid JSON ({e.msg} at {at}). "
+                                       "Each line must be one JSON object.") from None
+                del line
+                yield number, row
+                del row
+            number += 1
 
 
 def _load_json_array(path: Path) -> list[Any]:
