@@ -478,6 +478,17 @@ def _(c: Ctx) -> Call:
                  str(REPO / "accelerate_configs" / "single.yaml")], c.tmp / "run", tool="toolkit")
 
 
+@case("data-not-regular-file")
+def _(c: Ctx) -> Call:
+    import os
+
+    os.mkfifo(c.tmp / "pipe.jsonl")  # never opened: opening a FIFO blocks until someone writes
+    return c.train(change=stage("data", ["pipe.jsonl"]))
+
+
+case("data-oversized-row")(lambda c: c.train("data.overlength=error", rows=[CHAT, {"text": "word " * 220_000}, CHAT]))
+
+
 # --- running them ----------------------------------------------------------------------------------------------
 
 def test_table_and_cases_agree() -> None:
