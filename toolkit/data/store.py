@@ -25,6 +25,9 @@ Layout under `data.cache_dir` (default `<output_dir>/../.toolkit-cache/tokenized
   hashes/                               data files' sha256, remembered against their stat (toolkit/data/sources.py)
 key = sha256 of {STORE_VERSION, the source's content digest, format, split, column mapping, the tokenizer's
 fingerprint (chat template included), the encoder's options (train_on, thinking, image settings)}.
+meta.json's `capped` (only when the size guard cut a row: {cap, rows: {row: characters}}) names the rows stored as
+their first cap + 1 tokens (toolkit/data/encoding.py SizeGuard); it is not in the key, so ordinary stores keep
+theirs, and a store cut below what a later run needs is prepared again.
 
 No collective wait: a rank that finds no store takes the store's lock and prepares it on every core
 (`data.num_proc`); the other ranks, and other launches sharing the cache dir, poll the store folder (and the
