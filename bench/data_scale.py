@@ -253,7 +253,8 @@ def prepare_only(data: Path, tokenizer: Any, cache: Path, cores: int) -> dict[st
             time.sleep(store_module.RACY_WINDOW_NS / 1e9)  # a check is remembered for a file older than this
             open_store(resolve_source(DataEntry(str(data)), data.parent), encoder, cache, num_proc=cores)
         start = time.monotonic()
-        store = open_store(resolve_source(DataEntry(str(data)), data.parent), encoder, cache, num_proc=cores)
+        store = open_store(resolve_source(DataEntry(str(data)), data.parent), encoder, cache, num_proc=cores,
+                           max_tokens=4096)  # as training opens it: the size guard armed at the run's max_seq_len
         rows = SourceRows(store, select_rows(store, max_seq_len=4096, overlength="drop"), packing=True)
         out[f"{run}_s"] = round(time.monotonic() - start, 2)
         out["rows"], out["tokens"], out["packed_rows"] = len(store), int(store.lengths.sum()), len(rows)

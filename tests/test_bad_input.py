@@ -589,6 +589,15 @@ def _(c: Ctx) -> Call:
     data.write_bytes(raw[:at] + np.ascontiguousarray(ids[::-1]).tobytes() + raw[at + ids.nbytes:])  # same size
     cache.read_only()
     return c.train(f"data.cache_dir={cache.path}")
+@case("data-not-regular-file")
+def _(c: Ctx) -> Call:
+    import os
+
+    os.mkfifo(c.tmp / "pipe.jsonl")  # never opened: opening a FIFO blocks until someone writes
+    return c.train(change=stage("data", ["pipe.jsonl"]))
+
+
+case("data-oversized-row")(lambda c: c.train("data.overlength=error", rows=[CHAT, {"text": "word " * 220_000}, CHAT]))
 
 
 # --- running them ----------------------------------------------------------------------------------------------

@@ -291,3 +291,92 @@ def test_a_run_trains_on_them(tmp_path: Path, models: dict[str, str], monkeypatc
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["stage"] for r in records if "loss" in r] == ["parquet", "sharegpt"]
     assert sum("eval_loss" in r for r in records) == 2
+
+
+# --- walking folders: each real file once; never a non-regular file -------------------------------------------------
+
+def _within(seconds: float, fn: Any) -> Any:
+    """fn() on a daemon thread; the test fails (instead of hanging) when it has not returned in time."""
+    import threading
+
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # re-raised on the test's thread
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_a_glob_over_symlink_loops_visits_each_file_once(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                         loops: int) -> None:
+    """`sub/up -> ..` made `**` list one file 41 times (and train on it); two such links never finished."""
+    from toolkit.data.sources import resolve_source
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _jsonl(data / "a.jsonl", ROWS)
+    for i in range(loops):
+        (data / f"sub{i}").mkdir()
+        (data / f"sub{i}" / "up").symlink_to("..", target_is_directory=True)
+    (data / "deep").mkdir()
+    _jsonl(data / "deep" / "b.jsonl", ROWS[:1])
+    (data / "again.jsonl").symlink_to("a.jsonl")  # a second name of a file listed already
+    source = _within(20, lambda: resolve_source(Entry(str(data / "**" / "*.jsonl")), tmp_path))
+    assert source.files == [data / "a.jsonl", data / "deep" / "b.jsonl"]
+    assert _within(20, lambda: _samples([str(tmp_path / "**" / "*.jsonl")], tok)) == _expected([*ROWS, ROWS[0]], tok)
+    assert resolve_source(Entry(str(data)), tmp_path).files == [data / "a.jsonl"]  # the folder itself, once
+    # A link to a folder outside the pattern's root is followed, once.
+    other = tmp_path / "other"
+    other.mkdir()
+    _jsonl(other / "c.jsonl", ROWS[:1])
+    (data / "linked").symlink_to(other, target_is_directory=True)
+    (data / "linked2").symlink_to(other, target_is_directory=True)
+    files = _within(20, lambda: resolve_source(Entry(str(data / "**" / "*.jsonl")), tmp_path).files)
+    assert files == [data / "a.jsonl", data / "deep" / "b.jsonl", data / "linked" / "c.jsonl"]
+
+
+def test_glob_matches_as_glob_does(tmp_path: Path) -> None:
+    """The walk matches what glob.glob(recursive=True) matches, on a tree without links."""
+    import glob
+
+    from toolkit.data.sources import walk_glob
+
+    for rel in ["a.jsonl", "b.json", ".hidden.jsonl", "x/c.jsonl", "x/y/d.jsonl", "x/.h/e.jsonl", "z/part-1.jsonl",
+                "z/part-2.jsonl", "z/part-10.jsonl"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("{}\n")
+    for pattern in ["*.jsonl", "**/*.jsonl", "x/**", "**/part-?.jsonl", "z/part-[12].jsonl", "*/*.jsonl",
+                    ".*.jsonl", "x/**/d.jsonl", "**/x/*.jsonl"]:
+        full = str(tmp_path / pattern)
+        want = sorted(Path(p) for p in glob.glob(full, recursive=True) if Path(p).is_file())
+        assert walk_glob(full) == want, pattern
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_device_is_not_a_regular_file(tmp_path: Path, tok: PreTrainedTokenizerFast, kind: str) -> None:
+    """It used to be reported as "does not exist"; it must never be opened (opening a FIFO blocks)."""
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "pipe.jsonl"
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/zero")
+    message = rf"^Data file {path} is not a regular file \(a FIFO, device or socket\)"
+    with pytest.raises(ToolkitError, match=message):
+        _within(20, lambda: _samples([path], tok))
+    if kind == "fifo":  # inside a folder or a glob it is refused too, not skipped
+        _jsonl(tmp_path / "a.jsonl", ROWS)
+        for entry in [tmp_path, str(tmp_path / "*.jsonl")]:
+            with pytest.raises(ToolkitError, match=message):
+                _within(20, lambda e=entry: _samples([e], tok))

@@ -572,3 +572,104 @@ def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(
         with pytest.raises(ToolkitError, match=rf"^The token store {store} cannot be used \(data.arrow's sha256 is "
                                                r".* cannot be prepared again: its cache folder is not writable"):
             _load(path, tok, cache)
+# --- the size guard: one enormous row neither exhausts memory nor escapes data.overlength -----------------------------
+
+GUARD_SCRIPT = """
+import json, resource, sys
+from pathlib import Path
+from toolkit.data import TextEncoder
+from toolkit.data.plan import select_rows
+from toolkit.data.sources import Entry, resolve_source
+from toolkit.data.store import open_store
+from toolkit.errors import ToolkitError
+from toolkit.tiny import build_tokenizer
+
+encoder = TextEncoder(build_tokenizer(), train_on="assistant")
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+store = open_store(resolve_source(Entry(sys.argv[1]), Path()), encoder, None, num_proc=1, max_tokens=128)
+out = {"added_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024,
+       "lengths": store.lengths.tolist(), "capped": store.capped}
+for policy in ("drop", "truncate"):
+    out[policy] = vars(select_rows(store, max_seq_len=128, overlength=policy).stats)
+try:
+    select_rows(store, max_seq_len=128, overlength="error")
+except ToolkitError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_one_enormous_row_is_measured_before_it_is_tokenised(tmp_path: Path) -> None:
+    """A 200 MB row under max_seq_len 128 grew to 20.8 GB and was killed by the OOM killer: it was tokenised whole
+    before being dropped. Here a 48 MB chat row adds at most a few hundred MB (text, parse and rendering), and each
+    policy sees it over-length: dropped, truncated to its first tokens, or refused naming its line."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, run_env
+
+    small = {"messages": CHAT}
+    content = "word " * ((48 << 20) // 5)  # 48 MiB of text
+    big = {"messages": [{"role": "user", "content": content}, CHAT[1]]}
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [small, big, small]) + "\n")
+    del big
+    characters = len(content) + len(CHAT[1]["content"])
+    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, str(path)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["added_mb"] < 400, out["added_mb"]
+    assert out["lengths"][1] == 129 and out["capped"] == {"1": characters}
+    assert out["drop"]["dropped_overlength"] == 1 and out["drop"]["kept"] == 2
+    # Truncated to its first 128 tokens, which are all the user's: nothing to train, so skipped (and counted).
+    assert out["truncate"]["truncated"] == 1 and out["truncate"]["no_label_tokens"] == 1
+    assert out["error"].startswith(f"{path}:2: at least 129 tokens ({characters} characters), over "
+                                   "data.max_seq_len=128")
+
+
+def test_a_cut_row_keeps_its_first_tokens(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row the guard cut keeps exactly the tokens and loss mask the whole row starts with (what truncation
+    keeps), for text, prompt and completion, and chat rows. (The guard's floor lowered: the same code at a size
+    the whole row can be tokenised at, to compare.)"""
+    monkeypatch.setattr(encoding_mod, "GUARD_MIN_CHARS", 5000)
+    long = " ".join(f"w{i % 97}" for i in range(8000))  # 31k characters: tokenised as a 10k-character prefix
+    rows = [{"text": long}, {"prompt": "Q:", "completion": long}, {"prompt": long, "completion": "x"},
+            {"messages": [{"role": "user", "content": "Go."}, {"role": "assistant", "content": long}]}]
+    for row, others in zip(rows, [0, 2, 1, 3], strict=True):  # the characters of its other texts
+        path = _write_jsonl(tmp_path / "one.jsonl", [row])
+        ids, labels = encode_row(row, tok, "assistant", "f")
+        store = open_store(resolve_source(Entry(str(path)), Path()), TextEncoder(tok, train_on="assistant"), None,
+                           num_proc=1, max_tokens=300)
+        assert store.capped == {0: len(long) + others}
+        assert store.lengths.tolist() == [301] and len(ids) > 2000
+        assert store.sample(0, 300) == {"input_ids": ids[:300], "labels": labels[:300]}
+
+
+def test_a_store_cut_for_a_shorter_max_seq_len_is_prepared_again(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The store is shared by stages and runs of other lengths: one whose guard cut rows below what a later run
+    needs is prepared again; a store that cut nothing never is (its key and folder stay as they were)."""
+    long = {"text": "word " * (1 << 19)}  # 2.6M characters
+    path = _write_jsonl(tmp_path / "d.jsonl", [ROWS[3], long])
+    plain = _write_jsonl(tmp_path / "plain.jsonl", ROWS)
+    encoder = TextEncoder(tok, train_on="assistant")
+
+    def store(p: Path, max_tokens: int) -> Any:
+        return open_store(resolve_source(Entry(str(p)), Path()), encoder, tmp_path / "cache", num_proc=1,
+                          max_tokens=max_tokens)
+
+    first = store(path, 64)
+    assert first.lengths.tolist()[1] == 65 and json.loads((first.path / "meta.json").read_text())["capped"] == {
+        "cap": 64, "rows": {"1": len(long["text"])}}
+    before = encoding_mod.ENCODE_CALLS
+    assert store(path, 32).lengths.tolist()[1] == 65 and before == encoding_mod.ENCODE_CALLS  # 64 covers 32
+    with caplog.at_level(logging.INFO, logger="toolkit.data"):
+        again = store(path, 256)
+    assert again.path == first.path and again.lengths.tolist()[1] == 257 and "preparing it again" in caplog.text
+    assert json.loads((again.path / "meta.json").read_text())["capped"]["cap"] == 256
+    ordinary = store(plain, 8)
+    assert "capped" not in json.loads((ordinary.path / "meta.json").read_text())
+    before = encoding_mod.ENCODE_CALLS
+    assert store(plain, 4096).path == ordinary.path and before == encoding_mod.ENCODE_CALLS

@@ -254,12 +254,13 @@ def test_inspect_data_marks_trained_tokens(tmp_path: Path, qwen3_dir: Path,
     assert main(["inspect-data", "--config", str(recipe), "--stage", "chat", "--rows", "2"]) == 0
     out = capsys.readouterr().out
     assert "=== stage 'chat'" in out and "=== stage 'again'" not in out
-    assert "3 rows, 3 kept" in out and "tokens per row: p50" in out and "of tokens trained" in out
-    row1 = out.split("--- row 1")[1].split("--- row 2")[0]
+    assert "stage 'chat' data: 3 rows, 3 kept" in out and "tokens per row: p50" in out and "of tokens trained" in out
+    path = tmp_path / "chat.jsonl"  # rows are named by their place in the file
+    row1 = out.split(f"--- {path}:1 ")[1].split(f"--- {path}:2 ")[0]
     assert ("<|im_start|>assistant\n[[5.<|im_end|>]]\n<|im_start|>user\nAnd 4 + 4?<|im_end|>\n"
             "<|im_start|>assistant\n[[<think>\n\n</think>\n\nIt is 8.<|im_end|>]]\n") in row1
-    row2 = out.split("--- row 2")[1]
-    assert "# Tools" in row2 and "[[" + CALL + "]]" in row2 and "--- row 3" not in out
+    row2 = out.split(f"--- {path}:2 ")[1]
+    assert "# Tools" in row2 and "[[" + CALL + "]]" in row2 and f"--- {path}:3 " not in out
     # data.thinking: none drops the empty think block from what is trained.
     assert main(["inspect-data", "--config", str(recipe), "--rows", "1", "data.thinking=none"]) == 0
     assert "<|im_start|>assistant\n[[It is 8.<|im_end|>]]" in capsys.readouterr().out

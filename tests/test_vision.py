@@ -526,3 +526,26 @@ def test_packed_vl_run_in_one_process(tmp_path: Path, monkeypatch: pytest.Monkey
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_a_vision_row_cut_by_the_size_guard_is_never_truncated(processor: Any, data: dict[str, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VL row far over max_seq_len is stored as its first max_tokens + 1 tokens (the guard's floor lowered to
+    test it at a small size); its images may lie past the cut, so truncation drops it instead of cutting it."""
+    import toolkit.data.encoding as encoding_mod
+    from toolkit.data.plan import select_rows
+    from toolkit.data.sources import Entry, resolve_source
+    from toolkit.data.store import open_store
+    from toolkit.vl_data import VLEncoder
+
+    monkeypatch.setattr(encoding_mod, "GUARD_MIN_CHARS", 5000)
+    row = rows(data["vl_stage1"])[0]
+    long = dict(row, messages=[*row["messages"][:-1], {"role": "assistant", "content": "red " * 20000}])
+    path = data["vl_stage1"].parent / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [row, long]))
+    store = open_store(resolve_source(Entry(str(path)), Path()), VLEncoder(processor, train_on="assistant"), None,
+                       num_proc=1, max_tokens=300)
+    assert list(store.capped) == [1] and store.lengths[1] == 301 and store.uncuttable[1] == 301
+    assert store.lengths[0] < 300 and store.uncuttable[0] > 0
+    stats = select_rows(store, max_seq_len=300, overlength="truncate").stats
+    assert (stats.kept, stats.dropped_overlength, stats.truncated) == (1, 1, 0)

@@ -1,8 +1,9 @@
 """`toolkit inspect-data`: what the model will see and learn from a recipe's data, before any training.
 
-Tokenises each stage's rows exactly as training does (chat template, data.thinking, over-length policy, image
-tokens for vision-language models) and prints the first rows with the trained tokens marked, then each stage's
-token statistics. The first thing to run on new data.
+Reads each stage through training's own function (`toolkit.run_data.load_stage`: the entries with their split and
+columns, chat template, data.thinking, over-length policy, image tokens for vision-language models) and prints
+training's line of counts for it, token statistics, and the first kept rows with the trained tokens marked, each
+named by its place in its file (`file:line`, `file row N`). The first thing to run on new data.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.config import Recipe, resolve_stages
-from toolkit.data import DUMMY_PREFIX, encode_files, resolve_data_paths
+from toolkit.config import DataEntry, Recipe, resolve_stages
+from toolkit.data import DUMMY_PREFIX, TrainingSet
+from toolkit.data.plan import StageRows
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.run_data import row_encoder, write_dummy_files
+from toolkit.run_data import load_stage, run_stores, stage_summary, tokenized_cache_dir, write_dummy_files
 from toolkit.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -56,17 +58,35 @@ def _decode(ids: list[int], tokenizer: Any, special: set[int]) -> str:
     return "".join([*out, tokenizer.decode(pending)])
 
 
-def stage_statistics(samples: list[dict[str, Any]]) -> str:
-    lengths = np.array([len(s["input_ids"]) for s in samples] or [0])
-    trained = np.array([sum(lab != IGNORE_INDEX for lab in s["labels"]) for s in samples] or [0])
+def stage_statistics(src: TrainingSet) -> str:
+    """Token counts per kept row (after the length policy, before packing) and the share of tokens trained."""
+    parts = src.samples.parts if isinstance(src.samples, StageRows) else []
+    lengths = np.concatenate([p.selection.lengths for p in parts] + [np.zeros(0, np.int64)])
+    trained = np.concatenate([p.selection.label_tokens for p in parts] + [np.zeros(0, np.int64)])
+    lengths, trained = (lengths, trained) if len(lengths) else (np.zeros(1, np.int64), np.zeros(1, np.int64))
     share = trained.sum() / max(lengths.sum(), 1)
     return (f"tokens per row: p50 {int(np.percentile(lengths, 50))}, p90 {int(np.percentile(lengths, 90))}, "
             f"max {int(lengths.max())}; trained per row: p50 {int(np.percentile(trained, 50))}, "
             f"max {int(trained.max())}; {share:.1%} of tokens trained")
 
 
+def describe_entry(entry: DataEntry, weight: float | None) -> str:
+    """A data entry as the recipe gives it: path, split, column mapping, mixture weight."""
+    extras = ([f"split {entry.split}"] if entry.split else []) + \
+        ([f"columns {', '.join(f'{ours}: {theirs}' for ours, theirs in entry.columns)}"] if entry.columns else []) + \
+        ([f"weight {weight:g}"] if weight is not None else [])
+    return entry.path + (f" ({'; '.join(extras)})" if extras else "")
+
+
 def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool | None = None) -> str:
-    """The report as text (colour: ANSI colour for trained tokens; default when stdout is a terminal)."""
+    """The report as text (colour: ANSI colour for trained tokens; default when stdout is a terminal).
+
+    Each stage is read by training's own `load_stage` over the stores training opens (`run_stores`: the same
+    encoder, chat template, entries with their split and columns, length policy and filters), so its counts are
+    training's "stage 'x' data: ..." line. Only the tokenizer (and a VL model's processor) is loaded, never the
+    weights. Token stores go to the run's data.cache_dir, which training would prepare the same stores into (it is
+    beside the output dir, never in it), so the training run that follows opens them instead of tokenising again;
+    dummy data training has not generated yet is written to a temporary folder, as is nothing in the output dir."""
     from toolkit.model import is_vision_language, load_processing, materialize_builtin
 
     names = [s.name for s in recipe.stages]
@@ -75,26 +95,40 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
     if rows < 0:
         raise ToolkitError(f"--rows must be 0 or more, got {rows}.")
     colour = sys.stdout.isatty() if colour is None else colour
+    layout = RunLayout(recipe.output_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = materialize_builtin(recipe.model.name_or_path, Path(tmp))
+        model_path = materialize_builtin(recipe.model.name_or_path, layout.cache)  # where training puts it
         trust = recipe.model.trust_remote_code
         vision = is_vision_language(model_path, trust_remote_code=trust)
         processor, tokenizer = load_processing(model_path, vision=vision, trust_remote_code=trust,
                                                chat_template=recipe.data.chat_template)
         dummy_dir = _dummy_dir(recipe, Path(tmp), vision=vision)
+        stages = resolve_stages(recipe)
+        stores = run_stores(stages, recipe.data, tokenizer, processor if vision else None, dummy_dir,
+                            tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
         lines = [f"model {recipe.model.name_or_path}; trained tokens "
                  f"{'in green' if colour else f'between {OPEN} and {CLOSE}'}; data.thinking: {recipe.data.thinking}"]
-        for st in resolve_stages(recipe):
+        for st in stages:
             if stage is not None and st.name != stage:
                 continue
-            files = resolve_data_paths(list(st.paths), dummy_dir)
-            data = encode_files(files, tokenizer, max_seq_len=st.max_seq_len, overlength=recipe.data.overlength,
-                                train_on=recipe.data.train_on,
-                                encoder=row_encoder(recipe.data, tokenizer, processor if vision else None))
-            lines += ["", f"=== stage '{st.name}' ({', '.join(map(str, files))}) ===",
-                      data.stats.summary(), stage_statistics(data.samples)]
-            for n, sample in enumerate(data.samples[:rows], start=1):
-                lines += [f"--- row {n} ({len(sample['input_ids'])} tokens) ---",
+            src = load_stage(st, recipe.data, stores)
+            weights = st.weights or [None] * len(st.entries)
+            lines += ["", f"=== stage '{st.name}' "
+                          f"({', '.join(describe_entry(e, w) for e, w in zip(st.entries, weights, strict=True))}) ===",
+                      stage_summary(st, src, recipe.data)]
+            if not len(src.samples):
+                lines.append(f"training refuses this stage: Stage '{st.name}' has no usable rows.")
+            parts = src.samples.parts if isinstance(src.samples, StageRows) else []
+            if len(parts) > 1:  # per entry, in the stage's order
+                lines += [f"  {describe_entry(e, w)}: {p.selection.stats.summary()}"
+                          for e, w, p in zip(st.entries, weights, parts, strict=True)]
+            lines.append(stage_statistics(src))
+            shown = ((p, int(i)) for p in parts for i in p.selection.index)
+            for part, i in itertools.islice(shown, rows):
+                sample = part.store.sample(i, part.selection.limit)
+                full = int(part.store.lengths[i])
+                cut = f", truncated from {full}" if full > part.selection.limit else ""
+                lines += [f"--- {part.store.where(i)} ({len(sample['input_ids'])} tokens{cut}) ---",
                           mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
     return "\n".join(lines)
 

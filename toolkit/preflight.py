@@ -52,7 +52,8 @@ def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_l
 
     encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template)
     processes = num_proc(DataConfig())
-    stores = [open_store(resolve_source(e, dummy_dir), encoder, None, num_proc=processes) for e in entries]
+    stores = [open_store(resolve_source(e, dummy_dir), encoder, None, num_proc=processes, max_tokens=max_seq_len)
+              for e in entries]  # the size guard: a row far over max_seq_len is counted over it, not tokenised whole
     arr = np.concatenate([s.lengths for s in stores] + [np.zeros(0, np.int64)])
     no_loss = int(sum((s.label_tokens == 0).sum() for s in stores))
     rows = len(arr)

@@ -114,24 +114,57 @@ def loader_workers(data: DataConfig, *, vision: bool) -> int:
 
 
 class Stores:
-    """The run's token stores, one per source, opened (or prepared) once each however many stages use them."""
+    """The run's token stores, one per source, opened (or prepared) once each however many stages use them.
+    `max_tokens` is the longest max_seq_len of the run: a row far longer than it is stored cut (see
+    toolkit/data/store.py, the size guard)."""
 
-    def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int) -> None:
+    def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int,
+                 max_tokens: int | None = None) -> None:
         self.encoder, self.dummy_dir, self.cache, self.processes = encoder, dummy_dir, cache, processes
+        self.max_tokens = max_tokens
         self._open: dict[DataEntry, Store] = {}
 
     def __call__(self, entry: DataEntry) -> Store:
         if entry not in self._open:
             source = resolve_source(entry, self.dummy_dir)
-            self._open[entry] = open_store(source, self.encoder, self.cache, num_proc=self.processes)
+            self._open[entry] = open_store(source, self.encoder, self.cache, num_proc=self.processes,
+                                           max_tokens=self.max_tokens)
         return self._open[entry]
+
+
+def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
+               dummy_dir: Path, cache: Path | None) -> Stores:
+    """The stores of a run's stages: its encoder (`row_encoder`), cache and processes, and the size guard's cap (the
+    longest max_seq_len of the stages)."""
+    return Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data),
+                  max_tokens=max((s.max_seq_len for s in stages), default=None))
+
+
+def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> TrainingSet:
+    """A stage's training rows over its entries' stores: each entry's selection under the stage's length policy
+    (data.max_seq_len, data.overlength), rows with nothing to train skipped, packed with data.packing, and the
+    difficulty easy_to_hard orders by. Training and `toolkit inspect-data` both read a stage through this."""
+    easy_to_hard = stage.order == "easy_to_hard"
+    parts = []
+    for entry in stage.entries:
+        store = stores(entry)
+        selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
+        parts.append(SourceRows(store, selection, packing=data.packing,
+                                difficulty=kept_difficulty(store, selection) if easy_to_hard else None))
+    return training_set(parts, needs_difficulty=easy_to_hard)
+
+
+def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> str:
+    """The stage's data line, as training logs it at the stage's start (inspect-data prints the same line)."""
+    return (f"stage '{stage.name}' data: {src.stats.summary()}"
+            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}")
 
 
 def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
                          dummy_dir: Path, cache: Path | None) -> tuple[list[TrainingSet], list[StageRows]]:
-    """Every stage's training rows (length policy applied, packed with packing) and eval rows, over the sources'
-    token stores. A store missing on this machine is prepared by the first rank to ask for it while the others
-    poll for it (toolkit/data/store.py): no collective runs here.
+    """Every stage's training rows (`load_stage`: length policy applied, packed with packing) and eval rows, over
+    the sources' token stores. A store missing on this machine is prepared by the first rank to ask for it while
+    the others poll for it (toolkit/data/store.py): no collective runs here.
 
     A vision-language model's rows go through its processor (`processor` given): image tokens are expanded from
     the images' sizes and never cut.
@@ -139,21 +172,13 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
     logging.getLogger("toolkit.data").setLevel(logging.INFO)  # whichever rank prepares a store says so
     n_sources = len({e for s in stages for e in s.entries} | {p for s in stages for p in s.eval})
     log.info("data: %d source(s), token stores in %s", n_sources, cache if cache is not None else "memory")
-    stores = Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data))
+    stores = run_stores(stages, data, tokenizer, processor, dummy_dir, cache)
     training_sets = []
     for stage in stages:
-        easy_to_hard = stage.order == "easy_to_hard"
-        parts = []
-        for entry in stage.entries:
-            store = stores(entry)
-            selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
-            parts.append(SourceRows(store, selection, packing=data.packing,
-                                    difficulty=kept_difficulty(store, selection) if easy_to_hard else None))
-        src = training_set(parts, needs_difficulty=easy_to_hard)
+        src = load_stage(stage, data, stores)
         if not len(src.samples):
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
-        log.info("stage '%s' data: %s%s", stage.name, src.stats.summary(),
-                 f"; packed into {len(src.samples)} rows" if data.packing else "")
+        log.info("%s", stage_summary(stage, src, data))
         unread: Counter[str] = Counter()
         for entry in stage.entries:
             unread.update(stores(entry).unread_keys)

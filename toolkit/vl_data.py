@@ -31,11 +31,11 @@ from toolkit.data.encoding import (
     DataStats,
     EncodedBatch,
     RowAddress,
+    SizeGuard,
     assistant_trains,
     chatml_assistant_spans,
     check_messages,
     check_renderable,
-    encode_with_offsets,
     fit_to_length,
     has_generation_tags,
     is_chatml_family,
@@ -107,8 +107,10 @@ class VLEncoder:
                 "merge": ip.merge_size}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
-               base_dir: Path | None = None) -> EncodedBatch:
-        """Encode `rows`, whose image paths are relative to `base_dir`; the first bad row raises."""
+               base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
+        """Encode `rows`, whose image paths are relative to `base_dir`; the first bad row raises. With
+        `max_tokens`, a row whose rendering is far longer is stored cut (`SizeGuard`) and counts as uncuttable
+        whole: its images may lie past the cut, so truncation drops it."""
         texts, plans = [], []
         for row, number in zip(rows, numbers, strict=True):
             text, spans, overlap, paths, grids = self._render(row, address(number), Path(base_dir or "."))
@@ -116,24 +118,29 @@ class VLEncoder:
             plans.append((spans, overlap, paths, grids))
         ids_parts, mask_parts, uncuttable = [], [], []
         vision = np.array(sorted(self.vision_ids), dtype=np.int32)
-        for (ids, starts, ends), (spans, overlap, _, _) in zip(encode_with_offsets(self.tokenizer, texts), plans,
-                                                               strict=True):
+        encoded, long = SizeGuard(self, max_tokens).encode_with_offsets(texts)
+        capped = {}
+        for r, ((ids, starts, ends), (spans, overlap, _, _)) in enumerate(zip(encoded, plans, strict=True)):
             mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
                     else span_mask(starts, ends, spans, overlap=overlap))
             is_vision = np.isin(ids, vision)
             mask[is_vision] = 0  # vision tokens never carry loss
             if len(mask):
                 mask[0] = 0
+            where_vision = np.flatnonzero(is_vision)
+            if r in long:  # cut by the size guard: images may lie past the cut, so the row is never truncated
+                assert max_tokens is not None
+                ids, mask = ids[:max_tokens + 1], mask[:max_tokens + 1]
+                capped[r] = len(texts[r])
             ids_parts.append(ids)
             mask_parts.append(mask)
-            where_vision = np.flatnonzero(is_vision)
-            uncuttable.append(int(where_vision[-1]) + 1 if len(where_vision) else 0)
+            uncuttable.append(len(ids) if r in long else int(where_vision[-1]) + 1 if len(where_vision) else 0)
         return EncodedBatch(
             np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
             np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
             np.array([len(i) for i in ids_parts], dtype=np.int64), np.array(numbers, dtype=np.int64),
             [row.get("difficulty") for row in rows], np.array(uncuttable, dtype=np.int64),
-            [p[2] for p in plans], [p[3] for p in plans])
+            [p[2] for p in plans], [p[3] for p in plans], capped)
 
     def _render(self, row: dict[str, Any], where: str, base_dir: Path
                 ) -> tuple[str, list[tuple[int, int]], bool, list[str], list[list[int]]]:

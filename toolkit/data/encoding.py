@@ -446,6 +446,7 @@ class EncodedBatch:
     uncuttable: np.ndarray | None = None
     images: list[list[str]] | None = None
     grids: list[list[list[int]]] | None = None
+    capped: dict[int, int] = field(default_factory=dict)  # rows cut by the size guard: row -> its characters
 
     @classmethod
     def join(cls, parts: Sequence[EncodedBatch]) -> EncodedBatch:
@@ -458,7 +459,9 @@ class EncodedBatch:
                    [d for p in parts for d in p.difficulty],
                    cat("uncuttable", np.int64) if vision else None,
                    [i for p in parts for i in p.images or []] if vision else None,
-                   [g for p in parts for g in p.grids or []] if vision else None)
+                   [g for p in parts for g in p.grids or []] if vision else None,
+                   {int(start) + r: c for start, p in zip(np.cumsum([0, *(len(p.lengths) for p in parts)])[:-1],
+                                                          parts, strict=True) for r, c in p.capped.items()})
 
     def sample(self, i: int) -> dict[str, Any]:
         """Row i as a sample: `input_ids` and `labels` lists (and its images and grids)."""
@@ -492,9 +495,10 @@ class TextEncoder:
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
-               base_dir: Path | None = None) -> EncodedBatch:
+               base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
         """Encode `rows` (numbered `numbers` in their source); the first bad row raises, named by `address`.
-        (`base_dir`, where a vision encoder finds images, is not used by text rows.)"""
+        (`base_dir`, where a vision encoder finds images, is not used by text rows.) With `max_tokens`, a row far
+        longer than that is stored cut (`SizeGuard`)."""
         global ENCODE_CALLS
         ENCODE_CALLS += len(rows)
         tok = self.tokenizer
@@ -520,26 +524,35 @@ class TextEncoder:
                     raise ToolkitError(f"{where}: 'text' must be a string.")
                 plans.append(("text", len(specials)))
                 specials.append(row["text"])
-        encoded = encode_with_offsets(tok, chats)
-        with_specials = tok(specials, add_special_tokens=True)["input_ids"] if specials else []
-        without = tok(plain, add_special_tokens=False)["input_ids"] if plain else []
+        guard = SizeGuard(self, max_tokens)
+        encoded, long_chats = guard.encode_with_offsets(chats)
+        with_specials, long_specials = guard.token_ids(specials, add_special_tokens=True)
+        without, long_plain = guard.token_ids(plain, add_special_tokens=False)
         eos = tok.eos_token_id
         ids_parts, mask_parts = [], []
-        for kind, plan in plans:
+        capped: dict[int, int] = {}
+        for r, (kind, plan) in enumerate(plans):
             if kind == "chat":
                 k, spans, overlap = plan
+                cut = k in long_chats
                 ids, starts, ends = encoded[k]
                 mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
                         else span_mask(starts, ends, spans, overlap=overlap))
             elif kind == "completion":
                 prompt, completion = with_specials[plan[0]], without[plan[1]]
-                ids = np.array([*prompt, *completion, eos], dtype=np.int32)
+                cut = plan[0] in long_specials or plan[1] in long_plain
+                ids = np.array([*prompt, *completion, *([] if cut else [eos])], dtype=np.int32)
                 mask = np.ones(len(ids), np.uint8)
                 if self.train_on != "all":
                     mask[:len(prompt)] = 0
             else:
-                ids = np.array([*with_specials[plan], eos], dtype=np.int32)
+                cut = plan in long_specials
+                ids = np.array([*with_specials[plan], *([] if cut else [eos])], dtype=np.int32)
                 mask = np.ones(len(ids), np.uint8)
+            if cut:  # a prefix that is over any max_seq_len of the run; its first tokens are the row's own
+                assert max_tokens is not None
+                ids, mask = ids[:max_tokens + 1], mask[:max_tokens + 1]
+                capped[r] = guard.characters(rows[r])
             if len(mask):
                 mask[0] = 0  # nothing predicts the first token
             ids_parts.append(ids)
@@ -548,7 +561,7 @@ class TextEncoder:
             np.concatenate(ids_parts).astype(np.int32) if ids_parts else np.zeros(0, np.int32),
             np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
             np.array([len(i) for i in ids_parts], dtype=np.int64), np.array(numbers, dtype=np.int64),
-            [row.get("difficulty") for row in rows])
+            [row.get("difficulty") for row in rows], capped=capped)
 
     def _render(self, row: dict[str, Any], where: str) -> tuple[str, list[tuple[int, int]], bool]:
         """(rendering, character spans of the turns that train, whether spans are {% generation %} blocks)."""
@@ -583,6 +596,102 @@ class TextEncoder:
         else:
             spans = _prefix_spans(tok, messages, tools, full, where)
         return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+
+
+GUARD_MIN_CHARS = 1 << 20
+"""Texts of up to this many characters are always tokenised whole (tens of MB at most): the size guard is for rows
+far over max_seq_len, and an ordinary over-length row keeps its exact token count (and error message)."""
+
+
+class SizeGuard:
+    """Keeps one enormous row from exhausting the machine: a text far longer than `max_tokens` is measured in
+    characters before it is tokenised, and only a prefix of it is.
+
+    A token covers at most L characters, L the longest token's text in the vocabulary (byte-level BPE: a vocabulary
+    string has one character per byte, an upper bound on the characters it decodes to), so a text of C characters
+    has at least C / L tokens: over (max_tokens + 1) * L characters (and GUARD_MIN_CHARS) it is over every
+    max_seq_len of the run. Such a text is tokenised as a prefix that yields over twice max_tokens + 1 tokens
+    (grown by doubling, so a tokenizer whose tokens cover more than L characters only costs another call), and the
+    row keeps its first max_tokens + 1 tokens: what truncation keeps is the row's own first tokens (a cut only
+    changes the tokens near itself, and the kept ones are followed by as many again before it), and drop and error
+    see the row as over-length. Tokenising costs a few times max((max_tokens + 1) * L, GUARD_MIN_CHARS) characters
+    whatever the row's size; counting characters is len(str), O(1).
+
+    What it does not bound: the row's text itself, parsed and rendered by the chat template (about three times the
+    row's size at the peak, for a chat row)."""
+
+    def __init__(self, encoder: Any, max_tokens: int | None) -> None:
+        self.encoder, self.max_tokens = encoder, max_tokens
+        self.tokenizer = encoder.tokenizer
+
+    @property
+    def limit(self) -> int | None:
+        """Characters above which a text is surely over max_tokens + 1 tokens, and is long enough that tokenising
+        it whole costs memory (None: no guard)."""
+        if self.max_tokens is None:
+            return None
+        longest = getattr(self.encoder, "longest_token", None)
+        if longest is None:  # once per encoder and process (0.2 s for a 150k vocabulary)
+            longest = self.encoder.longest_token = max(
+                1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
+        return max((self.max_tokens + 1) * longest, GUARD_MIN_CHARS)
+
+    def _long(self, texts: list[str]) -> list[int]:
+        if self.max_tokens is None or not any(len(t) > GUARD_MIN_CHARS for t in texts):
+            return []  # cheap exit: no text is long enough to guard
+        limit = self.limit
+        assert limit is not None
+        return [k for k, t in enumerate(texts) if len(t) > limit]
+
+    def _prefix(self, text: str, tokenise: Callable[[str], Any], count: Callable[[Any], int]) -> Any:
+        """`tokenise` of the shortest doubling prefix of `text` that yields over 2 (max_tokens + 1) tokens."""
+        assert self.max_tokens is not None and self.limit is not None
+        size = 2 * self.limit
+        while size < len(text):
+            out = tokenise(text[:size])
+            if count(out) > 2 * (self.max_tokens + 1):
+                return out
+            size *= 2
+        return tokenise(text)
+
+    def encode_with_offsets(self, texts: list[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                                                             set[int]]:
+        """`encode_with_offsets` of the texts, the long ones (returned by index) as a prefix."""
+        long = self._long(texts)
+        if not long:
+            return encode_with_offsets(self.tokenizer, texts), set()
+        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)])
+        for k in long:
+            out[k] = self._prefix(texts[k], lambda t: encode_with_offsets(self.tokenizer, [t])[0],
+                                  lambda e: len(e[0]))
+        return out, set(long)
+
+    def token_ids(self, texts: list[str], *, add_special_tokens: bool) -> tuple[list[list[int]], set[int]]:
+        """The tokenizer's ids of the texts, the long ones (returned by index) as a prefix."""
+        if not texts:
+            return [], set()
+        long = self._long(texts)
+        tok = self.tokenizer
+        out = tok(["" if k in long else t for k, t in enumerate(texts)] if long else texts,
+                  add_special_tokens=add_special_tokens)["input_ids"]
+        for k in long:
+            out[k] = self._prefix(texts[k], lambda t: tok(t, add_special_tokens=add_special_tokens)["input_ids"],
+                                  len)
+        return out, set(long)
+
+    @staticmethod
+    def characters(row: dict[str, Any]) -> int:
+        """The characters of a row's texts (how a cut row is described)."""
+        if isinstance(row.get("messages"), list):
+            total = 0
+            for m in row["messages"]:
+                content = m.get("content") if isinstance(m, dict) else None
+                parts = content if isinstance(content, list) else [content]
+                total += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") if isinstance(p, dict)
+                             else 0 for p in parts)
+                total += len(m.get("reasoning_content") or "") if isinstance(m, dict) else 0
+            return total
+        return sum(len(row[k]) for k in ("text", "prompt", "completion") if isinstance(row.get(k), str))
 
 
 def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str]
@@ -651,6 +760,9 @@ def fit_to_length(ids: list[int], labels: list[int], *, max_seq_len: int, overle
     return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len]}
 
 
-def overlength_message(where: str, length: int, max_seq_len: int) -> str:
-    return (f"{where}: {length} tokens, over data.max_seq_len={max_seq_len}. Raise max_seq_len, or set "
+def overlength_message(where: str, length: int, max_seq_len: int, characters: int | None = None) -> str:
+    """The error of data.overlength: error; `characters` given for a row the size guard cut (its length is then a
+    lower bound)."""
+    count = f"{length} tokens" if characters is None else f"at least {length} tokens ({characters} characters)"
+    return (f"{where}: {count}, over data.max_seq_len={max_seq_len}. Raise max_seq_len, or set "
             "data.overlength to drop or truncate.")

@@ -45,7 +45,8 @@ def select_rows(store: Store, *, max_seq_len: int, overlength: str) -> Selection
     over = lengths > max_seq_len
     if overlength == "error" and over.any():
         first = int(np.flatnonzero(over)[0])
-        raise ToolkitError(overlength_message(store.where(first), int(lengths[first]), max_seq_len))
+        raise ToolkitError(overlength_message(store.where(first), int(lengths[first]), max_seq_len,
+                                              store.capped.get(first)))
     drop = over if overlength == "drop" else over & (store.uncuttable > max_seq_len if store.vision else False)
     cut = over & ~drop
     labels = store.label_tokens.copy()
@@ -226,7 +227,7 @@ def _selections(paths: Sequence[Any], tokenizer: Any, *, max_seq_len: int, overl
     for path in paths:
         entry = path if isinstance(path, Entry) else Entry(str(path))
         store = open_store(resolve_source(entry, Path()), encoder, None if cache_dir is None else Path(cache_dir),
-                           num_proc=num_proc)
+                           num_proc=num_proc, max_tokens=max_seq_len)
         out.append((store, select_rows(store, max_seq_len=max_seq_len, overlength=overlength)))
     return out
 

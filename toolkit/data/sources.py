@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import fnmatch
 import glob
 import hashlib
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -120,11 +122,12 @@ def resolve_source(entry: Entry, dummy_dir: Path) -> Source:
         return Source(entry, "jsonl", [dummy_dir / f"{text.removeprefix(DUMMY_PREFIX)}.jsonl"], text)
     path = Path(text)
     if glob.has_magic(text):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        files = walk_glob(text)
         if not files:
             raise ToolkitError(f"Data entry {text} matches no file (globs are relative to the working directory).")
         return _files_source(entry, files, text)
-    if path.is_dir():
+    kind = _kind(path)
+    if kind == "dir":
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():  # save_to_disk's own files
             return Source(entry, "disk", sorted(p for p in path.rglob("*") if p.is_file()), text)
         names = registry_names(path / "dataset_info.json")
@@ -132,13 +135,15 @@ def resolve_source(entry: Entry, dummy_dir: Path) -> Source:
             raise ToolkitError(f"Data entry {text} is a LLaMA-Factory data folder (its dataset_info.json names "
                                f"{_some(names)}); name a dataset of it: {{dataset: {names[0]}, dataset_dir: "
                                f"{text.rstrip('/')}}}.")
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FORMATS)
+        files = _unique([p for p in sorted(path.iterdir()) if p.suffix in FORMATS and _data_file(p)])
         if not files:
             raise ToolkitError(f"Data file {path} is a directory with no data files in it (.jsonl, .json, .parquet, "
                                ".csv, .tsv, .arrow) and is no save_to_disk folder; name the files, or a glob.")
         return _files_source(entry, files, text)
-    if path.is_file():
+    if kind == "file":
         return _files_source(entry, [path], text)
+    if kind == "other":
+        raise ToolkitError(not_regular_message(path))
     if path.suffix in FORMATS or not HUB_ID.match(text):
         raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
     return Source(entry, "hub", [], text)
@@ -255,6 +260,105 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     return resolved, {"name": name, **info}
 
 
+def _kind(path: Path) -> str | None:
+    """'file' (regular), 'dir', 'other' (a FIFO, device or socket: never opened, as opening a FIFO blocks) or None
+    (nothing there, a dangling link included), following links. One stat."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:  # a link loop, a permission problem: said as it is
+        raise ToolkitError(f"Data file {path} cannot be read ({e.strerror}).") from None
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def not_regular_message(path: Path) -> str:
+    return (f"Data file {path} is not a regular file (a FIFO, device or socket); data is read from regular files: "
+            "save the data to a file and name that.")
+
+
+def check_regular(path: Path) -> None:
+    """The error for a data file that is not there, or is not a regular file."""
+    kind = _kind(path)
+    if kind is None:
+        raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
+    if kind != "file":
+        raise ToolkitError(not_regular_message(path) if kind == "other" else
+                           f"Data file {path} is a directory; name the data files in it, or a glob.")
+
+
+def _data_file(path: Path) -> bool:
+    """Whether a file a folder or glob lists is data to read: a regular file (a dangling link is not); a FIFO or
+    device is refused rather than skipped, as its rows would be silently missing."""
+    kind = _kind(path)
+    if kind == "other":
+        raise ToolkitError(not_regular_message(path))
+    return kind == "file"
+
+
+def _unique(files: list[Path]) -> list[Path]:
+    """Files in the order given, each real file once (links to a file already listed are left out)."""
+    seen: set[str] = set()
+    out = []
+    for p in files:
+        real = os.path.realpath(p)
+        if real not in seen:
+            seen.add(real)
+            out.append(p)
+    return out
+
+
+def walk_glob(pattern: str) -> list[Path]:
+    """The regular files a glob matches (`*`, `?`, `[...]` within a name, `**` across folders, hidden names only
+    when the pattern names them, as `glob.glob(recursive=True)`), in name order, each real file once.
+
+    Written here rather than through `glob.glob` because that follows directory links without end: a folder
+    holding `sub/up -> ..` listed one file 41 times, and two such links never finished. Here each (folder, rest of
+    the pattern) is visited once, folders keyed by their (st_dev, st_ino), so a link to a folder already walked is
+    followed at most once and a loop ends. (glob.translate, which would give the pattern as a regex, is 3.13+.)"""
+    parts = list(Path(pattern).parts)
+    first = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    root = Path(*parts[:first]) if first else Path()
+    found: list[Path] = []
+    _walk(root, tuple(parts[first:]), set(), found)
+    return _unique(sorted(found))
+
+
+def _walk(folder: Path, pats: tuple[str, ...], seen: set[tuple[int, int, int]], found: list[Path]) -> None:
+    try:
+        st = folder.stat()
+        key = (st.st_dev, st.st_ino, len(pats))
+        if key in seen or not stat.S_ISDIR(st.st_mode):
+            return
+        seen.add(key)
+        names = sorted(os.listdir(folder))
+    except OSError:  # unreadable, gone, or a link loop: nothing there, as glob has it
+        return
+    pat, rest = pats[0], pats[1:]
+    if pat == "**":
+        if rest:
+            _walk(folder, rest, seen, found)  # ** as no folder at all
+        for name in names:
+            if name.startswith("."):
+                continue
+            path = folder / name
+            if not rest and _data_file(path):
+                found.append(path)
+            _walk(path, pats, seen, found)
+        return
+    if glob.has_magic(pat):
+        hidden = pat.startswith(".")
+        matches = [n for n in fnmatch.filter(names, pat) if hidden or not n.startswith(".")]
+    else:
+        matches = [pat] if pat in names else []
+    for name in matches:
+        path = folder / name
+        if rest:
+            _walk(path, rest, seen, found)
+        elif _data_file(path):
+            found.append(path)
+
+
 def _files_source(entry: Entry, files: list[Path], name: str) -> Source:
     formats = {_file_format(p) for p in files}
     if len(formats) > 1:
@@ -315,8 +419,7 @@ def pieces(source: Source, target_rows: int = 1000) -> Iterator[Piece]:
 def _jsonl_pieces(index: int, path: Path, target_rows: int) -> Iterator[Piece]:
     """Pieces of a JSON Lines file cut at line ends, each starting with its absolute line number: one pass that
     counts newlines (bytes.count, not a parse)."""
-    if not path.is_file():
-        raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
+    check_regular(path)
     size = path.stat().st_size
     with path.open("rb") as f:
         sample = f.read(1 << 20)
@@ -329,8 +432,11 @@ def _jsonl_pieces(index: int, path: Path, target_rows: int) -> Iterator[Piece]:
                 f.readline()  # to the end of the line the cut falls in
             end = min(f.tell(), size)
             f.seek(start)
-            block = f.read(end - start)
-            lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+            lines, last = 0, b""
+            for _ in range(start, end, 1 << 20):  # in megabytes: a piece may be one enormous line
+                chunk = f.read(min(1 << 20, end - f.tell()))
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+            lines += 0 if last == b"\n" else 1
             yield Piece(index, start, end, line, lines)
             start, line = end, line + lines
 
@@ -368,8 +474,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, row) for each non-blank line; a malformed line is an error naming file and line."""
     if path.is_dir():
         raise ToolkitError(f"Data file {path} is a directory; list the JSONL files in it one by one.")
-    if not path.is_file():
-        raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
+    check_regular(path)
     for lineno, row in _parse_jsonl(path, 0, path.stat().st_size, 1):
         if not isinstance(row, dict):
             raise ToolkitError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}.")
@@ -377,27 +482,38 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _parse_jsonl(path: Path, start: int, end: int, first: int) -> Iterator[tuple[int, Any]]:
+    """Rows of bytes [start, end) of a JSON Lines file, lines numbered from `first`. Read line by line (cut at
+    newlines, as pieces count them) and each line's bytes and text let go as soon as they are used, and a blank line
+    found without a stripped copy: an enormous line is held at most as its text and its parsed row at once (the size
+    guard, toolkit/data/encoding.py SizeGuard, takes it from there)."""
     with path.open("rb") as f:
         f.seek(start)
-        block = f.read(end - start)
-    offset = start
-    for lineno, raw in enumerate(block.splitlines(keepends=True), start=first):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ToolkitError(f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} of "
-                               "the file is not UTF-8. Data files must be UTF-8 text: re-encode the file (for "
-                               "example iconv -f latin1 -t utf-8).") from None
-        offset += len(raw)
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            # e.colno counts from the last newline json saw, the line's own one included: say it by position.
-            at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
-            raise ToolkitError(f"{path}:{lineno}: not valid JSON ({_json_problem(e)} at {at}). "
-                               "Each line must be one JSON object.") from None
+        offset, number = start, first
+        while offset < end:
+            raw = f.readline(end - offset)
+            if not raw:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ToolkitError(f"{path}:{number}: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
+                                   "of the file is not UTF-8. Data files must be UTF-8 text: re-encode the file (for "
+                                   "example iconv -f latin1 -t utf-8).") from None
+            offset += len(raw)
+            del raw
+            if line and not line.isspace():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    # e.colno counts from the last newline json saw, the line's own one included: say it by
+                    # position.
+                    at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
+                    raise ToolkitError(f"{path}:{number}: not valid JSON ({_json_problem(e)} at {at}). "
+                                       "Each line must be one JSON object.") from None
+                del line
+                yield number, row
+                del row
+            number += 1
 
 
 def _json_problem(e: json.JSONDecodeError) -> str:
@@ -833,8 +949,7 @@ def content_digest(path: Path, cache_dir: Path | None) -> str:
     inode are unchanged, so a run hashes each file once. A hash is only remembered for a file last changed over
     RACY_WINDOW_NS before hashing: a same-size rewrite within the filesystem's timestamp granularity cannot hide
     behind an unchanged stat."""
-    if not path.is_file():
-        raise ToolkitError(f"Data file {path} does not exist (paths are relative to the working directory).")
+    check_regular(path)
     if cache_dir is None:
         return _stream_sha256(path)
     sig = _stat_sig(path)

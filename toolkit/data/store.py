@@ -27,6 +27,9 @@ Layout under `data.cache_dir` (default `<output_dir>/../.toolkit-cache/tokenized
   hashes/                               data files' sha256, remembered against their stat (toolkit/data/sources.py)
 key = sha256 of {STORE_VERSION, the source's content digest, format, split, column mapping, tags, the tokenizer's
 fingerprint (chat template included), the encoder's options (train_on, thinking, image settings)}.
+meta.json's `capped` (only when the size guard cut a row: {cap, rows: {row: characters}}) names the rows stored as
+their first cap + 1 tokens (toolkit/data/encoding.py SizeGuard); it is not in the key, so ordinary stores keep
+theirs, and a store cut below what a later run needs is prepared again.
 
 No collective wait: a rank that finds no store takes the store's lock and prepares it on every core
 (`data.num_proc`); the other ranks, and other launches sharing the cache dir, poll the store folder (and the
@@ -155,6 +158,9 @@ class Store:
         if self.vision:
             self.uncuttable = col("uncuttable", np.int64)
             self._images = [(b.column("images"), b.column("image_grid_thw")) for b in batches]
+        # Rows the size guard cut (toolkit/data/encoding.py SizeGuard): row -> its characters; their length is a
+        # lower bound, over every max_seq_len the store was prepared for.
+        self.capped = {int(k): int(v) for k, v in (meta.get("capped") or {}).get("rows", {}).items()}
         self.table = table  # keeps the mapping alive
         self.unread_keys: dict[str, int] = meta.get("unread_keys") or {}  # message key -> rows carrying it
 
@@ -251,10 +257,11 @@ def _verify(folder: Path, meta: dict[str, Any], data: Path, *, remember: bool) -
             write_atomic(folder / VERIFIED_FILE, lambda f: f.write(record.encode()))
 
 
-def _open_ready(folder: Path, key: dict[str, Any], source: Source, *,
+def _open_ready(folder: Path, key: dict[str, Any], source: Source, *, max_tokens: int | None,
                 verify: Literal["no", "remembered", "yes", "yes-read-only"]) -> Store | None:
     """The complete store in `folder`, or None when there is none; a store that is damaged (unreadable, cut
-    short, for another key, or its content not the one prepared) counts as none, with a warning.
+    short, for another key, or its content not the one prepared) counts as none, with a warning, and so does one
+    whose size guard cut rows shorter than `max_tokens` (None: uncut) needs.
 
     `verify`: "no" (the caller just wrote it and hashed it), "remembered" (only a verified.json that matches
     counts: _Unverified is raised otherwise), "yes" (hash it unless remembered, and remember; a store without a
@@ -265,6 +272,11 @@ def _open_ready(folder: Path, key: dict[str, Any], source: Source, *,
         return None
     try:
         meta = json.loads(meta_path.read_text())
+        cap = (meta.get("capped") or {}).get("cap")
+        if cap is not None and (max_tokens is None or cap < max_tokens):
+            log.info("data: %s cut %d over-long row(s) at %d tokens and this run needs %s; preparing it again",
+                     folder, len(meta["capped"]["rows"]), cap + 1, max_tokens or "them whole")
+            return None
         data = folder / "data.arrow"
         if meta["key"] != key or data.stat().st_size != meta["bytes"]:
             raise ValueError("does not match its meta.json")
@@ -294,13 +306,13 @@ def _open_ready(folder: Path, key: dict[str, Any], source: Source, *,
 
 # --- preparing a store ------------------------------------------------------------------------------------------
 
-_WORK: tuple[Source, Any] | None = None  # (source, encoder) of the preparation this worker process serves
+_WORK: tuple[Source, Any, int | None] | None = None  # (source, encoder, max_tokens) this worker process serves
 
 
-def _init_worker(source: Source, encoder: Any) -> None:
+def _init_worker(source: Source, encoder: Any, max_tokens: int | None) -> None:
     """A pool worker: dies with its parent (Linux), leaves signals to the parent, tokenises single-threaded."""
     global _WORK
-    _WORK = (source, encoder)
+    _WORK = (source, encoder, max_tokens)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
@@ -308,14 +320,17 @@ def _init_worker(source: Source, encoder: Any) -> None:
     signal_when_parent_dies(signal.SIGKILL)
 
 
-def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int]]:
-    """The piece's record batch, and how many of its rows carry each message key that nothing reads."""
+def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int], dict[int, int]]:
+    """The piece's record batch, how many of its rows carry each message key that nothing reads, and the rows of it
+    the size guard cut (row in the piece -> characters)."""
     assert _WORK is not None
-    source, encoder = _WORK
+    source, encoder, max_tokens = _WORK
     rows, numbers = read_piece(source, piece)
+    kw = {} if max_tokens is None else {"max_tokens": max_tokens}
     batch = encoder.encode(rows, numbers, lambda n: source.where(piece.file_index, n),
-                           base_dir=source.files[piece.file_index].parent if source.files else Path())
-    return record_batch(batch, piece.file_index), dict(Counter(k for row in rows for k in unread_message_keys(row)))
+                           base_dir=source.files[piece.file_index].parent if source.files else Path(), **kw)
+    unread = dict(Counter(k for row in rows for k in unread_message_keys(row)))
+    return record_batch(batch, piece.file_index), unread, batch.capped
 
 
 def record_batch(batch: EncodedBatch, file_index: int) -> pa.RecordBatch:
@@ -354,21 +369,24 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 
 
 def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callable[[pa.RecordBatch], None],
-                  label: str) -> dict[str, Any]:
-    """Encode every row of `source` (in order) and hand each piece's record batch to `write`; returns counts. Uses
-    up to `num_proc` worker processes; the first bad row, in file order, raises its one-line error at once."""
+                  label: str, max_tokens: int | None = None) -> dict[str, Any]:
+    """Encode every row of `source` (in order) and hand each piece's record batch to `write`; returns counts (and
+    under `capped` the rows the size guard cut at `max_tokens` + 1 tokens, when any). Uses up to `num_proc` worker
+    processes; the first bad row, in file order, raises its one-line error at once."""
     open_source(source)
     work = list(pieces(source, PIECE_ROWS))
     total = sum(p.rows for p in work)
     processes = max(1, min(num_proc, math.ceil(total / ROWS_PER_PROCESS), len(work)))
     counts: dict[str, Any] = {"rows": 0, "tokens": 0, "label_tokens": 0}
     unread: Counter[str] = Counter()
+    capped: dict[str, int] = {}
     bar = tqdm(total=total, unit="rows", desc=f"tokenising {label}", delay=BAR_DELAY_S, dynamic_ncols=True,
                disable=total < BAR_MIN_ROWS or os.environ.get("TQDM_DISABLE") == "1")
 
-    def take(encoded: tuple[pa.RecordBatch, dict[str, int]], piece: Piece) -> None:
-        batch = encoded[0]
-        unread.update(encoded[1])
+    def take(result: tuple[pa.RecordBatch, dict[str, int], dict[int, int]], piece: Piece) -> None:
+        batch, keys, cut = result
+        unread.update(keys)
+        capped.update({str(counts["rows"] + r): c for r, c in cut.items()})
         write(batch)
         counts["rows"] += batch.num_rows
         counts["tokens"] += int(pc.sum(batch.column("length")).as_py() or 0)
@@ -377,23 +395,26 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
 
     try:
         if processes == 1:
-            _init_state(source, encoder)
+            _init_state(source, encoder, max_tokens)
             for piece in work:
                 take(_encode_piece(piece), piece)
         else:
-            with _pool_context().Pool(processes, initializer=_init_worker, initargs=(source, encoder)) as pool:
+            with _pool_context().Pool(processes, initializer=_init_worker,
+                                      initargs=(source, encoder, max_tokens)) as pool:
                 for piece, batch in zip(work, pool.imap(_encode_piece, work, chunksize=1), strict=True):
                     take(batch, piece)
     finally:
         bar.close()
     counts["processes"] = processes
     counts["unread_keys"] = dict(sorted(unread.items()))
+    if capped:
+        counts["capped"] = {"cap": max_tokens, "rows": capped}
     return counts
 
 
-def _init_state(source: Source, encoder: Any) -> None:
+def _init_state(source: Source, encoder: Any, max_tokens: int | None) -> None:
     global _WORK
-    _WORK = (source, encoder)
+    _WORK = (source, encoder, max_tokens)
 
 
 @dataclass
@@ -445,20 +466,26 @@ def _process_start() -> float:
     return 0.0
 
 
-def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: int) -> Store:
+def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: int,
+               max_tokens: int | None = None) -> Store:
     """The source's store: opened when prepared already, else prepared by this process (holding the store's lock)
-    or by whoever holds it, waiting by polling. With `cache` None every process encodes into its own memory."""
+    or by whoever holds it, waiting by polling. With `cache` None every process encodes into its own memory.
+
+    `max_tokens` (the longest max_seq_len that will read the store) arms the size guard: a row far longer is
+    measured in characters and stored cut (toolkit/data/encoding.py SizeGuard), recorded under `capped` in the
+    store's meta.json; a store that cut rows for a smaller `max_tokens` is prepared again (one that cut none, the
+    usual case, never is, and the key does not depend on it)."""
     digest = _digest(source, cache)
     key = store_key(source, digest, encoder)
     if cache is None:
-        return _prepare_in_memory(source, encoder, key, num_proc=num_proc)
+        return _prepare_in_memory(source, encoder, key, num_proc=num_proc, max_tokens=max_tokens)
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     root = cache / "stores"
     final, lock, failed = root / name, _Lock(root / f"{name}.lock"), root / f"{name}.failed"
     started, waiting_since, delay = _process_start(), None, POLL_S[0]
     while True:
         try:
-            store = _open_ready(final, key, source, verify="remembered")
+            store = _open_ready(final, key, source, max_tokens=max_tokens, verify="remembered")
         except _Unverified:  # complete, its content not yet checked: by the lock's holder, once
             store = None
         if store is not None:
@@ -474,7 +501,7 @@ def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: in
             if e.errno not in _READ_ONLY:
                 raise
             # A cache this process cannot write: a complete store is checked here; none can be prepared.
-            store = _open_ready(final, key, source, verify="yes-read-only")
+            store = _open_ready(final, key, source, max_tokens=max_tokens, verify="yes-read-only")
             if store is None:
                 raise ToolkitError(f"The token store of {source.name} is not prepared in {root}, and this process "
                                    f"cannot write there ({os.strerror(e.errno)}): set data.cache_dir to a "
@@ -482,9 +509,9 @@ def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: in
             return store
         if acquired:
             try:
-                store = _open_ready(final, key, source, verify="yes")
+                store = _open_ready(final, key, source, max_tokens=max_tokens, verify="yes")
                 if store is None:
-                    return _prepare(source, encoder, key, final, failed, num_proc=num_proc)
+                    return _prepare(source, encoder, key, final, failed, num_proc=num_proc, max_tokens=max_tokens)
             finally:
                 lock.release()
             if waiting_since is not None:  # another process prepared it; this one checked it
@@ -513,7 +540,7 @@ def _failure(path: Path, since: float) -> str | None:
 
 
 def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, failed: Path, *,
-             num_proc: int) -> Store:
+             num_proc: int, max_tokens: int | None = None) -> Store:
     """Prepare the store into a temporary folder and rename it into place (holding the lock). A failure is
     written to `failed` for the waiting ranks, then raised."""
     host = socket.gethostname()
@@ -535,7 +562,8 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
                     writer.append(pa.ipc.new_stream(sink, batch.schema))
                 writer[0].write_batch(batch)
 
-            info.update(encode_source(source, encoder, num_proc=num_proc, write=write, label=source.name))
+            info.update(encode_source(source, encoder, num_proc=num_proc, write=write, label=source.name,
+                                      max_tokens=max_tokens))
             if not writer:  # no rows at all: an empty stream of the text schema
                 writer.append(pa.ipc.new_stream(sink, record_batch(_empty_batch(), 0).schema))
             writer[0].close()
@@ -548,6 +576,8 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
                 "bytes": path.stat().st_size, "sha256": hashing.hexdigest(),
                 "prepared": {"host": host, "pid": os.getpid(), "time": time.time(),
                              "seconds": round(time.monotonic() - start, 2), "processes": info["processes"]}}
+        if "capped" in info:
+            meta["capped"] = info["capped"]
         write_atomic(folder / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
     try:
@@ -561,7 +591,7 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
         _write_failure(failed, f"preparing {source.name} failed on {host} ({type(e).__name__}: {e}); see that "
                                "process's log.")
         raise
-    store = _open_ready(final, key, source, verify="no")  # hashed as it was written
+    store = _open_ready(final, key, source, max_tokens=max_tokens, verify="no")  # hashed as it was written
     if store is None:
         raise ToolkitError(f"The token store {final} could not be read back after preparing it.")
     seconds = time.monotonic() - start
@@ -624,10 +654,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _prepare_in_memory(source: Source, encoder: Any, key: dict[str, Any], *, num_proc: int) -> Store:
+def _prepare_in_memory(source: Source, encoder: Any, key: dict[str, Any], *, num_proc: int,
+                       max_tokens: int | None = None) -> Store:
     """data.cache_dir: none: the store built in this process's memory (not shared, not kept)."""
     batches: list[pa.RecordBatch] = []
-    info = encode_source(source, encoder, num_proc=num_proc, write=batches.append, label=source.name)
+    info = encode_source(source, encoder, num_proc=num_proc, write=batches.append, label=source.name,
+                         max_tokens=max_tokens)
     table = pa.Table.from_batches(batches) if batches else pa.Table.from_batches(
         [record_batch(_empty_batch(), 0)])
     meta = {"key": key, "source": source.describe(), **info}
