@@ -829,14 +829,14 @@ def _grow(disk: Path) -> None:
 
 def test_a_full_disk_while_the_builtin_model_is_written_is_one_line(tmp_path: Path) -> None:
     from tests.conftest import mounted_tmpfs
-    from toolkit.config import TINY_MODEL
     from toolkit.errors import OutOfSpace
     from toolkit.model import materialize_builtin
 
     with mounted_tmpfs(tmp_path / "cache", "256k") as cache:
         with pytest.raises(OutOfSpace) as err:
             materialize_builtin(TINY_MODEL, cache)
-        assert str(err.value).startswith(f"No space left on device writing {cache / 'tiny-qwen3'}. Free space")
+        assert str(err.value).startswith(f"No space left on device writing {builtin_dir(TINY_MODEL, cache)}. Free "
+                                         "space")
         assert "\n" not in str(err.value) and list(cache.iterdir()) == []  # no half-built model, no temporary
         _grow(cache)
         assert (Path(materialize_builtin(TINY_MODEL, cache)) / "config.json").is_file()
