@@ -52,7 +52,7 @@ def _agree(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> str:
     """inspect-data's report, once its stage lines are shown to be training's."""
     shown = inspect_data(recipe, stage=None, rows=2, colour=False)
     lines = [line for line in shown.splitlines() if line.startswith("stage '")]
-    assert len(lines) == len(recipe.stages)
+    assert len(lines) >= len(recipe.stages)  # a stage's line, and its unread-keys line where it has one
     assert lines == _training_lines(recipe, caplog)
     return shown
 
@@ -142,3 +142,36 @@ def test_inspect_data_writes_nothing_in_the_output_dir(tmp_path: Path, models: d
     inspect_data(recipe, stage=None, rows=1, colour=False)
     assert not Path(recipe.output_dir).exists()
     assert any((tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir())
+
+
+def test_inspect_data_on_the_peers_shapes(tmp_path: Path, models: dict[str, str],
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """LLaMA-Factory registry entries (alpaca with its columns, sharegpt with tags; another entry's missing file
+    does not matter), TRL's conversational prompt/completion, ms-swift's query/response and conversation pairs,
+    peers' turn flags and a message key nothing reads: inspect-data's lines, the unread-keys line included, are
+    training's."""
+    lf = tmp_path / "lf"
+    lf.mkdir()
+    _jsonl(lf / "alpaca.jsonl", [{"q": "Say hi.", "a": "Hi."}, {"q": "2 + 2?", "a": "4."}])
+    _jsonl(lf / "chat.jsonl", [{"conversations": [{"speaker": "customer", "text": "Hi?"},
+                                                  {"speaker": "agent", "text": "Hello."}]}])
+    (lf / "dataset_info.json").write_text(json.dumps({
+        "alpaca_demo": {"file_name": "alpaca.jsonl", "columns": {"prompt": "q", "response": "a"}},
+        "chat_demo": {"file_name": "chat.jsonl", "formatting": "sharegpt",
+                      "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "customer",
+                               "assistant_tag": "agent"}},
+        "missing": {"file_name": "nope.jsonl"}}))
+    user, answer = {"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5."}
+    _jsonl(tmp_path / "peers.jsonl", [
+        {"prompt": [user], "completion": [answer]},
+        {"query": "2 + 3?", "response": "5.", "history": [["1 + 1?", "2."]]},
+        {"conversation": [{"human": "2 + 3?", "assistant": "5."}]},
+        {"messages": [user, dict(answer, train=False), {"role": "user", "content": "And 1 + 1?"},
+                      dict(answer, content="2.", loss=True, lang="en")]}])
+    stages = [{"name": "registry", "data": [{"dataset": "alpaca_demo", "dataset_dir": str(lf), "weight": 1},
+                                            {"dataset": "chat_demo", "dataset_dir": str(lf), "weight": 1}]},
+              {"name": "peers", "data": [str(tmp_path / "peers.jsonl")]}]
+    shown = _agree(_recipe(tmp_path, models["text"], stages), caplog)
+    assert "stage 'registry' data: 3 rows, 3 kept" in shown and "stage 'peers' data: 4 rows, 4 kept" in shown
+    assert "stage 'peers' data: messages carry keys not read: lang (1 rows)" in shown
+    assert f"{lf}/dataset_info.json:alpaca_demo (weight 1)" in shown

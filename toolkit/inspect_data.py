@@ -21,7 +21,14 @@ from toolkit.data import DUMMY_PREFIX, TrainingSet
 from toolkit.data.plan import StageRows
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.run_data import load_stage, run_stores, stage_summary, tokenized_cache_dir, write_dummy_files
+from toolkit.run_data import (
+    load_stage,
+    run_stores,
+    stage_summary,
+    tokenized_cache_dir,
+    unread_keys_summary,
+    write_dummy_files,
+)
 from toolkit.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -74,8 +81,9 @@ def describe_entry(entry: DataEntry, weight: float | None) -> str:
     """A data entry as the recipe gives it: path, split, column mapping, mixture weight."""
     extras = ([f"split {entry.split}"] if entry.split else []) + \
         ([f"columns {', '.join(f'{ours}: {theirs}' for ours, theirs in entry.columns)}"] if entry.columns else []) + \
+        ([f"tags {', '.join(f'{tag}: {name}' for tag, name in entry.tags)}"] if entry.tags else []) + \
         ([f"weight {weight:g}"] if weight is not None else [])
-    return entry.path + (f" ({'; '.join(extras)})" if extras else "")
+    return entry.name + (f" ({'; '.join(extras)})" if extras else "")
 
 
 def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool | None = None) -> str:
@@ -116,6 +124,8 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
             lines += ["", f"=== stage '{st.name}' "
                           f"({', '.join(describe_entry(e, w) for e, w in zip(st.entries, weights, strict=True))}) ===",
                       stage_summary(st, src, recipe.data)]
+            if (unread := unread_keys_summary(st, stores)) is not None:
+                lines.append(unread)
             if not len(src.samples):
                 lines.append(f"training refuses this stage: Stage '{st.name}' has no usable rows.")
             parts = src.samples.parts if isinstance(src.samples, StageRows) else []

@@ -160,6 +160,18 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
             f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}")
 
 
+def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:
+    """The stage's line naming the message keys nothing reads, with how many rows carry each (None: there are none):
+    said once per stage, so a key a peer's tool reads and this toolkit does not is never silently dropped."""
+    unread: Counter[str] = Counter()
+    for entry in stage.entries:
+        unread.update(stores(entry).unread_keys)
+    if not unread:
+        return None
+    return (f"stage '{stage.name}' data: messages carry keys not read: "
+            f"{', '.join(f'{k} ({n} rows)' for k, n in sorted(unread.items()))}")
+
+
 def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
                          dummy_dir: Path, cache: Path | None) -> tuple[list[TrainingSet], list[StageRows]]:
     """Every stage's training rows (`load_stage`: length policy applied, packed with packing) and eval rows, over
@@ -179,12 +191,8 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
         if not len(src.samples):
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("%s", stage_summary(stage, src, data))
-        unread: Counter[str] = Counter()
-        for entry in stage.entries:
-            unread.update(stores(entry).unread_keys)
-        if unread:
-            log.info("stage '%s' data: messages carry keys not read: %s", stage.name,
-                     ", ".join(f"{k} ({n} rows)" for k, n in sorted(unread.items())))
+        if (unread := unread_keys_summary(stage, stores)) is not None:
+            log.info("%s", unread)
         training_sets.append(src)
     evals = []
     for stage in stages:  # the same stores for every stage when from eval.data
