@@ -41,3 +41,35 @@ def test_preflight_and_inspect_data_resolve_builtin_models_from_any_folder(
         # Qwen3's template (the built-in model's): the last answer trains with an empty think block.
         assert "[[<think>\n\n</think>\n\n4.<|im_end|>]]" in capsys.readouterr().out
     assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing written where the command ran
+
+
+def test_ctrl_c_during_inspect_data_is_one_line_and_keeps_nothing_half_written(tmp_path: Path) -> None:
+    """Ctrl-C while inspect-data tokenises a store: one line and exit 130 (it was a KeyboardInterrupt traceback),
+    and no half-prepared store is left in the cache (stores are built aside and renamed in)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import run_env
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}? " * 8},
+                          {"role": "assistant", "content": f"{2 * i}."}]} for i in range(40000)]
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = base_recipe(TINY_MODEL, str(tmp_path / "big.jsonl")) | {"output_dir": str(tmp_path / "run")}
+    recipe["data"] = {**recipe.get("data", {}), "num_proc": 1}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "inspect-data", "--config",
+                             str(tmp_path / "recipe.yaml")], cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    stores = tmp_path / ".toolkit-cache" / "tokenized" / "stores"
+    deadline = time.monotonic() + 120
+    while not (stores.is_dir() and any(p.name.endswith(".tmp") for p in stores.iterdir())):  # tokenising now
+        assert proc.poll() is None and time.monotonic() < deadline, "inspect-data never began tokenising"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
+    assert [p.name for p in stores.iterdir() if not p.name.endswith(".lock")] == []

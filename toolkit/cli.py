@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import ToolkitError, out_of_space
+from toolkit.preemption import INTERRUPTED_EXIT_CODE
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; every write is built aside, so none is half-kept
+        print("interrupted (Ctrl-C): stopped; nothing half-written was kept.", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     except Exception as e:
         if (full := out_of_space(e)) is None:  # a full disk that no writer of ours named: one line too
             raise
