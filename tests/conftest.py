@@ -320,19 +320,27 @@ def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout:
     to every process of the launch), or SIGKILL the training process of `rank` alone."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while last_logged_step(out) < at_step:
-        if proc.poll() is not None:
-            pytest.fail(f"run ended (rc={proc.returncode}) before step {at_step}:\n{proc.stdout.read()[-4000:]}")
-        if time.monotonic() > deadline:
-            signal_tree(proc.pid, signal.SIGKILL)
-            pytest.fail(f"run did not reach step {at_step} in {timeout} s")
-        time.sleep(0.05)
+    wait_until(f"step {at_step}", lambda: last_logged_step(out) >= at_step, proc, timeout)
     if rank is not None:
         kill_rank(proc, rank)
     else:
         signal_tree(proc.pid, sig)
     return proc
+
+
+def wait_until(what: str, condition: Callable[[], object], proc: subprocess.Popen,
+               timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    """Poll `condition` until it holds; fail (the launch killed, its output shown when piped) if the launch ends or
+    `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            output = proc.stdout.read()[-4000:] if proc.stdout is not None else ""
+            pytest.fail(f"the run ended (rc={proc.returncode}) before {what}:\n{output}")
+        if time.monotonic() > deadline:
+            signal_tree(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {what} after {timeout} s")
+        time.sleep(0.05)
 
 
 def signal_tree(pid: int, sig: int) -> None:

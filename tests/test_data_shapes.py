@@ -442,12 +442,9 @@ def test_a_run_trains_on_registry_entries(tmp_path: Path, models: dict[str, str]
 def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrainedTokenizerFast,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An `hf_hub_url` entry reads as that hub id does (local cache only), its registry `split` or the entry's."""
-    from tests.test_data_sources import _cached_hub_dataset
+    from tests.test_data_sources import _cached_hub_dataset, offline_hf_home
 
-    home = tmp_path / "hf"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    home = offline_hf_home(tmp_path, monkeypatch)
     _cached_hub_dataset(home, "someone/tiny-chat", {"train": [{"messages": CHAT}], "test": [{"messages": [U1, A1]}]})
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({

@@ -169,12 +169,18 @@ def _cached_hub_dataset(home: Path, repo: str, splits: dict[str, list[dict[str, 
                          splits=infos).write_to_directory(str(folder))
 
 
-def test_hub_dataset_from_the_local_cache(tmp_path: Path, tok: PreTrainedTokenizerFast,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def offline_hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh Hugging Face home under tmp_path, offline: hub datasets come only from what a test caches there."""
     home = tmp_path / "hf"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return home
+
+
+def test_hub_dataset_from_the_local_cache(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    home = offline_hf_home(tmp_path, monkeypatch)
     _cached_hub_dataset(home, "someone/tiny-chat", {"train": ROWS, "validation": ROWS[:1]})
     assert _samples(["someone/tiny-chat"], tok, tmp_path / "cache") == _expected(ROWS, tok)
     assert _samples([Entry("someone/tiny-chat", "validation")], tok) == _expected(ROWS[:1], tok)

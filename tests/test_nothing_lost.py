@@ -36,6 +36,7 @@ from tests.conftest import (
     start_and_signal,
     toolkit_lines,
     train_cmd,
+    wait_until,
     write_jsonl,
 )
 from toolkit import atomic
@@ -562,17 +563,6 @@ def _rank_stderrs(rank_logs: Path) -> list[str]:
     return [path.read_text() for path in sorted(rank_logs.glob("*/attempt_*/*/stderr.log"))]
 
 
-def _wait_until(what: str, condition: Any, proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (rc={proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            signal_tree(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no {what} after {timeout} s")
-        time.sleep(0.05)
-
-
 def _stop_after(proc: subprocess.Popen, sig: signal.Signals, timeout: float = 30) -> float:
     """Send `sig` to `proc` and return how long it took to end (failing the test past `timeout`)."""
     sent = time.monotonic()
@@ -606,7 +596,7 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        _wait_until("store preparation with a rank waiting for it", lambda: list(stores.glob(".*.tmp")) and any(
+        wait_until("store preparation with a rank waiting for it", lambda: list(stores.glob(".*.tmp")) and any(
             "data: waiting for" in text for text in _rank_stderrs(rank_logs)), proc)
         time.sleep(0.3)  # into the preparation (40k rows: tens of seconds here, a few on a fast machine)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -640,7 +630,7 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
             said.append(single.stdout.readline())
             return "data: waiting for" in said[-1]
 
-        _wait_until("a wait for the held store", waiting, single)
+        wait_until("a wait for the held store", waiting, single)
         took = _stop_after(single, signal.SIGINT)
         said.extend(single.stdout.read().splitlines())
     assert single.returncode == 130 and took < 10, said[-20:]
