@@ -43,9 +43,13 @@ def test_preflight_and_inspect_data_resolve_builtin_models_from_any_folder(
     assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing written where the command ran
 
 
-def test_ctrl_c_during_inspect_data_is_one_line_and_keeps_nothing_half_written(tmp_path: Path) -> None:
-    """Ctrl-C while inspect-data tokenises a store: one line and exit 130 (it was a KeyboardInterrupt traceback),
-    and no half-prepared store is left in the cache (stores are built aside and renamed in)."""
+@pytest.mark.parametrize(("sig", "code", "line"), [("SIGINT", 130, "interrupted (Ctrl-C)"),
+                                                  ("SIGTERM", 75, "stopped by SIGTERM")])
+def test_a_stop_during_inspect_data_is_one_line_and_keeps_nothing_half_written(tmp_path: Path, sig: str, code: int,
+                                                                               line: str) -> None:
+    """Ctrl-C or SIGTERM while inspect-data tokenises a store: one line and its exit code (Ctrl-C was a
+    KeyboardInterrupt traceback, SIGTERM a silent death that left the half-prepared store for the next launch to
+    clear), and no half-prepared store is left in the cache (stores are built aside and renamed in)."""
     import json
     import signal
     import subprocess
@@ -68,8 +72,8 @@ def test_ctrl_c_during_inspect_data_is_one_line_and_keeps_nothing_half_written(t
     while not (stores.is_dir() and any(p.name.endswith(".tmp") for p in stores.iterdir())):  # tokenising now
         assert proc.poll() is None and time.monotonic() < deadline, "inspect-data never began tokenising"
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr[-3000:]
-    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
+    assert proc.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith(line)
     assert [p.name for p in stores.iterdir() if not p.name.endswith(".lock")] == []

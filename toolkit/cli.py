@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 from toolkit.errors import ToolkitError, out_of_space
-from toolkit.preemption import INTERRUPTED_EXIT_CODE
+from toolkit.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
@@ -115,16 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every command ends with one line on bad input (exit 2), Ctrl-C (130) or SIGTERM (75): what the commands
+    write (token stores, exports, plots) is built aside and renamed in, so a stop keeps nothing half-written."""
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     try:
         args.func(args)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; every write is built aside, so none is half-kept
+    except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; nothing half-written was kept.", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except Stopped as e:
+        print(f"stopped by {e.signal_name}; nothing half-written was kept.", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except Exception as e:
         if (full := out_of_space(e)) is None:  # a full disk that no writer of ours named: one line too
             raise
