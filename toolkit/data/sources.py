@@ -101,7 +101,7 @@ class Source:
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def stat_signature(self) -> list[list[int]]:
-        return [_stat_sig(p) for p in self.files]
+        return [file_stat_signature(p) for p in self.files]
 
     def describe(self) -> dict[str, Any]:
         return {"entry": self.entry.name, "format": self.fmt, "split": self.entry.split,
@@ -939,7 +939,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _stat_sig(path: Path) -> list[int]:
+def file_stat_signature(path: Path) -> list[int]:
+    """Size, mtime, ctime and inode: what changes when a file is rewritten (content digests and the token store's
+    checksum are remembered against it)."""
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
@@ -952,7 +954,7 @@ def content_digest(path: Path, cache_dir: Path | None) -> str:
     check_regular(path)
     if cache_dir is None:
         return _stream_sha256(path)
-    sig = _stat_sig(path)
+    sig = file_stat_signature(path)
     record = cache_dir / "hashes" / f"{_sha256(str(path.resolve()).encode())}.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = json.loads(record.read_text())
@@ -960,7 +962,7 @@ def content_digest(path: Path, cache_dir: Path | None) -> str:
             return saved["sha256"]
     started = time.time_ns()
     digest = _stream_sha256(path)
-    if started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(path) == sig:
+    if started - max(sig[1], sig[2]) > RACY_WINDOW_NS and file_stat_signature(path) == sig:
         payload = json.dumps({"path": str(path), "stat": sig, "sha256": digest}).encode()
         with contextlib.suppress(OSError):
             write_atomic(record, lambda f: f.write(payload))

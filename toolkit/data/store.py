@@ -74,7 +74,7 @@ from tqdm.auto import tqdm
 
 from toolkit.atomic import build_dir, fsync_dir, write_atomic
 from toolkit.data.encoding import EncodedBatch, unread_message_keys
-from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, _stat_sig, open_source, pieces, read_piece
+from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.preemption import signal_when_parent_dies
@@ -237,7 +237,7 @@ def _verified(folder: Path, meta: dict[str, Any], data: Path) -> bool:
     """Whether verified.json says data.arrow, as it is now (stat), matched meta.json's sha256."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         record = json.loads((folder / VERIFIED_FILE).read_text())
-        return bool(record["sha256"] == meta["sha256"] and record["stat"] == _stat_sig(data))
+        return bool(record["sha256"] == meta["sha256"] and record["stat"] == file_stat_signature(data))
     return False
 
 
@@ -246,12 +246,12 @@ def _verify(folder: Path, meta: dict[str, Any], data: Path, *, remember: bool) -
     against the file's stat when `remember` (the cache is writable) and the file was last changed over
     RACY_WINDOW_NS before: a same-size rewrite in the same timestamp tick cannot hide behind the remembered stat
     (a store that young is hashed again by the next opener)."""
-    sig, started = _stat_sig(data), time.time_ns()
+    sig, started = file_stat_signature(data), time.time_ns()
     digest = file_sha256(data)
     if digest != meta["sha256"]:
         raise ValueError(f"data.arrow's sha256 is {digest[:12]}..., {meta['sha256'][:12]}... when it "
                          "was prepared")
-    if remember and started - max(sig[1], sig[2]) > RACY_WINDOW_NS and _stat_sig(data) == sig:
+    if remember and started - max(sig[1], sig[2]) > RACY_WINDOW_NS and file_stat_signature(data) == sig:
         record = json.dumps({"stat": sig, "sha256": digest, "host": socket.gethostname(), "time": time.time()})
         with contextlib.suppress(OSError):
             write_atomic(folder / VERIFIED_FILE, lambda f: f.write(record.encode()))
