@@ -10,6 +10,7 @@ cases marked `subprocess` (and the tests below the table) launch real processes,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -545,50 +546,36 @@ def _(c: Ctx) -> Call:
     return Call(["export", str(run), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
 
 
-class _ReadOnlyCache:
-    """A tmpfs holding a token store, remounted read-only; unmounted when the case's context goes."""
-
-    def __init__(self, path: Path) -> None:
-        path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            pytest.skip(f"needs a tmpfs mount (root): {done.stderr.strip()}")
-        self.path = path
-
-    def read_only(self) -> None:
-        subprocess.run(["mount", "-o", "remount,ro", str(self.path)], check=True)
-
-    def close(self) -> None:
-        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
-
-
 @case("damaged-store-read-only-cache")
 def _(c: Ctx) -> Call:
     import numpy as np
     import pyarrow as pa
 
+    from tests.conftest import mounted_tmpfs, remount_read_only
     from toolkit.config import load_recipe, resolve_stages
     from toolkit.data import resolve_source
     from toolkit.data.store import open_store
     from toolkit.model import load_processing
     from toolkit.run_data import row_encoder
 
-    cache = _ReadOnlyCache(c.tmp / "cache")
-    c.cleanups.append(cache.close)  # unmounted when the case ends, not whenever the object is collected
-    recipe = load_recipe(c.recipe(), [f"data.cache_dir={cache.path}"])
+    mounts = contextlib.ExitStack()
+    cache = mounts.enter_context(mounted_tmpfs(c.tmp / "cache", "16m"))
+    c.cleanups.append(mounts.close)  # unmounted when the case ends
+    recipe = load_recipe(c.recipe(), [f"data.cache_dir={cache}"])
     tokenizer = load_processing(c.models["text"], vision=False, trust_remote_code=False, chat_template=None)[1]
     entry = resolve_stages(recipe)[0].entries[0]  # the run's store, prepared here (a store's key has no path)
     source = resolve_source(replace(entry, path=str(c.tmp / entry.path)), c.tmp)
-    store = open_store(source, row_encoder(recipe.data, tokenizer, None), cache.path, num_proc=1).path
+    store = open_store(source, row_encoder(recipe.data, tokenizer, None), cache, num_proc=1).path
     assert store is not None
     data = store / "data.arrow"
     ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
     raw = data.read_bytes()
     at = raw.find(ids.tobytes())
     data.write_bytes(raw[:at] + np.ascontiguousarray(ids[::-1]).tobytes() + raw[at + ids.nbytes:])  # same size
-    cache.read_only()
-    return c.train(f"data.cache_dir={cache.path}")
+    remount_read_only(cache)
+    return c.train(f"data.cache_dir={cache}")
+
+
 @case("data-not-regular-file")
 def _(c: Ctx) -> Call:
     import os
