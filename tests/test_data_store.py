@@ -5,6 +5,7 @@ complete, concurrent and waiting processes prepare once, a failed preparation re
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -394,6 +395,36 @@ def test_waiting_process_gets_the_preparers_error(tmp_path: Path, tok: PreTraine
     assert str(info.value).startswith(f"{path}:81: messages[0] must have a role")
     assert json.loads((tmp_path / "out.json").read_text())["error"] == str(info.value)
     assert time.monotonic() - start < 30 and "waiting for " in caplog.text
+
+
+@pytest.mark.parametrize("failed_first", [True, False], ids=["the preparation failed", "no failure"])
+def test_a_stop_while_waiting_reports_the_preparations_failure(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              failed_first: bool) -> None:
+    """The launcher stops (SIGTERM) the other ranks as soon as the preparing rank exits with its error; a rank asleep
+    between two polls then ends with that error, the cause, not with the stop. Without a failure the stop stands."""
+    from toolkit.preemption import Stopped
+
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    source, encoder = resolve_source(Entry(str(path)), Path()), TextEncoder(tok, train_on="assistant")
+    key = store_mod.store_key(source, source.digest(cache), encoder)
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    holder = store_mod._Lock(cache / "stores" / f"{name}.lock")
+    (cache / "stores").mkdir(parents=True)
+    assert holder.try_acquire("the preparing rank")  # another rank prepares: this one polls
+
+    def preparer_fails_then_launcher_stops(seconds: float) -> None:
+        if failed_first:
+            store_mod._write_failure(holder.path.with_suffix(".failed"), f"{path}:1: the preparing rank's error")
+        raise Stopped("SIGTERM")
+
+    monkeypatch.setattr(store_mod.time, "sleep", preparer_fails_then_launcher_stops)
+    with pytest.raises(ToolkitError if failed_first else Stopped) as info:
+        open_store(source, encoder, cache, num_proc=1)
+    if failed_first:
+        assert str(info.value) == f"{path}:1: the preparing rank's error"
+    holder.release()
 
 
 # --- real launches: ranks wait for a preparation without a collective, and share its failure -----------------------

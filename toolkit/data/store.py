@@ -77,7 +77,7 @@ from toolkit.data.encoding import EncodedBatch, unread_message_keys
 from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.preemption import signal_when_parent_dies
+from toolkit.preemption import Stopped, signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 
@@ -482,7 +482,22 @@ def open_store(source: Source, encoder: Any, cache: Path | None, *, num_proc: in
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     root = cache / "stores"
     final, lock, failed = root / name, _Lock(root / f"{name}.lock"), root / f"{name}.failed"
-    started, waiting_since, delay = _process_start(), None, POLL_S[0]
+    started = _process_start()
+    try:
+        return _await_store(source, encoder, key, final, lock, failed, started, num_proc=num_proc,
+                            max_tokens=max_tokens)
+    except Stopped:
+        # Once one rank's preparation fails and it exits, the launcher stops the others (SIGTERM), maybe while
+        # they sleep between polls: a rank that waited on that preparation ends with its error, the cause.
+        if (message := _failure(failed, started)) is not None:
+            raise ToolkitError(message) from None
+        raise
+
+
+def _await_store(source: Source, encoder: Any, key: dict[str, Any], final: Path, lock: _Lock, failed: Path,
+                 started: float, *, num_proc: int, max_tokens: int | None) -> Store:
+    """open_store's loop: open the store once ready, prepare it holding the lock, or poll for whoever holds it."""
+    root, waiting_since, delay = final.parent, None, POLL_S[0]
     while True:
         try:
             store = _open_ready(final, key, source, max_tokens=max_tokens, verify="remembered")
