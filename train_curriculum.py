@@ -32,15 +32,10 @@ from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.atomic import write_text_atomic
 from toolkit.attention import choose_attention
 from toolkit.collate import batch_collator
-from toolkit.config import (
-    Recipe,
-    ResolvedStage,
-    flat_config,
-    load_recipe,
-    recipe_to_yaml,
-    resolve_stages,
-    resume_invariants,
-)
+from toolkit.config.identity import resume_invariants
+from toolkit.config.load import flat_config, load_recipe, recipe_to_yaml
+from toolkit.config.schema import Recipe
+from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
 from toolkit.errors import ToolkitError, out_of_space

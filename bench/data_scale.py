@@ -241,7 +241,7 @@ def prepare_only(data: Path, tokenizer: Any, cache: Path, cores: int) -> dict[st
     import psutil
 
     import toolkit.data.store as store_module
-    from toolkit.config import DataEntry
+    from toolkit.config.schema import DataEntry
     from toolkit.data import TextEncoder, resolve_source
     from toolkit.data.plan import SourceRows, select_rows
     from toolkit.data.store import open_store

@@ -47,7 +47,7 @@ def base_recipe(model: str, data: str = "data.jsonl") -> dict[str, object]:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The built-in tiny text and vision-language models, built once."""
-    from toolkit.config import TINY_MODEL, TINY_VL_MODEL
+    from toolkit.config.schema import TINY_MODEL, TINY_VL_MODEL
     from toolkit.model import materialize_builtin
 
     cache = tmp_path_factory.mktemp("models")

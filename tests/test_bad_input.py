@@ -26,7 +26,7 @@ import yaml
 
 from tests._inprocess import Call, invoke, snapshot
 from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, run_launch, write_jsonl
-from toolkit.config import TINY_MODEL
+from toolkit.config.schema import TINY_MODEL
 from toolkit.run_dir import RunLayout, RunLock
 
 TABLE = REPO / "docs" / "bad_inputs.md"
@@ -552,7 +552,8 @@ def _(c: Ctx) -> Call:
     import pyarrow as pa
 
     from tests.conftest import mounted_tmpfs, remount_read_only
-    from toolkit.config import load_recipe, resolve_stages
+    from toolkit.config.load import load_recipe
+    from toolkit.config.stages import resolve_stages
     from toolkit.data import resolve_source
     from toolkit.data.store import open_store
     from toolkit.model import load_processing

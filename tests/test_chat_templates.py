@@ -14,7 +14,8 @@ import yaml
 
 from tests._inprocess import Call, invoke
 from tests.conftest import CHAT, base_recipe, stock_template, write_jsonl
-from toolkit.config import TINY_MODEL, load_recipe
+from toolkit.config.load import load_recipe
+from toolkit.config.schema import TINY_MODEL
 from toolkit.data import TextEncoder, encode_row
 from toolkit.errors import ToolkitError
 from toolkit.model import builtin_dir, load_processor, load_tokenizer, materialize_builtin

@@ -1,4 +1,4 @@
-"""Tests for the recipe schema (toolkit/config.py): loading, overrides, and the error messages users see."""
+"""Tests for the recipe schema (toolkit/config/schema.py): loading, overrides, and the error messages users see."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from toolkit.config import (
-    DEFAULT_RECIPE,
-    TINY_MODEL,
-    Recipe,
-    StageConfig,
-    TrainConfig,
-    load_recipe,
-    parse_overrides,
-    recipe_to_yaml,
-    resolve_stages,
-)
+from toolkit.config.load import DEFAULT_RECIPE, load_recipe, parse_overrides, recipe_to_yaml
+from toolkit.config.schema import TINY_MODEL, Recipe, StageConfig, TrainConfig
+from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -422,7 +414,7 @@ def test_trainable_patience_and_pixel_errors(overrides: list[str], needle: str) 
 
 
 def test_changed_trainable_changes_resume_invariants() -> None:
-    from toolkit.config import resume_invariants
+    from toolkit.config.identity import resume_invariants
 
     plain, frozen = load_recipe(None), load_recipe(None, ["train.trainable=[lora]"])
     assert "trainable" not in resume_invariants(plain)  # unset: hashes of existing checkpoints are unchanged
@@ -434,7 +426,7 @@ def test_changed_trainable_changes_resume_invariants() -> None:
 def test_per_stage_micro_batch_is_layout_not_an_invariant() -> None:
     """Like train.micro_batch_size: another split of the same per-stage global batch may resume (checked through
     the global batches), so the per-stage micro batch is left out of the hash when set."""
-    from toolkit.config import resume_invariants
+    from toolkit.config.identity import resume_invariants
 
     one, two = (load_recipe(None, [f"stages.1.micro_batch_size={m}"]) for m in (1, 2))
     assert resume_invariants(one) == resume_invariants(two)
@@ -470,7 +462,7 @@ GEN = "eval.generation=[{name: facts, data: [f.jsonl], scorers: [exact, {kind: c
 
 
 def test_a_gate_names_a_metric_its_stage_evaluates() -> None:
-    from toolkit.config import stage_metrics
+    from toolkit.config.stages import stage_metrics
 
     gated = ["eval.every_steps=2", "stages.0.advance_when={metric: facts.exact, at_least: 0.9, min_steps: 3}"]
     recipe = load_recipe(None, [GEN, *gated])
@@ -516,7 +508,7 @@ def test_bad_gates_and_generation_evals(overrides: list[str], message: str) -> N
 
 def test_gates_bind_their_evals_to_checkpoints() -> None:
     """A gated recipe's eval settings decide stage lengths: a resume with other ones is a changed recipe."""
-    from toolkit.config import resume_invariants
+    from toolkit.config.identity import resume_invariants
 
     gated = [GEN, "eval.every_steps=2", "stages.0.advance_when={metric: facts.exact, at_least: 1}"]
     assert resume_invariants(load_recipe(None, gated)) != resume_invariants(load_recipe(None, [*gated[:1],

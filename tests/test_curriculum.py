@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
-from toolkit.config import load_recipe, resolve_stages
+from toolkit.config.load import load_recipe
+from toolkit.config.stages import resolve_stages
 from toolkit.curriculum import (
     Curriculum,
     Patience,
@@ -584,7 +585,7 @@ GATED = ("stages.0.advance_when={metric: eval_loss, at_most: 2.0, min_steps: 3}"
 
 
 def test_a_gate_is_met_once_its_metric_reaches_the_threshold_after_min_steps() -> None:
-    from toolkit.config import AdvanceWhen
+    from toolkit.config.schema import AdvanceWhen
     from toolkit.curriculum import Gate
 
     gate = Gate(AdvanceWhen(metric="facts.exact", at_least=0.75, min_steps=3))

@@ -14,7 +14,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import stock_template
-from toolkit.config import DataSource, Recipe, resume_invariants
+from toolkit.config.identity import resume_invariants
+from toolkit.config.schema import DataSource, Recipe
 from toolkit.data import encode_files, encode_row
 from toolkit.data.sources import Entry, resolve_source
 from toolkit.data.store import store_key
@@ -376,7 +377,7 @@ def test_llama_factory_registry(tmp_path: Path, tok: PreTrainedTokenizerFast, mo
 def test_registry_entries_in_a_recipe(tmp_path: Path) -> None:
     """`{dataset, dataset_dir}` entries beside paths: a weight each, `dataset: a,b` refused with the fix, and the
     resume hash of a recipe without them as before (no new keys in it)."""
-    from toolkit.config import resolve_stages
+    from toolkit.config.stages import resolve_stages
 
     stages = [{"name": "s", "max_steps": 1, "data": [{"dataset": "alpaca_demo", "weight": 2},
                                                       {"path": "x.jsonl", "weight": 1}]}]
@@ -398,7 +399,7 @@ def test_registry_multimodal_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     `images`, the paths relative to dataset_dir (not to the file's folder)."""
     from transformers import AutoProcessor
 
-    from toolkit.config import TINY_VL_MODEL
+    from toolkit.config.schema import TINY_VL_MODEL
     from toolkit.model import materialize_builtin
     from toolkit.vl_data import VLEncoder
 

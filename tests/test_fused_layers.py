@@ -19,7 +19,8 @@ import torch
 
 from tests.conftest import REPO, run_env
 from toolkit import fused_layers
-from toolkit.config import load_recipe, resume_invariants
+from toolkit.config.identity import resume_invariants
+from toolkit.config.load import load_recipe
 from toolkit.errors import ToolkitError
 from toolkit.fused_layers import check_fused_layers, resolve_fused_layers
 from toolkit.memory import layer_activation_bytes, load_model_config

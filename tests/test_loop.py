@@ -18,7 +18,8 @@ import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit import checkpoint, distributed
 from toolkit.collate import padding_collator
-from toolkit.config import load_recipe, resolve_stages
+from toolkit.config.load import load_recipe
+from toolkit.config.stages import resolve_stages
 from toolkit.labels import IGNORE_INDEX
 from toolkit.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.metrics import read_metrics

@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from toolkit.config import load_recipe
+from toolkit.config.load import load_recipe
 from toolkit.data import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.loss_head import (

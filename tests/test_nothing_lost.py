@@ -49,7 +49,7 @@ from toolkit.checkpoint import (
     committed_checkpoints,
     read_meta,
 )
-from toolkit.config import TINY_MODEL
+from toolkit.config.schema import TINY_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after

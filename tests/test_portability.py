@@ -28,7 +28,7 @@ from tests.conftest import (
     run_env,
     train,
 )
-from toolkit.config import TINY_MODEL
+from toolkit.config.schema import TINY_MODEL
 from toolkit.metrics import read_metrics
 from toolkit.model import builtin_dir
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_env
-from toolkit.config import load_recipe, resolve_stages
+from toolkit.config.load import load_recipe
+from toolkit.config.stages import resolve_stages
 from toolkit.memory import activation_memory, load_model_config
 from toolkit.preflight import preflight, stage_estimates, worst_stage
 

@@ -196,7 +196,7 @@ def test_chatml_override_refuses_what_it_cannot_render(tmp_path: Path, toks: dic
 @pytest.fixture(scope="module")
 def tiny_qwen3_tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The built-in tiny Qwen3's tokenizer, as `builtin:tiny-qwen3` saves it."""
-    from toolkit.config import TINY_MODEL
+    from toolkit.config.schema import TINY_MODEL
     from toolkit.model import materialize_builtin
 
     return AutoTokenizer.from_pretrained(materialize_builtin(TINY_MODEL, tmp_path_factory.mktemp("builtin")))
@@ -383,7 +383,7 @@ def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[st
 
 
 def test_thinking_key_is_validated() -> None:
-    from toolkit.config import load_recipe
+    from toolkit.config.load import load_recipe
 
     assert load_recipe(None, ["data.thinking=none"]).data.thinking == "none"
     assert load_recipe(None).data.thinking == "auto"

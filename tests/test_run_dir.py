@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_env
-from toolkit.config import TINY_MODEL, load_recipe, recipe_to_yaml, resume_invariants
+from toolkit.config.identity import resume_invariants
+from toolkit.config.load import load_recipe, recipe_to_yaml
+from toolkit.config.schema import TINY_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.model import builtin_dir
 from toolkit.run_dir import CACHE, RunLayout, RunLock, set_aside_earlier_attempt

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config import GenerationEvalConfig, ScorerConfig, load_recipe
+from toolkit.config.load import load_recipe
+from toolkit.config.schema import GenerationEvalConfig, ScorerConfig
 from toolkit.errors import ToolkitError
 from toolkit.scorers import answer_of, build_scorer, import_function
 

@@ -39,7 +39,7 @@ from tests.conftest import (
     spy_dir,
     train,
 )
-from toolkit.config import TINY_MODEL, TINY_VL_MODEL
+from toolkit.config.schema import TINY_MODEL, TINY_VL_MODEL
 from toolkit.loss_head import liger_available, triton_interpreted
 from toolkit.metrics import read_metrics
 from toolkit.model import builtin_dir

@@ -20,7 +20,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from tests._vl_mixed_batches import vision_module_names
 from tests.conftest import REPO, launch_cmd, run_env, signal_tree, stock_template
 from toolkit.collate import VLCollator
-from toolkit.config import TINY_VL_MODEL
+from toolkit.config.schema import TINY_VL_MODEL
 from toolkit.data import IGNORE_INDEX, DataStats
 from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
@@ -106,7 +106,7 @@ from pathlib import Path
 from transformers import AutoProcessor, ProcessorMixin
 
 import toolkit.collate, toolkit.data, toolkit.dummy_data, toolkit.vl_data  # the production VL modules
-from toolkit.config import TINY_VL_MODEL
+from toolkit.config.schema import TINY_VL_MODEL
 from toolkit.model import load_processor, materialize_builtin
 
 path = materialize_builtin(TINY_VL_MODEL, Path(sys.argv[1]))  # already built: nothing is built, only found

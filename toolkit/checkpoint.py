@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit import distributed
 from toolkit.atomic import build_dir, swap_dir, write_text_atomic
-from toolkit.config import changed_keys as _changed_keys
+from toolkit.config.identity import changed_keys as _changed_keys
 from toolkit.errors import OutOfSpace, ToolkitError
 from toolkit.read_lease import delete_unless_leased
 from toolkit.strategies import consolidate, deepspeed, param_state

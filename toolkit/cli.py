@@ -36,7 +36,7 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _preflight(args: argparse.Namespace) -> None:
-    from toolkit.config import load_recipe
+    from toolkit.config.load import load_recipe
     from toolkit.preflight import preflight
 
     recipe = load_recipe(args.config, args.overrides)
@@ -45,7 +45,7 @@ def _preflight(args: argparse.Namespace) -> None:
 
 
 def _inspect_data(args: argparse.Namespace) -> None:
-    from toolkit.config import load_recipe
+    from toolkit.config.load import load_recipe
     from toolkit.inspect_data import inspect_data
 
     print(inspect_data(load_recipe(args.config, args.overrides), stage=args.stage, rows=args.rows))

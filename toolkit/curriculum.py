@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
-from toolkit.config import AdvanceWhen, ResolvedStage
+from toolkit.config.schema import AdvanceWhen
+from toolkit.config.stages import ResolvedStage
 from toolkit.data import TrainingSet
 from toolkit.errors import ToolkitError
 from toolkit.sampling import Pacing, StageSampler

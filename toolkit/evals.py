@@ -27,7 +27,8 @@ from accelerate import Accelerator
 
 from toolkit import distributed
 from toolkit.atomic import write_text_atomic, writing
-from toolkit.config import Recipe, ResolvedStage
+from toolkit.config.schema import Recipe
+from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate

@@ -34,7 +34,9 @@ from toolkit.checkpoint import (
     verify_checkpoint_files,
     verify_final,
 )
-from toolkit.config import Recipe, load_recipe, resolve_stages
+from toolkit.config.load import load_recipe
+from toolkit.config.schema import Recipe
+from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import check_model_source, is_vision_language, load_processor, materialize_builtin, setup_lora
 from toolkit.read_lease import ReadLease

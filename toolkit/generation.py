@@ -34,7 +34,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from transformers import GenerationConfig
 
-from toolkit.config import GenerationEvalConfig
+from toolkit.config.schema import GenerationEvalConfig
 from toolkit.data import check_messages, iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.scorers import Scorer

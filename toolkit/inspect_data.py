@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.config import DataEntry, Recipe, resolve_stages
+from toolkit.config.schema import DataEntry, Recipe
+from toolkit.config.stages import resolve_stages
 from toolkit.data import DUMMY_PREFIX, TrainingSet
 from toolkit.data.plan import StageRows
 from toolkit.errors import ToolkitError

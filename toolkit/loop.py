@@ -38,7 +38,7 @@ from accelerate import Accelerator
 
 from toolkit import checkpoint, distributed
 from toolkit.atomic import writing
-from toolkit.config import Recipe
+from toolkit.config.schema import Recipe
 from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
 from toolkit.evals import Evaluator

@@ -24,7 +24,7 @@ from transformers import (
 
 from toolkit.atomic import build_dir
 from toolkit.checkpoint import FINAL_CHECKSUMS, verify_final
-from toolkit.config import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
+from toolkit.config.schema import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
 from toolkit.templates import resolve_chat_template

@@ -17,15 +17,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from toolkit.config import (
-    TINY_MODEL,
-    TINY_QWEN3_VL_MODEL,
-    TINY_VL_MODEL,
-    DataConfig,
-    Recipe,
-    ResolvedStage,
-    resolve_stages,
-)
+from toolkit.config.schema import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, DataConfig, Recipe
+from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
 from toolkit.fused_layers import resolve_fused_layers
 from toolkit.memory import GIB, estimate_all, format_table, load_model_config

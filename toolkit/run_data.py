@@ -10,7 +10,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from toolkit.config import DataConfig, DataEntry, ResolvedStage, StageConfig
+from toolkit.config.schema import DataConfig, DataEntry, StageConfig
+from toolkit.config.stages import ResolvedStage
 from toolkit.data import DUMMY_PREFIX, TextEncoder, TrainingSet, resolve_source
 from toolkit.data.plan import SourceRows, StageRows, kept_difficulty, select_rows, training_set
 from toolkit.data.store import Store, open_store

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from toolkit.config import changed_keys, load_recipe, resume_invariants
+from toolkit.config.identity import changed_keys, resume_invariants
+from toolkit.config.load import load_recipe
 from toolkit.errors import ToolkitError
 
 log = logging.getLogger(__name__)

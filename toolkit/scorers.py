@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.config import ScorerConfig
+from toolkit.config.schema import ScorerConfig
 from toolkit.errors import ToolkitError
 
 ScoreFn = Callable[[str, Any, dict[str, Any]], float]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import LORA_KEYWORD
+from toolkit.config.schema import LORA_KEYWORD
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
 

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.atomic import write_atomic
-from toolkit.config import TAG_KEYS
-from toolkit.config import DataEntry as Entry
+from toolkit.config.schema import TAG_KEYS
+from toolkit.config.schema import DataEntry as Entry
 from toolkit.data.encoding import PROMPT_TURN
 from toolkit.errors import ToolkitError
 

@@ -1,4 +1,4 @@
-"""The recipe: one typed schema (pydantic v2) for a whole run, loaded from YAML plus `key.sub=value` overrides.
+"""The recipe's typed schema (pydantic v2) for a whole run; toolkit/config/load.py reads it from YAML and overrides.
 
 Every field has a type, a default where one makes sense and a one-line description. Unknown keys and wrong
 types fail here, before any model or data is touched, with the key's full path and the closest valid names.
@@ -9,13 +9,10 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from toolkit.errors import ToolkitError
 from toolkit.templates import chat_template_problem
 
 TINY_MODEL = "builtin:tiny-qwen3"
@@ -509,6 +506,9 @@ class Recipe(_Section):
             raise ValueError(f"stage names must be unique, repeated: {dupes}")
         if self.stages[0].schedule == "continue":
             raise ValueError("the first stage has no schedule to continue")
+        # deferred: stages.py resolves stages of this schema; the recipe checks what they resolve to
+        from toolkit.config.stages import resolve_stages
+
         for i, stage in enumerate(resolve_stages(self)):
             where = f"stages.{i} ('{stage.name}')"
             if LORA_KEYWORD in (stage.trainable or []) and not self.lora.enabled:
@@ -534,6 +534,9 @@ class Recipe(_Section):
         if dupes:
             raise ValueError(f"generation eval names must be unique, repeated: {dupes} "
                              f"({', '.join(k for n, k in defined if n == dupes[0])})")
+        # deferred: stages.py resolves stages of this schema; the recipe checks what they resolve to
+        from toolkit.config.stages import resolve_stages, stage_metrics
+
         resolved = resolve_stages(self)
         for i, stage in enumerate(resolved):
             gate = stage.advance_when
@@ -559,296 +562,3 @@ class Recipe(_Section):
         return self
 
 
-@dataclass(frozen=True)
-class ResolvedStage:
-    """One stage's effective settings: its own value where the stage sets one, else the recipe-wide default.
-
-    Resolved once (`resolve_stages`); every consumer (planning, data loading, preflight, evaluation, patience,
-    the trainable sets) reads these, so a stage default is written in one place. `lr` is before lr_scaling (it
-    depends on the global batch, known only at launch). `trainable` None is the built-in default: every parameter
-    (full fine-tuning); a LoRA run's default is ('lora',).
-    """
-
-    index: int
-    name: str
-    paths: tuple[str, ...]
-    entries: tuple[DataEntry, ...]  # paths with their split and column mapping
-    weights: tuple[float, ...] | None
-    mixture_replacement: bool
-    order: str
-    pacing: PacingConfig | None
-    max_seq_len: int
-    micro_batch_size: int
-    epochs: float | None
-    max_steps: int | None
-    lr: float
-    warmup_ratio: float
-    min_lr_ratio: float
-    schedule: str  # cosine | linear | constant | wsd | continue
-    decay_ratio: float
-    eval: tuple[str, ...]
-    eval_micro_batch_size: int
-    trainable: tuple[str, ...] | None
-    trainable_key: str  # the recipe key `trainable` comes from, for error messages
-    patience: int | None
-    patience_min_delta: float
-    generation: tuple[GenerationEvalConfig, ...] = ()
-    advance_when: AdvanceWhen | None = None
-
-
-def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
-    """Every stage's effective settings (see ResolvedStage)."""
-    schedule, default_trainable = recipe.schedule, recipe.train.trainable
-    if default_trainable is None and recipe.lora.enabled:
-        default_trainable = [LORA_KEYWORD]
-    resolved = []
-    for i, stage in enumerate(recipe.stages):
-        micro = stage.micro_batch_size or recipe.train.micro_batch_size
-        trainable = stage.trainable or default_trainable
-        resolved.append(ResolvedStage(
-            index=i, name=stage.name, paths=tuple(stage.paths), entries=tuple(stage.entries),
-            weights=None if stage.weights is None else tuple(stage.weights),
-            mixture_replacement=stage.mixture_replacement, order=stage.order, pacing=stage.pacing,
-            max_seq_len=stage.max_seq_len or recipe.data.max_seq_len, micro_batch_size=micro,
-            epochs=stage.epochs, max_steps=stage.max_steps, lr=stage.lr or recipe.optimizer.lr,
-            warmup_ratio=schedule.warmup_ratio if stage.warmup_ratio is None else stage.warmup_ratio,
-            min_lr_ratio=schedule.min_lr_ratio if stage.min_lr_ratio is None else stage.min_lr_ratio,
-            schedule=stage.schedule or schedule.kind, decay_ratio=schedule.decay_ratio,
-            eval=tuple(stage.eval if stage.eval is not None else recipe.eval.data),
-            eval_micro_batch_size=recipe.eval.micro_batch_size or micro,
-            trainable=None if trainable is None else tuple(trainable),
-            trainable_key=f"stages.{i}.trainable" if stage.trainable else "train.trainable",
-            patience=stage.patience, patience_min_delta=stage.patience_min_delta,
-            generation=tuple(stage.generation if stage.generation is not None else recipe.eval.generation),
-            advance_when=stage.advance_when))
-    return resolved
-
-
-def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) -> list[str]:
-    """The eval metrics a stage's evaluations report, the names its gate may use: `eval_loss` (its eval files),
-    `<eval>.<score>` of its generation evals, and with eval.all_stages every stage's (`<stage>.eval_loss`)."""
-    own = stages[index]
-    names = ["eval_loss"] if own.eval else []
-    evaluated = stages if all_stages else [own]
-    if all_stages:
-        names += [f"{s.name}.eval_loss" for s in stages if s.eval]
-    for stage in evaluated:
-        names += [f"{g.name}.{scorer.metric}" for g in stage.generation for scorer in g.scorers]
-    return list(dict.fromkeys(names))
-
-
-DEFAULT_RECIPE: dict[str, Any] = {
-    "output_dir": "outputs/demo",
-    "model": {"name_or_path": TINY_MODEL},
-    "lora": {"r": 8, "alpha": 16},
-    "data": {"max_seq_len": 256},
-    "stages": [
-        {"name": "warmup_short", "data": ["dummy:stage1"], "lr": 1e-2},
-        {"name": "longer_multiturn", "data": ["dummy:stage2"], "lr": 5e-3},
-    ],
-    "train": {"micro_batch_size": 4, "grad_accum": 2},
-    "logging": {"logging_steps": 1},
-}
-"""The embedded default: tiny local Qwen3, dummy data, a 2-stage curriculum. Runs anywhere."""
-
-
-class _DuplicateKey(yaml.YAMLError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key repeated in one mapping (plain YAML silently keeps the last value)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise _DuplicateKey(f"key '{key}' is given twice, on lines {seen[key]} and {line}: keep one")
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
-    """Parse `a.b.c=value` strings; values are YAML scalars/lists (`lr=1e-4`, `target_modules=[q_proj]`)."""
-    parsed = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ToolkitError(f"Override '{item}' is not of the form key.sub=value (for example optimizer.lr=1e-4).")
-        try:
-            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw else None
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or str(e)
-            raise ToolkitError(f"Override '{item}': the value is not valid YAML ({problem}). Quote strings with "
-                               "YAML special characters, and close brackets: key=[a, b].") from None
-        parsed.append((key.strip().split("."), value))
-    return parsed
-
-
-def _apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    node: Any = tree
-    for i, part in enumerate(path[:-1]):
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                where = ".".join(path[: i + 1])
-                raise ToolkitError(f"Override '{where}': index out of range (the list has {len(node)} items).")
-            node = node[int(part)]
-        else:
-            if node.get(part) is None:  # absent, or an empty YAML section
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict | list):
-                where = ".".join(path[: i + 1])
-                raise ToolkitError(f"Override '{'.'.join(path)}': '{where}' is a value, not a section.")
-    last = path[-1]
-    if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
-            raise ToolkitError(f"Override '{'.'.join(path)}': index out of range (the list has {len(node)} items).")
-        node[int(last)] = value
-    else:
-        node[last] = value
-
-
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    """Valid field names of the section at `loc` (for 'did you mean' hints)."""
-    model: type[BaseModel] = Recipe
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        info = model.model_fields.get(str(part))
-        if info is None:
-            break
-        ann = info.annotation
-        inner = getattr(ann, "__args__", (ann,))
-        sub = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if sub is None:
-            break
-        model = sub
-    return list(model.model_fields)
-
-
-def _is_union_tag(part: Any) -> bool:
-    """Pydantic names the member of a union it tried in the error's location ('str', 'DataSource',
-    "literal['all-linear']"); recipe keys are lower-case names or list indices."""
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
-
-
-def _key_errors(err: ValidationError) -> list[dict[str, Any]]:
-    """The errors with union members dropped from their locations; of the alternatives a union produced for one
-    key, only those that went deepest (`{path, weight: 0}` is a bad weight, not 'not a string')."""
-    errors = [e | {"loc": tuple(p for p in e["loc"] if not _is_union_tag(p))} for e in err.errors()]
-    return [e for e in errors if not any(len(o["loc"]) > len(e["loc"]) and o["loc"][:len(e["loc"])] == e["loc"]
-                                         for o in errors)]
-
-
-def _explain(err: ValidationError, source: str) -> ToolkitError:
-    lines = []
-    for e in _key_errors(err):
-        loc = e["loc"]
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            valid = _fields_at(loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=3, cutoff=0.5)
-            hint = f" Did you mean: {', '.join(close)}?" if close else ""
-            lines.append(f"unknown key '{key}'.{hint} Valid keys here: {', '.join(valid)}.")
-        elif e["type"] == "missing":
-            lines.append(f"'{key}' is required.")
-        elif not loc:  # a check across sections: its message names the keys; the input is the whole recipe
-            lines.append(f"{e['msg'].removeprefix('Value error, ')}.")
-        else:
-            lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r}).")
-    return ToolkitError(f"Invalid recipe {source}: " + " ".join(lines))
-
-
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
-    """Load a recipe from YAML (or the embedded default when `path` is None) and apply overrides."""
-    if path is None:
-        tree: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEFAULT_RECIPE))
-        source = "(embedded default)"
-    else:
-        path = Path(path)
-        if path.is_dir():
-            raise ToolkitError(f"--config {path} is a directory; pass a recipe YAML file (e.g. recipes/smoke.yaml).")
-        if not path.is_file():
-            raise ToolkitError(f"Recipe file {path} does not exist. Pass an existing YAML file to --config.")
-        try:
-            tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
-        except UnicodeDecodeError as e:
-            raise ToolkitError(f"Recipe file {path} is not UTF-8 text (byte offset {e.start}).") from None
-        except _DuplicateKey as e:
-            raise ToolkitError(f"Recipe file {path}: {e}.") from None
-        except yaml.YAMLError as e:
-            raise ToolkitError(f"Recipe file {path} is not valid YAML: {' '.join(str(e).split())}") from None
-        if not isinstance(tree, dict):
-            raise ToolkitError(f"Recipe file {path} must hold a mapping of keys at the top level.")
-        source = str(path)
-    for keys, value in parse_overrides(overrides or []):
-        _apply_override(tree, keys, value)
-    try:
-        return Recipe.model_validate(tree)
-    except ValidationError as e:
-        raise _explain(e, source) from None
-
-
-RESUME_INVARIANT_SECTIONS = ("model", "lora", "data", "stages", "optimizer", "schedule")
-"""Sections whose change alters what the remaining steps compute; resume refuses a change (unless forced)."""
-
-
-def resume_invariants(recipe: Recipe) -> dict[str, Any]:
-    """The settings a checkpoint is bound to. Batch split (micro x accum x processes, also per stage) is checked
-    separately through the global batches, so a run may resume on another number of GPUs with the same ones."""
-    tree = recipe.model_dump(mode="json", include=set(RESUME_INVARIANT_SECTIONS))
-    for stage in tree["stages"]:
-        if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
-            del stage["micro_batch_size"]
-        for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns", "tags", "dataset", "dataset_dir"):
-                if isinstance(entry, dict) and entry.get(key) is None:
-                    entry.pop(key, None)
-    for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains
-        del tree["data"][key]
-    for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
-        del tree["model"][key]
-    if tree["model"]["fused_layers"] == "auto":  # the default leaves earlier checkpoints' hashes as they were
-        del tree["model"]["fused_layers"]
-    tree["seed"] = recipe.train.seed
-    if recipe.train.trainable is not None:  # only when set, so checkpoints of earlier versions still resume
-        tree["trainable"] = recipe.train.trainable
-    if any(stage.advance_when for stage in recipe.stages):  # gates decide stage lengths from these evals
-        tree["gate_evals"] = recipe.eval.model_dump(mode="json", exclude={"micro_batch_size"})
-    return tree
-
-
-def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two recipe trees (e.g. two `resume_invariants`)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [k for key in sorted(set(old) | set(new), key=str)
-                for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in changed_keys(a, b, f"{prefix}{i}.")]
-    return [] if old == new else [prefix.rstrip(".") or "(all)"]
-
-
-def flat_config(recipe: Recipe) -> dict[str, Any]:
-    """The recipe as flat `section.key` scalars, for experiment trackers' hyperparameter tables."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(f"{prefix}.{i}", v)
-        else:
-            flat[prefix] = node if isinstance(node, int | float | str | bool) else str(node)
-
-    walk("", recipe.model_dump(mode="json"))
-    return flat
-
-
-def recipe_to_yaml(recipe: Recipe) -> str:
-    """The fully resolved recipe (defaults filled in), as saved next to the run's outputs."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""The recipe: its typed schema, loading (YAML and overrides), stage resolution and resume identity."""

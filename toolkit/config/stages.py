@@ -1,0 +1,86 @@
+"""Each stage's effective settings, resolved once from the recipe: its own value where it sets one, else the
+recipe-wide default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.config.schema import LORA_KEYWORD, AdvanceWhen, DataEntry, GenerationEvalConfig, PacingConfig, Recipe
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    """One stage's effective settings: its own value where the stage sets one, else the recipe-wide default.
+
+    Resolved once (`resolve_stages`); every consumer (planning, data loading, preflight, evaluation, patience,
+    the trainable sets) reads these, so a stage default is written in one place. `lr` is before lr_scaling (it
+    depends on the global batch, known only at launch). `trainable` None is the built-in default: every parameter
+    (full fine-tuning); a LoRA run's default is ('lora',).
+    """
+
+    index: int
+    name: str
+    paths: tuple[str, ...]
+    entries: tuple[DataEntry, ...]  # paths with their split and column mapping
+    weights: tuple[float, ...] | None
+    mixture_replacement: bool
+    order: str
+    pacing: PacingConfig | None
+    max_seq_len: int
+    micro_batch_size: int
+    epochs: float | None
+    max_steps: int | None
+    lr: float
+    warmup_ratio: float
+    min_lr_ratio: float
+    schedule: str  # cosine | linear | constant | wsd | continue
+    decay_ratio: float
+    eval: tuple[str, ...]
+    eval_micro_batch_size: int
+    trainable: tuple[str, ...] | None
+    trainable_key: str  # the recipe key `trainable` comes from, for error messages
+    patience: int | None
+    patience_min_delta: float
+    generation: tuple[GenerationEvalConfig, ...] = ()
+    advance_when: AdvanceWhen | None = None
+
+
+def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
+    """Every stage's effective settings (see ResolvedStage)."""
+    schedule, default_trainable = recipe.schedule, recipe.train.trainable
+    if default_trainable is None and recipe.lora.enabled:
+        default_trainable = [LORA_KEYWORD]
+    resolved = []
+    for i, stage in enumerate(recipe.stages):
+        micro = stage.micro_batch_size or recipe.train.micro_batch_size
+        trainable = stage.trainable or default_trainable
+        resolved.append(ResolvedStage(
+            index=i, name=stage.name, paths=tuple(stage.paths), entries=tuple(stage.entries),
+            weights=None if stage.weights is None else tuple(stage.weights),
+            mixture_replacement=stage.mixture_replacement, order=stage.order, pacing=stage.pacing,
+            max_seq_len=stage.max_seq_len or recipe.data.max_seq_len, micro_batch_size=micro,
+            epochs=stage.epochs, max_steps=stage.max_steps, lr=stage.lr or recipe.optimizer.lr,
+            warmup_ratio=schedule.warmup_ratio if stage.warmup_ratio is None else stage.warmup_ratio,
+            min_lr_ratio=schedule.min_lr_ratio if stage.min_lr_ratio is None else stage.min_lr_ratio,
+            schedule=stage.schedule or schedule.kind, decay_ratio=schedule.decay_ratio,
+            eval=tuple(stage.eval if stage.eval is not None else recipe.eval.data),
+            eval_micro_batch_size=recipe.eval.micro_batch_size or micro,
+            trainable=None if trainable is None else tuple(trainable),
+            trainable_key=f"stages.{i}.trainable" if stage.trainable else "train.trainable",
+            patience=stage.patience, patience_min_delta=stage.patience_min_delta,
+            generation=tuple(stage.generation if stage.generation is not None else recipe.eval.generation),
+            advance_when=stage.advance_when))
+    return resolved
+
+
+def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) -> list[str]:
+    """The eval metrics a stage's evaluations report, the names its gate may use: `eval_loss` (its eval files),
+    `<eval>.<score>` of its generation evals, and with eval.all_stages every stage's (`<stage>.eval_loss`)."""
+    own = stages[index]
+    names = ["eval_loss"] if own.eval else []
+    evaluated = stages if all_stages else [own]
+    if all_stages:
+        names += [f"{s.name}.eval_loss" for s in stages if s.eval]
+    for stage in evaluated:
+        names += [f"{g.name}.{scorer.metric}" for g in stage.generation for scorer in g.scorers]
+    return list(dict.fromkeys(names))
