@@ -31,6 +31,8 @@ from transformers import AutoConfig
 from toolkit import __version__, checkpoint, distributed, strategies
 from toolkit.atomic import write_text_atomic
 from toolkit.attention import choose_attention
+from toolkit.builtin.dummy_data import use_dummy_data, write_dummy_files
+from toolkit.builtin.models import materialize_builtin
 from toolkit.collate import batch_collator
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import flat_config, load_recipe, recipe_to_yaml
@@ -57,7 +59,6 @@ from toolkit.model import (
     is_vision_language,
     load_model,
     load_processing,
-    materialize_builtin,
     resolve_dtype,
     setup_lora,
     skip_adapter_input_casts,
@@ -78,9 +79,7 @@ from toolkit.run_data import (
     loader_workers,
     store_checksums,
     tokenized_cache_dir,
-    use_dummy_data,
     uses_dummy_data,
-    write_dummy_files,
 )
 from toolkit.run_dir import RunLayout, RunLock, check_output_dir, set_aside_earlier_attempt
 from toolkit.strategies.deepspeed import configure_deepspeed

@@ -83,7 +83,7 @@ def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
 
 
 def build_model(work: Path) -> tuple[Path, Any]:
-    from toolkit.tiny import build_qwen_tokenizer, write_tiny_qwen3
+    from toolkit.builtin.text_model import build_qwen_tokenizer, write_tiny_qwen3
 
     tokenizer = build_qwen_tokenizer(TEMPLATE.read_text())
     model = write_tiny_qwen3(work / "tiny-qwen3-real", tokenizer=tokenizer, hidden_size=16, num_heads=2,
@@ -180,7 +180,7 @@ def peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
     warm, in this process (run it in a fresh one)."""
     import datasets
 
-    from toolkit.tiny import build_qwen_tokenizer
+    from toolkit.builtin.text_model import build_qwen_tokenizer
 
     tokenizer = build_qwen_tokenizer(TEMPLATE.read_text())
 

@@ -53,8 +53,8 @@ def write_model(out: Path, *, tiny: bool) -> Path:
     """The benchmark model directory: random Qwen3-8B weights (bf16, built on the GPU) or the tiny Qwen3, each with
     the toolkit's local tokenizer with the ChatML template the recorded results were measured with (token ids only
     need to be inside the vocabulary)."""
+    from toolkit.builtin.text_model import build_tokenizer, write_tiny_qwen3
     from toolkit.templates import CHATML_TEMPLATE
-    from toolkit.tiny import build_tokenizer, write_tiny_qwen3
 
     if tiny:
         return write_tiny_qwen3(out, tokenizer=build_tokenizer(CHATML_TEMPLATE))

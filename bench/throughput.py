@@ -583,11 +583,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from toolkit.builtin.text_model import build_tokenizer, write_tiny_qwen3
     from toolkit.data import encode_files
     from toolkit.flops import count_params
     from toolkit.packing import pack_samples
     from toolkit.templates import CHATML_TEMPLATE
-    from toolkit.tiny import build_tokenizer, write_tiny_qwen3
 
     threads = args.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
     cuda = torch.cuda.is_available()

@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import set_seed
     from transformers import AutoModelForImageTextToText
 
+    from toolkit.builtin.dummy_data import write_dummy_vl_data
+    from toolkit.builtin.vl_model import write_tiny_qwen2_5_vl
     from toolkit.collate import VLCollator
     from toolkit.data import iter_jsonl
-    from toolkit.dummy_data import write_dummy_vl_data
     from toolkit.model import apply_lora, load_processor
-    from toolkit.tiny_vl import write_tiny_qwen2_5_vl
     from toolkit.vl_data import encode_vl_row
 
     rank = accelerator.process_index

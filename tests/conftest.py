@@ -47,8 +47,7 @@ def base_recipe(model: str, data: str = "data.jsonl") -> dict[str, object]:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The built-in tiny text and vision-language models, built once."""
-    from toolkit.config.schema import TINY_MODEL, TINY_VL_MODEL
-    from toolkit.model import materialize_builtin
+    from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL, materialize_builtin
 
     cache = tmp_path_factory.mktemp("models")
     return {"text": materialize_builtin(TINY_MODEL, cache), "vl": materialize_builtin(TINY_VL_MODEL, cache)}
@@ -376,7 +375,7 @@ def stock_template(name: str) -> str:
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     """The real Qwen2.5/Qwen3 tokenizer, built offline once per session (no chat template set)."""
-    from toolkit.tiny import build_qwen_tokenizer
+    from toolkit.builtin.text_model import build_qwen_tokenizer
 
     return build_qwen_tokenizer()
 
@@ -387,7 +386,7 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer) -> Path:
     Qwen3's stock chat template, saved with save_pretrained (load it with from_pretrained)."""
     import copy
 
-    from toolkit.tiny import write_tiny_qwen3
+    from toolkit.builtin.text_model import write_tiny_qwen3
 
     tok = copy.deepcopy(qwen_tokenizer)
     tok.chat_template = stock_template("qwen3")

@@ -19,11 +19,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 import train_curriculum as tc
 from tests._saved import SavedBytes, count_saved
+from toolkit.builtin.models import materialize_builtin
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.loss_head import install_loss_head
 from toolkit.memory import activation_memory, loss_bytes
-from toolkit.model import apply_lora, enable_gradient_checkpointing, materialize_builtin, skip_adapter_input_casts
+from toolkit.model import apply_lora, enable_gradient_checkpointing, skip_adapter_input_casts
 from toolkit.packing import PackedCollator
 
 SAMPLE = 512  # tokens per packed sample

@@ -87,7 +87,7 @@ def test_data_scale_growth_is_per_rank() -> None:
 def test_data_scale_prepare_only_times_the_store_checksum(tmp_path: Path) -> None:
     """`--prepare-only` times the cold preparation, the first warm open (the store's checksum checked), a warm open
     once the check is remembered, and the check alone in GB/s (issue 31's cost measurement)."""
-    from toolkit.tiny import build_tokenizer
+    from toolkit.builtin.text_model import build_tokenizer
 
     spec = importlib.util.spec_from_file_location("data_scale", REPO / "bench" / "data_scale.py")
     assert spec is not None and spec.loader is not None

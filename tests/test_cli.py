@@ -10,7 +10,7 @@ import yaml
 
 from tests._inprocess import Call, invoke
 from tests.conftest import CHAT, REPO, base_recipe, write_jsonl
-from toolkit.config.schema import TINY_MODEL, TINY_QWEN3_VL_MODEL
+from toolkit.builtin.models import TINY_MODEL, TINY_QWEN3_VL_MODEL
 
 
 def _recipe(folder: Path, model: str) -> Path:

@@ -10,8 +10,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from toolkit.builtin.models import TINY_MODEL
 from toolkit.config.load import DEFAULT_RECIPE, load_recipe, parse_overrides, recipe_to_yaml
-from toolkit.config.schema import TINY_MODEL, Recipe, StageConfig, TrainConfig
+from toolkit.config.schema import Recipe, StageConfig, TrainConfig
 from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
 

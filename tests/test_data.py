@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from toolkit.builtin.text_model import build_tokenizer
 from toolkit.collate import padding_collator
 from toolkit.data import (
     IGNORE_INDEX,
@@ -23,7 +24,6 @@ from toolkit.data import (
 )
 from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE
-from toolkit.tiny import build_tokenizer
 
 PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 

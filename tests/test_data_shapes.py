@@ -14,13 +14,13 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import stock_template
+from toolkit.builtin.text_model import build_tokenizer
 from toolkit.config.identity import resume_invariants
 from toolkit.config.schema import DataSource, Recipe
 from toolkit.data import encode_files, encode_row
 from toolkit.data.sources import Entry, resolve_source
 from toolkit.data.store import store_key
 from toolkit.errors import ToolkitError
-from toolkit.tiny import build_tokenizer
 
 U1, A1 = {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."}
 U2, A2 = {"role": "user", "content": "And 4 + 4?"}, {"role": "assistant", "content": "It is 8."}
@@ -399,8 +399,7 @@ def test_registry_multimodal_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     `images`, the paths relative to dataset_dir (not to the file's folder)."""
     from transformers import AutoProcessor
 
-    from toolkit.config.schema import TINY_VL_MODEL
-    from toolkit.model import materialize_builtin
+    from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
     from toolkit.vl_data import VLEncoder
 
     processor = AutoProcessor.from_pretrained(materialize_builtin(TINY_VL_MODEL, tmp_path / "models"))

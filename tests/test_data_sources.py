@@ -13,10 +13,10 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 import toolkit.data.encoding as encoding_mod
+from toolkit.builtin.text_model import build_tokenizer
 from toolkit.data import encode_files, encode_row
 from toolkit.data.sources import Entry
 from toolkit.errors import ToolkitError
-from toolkit.tiny import build_tokenizer
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."},
         {"role": "user", "content": "And 4 + 4?"}, {"role": "assistant", "content": "It is 8."}]

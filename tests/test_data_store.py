@@ -23,13 +23,13 @@ from transformers import PreTrainedTokenizerFast
 import toolkit.data.encoding as encoding_mod
 import toolkit.data.sources as sources_mod
 import toolkit.data.store as store_mod
+from toolkit.builtin.text_model import build_tokenizer
 from toolkit.data import TextEncoder, encode_files, encode_row, load_training_set, resolve_source
 from toolkit.data.plan import select_rows
 from toolkit.data.sources import Entry
 from toolkit.data.store import open_store
 from toolkit.errors import ToolkitError
 from toolkit.templates import stock_template
-from toolkit.tiny import build_tokenizer
 
 CHAT = [
     {"role": "user", "content": "What is 17 + 25?"},
@@ -445,7 +445,7 @@ def _launch_recipe(tmp_path: Path, models: dict[str, str], data: str, *overrides
 def _dummy_rows(n: int) -> list[dict[str, Any]]:
     import tempfile
 
-    from toolkit.dummy_data import write_dummy_data
+    from toolkit.builtin.dummy_data import write_dummy_data
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_dummy_data(Path(tmp), n, seed=0)["stage2"]
@@ -495,8 +495,8 @@ def test_a_failed_preparation_is_one_line_on_every_rank(tmp_path: Path, models: 
 
 def test_entry_options_and_image_settings_are_in_the_key(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
     """A column mapping and a split name an other store; so do a vision encoder's pixel bounds and template."""
+    from toolkit.builtin.vl_model import build_vl_processor
     from toolkit.data.store import store_key
-    from toolkit.tiny_vl import build_vl_processor
     from toolkit.vl_data import VLEncoder
 
     path = _write_jsonl(tmp_path / "a.jsonl", [{"dialog": CHAT, "messages": None}] * 3)
@@ -613,7 +613,7 @@ from toolkit.data.plan import select_rows
 from toolkit.data.sources import Entry, resolve_source
 from toolkit.data.store import open_store
 from toolkit.errors import ToolkitError
-from toolkit.tiny import build_tokenizer
+from toolkit.builtin.text_model import build_tokenizer
 
 encoder = TextEncoder(build_tokenizer(), train_on="assistant")
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.dummy_data import write_dummy_data
+from toolkit.builtin.dummy_data import write_dummy_data
 
 ROLES = {"system", "user", "assistant"}
 

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from tests.conftest import write_jsonl
 from toolkit import distributed
 from toolkit.attention import EAGER_PACKED, SDPA_PACKED
+from toolkit.builtin.dummy_data import write_dummy_vl_data
 from toolkit.config.schema import GenerationEvalConfig
-from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
 from toolkit.generation import (
     GenerationEval,

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit import checkpoint, distributed
+from toolkit.builtin.models import materialize_builtin
 from toolkit.collate import padding_collator
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.labels import IGNORE_INDEX
 from toolkit.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.metrics import read_metrics
-from toolkit.model import materialize_builtin
 from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.run_dir import RunLayout
 

@@ -23,7 +23,8 @@ from toolkit.memory import (
 )
 from toolkit.strategies.measure import measure_rank_state_bytes
 
-# The builtin tiny Qwen3 (toolkit.tiny.write_tiny_qwen3 defaults; its tokenizer pads the vocabulary to 1024).
+# The builtin tiny Qwen3 (toolkit.builtin.text_model.write_tiny_qwen3 defaults; its tokenizer pads the vocabulary to
+# 1024).
 # Parameters: embeddings 1024*64 = 65536, LM head 65536, final norm 64, and per layer
 #   q 64*64 = 4096, k 64*32 = 2048, v 2048, o 4096, gate/up/down 3 * 64*128 = 24576,
 #   norms 64 + 64 (layer) + 16 + 16 (q_norm, k_norm) = 160                    -> 37024 per layer

@@ -41,6 +41,7 @@ from tests.conftest import (
 )
 from toolkit import atomic
 from toolkit import export as export_module
+from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.checkpoint import (
     COMMIT_MARKER,
     META_FILE,
@@ -49,11 +50,9 @@ from toolkit.checkpoint import (
     committed_checkpoints,
     read_meta,
 )
-from toolkit.config.schema import TINY_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after
-from toolkit.model import builtin_dir
 from toolkit.plot import plot_run
 from toolkit.run_dir import RunLayout, RunLock
 
@@ -819,8 +818,8 @@ def _grow(disk: Path) -> None:
 
 def test_a_full_disk_while_the_builtin_model_is_written_is_one_line(tmp_path: Path) -> None:
     from tests.conftest import mounted_tmpfs
+    from toolkit.builtin.models import materialize_builtin
     from toolkit.errors import OutOfSpace
-    from toolkit.model import materialize_builtin
 
     with mounted_tmpfs(tmp_path / "cache", "256k") as cache:
         with pytest.raises(OutOfSpace) as err:
@@ -836,11 +835,11 @@ def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import toolkit.data.store as store_module
     from tests.conftest import mounted_tmpfs
+    from toolkit.builtin.text_model import build_tokenizer
     from toolkit.data import TextEncoder, resolve_source
     from toolkit.data.sources import Entry
     from toolkit.data.store import open_store
     from toolkit.errors import OutOfSpace
-    from toolkit.tiny import build_tokenizer
 
     data = write_jsonl(tmp_path / "a.jsonl", [{"text": f"row {i} " + "the quick brown fox " * 20} for i in range(400)])
     encoder, source = TextEncoder(build_tokenizer(), train_on="all"), resolve_source(Entry(str(data)), tmp_path)

@@ -14,6 +14,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
 
 from toolkit.attention import BOUNDARY_KEYS, EAGER_PACKED, SDPA_PACKED
+from toolkit.builtin.text_model import build_tokenizer, write_tiny_qwen3
 from toolkit.collate import padding_collator
 from toolkit.data import IGNORE_INDEX, encode_row
 from toolkit.packing import (
@@ -23,7 +24,6 @@ from toolkit.packing import (
     pack_samples,
     unpack_row,
 )
-from toolkit.tiny import build_tokenizer, write_tiny_qwen3
 
 ROWS = [
     {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."}]},

@@ -28,9 +28,8 @@ from tests.conftest import (
     run_env,
     train,
 )
-from toolkit.config.schema import TINY_MODEL
+from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.metrics import read_metrics
-from toolkit.model import builtin_dir
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import stock_template
+from toolkit.builtin.text_model import QWEN_VOCAB_SIZE
 from toolkit.data import IGNORE_INDEX, encode_files, encode_row
 from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE
-from toolkit.tiny import QWEN_VOCAB_SIZE
 
 TEMPLATES = ["qwen2.5", "qwen3", "qwen2.5-vl", "qwen3-vl"]
 Q = "What is 17 + 25?"
@@ -196,8 +196,7 @@ def test_chatml_override_refuses_what_it_cannot_render(tmp_path: Path, toks: dic
 @pytest.fixture(scope="module")
 def tiny_qwen3_tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The built-in tiny Qwen3's tokenizer, as `builtin:tiny-qwen3` saves it."""
-    from toolkit.config.schema import TINY_MODEL
-    from toolkit.model import materialize_builtin
+    from toolkit.builtin.models import TINY_MODEL, materialize_builtin
 
     return AutoTokenizer.from_pretrained(materialize_builtin(TINY_MODEL, tmp_path_factory.mktemp("builtin")))
 
@@ -307,7 +306,7 @@ def vl_processors(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory)
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from toolkit.tiny_vl import Qwen2_5_VLImageOnlyProcessor
+    from toolkit.builtin.vl_model import Qwen2_5_VLImageOnlyProcessor
 
     images = tmp_path_factory.mktemp("vl-images")
     for name, colour in (("a.png", "red"), ("b.png", "blue")):
@@ -369,8 +368,8 @@ def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> N
 def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[str, Any], Path]) -> None:
     """The tiny VL processor (its own small tokenizer): reading the turns off the token ids trains exactly what the
     {% generation %} markers of its ChatML template mark."""
+    from toolkit.builtin.vl_model import build_vl_processor
     from toolkit.templates import VL_CHATML_TEMPLATE
-    from toolkit.tiny_vl import build_vl_processor
     from toolkit.vl_data import encode_vl_row
 
     _, images = vl_processors

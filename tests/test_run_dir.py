@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_env
+from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import load_recipe, recipe_to_yaml
-from toolkit.config.schema import TINY_MODEL
 from toolkit.errors import ToolkitError
-from toolkit.model import builtin_dir
 from toolkit.run_dir import CACHE, RunLayout, RunLock, set_aside_earlier_attempt
 
 BUSY = "a live run is writing it"

@@ -39,10 +39,9 @@ from tests.conftest import (
     spy_dir,
     train,
 )
-from toolkit.config.schema import TINY_MODEL, TINY_VL_MODEL
+from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL, builtin_dir
 from toolkit.loss_head import liger_available, triton_interpreted
 from toolkit.metrics import read_metrics
-from toolkit.model import builtin_dir
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from toolkit.builtin.text_model import TEMPLATE_TOKENS, build_tokenizer, write_tiny_qwen3
 from toolkit.templates import CHATML_TEMPLATE, stock_template
-from toolkit.tiny import TEMPLATE_TOKENS, build_tokenizer, write_tiny_qwen3
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful math tutor."},

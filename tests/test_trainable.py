@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from toolkit.builtin.text_model import write_tiny_qwen3
 from toolkit.errors import ToolkitError
 from toolkit.model import apply_lora
-from toolkit.tiny import write_tiny_qwen3
 from toolkit.trainable import matches, modules_to_train, plan_trainable
 
 LORA_TARGETS = ["q_proj", "v_proj"]

@@ -1,4 +1,5 @@
-"""Vision-language side: tiny VL models (toolkit/tiny_vl.py), dummy image data, row encoding (toolkit/vl_data.py),
+"""Vision-language side: tiny VL models (toolkit/builtin/vl_model.py), dummy image data, row encoding
+(toolkit/vl_data.py),
 over-length policies and the collator (toolkit/collate.py)."""
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tests._vl_mixed_batches import vision_module_names
 from tests.conftest import REPO, launch_cmd, run_env, signal_tree, stock_template
+from toolkit.builtin.dummy_data import write_dummy_vl_data
+from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
+from toolkit.builtin.vl_model import Qwen2_5_VLImageOnlyProcessor, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 from toolkit.collate import VLCollator
-from toolkit.config.schema import TINY_VL_MODEL
 from toolkit.data import IGNORE_INDEX, DataStats
-from toolkit.dummy_data import write_dummy_vl_data
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora, materialize_builtin
+from toolkit.model import apply_lora
 from toolkit.templates import IMAGE_PAD, VISION_TOKENS
-from toolkit.tiny_vl import Qwen2_5_VLImageOnlyProcessor, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 from toolkit.vl_data import encode_vl_row, process_images
 
 WHERE = "rows.jsonl:3"
@@ -105,12 +106,14 @@ from pathlib import Path
 
 from transformers import AutoProcessor, ProcessorMixin
 
-import toolkit.collate, toolkit.data, toolkit.dummy_data, toolkit.vl_data  # the production VL modules
-from toolkit.config.schema import TINY_VL_MODEL
-from toolkit.model import load_processor, materialize_builtin
+import toolkit.collate, toolkit.data, toolkit.builtin.dummy_data, toolkit.vl_data  # the production VL modules
+from toolkit.builtin.models import TINY_VL_MODEL
+from toolkit.model import load_processor
+from toolkit.builtin.models import materialize_builtin
 
 path = materialize_builtin(TINY_VL_MODEL, Path(sys.argv[1]))  # already built: nothing is built, only found
-assert not {"toolkit.tiny", "toolkit.tiny_vl"} & set(sys.modules), "a production import loaded a test-model builder"
+built = {"toolkit.builtin.text_model", "toolkit.builtin.vl_model"} & set(sys.modules)
+assert not built, "a production import loaded a test-model builder"
 assert not isinstance(AutoProcessor.from_pretrained(path), ProcessorMixin), "an import registered the processor"
 processor = load_processor(path, trust_remote_code=False, chat_template=None)
 print(type(processor).__name__, processor.image_processor.patch_size)

@@ -12,7 +12,7 @@ from toolkit.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopp
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
-    from toolkit.dummy_data import write_dummy_data
+    from toolkit.builtin.dummy_data import write_dummy_data
 
     if args.num_samples < 1:
         raise ToolkitError(f"--num-samples must be at least 1, got {args.num_samples}.")
@@ -23,7 +23,7 @@ def _dummy_data(args: argparse.Namespace) -> None:
 
 
 def _tiny_model(args: argparse.Namespace) -> None:
-    from toolkit.tiny import write_tiny_qwen3
+    from toolkit.builtin.text_model import write_tiny_qwen3
 
     print(write_tiny_qwen3(args.out, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed))
 

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from toolkit.atomic import build_dir
+from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint import (
     COMMIT_MARKER,
     changed_files,
@@ -38,7 +39,7 @@ from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
-from toolkit.model import check_model_source, is_vision_language, load_processor, materialize_builtin, setup_lora
+from toolkit.model import check_model_source, is_vision_language, load_processor, setup_lora
 from toolkit.read_lease import ReadLease
 from toolkit.run_dir import RunLayout, is_within
 from toolkit.strategies.consolidate import consolidate_full_weights

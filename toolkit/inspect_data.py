@@ -16,20 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from toolkit.builtin.dummy_data import DUMMY_PREFIX, write_dummy_files
 from toolkit.config.schema import DataEntry, Recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.data import DUMMY_PREFIX, TrainingSet
+from toolkit.data import TrainingSet
 from toolkit.data.plan import StageRows
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.run_data import (
-    load_stage,
-    run_stores,
-    stage_summary,
-    tokenized_cache_dir,
-    unread_keys_summary,
-    write_dummy_files,
-)
+from toolkit.run_data import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
 from toolkit.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -96,7 +90,8 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
     weights. Token stores go to the run's data.cache_dir, which training would prepare the same stores into (it is
     beside the output dir, never in it), so the training run that follows opens them instead of tokenising again;
     dummy data training has not generated yet is written to a temporary folder, as is nothing in the output dir."""
-    from toolkit.model import is_vision_language, load_processing, materialize_builtin
+    from toolkit.builtin.models import materialize_builtin
+    from toolkit.model import is_vision_language, load_processing
 
     names = [s.name for s in recipe.stages]
     if stage is not None and stage not in names:

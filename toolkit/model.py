@@ -22,50 +22,13 @@ from transformers import (
     ProcessorMixin,
 )
 
-from toolkit.atomic import build_dir
 from toolkit.checkpoint import FINAL_CHECKSUMS, verify_final
-from toolkit.config.schema import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
 from toolkit.templates import resolve_chat_template
 from toolkit.trainable import modules_to_train
 
 log = logging.getLogger(__name__)
-
-
-BUILTIN_BUILD = 2
-"""The version of what the built-in models' builders write, in their cache folder's name, so that a cache holding an
-earlier build is never reused: bump it whenever toolkit/tiny.py or toolkit/tiny_vl.py change their output (2: each
-carries its family's stock chat template, and the tokenizer Qwen's think and tool tokens)."""
-
-
-def builtin_dir(name_or_path: str, cache_dir: Path) -> Path:
-    """Where `materialize_builtin` builds the built-in model `name_or_path` (`builtin:NAME`) under `cache_dir`."""
-    return cache_dir / f"{name_or_path.removeprefix('builtin:')}-build{BUILTIN_BUILD}"
-
-
-def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
-    """Turn `builtin:tiny-qwen3` / `builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl` into a real model directory
-    (built once, then loaded like any checkpoint)."""
-    builtins = (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL)
-    if name_or_path.startswith("builtin:") and name_or_path not in builtins:
-        raise ToolkitError(f"model.name_or_path '{name_or_path}' is not a built-in model; the built-in ones are "
-                           f"{', '.join(builtins)}.")
-    if name_or_path not in builtins:
-        return name_or_path
-    target = builtin_dir(name_or_path, cache_dir)
-    if not (target / "config.json").is_file():
-        # The test-model builders are imported only here, when a built-in model is first built: loading any model
-        # (a built one included) never imports them.
-        from toolkit.tiny import write_tiny_qwen3
-        from toolkit.tiny_vl import write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
-
-        write = {TINY_MODEL: write_tiny_qwen3, TINY_VL_MODEL: write_tiny_qwen2_5_vl,
-                 TINY_QWEN3_VL_MODEL: write_tiny_qwen3_vl}[name_or_path]
-        # Built aside, then renamed in: processes on several nodes may share this directory; the first copy in
-        # stays (the others are identical).
-        build_dir(target, write, replace=False)
-    return str(target)
 
 
 def check_model_source(name_or_path: str) -> None:
@@ -144,7 +107,7 @@ def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template:
     if _saved_processor_class(name_or_path) == "Qwen2_5_VLImageOnlyProcessor":
         # The tiny VL models' processor class: AutoProcessor finds it only registered (else it silently returns the
         # tokenizer). Imported here, for such a model only, so loading other models never imports the test models.
-        from toolkit.tiny_vl import register_image_only_processor
+        from toolkit.builtin.vl_model import register_image_only_processor
 
         register_image_only_processor()
     processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

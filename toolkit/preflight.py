@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from toolkit.config.schema import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, DataConfig, Recipe
+from toolkit.builtin.models import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
+from toolkit.config.schema import DataConfig, Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
 from toolkit.fused_layers import resolve_fused_layers
@@ -28,7 +29,7 @@ from toolkit.strategies import strategy_of_config
 
 def _model_config(name_or_path: str) -> Any:
     if name_or_path in (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL):
-        from toolkit.model import materialize_builtin
+        from toolkit.builtin.models import materialize_builtin
 
         with tempfile.TemporaryDirectory() as tmp:
             return load_model_config(materialize_builtin(name_or_path, Path(tmp)))
@@ -154,7 +155,8 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
         lines += ["", "data scan skipped: image-text rows are not scanned by preflight (training reports each "
                   "stage's kept, dropped and truncated rows at its start)."]
     elif scan_data:
-        from toolkit.model import load_tokenizer, materialize_builtin
+        from toolkit.builtin.models import materialize_builtin
+        from toolkit.model import load_tokenizer
 
         with tempfile.TemporaryDirectory() as tmp:
             try:

@@ -10,25 +10,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from toolkit.config.schema import DataConfig, DataEntry, StageConfig
+from toolkit.builtin.dummy_data import DUMMY_PREFIX
+from toolkit.config.schema import DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
-from toolkit.data import DUMMY_PREFIX, TextEncoder, TrainingSet, resolve_source
+from toolkit.data import TextEncoder, TrainingSet, resolve_source
 from toolkit.data.plan import SourceRows, StageRows, kept_difficulty, select_rows, training_set
 from toolkit.data.store import Store, open_store
 from toolkit.errors import ToolkitError
 from toolkit.run_dir import RunLayout
 
 log = logging.getLogger("toolkit")
-
-
-def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
-    """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
-    vision-language model), stage 1 on the first file, later stages on the second. Changes the recipe's stages, so
-    the saved recipe.yaml names the files the run read."""
-    first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
-    for i, stage in enumerate(stages):
-        if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
-            stage.data = [first if i == 0 else second]  # type: ignore[list-item]
 
 
 def uses_dummy_data(stages: list[ResolvedStage]) -> bool:
@@ -76,16 +67,6 @@ def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> d
             if checksum is not None:
                 out[part.store.source.entry.path] = checksum
     return dict(sorted(out.items()))
-
-
-def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
-    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
-    from toolkit.dummy_data import write_dummy_data, write_dummy_facts, write_dummy_vl_data  # dummy-data runs only
-
-    write_dummy_data(dummy_dir, num_samples, seed=seed)
-    write_dummy_facts(dummy_dir, num_samples)
-    if vision:
-        write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
 
 
 def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None) -> Any:

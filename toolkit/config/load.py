@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from toolkit.config.schema import TINY_MODEL, Recipe
+from toolkit.builtin.models import TINY_MODEL
+from toolkit.config.schema import Recipe
 from toolkit.errors import ToolkitError
 
 DEFAULT_RECIPE: dict[str, Any] = {

@@ -13,14 +13,9 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from toolkit.builtin.models import TINY_MODEL
 from toolkit.templates import chat_template_problem
 
-TINY_MODEL = "builtin:tiny-qwen3"
-"""`model.name_or_path` value that builds the tiny random Qwen3 locally (tests, demo, laptops)."""
-TINY_VL_MODEL = "builtin:tiny-qwen2.5-vl"
-"""`model.name_or_path` value that builds the tiny random Qwen2.5-VL (and its processor) locally."""
-TINY_QWEN3_VL_MODEL = "builtin:tiny-qwen3-vl"
-"""The same for a tiny random Qwen3-VL."""
 LORA_KEYWORD = "lora"
 """`trainable` entry meaning the LoRA adapters (and lora.modules_to_save)."""
 

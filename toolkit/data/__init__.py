@@ -19,9 +19,9 @@ from toolkit.data.encoding import (
     has_generation_tags,
 )
 from toolkit.data.plan import EncodedRows, TrainingSet, encode_files, load_training_set
-from toolkit.data.sources import DUMMY_PREFIX, Entry, content_digest, iter_jsonl, resolve_data_paths, resolve_source
+from toolkit.data.sources import Entry, content_digest, iter_jsonl, resolve_data_paths, resolve_source
 from toolkit.labels import IGNORE_INDEX
 
-__all__ = ["DUMMY_PREFIX", "IGNORE_INDEX", "DataStats", "EncodedBatch", "EncodedRows", "Entry", "TextEncoder",
+__all__ = ["IGNORE_INDEX", "DataStats", "EncodedBatch", "EncodedRows", "Entry", "TextEncoder",
            "TrainingSet", "check_messages", "content_digest", "encode_files", "encode_row", "fit_to_length",
            "has_generation_tags", "iter_jsonl", "load_training_set", "resolve_data_paths", "resolve_source"]

@@ -47,12 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.atomic import write_atomic
+from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
 from toolkit.data.encoding import PROMPT_TURN
 from toolkit.errors import ToolkitError
 
-DUMMY_PREFIX = "dummy:"
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
            ".arrow": "arrow"}
 """Data file suffixes and their formats."""

@@ -1,9 +1,11 @@
-"""Tiny random-weight Qwen2.5-VL and Qwen3-VL models for tests and offline demos (the VL side of `toolkit.tiny`).
+"""Tiny random-weight Qwen2.5-VL and Qwen3-VL models for tests and offline demos (the VL side of
+`toolkit.builtin.text_model`).
 
-Each is built in-process and deterministically from a config: the `toolkit.tiny` tokenizer plus Qwen's vision
+Each is built in-process and deterministically from a config: the `toolkit.builtin.text_model` tokenizer plus Qwen's
+vision
 tokens, its family's stock chat template (Qwen2.5-VL's, Qwen3-VL's), a PIL image processor, and a seeded 2+2-layer
 model, saved so it loads through the normal `from_pretrained` path (`builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl`
-via `toolkit.model.materialize_builtin`).
+via `toolkit.builtin.models.materialize_builtin`).
 
 Works without torchvision: transformers 5.x' stock `Qwen2_5_VLProcessor` insists on a (torchvision-only) video
 processor, so the tiny models ship `Qwen2_5_VLImageOnlyProcessor` (same processing, images only). AutoProcessor only
@@ -29,9 +31,9 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from toolkit.builtin.text_model import build_tokenizer
 from toolkit.strategies.deepspeed import without_zero3_init
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, VISION_TOKENS, stock_template
-from toolkit.tiny import build_tokenizer
 
 # Small images -> few tokens: at most 112x112 px = 8x8 patches of 14 px = 16 merged (2x2) image tokens.
 TINY_MIN_PIXELS = 28 * 28
@@ -64,7 +66,8 @@ def register_image_only_processor() -> None:
 
 def build_vl_processor(chat_template: str, *, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS,
                        patch_size: int = 14) -> Qwen2_5_VLImageOnlyProcessor:
-    """The tiny models' processor: `toolkit.tiny` tokenizer + Qwen vision tokens + `chat_template` (each tiny model
+    """The tiny models' processor: `toolkit.builtin.text_model` tokenizer + Qwen vision tokens + `chat_template` (each
+    tiny model
     its family's stock one), PIL image processor
     (14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL; both merge 2x2 patches into one image token). Registers its
     class, so what it saves also loads back in this process."""
@@ -163,8 +166,8 @@ def _save_tiny(out_dir: str | Path, model_class: Any, config: Any, processor: An
     processor.save_pretrained(out)
     (out / "README.md").write_text(
         f"# Tiny random-weight {name}\n\n"
-        f"Built by `toolkit.tiny_vl` (seed={seed}); outputs are meaningless, for tests only.\n"
+        f"Built by `toolkit.builtin.vl_model` (seed={seed}); outputs are meaningless, for tests only.\n"
         "Load the processor with `toolkit.model.load_processor`, or with AutoProcessor after "
-        "`toolkit.tiny_vl.register_image_only_processor()`.\n"
+        "`toolkit.builtin.vl_model.register_image_only_processor()`.\n"
     )
     return out

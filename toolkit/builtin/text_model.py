@@ -4,7 +4,7 @@ Tests and the demo need a genuine causal LM and a genuine fast tokenizer with Qw
 blocks, tools, tool calls and results; offsets, special tokens) that load through the normal ``from_pretrained``
 path, yet there is no network. Everything here is built in-process and deterministically: a byte-level BPE
 tokenizer trained on an embedded corpus, with the added tokens of Qwen's that its templates render, and a seeded,
-randomly initialised ``Qwen3ForCausalLM``. The tiny vision-language models are in `toolkit.tiny_vl`; the stock
+randomly initialised ``Qwen3ForCausalLM``. The tiny vision-language models are in `toolkit.builtin.vl_model`; the stock
 templates are in `toolkit/chat_templates/` (`toolkit.templates.stock_template`).
 """
 
@@ -194,7 +194,7 @@ def write_tiny_qwen3(
     tokenizer.save_pretrained(out)
     (out / "README.md").write_text(
         "# Tiny random-weight Qwen3\n\n"
-        "Random-weight test model built by `toolkit.tiny.write_tiny_qwen3` "
+        "Random-weight test model built by `toolkit.builtin.text_model.write_tiny_qwen3` "
         f"(layers={num_layers}, hidden={hidden_size}, seed={seed}).\n"
         "Its outputs are meaningless; it exists only for tests and offline demos.\n"
     )

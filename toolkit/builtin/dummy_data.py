@@ -14,11 +14,14 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image, ImageDraw
 
 from toolkit.atomic import write_atomic, write_text_atomic
+
+if TYPE_CHECKING:
+    from toolkit.config.schema import StageConfig
 
 Row = dict[str, Any]
 
@@ -218,3 +221,25 @@ def write_dummy_vl_data(out_dir: str | Path, num_samples: int, *, seed: int = 0)
         paths[name] = out / f"{name}.jsonl"
         write_text_atomic(paths[name], "".join(json.dumps(r) + "\n" for r in rows))
     return paths
+
+
+DUMMY_PREFIX = "dummy:"
+"""A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
+
+
+def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
+    """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
+    vision-language model), stage 1 on the first file, later stages on the second. Changes the recipe's stages, so
+    the saved recipe.yaml names the files the run read."""
+    first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
+    for i, stage in enumerate(stages):
+        if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
+            stage.data = [first if i == 0 else second]  # type: ignore[list-item]
+
+
+def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
+    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
+    write_dummy_data(dummy_dir, num_samples, seed=seed)
+    write_dummy_facts(dummy_dir, num_samples)
+    if vision:
+        write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
