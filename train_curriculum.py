@@ -6,7 +6,7 @@ The strategy (single, DDP, FSDP2, ZeRO-2/3, offload) comes only from the acceler
 changes with it. A run reads top to bottom: config, accelerator, data, model, optimizer, prepare, resume, loop,
 save. Relaunching the same command resumes from the newest committed checkpoint (checkpoint.resume: auto).
 With no --config it trains the embedded default: a tiny local Qwen3 on dummy data through a 2-stage curriculum.
-The loop's units (one step, what follows a step, the run state a checkpoint restores) are in toolkit/loop.py.
+The loop's units (one step, what follows a step, the run state a checkpoint restores) are in toolkit/train/loop.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from toolkit import __version__, checkpoint, distributed, strategies
+from toolkit import __version__, checkpoint, strategies
 from toolkit.atomic import write_text_atomic
 from toolkit.attention import choose_attention
 from toolkit.builtin.dummy_data import use_dummy_data, write_dummy_files
@@ -44,11 +44,7 @@ from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
 from toolkit.flops import peak_flops
 from toolkit.forgetting import prune_after
-from toolkit.freezer import StageFreezer
 from toolkit.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
-from toolkit.guards import StabilityGuard
-from toolkit.last_words import FAILED_EXIT_CODE, LastWords
-from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
 from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
 from toolkit.model import (
@@ -65,14 +61,6 @@ from toolkit.model import (
     upcast_trainable,
 )
 from toolkit.packing import check_packing_support
-from toolkit.preemption import (
-    INTERRUPTED_EXIT_CODE,
-    INTERRUPTED_LINE,
-    PREEMPTED_EXIT_CODE,
-    PreemptionFlag,
-    Stopped,
-    exit_code,
-)
 from toolkit.run_data import (
     data_fingerprint,
     load_curriculum_data,
@@ -81,8 +69,21 @@ from toolkit.run_data import (
     tokenized_cache_dir,
     uses_dummy_data,
 )
-from toolkit.run_dir import RunLayout, RunLock, check_output_dir, set_aside_earlier_attempt
+from toolkit.runtime import process as distributed
+from toolkit.runtime.exit_lines import FAILED_EXIT_CODE, LastWords
+from toolkit.runtime.run_dir import RunLayout, RunLock, check_output_dir, set_aside_earlier_attempt
+from toolkit.runtime.signals import (
+    INTERRUPTED_EXIT_CODE,
+    INTERRUPTED_LINE,
+    PREEMPTED_EXIT_CODE,
+    PreemptionFlag,
+    Stopped,
+    exit_code,
+)
 from toolkit.strategies.deepspeed import configure_deepspeed
+from toolkit.train.loop import Run, RunState, after_step, enter_stage, run_step
+from toolkit.train.optimizer import StageFreezer, build_optimizer
+from toolkit.train.stability import StabilityGuard
 from toolkit.trainable import TrainablePlan, plan_trainable
 
 log = logging.getLogger("toolkit")
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
           preemption: PreemptionFlag, recipe_dir: Path | None = None) -> int:
     """One run. A stop signal ends it at once until the first step begins (`Stopped`: nothing to save yet), and
-    from then on after the step it is in, with a checkpoint (toolkit/preemption.py)."""
+    from then on after the step it is in, with a checkpoint (toolkit/runtime/signals.py)."""
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
@@ -176,7 +177,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # micro x accum x processes. No one value fits every stage; the first stage's is the batch the engine sees
     # first, and it is the recipe's own value (train.micro_batch_size alone may be overridden by every stage).
     configure_deepspeed(accelerator, model, resolved[0].micro_batch_size, opt.max_grad_norm)
-    optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
+    optimizer = build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
                                             weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
 
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
@@ -270,7 +271,7 @@ def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -
 def start_afresh(layout: RunLayout, recipe: Recipe, accelerator: Accelerator) -> None:
     """A run with no checkpoint to resume, in a folder that may hold an earlier run's outputs: rank 0 sets aside
     the records of an interrupted attempt of this recipe, or refuses (a finished run, another recipe's), and every
-    rank stops with that refusal (toolkit/run_dir.py, set_aside_earlier_attempt)."""
+    rank stops with that refusal (toolkit/runtime/run_dir.py, set_aside_earlier_attempt)."""
     refusal = None
     if accelerator.is_main_process:
         try:
@@ -440,13 +441,13 @@ def _quiet_about_full_disks(args: threading.ExceptHookArgs) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Every rank ends with one line: bad input (exit 2), Ctrl-C (130), or anything unexpected here or on another
-    rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/last_words.py)."""
+    rank (FAILED_EXIT_CODE; the traceback goes to the rank's log file, toolkit/runtime/exit_lines.py)."""
     gpu = distributed.gpu_defaults()  # before anything touches CUDA (its allocator reads its config once)
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     ending = LastWords()
     # Stop signals from here on: before the first step they end the run at once, then after a step with a checkpoint;
-    # the launcher's death reaches the trainer as SIGTERM (toolkit/preemption.py).
+    # the launcher's death reaches the trainer as SIGTERM (toolkit/runtime/signals.py).
     preemption = PreemptionFlag(advice=ending.relaunch_advice)
     threading.excepthook = _quiet_about_full_disks
     if torch.cuda.is_available():

@@ -8,10 +8,10 @@ import runpy
 import sys
 from pathlib import Path
 
-import toolkit.loop
+import toolkit.train.loop
 
 RANK, STEP = map(int, os.environ["TOOLKIT_TEST_CRASH"].split(":"))
-real_run_step = toolkit.loop.run_step
+real_run_step = toolkit.train.loop.run_step
 
 
 def run_step(run, stage, step_in_stage, step):
@@ -20,6 +20,6 @@ def run_step(run, stage, step_in_stage, step):
     return real_run_step(run, stage, step_in_stage, step)
 
 
-toolkit.loop.run_step = run_step  # before train_curriculum imports it by name
+toolkit.train.loop.run_step = run_step  # before train_curriculum imports it by name
 sys.argv[0] = str(Path(__file__).resolve().parents[1] / "train_curriculum.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

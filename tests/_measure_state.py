@@ -36,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora", action="store_true", help=f"train LoRA adapters (r={LORA_R}, all-linear)")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import build_accelerator, build_optimizer
+    from toolkit.runtime.process import build_accelerator
     from toolkit.strategies import optimizer_chain, strategy_name
     from toolkit.strategies.deepspeed import configure_deepspeed
+    from toolkit.train.optimizer import build_optimizer
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=10)
     from accelerate.utils import gather_object, set_seed
@@ -79,6 +80,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from toolkit.distributed import exit_without_teardown
+    from toolkit.runtime.process import exit_without_teardown
 
     exit_without_teardown(main())

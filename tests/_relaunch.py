@@ -89,7 +89,7 @@ def child(env: dict[str, str], rank: int, world: int, port: int, argv: list[str]
     code = 1
     try:
         import train_curriculum
-        from toolkit import distributed
+        from toolkit.runtime import process as distributed
 
         distributed.exit_without_teardown(train_curriculum.main(argv))
     except BaseException:  # a child must never return into the parent's loop

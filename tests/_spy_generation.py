@@ -9,7 +9,7 @@ forward through sharded weights would all-gather every layer's parameters at eve
 
 It also counts `destroy_process_group` calls made while a DistributedDataParallel model is alive: its Reducer holds
 the group, so the group's destructor would run when the model is freed, with the GIL held, and can deadlock
-(toolkit.distributed.finish_trackers).
+(toolkit.runtime.process.finish_trackers).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 import train_curriculum
-from toolkit import distributed, evals
+from toolkit import evals
+from toolkit.runtime import process as distributed
 
 GATHERS = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "all_gather_coalesced",
            "broadcast")

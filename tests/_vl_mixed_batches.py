@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-dummy-image", action="store_true", help="disable the collator's dummy image")
     args = parser.parse_args(argv)
 
-    from toolkit.distributed import build_accelerator, build_optimizer
+    from toolkit.runtime.process import build_accelerator
     from toolkit.strategies import strategy_name
     from toolkit.strategies.deepspeed import configure_deepspeed
+    from toolkit.train.optimizer import build_optimizer
 
     accelerator = build_accelerator(grad_accum=1, timeout_minutes=3)  # before loading: enables ZeRO-3 init
     from accelerate.utils import set_seed
@@ -111,6 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from toolkit.distributed import exit_without_teardown
+    from toolkit.runtime.process import exit_without_teardown
 
     exit_without_teardown(main())

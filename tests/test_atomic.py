@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from toolkit import atomic
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 
 
 def folder(path: Path, label: str) -> Path:

@@ -27,9 +27,9 @@ from toolkit import attention
 from toolkit.attention import EAGER_PACKED, SDPA_PACKED, choose_attention, flash_boundaries
 from toolkit.builtin.text_model import write_tiny_qwen3
 from toolkit.labels import IGNORE_INDEX
-from toolkit.loop import to_device
 from toolkit.model import enable_gradient_checkpointing
 from toolkit.packing import PackedCollator, check_packing_support
+from toolkit.train.loop import to_device
 
 LENGTHS = (7, 12, 5, 9)  # one packed row of 33 tokens
 HEADS, KV_HEADS = 4, 2  # the tiny Qwen3: grouped-query attention

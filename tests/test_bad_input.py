@@ -27,7 +27,7 @@ import yaml
 from tests._inprocess import Call, invoke, snapshot
 from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, run_launch, write_jsonl
 from toolkit.builtin.models import TINY_MODEL
-from toolkit.run_dir import RunLayout, RunLock
+from toolkit.runtime.run_dir import RunLayout, RunLock
 
 TABLE = REPO / "docs" / "bad_inputs.md"
 

@@ -116,7 +116,7 @@ def collate(rows):  # runs in the worker: which exception hook the worker's init
 
 got = []
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-    signal.signal(sig, lambda signum, frame: got.append(signum))  # as toolkit/preemption.py: note it, go on
+    signal.signal(sig, lambda signum, frame: got.append(signum))  # as toolkit/runtime/signals.py: note it, go on
 stage = _stage()
 BATCHES = StageBatches(Process(0), collate, grad_accum=ACCUM, group_by_length=False, num_workers=1)
 print("ready", "hook", BATCHES.take(stage, 0)[0].batch["hook"], flush=True)

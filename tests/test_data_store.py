@@ -403,7 +403,7 @@ def test_a_stop_while_waiting_reports_the_preparations_failure(tmp_path: Path, t
                                                               failed_first: bool) -> None:
     """The launcher stops (SIGTERM) the other ranks as soon as the preparing rank exits with its error; a rank asleep
     between two polls then ends with that error, the cause, not with the stop. Without a failure the stop stands."""
-    from toolkit.preemption import Stopped
+    from toolkit.runtime.signals import Stopped
 
     path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
     cache = tmp_path / "cache"

@@ -1,4 +1,4 @@
-"""GPU defaults of toolkit/distributed.py, checked on CPU: the allocator config, TF32, fused AdamW on CUDA."""
+"""GPU defaults of toolkit/runtime/process.py, checked on CPU: the allocator config, TF32, fused AdamW on CUDA."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from toolkit import distributed
+from toolkit.runtime import process as distributed
+from toolkit.train.optimizer import build_optimizer
 
 
 def test_expandable_segments_unless_the_user_set_an_allocator_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,5 +44,5 @@ def test_adamw_is_fused_on_cuda(monkeypatch: pytest.MonkeyPatch, device: str, fu
     monkeypatch.setattr(distributed.deepspeed, "offload_adam", lambda *a, **k: None)
     accelerator = types.SimpleNamespace(device=torch.device(device))
     params = [torch.nn.Parameter(torch.zeros(3))]
-    opt = distributed.build_optimizer(accelerator, params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    opt = build_optimizer(accelerator, params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is fused

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from toolkit import distributed
 from toolkit.evals import completions_to_trackers
+from toolkit.runtime import process as distributed
 
 
 class WandbStandIn:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from toolkit.freezer import StageFreezer, create_optimizer_state
+from toolkit.train.optimizer import StageFreezer, create_optimizer_state
 
 
 def two_group_run() -> tuple[torch.nn.Module, torch.optim.Optimizer, StageFreezer]:

@@ -15,7 +15,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests.conftest import write_jsonl
-from toolkit import distributed
 from toolkit.attention import EAGER_PACKED, SDPA_PACKED
 from toolkit.builtin.dummy_data import write_dummy_vl_data
 from toolkit.config.schema import GenerationEvalConfig
@@ -31,6 +30,7 @@ from toolkit.generation import (
 )
 from toolkit.loss_head import install_loss_head
 from toolkit.model import load_processing
+from toolkit.runtime import process as distributed
 from toolkit.scorers import build_scorers
 
 USER = {"role": "user", "content": "What is 2 + 2?"}

@@ -21,7 +21,7 @@ from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.inspect_data import inspect_data
 from toolkit.run_data import load_curriculum_data, tokenized_cache_dir
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 
 LONG = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(40)))},
                      {"role": "assistant", "content": "Done."}]}

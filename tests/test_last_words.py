@@ -1,4 +1,5 @@
-"""Tests for toolkit/last_words.py: what a rank says when something unexpected stops it, whom it blames, and where
+"""Tests for toolkit/runtime/exit_lines.py: what a rank says when something unexpected stops it, whom it blames, and
+where
 its traceback goes. The launches that kill one rank, or make one rank fail, are in tests/test_resume.py
 (`test_sigkill_and_resume_is_exact`) and tests/test_nothing_lost.py (`test_a_failure_on_one_rank_*`)."""
 
@@ -16,8 +17,8 @@ import yaml
 import train_curriculum
 from tests._inprocess import Call, invoke
 from tests.conftest import CHAT, base_recipe, write_jsonl
-from toolkit.last_words import LastWords, Peer, blame
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.exit_lines import LastWords, Peer, blame
+from toolkit.runtime.run_dir import RunLayout
 
 GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:60607: "
                           "Connection reset by peer. This is typically caused by a remote worker hanging")

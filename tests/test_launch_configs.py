@@ -20,16 +20,12 @@ import torch
 import yaml
 
 from tests.conftest import REPO, run_env, run_launch, train, train_cmd
-from toolkit.distributed import (
-    check_launch_config,
-    has_accelerator,
-    scaler_skipped,
-    skip_update,
-)
 from toolkit.errors import ToolkitError
 from toolkit.metrics import read_metrics
+from toolkit.runtime.process import check_launch_config, has_accelerator
 from toolkit.strategies import strategy_of_config
 from toolkit.strategies.deepspeed import own_deepspeed_config
+from toolkit.train.stability import scaler_skipped, skip_update
 
 # What `accelerate config` writes for a local machine around the strategy-specific keys (accelerate 1.x).
 ACCELERATE_WRITES = {

@@ -16,16 +16,18 @@ import torch.nn.functional as F
 
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
-from toolkit import checkpoint, distributed
+from toolkit import checkpoint
 from toolkit.builtin.models import materialize_builtin
 from toolkit.collate import padding_collator
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.labels import IGNORE_INDEX
-from toolkit.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.metrics import read_metrics
-from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
-from toolkit.run_dir import RunLayout
+from toolkit.runtime import process as distributed
+from toolkit.runtime.run_dir import RunLayout
+from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.train.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
+from toolkit.train.optimizer import build_optimizer
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +80,7 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     torch.manual_seed(0)
     model, trainable = tc.build_model(recipe, resolved, model_path, vision=False)
     curriculum.set_trainable_params(trainable.stage_counts)
-    optimizer = distributed.build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=0.0,
+    optimizer = build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=0.0,
                                             betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = accelerator.prepare(model, optimizer)
     out.mkdir(parents=True, exist_ok=True)

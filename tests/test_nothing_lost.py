@@ -54,7 +54,7 @@ from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after
 from toolkit.plot import plot_run
-from toolkit.run_dir import RunLayout, RunLock
+from toolkit.runtime.run_dir import RunLayout, RunLock
 
 
 def copy_run(trained: Path, dest: Path) -> Path:
@@ -523,7 +523,7 @@ _HELD_IN_NATIVE_CODE = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-from toolkit.preemption import PreemptionFlag
+from toolkit.runtime.signals import PreemptionFlag
 flag = PreemptionFlag()
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=120))
 print("blocked", flush=True)
@@ -538,7 +538,7 @@ def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, c
     """The hostile pass saw a run hung before its first step outlive SIGTERM by 10 minutes, until SIGKILL: the
     handler only set a flag that the loop reads. A main thread held in native code runs no Python handler at all;
     the watcher thread ends the process within STOP_GRACE_S, with one line and the signal's exit code."""
-    from toolkit.preemption import STOP_GRACE_S
+    from toolkit.runtime.signals import STOP_GRACE_S
 
     proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_NATIVE_CODE], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -856,10 +856,10 @@ def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
 
 def test_a_full_disk_while_final_is_written_is_one_line(tmp_path: Path, models: dict[str, str]) -> None:
     from tests.conftest import mounted_tmpfs
-    from toolkit import distributed
     from toolkit.checkpoint import save_final
     from toolkit.errors import OutOfSpace
     from toolkit.model import load_model, load_processing, setup_lora
+    from toolkit.runtime import process as distributed
 
     accelerator = distributed.build_accelerator(1, 10)
     model = setup_lora(load_model(models["text"], dtype=torch.float32, attn_implementation="sdpa",

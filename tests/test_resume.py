@@ -33,7 +33,7 @@ from tests.conftest import (
 )
 from toolkit.checkpoint import EXACT_RESUME_TESTED, committed_checkpoints, read_meta
 from toolkit.metrics import read_metrics
-from toolkit.preemption import PREEMPTED_EXIT_CODE
+from toolkit.runtime.signals import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import load_recipe, recipe_to_yaml
 from toolkit.errors import ToolkitError
-from toolkit.run_dir import CACHE, RunLayout, RunLock, set_aside_earlier_attempt
+from toolkit.runtime.run_dir import CACHE, RunLayout, RunLock, set_aside_earlier_attempt
 
 BUSY = "a live run is writing it"
 
@@ -75,7 +75,7 @@ def unshare_mount() -> bool:
 
 PROBE = """
 import sys
-from toolkit.run_dir import RunLayout, RunLock
+from toolkit.runtime.run_dir import RunLayout, RunLock
 print("|".join(str(RunLock(RunLayout(path)).acquire()) for path in sys.argv[1:]))
 """
 
@@ -104,13 +104,13 @@ def test_lock_holds_through_bind_mounts(tmp_path: Path) -> None:
 IDENTITY_PROBE = """
 import sys
 from pathlib import Path
-from toolkit.run_dir import is_within
+from toolkit.runtime.run_dir import is_within
 print(is_within(Path(sys.argv[1]), Path(sys.argv[2])), is_within(Path(sys.argv[3]), Path(sys.argv[2])))
 """
 
 
 def test_is_within_tells_folders_by_identity(tmp_path: Path) -> None:
-    from toolkit.run_dir import is_within
+    from toolkit.runtime.run_dir import is_within
 
     (tmp_path / "run" / "final").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "run")
@@ -238,7 +238,7 @@ def in_read_only_tree(tmp_path: Path, script: str, *, timeout: float = 600) -> s
 _LAYOUT_CHECK = """
 import json, os, sys
 from pathlib import Path
-from toolkit.run_dir import RunLayout, RunLock, check_output_dir
+from toolkit.runtime.run_dir import RunLayout, RunLock, check_output_dir
 out = Path(sys.argv[1])
 check_output_dir(out)
 layout = RunLayout(out)

@@ -23,7 +23,7 @@ from tests._inprocess import Call, invoke
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, dummy_run_args, run_env, run_launch, start_and_signal, train
 from toolkit.checkpoint import committed_checkpoints, read_meta
 from toolkit.metrics import read_metrics
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 
 pytestmark = pytest.mark.slow
 

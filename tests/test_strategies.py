@@ -200,7 +200,7 @@ def check_generation(out: Path, reference: Path, strategy: str, spy: Path) -> No
     assert all(c["evals"] == 3 and c["generate_calls"] == 3 for c in ranks), ranks
     if strategy in ("zero3", "zero3_offload", "fsdp"):
         assert all(c["gathers_inside_generate"] == 0 and c["gathers_in_evals"] > 0 for c in ranks), ranks
-    assert all(c["destroyed_with_ddp_alive"] == 0 for c in ranks), ranks  # toolkit.distributed.finish_trackers
+    assert all(c["destroyed_with_ddp_alive"] == 0 for c in ranks), ranks  # toolkit.runtime.process.finish_trackers
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -219,7 +219,7 @@ def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum
         check_golden(out, strategy)
 
 
-# fp32 per-step values recorded before the loop was split into named units (toolkit/loop.py); see the file's note.
+# fp32 per-step values recorded before the loop was split into named units (toolkit/train/loop.py); see the file's note.
 # Bit-exact per CPU kernel family: the vector width of torch's CPU kernels (AVX2, AVX-512) changes the order of the
 # sums inside a loss, so the last bits of a few losses differ between machines that are both right.
 GOLDEN_FILE = json.loads((REPO / "tests" / "data" / "curriculum_losses.json").read_text())

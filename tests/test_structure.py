@@ -10,7 +10,7 @@
   - reference `DistributedType.DEEPSPEED` / `DistributedType.FSDP`, or compare with the strings "DEEPSPEED" / "FSDP";
   - touch a DeepSpeed engine / ZeRO / DTensor attribute (`STRATEGY_ATTRS`), as an attribute or as a string
     (getattr / hasattr / a dict key).
-* A run's folder layout is spelled in toolkit/run_dir.py only (`RunLayout`): no other module of the toolkit or
+* A run's folder layout is spelled in toolkit/runtime/run_dir.py only (`RunLayout`): no other module of the toolkit or
   train_curriculum.py holds the name of one of its entries (`RUN_LAYOUT_NAMES`) as a string.
 """
 
@@ -189,7 +189,7 @@ def _violation(node: ast.AST) -> str | None:
     return None
 
 
-RUN_LAYOUT_OWNER = "toolkit/run_dir.py"
+RUN_LAYOUT_OWNER = "toolkit/runtime/run_dir.py"
 RUN_LAYOUT_NAMES = {"checkpoints", "final", "metrics.jsonl", "run.json", "recipe.yaml", "trackers", "dummy_data",
                     "training.png", ".toolkit-cache", "tokenized", "locks", "earlier-attempts", "logs", "evals",
                     "matrix.jsonl", "forgetting.png"}
@@ -237,7 +237,7 @@ def test_run_folder_layout_spelled_only_in_run_dir() -> None:
     assert RUN_LAYOUT_OWNER in files and layout_literals(files[RUN_LAYOUT_OWNER].read_text(encoding="utf-8"))
     found = [hit for name, path in files.items() if name != RUN_LAYOUT_OWNER
              for hit in layout_literals(path.read_text(encoding="utf-8"), name)]
-    assert found == [], "use toolkit.run_dir.RunLayout for a run's paths"
+    assert found == [], "use toolkit.runtime.run_dir.RunLayout for a run's paths"
     assert layout_literals('ckpt = out / "checkpoints"') == ["<src>:1: 'checkpoints'"]  # the rule can fail
     assert layout_literals('msg = f"{out}/final was not written"') == []  # prose about the folder is fine
 

@@ -2,7 +2,7 @@
 
 On a GPU every read of a device value on the host (`.item()`, `.tolist()`, `.cpu()`, `bool(t)`, `float(t)`,
 `nonzero()`, ...) waits for the queue to drain and stalls the pipeline. Every such call on a tensor is counted here,
-by call site, during each step and what follows it (toolkit/loop.py's run_step and after_step), on a packed and a
+by call site, during each step and what follows it (toolkit/train/loop.py's run_step and after_step), on a packed and a
 padded run:
 
 * the loop's own: exactly one per step outside logging steps (the all-reduce of the step's loss and flags, read
@@ -13,7 +13,7 @@ padded run:
 * torch's own optimizer reads its step counters, host tensors even in a GPU run (fused AdamW, used on CUDA, keeps
   them on the device and reads none): not counted.
 
-toolkit/loop.py's module docstring lists the syncs of logging, evaluation and checkpoint steps.
+toolkit/train/loop.py's module docstring lists the syncs of logging, evaluation and checkpoint steps.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.test_loop import _kept, build_run  # noqa: F401  (the fixture keeps signal handlers off the runner)
-from toolkit.loop import after_step, enter_stage, run_step
+from toolkit.train.loop import after_step, enter_stage, run_step
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 STEPS, LOGGING_STEPS, GRAD_ACCUM = 6, 3, 2
@@ -85,7 +85,7 @@ def test_one_loop_sync_per_step_outside_logging_steps(tmp_path: Path, packing: b
     for sites in quiet:
         loop = {k: n for k, n in sites.items() if k != "torch" and not k.startswith(PER_FORWARD)}
         forward = {k: n for k, n in sites.items() if k.startswith(PER_FORWARD)}
-        assert sum(loop.values()) == 1 and next(iter(loop)).startswith("toolkit/loop.py"), loop
+        assert sum(loop.values()) == 1 and next(iter(loop)).startswith("toolkit/train/loop.py"), loop
         assert sum(forward.values()) <= 2 * GRAD_ACCUM, forward  # per micro-batch, never per layer
         assert not any(k.startswith("toolkit/attention.py") for k in forward), forward
     logging = per_step[LOGGING_STEPS - 1]

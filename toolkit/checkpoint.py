@@ -36,11 +36,11 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-from toolkit import distributed
 from toolkit.atomic import build_dir, swap_dir, write_text_atomic
 from toolkit.config.identity import changed_keys as _changed_keys
 from toolkit.errors import OutOfSpace, ToolkitError
 from toolkit.read_lease import delete_unless_leased
+from toolkit.runtime import process as distributed
 from toolkit.strategies import consolidate, deepspeed, param_state
 
 COMMIT_MARKER = "COMMITTED"

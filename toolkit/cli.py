@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import ToolkitError, out_of_space
-from toolkit.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
+from toolkit.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
 
 
 def _dummy_data(args: argparse.Namespace) -> None:

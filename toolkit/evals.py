@@ -25,7 +25,6 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from toolkit import distributed
 from toolkit.atomic import write_text_atomic, writing
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import ResolvedStage
@@ -35,7 +34,8 @@ from toolkit.evaluation import evaluate
 from toolkit.forgetting import MatrixLog, matrix_record
 from toolkit.generation import GenerationEval, gather_records, generate, load_generation_eval, score_rows
 from toolkit.metrics import to_json_line
-from toolkit.run_dir import RunLayout
+from toolkit.runtime import process as distributed
+from toolkit.runtime.run_dir import RunLayout
 from toolkit.scorers import Scorer, build_scorers
 from toolkit.strategies.generation import full_weights_for_generation, shards_parameters
 

@@ -41,7 +41,7 @@ from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import check_model_source, is_vision_language, load_processor, setup_lora
 from toolkit.read_lease import ReadLease
-from toolkit.run_dir import RunLayout, is_within
+from toolkit.runtime.run_dir import RunLayout, is_within
 from toolkit.strategies.consolidate import consolidate_full_weights
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from toolkit.atomic import write_atomic, writing
 from toolkit.metrics import read_metrics, to_json_line, truncate_after
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 
 
 def matrix_record(step: int, stage: str, eval_stage: str | None, eval_name: str, metric: str,

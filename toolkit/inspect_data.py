@@ -24,7 +24,7 @@ from toolkit.data.plan import StageRows
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.run_data import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"

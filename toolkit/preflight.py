@@ -23,7 +23,7 @@ from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
 from toolkit.fused_layers import resolve_fused_layers
 from toolkit.memory import GIB, estimate_all, format_table, load_model_config
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 from toolkit.strategies import strategy_of_config
 
 

@@ -17,7 +17,7 @@ from toolkit.data import TextEncoder, TrainingSet, resolve_source
 from toolkit.data.plan import SourceRows, StageRows, kept_difficulty, select_rows, training_set
 from toolkit.data.store import Store, open_store
 from toolkit.errors import ToolkitError
-from toolkit.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout
 
 log = logging.getLogger("toolkit")
 

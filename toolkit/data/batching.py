@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import sample_lengths
-from toolkit.preemption import signal_when_parent_dies
+from toolkit.runtime.signals import signal_when_parent_dies
 
 
 class StepBatchSampler:
@@ -107,7 +107,7 @@ def _init_loader_worker(_worker_id: int) -> None:
     The signals that stop a run go to a whole process group: a launcher signals each rank's group, a terminal's
     Ctrl-C the foreground one. A worker they killed made its trainer raise "DataLoader worker ... is killed by
     signal" in its next collective, so a preempted run crashed instead of finishing its step and saving
-    (toolkit/preemption.py). In a group of its own the worker does not receive them: the trainer decides.
+    (toolkit/runtime/signals.py). In a group of its own the worker does not receive them: the trainer decides.
 
     Ignoring those signals instead (SIG_IGN) deadlocked every exit with a live loader: Python's multiprocessing
     stops daemonic children at exit with SIGTERM, then waits for them. A signal sent to the worker itself (that

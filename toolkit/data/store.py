@@ -77,7 +77,7 @@ from toolkit.data.encoding import EncodedBatch, unread_message_keys
 from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.labels import IGNORE_INDEX
-from toolkit.preemption import Stopped, signal_when_parent_dies
+from toolkit.runtime.signals import Stopped, signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 

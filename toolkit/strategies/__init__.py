@@ -13,7 +13,7 @@ optimizers (`optimizer_chain`). The rest is split by strategy and job:
 * `measure`: the bytes of weights, gradients and optimizer state a rank really holds;
 * `consolidate`: full weights of a checkpoint written by any strategy, and the types its pickles may hold.
 
-toolkit/distributed.py keeps the process-level glue (accelerator construction, CPU/gloo compatibility, ...).
+toolkit/runtime/process.py keeps the process-level glue (accelerator construction, CPU/gloo compatibility, ...).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         """Each rank's log, `rank-N.log`: the traceback of an unexpected exception that stopped it (its one-line
-        ending is on stderr; toolkit/last_words.py). Created only once the run's outputs are being written."""
+        ending is on stderr; toolkit/runtime/exit_lines.py). Created only once the run's outputs are being written."""
         return self.root / "logs"
 
     def rank_log(self, rank: int, *, outputs_written: bool) -> Path:

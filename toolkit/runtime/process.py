@@ -129,18 +129,6 @@ def build_accelerator(grad_accum: int, timeout_minutes: float, log_with: list[st
     return accelerator
 
 
-def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter] | list[dict[str, Any]], *, lr: float,
-                    weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-    """AdamW, in the form the strategy needs (`params`: tensors, or param-group dicts): torch's (fused on CUDA: one
-    kernel for all parameters, and no host reads of its step counters), or the strategy's own where it wants one
-    (ZeRO optimizer offload: `strategies.deepspeed.offload_adam`)."""
-    adam = deepspeed.offload_adam(accelerator, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-    if adam is not None:
-        return adam
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                             fused=True if accelerator.device.type == "cuda" else None)
-
-
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -163,37 +151,6 @@ def gpu_defaults() -> list[str]:
         torch.backends.cudnn.allow_tf32 = True
         applied.append("TF32 for fp32 matmuls")
     return applied
-
-
-def scaler_skipped(optimizer: Any) -> bool:
-    """True when fp16 loss scaling skipped this step's update (gradient overflow; the scale is lowered).
-
-    accelerate's GradScaler wrapper and DeepSpeed's fp16 optimizer both report it as `step_was_skipped`; such a
-    step is not an update (Adam's step count stays) and not a stability skip (the loss was fine).
-    """
-    return bool(getattr(optimizer, "step_was_skipped", False))
-
-
-def veto_update(loss: torch.Tensor) -> torch.Tensor:
-    """The loss to backpropagate when every rank agreed to skip this step's update.
-
-    Under DeepSpeed, accelerate's backward() also runs engine.step(), so the update cannot be withheld by not
-    calling optimizer.step(); a NaN loss makes the gradient norm non-finite and DeepSpeed's own overflow check
-    then discards the step and zeroes the gradients (ZeRO-1/2/3, fp32 and bf16). Other strategies simply do not
-    call optimizer.step() and zero the (NaN) gradients, so the same call works everywhere.
-    """
-    return loss * float("nan")
-
-
-def skip_update(scaler: torch.amp.GradScaler | None) -> None:
-    """A step the stability guard vetoed, under fp16 with accelerate's GradScaler (DDP, FSDP2): close it.
-
-    Clipping has already unscaled this step's (NaN) gradients; without the scaler's own step and update the
-    next step's unscaling fails ("unscale_() has already been called"). `update()` ends the step as a skipped
-    overflow would (the scale backs off). DeepSpeed's fp16 scaler handles the vetoed step inside its step.
-    """
-    if scaler is not None and scaler.is_enabled():
-        scaler.update()
 
 
 def device_name(accelerator: Accelerator) -> str | None:

@@ -36,18 +36,19 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit import checkpoint, distributed
+from toolkit import checkpoint
 from toolkit.atomic import writing
 from toolkit.config.schema import Recipe
 from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
 from toolkit.evals import Evaluator
 from toolkit.flops import batch_train_flops
-from toolkit.freezer import StageFreezer
-from toolkit.guards import StabilityGuard, Verdict, injected_fault
 from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import Meter, MetricsLog
-from toolkit.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.runtime import process as distributed
+from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.train.optimizer import StageFreezer
+from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
 
 log = logging.getLogger("toolkit")
 
@@ -237,7 +238,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                 step_loss, preempted, time_due = summed[0] / (world * accum), summed[1] > 0, summed[2] > 0
                 verdict = run.guard.judge(step_loss)
                 if verdict.skip:
-                    loss = distributed.veto_update(loss)
+                    loss = veto_update(loss)
             acc.backward(loss)
             if acc.sync_gradients:
                 run.freezer.drop_frozen_grads()  # frozen parameters leave the norm and the update
@@ -245,12 +246,12 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
             if not verdict.skip:  # outside sync steps accelerate's optimizer.step() is a no-op anyway
                 optimizer.step()
             else:
-                distributed.skip_update(acc.scaler)  # fp16: the loss scaler closes the step too
+                skip_update(acc.scaler)  # fp16: the loss scaler closes the step too
             optimizer.zero_grad()
     lr = optimizer.param_groups[0]["lr"]  # every group has base lr 1.0: the same absolute lr
     run.scheduler.step()
     meter.add_step(step_loss, verdict.skip)
-    if not verdict.skip and not distributed.scaler_skipped(optimizer):  # fp16 overflow: no update
+    if not verdict.skip and not scaler_skipped(optimizer):  # fp16 overflow: no update
         run.freezer.count_update(plan.index)
     if run.bar is not None:
         run.bar.update(1)

@@ -1,4 +1,5 @@
-"""Stage freezing: parameters a stage does not train stay bit-identical, with their Adam state untouched."""
+"""The optimizer: AdamW as the strategy needs it (`build_optimizer`), and stage freezing, which keeps the parameters
+a stage does not train bit-identical, with their Adam state untouched (`StageFreezer`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit.strategies import optimizer_chain, uses_deepspeed
+from toolkit.strategies import deepspeed, optimizer_chain, uses_deepspeed
 
 
 class StageFreezer:
@@ -128,3 +129,15 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for p in params:
         state = optimizer.state[p]
         state["step"] = state["step"].zero_() if isinstance(state["step"], torch.Tensor) else 0
+
+
+def build_optimizer(accelerator: Accelerator, params: list[torch.nn.Parameter] | list[dict[str, Any]], *, lr: float,
+                    weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """AdamW, in the form the strategy needs (`params`: tensors, or param-group dicts): torch's (fused on CUDA: one
+    kernel for all parameters, and no host reads of its step counters), or the strategy's own where it wants one
+    (ZeRO optimizer offload: `strategies.deepspeed.offload_adam`)."""
+    adam = deepspeed.offload_adam(accelerator, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    if adam is not None:
+        return adam
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                             fused=True if accelerator.device.type == "cuda" else None)

@@ -14,6 +14,9 @@ import math
 import os
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 FAULT_ENV = "TOOLKIT_FAULT_NONFINITE"
 """Fault injection for tests: 'STEP:RANK[,STEP:RANK...]' makes that rank's loss NaN at those optimizer steps."""
@@ -59,3 +62,34 @@ class StabilityGuard:
     def exhausted(self) -> bool:
         """`max_consecutive_skips` skipped steps in a row: the run stops after the last of them."""
         return self.consecutive >= self.max_consecutive_skips
+
+
+def scaler_skipped(optimizer: Any) -> bool:
+    """True when fp16 loss scaling skipped this step's update (gradient overflow; the scale is lowered).
+
+    accelerate's GradScaler wrapper and DeepSpeed's fp16 optimizer both report it as `step_was_skipped`; such a
+    step is not an update (Adam's step count stays) and not a stability skip (the loss was fine).
+    """
+    return bool(getattr(optimizer, "step_was_skipped", False))
+
+
+def veto_update(loss: torch.Tensor) -> torch.Tensor:
+    """The loss to backpropagate when every rank agreed to skip this step's update.
+
+    Under DeepSpeed, accelerate's backward() also runs engine.step(), so the update cannot be withheld by not
+    calling optimizer.step(); a NaN loss makes the gradient norm non-finite and DeepSpeed's own overflow check
+    then discards the step and zeroes the gradients (ZeRO-1/2/3, fp32 and bf16). Other strategies simply do not
+    call optimizer.step() and zero the (NaN) gradients, so the same call works everywhere.
+    """
+    return loss * float("nan")
+
+
+def skip_update(scaler: torch.amp.GradScaler | None) -> None:
+    """A step the stability guard vetoed, under fp16 with accelerate's GradScaler (DDP, FSDP2): close it.
+
+    Clipping has already unscaled this step's (NaN) gradients; without the scaler's own step and update the
+    next step's unscaling fails ("unscale_() has already been called"). `update()` ends the step as a skipped
+    overflow would (the scale backs off). DeepSpeed's fp16 scaler handles the vetoed step inside its step.
+    """
+    if scaler is not None and scaler.is_enabled():
+        scaler.update()
