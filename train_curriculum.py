@@ -28,11 +28,12 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from toolkit import __version__, checkpoint, strategies
+from toolkit import __version__, strategies
 from toolkit.atomic import write_text_atomic
 from toolkit.attention import choose_attention
 from toolkit.builtin.dummy_data import use_dummy_data, write_dummy_files
 from toolkit.builtin.models import materialize_builtin
+from toolkit.checkpoint import manager as checkpoint
 from toolkit.collate import batch_collator
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import flat_config, load_recipe, recipe_to_yaml
@@ -71,7 +72,13 @@ from toolkit.run_data import (
 )
 from toolkit.runtime import process as distributed
 from toolkit.runtime.exit_lines import FAILED_EXIT_CODE, LastWords
-from toolkit.runtime.run_dir import RunLayout, RunLock, check_output_dir, set_aside_earlier_attempt
+from toolkit.runtime.run_dir import (
+    RunLayout,
+    RunLock,
+    check_output_dir,
+    committed_checkpoints,
+    set_aside_earlier_attempt,
+)
 from toolkit.runtime.signals import (
     INTERRUPTED_EXIT_CODE,
     INTERRUPTED_LINE,
@@ -262,7 +269,7 @@ def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -
     if busy is not None:
         raise ToolkitError(f"output_dir {out}: {busy}.")
     resume_from = checkpoint.find_resume(resume, layout.checkpoints)
-    if resume == "none" and checkpoint.committed_checkpoints(layout.checkpoints):
+    if resume == "none" and committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
     return lock, resume_from
@@ -374,7 +381,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
 def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
     """A run whose last steps were skipped does not end in success: its weights are not where training ended."""
     if guard.consecutive:
-        last_good = checkpoint.committed_checkpoints(layout.checkpoints)
+        last_good = committed_checkpoints(layout.checkpoints)
         raise ToolkitError(
             f"Training ended with its last {guard.consecutive} step(s) skipped ({guard.last_reason}); final/ was "
             f"not written. Last checkpoint: {last_good[-1] if last_good else 'none'}. Lower the learning rate or "

@@ -1,4 +1,4 @@
-"""Unit tests for toolkit/checkpoint.py: atomic commit, rotation + best tracking, resume lookup, file checks.
+"""Unit tests for toolkit/checkpoint/manager.py: atomic commit, rotation + best tracking, resume lookup, file checks.
 
 Single process throughout (is_main=True, a no-op barrier); write_state writes small safetensors / torch files.
 """
@@ -25,14 +25,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit.checkpoint import (
+from toolkit.checkpoint.manager import (
     BEST_FILE,
-    COMMIT_MARKER,
     META_FILE,
     CheckpointManager,
     check_resumable,
     check_state,
-    committed_checkpoints,
     file_digests,
     find_resume,
     read_meta,
@@ -40,6 +38,7 @@ from toolkit.checkpoint import (
     verify_checkpoint_files,
 )
 from toolkit.errors import ToolkitError
+from toolkit.runtime.run_dir import COMMIT_MARKER, committed_checkpoints
 
 _STEP_NAME = re.compile(r"^step-(\d{8})$")
 
@@ -262,7 +261,7 @@ def test_damaged_best_record_is_rebuilt_and_rotation_keeps_the_true_best(
         (root / BEST_FILE).write_bytes(make(root).encode("latin-1" if damage == "not-utf8" else "utf-8"))
     on_disk = _step_entries(root)
 
-    with caplog.at_level("WARNING", logger="toolkit.checkpoint"):
+    with caplog.at_level("WARNING", logger="toolkit.checkpoint.manager"):
         mgr = _manager(root, keep_last=2)  # a relaunch
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "rebuilt from the committed checkpoints' meta.json" in warnings[0], warnings
@@ -275,7 +274,7 @@ def test_damaged_best_record_is_rebuilt_and_rotation_keeps_the_true_best(
         _save(mgr, step, {"eval_loss": 0.5})
     assert _steps(root) == {4, 10, 11}
     caplog.clear()
-    with caplog.at_level("WARNING", logger="toolkit.checkpoint"):
+    with caplog.at_level("WARNING", logger="toolkit.checkpoint.manager"):
         assert _manager(root, keep_last=2).best == _best_record(4, "eval_loss", 0.1)  # and the next launch
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
@@ -296,7 +295,7 @@ def test_damaged_best_record_without_any_metric_is_removed(tmp_path: Path, caplo
     for step in (1, 2, 3):
         _save(mgr, step, {"train_loss": 1.0})
     (root / BEST_FILE).write_text(json.dumps(_best_record(1, "eval_loss", 0.1)))  # names a deleted step
-    with caplog.at_level("WARNING", logger="toolkit.checkpoint"):
+    with caplog.at_level("WARNING", logger="toolkit.checkpoint.manager"):
         mgr = _manager(root, keep_last=2)
     assert "no committed checkpoint has a eval_loss value yet" in caplog.text
     assert mgr.best is None and not (root / BEST_FILE).exists()
@@ -832,7 +831,7 @@ def test_check_resumable_compares_token_store_checksums(tmp_path: Path) -> None:
 
 
 def test_committed_files_are_checked_on_resume(tmp_path: Path) -> None:
-    from toolkit.checkpoint import changed_files
+    from toolkit.checkpoint.manager import changed_files
 
     root = tmp_path / "ck"
     mgr = _manager(root, best_metric=None)

@@ -16,15 +16,15 @@ import torch.nn.functional as F
 
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
-from toolkit import checkpoint
 from toolkit.builtin.models import materialize_builtin
+from toolkit.checkpoint import manager as checkpoint
 from toolkit.collate import padding_collator
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import read_metrics
 from toolkit.runtime import process as distributed
-from toolkit.runtime.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.train.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.train.optimizer import build_optimizer
@@ -140,7 +140,7 @@ def test_stage_end_at_a_checkpoint_step_writes_the_summary_before_the_checkpoint
     assert len(reductions) == 2, reductions
     records = read_metrics(run.metrics.path)
     assert [r.get("event", "step") for r in records] == ["step", "stage_end"] and saved_at == [2]
-    meta = checkpoint.read_meta(checkpoint.committed_checkpoints(run.manager.root)[-1])
+    meta = checkpoint.read_meta(committed_checkpoints(run.manager.root)[-1])
     state = RunState.from_meta(meta)
     assert (state.step, state.stage, state.stage_step) == (1, stage.name, 1)
     assert state.patience is None and state.pending_losses == [] and state.tokens == records[0]["tokens"]
@@ -239,5 +239,5 @@ def test_a_signal_during_an_eval_stops_the_run_at_that_step(tmp_path: Path) -> N
     result = run_step(run, stage, 0, 0)
     assert not result.preempted
     assert after_step(run, stage, 0, 1, result) == PREEMPTED_EXIT_CODE
-    assert [c.name for c in checkpoint.committed_checkpoints(run.manager.root)] == ["step-00000001"]
+    assert [c.name for c in committed_checkpoints(run.manager.root)] == ["step-00000001"]
 

@@ -42,19 +42,12 @@ from tests.conftest import (
 from toolkit import atomic
 from toolkit import export as export_module
 from toolkit.builtin.models import TINY_MODEL, builtin_dir
-from toolkit.checkpoint import (
-    COMMIT_MARKER,
-    META_FILE,
-    CheckpointManager,
-    _unsaveable,
-    committed_checkpoints,
-    read_meta,
-)
+from toolkit.checkpoint.manager import META_FILE, CheckpointManager, _unsaveable, read_meta
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics import MetricsLog, read_metrics, truncate_after
 from toolkit.plot import plot_run
-from toolkit.runtime.run_dir import RunLayout, RunLock
+from toolkit.runtime.run_dir import COMMIT_MARKER, RunLayout, RunLock, committed_checkpoints
 
 
 def copy_run(trained: Path, dest: Path) -> Path:
@@ -856,7 +849,7 @@ def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
 
 def test_a_full_disk_while_final_is_written_is_one_line(tmp_path: Path, models: dict[str, str]) -> None:
     from tests.conftest import mounted_tmpfs
-    from toolkit.checkpoint import save_final
+    from toolkit.checkpoint.manager import save_final
     from toolkit.errors import OutOfSpace
     from toolkit.model import load_model, load_processing, setup_lora
     from toolkit.runtime import process as distributed
@@ -895,7 +888,7 @@ def test_a_run_whose_disk_fills_at_final_ends_in_one_line_and_a_relaunch_finishe
     it"). One `error:` line naming final/, exit 2, no final/ nor its temporary; relaunched with space, the run
     resumes from its last checkpoint and writes the adapter an uninterrupted run writes."""
     from tests.conftest import mounted_tmpfs
-    from toolkit import checkpoint as checkpoint_module
+    from toolkit.checkpoint import manager as checkpoint_module
 
     shutil.copy2(trained / "recipe.yaml", tmp_path / "recipe.yaml")
     shutil.copy2(trained / "data.jsonl", tmp_path / "data.jsonl")

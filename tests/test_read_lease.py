@@ -1,4 +1,5 @@
-"""Tests for toolkit/read_lease.py and the rotation that respects it: a leased checkpoint is kept until its reader is
+"""Tests for toolkit/checkpoint/lease.py and the rotation that respects it: a leased checkpoint is kept until its
+reader is
 done, a reader that dies releases it (the kernel drops the lock), and a reader notices a folder that went or
 changed."""
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from toolkit.checkpoint import CheckpointManager, committed_checkpoints
-from toolkit.read_lease import ReadLease, delete_unless_leased
+from toolkit.checkpoint.lease import ReadLease, delete_unless_leased
+from toolkit.checkpoint.manager import CheckpointManager
+from toolkit.runtime.run_dir import committed_checkpoints
 
 
 def _folder(path: Path) -> Path:
@@ -41,7 +43,7 @@ def test_a_reader_that_dies_releases_its_lease(tmp_path: Path) -> None:
         import sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from pathlib import Path
-        from toolkit.read_lease import ReadLease
+        from toolkit.checkpoint.lease import ReadLease
         lease = ReadLease.acquire(Path({str(folder)!r}))
         print("held", flush=True)
         time.sleep(600)
@@ -86,7 +88,7 @@ def test_rotation_keeps_a_leased_checkpoint_until_a_later_rotation(tmp_path: Pat
     mgr = _manager(root)
     mgr.save(1, _writer(1), {"step": 1})
     lease = ReadLease.acquire(root / "step-00000001")
-    with caplog.at_level("INFO", logger="toolkit.checkpoint"):
+    with caplog.at_level("INFO", logger="toolkit.checkpoint.manager"):
         mgr.save(2, _writer(2), {"step": 2})
         mgr.save(3, _writer(3), {"step": 3})
     assert [p.name for p in committed_checkpoints(root)] == ["step-00000001", "step-00000003"]

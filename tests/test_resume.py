@@ -31,8 +31,9 @@ from tests.conftest import (
     train,
     train_cmd,
 )
-from toolkit.checkpoint import EXACT_RESUME_TESTED, committed_checkpoints, read_meta
+from toolkit.checkpoint.manager import EXACT_RESUME_TESTED, read_meta
 from toolkit.metrics import read_metrics
+from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ weights and writes a plain safetensors model (loads with `AutoModelForCausalLM.f
 fine-tuning checkpoints are consolidated from whatever strategy wrote them (DeepSpeed ZeRO partitions, FSDP
 shards). Tokenizer and a short model card with the curriculum summary are included.
 
-A run that is still training can be exported: its checkpoint is read under a read lease (toolkit/read_lease.py)
+A run that is still training can be exported: its checkpoint is read under a read lease (toolkit/checkpoint/lease.py)
 that the run's rotation respects, and checked against what was committed (every file's size and sha256), so the
 export is of one whole committed checkpoint. The base model is found from any working directory: a built-in one
 (`builtin:tiny-qwen3`) in the run's own cache beside its output dir, as training built it.
@@ -26,10 +26,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from toolkit.atomic import build_dir
 from toolkit.builtin.models import materialize_builtin
-from toolkit.checkpoint import (
-    COMMIT_MARKER,
+from toolkit.checkpoint.lease import ReadLease
+from toolkit.checkpoint.manager import (
     changed_files,
-    committed_checkpoints,
     portable_lora_file,
     read_meta,
     verify_checkpoint_files,
@@ -40,8 +39,7 @@ from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
 from toolkit.model import check_model_source, is_vision_language, load_processor, setup_lora
-from toolkit.read_lease import ReadLease
-from toolkit.runtime.run_dir import RunLayout, is_within
+from toolkit.runtime.run_dir import COMMIT_MARKER, RunLayout, committed_checkpoints, is_within
 from toolkit.strategies.consolidate import consolidate_full_weights
 
 

@@ -22,7 +22,7 @@ from transformers import (
     ProcessorMixin,
 )
 
-from toolkit.checkpoint import FINAL_CHECKSUMS, verify_final
+from toolkit.checkpoint.manager import FINAL_CHECKSUMS, verify_final
 from toolkit.errors import ToolkitError
 from toolkit.strategies.deepspeed import full_numel
 from toolkit.templates import resolve_chat_template

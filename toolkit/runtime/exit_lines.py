@@ -35,8 +35,7 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint import committed_checkpoints
-from toolkit.runtime.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
 FAILED_EXIT_CODE = 1
 """A rank that ended on an unexpected exception, its own or a lost peer's."""

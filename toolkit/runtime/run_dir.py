@@ -78,7 +78,7 @@ class RunLayout:
 
     @property
     def checkpoints(self) -> Path:
-        """Committed checkpoints, `step-N/` (see toolkit/checkpoint.py)."""
+        """Committed checkpoints, `step-N/` (see toolkit/checkpoint/manager.py)."""
         return self.root / "checkpoints"
 
     @property
@@ -363,3 +363,21 @@ class RunLock:
             return None
         self._folder = weakref.finalize(self, os.close, fd)  # open for the life of the object (the process)
         return None
+
+
+COMMIT_MARKER = "COMMITTED"
+
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoints under `root`, oldest first. Temporary and unmarked directories are ignored."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / COMMIT_MARKER).is_file()]
+    return sorted(found, key=lambda p: p.name)

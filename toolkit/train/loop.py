@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit import checkpoint
 from toolkit.atomic import writing
+from toolkit.checkpoint import manager as checkpoint
 from toolkit.config.schema import Recipe
 from toolkit.curriculum import Curriculum, Stage
 from toolkit.errors import ToolkitError
@@ -46,6 +46,7 @@ from toolkit.flops import batch_train_flops
 from toolkit.labels import IGNORE_INDEX
 from toolkit.metrics import Meter, MetricsLog
 from toolkit.runtime import process as distributed
+from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
@@ -259,7 +260,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     if verdict.skip:
         log.warning("step %d (stage '%s'): update skipped, %s", done, plan.name, verdict.reason)
         if run.guard.exhausted:
-            last_good = checkpoint.committed_checkpoints(run.manager.root)
+            last_good = committed_checkpoints(run.manager.root)
             raise ToolkitError(
                 f"Training diverged: {run.guard.consecutive} consecutive steps skipped up to step {done} in stage "
                 f"'{plan.name}' ({verdict.reason}). Last good checkpoint: "

@@ -11,7 +11,8 @@ the resume point.
 Rotation keeps the last `keep_last` plus the best by a metric (never deleted); `best.json` points at it. The
 checkpoints' own meta.json files are the record of truth: a damaged, stale or missing `best.json` is rebuilt from
 them when the run starts (one warning), so it can never make rotation delete the best checkpoint, nor crash a run.
-A checkpoint that a reader holds a lease on (`toolkit export`, toolkit/read_lease.py) is left for a later rotation.
+A checkpoint that a reader holds a lease on (`toolkit export`, toolkit/checkpoint/lease.py) is left for a later
+rotation.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit.atomic import build_dir, swap_dir, write_text_atomic
+from toolkit.checkpoint.lease import delete_unless_leased
 from toolkit.config.identity import changed_keys as _changed_keys
 from toolkit.errors import OutOfSpace, ToolkitError
-from toolkit.read_lease import delete_unless_leased
 from toolkit.runtime import process as distributed
+from toolkit.runtime.run_dir import _STEP_DIR, COMMIT_MARKER, checkpoint_dir, committed_checkpoints
 from toolkit.strategies import consolidate, deepspeed, param_state
 
-COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
 FINAL_CHECKSUMS = "checksums.json"
@@ -55,19 +56,6 @@ log = logging.getLogger(__name__)
 def portable_lora_file(ckpt: Path) -> Path:
     """The strategy-free LoRA state of a checkpoint (adapter weights and Adam moments; `checkpoint.portable`)."""
     return ckpt / "portable" / "lora_state.safetensors"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def checkpoint_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def committed_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoints under `root`, oldest first. Temporary and unmarked directories are ignored."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / COMMIT_MARKER).is_file()]
-    return sorted(found, key=lambda p: p.name)
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
