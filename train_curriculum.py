@@ -30,25 +30,32 @@ from transformers import AutoConfig
 
 from toolkit import __version__, strategies
 from toolkit.atomic import write_text_atomic
-from toolkit.attention import choose_attention
 from toolkit.builtin.dummy_data import use_dummy_data, write_dummy_files
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint import manager as checkpoint
-from toolkit.collate import batch_collator
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import flat_config, load_recipe, recipe_to_yaml
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
+from toolkit.data.collate import batch_collator
+from toolkit.data.stages import (
+    data_fingerprint,
+    load_curriculum_data,
+    loader_workers,
+    store_checksums,
+    tokenized_cache_dir,
+    uses_dummy_data,
+)
 from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
-from toolkit.flops import peak_flops
 from toolkit.forgetting import prune_after
-from toolkit.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
-from toolkit.loss_head import check_loss_head, install_loss_head
-from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
-from toolkit.model import (
+from toolkit.metrics.log import Meter, MetricsLog, check_trackers, truncate_after
+from toolkit.model.attention import check_packing_support, choose_attention
+from toolkit.model.flops import peak_flops
+from toolkit.model.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
+from toolkit.model.load import (
     check_model_source,
     check_remote_code,
     count_parameters,
@@ -61,15 +68,8 @@ from toolkit.model import (
     skip_adapter_input_casts,
     upcast_trainable,
 )
-from toolkit.packing import check_packing_support
-from toolkit.run_data import (
-    data_fingerprint,
-    load_curriculum_data,
-    loader_workers,
-    store_checksums,
-    tokenized_cache_dir,
-    uses_dummy_data,
-)
+from toolkit.model.loss_head import check_loss_head, install_loss_head
+from toolkit.model.trainable import TrainablePlan, plan_trainable
 from toolkit.runtime import process as distributed
 from toolkit.runtime.exit_lines import FAILED_EXIT_CODE, LastWords
 from toolkit.runtime.run_dir import (
@@ -91,7 +91,6 @@ from toolkit.strategies.deepspeed import configure_deepspeed
 from toolkit.train.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.train.optimizer import StageFreezer, build_optimizer
 from toolkit.train.stability import StabilityGuard
-from toolkit.trainable import TrainablePlan, plan_trainable
 
 log = logging.getLogger("toolkit")
 

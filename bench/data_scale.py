@@ -242,8 +242,9 @@ def prepare_only(data: Path, tokenizer: Any, cache: Path, cores: int) -> dict[st
 
     import toolkit.data.store as store_module
     from toolkit.config.schema import DataEntry
-    from toolkit.data import TextEncoder, resolve_source
+    from toolkit.data.encoding import TextEncoder
     from toolkit.data.plan import SourceRows, select_rows
+    from toolkit.data.sources import resolve_source
     from toolkit.data.store import open_store
 
     encoder = TextEncoder(tokenizer, train_on="assistant")

@@ -9,7 +9,7 @@ kernel `auto` picks, the default loss head, MFU against --peak-tflops) on the ti
 only measures.
 
 What is measured is the product itself: `train_curriculum.py` under `accelerate launch` (one process), reading
-its own `metrics.jsonl`: non-pad tokens/s, MFU (toolkit/flops.py: 4N per token for LoRA plus causal attention,
+its own `metrics.jsonl`: non-pad tokens/s, MFU (toolkit/model/flops.py: 4N per token for LoRA plus causal attention,
 over the GPU's dense bf16 peak), peak memory and step time, averaged over the steps after `--warmup`. The random
 model is written to disk once (about 16 GB) so that the run loads it like any checkpoint. Writes
 `<out>/<YYYY-MM-DD>-<hostname>-gpu8b[-tiny].json` and prints a JSON summary, then the markdown table rows for
@@ -61,7 +61,7 @@ def write_model(out: Path, *, tiny: bool) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.memory import load_model_config
+    from toolkit.model.memory import load_model_config
 
     config = load_model_config("qwen3-8b")
     config.use_cache = False

@@ -11,7 +11,7 @@ goes down): the model is built, one warm-up step runs on 16 tokens (allocator an
 process's RSS is read (`baseline`), one full step (forward, backward, AdamW) runs at the measured length, and
 `peak` is the peak RSS during that step (the kernel's VmHWM, reset just before it; `ru_maxrss` where it cannot
 be reset). `step` = peak - baseline is the step's own working set, which is
-what `toolkit.memory`'s activation estimate predicts for the same head; both are reported.
+what `toolkit.model.memory`'s activation estimate predicts for the same head; both are reported.
 
 A measurement whose estimate exceeds --max-gb is not run (this is a shared machine) and is reported as not
 measured, with its estimate. Prints a JSON summary (stdout) and a markdown table (stderr) for
@@ -47,8 +47,8 @@ def model_config() -> Any:
 
 
 def estimate_step_bytes(head: str, seq_len: int) -> int:
-    """toolkit.memory's activation estimate for this model and head (fp32 activations, no checkpointing)."""
-    from toolkit.memory import activation_memory
+    """toolkit.model.memory's activation estimate for this model and head (fp32 activations, no checkpointing)."""
+    from toolkit.model.memory import activation_memory
 
     return activation_memory(model_config(), tokens=seq_len, grad_ckpt=False, activation_bytes=4, loss_head=head)
 
@@ -78,7 +78,7 @@ def peak_rss_bytes(since_reset: bool) -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     import torch
 
-    from toolkit.metrics import peak_memory_bytes
+    from toolkit.metrics.log import peak_memory_bytes
 
     return peak_memory_bytes(torch.device("cpu"))
 
@@ -88,8 +88,8 @@ def worker(head: str, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from toolkit.loss_head import install_loss_head
-    from toolkit.model import apply_lora
+    from toolkit.model.load import apply_lora
+    from toolkit.model.loss_head import install_loss_head
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

@@ -1,5 +1,5 @@
 """Attention time and peak memory of one packed row on CPU: transformers' stock sdpa (a T x T mask) against the
-toolkit's sdpa_packed (sdpa per sample span, toolkit/attention.py), in the same run.
+toolkit's sdpa_packed (sdpa per sample span, toolkit/model/attention.py), in the same run.
 
     python bench/packed_attention.py                    # 2048 8192 32768 tokens; writes bench/results/...json
     python bench/packed_attention.py --tokens 2048 --repeats 1   # quick
@@ -46,8 +46,8 @@ def worker(kernel: str, tokens: int, repeats: int) -> dict[str, Any]:
     from transformers.masking_utils import create_causal_mask
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
 
-    import toolkit.attention  # noqa: F401  (registers sdpa_packed)
-    from toolkit.attention import flash_boundaries
+    import toolkit.model.attention  # noqa: F401  (registers sdpa_packed)
+    from toolkit.data.packing import flash_boundaries
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,

@@ -190,7 +190,7 @@ def worker_bare(spec: Spec) -> dict[str, Any]:
     from peft import get_peft_model
     from transformers import AutoTokenizer
 
-    from toolkit.collate import padding_collator  # data preparation only, outside the timed loop
+    from toolkit.data.collate import padding_collator  # data preparation only, outside the timed loop
 
     dtype, sync = torch_setup(spec)
     accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=spec.grad_accum)
@@ -584,9 +584,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from toolkit.builtin.text_model import build_tokenizer, write_tiny_qwen3
-    from toolkit.data import encode_files
-    from toolkit.flops import count_params
-    from toolkit.packing import pack_samples
+    from toolkit.data.packing import pack_samples
+    from toolkit.data.plan import encode_files
+    from toolkit.model.flops import count_params
     from toolkit.templates import CHATML_TEMPLATE
 
     threads = args.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1

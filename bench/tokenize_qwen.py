@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolkit.builtin.text_model import build_qwen_tokenizer  # noqa: E402
-from toolkit.data import encode_files  # noqa: E402
+from toolkit.data.plan import encode_files  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]

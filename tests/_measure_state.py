@@ -1,4 +1,4 @@
-"""Measure what each rank holds after one real training step, for checking `toolkit.memory.estimate`.
+"""Measure what each rank holds after one real training step, for checking `toolkit.model.memory.estimate`.
 
 Run from the repository root (the accelerate configs name ds_configs/*.json relative to it):
 

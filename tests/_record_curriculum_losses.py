@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from tests.conftest import CURRICULUM, GENERATION, SPY, curriculum_args, spy_dir, train  # noqa: E402
-from toolkit.metrics import read_metrics  # noqa: E402
+from toolkit.metrics.log import read_metrics  # noqa: E402
 
 GOLDEN = REPO / "tests" / "data" / "curriculum_losses.json"
 STRATEGIES = ("ddp", "zero3", "fsdp")

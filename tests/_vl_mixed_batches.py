@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from toolkit.builtin.dummy_data import write_dummy_vl_data
     from toolkit.builtin.vl_model import write_tiny_qwen2_5_vl
-    from toolkit.collate import VLCollator
-    from toolkit.data import iter_jsonl
-    from toolkit.model import apply_lora, load_processor
-    from toolkit.vl_data import encode_vl_row
+    from toolkit.data.collate import VLCollator
+    from toolkit.data.sources import iter_jsonl
+    from toolkit.data.vision import encode_vl_row
+    from toolkit.model.load import apply_lora, load_processor
 
     rank = accelerator.process_index
     model_dir, data_dir = args.out / "tiny-qwen2.5-vl", args.out / "data"

@@ -2,7 +2,8 @@
 
 * A bf16 base with fp32 LoRA adapters, built as training builds it (under the autocast of a bf16 launch), saves at
   most 0.6x the bytes per token of the fp32 run of the same recipe: PEFT's per-layer fp32 input copies are gone.
-* `toolkit.memory.activation_memory` (what `toolkit preflight` prints) is within 15% of the counted bytes at 1k, 4k
+* `toolkit.model.memory.activation_memory` (what `toolkit preflight` prints) is within 15% of the counted bytes at 1k,
+4k
   and 16k tokens, with and without gradient checkpointing, in fp32, bf16 under autocast and bf16 without it.
   The loss head's working set (recomputed chunk by chunk in backward, never saved) is left out of both sides:
   bench/loss_head_memory.py measures it (tests/test_memory.py).
@@ -22,10 +23,10 @@ from tests._saved import SavedBytes, count_saved
 from toolkit.builtin.models import materialize_builtin
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.loss_head import install_loss_head
-from toolkit.memory import activation_memory, loss_bytes
-from toolkit.model import apply_lora, enable_gradient_checkpointing, skip_adapter_input_casts
-from toolkit.packing import PackedCollator
+from toolkit.data.packing import PackedCollator
+from toolkit.model.load import apply_lora, enable_gradient_checkpointing, skip_adapter_input_casts
+from toolkit.model.loss_head import install_loss_head
+from toolkit.model.memory import activation_memory, loss_bytes
 
 SAMPLE = 512  # tokens per packed sample
 

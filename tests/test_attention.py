@@ -1,4 +1,4 @@
-"""What reaches the attention kernels for a packed row (toolkit/attention.py), checked on CPU by spying on them.
+"""What reaches the attention kernels for a packed row (toolkit/model/attention.py), checked on CPU by spying on them.
 
 * sdpa_packed: every call of `torch.nn.functional.scaled_dot_product_attention` is one sample span, causal, with no
   mask and the key/value heads not repeated (enable_gqa); no tensor anywhere in forward or backward has T x T
@@ -23,12 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from toolkit import attention
-from toolkit.attention import EAGER_PACKED, SDPA_PACKED, choose_attention, flash_boundaries
 from toolkit.builtin.text_model import write_tiny_qwen3
-from toolkit.labels import IGNORE_INDEX
-from toolkit.model import enable_gradient_checkpointing
-from toolkit.packing import PackedCollator, check_packing_support
+from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.data.packing import PackedCollator, flash_boundaries
+from toolkit.model import attention
+from toolkit.model.attention import EAGER_PACKED, SDPA_PACKED, check_packing_support, choose_attention
+from toolkit.model.load import enable_gradient_checkpointing
 from toolkit.train.loop import to_device
 
 LENGTHS = (7, 12, 5, 9)  # one packed row of 33 tokens
@@ -237,7 +237,7 @@ def test_flash_boundaries() -> None:
 
 
 def test_auto_takes_the_best_exact_kernel(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="toolkit.attention"):
+    with caplog.at_level(logging.INFO, logger="toolkit.model.attention"):
         assert choose_attention("auto") == SDPA_PACKED  # no flash-attn, no CUDA here
     assert "attention: sdpa_packed (packed rows: sdpa per sample, no T x T mask)" in caplog.text
     assert choose_attention("sdpa") == SDPA_PACKED and choose_attention("eager") == EAGER_PACKED
@@ -247,7 +247,7 @@ def test_auto_takes_the_best_exact_kernel(monkeypatch: pytest.MonkeyPatch, caplo
     assert choose_attention("auto") == "flash_attention_2"
     monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="toolkit.attention"):
+    with caplog.at_level(logging.INFO, logger="toolkit.model.attention"):
         assert choose_attention("auto") == SDPA_PACKED
     assert "PyTorch varlen flash in 16-bit" in caplog.text
 

@@ -554,10 +554,10 @@ def _(c: Ctx) -> Call:
     from tests.conftest import mounted_tmpfs, remount_read_only
     from toolkit.config.load import load_recipe
     from toolkit.config.stages import resolve_stages
-    from toolkit.data import resolve_source
+    from toolkit.data.sources import resolve_source
+    from toolkit.data.stages import row_encoder
     from toolkit.data.store import open_store
-    from toolkit.model import load_processing
-    from toolkit.run_data import row_encoder
+    from toolkit.model.load import load_processing
 
     mounts = contextlib.ExitStack()
     cache = mounts.enter_context(mounted_tmpfs(c.tmp / "cache", "16m"))
@@ -629,7 +629,7 @@ TWO_TURNS = [USER, ANSWER, Q2, A2]
 
 
 def _trained_runs(row: dict[str, Any], tok: Any) -> list[str]:
-    from toolkit.data import IGNORE_INDEX, encode_row
+    from toolkit.data.encoding import IGNORE_INDEX, encode_row
 
     ids, labels = encode_row(row, tok, "assistant", "data.jsonl:1")
     runs, current = [], []
@@ -665,7 +665,7 @@ HONOURED: dict[str, Callable[[Any], None]] = {
 
 def _expect(tok: Any, messages: list[dict[str, Any]], runs: list[str] | None, **extra: Any) -> None:
     """The row trains `runs` (None: exactly what the bare two-turn chat trains), on the bare chat's token ids."""
-    from toolkit.data import encode_row
+    from toolkit.data.encoding import encode_row
 
     bare = _trained_runs({"messages": TWO_TURNS}, tok)
     assert bare == ["4." + E, "<think>\n\n</think>\n\n6." + E]
@@ -725,7 +725,7 @@ def test_deepspeed_config_that_does_not_exist(tmp_path: Path) -> None:
 def test_rows_without_assistant_tokens_are_skipped_not_nan(tmp_path: Path, models: dict[str, str],
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    from toolkit.metrics import read_metrics
+    from toolkit.metrics.log import read_metrics
 
     no_assistant = {"messages": [{"role": "user", "content": "Nothing to learn here."}]}
     ctx = Ctx(tmp_path, models)

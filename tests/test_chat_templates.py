@@ -16,9 +16,9 @@ from tests._inprocess import Call, invoke
 from tests.conftest import CHAT, base_recipe, stock_template, write_jsonl
 from toolkit.builtin.models import TINY_MODEL, builtin_dir, materialize_builtin
 from toolkit.config.load import load_recipe
-from toolkit.data import TextEncoder, encode_row
+from toolkit.data.encoding import TextEncoder, encode_row
 from toolkit.errors import ToolkitError
-from toolkit.model import load_processor, load_tokenizer
+from toolkit.model.load import load_processor, load_tokenizer
 from toolkit.templates import CHATML_TEMPLATE, TEMPLATE_NAMES, VL_CHATML_TEMPLATE
 
 NAMES = {"qwen2.5": "qwen2.5", "qwen2.5-instruct": "qwen2.5", "qwen3": "qwen3", "qwen2.5-vl": "qwen2.5-vl",

@@ -26,7 +26,8 @@ from toolkit.curriculum import (
     rank_micro_batches,
     samples_seen,
 )
-from toolkit.data import DataStats, TrainingSet
+from toolkit.data.encoding import DataStats
+from toolkit.data.plan import TrainingSet
 from toolkit.errors import ToolkitError
 from toolkit.sampling import StageSampler
 

@@ -13,15 +13,10 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from toolkit.builtin.text_model import build_tokenizer
-from toolkit.collate import padding_collator
-from toolkit.data import (
-    IGNORE_INDEX,
-    encode_files,
-    encode_row,
-    has_generation_tags,
-    iter_jsonl,
-    resolve_data_paths,
-)
+from toolkit.data.collate import padding_collator
+from toolkit.data.encoding import IGNORE_INDEX, encode_row, has_generation_tags
+from toolkit.data.plan import encode_files
+from toolkit.data.sources import iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE
 

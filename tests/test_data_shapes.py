@@ -17,7 +17,8 @@ from tests.conftest import stock_template
 from toolkit.builtin.text_model import build_tokenizer
 from toolkit.config.identity import resume_invariants
 from toolkit.config.schema import DataSource, Recipe
-from toolkit.data import encode_files, encode_row
+from toolkit.data.encoding import encode_row
+from toolkit.data.plan import encode_files
 from toolkit.data.sources import Entry, resolve_source
 from toolkit.data.store import store_key
 from toolkit.errors import ToolkitError
@@ -400,7 +401,7 @@ def test_registry_multimodal_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from transformers import AutoProcessor
 
     from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
-    from toolkit.vl_data import VLEncoder
+    from toolkit.data.vision import VLEncoder
 
     processor = AutoProcessor.from_pretrained(materialize_builtin(TINY_VL_MODEL, tmp_path / "models"))
     data = _registry(tmp_path)

@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 import toolkit.data.encoding as encoding_mod
 from toolkit.builtin.text_model import build_tokenizer
-from toolkit.data import encode_files, encode_row
+from toolkit.data.encoding import encode_row
+from toolkit.data.plan import encode_files
 from toolkit.data.sources import Entry
 from toolkit.errors import ToolkitError
 

@@ -24,9 +24,9 @@ import toolkit.data.encoding as encoding_mod
 import toolkit.data.sources as sources_mod
 import toolkit.data.store as store_mod
 from toolkit.builtin.text_model import build_tokenizer
-from toolkit.data import TextEncoder, encode_files, encode_row, load_training_set, resolve_source
-from toolkit.data.plan import select_rows
-from toolkit.data.sources import Entry
+from toolkit.data.encoding import TextEncoder, encode_row
+from toolkit.data.plan import encode_files, load_training_set, select_rows
+from toolkit.data.sources import Entry, resolve_source
 from toolkit.data.store import open_store
 from toolkit.errors import ToolkitError
 from toolkit.templates import stock_template
@@ -274,7 +274,7 @@ def test_remembered_hash_is_reused_until_the_file_changes(tmp_path: Path, tok: P
 def test_packing_plan_and_difficulty_over_the_store(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
     """Packed rows come from the plan over the kept lengths, as packing the encoded samples does; a packed row's
     difficulty is its hardest sample's."""
-    from toolkit.packing import pack_samples
+    from toolkit.data.packing import pack_samples
 
     rows = [dict(r, difficulty=i) for i, r in enumerate(ROWS * 3)]
     path = _write_jsonl(tmp_path / "a.jsonl", rows)
@@ -497,7 +497,7 @@ def test_entry_options_and_image_settings_are_in_the_key(tmp_path: Path, tok: Pr
     """A column mapping and a split name an other store; so do a vision encoder's pixel bounds and template."""
     from toolkit.builtin.vl_model import build_vl_processor
     from toolkit.data.store import store_key
-    from toolkit.vl_data import VLEncoder
+    from toolkit.data.vision import VLEncoder
 
     path = _write_jsonl(tmp_path / "a.jsonl", [{"dialog": CHAT, "messages": None}] * 3)
     cache = tmp_path / "cache"
@@ -608,7 +608,7 @@ def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(
 GUARD_SCRIPT = """
 import json, resource, sys
 from pathlib import Path
-from toolkit.data import TextEncoder
+from toolkit.data.encoding import TextEncoder
 from toolkit.data.plan import select_rows
 from toolkit.data.sources import Entry, resolve_source
 from toolkit.data.store import open_store

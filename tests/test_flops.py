@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen3Config
 
-from toolkit.flops import (
+from toolkit.model.flops import (
     PEAK_TFLOPS,
     attention_flops_per_token,
     batch_train_flops,
@@ -14,7 +14,7 @@ from toolkit.flops import (
     peak_flops,
     train_flops_per_token,
 )
-from toolkit.memory import load_model_config
+from toolkit.model.memory import load_model_config
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from toolkit import cli
 from toolkit.forgetting import MatrixLog, matrix_record, plot_forgetting, prune_after, row_label
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

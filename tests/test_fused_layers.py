@@ -1,4 +1,4 @@
-"""model.fused_layers (toolkit/fused_layers.py): when Liger's fused RMSNorm, RoPE and SwiGLU replace the model's
+"""model.fused_layers (toolkit/model/fused_layers.py): when Liger's fused RMSNorm, RoPE and SwiGLU replace the model's
 own, what the memory estimate counts for them, and that the key keeps earlier checkpoints resumable.
 
 Liger's RMSNorm and SwiGLU kernels do not run in Triton's CPU interpreter, so no forward runs here: these tests
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_env
-from toolkit import fused_layers
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import load_recipe
 from toolkit.errors import ToolkitError
-from toolkit.fused_layers import check_fused_layers, resolve_fused_layers
-from toolkit.memory import layer_activation_bytes, load_model_config
+from toolkit.model import fused_layers
+from toolkit.model.fused_layers import check_fused_layers, resolve_fused_layers
+from toolkit.model.memory import layer_activation_bytes, load_model_config
 
 
 def test_auto_is_none_without_cuda_and_liger_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,8 +71,8 @@ INSTALL = """
 import json, logging, sys
 import torch
 torch.cuda.is_available = lambda: True  # what the GPU would answer; no forward runs (see the module docstring)
-from toolkit.fused_layers import install_fused_layers, resolve_fused_layers
-from toolkit.model import load_model, setup_lora
+from toolkit.model.fused_layers import install_fused_layers, resolve_fused_layers
+from toolkit.model.load import load_model, setup_lora
 from liger_kernel.transformers.rms_norm import LigerRMSNorm
 from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 

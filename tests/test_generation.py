@@ -15,7 +15,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tests.conftest import write_jsonl
-from toolkit.attention import EAGER_PACKED, SDPA_PACKED
 from toolkit.builtin.dummy_data import write_dummy_vl_data
 from toolkit.config.schema import GenerationEvalConfig
 from toolkit.errors import ToolkitError
@@ -28,8 +27,9 @@ from toolkit.generation import (
     plan_batches,
     read_generation_rows,
 )
-from toolkit.loss_head import install_loss_head
-from toolkit.model import load_processing
+from toolkit.model.attention import EAGER_PACKED, SDPA_PACKED
+from toolkit.model.load import load_processing
+from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
 from toolkit.scorers import build_scorers
 

@@ -19,8 +19,8 @@ from toolkit.builtin.dummy_data import write_dummy_files
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
+from toolkit.data.stages import load_curriculum_data, tokenized_cache_dir
 from toolkit.inspect_data import inspect_data
-from toolkit.run_data import load_curriculum_data, tokenized_cache_dir
 from toolkit.runtime.run_dir import RunLayout
 
 LONG = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(40)))},
@@ -37,7 +37,7 @@ def _recipe(tmp_path: Path, model: str, stages: list[dict[str, Any]], **data: An
 
 def _training_lines(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> list[str]:
     """What training's data loading logs per stage, loaded as train_curriculum.py loads it."""
-    from toolkit.model import is_vision_language, load_processing
+    from toolkit.model.load import is_vision_language, load_processing
 
     layout = RunLayout(recipe.output_dir)
     model = recipe.model.name_or_path

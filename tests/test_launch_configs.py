@@ -21,7 +21,7 @@ import yaml
 
 from tests.conftest import REPO, run_env, run_launch, train, train_cmd
 from toolkit.errors import ToolkitError
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 from toolkit.runtime.process import check_launch_config, has_accelerator
 from toolkit.strategies import strategy_of_config
 from toolkit.strategies.deepspeed import own_deepspeed_config

@@ -18,11 +18,11 @@ import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint import manager as checkpoint
-from toolkit.collate import padding_collator
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.labels import IGNORE_INDEX
-from toolkit.metrics import read_metrics
+from toolkit.data.collate import padding_collator
+from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.metrics.log import read_metrics
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag

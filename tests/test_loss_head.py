@@ -1,4 +1,4 @@
-"""The chunked loss head (toolkit/loss_head.py) equals transformers' standard head exactly, in fp32.
+"""The chunked loss head (toolkit/model/loss_head.py) equals transformers' standard head exactly, in fp32.
 
 Each case runs the same model on the same batch twice, standard head then chunked head (several chunks), and
 compares the loss and every trainable gradient within 1e-5: LoRA on the decoder, LoRA on lm_head itself with tied
@@ -16,9 +16,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from toolkit.config.load import load_recipe
-from toolkit.data import IGNORE_INDEX
+from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.loss_head import (
+from toolkit.model.loss_head import (
     LossHead,
     default_chunk_tokens,
     install_loss_head,
@@ -240,8 +240,8 @@ def test_liger_equals_chunked_on_tiny_qwen3() -> None:
 def test_liger_equals_chunked_on_tiny_qwen2_5_vl(models: dict[str, str]) -> None:
     from transformers import AutoModelForImageTextToText
 
-    from toolkit.collate import VLCollator
-    from toolkit.model import load_processor
+    from toolkit.data.collate import VLCollator
+    from toolkit.model.load import load_processor
 
     processor = load_processor(models["vl"], trust_remote_code=False, chat_template=None)
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from transformers import Qwen3Config
 
 from tests.conftest import REPO, launch_cmd, run_env, run_launch
 from toolkit.errors import ToolkitError
-from toolkit.memory import (
+from toolkit.model.memory import (
     estimate,
     estimate_all,
     format_table,

@@ -45,8 +45,8 @@ from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.checkpoint.manager import META_FILE, CheckpointManager, _unsaveable, read_meta
 from toolkit.errors import ToolkitError
 from toolkit.export import EXPORT_MARKER, export
-from toolkit.metrics import MetricsLog, read_metrics, truncate_after
-from toolkit.plot import plot_run
+from toolkit.metrics.log import MetricsLog, read_metrics, truncate_after
+from toolkit.metrics.plot import plot_run
 from toolkit.runtime.run_dir import COMMIT_MARKER, RunLayout, RunLock, committed_checkpoints
 
 
@@ -829,8 +829,8 @@ def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
     import toolkit.data.store as store_module
     from tests.conftest import mounted_tmpfs
     from toolkit.builtin.text_model import build_tokenizer
-    from toolkit.data import TextEncoder, resolve_source
-    from toolkit.data.sources import Entry
+    from toolkit.data.encoding import TextEncoder
+    from toolkit.data.sources import Entry, resolve_source
     from toolkit.data.store import open_store
     from toolkit.errors import OutOfSpace
 
@@ -851,7 +851,7 @@ def test_a_full_disk_while_final_is_written_is_one_line(tmp_path: Path, models: 
     from tests.conftest import mounted_tmpfs
     from toolkit.checkpoint.manager import save_final
     from toolkit.errors import OutOfSpace
-    from toolkit.model import load_model, load_processing, setup_lora
+    from toolkit.model.load import load_model, load_processing, setup_lora
     from toolkit.runtime import process as distributed
 
     accelerator = distributed.build_accelerator(1, 10)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, run_env, train
-from toolkit.metrics import Meter, read_metrics, sample_lengths
+from toolkit.metrics.log import Meter, read_metrics, sample_lengths
 
 SHORT = ("stages.0.max_steps=4", "stages.1.max_steps=3")
 

@@ -1,4 +1,4 @@
-"""Tests for toolkit/packing.py: best-fit-decreasing bins, packed rows, the padding-free collator, and that a
+"""Tests for toolkit/data/packing.py: best-fit-decreasing bins, packed rows, the padding-free collator, and that a
 packed batch trains exactly like the padded one on the tiny Qwen3 (LoRA loss and gradients, no cross-attention)."""
 
 from __future__ import annotations
@@ -13,17 +13,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
 
-from toolkit.attention import BOUNDARY_KEYS, EAGER_PACKED, SDPA_PACKED
 from toolkit.builtin.text_model import build_tokenizer, write_tiny_qwen3
-from toolkit.collate import padding_collator
-from toolkit.data import IGNORE_INDEX, encode_row
-from toolkit.packing import (
-    PackedCollator,
-    check_packing_support,
-    pack_best_fit_decreasing,
-    pack_samples,
-    unpack_row,
-)
+from toolkit.data.collate import padding_collator
+from toolkit.data.encoding import IGNORE_INDEX, encode_row
+from toolkit.data.packing import PackedCollator, pack_best_fit_decreasing, pack_samples, unpack_row
+from toolkit.model.attention import BOUNDARY_KEYS, EAGER_PACKED, SDPA_PACKED, check_packing_support
 
 ROWS = [
     {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."}]},
@@ -169,7 +163,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(model_dir: Path, attn: str) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
-    model.config.use_cache = False  # as toolkit.model.load_model does; required for packing
+    model.config.use_cache = False  # as toolkit.model.load.load_model does; required for packing
     return model
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tests._inprocess import Call, invoke
 from tests.conftest import REPO
 from toolkit.checkpoint.manager import META_FILE, portable_lora_file, reseed_for_layout
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 from toolkit.strategies import param_state
 
 CURRICULUM = str(REPO / "recipes" / "smoke_curriculum.yaml")  # LoRA, then only model.norm, then both

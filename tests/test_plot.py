@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from toolkit.errors import ToolkitError
-from toolkit.plot import plot_run, stage_boundaries
+from toolkit.metrics.plot import plot_run, stage_boundaries
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -29,7 +29,7 @@ from tests.conftest import (
     train,
 )
 from toolkit.builtin.models import TINY_MODEL, builtin_dir
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +175,7 @@ def test_export_vision_language_checkpoint_merged(tmp_path: Path) -> None:
     """A VL run (projector trained through `trainable`) exports merged, with its processor, loadable as it is."""
     from transformers import AutoModelForImageTextToText, ProcessorMixin
 
-    from toolkit.model import load_processor
+    from toolkit.model.load import load_processor
 
     run = tmp_path / "vl"
     train("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO, run_env
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.memory import activation_memory, load_model_config
+from toolkit.model.memory import activation_memory, load_model_config
 from toolkit.preflight import preflight, stage_estimates, worst_stage
 
 QWEN3_8B_RECIPE = REPO / "recipes" / "qwen3_8b_lora_curriculum.yaml"

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, launch_cmd, run_launch, train
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import stock_template
 from toolkit.builtin.text_model import QWEN_VOCAB_SIZE
-from toolkit.data import IGNORE_INDEX, encode_files, encode_row
+from toolkit.data.encoding import IGNORE_INDEX, encode_row
+from toolkit.data.plan import encode_files
 from toolkit.errors import ToolkitError
 from toolkit.templates import CHATML_TEMPLATE
 
@@ -327,7 +328,7 @@ def test_stock_vl_template_shapes(vl_processors: tuple[dict[str, Any], Path], te
                                   row: dict[str, Any], expected: dict[str, list[str] | str]) -> None:
     from PIL import Image
 
-    from toolkit.vl_data import encode_vl_row
+    from toolkit.data.vision import encode_vl_row
 
     processors, images = vl_processors
     processor, want = processors[template], expected[template]
@@ -357,7 +358,7 @@ def test_stock_vl_template_shapes(vl_processors: tuple[dict[str, Any], Path], te
 def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> None:
     """README: with data.chat_template set, final/ holds the tokenizer with the override (the format the run
     trained); the model's own template stays in the base model's directory."""
-    from toolkit.model import load_tokenizer
+    from toolkit.model.load import load_tokenizer
 
     tok = load_tokenizer(str(qwen3_dir), trust_remote_code=False, chat_template="chatml")
     tok.save_pretrained(tmp_path)  # what checkpoint.save_final does with the run's tokenizer
@@ -369,8 +370,8 @@ def test_vl_token_masking_equals_generation_markers(vl_processors: tuple[dict[st
     """The tiny VL processor (its own small tokenizer): reading the turns off the token ids trains exactly what the
     {% generation %} markers of its ChatML template mark."""
     from toolkit.builtin.vl_model import build_vl_processor
+    from toolkit.data.vision import encode_vl_row
     from toolkit.templates import VL_CHATML_TEMPLATE
-    from toolkit.vl_data import encode_vl_row
 
     _, images = vl_processors
     marked, plain = build_vl_processor(VL_CHATML_TEMPLATE), build_vl_processor(VL_CHATML_TEMPLATE)
@@ -434,7 +435,7 @@ def test_turn_weights_with_thinking_modes(toks: dict[str, Any], thinking: str) -
 @pytest.mark.parametrize("template", ["qwen2.5-vl", "qwen3-vl"])
 def test_turn_weights_with_stock_vl_templates(vl_processors: tuple[dict[str, Any], Path], template: str) -> None:
     """VL rows through the stock templates (turns read off the token ids): the flagged turn is left out."""
-    from toolkit.vl_data import encode_vl_row
+    from toolkit.data.vision import encode_vl_row
 
     processors, images = vl_processors
     processor = processors[template]

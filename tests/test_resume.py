@@ -32,7 +32,7 @@ from tests.conftest import (
     train_cmd,
 )
 from toolkit.checkpoint.manager import EXACT_RESUME_TESTED, read_meta
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE
 

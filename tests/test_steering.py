@@ -22,7 +22,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from tests._inprocess import Call, invoke
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, dummy_run_args, run_env, run_launch, start_and_signal, train
 from toolkit.checkpoint.manager import read_meta
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,8 @@
 Each 2-process run trains the 2-stage smoke recipe packed (LoRA, gradient checkpointing on, `data.packing`: rows of
 whole samples, attention per sample) with the same global batch as the 1-process reference and must reproduce its
 per-step losses and its final adapter; unpacked rows are the curriculum matrix's below. The loss head is the
-default chunked one (toolkit/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight is
+default chunked one (toolkit/model/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight
+is
 tested in tests/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
 after the head's forward (even with stage3_max_live_parameters and max_reuse_distance 0), so a head computed
 outside its module would pass here too; FSDP2 keeps the root's weights, the head's among
@@ -40,8 +41,8 @@ from tests.conftest import (
     train,
 )
 from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL, builtin_dir
-from toolkit.loss_head import liger_available, triton_interpreted
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
+from toolkit.model.loss_head import liger_available, triton_interpreted
 
 pytestmark = pytest.mark.slow
 

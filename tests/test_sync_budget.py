@@ -33,7 +33,7 @@ from toolkit.train.loop import after_step, enter_stage, run_step
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 STEPS, LOGGING_STEPS, GRAD_ACCUM = 6, 3, 2
-PER_FORWARD = ("toolkit/loss_head.py", "toolkit/attention.py", "transformers/")
+PER_FORWARD = ("toolkit/model/loss_head.py", "toolkit/model/attention.py", "transformers/")
 
 
 @contextmanager
@@ -87,6 +87,6 @@ def test_one_loop_sync_per_step_outside_logging_steps(tmp_path: Path, packing: b
         forward = {k: n for k, n in sites.items() if k.startswith(PER_FORWARD)}
         assert sum(loop.values()) == 1 and next(iter(loop)).startswith("toolkit/train/loop.py"), loop
         assert sum(forward.values()) <= 2 * GRAD_ACCUM, forward  # per micro-batch, never per layer
-        assert not any(k.startswith("toolkit/attention.py") for k in forward), forward
+        assert not any(k.startswith("toolkit/model/attention.py") for k in forward), forward
     logging = per_step[LOGGING_STEPS - 1]
     assert sum(n for k, n in logging.items() if k.startswith("toolkit/")) > 1  # the counter sees the logging reads

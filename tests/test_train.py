@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.conftest import train
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from toolkit.builtin.text_model import write_tiny_qwen3
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora
-from toolkit.trainable import matches, modules_to_train, plan_trainable
+from toolkit.model.load import apply_lora
+from toolkit.model.trainable import matches, modules_to_train, plan_trainable
 
 LORA_TARGETS = ["q_proj", "v_proj"]
 

@@ -1,6 +1,6 @@
 """Vision-language side: tiny VL models (toolkit/builtin/vl_model.py), dummy image data, row encoding
-(toolkit/vl_data.py),
-over-length policies and the collator (toolkit/collate.py)."""
+(toolkit/data/vision.py),
+over-length policies and the collator (toolkit/data/collate.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from tests.conftest import REPO, launch_cmd, run_env, signal_tree, stock_templat
 from toolkit.builtin.dummy_data import write_dummy_vl_data
 from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
 from toolkit.builtin.vl_model import Qwen2_5_VLImageOnlyProcessor, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
-from toolkit.collate import VLCollator
-from toolkit.data import IGNORE_INDEX, DataStats
+from toolkit.data.collate import VLCollator
+from toolkit.data.encoding import IGNORE_INDEX, DataStats
+from toolkit.data.vision import encode_vl_row, process_images
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora
+from toolkit.model.load import apply_lora
 from toolkit.templates import IMAGE_PAD, VISION_TOKENS
-from toolkit.vl_data import encode_vl_row, process_images
 
 WHERE = "rows.jsonl:3"
 
@@ -106,9 +106,9 @@ from pathlib import Path
 
 from transformers import AutoProcessor, ProcessorMixin
 
-import toolkit.collate, toolkit.data, toolkit.builtin.dummy_data, toolkit.vl_data  # the production VL modules
+import toolkit.data.collate, toolkit.data, toolkit.builtin.dummy_data, toolkit.data.vision  # the production VL modules
 from toolkit.builtin.models import TINY_VL_MODEL
-from toolkit.model import load_processor
+from toolkit.model.load import load_processor
 from toolkit.builtin.models import materialize_builtin
 
 path = materialize_builtin(TINY_VL_MODEL, Path(sys.argv[1]))  # already built: nothing is built, only found
@@ -459,7 +459,7 @@ def test_packed_vl_loss_and_gradients_equal_unpacked(tmp_path: Path, data: dict[
     """One flattened row of image and text samples (multimodal rotary ids per sample, text positions restarting)
     gives the padded batch's summed loss and gradients: no sample attends to another, and every image token gets
     its own image's features."""
-    from toolkit.collate import VLPackedCollator
+    from toolkit.data.collate import VLPackedCollator
     from toolkit.data.plan import packed_row
 
     path = model_dir if arch == "qwen2.5-vl" else write_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
@@ -502,7 +502,7 @@ def test_packed_vl_loss_and_gradients_equal_unpacked(tmp_path: Path, data: dict[
 def test_image_grids_from_headers_match_processing(processor: Any, tmp_path: Path) -> None:
     """The grid a row is prepared with (from the image file's size alone) is the grid decoding and resizing the
     image gives, over sizes, aspect ratios and pixel bounds."""
-    from toolkit.vl_data import image_grid
+    from toolkit.data.vision import image_grid
 
     for i, (w, h) in enumerate([(56, 56), (300, 40), (17, 90), (640, 480), (28, 28), (1000, 10)]):
         path = tmp_path / f"{i}.png"
@@ -517,7 +517,7 @@ def test_packed_vl_run_in_one_process(tmp_path: Path, monkeypatch: pytest.Monkey
     """recipes/smoke_vl.yaml with data.packing: true trains end to end: VL rows prepared into stores (grids from
     image headers), packed whole, images decoded in the DataLoader's workers, one flattened row per micro-batch."""
     from tests._inprocess import Call, invoke
-    from toolkit.metrics import read_metrics
+    from toolkit.metrics.log import read_metrics
 
     out = tmp_path / "run"
     rc, stderr = invoke(Call(["--config", str(REPO / "recipes" / "smoke_vl.yaml"), "--create_dummy_data",
@@ -539,7 +539,7 @@ def test_a_vision_row_cut_by_the_size_guard_is_never_truncated(processor: Any, d
     from toolkit.data.plan import select_rows
     from toolkit.data.sources import Entry, resolve_source
     from toolkit.data.store import open_store
-    from toolkit.vl_data import VLEncoder
+    from toolkit.data.vision import VLEncoder
 
     monkeypatch.setattr(encoding_mod, "GUARD_MIN_CHARS", 5000)
     row = rows(data["vl_stage1"])[0]

@@ -53,7 +53,7 @@ def _inspect_data(args: argparse.Namespace) -> None:
 
 def _plot(args: argparse.Namespace) -> None:
     from toolkit.forgetting import plot_forgetting
-    from toolkit.plot import plot_run
+    from toolkit.metrics.plot import plot_run
 
     print(plot_run(args.output_dir))
     matrix = plot_forgetting(args.output_dir)  # with eval.all_stages: the forgetting matrix's heatmap beside it

@@ -30,7 +30,7 @@ from transformers import get_scheduler
 
 from toolkit.config.schema import AdvanceWhen
 from toolkit.config.stages import ResolvedStage
-from toolkit.data import TrainingSet
+from toolkit.data.plan import TrainingSet
 from toolkit.errors import ToolkitError
 from toolkit.sampling import Pacing, StageSampler
 

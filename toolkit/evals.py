@@ -33,7 +33,7 @@ from toolkit.errors import ToolkitError
 from toolkit.evaluation import evaluate
 from toolkit.forgetting import MatrixLog, matrix_record
 from toolkit.generation import GenerationEval, gather_records, generate, load_generation_eval, score_rows
-from toolkit.metrics import to_json_line
+from toolkit.metrics.log import to_json_line
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout
 from toolkit.scorers import Scorer, build_scorers

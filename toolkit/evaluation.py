@@ -4,7 +4,7 @@ Rank r takes samples r, r + world, ...; every rank runs the same number of forwa
 ran out repeat a sample with weight 0), because under ZeRO-3 and FSDP each forward gathers parameters
 collectively and a rank that stopped early would hang the others. Summed token losses and token counts are
 all-reduced, so the result equals the single-process value on the same data. The loss comes from the model's
-installed loss head (toolkit/loss_head.py: chunked by default, so no full-vocabulary logits here either).
+installed loss head (toolkit/model/loss_head.py: chunked by default, so no full-vocabulary logits here either).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit.labels import IGNORE_INDEX
+from toolkit.data.encoding import IGNORE_INDEX
 
 
 @torch.no_grad()

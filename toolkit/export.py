@@ -38,7 +38,7 @@ from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.errors import ToolkitError
-from toolkit.model import check_model_source, is_vision_language, load_processor, setup_lora
+from toolkit.model.load import check_model_source, is_vision_language, load_processor, setup_lora
 from toolkit.runtime.run_dir import COMMIT_MARKER, RunLayout, committed_checkpoints, is_within
 from toolkit.strategies.consolidate import consolidate_full_weights
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.atomic import write_atomic, writing
-from toolkit.metrics import read_metrics, to_json_line, truncate_after
+from toolkit.metrics.log import read_metrics, to_json_line, truncate_after
 from toolkit.runtime.run_dir import RunLayout
 
 

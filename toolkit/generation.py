@@ -35,7 +35,8 @@ from accelerate.utils import gather_object
 from transformers import GenerationConfig
 
 from toolkit.config.schema import GenerationEvalConfig
-from toolkit.data import check_messages, iter_jsonl, resolve_data_paths
+from toolkit.data.encoding import check_messages
+from toolkit.data.sources import iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
 from toolkit.scorers import Scorer
 
@@ -194,7 +195,7 @@ def encode_batch(processing: Any, prompts: list[Prompt], *, vision: bool, image_
     if not vision:  # a rendered chat prompt holds its special tokens already; a raw one gets them as training does
         ids = [processing(p.text, add_special_tokens=p.raw)["input_ids"] for p in prompts]
         return processing.pad({"input_ids": ids}, padding=True, padding_side="left", return_tensors="pt")
-    from toolkit.vl_data import _load_image  # VL runs only
+    from toolkit.data.vision import _load_image  # VL runs only
 
     images = [_load_image(Path(path), p.where) for p in prompts for path in p.images]
     return processing(text=texts, images=images or None, padding=True, padding_side="left", return_tensors="pt",

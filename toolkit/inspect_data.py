@@ -1,6 +1,6 @@
 """`toolkit inspect-data`: what the model will see and learn from a recipe's data, before any training.
 
-Reads each stage through training's own function (`toolkit.run_data.load_stage`: the entries with their split and
+Reads each stage through training's own function (`toolkit.data.stages.load_stage`: the entries with their split and
 columns, chat template, data.thinking, over-length policy, image tokens for vision-language models) and prints
 training's line of counts for it, token statistics, and the first kept rows with the trained tokens marked, each
 named by its place in its file (`file:line`, `file row N`). The first thing to run on new data.
@@ -19,11 +19,10 @@ import numpy as np
 from toolkit.builtin.dummy_data import DUMMY_PREFIX, write_dummy_files
 from toolkit.config.schema import DataEntry, Recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.data import TrainingSet
-from toolkit.data.plan import StageRows
+from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.data.plan import StageRows, TrainingSet
+from toolkit.data.stages import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
 from toolkit.errors import ToolkitError
-from toolkit.labels import IGNORE_INDEX
-from toolkit.run_data import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
 from toolkit.runtime.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -91,7 +90,7 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
     beside the output dir, never in it), so the training run that follows opens them instead of tokenising again;
     dummy data training has not generated yet is written to a temporary folder, as is nothing in the output dir."""
     from toolkit.builtin.models import materialize_builtin
-    from toolkit.model import is_vision_language, load_processing
+    from toolkit.model.load import is_vision_language, load_processing
 
     names = [s.name for s in recipe.stages]
     if stage is not None and stage not in names:

@@ -2,7 +2,7 @@
 
 Builds the model skeleton on the meta device from its config (shipped configs of the flagship models, a local
 directory, or the built-in tiny model: no weights are read or downloaded), estimates per-GPU memory for every
-strategy (toolkit.memory) and every stage (each with its own micro batch x max_seq_len tokens: a packed row is
+strategy (toolkit.model.memory) and every stage (each with its own micro batch x max_seq_len tokens: a packed row is
 max_seq_len tokens, and without packing max_seq_len is the worst case), reports each stage's peak and the table of
 the worst stage, marks the strategy the accelerate config selects, recommends the cheapest that fits, and scans
 each stage's data: rows, token-length percentiles, rows over max_seq_len and rows without loss.
@@ -21,8 +21,8 @@ from toolkit.builtin.models import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODE
 from toolkit.config.schema import DataConfig, Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
-from toolkit.fused_layers import resolve_fused_layers
-from toolkit.memory import GIB, estimate_all, format_table, load_model_config
+from toolkit.model.fused_layers import resolve_fused_layers
+from toolkit.model.memory import GIB, estimate_all, format_table, load_model_config
 from toolkit.runtime.run_dir import RunLayout
 from toolkit.strategies import strategy_of_config
 
@@ -40,9 +40,10 @@ def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_l
                thinking: str = "auto", chat_template: str | None = None) -> dict[str, Any]:
     """Length statistics of a stage's rows, before any over-length policy (tokenised in memory, on every core).
     `chat_template`: the recipe's data.chat_template that `tokenizer` carries (named by refusals)."""
-    from toolkit.data import TextEncoder, resolve_source
+    from toolkit.data.encoding import TextEncoder
+    from toolkit.data.sources import resolve_source
+    from toolkit.data.stages import num_proc
     from toolkit.data.store import open_store
-    from toolkit.run_data import num_proc
 
     encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template)
     processes = num_proc(DataConfig())
@@ -156,7 +157,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                   "stage's kept, dropped and truncated rows at its start)."]
     elif scan_data:
         from toolkit.builtin.models import materialize_builtin
-        from toolkit.model import load_tokenizer
+        from toolkit.model.load import load_tokenizer
 
         with tempfile.TemporaryDirectory() as tmp:
             try:

@@ -10,7 +10,7 @@ via `toolkit.builtin.models.materialize_builtin`).
 Works without torchvision: transformers 5.x' stock `Qwen2_5_VLProcessor` insists on a (torchvision-only) video
 processor, so the tiny models ship `Qwen2_5_VLImageOnlyProcessor` (same processing, images only). AutoProcessor only
 finds it once registered: `register_image_only_processor()` does that, called where such a processor is built
-(`build_vl_processor`) or loaded (`toolkit.model.load_processor`); importing this module registers nothing.
+(`build_vl_processor`) or loaded (`toolkit.model.load.load_processor`); importing this module registers nothing.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _tiny_language_model_config(tok: Any, hidden: int) -> dict[str, Any]:
 def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Save a seeded random-weight Qwen2.5-VL (2+2 layers) and its processor to `out_dir`; return the path.
 
-    Loads back with `AutoModelForImageTextToText` and `toolkit.model.load_processor` (or `AutoProcessor` after
+    Loads back with `AutoModelForImageTextToText` and `toolkit.model.load.load_processor` (or `AutoProcessor` after
     `register_image_only_processor()`).
     """
     processor = build_vl_processor(stock_template("qwen2.5-vl"))
@@ -167,7 +167,7 @@ def _save_tiny(out_dir: str | Path, model_class: Any, config: Any, processor: An
     (out / "README.md").write_text(
         f"# Tiny random-weight {name}\n\n"
         f"Built by `toolkit.builtin.vl_model` (seed={seed}); outputs are meaningless, for tests only.\n"
-        "Load the processor with `toolkit.model.load_processor`, or with AutoProcessor after "
+        "Load the processor with `toolkit.model.load.load_processor`, or with AutoProcessor after "
         "`toolkit.builtin.vl_model.register_image_only_processor()`.\n"
     )
     return out

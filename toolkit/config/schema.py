@@ -33,7 +33,7 @@ class ModelConfig(_Section):
     )
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="auto = flash_attention_2 when flash-attn is importable and on CUDA, else sdpa (run as "
-        "the toolkit's sdpa_packed: packed rows attend per sample span, no T x T mask; toolkit/attention.py)."
+        "the toolkit's sdpa_packed: packed rows attend per sample span, no T x T mask; toolkit/model/attention.py)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
     loss_head: Literal["auto", "chunked", "liger", "standard"] = Field(

@@ -7,21 +7,8 @@ served to the training loop as index arrays and batches.
   store.py     the token store: prepared once per machine on every core, memory-mapped read-only by every rank
   plan.py      packing and ordering: length policy, packing plan, difficulty, as index arrays over the stores
   batching.py  batches: the DataLoader over a stage's rows, whose samples per step are a pure function of the step
+  packing.py   packed rows split back into samples, and their varlen boundaries for the attention kernels
+  collate.py   micro-batches: padded or packed, text or image rows
+  vision.py    image-text rows: images decoded and expanded into the processor's image tokens
+  stages.py    a run's data: each stage's sources, token stores, fingerprint and training / eval rows
 """
-
-from toolkit.data.encoding import (
-    DataStats,
-    EncodedBatch,
-    TextEncoder,
-    check_messages,
-    encode_row,
-    fit_to_length,
-    has_generation_tags,
-)
-from toolkit.data.plan import EncodedRows, TrainingSet, encode_files, load_training_set
-from toolkit.data.sources import Entry, content_digest, iter_jsonl, resolve_data_paths, resolve_source
-from toolkit.labels import IGNORE_INDEX
-
-__all__ = ["IGNORE_INDEX", "DataStats", "EncodedBatch", "EncodedRows", "Entry", "TextEncoder",
-           "TrainingSet", "check_messages", "content_digest", "encode_files", "encode_row", "fit_to_length",
-           "has_generation_tags", "iter_jsonl", "load_training_set", "resolve_data_paths", "resolve_source"]

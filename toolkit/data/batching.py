@@ -9,7 +9,7 @@ rank r taking slot j * world + r (`toolkit.curriculum.rank_micro_batches`). A re
 starts a new loader at its step: nothing to fast-forward, nothing in a checkpoint.
 
 Worker processes read the rows (from the memory-mapped stores) and collate them, images decoded and resized there
-(`toolkit.collate.VLCollator`); each batch comes with its samples' token lengths (FLOPs). A collator's error
+(`toolkit.data.collate.VLCollator`); each batch comes with its samples' token lengths (FLOPs). A collator's error
 (an image gone missing) reaches the training process as the same one-line error, not a worker traceback.
 """
 
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.labels import IGNORE_INDEX
-from toolkit.metrics import sample_lengths
+from toolkit.metrics.log import sample_lengths
 from toolkit.runtime.signals import signal_when_parent_dies
 
 

@@ -42,8 +42,10 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from toolkit.errors import ToolkitError
-from toolkit.labels import IGNORE_INDEX
 from toolkit.templates import IM_END, IM_START, STOCK_FILES, TEMPLATE_NAMES, is_jinja_text, stock_template
+
+IGNORE_INDEX = -100
+"""Label of a token that carries no loss (the value transformers' losses ignore)."""
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from toolkit.atomic import write_atomic
 from toolkit.data.encoding import DataStats, overlength_message
+from toolkit.data.packing import pack_best_fit_decreasing, pack_row
 from toolkit.data.store import Store
 from toolkit.errors import ToolkitError
-from toolkit.packing import pack_best_fit_decreasing, pack_row
 
 
 @dataclass
@@ -148,7 +148,7 @@ class SourceRows(Sequence[dict[str, Any]]):
 
 
 def packed_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """`toolkit.packing.pack_row`, and for vision-language samples their images and grids in order, with how many
+    """`toolkit.data.packing.pack_row`, and for vision-language samples their images and grids in order, with how many
     images each sample has (`image_counts`: the collator splits them back per sample). An image is never split:
     samples are packed whole."""
     row: dict[str, Any] = pack_row(samples)

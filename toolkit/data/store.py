@@ -73,10 +73,9 @@ import transformers
 from tqdm.auto import tqdm
 
 from toolkit.atomic import build_dir, fsync_dir, write_atomic
-from toolkit.data.encoding import EncodedBatch, unread_message_keys
+from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, unread_message_keys
 from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
-from toolkit.labels import IGNORE_INDEX
 from toolkit.runtime.signals import Stopped, signal_when_parent_dies
 
 log = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ class RunLayout:
 
     @property
     def metrics(self) -> Path:
-        """One JSON record per logged step, stage end and eval (toolkit/metrics.py)."""
+        """One JSON record per logged step, stage end and eval (toolkit/metrics/log.py)."""
         return self.root / "metrics.jsonl"
 
     @property

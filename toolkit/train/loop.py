@@ -40,11 +40,11 @@ from toolkit.atomic import writing
 from toolkit.checkpoint import manager as checkpoint
 from toolkit.config.schema import Recipe
 from toolkit.curriculum import Curriculum, Stage
+from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals import Evaluator
-from toolkit.flops import batch_train_flops
-from toolkit.labels import IGNORE_INDEX
-from toolkit.metrics import Meter, MetricsLog
+from toolkit.metrics.log import Meter, MetricsLog
+from toolkit.model.flops import batch_train_flops
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag

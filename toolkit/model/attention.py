@@ -43,6 +43,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from toolkit.data.packing import flash_boundaries
 from toolkit.errors import ToolkitError
 
 log = logging.getLogger(__name__)
@@ -51,19 +52,6 @@ SDPA_PACKED = "sdpa_packed"
 EAGER_PACKED = "eager_packed"
 RECIPE_TO_KERNEL = {"sdpa": SDPA_PACKED, "eager": EAGER_PACKED, "flash_attention_2": "flash_attention_2"}
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def flash_boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
-    """The varlen boundaries of a packed row from its `position_ids` (`[1, T]` or `[T]`, restarting at 0 at every
-    sample): `cu_seq_lens_q/k`, int32 offsets of the sample starts plus T (flash-attn's `cu_seqlens`), and
-    `max_length_q/k`, the longest sample as a Python int. Computed on the host, where the collator runs."""
-    pos = position_ids.reshape(-1)
-    starts = (pos == 0).nonzero().reshape(-1)
-    if pos.numel() == 0 or starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError("a packed row's position_ids must start at 0")
-    cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 # ------------------------------------------------------------------------------------------- the kernels
@@ -125,7 +113,7 @@ def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor
     """(cu_seq_lens, max_length) of a packed row from its restarting position_ids (one host read per forward)."""
     if position_ids.ndim != 2 or position_ids.shape[0] != 1 or int(position_ids[0, 0]) != 0:
         raise ValueError("packed rows with sdpa_packed / eager_packed must come as one row whose position_ids start "
-                         "at 0 (toolkit.packing.PackedCollator's layout)")
+                         "at 0 (toolkit.data.packing.PackedCollator's layout)")
     found = flash_boundaries(position_ids.cpu())
     return found["cu_seq_lens_q"].to(position_ids.device), found["max_length_q"]
 
@@ -287,3 +275,23 @@ def choose_attention(requested: str) -> str:
                    EAGER_PACKED: "eager per sample"}[kernel]
     log.info("attention: %s (packed rows: %s, no T x T mask)", kernel, packed_rows)
     return kernel
+
+
+# Attention implementations that honour position-id restarts (see the module docstring).
+PACKING_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                               SDPA_PACKED, EAGER_PACKED})
+
+
+def check_packing_support(model: torch.nn.Module) -> None:
+    """Raise ValueError unless `model` (plain or PEFT-wrapped) will keep packed samples apart.
+
+    transformers only splits a flattened row at position-id restarts when there is no KV cache, so
+    `config.use_cache` must be False, and the attention implementation must be one that uses the restarts.
+    """
+    config = model.config
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in PACKING_ATTENTION:
+        raise ValueError(f"packing needs one of {sorted(PACKING_ATTENTION)} attention, the model uses {attn!r}")
+    if getattr(config, "use_cache", False) or getattr(config.get_text_config(), "use_cache", False):
+        raise ValueError("packing needs model.config.use_cache = False: with a KV cache transformers ignores the "
+                         "position-id restarts and packed samples attend to each other")

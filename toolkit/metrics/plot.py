@@ -14,7 +14,7 @@ from typing import Any
 
 from toolkit.atomic import write_atomic
 from toolkit.errors import ToolkitError
-from toolkit.metrics import read_metrics
+from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens / s"))

@@ -39,17 +39,18 @@ parameters the optimizer updates, "frozen" the rest):
       (2*h + 3*a*d + 2*k*d + 4*i) * b  +  (2*h + qk) * 4  bytes
   (the matmul inputs (two norm outputs, the attention output), q, k, v and the kernel's output, the MLP's gate, up,
   silu(gate) and product; RMSNorm normalises in fp32 and keeps that fp32 input, as do Qwen3's per-head q/k norms, qk =
-  a*d + k*d). With Liger's fused layers (toolkit/fused_layers.py) the norms keep their input in b and SwiGLU
+  a*d + k*d). With Liger's fused layers (toolkit/model/fused_layers.py) the norms keep their input in b and SwiGLU
   recomputes silu(gate): (2*h + 3*a*d + 2*k*d + 3*i) * b + (2*h + qk) * b. A frozen Linear keeps no input (its weight
   needs no gradient): the matmul inputs are kept by the LoRA adapters (or the trained weights) beside it, once per
   input in b. fp32 LoRA adapters over a 16-bit base without autocast keep (5*h + a*d + i) * 4 instead of (2*h + a*d +
   i) * b: PEFT casts each adapted Linear's input to fp32 and each keeps its own copy, q, k and v three of the same
-  input (under autocast the toolkit turns the cast off: toolkit.model.skip_adapter_input_casts). Without checkpointing
+  input (under autocast the toolkit turns the cast off: toolkit.model.load.skip_adapter_input_casts). Without
+  checkpointing
   all L layers are kept: L*T*e. With checkpointing only each layer's input is kept, L*T*h*r (r: bytes of the hidden
   states, the weights' dtype), plus one layer recomputed in backward, T*e. Shared by all layers: rotary cos/sin
   (2*d*r) and the final norm's fp32 input (4*h). The loss head adds C*V*(b + 8) (the logits, and the fp32 log-softmax
   and gradient the cross-entropy makes) for C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T,
-  loss_chunk_size), with the chunked head (toolkit/loss_head.py, the default), plus T*h*4 for the gradient of the
+  loss_chunk_size), with the chunked head (toolkit/model/loss_head.py, the default), plus T*h*4 for the gradient of the
   hidden states it selects. On CPU the whole step matches a measured one within 7% up to 4096 tokens
   (bench/loss_head_memory.py, tests/test_memory.py; at 16384 the measured step is 25% larger, outside what autograd
   saves: docs/benchmarks.md). Vision-tower activations of VL models depend on the images and are not included.
@@ -176,7 +177,7 @@ def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_
                            fused_layers: bool = False) -> int:
     """Bytes one decoder layer saves for backward per token (see the module docstring; counted against autograd's
     saved tensors in tests/test_activation_memory.py). ``fused_layers``: Liger's RMSNorm keeps its 16-bit input
-    instead of an fp32 copy, its SwiGLU gate and up without silu(gate) (toolkit/fused_layers.py; 1% under the
+    instead of an fp32 copy, its SwiGLU gate and up without silu(gate) (toolkit/model/fused_layers.py; 1% under the
     measured H100 peak of Qwen3-8B LoRA at 4096 tokens, docs/benchmarks.md)."""
     c = config.get_text_config()
     h, inter = c.hidden_size, c.intermediate_size
@@ -227,7 +228,7 @@ def loss_bytes(config: Any, *, tokens: int, activation_bytes: int, loss_head: st
     per_token = vocab * (activation_bytes + 8)
     if loss_head == "standard":
         return tokens * per_token
-    from toolkit.loss_head import default_chunk_tokens
+    from toolkit.model.loss_head import default_chunk_tokens
 
     chunk = min(tokens, loss_chunk_size or default_chunk_tokens(vocab))
     return chunk * per_token + tokens * hidden * 4

@@ -13,8 +13,9 @@ from typing import Any
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
-from toolkit.data import TextEncoder, TrainingSet, resolve_source
-from toolkit.data.plan import SourceRows, StageRows, kept_difficulty, select_rows, training_set
+from toolkit.data.encoding import TextEncoder
+from toolkit.data.plan import SourceRows, StageRows, TrainingSet, kept_difficulty, select_rows, training_set
+from toolkit.data.sources import resolve_source
 from toolkit.data.store import Store, open_store
 from toolkit.errors import ToolkitError
 from toolkit.runtime.run_dir import RunLayout
@@ -73,7 +74,7 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None) -> Any:
     """What turns the run's rows into tokens: the text encoder, or for a vision-language model (`processor`
     given) the processor's encoder."""
     if processor is not None:
-        from toolkit.vl_data import VLEncoder  # image rows only
+        from toolkit.data.vision import VLEncoder  # image rows only
 
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
                          chat_template=data.chat_template)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import ToolkitError
-from toolkit.loss_head import liger_available
+from toolkit.model.loss_head import liger_available
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ row with no padding at all.
 Guarantees:
   * No cross-sample attention. `position_ids` restart at 0 at every sample start and there is no
     `attention_mask`; the collator adds the varlen boundaries (`cu_seq_lens_q/k`, `max_length_q/k`:
-    `toolkit.attention.flash_boundaries`), which reach every attention call through the model's kwargs.
+    `flash_boundaries` below), which reach every attention call through the model's kwargs.
     flash_attention_2 runs varlen on them; the toolkit's `sdpa_packed` / `eager_packed` kernels
-    (toolkit/attention.py) attend within each sample span, with no T x T mask. transformers' stock sdpa and eager
+    (toolkit/model/attention.py) attend within each sample span, with no T x T mask. transformers' stock sdpa and eager
     would split the row too (`masking_utils.find_packed_sequence_indices`), with a dense `[T, T]` mask. All of
     this holds only when `attention_mask` is None and there is no KV cache: a 2D all-ones mask, or
     `use_cache=True` (the config default, which builds a DynamicCache even in training), silently turns the row
@@ -34,12 +34,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-from toolkit.attention import EAGER_PACKED, SDPA_PACKED, flash_boundaries
-from toolkit.labels import IGNORE_INDEX
-
-# Attention implementations that honour position-id restarts (see the module docstring).
-PACKING_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
-                               SDPA_PACKED, EAGER_PACKED})
+from toolkit.data.encoding import IGNORE_INDEX
 
 
 def pack_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -160,16 +155,14 @@ class PackedCollator(DataCollatorWithFlattening):
         return {**batch, **flash_boundaries(batch["position_ids"])}
 
 
-def check_packing_support(model: torch.nn.Module) -> None:
-    """Raise ValueError unless `model` (plain or PEFT-wrapped) will keep packed samples apart.
-
-    transformers only splits a flattened row at position-id restarts when there is no KV cache, so
-    `config.use_cache` must be False, and the attention implementation must be one that uses the restarts.
-    """
-    config = model.config
-    attn = getattr(config, "_attn_implementation", None)
-    if attn not in PACKING_ATTENTION:
-        raise ValueError(f"packing needs one of {sorted(PACKING_ATTENTION)} attention, the model uses {attn!r}")
-    if getattr(config, "use_cache", False) or getattr(config.get_text_config(), "use_cache", False):
-        raise ValueError("packing needs model.config.use_cache = False: with a KV cache transformers ignores the "
-                         "position-id restarts and packed samples attend to each other")
+def flash_boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The varlen boundaries of a packed row from its `position_ids` (`[1, T]` or `[T]`, restarting at 0 at every
+    sample): `cu_seq_lens_q/k`, int32 offsets of the sample starts plus T (flash-attn's `cu_seqlens`), and
+    `max_length_q/k`, the longest sample as a Python int. Computed on the host, where the collator runs."""
+    pos = position_ids.reshape(-1)
+    starts = (pos == 0).nonzero().reshape(-1)
+    if pos.numel() == 0 or starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("a packed row's position_ids must start at 0")
+    cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

@@ -1,5 +1,5 @@
 """Rows to batches: `batch_collator` picks the collator of a run. Text rows are padded (`padding_collator`,
-transformers' seq2seq collator) or flattened when packed (`toolkit.packing.PackedCollator`); vision-language rows
+transformers' seq2seq collator) or flattened when packed (`toolkit.data.packing.PackedCollator`); vision-language rows
 go through `VLCollator`, which pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe, or when packed
 through `VLPackedCollator` (one flattened row, multimodal rotary ids per sample). Collators run in the DataLoader's
 worker processes (toolkit/data/batching.py), so images are decoded there.
@@ -13,11 +13,11 @@ import torch
 from PIL import Image
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
+from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.data.packing import PackedCollator, unpack_row
+from toolkit.data.vision import process_images
 from toolkit.errors import ToolkitError
-from toolkit.labels import IGNORE_INDEX
-from toolkit.packing import PackedCollator, unpack_row
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
-from toolkit.vl_data import process_images
 
 
 class VLCollator:
@@ -115,7 +115,7 @@ class MRopeIndex:
 
 class VLPackedCollator(VLCollator):
     """Packed vision-language rows flattened into one row `[1, T]` with no padding (`data.packing` for Qwen2.5-VL
-    and Qwen3-VL), the VL side of `toolkit.packing.PackedCollator`.
+    and Qwen3-VL), the VL side of `toolkit.data.packing.PackedCollator`.
 
     Every sample keeps its own positions: `position_ids` is `[4, 1, T]`, the text positions restarting at 0 per
     sample (transformers builds the block-diagonal mask from them, as for text) stacked on the multimodal rotary

@@ -13,7 +13,8 @@ No pixel is decoded here. An image's grid, and so its number of tokens, follows 
 processor resizes to a multiple of patch x merge within its pixel bounds (`smart_resize`), so `image_grid` reads
 the size from the file's header. The rendering's `<|image_pad|>` is expanded to that many tokens, as the processor
 does, and the rows tokenised in one batch. Pixels are decoded and resized when a batch is built, in DataLoader
-workers (`toolkit.collate.VLCollator`), which checks that each image still gives the grid its row was prepared with.
+workers (`toolkit.data.collate.VLCollator`), which checks that each image still gives the grid its row was prepared
+with.
 """
 
 from __future__ import annotations

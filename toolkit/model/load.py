@@ -24,9 +24,9 @@ from transformers import (
 
 from toolkit.checkpoint.manager import FINAL_CHECKSUMS, verify_final
 from toolkit.errors import ToolkitError
+from toolkit.model.trainable import modules_to_train
 from toolkit.strategies.deepspeed import full_numel
 from toolkit.templates import resolve_chat_template
-from toolkit.trainable import modules_to_train
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,2 @@
+"""The model: loading (tokenizer, processor, dtype, LoRA), the attention kernels for packed rows, fused layers, the
+loss head, what each stage trains, and the estimates of its memory and FLOPs."""
