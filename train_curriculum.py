@@ -37,7 +37,7 @@ from toolkit.config.identity import resume_invariants
 from toolkit.config.load import flat_config, load_recipe, recipe_to_yaml
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
-from toolkit.curriculum import Curriculum, StagePlan, build_curriculum
+from toolkit.curriculum.stages import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
 from toolkit.data.collate import batch_collator
 from toolkit.data.stages import (
@@ -49,8 +49,8 @@ from toolkit.data.stages import (
     uses_dummy_data,
 )
 from toolkit.errors import ToolkitError, out_of_space
-from toolkit.evals import Evaluator, GenerationPlan, import_scorers, load_generation_plan
-from toolkit.forgetting import prune_after
+from toolkit.evals.evaluator import Evaluator, GenerationPlan, import_scorers, load_generation_plan
+from toolkit.evals.forgetting import prune_after
 from toolkit.metrics.log import Meter, MetricsLog, check_trackers, truncate_after
 from toolkit.model.attention import check_packing_support, choose_attention
 from toolkit.model.flops import peak_flops

@@ -49,8 +49,8 @@ bfloat16 keys, "Expected query, key, and value to have the same dtype"; reproduc
 
 def check_final(final: Path, merged: Path) -> dict[str, Any]:
     """Export `final` merged, load the merged model on the GPU (or CPU) and run one forward."""
-    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", str(final), "--merge", "--out", str(merged)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "export", str(final), "--merge", "--out",
+                           str(merged)], cwd=REPO, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         return {"export": "failed", "export_tail": proc.stderr[-2000:]}
     import torch

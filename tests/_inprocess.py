@@ -21,7 +21,7 @@ import pytest
 
 import train_curriculum
 from tests.conftest import REPO, run_env
-from toolkit import cli
+from toolkit.commands import cli
 
 
 @dataclass
@@ -60,7 +60,7 @@ def process_state_kept() -> Iterator[None]:
 def invoke(call: Call, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
     if call.subprocess:
         cmd = [sys.executable, str(REPO / "train_curriculum.py")] if call.tool == "train" else \
-            [sys.executable, "-m", "toolkit.cli"]
+            [sys.executable, "-m", "toolkit.commands.cli"]
         proc = subprocess.run([*cmd, *call.argv], cwd=cwd, env=run_env() | call.env, capture_output=True,
                               text=True, timeout=300)
         return proc.returncode, proc.stderr

@@ -2,7 +2,7 @@
 process group is destroyed.
 
 Launched in place of train_curriculum.py (`accelerate launch tests/_spy_generation.py --config ...`, with
-SPY_GENERATION_DIR set): it counts the parameter all-gathers issued inside `toolkit.generation.generate` (the
+SPY_GENERATION_DIR set): it counts the parameter all-gathers issued inside `toolkit.evals.generation.generate` (the
 token-by-token forwards) and around it (the gather of the full weights, once per eval), and writes one JSON per
 rank. Weights gathered once per eval means no all-gather at all inside `generate`: under ZeRO-3 and FSDP2 a
 forward through sharded weights would all-gather every layer's parameters at every new token.
@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 import train_curriculum
-from toolkit import evals
+from toolkit.evals import evaluator as evals
 from toolkit.runtime import process as distributed
 
 GATHERS = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "all_gather_coalesced",

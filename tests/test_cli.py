@@ -1,4 +1,4 @@
-"""Tests for toolkit/cli.py: the commands that read a recipe resolve built-in model names (`builtin:...`) as
+"""Tests for toolkit/commands/cli.py: the commands that read a recipe resolve built-in model names (`builtin:...`) as
 training does, from any working directory (export's own case is in tests/test_nothing_lost.py)."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_a_stop_during_inspect_data_is_one_line_and_keeps_nothing_half_written(t
     recipe = base_recipe(TINY_MODEL, str(tmp_path / "big.jsonl")) | {"output_dir": str(tmp_path / "run")}
     recipe["data"] = {**recipe.get("data", {}), "num_proc": 1}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "inspect-data", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.commands.cli", "inspect-data", "--config",
                              str(tmp_path / "recipe.yaml")], cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     stores = tmp_path / ".toolkit-cache" / "tokenized" / "stores"

@@ -1,4 +1,5 @@
-"""Tests for toolkit/curriculum.py: stage layout, step lookup, seeded batches (toolkit.sampling.StageSampler in shuffle
+"""Tests for toolkit/curriculum/stages.py: stage layout, step lookup, seeded batches
+(toolkit.curriculum.sampling.StageSampler in shuffle
 mode), rank split and per-stage LR schedules (cosine, linear, constant, wsd, continue)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.curriculum import (
+from toolkit.curriculum.sampling import StageSampler
+from toolkit.curriculum.stages import (
     Curriculum,
     Patience,
     StagePlan,
@@ -29,7 +31,6 @@ from toolkit.curriculum import (
 from toolkit.data.encoding import DataStats
 from toolkit.data.plan import TrainingSet
 from toolkit.errors import ToolkitError
-from toolkit.sampling import StageSampler
 
 
 def _two_stages(**overrides) -> list[StagePlan]:
@@ -587,7 +588,7 @@ GATED = ("stages.0.advance_when={metric: eval_loss, at_most: 2.0, min_steps: 3}"
 
 def test_a_gate_is_met_once_its_metric_reaches_the_threshold_after_min_steps() -> None:
     from toolkit.config.schema import AdvanceWhen
-    from toolkit.curriculum import Gate
+    from toolkit.curriculum.stages import Gate
 
     gate = Gate(AdvanceWhen(metric="facts.exact", at_least=0.75, min_steps=3))
     assert not gate.update({"facts.exact": 0.5}, steps_in_stage=1, step=11)

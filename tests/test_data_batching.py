@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from accelerate.data_loader import prepare_data_loader
 
-from toolkit.curriculum import rank_micro_batches
+from toolkit.curriculum.sampling import StageSampler
+from toolkit.curriculum.stages import rank_micro_batches
 from toolkit.data.batching import StageBatches
 from toolkit.errors import ToolkitError
-from toolkit.sampling import StageSampler
 
 WORLD, ACCUM, MICRO, STEPS = 2, 2, 3, 7
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from toolkit.evals import completions_to_trackers
+from toolkit.evals.evaluator import completions_to_trackers
 from toolkit.runtime import process as distributed
 
 

@@ -7,8 +7,8 @@ import io
 import json
 from pathlib import Path
 
-from toolkit import cli
-from toolkit.forgetting import MatrixLog, matrix_record, plot_forgetting, prune_after, row_label
+from toolkit.commands import cli
+from toolkit.evals.forgetting import MatrixLog, matrix_record, plot_forgetting, prune_after, row_label
 from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout
 

@@ -129,8 +129,8 @@ def test_preflight_counts_fused_layers_as_training_would(tmp_path: Path) -> None
     recipe.write_text("model: {name_or_path: qwen3-8b}\nstages: [{name: s, data: [dummy:stage1], max_steps: 1}]\n")
     lines = {}
     for value in ("auto", "liger", "none"):
-        proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "preflight", "--config", str(recipe), "--no-data",
-                               "--accelerate-config", "accelerate_configs/single.yaml", "--num-gpus", "1",
+        proc = subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "preflight", "--config", str(recipe),
+                               "--no-data", "--accelerate-config", "accelerate_configs/single.yaml", "--num-gpus", "1",
                                f"model.fused_layers={value}"], cwd=REPO, env=run_env(), capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]

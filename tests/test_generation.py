@@ -18,7 +18,7 @@ from tests.conftest import write_jsonl
 from toolkit.builtin.dummy_data import write_dummy_vl_data
 from toolkit.config.schema import GenerationEvalConfig
 from toolkit.errors import ToolkitError
-from toolkit.generation import (
+from toolkit.evals.generation import (
     GenerationEval,
     encode_batch,
     generate,
@@ -27,11 +27,11 @@ from toolkit.generation import (
     plan_batches,
     read_generation_rows,
 )
+from toolkit.evals.scorers import build_scorers
 from toolkit.model.attention import EAGER_PACKED, SDPA_PACKED
 from toolkit.model.load import load_processing
 from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
-from toolkit.scorers import build_scorers
 
 USER = {"role": "user", "content": "What is 2 + 2?"}
 pytestmark = pytest.mark.usefixtures("one_thread")

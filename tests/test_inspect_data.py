@@ -16,11 +16,11 @@ import yaml
 from tests.conftest import stock_template
 from tests.test_data_sources import ALPACA, ROWS, SHAREGPT, _jsonl, _table, _write
 from toolkit.builtin.dummy_data import write_dummy_files
+from toolkit.commands.inspect_data import inspect_data
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.data.stages import load_curriculum_data, tokenized_cache_dir
-from toolkit.inspect_data import inspect_data
 from toolkit.runtime.run_dir import RunLayout
 
 LONG = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(40)))},

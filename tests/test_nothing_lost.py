@@ -40,11 +40,11 @@ from tests.conftest import (
     write_jsonl,
 )
 from toolkit import atomic
-from toolkit import export as export_module
 from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.checkpoint.manager import META_FILE, CheckpointManager, _unsaveable, read_meta
+from toolkit.commands import export as export_module
+from toolkit.commands.export import EXPORT_MARKER, export
 from toolkit.errors import ToolkitError
-from toolkit.export import EXPORT_MARKER, export
 from toolkit.metrics.log import MetricsLog, read_metrics, truncate_after
 from toolkit.metrics.plot import plot_run
 from toolkit.runtime.run_dir import COMMIT_MARKER, RunLayout, RunLock, committed_checkpoints
@@ -77,7 +77,7 @@ def test_export_replaces_only_its_own_earlier_export_and_leaves_nothing_behind(t
     def fail(path: Path) -> None:
         raise ToolkitError("simulated failure after the weights were written")
 
-    monkeypatch.setattr("toolkit.export._no_empty", fail)
+    monkeypatch.setattr("toolkit.commands.export._no_empty", fail)
     with pytest.raises(ToolkitError, match="simulated failure"):
         export(run, out)
     assert snapshot(out) == before
@@ -169,7 +169,7 @@ def test_export_swap_interrupted_or_refused_keeps_the_earlier_export(trained: Pa
         out.mkdir()
         (out / "notes.txt").write_text("keep me")
 
-    monkeypatch.setattr("toolkit.export._no_empty", user_takes_out)
+    monkeypatch.setattr("toolkit.commands.export._no_empty", user_takes_out)
     with pytest.raises(ToolkitError, match="not an earlier export"):
         export(run, out)
     assert (out / "notes.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]

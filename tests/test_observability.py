@@ -104,7 +104,7 @@ def test_live_metrics_and_mfu(tmp_path: Path) -> None:
         assert all(r[key] is not None and r[key] >= 0 for r in records), key
     assert all(0 < r["mfu"] < 1 for r in records)
     assert any((out / "trackers").rglob("events.out.tfevents.*")), "no TensorBoard event file"
-    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "plot", str(out)], cwd=REPO, env=run_env(),
+    proc = subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "plot", str(out)], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     png = out / "training.png"
@@ -122,7 +122,7 @@ def test_missing_tracker_names_the_package(tmp_path: Path) -> None:
 
 
 def _toolkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], cwd=REPO, env=run_env(),
+    return subprocess.run([sys.executable, "-m", "toolkit.commands.cli", *args], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=300)
 
 

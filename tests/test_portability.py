@@ -125,7 +125,7 @@ def test_full_finetuning_on_another_world_size_names_both_layouts(zero3_full: Pa
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", "export", *args], cwd=REPO, env=run_env(),
+    return subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "export", *args], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=300)
 
 

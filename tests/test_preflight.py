@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_env
+from toolkit.commands.preflight import preflight, stage_estimates, worst_stage
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.model.memory import activation_memory, load_model_config
-from toolkit.preflight import preflight, stage_estimates, worst_stage
 
 QWEN3_8B_RECIPE = REPO / "recipes" / "qwen3_8b_lora_curriculum.yaml"
 

@@ -247,7 +247,7 @@ def _recipe(tmp_path: Path, model: Path, rows: list[dict[str, Any]], **data: Any
 
 def test_inspect_data_marks_trained_tokens(tmp_path: Path, qwen3_dir: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from toolkit.cli import main
+    from toolkit.commands.cli import main
 
     rows = [{"messages": MULTI}, {"messages": TOOL_CALLS, "tools": TOOLS}, {"messages": SINGLE}]
     recipe = _recipe(tmp_path, qwen3_dir, rows)
@@ -270,7 +270,7 @@ def test_inspect_data_marks_trained_tokens(tmp_path: Path, qwen3_dir: Path,
 
 
 def test_inspect_data_colours_on_a_terminal(qwen3_dir: Path, toks: dict[str, Any]) -> None:
-    from toolkit.inspect_data import GREEN, RESET, mark_trained
+    from toolkit.commands.inspect_data import GREEN, RESET, mark_trained
 
     tok = toks["qwen3"]
     ids, labels = encode_row({"messages": SINGLE}, tok, "assistant", "f:1")

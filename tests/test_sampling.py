@@ -1,4 +1,5 @@
-"""Tests for toolkit/sampling.py: pure per-step global batches for shuffle / sequential / easy-to-hard epochs,
+"""Tests for toolkit/curriculum/sampling.py: pure per-step global batches for shuffle / sequential / easy-to-hard
+epochs,
 weighted mixtures (with and without replacement) and competence-paced curricula."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from toolkit.curriculum.sampling import Pacing, StageSampler
 from toolkit.errors import ToolkitError
-from toolkit.sampling import Pacing, StageSampler
 
 _LENGTHS = np.arange(100)[::-1] % 17  # token lengths of the default 100-sample stage (many ties)
 

@@ -11,7 +11,7 @@ import pytest
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import GenerationEvalConfig, ScorerConfig
 from toolkit.errors import ToolkitError
-from toolkit.scorers import answer_of, build_scorer, import_function
+from toolkit.evals.scorers import answer_of, build_scorer, import_function
 
 HERE = Path(__file__).resolve().parent
 

@@ -5,7 +5,7 @@ step.
 `StepBatchSampler` yields, for every step of a stage from a given step on, the step's global batch
 (`StageSampler.batch`, sorted by length with `data.group_by_length`) cut into `world x grad_accum` micro-batches in
 slot order; accelerate's `BatchSamplerShard` gives process r the slots r, r + world, ..., which is micro-step j of
-rank r taking slot j * world + r (`toolkit.curriculum.rank_micro_batches`). A resume, or an early stage advance,
+rank r taking slot j * world + r (`toolkit.curriculum.stages.rank_micro_batches`). A resume, or an early stage advance,
 starts a new loader at its step: nothing to fast-forward, nothing in a checkpoint.
 
 Worker processes read the rows (from the memory-mapped stores) and collate them, images decoded and resized there

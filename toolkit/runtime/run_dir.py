@@ -118,7 +118,8 @@ class RunLayout:
 
     @property
     def evals(self) -> Path:
-        """Generation-eval completions and the forgetting matrix (toolkit/evals.py, toolkit/forgetting.py)."""
+        """Generation-eval completions and the forgetting matrix (toolkit/evals/evaluator.py,
+        toolkit/evals/forgetting.py)."""
         return self.root / "evals"
 
     def completions(self, stage: str, step: int) -> Path:

@@ -39,10 +39,10 @@ from accelerate import Accelerator
 from toolkit.atomic import writing
 from toolkit.checkpoint import manager as checkpoint
 from toolkit.config.schema import Recipe
-from toolkit.curriculum import Curriculum, Stage
+from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.evals import Evaluator
+from toolkit.evals.evaluator import Evaluator
 from toolkit.metrics.log import Meter, MetricsLog
 from toolkit.model.flops import batch_train_flops
 from toolkit.runtime import process as distributed
@@ -317,7 +317,8 @@ def eval_due(run: Run, stage: Stage, done: int) -> bool:
 
 
 def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> bool:
-    """Evaluation every eval.every_steps and at the end of each stage (toolkit/evals.py: eval loss and generation
+    """Evaluation every eval.every_steps and at the end of each stage (toolkit/evals/evaluator.py: eval loss and
+    generation
     evals of the stage, or of every stage with eval.all_stages). Its time is left out of training tokens/s. A gate
     met, or patience run out, ends the stage: the curriculum moves the later stages up (`stage.plan` is then the
     shortened one). Every rank decides on rank 0's metrics. Returns whether the stage ends at `done`."""

@@ -3,14 +3,14 @@ eval.all_stages (the forgetting matrix), reduced to one set of metrics that ever
 
 `Evaluator.evaluate` is what the loop calls every eval.every_steps and at stage ends. It runs
 
-* the loss evaluation (toolkit.evaluation) of the stage's eval files: `eval_loss`, `eval_ppl`, `eval_tokens`; with
+* the loss evaluation (toolkit.evals.loss) of the stage's eval files: `eval_loss`, `eval_ppl`, `eval_tokens`; with
   all_stages every stage's files too, as `<stage>.eval_loss`;
-* the generation evals (toolkit.generation) of the stage, or of every stage: `<eval>.<score>`, the mean over the
+* the generation evals (toolkit.evals.generation) of the stage, or of every stage: `<eval>.<score>`, the mean over the
   eval's rows. The weights are gathered once for all of them (toolkit.strategies.generation).
 
 Rank 0 then writes the completions of the eval, one line per row with the prompt, output, reference and score, to
 `evals/<stage>/step-N.jsonl`, sends them to TensorBoard (text) and W&B (a table) where those trackers are on,
-appends the forgetting matrix (toolkit.forgetting) and broadcasts its metrics: every rank then decides gates and
+appends the forgetting matrix (toolkit.evals.forgetting) and broadcasts its metrics: every rank then decides gates and
 patience on rank 0's numbers. The eval's time is returned, so the loop leaves it out of training tokens/s.
 """
 
@@ -28,15 +28,15 @@ from accelerate import Accelerator
 from toolkit.atomic import write_text_atomic, writing
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import ResolvedStage
-from toolkit.curriculum import Curriculum, Stage
+from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.errors import ToolkitError
-from toolkit.evaluation import evaluate
-from toolkit.forgetting import MatrixLog, matrix_record
-from toolkit.generation import GenerationEval, gather_records, generate, load_generation_eval, score_rows
+from toolkit.evals.forgetting import MatrixLog, matrix_record
+from toolkit.evals.generation import GenerationEval, gather_records, generate, load_generation_eval, score_rows
+from toolkit.evals.loss import evaluate
+from toolkit.evals.scorers import Scorer, build_scorers
 from toolkit.metrics.log import to_json_line
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout
-from toolkit.scorers import Scorer, build_scorers
 from toolkit.strategies.generation import full_weights_for_generation, shards_parameters
 
 log = logging.getLogger("toolkit")

@@ -38,7 +38,7 @@ from toolkit.config.schema import GenerationEvalConfig
 from toolkit.data.encoding import check_messages
 from toolkit.data.sources import iter_jsonl, resolve_data_paths
 from toolkit.errors import ToolkitError
-from toolkit.scorers import Scorer
+from toolkit.evals.scorers import Scorer
 
 
 @dataclass

@@ -9,7 +9,8 @@ its building blocks.
 
 Apart from that state (stage lengths after an early advance, patience counters), everything here is a pure
 function of (recipe, dataset sizes, global batch, seed, global step): which stage a step is in, which samples form
-that step's global batch (toolkit.sampling: shuffle, sequential, easy-to-hard with competence pacing, weighted
+that step's global batch (toolkit.curriculum.sampling: shuffle, sequential, easy-to-hard with competence pacing,
+weighted
 mixtures), which of them each rank and micro-step gets, and the learning rate.
 Nothing depends on the number of processes except the final split, so a 2-process run sees the same global
 batches as a 1-process run, and resuming at any step replays exactly the data the uninterrupted run would have
@@ -30,9 +31,9 @@ from transformers import get_scheduler
 
 from toolkit.config.schema import AdvanceWhen
 from toolkit.config.stages import ResolvedStage
+from toolkit.curriculum.sampling import Pacing, StageSampler
 from toolkit.data.plan import TrainingSet
 from toolkit.errors import ToolkitError
-from toolkit.sampling import Pacing, StageSampler
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,15 @@ def _tiny_model(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from toolkit.export import export
+    from toolkit.commands.export import export
 
     print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
                  trust_remote_code=args.trust_remote_code))
 
 
 def _preflight(args: argparse.Namespace) -> None:
+    from toolkit.commands.preflight import preflight
     from toolkit.config.load import load_recipe
-    from toolkit.preflight import preflight
 
     recipe = load_recipe(args.config, args.overrides)
     print(preflight(recipe, Path(args.accelerate_config), num_gpus=args.num_gpus, gpu_memory_gb=args.gpu_memory_gb,
@@ -45,14 +45,14 @@ def _preflight(args: argparse.Namespace) -> None:
 
 
 def _inspect_data(args: argparse.Namespace) -> None:
+    from toolkit.commands.inspect_data import inspect_data
     from toolkit.config.load import load_recipe
-    from toolkit.inspect_data import inspect_data
 
     print(inspect_data(load_recipe(args.config, args.overrides), stage=args.stage, rows=args.rows))
 
 
 def _plot(args: argparse.Namespace) -> None:
-    from toolkit.forgetting import plot_forgetting
+    from toolkit.evals.forgetting import plot_forgetting
     from toolkit.metrics.plot import plot_run
 
     print(plot_run(args.output_dir))

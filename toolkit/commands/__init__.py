@@ -1,0 +1,1 @@
+"""The commands beside training: the `toolkit` CLI (dummy data, preflight, inspect-data, export, plot)."""
