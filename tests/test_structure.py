@@ -10,6 +10,9 @@
   - reference `DistributedType.DEEPSPEED` / `DistributedType.FSDP`, or compare with the strings "DEEPSPEED" / "FSDP";
   - touch a DeepSpeed engine / ZeRO / DTensor attribute (`STRATEGY_ATTRS`), as an attribute or as a string
     (getattr / hasattr / a dict key).
+* The packages are layered (`LAYERS`, bottom first; docs/architecture.md draws them): a module imports only
+  modules of its own package or of packages below it, at module level or lazily; `if TYPE_CHECKING:` imports
+  (annotations only) are not imports. The toolkit's top level holds the leaves only.
 * A run's folder layout is spelled in toolkit/runtime/run_dir.py only (`RunLayout`): no other module of the toolkit or
   train_curriculum.py holds the name of one of its entries (`RUN_LAYOUT_NAMES`) as a string.
 """
@@ -203,6 +206,52 @@ def layout_literals(source: str, filename: str = "<src>") -> list[str]:
 
 def _project_files(root: Path) -> dict[str, Path]:
     return {str(path.relative_to(root)): path for path in _sources(root).values()}
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("toolkit", "toolkit.errors", "toolkit.atomic", "toolkit.templates"),  # leaves
+    ("toolkit.strategies",),
+    ("toolkit.builtin",),
+    ("toolkit.config",),
+    ("toolkit.runtime",),
+    ("toolkit.metrics",),
+    ("toolkit.data",),
+    ("toolkit.checkpoint",),
+    ("toolkit.model",),
+    ("toolkit.curriculum",),
+    ("toolkit.evals",),
+    ("toolkit.train",),
+    ("toolkit.commands",),
+    ("train_curriculum",),
+)
+"""The packages bottom first: each imports only its own and those above it in this list."""
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the package (or leaf module) that holds `module`."""
+    for i, members in enumerate(LAYERS):
+        if any(module == m or (m != "toolkit" and module.startswith(m + ".")) for m in members):
+            return i
+    raise AssertionError(f"{module} is in no layer: a new top-level module or package goes into LAYERS (and "
+                         "docs/architecture.md)")
+
+
+def upward_imports(edges: list[Import]) -> list[str]:
+    """Imports of a module from a higher layer than the importer's."""
+    return [f"{e.source}:{e.line} imports {e.target}" for e in edges if layer_of(e.target) > layer_of(e.source)]
+
+
+def test_packages_import_only_downward() -> None:
+    edges = import_edges(REPO)
+    assert upward_imports(edges) == []
+    assert {layer_of(m) for m in _sources(REPO)} == set(range(len(LAYERS)))  # every layer holds code
+    loose = sorted(m for m in _sources(REPO) if m.count(".") == 1 and layer_of(m) != 0 and m not in
+                   {member for layer in LAYERS for member in layer})
+    assert loose == [], "a module at the toolkit's top level belongs in a package"
+    # the rule can fail: the data layer importing the model, and a leaf importing the config
+    assert upward_imports([Import("toolkit.data.packing", "toolkit.model.attention", 1, False, False),
+                           Import("toolkit.errors", "toolkit.config.schema", 1, True, True)]) == [
+        "toolkit.data.packing:1 imports toolkit.model.attention", "toolkit.errors:1 imports toolkit.config.schema"]
 
 
 def test_module_level_import_graph_has_no_cycle() -> None:
