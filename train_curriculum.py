@@ -12,73 +12,27 @@ The loop's units (one step, what follows a step, the run state a checkpoint rest
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import json
 import logging
-import math
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
-from toolkit import __version__, strategies
-from toolkit.atomic import write_text_atomic
-from toolkit.builtin.dummy_data import use_dummy_data, write_dummy_files
+from toolkit.builtin.dummy_data import use_dummy_data
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint import manager as checkpoint
-from toolkit.config.identity import resume_invariants
-from toolkit.config.load import flat_config, load_recipe, recipe_to_yaml
+from toolkit.config.load import flat_config, load_recipe
 from toolkit.config.schema import Recipe
-from toolkit.config.stages import ResolvedStage, resolve_stages
-from toolkit.curriculum.stages import Curriculum, StagePlan, build_curriculum
-from toolkit.data.batching import StageBatches
-from toolkit.data.collate import batch_collator
-from toolkit.data.stages import (
-    data_fingerprint,
-    load_curriculum_data,
-    loader_workers,
-    store_checksums,
-    tokenized_cache_dir,
-    uses_dummy_data,
-)
+from toolkit.config.stages import resolve_stages
+from toolkit.data.stages import data_fingerprint, loader_workers, tokenized_cache_dir
 from toolkit.errors import ToolkitError, out_of_space
-from toolkit.evals.evaluator import Evaluator, GenerationPlan, import_scorers, load_generation_plan
-from toolkit.evals.forgetting import prune_after
-from toolkit.metrics.log import Meter, MetricsLog, check_trackers, truncate_after
-from toolkit.model.attention import check_packing_support, choose_attention
-from toolkit.model.flops import peak_flops
-from toolkit.model.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
-from toolkit.model.load import (
-    check_model_source,
-    check_remote_code,
-    count_parameters,
-    enable_gradient_checkpointing,
-    is_vision_language,
-    load_model,
-    load_processing,
-    resolve_dtype,
-    setup_lora,
-    skip_adapter_input_casts,
-    upcast_trainable,
-)
-from toolkit.model.loss_head import check_loss_head, install_loss_head
-from toolkit.model.trainable import TrainablePlan, plan_trainable
+from toolkit.evals.evaluator import import_scorers, load_generation_plan
 from toolkit.runtime import process as distributed
 from toolkit.runtime.exit_lines import FAILED_EXIT_CODE, LastWords
-from toolkit.runtime.run_dir import (
-    RunLayout,
-    RunLock,
-    check_output_dir,
-    committed_checkpoints,
-    set_aside_earlier_attempt,
-)
+from toolkit.runtime.run_dir import RunLayout, check_output_dir
 from toolkit.runtime.signals import (
     INTERRUPTED_EXIT_CODE,
     INTERRUPTED_LINE,
@@ -88,9 +42,25 @@ from toolkit.runtime.signals import (
     exit_code,
 )
 from toolkit.strategies.deepspeed import configure_deepspeed
-from toolkit.train.loop import Run, RunState, after_step, enter_stage, run_step
-from toolkit.train.optimizer import StageFreezer, build_optimizer
-from toolkit.train.stability import StabilityGuard
+from toolkit.train.loop import after_step, enter_stage, run_step
+from toolkit.train.optimizer import build_optimizer
+from toolkit.train.setup import (
+    assemble_run,
+    build_collator,
+    build_model,
+    build_stages,
+    check_last_steps_applied,
+    check_model,
+    check_resume,
+    claim_output_dir,
+    name_run,
+    prepare_inputs,
+    resume_run,
+    run_identity,
+    start_accelerator,
+    start_afresh,
+    write_run_files,
+)
 
 log = logging.getLogger("toolkit")
 
@@ -111,7 +81,6 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
-    micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
     scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
     # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
@@ -120,26 +89,14 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     model_path = materialize_builtin(recipe.model.name_or_path, layout.cache)
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
-    check_trackers(recipe.logging.trackers)
-    check_loss_head(recipe.model.loss_head)  # a kernel that cannot run here fails before the data work
-    check_fused_layers(recipe.model.fused_layers)
-    accelerator = distributed.build_accelerator(accum, recipe.distributed.timeout_minutes,
-                                                log_with=recipe.logging.trackers or None,
-                                                project_dir=str(layout.trackers))
+    accelerator = start_accelerator(recipe, layout)
     ending.watch(layout)  # should this rank stop unexpectedly, the others can name it
-    world, strategy = accelerator.num_processes, strategies.strategy_name(accelerator)
-    global_batch = micro * accum * world
     log.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)  # one line per event
-    # Decided once on rank 0 and shared: clocks of different nodes disagree.
-    run_name = distributed.broadcast_from_main(accelerator, recipe.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
-             run_name, strategy, world, accelerator.device, micro, accum, world, global_batch)
+    run_name = name_run(recipe, accelerator)
     _lock, resume_from = claim_output_dir(layout, recipe.checkpoint.resume, accelerator)  # held until exit
 
     # --- Data: tokenised and validated before the model is loaded, so bad input fails in seconds. ---
-    check_model_source(model_path)
-    check_remote_code(model_path, trust_remote_code=recipe.model.trust_remote_code)
-    vision = is_vision_language(model_path, trust_remote_code=recipe.model.trust_remote_code)
+    vision = check_model(model_path, trust_remote_code=recipe.model.trust_remote_code)
     if create_dummy:  # stages not already on dummy data get the generated files
         use_dummy_data(recipe.stages, vision=vision)
     if resume_from is None:  # the recipe is final now: it tells an interrupted attempt of this run from another run
@@ -150,16 +107,11 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     cache = tokenized_cache_dir(recipe.data.cache_dir, out)
     curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
                               layout.dummy_data, cache)
-    collate = batch_collator(processor if vision else tokenizer, vision=vision, packing=recipe.data.packing,
-                             min_pixels=recipe.data.min_pixels, max_pixels=recipe.data.max_pixels,
-                             model_config=AutoConfig.from_pretrained(
-                                 model_path, trust_remote_code=recipe.model.trust_remote_code) if vision else None)
+    collate = build_collator(recipe, model_path, processor if vision else tokenizer, vision=vision)
     generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
                                       layout.dummy_data, vision=vision)
-    identity = run_identity(recipe, accelerator, curriculum.plans, run_name=run_name, model_path=model_path,
-                            data_files=data_fingerprint(resolved, layout.dummy_data, cache),
-                            data_stores=store_checksums([s.data for s in curriculum.stages],
-                                                        [s.eval_rows for s in curriculum.stages]))
+    identity = run_identity(recipe, accelerator, curriculum, run_name=run_name, model_path=model_path,
+                            data_files=data_fingerprint(resolved, layout.dummy_data, cache))
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
@@ -178,13 +130,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # Every parameter that trains in some stage is in the optimizer from the start, one param group per set of
     # stages it trains in; the StageFreezer below withholds the updates of the groups a stage freezes.
     opt = recipe.optimizer
-    # DeepSpeed's train_micro_batch_size_per_gpu never sizes our batches (we feed them ourselves): it only sizes
-    # its own deepspeed_io loader (unused), its samples/throughput counters and its check that train_batch_size =
-    # micro x accum x processes. No one value fits every stage; the first stage's is the batch the engine sees
-    # first, and it is the recipe's own value (train.micro_batch_size alone may be overridden by every stage).
     configure_deepspeed(accelerator, model, resolved[0].micro_batch_size, opt.max_grad_norm)
-    optimizer = build_optimizer(accelerator, trainable.param_groups(model), lr=1.0,
-                                            weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
+    optimizer = build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=opt.weight_decay,
+                                betas=opt.betas, eps=opt.eps)
 
     # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -223,211 +171,6 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
              run.guard.total_skipped)
     distributed.finish_trackers(accelerator)
     return 0
-
-
-def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any], *,
-                 force: bool) -> tuple[dict[str, Any], list[str]]:
-    """The checkpoint's meta once it is shown to fit this run (settings, data, batch, layout, its own files), and
-    what differs and was accepted by `force`."""
-    meta = checkpoint.read_meta(ckpt)
-    forced = checkpoint.check_resumable(meta, ckpt, invariants_hash=identity["recipe_hash"],
-                                        effective_batch=identity["effective_batch"], strategy=identity["strategy"],
-                                        world_size=identity["world_size"], force=force,
-                                        stage_batches=identity["stage_batches"], invariants=identity["invariants"],
-                                        stage_steps=identity["stage_plan_steps"],
-                                        data_files=identity["data_files"], data_stores=identity["data_stores"])
-    checkpoint.check_integrity(accelerator, ckpt, meta)
-    return meta, forced
-
-
-def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) -> None:
-    """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state (with
-    the curriculum's: stages that ended early on eval patience keep their length)."""
-    restored = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
-                                  strategy=run.identity["strategy"], seed=run.recipe.train.seed)
-    run.restore(RunState.from_meta(meta))
-    if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
-        opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
-        for group, base, lr_at in zip(run.optimizer.param_groups, run.scheduler.base_lrs, run.scheduler.lr_lambdas,
-                                      strict=True):
-            group.update(lr=base * lr_at(run.scheduler.last_epoch), weight_decay=opt.weight_decay,
-                         betas=tuple(opt.betas), eps=opt.eps)
-    how = f"{restored.how}, forced past differences" if forced else restored.how
-    (log.warning if restored.lost else log.info)("resumed (%s) from %s: step %d of %d, stage '%s'", how, ckpt,
-                                                 run.resumed.step, run.curriculum.end_step, meta["stage"])
-    for difference in forced:
-        log.warning("checkpoint.resume_force: resumed despite %s", difference)
-
-
-def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -> tuple[RunLock, Path | None]:
-    """Take the run lock (one writer per output dir, however its path is spelled: a second launch, or a requeue
-    while an orphaned trainer runs, stops here) and the checkpoint to resume from, refusing to overwrite an earlier
-    run's checkpoints. The caller holds the lock object for the whole run: the lock goes with it."""
-    out, lock = layout.root, RunLock(layout)
-    busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
-    if busy is not None:
-        raise ToolkitError(f"output_dir {out}: {busy}.")
-    resume_from = checkpoint.find_resume(resume, layout.checkpoints)
-    if resume == "none" and committed_checkpoints(layout.checkpoints):
-        raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
-                           "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
-    return lock, resume_from
-
-
-def start_afresh(layout: RunLayout, recipe: Recipe, accelerator: Accelerator) -> None:
-    """A run with no checkpoint to resume, in a folder that may hold an earlier run's outputs: rank 0 sets aside
-    the records of an interrupted attempt of this recipe, or refuses (a finished run, another recipe's), and every
-    rank stops with that refusal (toolkit/runtime/run_dir.py, set_aside_earlier_attempt)."""
-    refusal = None
-    if accelerator.is_main_process:
-        try:
-            set_aside_earlier_attempt(layout, resume_invariants(recipe))
-        except ToolkitError as e:
-            refusal = str(e)
-    refusal = distributed.broadcast_from_main(accelerator, refusal)
-    if refusal is not None:
-        raise ToolkitError(refusal)
-
-
-def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str,
-                   dummy_dir: Path, *, vision: bool, dummy_samples: int) -> tuple[Any, Any]:
-    """(processor, tokenizer): the model's processor (vision-language; its tokenizer is saved with the model) or
-    tokenizer; and the generated dummy data files the stages use, written to `dummy_dir` once per machine."""
-    processor, tokenizer = load_processing(model_path, vision=vision, trust_remote_code=recipe.model.trust_remote_code,
-                                           chat_template=recipe.data.chat_template)
-    if uses_dummy_data(resolved) and accelerator.is_local_main_process:
-        write_dummy_files(dummy_dir, dummy_samples, seed=recipe.train.seed, vision=vision)
-    accelerator.wait_for_everyone()
-    return processor, tokenizer
-
-
-def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, tokenizer: Any,
-                 processor: Any | None, dummy_dir: Path, cache: Path | None) -> Curriculum:
-    """The curriculum: every stage's rows (loaded and tokenised once, cached), planned on the step axis with its
-    sampler; lr_scaling scales each stage's lr by its own global batch."""
-    training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache)
-    opt = recipe.optimizer
-    return build_curriculum(resolved, training_sets, eval_rows, grad_accum=recipe.train.grad_accum,
-                            world_size=accelerator.num_processes, seed=recipe.train.seed,
-                            default_schedule=recipe.schedule.kind, lr_scaling=opt.lr_scaling,
-                            reference_batch_size=opt.reference_batch_size)
-
-
-def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, identity: dict[str, Any],
-                    plans: list[StagePlan], trainable_params: list[int], *, resumed_at: int | None) -> None:
-    """Outputs, created only now that every input was validated: recipe.yaml, run.json, and metrics.jsonl started
-    afresh (or cut back to the resumed step: the steps after it are redone)."""
-    if not accelerator.is_main_process:
-        return
-    layout.root.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(layout.recipe, recipe_to_yaml(recipe))  # export reads both: never half-written
-    write_text_atomic(layout.run_json, json.dumps({
-        "run_name": identity["run_name"], "strategy": identity["strategy"], "num_processes": identity["world_size"],
-        "effective_batch": identity["effective_batch"],
-        "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
-        "trainable_params": trainable_params,
-        "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
-        | {"toolkit": __version__}}, indent=2))
-    if resumed_at is None:
-        layout.metrics.unlink(missing_ok=True)
-    else:
-        truncate_after(layout.metrics, resumed_at)
-        prune_after(layout, resumed_at)  # completions and matrix records of the evals that are redone
-
-
-def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
-                 trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
-                 identity: dict[str, Any], num_workers: int, generation: GenerationPlan | None = None) -> Run:
-    """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
-    stability guard, the meters, metrics.jsonl, the checkpoint manager, the evaluations and the batches (a
-    DataLoader per stage with `num_workers` worker processes)."""
-    saving, opt, stab = recipe.checkpoint, recipe.optimizer, recipe.stability
-    # The curriculum's own method gives the LR: an early stage advance rebuilds the schedule behind it.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curriculum.lr_at)
-    accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
-    batches = StageBatches(accelerator, collate, grad_accum=recipe.train.grad_accum,
-                           group_by_length=recipe.data.group_by_length, num_workers=num_workers)
-    return Run(recipe, accelerator, model, optimizer, scheduler,
-               StageFreezer(accelerator, model, optimizer, trainable.groups),
-               StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
-                              max_consecutive_skips=stab.max_consecutive_skips),
-               Meter(accelerator.device), MetricsLog(layout.metrics, enabled=accelerator.is_main_process),
-               checkpoint.CheckpointManager(layout.checkpoints, keep_last=saving.keep_last,
-                                            best_metric=saving.best_metric, best_mode=saving.best_mode,
-                                            is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone),
-               preemption, curriculum, collate, identity,
-               Evaluator(accelerator, curriculum, layout, generation, all_stages=recipe.eval.all_stages,
-                         seed=recipe.train.seed),
-               batches,
-               text_config=accelerator.unwrap_model(model).config.get_text_config(),
-               max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
-               peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
-
-
-def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan], *, run_name: str,
-                 model_path: str, data_files: dict[str, str], data_stores: dict[str, str]) -> dict[str, Any]:
-    """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
-    world, settings = accelerator.num_processes, resume_invariants(recipe)
-    return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
-            "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
-            "stage_batches": [p.global_batch for p in plans], "stage_plan_steps": [p.steps for p in plans],
-            "lora": recipe.lora.enabled,
-            "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,
-            "data_stores": data_stores,
-            "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
-
-
-def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
-    """A run whose last steps were skipped does not end in success: its weights are not where training ended."""
-    if guard.consecutive:
-        last_good = committed_checkpoints(layout.checkpoints)
-        raise ToolkitError(
-            f"Training ended with its last {guard.consecutive} step(s) skipped ({guard.last_reason}); final/ was "
-            f"not written. Last checkpoint: {last_good[-1] if last_good else 'none'}. Lower the learning rate or "
-            "check the data, then resume from a checkpoint before the trouble began.")
-
-
-def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *, vision: bool,
-                mixed_precision: str = "no") -> tuple[torch.nn.Module, TrainablePlan]:
-    """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
-    `mixed_precision` is the launch's (accelerate's): under autocast LoRA layers keep no fp32 copy of their input.
-
-    Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
-    the adapter); `plan_trainable` then sets requires_grad on everything that trains in any stage.
-    """
-    attn = choose_attention(recipe.model.attn_implementation)
-    check_loss_head(recipe.model.loss_head)  # a missing kernel fails before the weights load
-    dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
-    model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code).model_type
-    fused = resolve_fused_layers(recipe.model.fused_layers, model_type)  # before the weights: kernels that cannot load
-    log.info("loading %s (%s, attention=%s%s)", model_path, dtype, attn, ", vision-language" if vision else "")
-    model = load_model(model_path, dtype=dtype, attn_implementation=attn,
-                       trust_remote_code=recipe.model.trust_remote_code, vision=vision)
-    install_fused_layers(model, fused)  # Liger's RMSNorm, RoPE, SwiGLU on CUDA
-    if recipe.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]
-    if recipe.lora.enabled:
-        lora = recipe.lora
-        model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
-                           modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
-                           stage_trainable=entries, trainable_keys=keys)
-        if mixed_precision in ("bf16", "fp16"):
-            skip_adapter_input_casts(model)  # the adapters compute in 16-bit under autocast: no fp32 input copies
-        elif dtype != torch.float32:
-            log.warning("model.dtype %s with mixed precision off: the fp32 LoRA adapters compute in fp32, and each "
-                        "adapted layer keeps an fp32 copy of its input for backward; launch with --mixed_precision "
-                        "bf16 to avoid it", str(dtype).removeprefix("torch."))
-    install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)  # no full-vocabulary logits
-    if recipe.data.packing:
-        check_packing_support(model)
-    trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
-    if recipe.lora.enabled and dtype != torch.float32:
-        upcast_trainable(model)  # modules trained in full over a 16-bit base: fp32, as the adapters
-    total = count_parameters(model)[1]
-    for stage, count in zip(resolved, trainable.stage_counts, strict=True):
-        log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)
-    return model, trainable
 
 
 def _stopped_on_error(ending: LastWords, e: ToolkitError) -> int:

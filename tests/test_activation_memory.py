@@ -18,7 +18,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import train_curriculum as tc
 from tests._saved import SavedBytes, count_saved
 from toolkit.builtin.models import materialize_builtin
 from toolkit.config.load import load_recipe
@@ -27,6 +26,7 @@ from toolkit.data.packing import PackedCollator
 from toolkit.model.load import apply_lora, enable_gradient_checkpointing, skip_adapter_input_casts
 from toolkit.model.loss_head import install_loss_head
 from toolkit.model.memory import activation_memory, loss_bytes
+from toolkit.train import setup
 
 SAMPLE = 512  # tokens per packed sample
 
@@ -56,7 +56,7 @@ def per_token(model: torch.nn.Module, mixed_precision: str, vocab: int) -> float
 
 
 def test_bf16_base_lora_saves_at_most_0_6x_of_fp32(tmp_path: Path) -> None:
-    """The smoke recipe's model as train_curriculum.build_model makes it: fp32 base in an fp32 launch against a bf16
+    """The smoke recipe's model as toolkit.train.setup.build_model makes it: fp32 base in an fp32 launch against a bf16
     base in a bf16 launch (the shipped configs' mixed precision, accelerate's autocast)."""
     model_path = materialize_builtin("builtin:tiny-qwen3", tmp_path / ".toolkit-cache")
     vocab = AutoModelForCausalLM.from_pretrained(model_path).config.vocab_size
@@ -65,7 +65,7 @@ def test_bf16_base_lora_saves_at_most_0_6x_of_fp32(tmp_path: Path) -> None:
         recipe = load_recipe("recipes/smoke.yaml", [f"model.dtype={dtype.removesuffix('-cast')}",
                                                     f"output_dir={tmp_path / 'run'}"])
         torch.manual_seed(0)
-        model, _ = tc.build_model(recipe, resolve_stages(recipe), model_path, vision=False, mixed_precision=mixed)
+        model, _ = setup.build_model(recipe, resolve_stages(recipe), model_path, vision=False, mixed_precision=mixed)
         if dtype.endswith("-cast"):  # what PEFT does by default: every adapted layer casts its input to fp32
             for m in model.modules():
                 if hasattr(m, "cast_input_dtype_enabled"):

@@ -26,6 +26,7 @@ from toolkit.metrics.log import read_metrics
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.train import setup
 from toolkit.train.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.train.optimizer import build_optimizer
 
@@ -74,11 +75,11 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     model_path = materialize_builtin(recipe.model.name_or_path, tmp_path / ".toolkit-cache")
     resolved = resolve_stages(recipe)
     layout = RunLayout(out)
-    _, tokenizer = tc.prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data, vision=False,
+    _, tokenizer = setup.prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data, vision=False,
                                      dummy_samples=32)
-    curriculum = tc.build_stages(recipe, resolved, accelerator, tokenizer, None, layout.dummy_data, None)
+    curriculum = setup.build_stages(recipe, resolved, accelerator, tokenizer, None, layout.dummy_data, None)
     torch.manual_seed(0)
-    model, trainable = tc.build_model(recipe, resolved, model_path, vision=False)
+    model, trainable = setup.build_model(recipe, resolved, model_path, vision=False)
     curriculum.set_trainable_params(trainable.stage_counts)
     optimizer = build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=0.0,
                                             betas=(0.9, 0.999), eps=1e-8)
@@ -86,7 +87,7 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     out.mkdir(parents=True, exist_ok=True)
     preemption = PreemptionFlag()
     preemption.training()  # these runs are in their loop: a signal asks for a save
-    return tc.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
+    return setup.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
                            curriculum=curriculum, collate=padding_collator(tokenizer), identity={"run_name": "unit"},
                            num_workers=0)
 

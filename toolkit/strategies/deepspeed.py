@@ -86,6 +86,11 @@ def configure_deepspeed(accelerator: Accelerator, model: torch.nn.Module, micro_
     AdamW and per-stage schedule; any other is refused. Also fills the bucket sizes accelerate derives from
     `model.config.hidden_size` (which vision-language configs only have under `text_config`), and gives the
     parameters ZeRO-3 did not create one 16-bit dtype (`_one_trainable_dtype`).
+
+    `train_micro_batch_size_per_gpu` never sizes our batches (we feed them ourselves): it only sizes DeepSpeed's
+    own deepspeed_io loader (unused), its samples/throughput counters and its check that train_batch_size = micro x
+    accum x processes. No one value fits every stage; the caller passes the first stage's, the batch the engine
+    sees first, and the recipe's own value (train.micro_batch_size alone may be overridden by every stage).
     """
     cfg = ds_config(accelerator)
     if cfg is None:
