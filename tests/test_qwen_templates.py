@@ -356,7 +356,7 @@ def test_stock_vl_template_shapes(vl_processors: tuple[dict[str, Any], Path], te
 
 
 def test_final_saves_the_template_override(tmp_path: Path, qwen3_dir: Path) -> None:
-    """README: with data.chat_template set, final/ holds the tokenizer with the override (the format the run
+    """docs/data.md: with data.chat_template set, final/ holds the tokenizer with the override (the format the run
     trained); the model's own template stays in the base model's directory."""
     from toolkit.model.load import load_tokenizer
 
