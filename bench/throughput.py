@@ -586,7 +586,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from toolkit.builtin.text_model import build_tokenizer, write_tiny_qwen3
     from toolkit.data.packing import pack_samples
     from toolkit.data.plan import encode_files
-    from toolkit.model.flops import count_params
+    from toolkit.model.params import count_params
     from toolkit.templates import CHATML_TEMPLATE
 
     threads = args.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1

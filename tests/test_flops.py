@@ -9,12 +9,12 @@ from toolkit.model.flops import (
     PEAK_TFLOPS,
     attention_flops_per_token,
     batch_train_flops,
-    count_params,
     mfu,
     peak_flops,
     train_flops_per_token,
 )
 from toolkit.model.memory import load_model_config
+from toolkit.model.params import count_params
 
 
 @pytest.fixture

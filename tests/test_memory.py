@@ -13,14 +13,8 @@ from transformers import Qwen3Config
 
 from tests.conftest import REPO, launch_cmd, run_env, run_launch
 from toolkit.errors import ToolkitError
-from toolkit.model.memory import (
-    estimate,
-    estimate_all,
-    format_table,
-    load_model_config,
-    meta_parameter_counts,
-    recommend,
-)
+from toolkit.model.memory import estimate, estimate_all, format_table, load_model_config, recommend
+from toolkit.model.params import meta_parameter_counts
 from toolkit.strategies.measure import measure_rank_state_bytes
 
 # The builtin tiny Qwen3 (toolkit.builtin.text_model.write_tiny_qwen3 defaults; its tokenizer pads the vocabulary to

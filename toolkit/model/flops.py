@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from toolkit.model.params import count_params, decoder_config
+
 PEAK_TFLOPS: dict[str, float] = {
     # Dense (no sparsity) bf16 tensor-core peak from the vendor datasheets, per device-name substring.
     # Matched longest key first, so "H100 PCIe" wins over "H100" and "A100" over "A10".
@@ -45,45 +47,9 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 
 
-def _decoder_config(config: Any) -> Any:
-    """The decoder part of a config (the text model of a vision-language config)."""
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
-
-
-def count_params(config: Any) -> dict[str, int]:
-    """Weight counts of a decoder config, split the way FLOPs and memory need them.
-
-    Keys: ``attention_per_layer``, ``mlp_per_layer``, ``per_layer`` (matmul weights of one layer),
-    ``layers`` (all layers), ``lm_head``, ``embeddings``, ``matmul`` (N above: layers + LM head) and
-    ``total`` (unique weights: layers + embeddings, + LM head unless tied). Norm weights and biases are
-    tiny and not counted.
-    """
-    c = _decoder_config(config)
-    h, inter, layers = int(c.hidden_size), int(c.intermediate_size), int(c.num_hidden_layers)
-    heads = int(c.num_attention_heads)
-    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(c, "head_dim", None) or h // heads)
-    vocab = int(c.vocab_size)
-    tied = bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False)))
-    attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
-    mlp = 3 * h * inter
-    lm_head = h * vocab
-    return {
-        "attention_per_layer": attention,
-        "mlp_per_layer": mlp,
-        "per_layer": attention + mlp,
-        "layers": layers * (attention + mlp),
-        "lm_head": lm_head,
-        "embeddings": vocab * h,
-        "matmul": layers * (attention + mlp) + lm_head,
-        "total": layers * (attention + mlp) + vocab * h + (0 if tied else lm_head),
-    }
-
-
 def attention_flops_per_token(config: Any, seq_len: int) -> float:
     """Causal attention score/value FLOPs per token, forward + backward: 6 * L * s * a * d."""
-    c = _decoder_config(config)
+    c = decoder_config(config)
     heads = int(c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     return 3.0 * int(c.num_hidden_layers) * (2 * 2 * seq_len * heads * head_dim * 0.5)

@@ -25,7 +25,6 @@ from transformers import (
 from toolkit.checkpoint.manager import FINAL_CHECKSUMS, verify_final
 from toolkit.errors import ToolkitError
 from toolkit.model.trainable import modules_to_train
-from toolkit.strategies.deepspeed import full_numel
 from toolkit.templates import resolve_chat_template
 
 log = logging.getLogger(__name__)
@@ -228,11 +227,3 @@ def upcast_trainable(model: torch.nn.Module) -> int:
     return cast
 
 
-def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; correct under ZeRO-3, where local tensors are empty shards."""
-    trainable = total = 0
-    for p in model.parameters():
-        n = full_numel(p)
-        total += n
-        trainable += n if p.requires_grad else 0
-    return trainable, total

@@ -63,14 +63,12 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.errors import ToolkitError
+from toolkit.model.params import param_table
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
 SHIPPED_CONFIGS: dict[str, str] = {
@@ -84,7 +82,7 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "qwen/qwen3-vl-8b-instruct": "qwen3-vl-8b.json",
     "qwen/qwen3-vl-8b-thinking": "qwen3-vl-8b.json",
 }
-"""Model names (lower case) that resolve to a config shipped in toolkit/model_configs (no download needed)."""
+"""Model names (lower case) that resolve to a config shipped in toolkit/model/model_configs (no download needed)."""
 
 STRATEGIES = ("single", "ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp")
 # Preference when several strategies fit: fewer and cheaper collectives first. DDP all-reduces gradients once
@@ -120,44 +118,6 @@ def load_model_config(name_or_path: str | Path) -> Any:
     raise ToolkitError(
         f"Unknown model '{name_or_path}': not a shipped config and not a directory with config.json. "
         f"Known names: {', '.join(sorted(SHIPPED_CONFIGS))}; or give a local model directory.")
-
-
-def _build_meta_model(config: Any, lora_r: int | None, lora_targets: str | list[str]) -> torch.nn.Module:
-    """The real model class for ``config`` on the meta device (no memory), LoRA-wrapped when ``lora_r``."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # PEFT probes a deprecated transformers property
-        model = auto.from_config(config)
-        if lora_r:
-            from peft import LoraConfig, get_peft_model
-
-            targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)
-            model = get_peft_model(model, LoraConfig(r=lora_r, target_modules=targets, task_type="CAUSAL_LM"))
-    return model
-
-
-_TABLES: dict[tuple[str, int | None, str | tuple[str, ...]], tuple[tuple[str, int, bool], ...]] = {}
-
-
-def _param_table(config: Any, lora_r: int | None, lora_targets: str | Iterable[str]
-                 ) -> tuple[tuple[str, int, bool], ...]:
-    """(name, numel, trainable) of every parameter of the meta skeleton, cached per config and LoRA setup
-    (building an 8B skeleton takes a second or two; a table of strategies asks for it several times)."""
-    targets = lora_targets if isinstance(lora_targets, str) else tuple(lora_targets)
-    key = (config.to_json_string(use_diff=False), lora_r or None, targets)
-    if key not in _TABLES:
-        model = _build_meta_model(config, lora_r or None, targets if isinstance(targets, str) else list(targets))
-        _TABLES[key] = tuple((name, p.numel(), p.requires_grad) for name, p in model.named_parameters())
-    return _TABLES[key]
-
-
-def meta_parameter_counts(config: Any, *, lora_r: int | None, lora_targets: str | Iterable[str] = "all-linear"
-                          ) -> tuple[int, int]:
-    """(total, trainable) parameters, counted exactly on the real model built on the meta device."""
-    table = _param_table(config, lora_r, lora_targets)
-    return sum(n for _, n, _ in table), sum(n for _, n, t in table if t)
 
 
 # ------------------------------------------------------------------------------------------------- estimate
@@ -253,7 +213,7 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
         raise ToolkitError(f"num_gpus must be at least 1, got {num_gpus}.")
     text = config.get_text_config()
     hidden = int(text.hidden_size)
-    table = _param_table(config, lora_r, lora_targets)
+    table = param_table(config, lora_r, lora_targets)
     deepspeed = strategy.startswith("zero")
     offload = strategy.endswith("_offload")
     lora = bool(lora_r)

@@ -38,7 +38,6 @@ from toolkit.model.fused_layers import check_fused_layers, install_fused_layers,
 from toolkit.model.load import (
     check_model_source,
     check_remote_code,
-    count_parameters,
     enable_gradient_checkpointing,
     is_vision_language,
     load_model,
@@ -49,6 +48,7 @@ from toolkit.model.load import (
     upcast_trainable,
 )
 from toolkit.model.loss_head import check_loss_head, install_loss_head
+from toolkit.model.params import count_parameters
 from toolkit.model.trainable import TrainablePlan, plan_trainable
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, RunLock, committed_checkpoints, set_aside_earlier_attempt
@@ -260,7 +260,7 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
     if recipe.lora.enabled and dtype != torch.float32:
         upcast_trainable(model)  # modules trained in full over a 16-bit base: fp32, as the adapters
-    total = count_parameters(model)[1]
+    total = count_parameters(model)[0]
     for stage, count in zip(resolved, trainable.stage_counts, strict=True):
         log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)
     return model, trainable
