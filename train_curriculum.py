@@ -53,7 +53,7 @@ from toolkit.guards import StabilityGuard
 from toolkit.last_words import FAILED_EXIT_CODE, LastWords
 from toolkit.loop import Run, RunState, after_step, enter_stage, run_step
 from toolkit.loss_head import check_loss_head, install_loss_head
-from toolkit.metrics import Meter, MetricsLog, check_trackers, truncate_after
+from toolkit.metrics import Meter, MetricsLog, check_trackers, read_metrics, truncate_after
 from toolkit.model import (
     check_model_source,
     check_remote_code,
@@ -68,6 +68,7 @@ from toolkit.model import (
     skip_adapter_input_casts,
     upcast_trainable,
 )
+from toolkit.model_card import StageCard, build_model_card, describe_chat_template, final_results, stage_results
 from toolkit.packing import check_packing_support
 from toolkit.preemption import (
     INTERRUPTED_EXIT_CODE,
@@ -79,6 +80,7 @@ from toolkit.preemption import (
 )
 from toolkit.run_data import (
     data_fingerprint,
+    hub_datasets,
     load_curriculum_data,
     loader_workers,
     store_checksums,
@@ -104,15 +106,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
-          preemption: PreemptionFlag, recipe_dir: Path | None = None) -> int:
-    """One run. A stop signal ends it at once until the first step begins (`Stopped`: nothing to save yet), and
-    from then on after the step it is in, with a checkpoint (toolkit/preemption.py)."""
+          preemption: PreemptionFlag, config: str | None = None) -> int:
+    """One run of `recipe` (read from the --config file `config`; None: the embedded default). A stop signal ends it
+    at once until the first step begins (`Stopped`: nothing to save yet), and from then on after the step it is in,
+    with a checkpoint (toolkit/preemption.py)."""
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
     micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
     check_output_dir(out)
-    scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
+    # User scorer functions, imported before anything heavy (from the recipe's folder).
+    scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())
     # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
     # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
     # Processes building at once are safe (each builds aside; the first rename wins, the copies are identical).
@@ -217,7 +221,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     check_last_steps_applied(run.guard, layout)
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
-    final = checkpoint.save_final(accelerator, model, processor, layout.final)
+    card = model_card(recipe, config, curriculum, layout, processor, vision=vision) \
+        if accelerator.is_main_process else None  # metrics.jsonl is rank 0's
+    final = checkpoint.save_final(accelerator, model, processor, layout.final, card=card)
     log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final,
              run.guard.total_skipped)
     distributed.finish_trackers(accelerator)
@@ -376,6 +382,29 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
             "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
 
 
+def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layout: RunLayout, processor: Any, *,
+               vision: bool) -> str:
+    """final/README.md of the finished run (toolkit/model_card.py): its stages as they ran (lengths after an early
+    advance) and its results, read from metrics.jsonl, so a resumed run's card is the uninterrupted run's."""
+    records = read_metrics(layout.metrics) if layout.metrics.is_file() else []
+    outcome = stage_results(records)
+    stages = []
+    for stage in curriculum.stages:
+        settings, plan, got = stage.resolved, stage.plan, outcome.get(stage.name, {})
+        stages.append(StageCard(
+            name=stage.name, data=list(zip(settings.paths, settings.weights or [None] * len(settings.paths),
+                                           strict=True)),
+            rows=plan.num_samples, steps=plan.steps, samples=plan.steps * plan.global_batch, lr=plan.lr,
+            trainable=list(settings.trainable or []), trainable_params=stage.trainable_params,
+            tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("evals", {})))
+    return str(build_model_card(
+        title=recipe.run_name or Path(recipe.output_dir).name, base_model=recipe.model.name_or_path,
+        lora=recipe.lora.enabled, vision=vision, stages=stages, results=final_results(records),
+        chat_template=describe_chat_template(recipe.data.chat_template, getattr(processor, "chat_template", None)),
+        recipe_source=config, recipe_yaml=recipe_to_yaml(recipe), toolkit_version=__version__,
+        datasets=hub_datasets([s.resolved for s in curriculum.stages], layout.dummy_data)))
+
+
 def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
     """A run whose last steps were skipped does not end in success: its weights are not where training ended."""
     if guard.consecutive:
@@ -463,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.config, args.overrides)
         code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
                      ending=ending, preemption=preemption,
-                     recipe_dir=Path(args.config).parent if args.config else None)
+                     config=args.config)
         ending.finished()
         return code
     except ToolkitError as e:
