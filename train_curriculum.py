@@ -163,6 +163,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
                             data_files=data_fingerprint(resolved, layout.dummy_data, cache),
                             data_stores=store_checksums([s.data for s in curriculum.stages],
                                                         [s.eval_rows for s in curriculum.stages]))
+    hub = hub_datasets(resolved, layout.dummy_data)  # for the model card, while every entry is known to resolve
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
@@ -221,7 +222,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     check_last_steps_applied(run.guard, layout)
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
-    card = model_card(recipe, config, curriculum, layout, processor, vision=vision) \
+    card = model_card(recipe, config, curriculum, layout, processor, vision=vision, datasets=hub) \
         if accelerator.is_main_process else None  # metrics.jsonl is rank 0's
     final = checkpoint.save_final(accelerator, model, processor, layout.final, card=card)
     log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final,
@@ -383,10 +384,15 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, plans: list[StagePlan
 
 
 def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layout: RunLayout, processor: Any, *,
-               vision: bool) -> str:
+               vision: bool, datasets: list[str]) -> str | None:
     """final/README.md of the finished run (toolkit/model_card.py): its stages as they ran (lengths after an early
-    advance) and its results, read from metrics.jsonl, so a resumed run's card is the uninterrupted run's."""
-    records = read_metrics(layout.metrics) if layout.metrics.is_file() else []
+    advance) and its results, read from metrics.jsonl, so a resumed run's card is the uninterrupted run's. None, with
+    a warning, when metrics.jsonl cannot be read: the trained weights are saved without their card, not lost."""
+    try:
+        records = read_metrics(layout.metrics) if layout.metrics.is_file() else []
+    except (ToolkitError, OSError) as e:
+        log.warning("final/ is written without its model card (README.md): %s", e)
+        return None
     outcome = stage_results(records)
     stages = []
     for stage in curriculum.stages:
@@ -396,13 +402,13 @@ def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layou
                                            strict=True)),
             rows=plan.num_samples, steps=plan.steps, samples=plan.steps * plan.global_batch, lr=plan.lr,
             trainable=list(settings.trainable or []), trainable_params=stage.trainable_params,
-            tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("evals", {})))
+            tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("last_eval", {})))
     return str(build_model_card(
         title=recipe.run_name or Path(recipe.output_dir).name, base_model=recipe.model.name_or_path,
         lora=recipe.lora.enabled, vision=vision, stages=stages, results=final_results(records),
         chat_template=describe_chat_template(recipe.data.chat_template, getattr(processor, "chat_template", None)),
         recipe_source=config, recipe_yaml=recipe_to_yaml(recipe), toolkit_version=__version__,
-        datasets=hub_datasets([s.resolved for s in curriculum.stages], layout.dummy_data)))
+        datasets=datasets))
 
 
 def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:

@@ -119,8 +119,8 @@ def test_results_are_read_from_metrics_records() -> None:
     ]
     assert final_results(records) == FinalResults(steps=4, skipped_steps=1, tokens=400, final_loss=1.25)
     assert stage_results(records) == {
-        "a": {"tokens": 200, "ended_by": "gate", "evals": {"eval_loss": 1.9, "eval_ppl": 6.7}},
-        "b": {"tokens": 200, "ended_by": "planned_length", "evals": {"math.exact": 0.75, "a.eval_loss": 2.5}}}
+        "a": {"tokens": 200, "ended_by": "gate", "last_eval": {"eval_loss": 1.9, "eval_ppl": 6.7}},
+        "b": {"tokens": 200, "ended_by": "planned_length", "last_eval": {"math.exact": 0.75, "a.eval_loss": 2.5}}}
     assert final_results([]) == FinalResults(steps=0, skipped_steps=0, tokens=None, final_loss=None)
 
 
@@ -137,3 +137,21 @@ def test_results_are_read_from_metrics_records() -> None:
 def test_the_chat_template_is_named_when_stock_else_custom_and_where_from(setting: str | None, text: str | None,
                                                                           said: str) -> None:
     assert describe_chat_template(setting, text) == said
+
+
+def test_an_unreadable_metrics_file_costs_the_card_not_the_weights(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The card is read from metrics.jsonl at the very end of a run: a file damaged in its middle leaves final/
+    without its card (one warning), never the run without its weights."""
+    import train_curriculum
+    from toolkit.config import load_recipe
+    from toolkit.run_dir import RunLayout
+
+    layout = RunLayout(tmp_path / "run")
+    layout.root.mkdir()
+    layout.metrics.write_text('{"step": 1, "loss": 1.0}\nnot json\n{"step": 2, "loss": 0.5}\n')
+    card = train_curriculum.model_card(load_recipe(None), None, None, layout, None,  # type: ignore[arg-type]
+                                       vision=False, datasets=[])
+    assert card is None
+    assert f"final/ is written without its model card (README.md): {layout.metrics}:2 is not a JSON record" \
+        in caplog.text

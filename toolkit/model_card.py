@@ -66,15 +66,15 @@ _EVAL_TIMINGS = ("eval_seconds", "eval_gen_seconds", "eval_tokens")
 
 
 def stage_results(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per stage name, from metrics.jsonl records: `tokens` and `ended_by` (its stage_end record) and `evals` (the
+    """Per stage name, from metrics.jsonl records: `tokens` and `ended_by` (its stage_end record) and `last_eval` (the
     metrics of its last evaluation: eval_loss, eval_ppl, `<eval>.<score>`, `<stage>.eval_loss`)."""
     out: dict[str, dict[str, Any]] = {}
     for record in records:
-        stage = out.setdefault(record.get("stage", ""), {"tokens": None, "ended_by": None, "evals": {}})
+        stage = out.setdefault(record.get("stage", ""), {"tokens": None, "ended_by": None, "last_eval": {}})
         if record.get("event") == "stage_end":
             stage["tokens"], stage["ended_by"] = record.get("stage_tokens"), record.get("ended_by")
         elif "eval_seconds" in record:  # an evaluation (a generation-only one has no eval_loss)
-            stage["evals"] = {k: v for k, v in record.items() if (k.startswith("eval_") or "." in k)
+            stage["last_eval"] = {k: v for k, v in record.items() if (k.startswith("eval_") or "." in k)
                               and k not in _EVAL_TIMINGS and isinstance(v, int | float)}
     return out
 
