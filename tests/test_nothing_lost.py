@@ -947,9 +947,9 @@ def test_a_run_whose_disk_fills_at_final_ends_in_one_line_and_a_relaunch_finishe
     shutil.copy2(trained / "data.jsonl", tmp_path / "data.jsonl")
     real_save_final = checkpoint_module.save_final
 
-    def disk_fills_first(*args: Any) -> Path:
+    def disk_fills_first(*args: Any, **kwargs: Any) -> Path:
         _fill(tmp_path / "run")
-        return real_save_final(*args)
+        return real_save_final(*args, **kwargs)
 
     with mounted_tmpfs(tmp_path / "run", "8m") as run:
         monkeypatch.setattr(checkpoint_module, "save_final", disk_fills_first)
