@@ -84,7 +84,9 @@ def test_a_full_vision_language_fine_tune_from_a_local_folder(tmp_path: Path) ->
     for base in (str(local), "builtin:tiny-qwen2.5-vl"):
         card = _saved(_card(base_model=base, lora=False, vision=True, datasets=None, recipe_source=None,
                             stages=[StageCard(name="s", data=[("dummy:stage1", None)], rows=8, steps=2, samples=8,
-                                              lr=1e-3, trainable=[])],
+                                              lr=1e-3, trainable=[]),
+                                    StageCard(name="t", data=[("dummy:stage2", None)], rows=8, steps=1, samples=4,
+                                              lr=1e-3, trainable=[], trainable_params=5000)],
                             results=FinalResults(steps=2, skipped_steps=0, tokens=None, final_loss=None)), tmp_path)
         assert card.data.base_model is None and card.data.datasets is None
         assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-text-to-text"
@@ -92,7 +94,14 @@ def test_a_full_vision_language_fine_tune_from_a_local_folder(tmp_path: Path) ->
         assert f"A full fine-tune of `{base}`" in card.text and f"## Base model\n\n`{base}`" in card.text
         assert "Trained with the toolkit's embedded default recipe." in card.text
         assert "| 1 | s | `dummy:stage1` | 8 | 2 | 8 | - | all parameters | 0.001 | - |" in card.text
+        assert "| 2 | t | `dummy:stage2` | 8 | 1 | 4 | - | all 5,000 parameters | 0.001 | - |" in card.text
         assert "- Final training loss: -" in card.text and "Evaluations" not in card.text
+
+
+def test_a_recipe_holding_backticks_keeps_its_code_block(tmp_path: Path) -> None:
+    recipe = 'data:\n  chat_template: "{{ \'```\' }}{% for m in messages %}{{ m.content }}{% endfor %}"\n'
+    card = _saved(_card(recipe_yaml=recipe), tmp_path)
+    assert f"````yaml\n{recipe}````\n" in card.text
 
 
 def test_hub_ids() -> None:

@@ -6,7 +6,7 @@ trained: the base model, the recipe, the stages in order with their data, the ch
 
 The builder (`build_model_card`) takes plain values; `stage_results` and `final_results` read them from a run's
 metrics.jsonl records, so the card of a run that was resumed says what the uninterrupted run's would (the records
-after the resumed step are redone, not doubled). The card holds no timestamps or machine-specific values.
+after the resumed step are redone, not doubled); it holds no timestamps.
 
 The card is documentation, not part of what training saved: final/checksums.json does not record it, and
 `verify_final` does not check it, so a user who edits the card (as one does before publishing) leaves final/
@@ -16,6 +16,7 @@ loadable.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,8 @@ def _count(value: int | None) -> str:
 def _body(*, title: str, base_model: str, lora: bool, stages: list[StageCard], results: FinalResults,
           chat_template: str, recipe_source: str | None, recipe_yaml: str, toolkit_version: str) -> str:
     what = "A LoRA adapter (PEFT) for" if lora else "A full fine-tune of"
+    # A fence longer than any run of backticks in the recipe (a chat template's Jinja text may hold some).
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", recipe_yaml)), default=0))
     n = len(stages)
     lines = [f"# {title}", "",
              f"{what} `{base_model}`, trained with {TOOLKIT_NAME} {toolkit_version} through a {n}-stage "
@@ -155,16 +158,19 @@ def _body(*, title: str, base_model: str, lora: bool, stages: list[StageCard], r
               "Trained with the toolkit's embedded default recipe.")
              + " The resolved recipe (defaults and command-line overrides applied) is the run folder's "
                "`recipe.yaml`, and below.", "",
-             "<details><summary>Resolved recipe</summary>", "", "```yaml", recipe_yaml.rstrip("\n"), "```", "",
+             "<details><summary>Resolved recipe</summary>", "", f"{fence}yaml", recipe_yaml.rstrip("\n"), fence, "",
              "</details>", "",
              "## Curriculum", "",
              "| # | stage | data | rows | steps | samples | tokens | trainable | peak lr | ended by |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, s in enumerate(stages, start=1):
         data = ", ".join(f"`{name}`" + ("" if weight is None else f" (weight {weight:g})") for name, weight in s.data)
-        trainable = ", ".join(f"`{t}`" for t in s.trainable) or "all parameters"
-        if s.trainable_params is not None:
-            trainable += f" ({s.trainable_params:,} parameters)"
+        names = ", ".join(f"`{t}`" for t in s.trainable)
+        if s.trainable_params is None:
+            trainable = names or "all parameters"
+        else:
+            trainable = f"{names} ({s.trainable_params:,} parameters)" if names else \
+                f"all {s.trainable_params:,} parameters"
         lines.append(f"| {i} | {s.name} | {data} | {s.rows:,} | {s.steps:,} | {s.samples:,} | {_count(s.tokens)} "
                      f"| {trainable} | {s.lr:.3g} | {ENDED_BY.get(s.ended_by or '', s.ended_by or '-')} |")
     lines += ["", "## Chat template", "",
