@@ -164,3 +164,24 @@ def test_an_unreadable_metrics_file_costs_the_card_not_the_weights(tmp_path: Pat
     assert card is None
     assert f"final/ is written without its model card (README.md): {layout.metrics}:2 is not a JSON record" \
         in caplog.text
+
+
+def test_hub_datasets_are_the_entries_read_from_the_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The front matter's datasets: entries that are Hub ids, and registry entries with an hf_hub_url; not files."""
+    import json
+
+    from toolkit.config import Recipe, resolve_stages
+    from toolkit.run_data import hub_datasets
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local.jsonl").write_text("{}\n")
+    (tmp_path / "reg").mkdir()
+    (tmp_path / "reg" / "dataset_info.json").write_text(json.dumps({"mine": {"hf_hub_url": "org/registered"},
+                                                                    "file": {"file_name": "f.jsonl"}}))
+    (tmp_path / "reg" / "f.jsonl").write_text("{}\n")
+    recipe = Recipe.model_validate({"stages": [
+        {"name": "a", "data": ["local.jsonl", "org/chat", "dummy:stage1"]},
+        {"name": "b", "data": [{"dataset": "mine", "dataset_dir": "reg"}, {"dataset": "file", "dataset_dir": "reg"},
+                               "org/chat"]}]})
+    assert hub_datasets(resolve_stages(recipe), tmp_path / "dummy") == ["org/chat", "org/registered"]
