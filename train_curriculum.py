@@ -27,7 +27,7 @@ from toolkit.checkpoint import manager as checkpoint
 from toolkit.config.load import flat_config, load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.data.stages import data_fingerprint, loader_workers, tokenized_cache_dir
+from toolkit.data.stages import data_fingerprint, hub_datasets, loader_workers, tokenized_cache_dir
 from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals.evaluator import import_scorers, load_generation_plan
 from toolkit.runtime import process as distributed
@@ -53,6 +53,7 @@ from toolkit.train.setup import (
     check_model,
     check_resume,
     claim_output_dir,
+    model_card,
     name_run,
     prepare_inputs,
     resume_run,
@@ -75,14 +76,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
-          preemption: PreemptionFlag, recipe_dir: Path | None = None) -> int:
-    """One run. A stop signal ends it at once until the first step begins (`Stopped`: nothing to save yet), and
-    from then on after the step it is in, with a checkpoint (toolkit/runtime/signals.py)."""
+          preemption: PreemptionFlag, config: str | None = None) -> int:
+    """One run of `recipe` (read from the --config file `config`; None: the embedded default). A stop signal ends it
+    at once until the first step begins (`Stopped`: nothing to save yet), and from then on after the step it is in,
+    with a checkpoint (toolkit/runtime/signals.py)."""
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
     check_output_dir(out)
-    scorers = import_scorers(recipe, recipe_dir or Path.cwd())  # user scorer functions, imported before anything heavy
+    # User scorer functions, imported before anything heavy (from the recipe's folder).
+    scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())
     # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
     # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
     # Processes building at once are safe (each builds aside; the first rename wins, the copies are identical).
@@ -112,6 +115,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
                                       layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum, run_name=run_name, model_path=model_path,
                             data_files=data_fingerprint(resolved, layout.dummy_data, cache))
+    hub = hub_datasets(resolved, layout.dummy_data)  # for the model card, while every entry is known to resolve
     resume_meta, forced = {}, []
     if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
@@ -166,9 +170,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     check_last_steps_applied(run.guard, layout)
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
-    final = checkpoint.save_final(accelerator, model, processor, layout.final)
-    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final,
-             run.guard.total_skipped)
+    card = model_card(recipe, config, curriculum, layout, processor, accelerator, vision=vision, datasets=hub)
+    final = checkpoint.save_final(accelerator, model, processor, layout.final, card=card)
+    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final, run.guard.total_skipped)
     distributed.finish_trackers(accelerator)
     return 0
 
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.config, args.overrides)
         code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
                      ending=ending, preemption=preemption,
-                     recipe_dir=Path(args.config).parent if args.config else None)
+                     config=args.config)
         ending.finished()
         return code
     except ToolkitError as e:

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 
 from tests._inprocess import Call, invoke
 from tests.conftest import CHAT, base_recipe, stock_template, write_jsonl
 from toolkit.builtin.models import TINY_MODEL, builtin_dir, materialize_builtin
+from toolkit.checkpoint.model_card import MODEL_CARD
 from toolkit.config.load import load_recipe
 from toolkit.data.encoding import TextEncoder, encode_row
 from toolkit.errors import ToolkitError
@@ -178,9 +180,11 @@ def test_the_embedded_default_trains_tool_calls(tmp_path: Path, models: dict[str
 
 def test_final_holds_the_template_text_that_trained(tmp_path: Path, models: dict[str, str], one_thread: None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """data.chat_template: qwen2.5 (a name): final/ saves Qwen2.5's template text (it saved the word)."""
+    """data.chat_template: qwen2.5 (a name): final/ saves Qwen2.5's template text (it saved the word), and its model
+    card names the stock template."""
     rc, stderr = _train(tmp_path, models["text"], [TOOL_ROW, CHAT] * 4, monkeypatch, chat_template="qwen2.5")
     assert rc == 0, stderr[-3000:]
     final = tmp_path / "run" / "final"
     assert (final / "chat_template.jinja").read_text() == stock_template("qwen2.5")
     assert "qwen2.5" not in json.loads((final / "tokenizer_config.json").read_text()).get("chat_template", "")
+    assert "## Chat template\n\nqwen2.5 (data.chat_template)." in ModelCard.load(final / MODEL_CARD).text

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 from tests._inprocess import Call, invoke, snapshot
@@ -41,7 +42,8 @@ from tests.conftest import (
 )
 from toolkit import atomic
 from toolkit.builtin.models import TINY_MODEL, builtin_dir
-from toolkit.checkpoint.manager import META_FILE, CheckpointManager, _unsaveable, read_meta
+from toolkit.checkpoint.manager import META_FILE, CheckpointManager, _unsaveable, read_meta, verify_final
+from toolkit.checkpoint.model_card import MODEL_CARD
 from toolkit.commands import export as export_module
 from toolkit.commands.export import EXPORT_MARKER, export
 from toolkit.errors import ToolkitError
@@ -312,6 +314,48 @@ def test_a_final_without_checksums_still_exports_unverified(trained: Path, tmp_p
     assert (out / "adapter_model.safetensors").is_file()
     assert (f"{run / 'final'} has no checksums.json (written by an earlier version): loading it unverified"
             in caplog.text)
+
+
+def test_final_holds_a_model_card_that_loads(trained: Path, tmp_path: Path) -> None:
+    """Issue 32: final/README.md is the run's model card, loaded as the Hub loads one: its front matter (a LoRA
+    adapter for text generation; the tiny base model is a local folder, no Hub id) and its body (the stage with its
+    data, the chat template, the results). It is not in checksums.json: a user who edits it, even in a final/ of an
+    earlier version that recorded PEFT's placeholder card, leaves final/ verified and exportable."""
+    run = copy_run(trained, tmp_path)
+    final = run / "final"
+    card = ModelCard.load(final / MODEL_CARD)
+    assert (card.data.base_model, card.data.library_name, card.data.pipeline_tag) == (None, "peft", "text-generation")
+    assert card.data.tags == ["curriculum-toolkit", "curriculum-learning", "lora"]
+    base = yaml.safe_load((trained / "recipe.yaml").read_text())["model"]["name_or_path"]
+    assert f"A LoRA adapter (PEFT) for `{base}`" in card.text and "Trained with the recipe `recipe.yaml`." in card.text
+    assert "| 1 | only | `data.jsonl` | 16 | 3 | 12 |" in card.text and "| `lora` (" in card.text
+    assert "## Chat template\n\nqwen3 (the base model's own)." in card.text
+    losses = read_metrics(run / "metrics.jsonl", "train")
+    assert (f"- Steps: 3 (0 skipped)\n- Tokens trained: {losses[-1]['tokens']:,}\n- Final training loss: "
+            f"{losses[-1]['loss']:.4g}") in card.text
+    assert MODEL_CARD not in json.loads((final / "checksums.json").read_text())["files"]
+
+    (final / MODEL_CARD).write_text(str(card) + "\nMy notes.\n")
+    verify_final(final)
+    checksums = json.loads((final / "checksums.json").read_text())
+    checksums["files"][MODEL_CARD] = {"bytes": 1, "sha256": "0" * 64}  # as an earlier version recorded PEFT's card
+    (final / "checksums.json").write_text(json.dumps(checksums))
+    verify_final(final)
+    assert (export(run, tmp_path / "adapter") / "adapter_model.safetensors").is_file()
+
+
+def test_a_resumed_run_writes_the_same_model_card(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A run stopped after its step-2 checkpoint and relaunched with the same command writes the card the
+    uninterrupted run wrote (it holds no timestamps; its numbers come from metrics.jsonl, redone after the resume)."""
+    run = copy_run(trained, tmp_path)
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints" / "step-00000003")
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "resumed (exact) from" in caplog.text and "step-00000002" in caplog.text
+    card = (run / "final" / MODEL_CARD).read_text()
+    assert "## Curriculum" in card and card == (trained / "run" / "final" / MODEL_CARD).read_text()
 
 
 def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -894,9 +938,9 @@ def test_a_run_whose_disk_fills_at_final_ends_in_one_line_and_a_relaunch_finishe
     shutil.copy2(trained / "data.jsonl", tmp_path / "data.jsonl")
     real_save_final = checkpoint_module.save_final
 
-    def disk_fills_first(*args: Any) -> Path:
+    def disk_fills_first(*args: Any, **kwargs: Any) -> Path:
         _fill(tmp_path / "run")
-        return real_save_final(*args)
+        return real_save_final(*args, **kwargs)
 
     with mounted_tmpfs(tmp_path / "run", "8m") as run:
         monkeypatch.setattr(checkpoint_module, "save_final", disk_fills_first)

@@ -515,8 +515,12 @@ def test_image_grids_from_headers_match_processing(processor: Any, tmp_path: Pat
 def test_packed_vl_run_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       caplog: pytest.LogCaptureFixture) -> None:
     """recipes/smoke_vl.yaml with data.packing: true trains end to end: VL rows prepared into stores (grids from
-    image headers), packed whole, images decoded in the DataLoader's workers, one flattened row per micro-batch."""
+    image headers), packed whole, images decoded in the DataLoader's workers, one flattened row per micro-batch.
+    Its final/ carries a model card of an image-text-to-text adapter."""
+    from huggingface_hub import ModelCard
+
     from tests._inprocess import Call, invoke
+    from toolkit.checkpoint.model_card import MODEL_CARD
     from toolkit.metrics.log import read_metrics
 
     out = tmp_path / "run"
@@ -529,6 +533,11 @@ def test_packed_vl_run_in_one_process(tmp_path: Path, monkeypatch: pytest.Monkey
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert (out / "final" / "adapter_model.safetensors").is_file()
+    card = ModelCard.load(out / "final" / MODEL_CARD)
+    assert (card.data.library_name, card.data.pipeline_tag, card.data.base_model) == ("peft", "image-text-to-text",
+                                                                                        None)
+    assert "| 1 | align | `dummy:vl_stage1` |" in card.text and "| 2 | instruct | `dummy:vl_stage2` |" in card.text
+    assert "`visual.merger`" in card.text and "A LoRA adapter (PEFT) for `builtin:tiny-qwen2.5-vl`" in card.text
 
 
 def test_a_vision_row_cut_by_the_size_guard_is_never_truncated(processor: Any, data: dict[str, Path],

@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from toolkit.atomic import build_dir, swap_dir, write_text_atomic
 from toolkit.checkpoint.lease import delete_unless_leased
+from toolkit.checkpoint.model_card import MODEL_CARD
 from toolkit.config.identity import changed_keys as _changed_keys
 from toolkit.errors import OutOfSpace, ToolkitError
 from toolkit.runtime import process as distributed
@@ -467,8 +468,9 @@ def _unsaveable(state_dict: dict[str, Any], out_dir: Path) -> str | None:
 
 
 def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | ProcessorMixin,
-               out_dir: Path) -> Path:
-    """Write the PEFT adapter (or full model) and tokenizer (or processor) to `out_dir`. Every rank must call this.
+               out_dir: Path, *, card: str | None = None) -> Path:
+    """Write the PEFT adapter (or full model) and tokenizer (or processor) to `out_dir`, and the model card `card`
+    (rank 0's is written) as its README.md. Every rank must call this.
 
     `get_state_dict` gathers ZeRO-3 partitions (16-bit gather on save) and FSDP shards into full tensors;
     saving the unwrapped model's own state dict instead is what leaves peers with empty `[0]` adapters.
@@ -487,8 +489,13 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
         def write(tmp: Path) -> None:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            # Checked by whatever loads final/ (verify_final): a file cut short or swapped is refused.
-            write_text_atomic(tmp / FINAL_CHECKSUMS, json.dumps({"files": file_digests(tmp)}, indent=1))
+            # Checked by whatever loads final/ (verify_final): a file cut short or swapped is refused. The card (PEFT
+            # writes a placeholder one) is not recorded: it is documentation, which a user may edit before
+            # publishing, and an edited card must not make the weights beside it "damaged".
+            files = {rel: digest for rel, digest in file_digests(tmp).items() if rel != MODEL_CARD}
+            write_text_atomic(tmp / FINAL_CHECKSUMS, json.dumps({"files": files}, indent=1))
+            if card is not None:
+                write_text_atomic(tmp / MODEL_CARD, card)
 
         build_dir(out_dir, write, tmp=out_dir.with_name(out_dir.name + ".tmp"))
     accelerator.wait_for_everyone()
@@ -497,7 +504,8 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreT
 
 def verify_final(folder: Path, *, weights: bool = True) -> None:
     """Refuse a final/ whose files are not the ones training saved (cut short, corrupted, swapped), in one line
-    naming the file; `weights` False checks all but the weights (a reader of its tokenizer only). A final/ of an
+    naming the file; `weights` False checks all but the weights (a reader of its tokenizer only). The model card
+    (README.md) is never checked, also where an earlier version recorded it: a user may edit it. A final/ of an
     earlier version, without checksums, is loaded with a warning that it is unverified."""
     path = folder / FINAL_CHECKSUMS
     if not path.is_file():
@@ -510,8 +518,8 @@ def verify_final(folder: Path, *, weights: bool = True) -> None:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise ToolkitError(f"{path} cannot be read ({type(e).__name__}: {e}): {folder} cannot be verified. Export "
                            "a checkpoint of the run instead, or restore the original files.") from None
-    if not weights:
-        recorded = {rel: want for rel, want in recorded.items() if not rel.endswith((".safetensors", ".bin"))}
+    recorded = {rel: want for rel, want in recorded.items()
+                if rel != MODEL_CARD and (weights or not rel.endswith((".safetensors", ".bin")))}
     try:
         problem = changed_files(folder, {"files": recorded})
     except (KeyError, TypeError) as e:

@@ -57,6 +57,13 @@ def data_fingerprint(stages: list[ResolvedStage], dummy_dir: Path, cache: Path |
     return out
 
 
+def hub_datasets(stages: list[ResolvedStage], dummy_dir: Path) -> list[str]:
+    """The Hub dataset ids the stages train on (entries read from the Hugging Face cache, registry entries with an
+    hf_hub_url too), for the model card's front matter."""
+    return sorted({source.name for stage in stages for entry in stage.entries
+                   if (source := resolve_source(entry, dummy_dir)).fmt == "hub"})
+
+
 def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> dict[str, str]:
     """sha256 of every token store the run reads (toolkit/data/store.py; stores kept in memory have none), by
     its recipe entry. Stored in checkpoints beside `data_fingerprint`: a resume compares the tokens themselves,

@@ -20,6 +20,13 @@ from toolkit import __version__, strategies
 from toolkit.atomic import write_text_atomic
 from toolkit.builtin.dummy_data import write_dummy_files
 from toolkit.checkpoint import manager as checkpoint
+from toolkit.checkpoint.model_card import (
+    StageCard,
+    build_model_card,
+    describe_chat_template,
+    final_results,
+    stage_results,
+)
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import recipe_to_yaml
 from toolkit.config.schema import Recipe
@@ -31,7 +38,7 @@ from toolkit.data.stages import load_curriculum_data, store_checksums, uses_dumm
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator, GenerationPlan
 from toolkit.evals.forgetting import prune_after
-from toolkit.metrics.log import Meter, MetricsLog, check_trackers, truncate_after
+from toolkit.metrics.log import Meter, MetricsLog, check_trackers, read_metrics, truncate_after
 from toolkit.model.attention import check_packing_support, choose_attention
 from toolkit.model.flops import peak_flops
 from toolkit.model.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
@@ -300,3 +307,34 @@ def build_collator(recipe: Recipe, model_path: str, processing: Any, *, vision: 
     model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
     return batch_collator(processing, vision=vision, packing=recipe.data.packing, min_pixels=recipe.data.min_pixels,
                           max_pixels=recipe.data.max_pixels, model_config=model_config if vision else None)
+
+
+def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layout: RunLayout, processor: Any,
+               accelerator: Accelerator, *, vision: bool, datasets: list[str]) -> str | None:
+    """final/README.md of the finished run (toolkit/checkpoint/model_card.py): its stages as they ran (lengths after an
+    early advance) and its results, read from metrics.jsonl, so a resumed run's card is the uninterrupted run's. None,
+    with a warning, when metrics.jsonl cannot be read: the trained weights are saved without their card, not lost.
+    Written by rank 0, which holds metrics.jsonl (None on the other ranks)."""
+    if not accelerator.is_main_process:
+        return None
+    try:
+        records = read_metrics(layout.metrics) if layout.metrics.is_file() else []
+    except (ToolkitError, OSError) as e:
+        log.warning("final/ is written without its model card (README.md): %s", e)
+        return None
+    outcome = stage_results(records)
+    stages = []
+    for stage in curriculum.stages:
+        settings, plan, got = stage.resolved, stage.plan, outcome.get(stage.name, {})
+        stages.append(StageCard(
+            name=stage.name, data=list(zip(settings.paths, settings.weights or [None] * len(settings.paths),
+                                           strict=True)),
+            rows=plan.num_samples, steps=plan.steps, samples=plan.steps * plan.global_batch, lr=plan.lr,
+            trainable=list(settings.trainable or []), trainable_params=stage.trainable_params,
+            tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("last_eval", {})))
+    return str(build_model_card(
+        title=recipe.run_name or Path(recipe.output_dir).name, base_model=recipe.model.name_or_path,
+        lora=recipe.lora.enabled, vision=vision, stages=stages, results=final_results(records),
+        chat_template=describe_chat_template(recipe.data.chat_template, getattr(processor, "chat_template", None)),
+        recipe_source=config, recipe_yaml=recipe_to_yaml(recipe), toolkit_version=__version__,
+        datasets=datasets))
