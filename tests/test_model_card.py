@@ -152,15 +152,18 @@ def test_an_unreadable_metrics_file_costs_the_card_not_the_weights(tmp_path: Pat
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """The card is read from metrics.jsonl at the very end of a run: a file damaged in its middle leaves final/
     without its card (one warning), never the run without its weights."""
-    import train_curriculum
+    from types import SimpleNamespace
+
     from toolkit.config.load import load_recipe
     from toolkit.runtime.run_dir import RunLayout
+    from toolkit.train.setup import model_card
 
     layout = RunLayout(tmp_path / "run")
     layout.root.mkdir()
     layout.metrics.write_text('{"step": 1, "loss": 1.0}\nnot json\n{"step": 2, "loss": 0.5}\n')
-    card = train_curriculum.model_card(load_recipe(None), None, None, layout, None,  # type: ignore[arg-type]
-                                       vision=False, datasets=[])
+    rank0 = SimpleNamespace(is_main_process=True)  # the card is rank 0's (it holds metrics.jsonl)
+    card = model_card(load_recipe(None), None, None, layout, None, rank0,  # type: ignore[arg-type]
+                      vision=False, datasets=[])
     assert card is None
     assert f"final/ is written without its model card (README.md): {layout.metrics}:2 is not a JSON record" \
         in caplog.text
