@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from toolkit.builtin.dummy_data import use_dummy_data
 from toolkit.builtin.models import materialize_builtin
-from toolkit.checkpoint import manager as checkpoint
+from toolkit.checkpoint.final import save_final
+from toolkit.checkpoint.resume import check_state, state_signature
 from toolkit.config.load import flat_config, load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
@@ -125,9 +126,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     model, trainable = build_model(recipe, resolved, model_path, vision=vision,
                                    mixed_precision=accelerator.mixed_precision)
     curriculum.set_trainable_params(trainable.stage_counts)
-    identity["state"] = checkpoint.state_signature(model, trainable.groups)
+    identity["state"] = state_signature(model, trainable.groups)
     if resume_from is not None:  # before its weights load: a model that cannot hold them is refused, even forced
-        checkpoint.check_state(resume_meta, resume_from, identity["state"], identity["invariants"])
+        check_state(resume_meta, resume_from, identity["state"], identity["invariants"])
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---
@@ -171,7 +172,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
 
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
     card = model_card(recipe, config, curriculum, layout, processor, accelerator, vision=vision, datasets=hub)
-    final = checkpoint.save_final(accelerator, model, processor, layout.final, card=card)
+    final = save_final(accelerator, model, processor, layout.final, card=card)
     log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final, run.guard.total_skipped)
     distributed.finish_trackers(accelerator)
     return 0

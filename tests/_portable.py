@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.conftest import CURRICULUM_STEPS
-from toolkit.checkpoint.manager import portable_lora_file
+from toolkit.checkpoint.portable import portable_lora_file
 from toolkit.runtime.run_dir import checkpoint_dir
 
 PORTABLE_STEPS = tuple(range(1, CURRICULUM_STEPS + 1))  # every checkpoint of conftest.curriculum_runs

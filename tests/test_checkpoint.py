@@ -25,18 +25,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit.checkpoint.manager import (
-    BEST_FILE,
-    META_FILE,
-    CheckpointManager,
-    check_resumable,
-    check_state,
-    file_digests,
-    find_resume,
-    read_meta,
-    recipe_hash,
-    verify_checkpoint_files,
-)
+from toolkit.checkpoint.manager import BEST_FILE, META_FILE, CheckpointManager, file_digests, read_meta
+from toolkit.checkpoint.resume import check_resumable, check_state, find_resume
+from toolkit.checkpoint.safe_load import verify_checkpoint_files
+from toolkit.config.identity import recipe_hash
 from toolkit.errors import ToolkitError
 from toolkit.runtime.run_dir import COMMIT_MARKER, committed_checkpoints
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import train_curriculum as tc
 from tests._inprocess import process_state_kept
 from toolkit.builtin.models import materialize_builtin
-from toolkit.checkpoint import manager as checkpoint
+from toolkit.checkpoint.manager import read_meta
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.data.collate import padding_collator
@@ -141,7 +141,7 @@ def test_stage_end_at_a_checkpoint_step_writes_the_summary_before_the_checkpoint
     assert len(reductions) == 2, reductions
     records = read_metrics(run.metrics.path)
     assert [r.get("event", "step") for r in records] == ["step", "stage_end"] and saved_at == [2]
-    meta = checkpoint.read_meta(committed_checkpoints(run.manager.root)[-1])
+    meta = read_meta(committed_checkpoints(run.manager.root)[-1])
     state = RunState.from_meta(meta)
     assert (state.step, state.stage, state.stage_step) == (1, stage.name, 1)
     assert state.patience is None and state.pending_losses == [] and state.tokens == records[0]["tokens"]

@@ -42,7 +42,8 @@ from tests.conftest import (
 )
 from toolkit import atomic
 from toolkit.builtin.models import TINY_MODEL, builtin_dir
-from toolkit.checkpoint.manager import META_FILE, CheckpointManager, _unsaveable, read_meta, verify_final
+from toolkit.checkpoint.final import _unsaveable, verify_final
+from toolkit.checkpoint.manager import META_FILE, CheckpointManager, read_meta
 from toolkit.checkpoint.model_card import MODEL_CARD
 from toolkit.commands import export as export_module
 from toolkit.commands.export import EXPORT_MARKER, export
@@ -893,7 +894,7 @@ def test_a_full_disk_while_a_token_store_is_written_is_one_line(tmp_path: Path,
 
 def test_a_full_disk_while_final_is_written_is_one_line(tmp_path: Path, models: dict[str, str]) -> None:
     from tests.conftest import mounted_tmpfs
-    from toolkit.checkpoint.manager import save_final
+    from toolkit.checkpoint.final import save_final
     from toolkit.errors import OutOfSpace
     from toolkit.model.load import load_model, load_processing, setup_lora
     from toolkit.runtime import process as distributed
@@ -931,26 +932,26 @@ def test_a_run_whose_disk_fills_at_final_ends_in_one_line_and_a_relaunch_finishe
     """End to end: the disk fills just before final/ is written (the hostile pass's case: a traceback and "report
     it"). One `error:` line naming final/, exit 2, no final/ nor its temporary; relaunched with space, the run
     resumes from its last checkpoint and writes the adapter an uninterrupted run writes."""
+    import train_curriculum
     from tests.conftest import mounted_tmpfs
-    from toolkit.checkpoint import manager as checkpoint_module
 
     shutil.copy2(trained / "recipe.yaml", tmp_path / "recipe.yaml")
     shutil.copy2(trained / "data.jsonl", tmp_path / "data.jsonl")
-    real_save_final = checkpoint_module.save_final
+    real_save_final = train_curriculum.save_final
 
     def disk_fills_first(*args: Any, **kwargs: Any) -> Path:
         _fill(tmp_path / "run")
         return real_save_final(*args, **kwargs)
 
     with mounted_tmpfs(tmp_path / "run", "8m") as run:
-        monkeypatch.setattr(checkpoint_module, "save_final", disk_fills_first)
+        monkeypatch.setattr(train_curriculum, "save_final", disk_fills_first)  # as the run calls it
         rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
         lines = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert rc == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
         assert lines[0].startswith(f"error: No space left on device writing {Path('run') / 'final'}. Free space")
         assert not (run / "final").exists() and not (run / "final.tmp").exists()
         (run / "filler").unlink()
-        monkeypatch.setattr(checkpoint_module, "save_final", real_save_final)
+        monkeypatch.setattr(train_curriculum, "save_final", real_save_final)
         gc.collect()  # the first call's frames (its run lock among them) are in a reference cycle with its error
         rc, stderr = invoke(Call(["--config", "recipe.yaml"], run), tmp_path, monkeypatch)
         assert rc == 0, stderr[-3000:]

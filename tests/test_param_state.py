@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from tests._inprocess import Call, invoke
 from tests.conftest import REPO
-from toolkit.checkpoint.manager import META_FILE, portable_lora_file, reseed_for_layout
+from toolkit.checkpoint.manager import META_FILE
+from toolkit.checkpoint.portable import portable_lora_file
+from toolkit.checkpoint.resume import reseed_for_layout
 from toolkit.metrics.log import read_metrics
 from toolkit.strategies import param_state
 

@@ -31,7 +31,8 @@ from tests.conftest import (
     train,
     train_cmd,
 )
-from toolkit.checkpoint.manager import EXACT_RESUME_TESTED, read_meta
+from toolkit.checkpoint.manager import read_meta
+from toolkit.checkpoint.resume import EXACT_RESUME_TESTED
 from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE

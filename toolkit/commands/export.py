@@ -26,14 +26,11 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from toolkit.atomic import build_dir
 from toolkit.builtin.models import materialize_builtin
+from toolkit.checkpoint.final import verify_final
 from toolkit.checkpoint.lease import ReadLease
-from toolkit.checkpoint.manager import (
-    changed_files,
-    portable_lora_file,
-    read_meta,
-    verify_checkpoint_files,
-    verify_final,
-)
+from toolkit.checkpoint.manager import changed_files, read_meta
+from toolkit.checkpoint.portable import portable_lora_file
+from toolkit.checkpoint.safe_load import verify_checkpoint_files
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages

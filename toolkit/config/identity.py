@@ -3,6 +3,8 @@ remaining steps compute."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from toolkit.config.schema import Recipe
@@ -44,3 +46,8 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         return [k for i, (a, b) in enumerate(zip(old, new, strict=True)) for k in changed_keys(a, b, f"{prefix}{i}.")]
     return [] if old == new else [prefix.rstrip(".") or "(all)"]
+
+
+def recipe_hash(settings: dict[str, Any]) -> str:
+    """Hash of the recipe settings that must not change on resume (they change what the steps compute)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

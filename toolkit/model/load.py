@@ -22,7 +22,7 @@ from transformers import (
     ProcessorMixin,
 )
 
-from toolkit.checkpoint.manager import FINAL_CHECKSUMS, verify_final
+from toolkit.checkpoint.final import FINAL_CHECKSUMS, verify_final
 from toolkit.errors import ToolkitError
 from toolkit.model.trainable import modules_to_train
 from toolkit.templates import resolve_chat_template

@@ -38,6 +38,7 @@ from accelerate import Accelerator
 
 from toolkit.atomic import writing
 from toolkit.checkpoint import manager as checkpoint
+from toolkit.checkpoint.manager import CheckpointManager
 from toolkit.config.schema import Recipe
 from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
@@ -126,7 +127,7 @@ class Run:
     guard: StabilityGuard
     meter: Meter
     metrics: MetricsLog
-    manager: checkpoint.CheckpointManager
+    manager: CheckpointManager
     preemption: PreemptionFlag
     curriculum: Curriculum
     collate: Any

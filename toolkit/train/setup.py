@@ -19,7 +19,7 @@ from transformers import AutoConfig
 from toolkit import __version__, strategies
 from toolkit.atomic import write_text_atomic
 from toolkit.builtin.dummy_data import write_dummy_files
-from toolkit.checkpoint import manager as checkpoint
+from toolkit.checkpoint.manager import CheckpointManager, check_integrity, read_meta
 from toolkit.checkpoint.model_card import (
     StageCard,
     build_model_card,
@@ -27,7 +27,8 @@ from toolkit.checkpoint.model_card import (
     final_results,
     stage_results,
 )
-from toolkit.config.identity import resume_invariants
+from toolkit.checkpoint.resume import check_resumable, find_resume, restore
+from toolkit.config.identity import recipe_hash, resume_invariants
 from toolkit.config.load import recipe_to_yaml
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import ResolvedStage
@@ -71,21 +72,21 @@ def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any],
                  force: bool) -> tuple[dict[str, Any], list[str]]:
     """The checkpoint's meta once it is shown to fit this run (settings, data, batch, layout, its own files), and
     what differs and was accepted by `force`."""
-    meta = checkpoint.read_meta(ckpt)
-    forced = checkpoint.check_resumable(meta, ckpt, invariants_hash=identity["recipe_hash"],
+    meta = read_meta(ckpt)
+    forced = check_resumable(meta, ckpt, invariants_hash=identity["recipe_hash"],
                                         effective_batch=identity["effective_batch"], strategy=identity["strategy"],
                                         world_size=identity["world_size"], force=force,
                                         stage_batches=identity["stage_batches"], invariants=identity["invariants"],
                                         stage_steps=identity["stage_plan_steps"],
                                         data_files=identity["data_files"], data_stores=identity["data_stores"])
-    checkpoint.check_integrity(accelerator, ckpt, meta)
+    check_integrity(accelerator, ckpt, meta)
     return meta, forced
 
 
 def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) -> None:
     """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state (with
     the curriculum's: stages that ended early on eval patience keep their length)."""
-    restored = checkpoint.restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
+    restored = restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
                                   strategy=run.identity["strategy"], seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
     if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
@@ -109,7 +110,7 @@ def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -
     busy = distributed.broadcast_from_main(accelerator, lock.acquire() if accelerator.is_main_process else None)
     if busy is not None:
         raise ToolkitError(f"output_dir {out}: {busy}.")
-    resume_from = checkpoint.find_resume(resume, layout.checkpoints)
+    resume_from = find_resume(resume, layout.checkpoints)
     if resume == "none" and committed_checkpoints(layout.checkpoints):
         raise ToolkitError(f"{out} already holds checkpoints of an earlier run and checkpoint.resume is none: "
                            "they would be overwritten. Use resume: auto to continue it, or a new output_dir.")
@@ -194,7 +195,7 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
                               max_consecutive_skips=stab.max_consecutive_skips),
                Meter(accelerator.device), MetricsLog(layout.metrics, enabled=accelerator.is_main_process),
-               checkpoint.CheckpointManager(layout.checkpoints, keep_last=saving.keep_last,
+               CheckpointManager(layout.checkpoints, keep_last=saving.keep_last,
                                             best_metric=saving.best_metric, best_mode=saving.best_mode,
                                             is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone),
                preemption, curriculum, collate, identity,
@@ -215,7 +216,7 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, curriculum: Curriculu
             "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
             "stage_batches": [p.global_batch for p in plans], "stage_plan_steps": [p.steps for p in plans],
             "lora": recipe.lora.enabled,
-            "recipe_hash": checkpoint.recipe_hash(settings), "invariants": settings, "data_files": data_files,
+            "recipe_hash": recipe_hash(settings), "invariants": settings, "data_files": data_files,
             "data_stores": data_stores,
             "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
 
