@@ -126,9 +126,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     model, trainable = build_model(recipe, resolved, model_path, vision=vision,
                                    mixed_precision=accelerator.mixed_precision)
     curriculum.set_trainable_params(trainable.stage_counts)
-    identity["state"] = state_signature(model, trainable.groups)
+    identity.state = state_signature(model, trainable.groups)
     if resume_from is not None:  # before its weights load: a model that cannot hold them is refused, even forced
-        check_state(resume_meta, resume_from, identity["state"], identity["invariants"])
+        check_state(resume_meta, resume_from, identity.state, identity.invariants)
     set_seed(recipe.train.seed, device_specific=True)  # from here on (dropout), each rank its own stream
 
     # --- Optimizer and schedule: base lr 1.0 so the LambdaLR returns the absolute per-stage lr. ---

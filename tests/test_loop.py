@@ -88,8 +88,9 @@ def build_run(tmp_path: Path, *overrides: str) -> Run:
     preemption = PreemptionFlag()
     preemption.training()  # these runs are in their loop: a signal asks for a save
     return setup.assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
-                           curriculum=curriculum, collate=padding_collator(tokenizer), identity={"run_name": "unit"},
-                           num_workers=0)
+                              curriculum=curriculum, collate=padding_collator(tokenizer), num_workers=0,
+                              identity=setup.run_identity(recipe, accelerator, curriculum, run_name="unit",
+                                                          model_path=model_path, data_files={}))
 
 
 def test_one_step_loss_is_the_global_batch_mean_computed_by_hand(tmp_path: Path) -> None:

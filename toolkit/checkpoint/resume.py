@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,35 @@ from toolkit.config.identity import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
 from toolkit.runtime.run_dir import COMMIT_MARKER, committed_checkpoints
 from toolkit.strategies import deepspeed
+
+
+@dataclass
+class RunIdentity:
+    """What every checkpoint's meta.json says about the run itself, not its progress; a resume checks it against
+    the checkpoint's (`check_resumable`, `check_state`). The fields are meta.json's keys, so checkpoints written
+    before it was typed are read alike."""
+
+    world_size: int
+    strategy: str
+    effective_batch: int
+    stage_batches: list[int]  # each stage's global batch
+    stage_plan_steps: list[int]  # each stage's planned length
+    lora: bool
+    recipe_hash: str  # of `invariants` (toolkit/config/identity.py)
+    invariants: dict[str, Any]
+    data_files: dict[str, str]  # each data file's content hash
+    data_stores: dict[str, str]  # each token store's checksum
+    run_name: str
+    base_model: str
+    toolkit_version: str
+    state: dict[str, str] | None = None  # the model's trainable state (`state_signature`), once the model is built
+
+    def to_meta(self) -> dict[str, Any]:
+        """The meta.json entries."""
+        meta = asdict(self)
+        if self.state is None:
+            del meta["state"]
+        return meta
 
 
 def find_resume(resume: str, root: Path) -> Path | None:

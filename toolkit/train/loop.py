@@ -39,6 +39,7 @@ from accelerate import Accelerator
 from toolkit.atomic import writing
 from toolkit.checkpoint import manager as checkpoint
 from toolkit.checkpoint.manager import CheckpointManager
+from toolkit.checkpoint.resume import RunIdentity
 from toolkit.config.schema import Recipe
 from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
@@ -131,7 +132,7 @@ class Run:
     preemption: PreemptionFlag
     curriculum: Curriculum
     collate: Any
-    identity: dict[str, Any]  # meta.json keys that describe the run, not its progress (checked on resume)
+    identity: RunIdentity  # what meta.json says of the run, not its progress (checked on resume)
     evaluator: Evaluator  # eval loss and generation evals, every eval.every_steps and at stage ends
     batches: Any = None  # toolkit.data.batching.StageBatches: this rank's micro-batches, step by step
     text_config: Any = None  # the model's text config (FLOPs per token)
@@ -377,7 +378,7 @@ def save_checkpoint(run: Run, state: RunState) -> None:
     """Commit a checkpoint of the run at `state.step`: the state files and meta.json (`state` plus the run's
     identity, which a resume checks)."""
     recipe = run.recipe
-    meta = {**state.to_meta(), "time": time.time(), **run.identity}
+    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta()}
     portable = recipe.lora.enabled and recipe.checkpoint.portable
     write = partial(checkpoint.write_state, run.accelerator, run.model, run.optimizer,
                     adam_steps=run.freezer.adam_steps() if portable else None)

@@ -27,7 +27,7 @@ from toolkit.checkpoint.model_card import (
     final_results,
     stage_results,
 )
-from toolkit.checkpoint.resume import check_resumable, find_resume, restore
+from toolkit.checkpoint.resume import RunIdentity, check_resumable, find_resume, restore
 from toolkit.config.identity import recipe_hash, resume_invariants
 from toolkit.config.load import recipe_to_yaml
 from toolkit.config.schema import Recipe
@@ -68,17 +68,16 @@ from toolkit.train.stability import StabilityGuard
 log = logging.getLogger("toolkit")
 
 
-def check_resume(accelerator: Accelerator, ckpt: Path, identity: dict[str, Any], *,
+def check_resume(accelerator: Accelerator, ckpt: Path, identity: RunIdentity, *,
                  force: bool) -> tuple[dict[str, Any], list[str]]:
     """The checkpoint's meta once it is shown to fit this run (settings, data, batch, layout, its own files), and
     what differs and was accepted by `force`."""
     meta = read_meta(ckpt)
-    forced = check_resumable(meta, ckpt, invariants_hash=identity["recipe_hash"],
-                                        effective_batch=identity["effective_batch"], strategy=identity["strategy"],
-                                        world_size=identity["world_size"], force=force,
-                                        stage_batches=identity["stage_batches"], invariants=identity["invariants"],
-                                        stage_steps=identity["stage_plan_steps"],
-                                        data_files=identity["data_files"], data_stores=identity["data_stores"])
+    forced = check_resumable(meta, ckpt, invariants_hash=identity.recipe_hash, effective_batch=identity.effective_batch,
+                             strategy=identity.strategy, world_size=identity.world_size, force=force,
+                             stage_batches=identity.stage_batches, invariants=identity.invariants,
+                             stage_steps=identity.stage_plan_steps, data_files=identity.data_files,
+                             data_stores=identity.data_stores)
     check_integrity(accelerator, ckpt, meta)
     return meta, forced
 
@@ -87,7 +86,7 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
     """Load the checkpoint into the prepared objects (weights, optimizer, scheduler, RNG) and the run state (with
     the curriculum's: stages that ended early on eval patience keep their length)."""
     restored = restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
-                                  strategy=run.identity["strategy"], seed=run.recipe.train.seed)
+                                  strategy=run.identity.strategy, seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
     if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
         opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
@@ -156,7 +155,7 @@ def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Acc
                             reference_batch_size=opt.reference_batch_size)
 
 
-def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, identity: dict[str, Any],
+def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, identity: RunIdentity,
                     plans: list[StagePlan], trainable_params: list[int], *, resumed_at: int | None) -> None:
     """Outputs, created only now that every input was validated: recipe.yaml, run.json, and metrics.jsonl started
     afresh (or cut back to the resumed step: the steps after it are redone)."""
@@ -165,8 +164,8 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
     layout.root.mkdir(parents=True, exist_ok=True)
     write_text_atomic(layout.recipe, recipe_to_yaml(recipe))  # export reads both: never half-written
     write_text_atomic(layout.run_json, json.dumps({
-        "run_name": identity["run_name"], "strategy": identity["strategy"], "num_processes": identity["world_size"],
-        "effective_batch": identity["effective_batch"],
+        "run_name": identity.run_name, "strategy": identity.strategy, "num_processes": identity.world_size,
+        "effective_batch": identity.effective_batch,
         "mixed_precision": accelerator.mixed_precision, "stages": [p.__dict__ for p in plans],
         "trainable_params": trainable_params,
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
@@ -180,7 +179,7 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
                  trainable: TrainablePlan, *, preemption: PreemptionFlag, curriculum: Curriculum, collate: Any,
-                 identity: dict[str, Any], num_workers: int, generation: GenerationPlan | None = None) -> Run:
+                 identity: RunIdentity, num_workers: int, generation: GenerationPlan | None = None) -> Run:
     """The prepared model and optimizer wired with what the loop needs: per-stage freezing, the LR schedule, the
     stability guard, the meters, metrics.jsonl, the checkpoint manager, the evaluations and the batches (a
     DataLoader per stage with `num_workers` worker processes)."""
@@ -208,17 +207,17 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
 
 
 def run_identity(recipe: Recipe, accelerator: Accelerator, curriculum: Curriculum, *, run_name: str,
-                 model_path: str, data_files: dict[str, str]) -> dict[str, Any]:
-    """What every checkpoint's meta.json says about the run itself (not its progress): a resume checks it."""
+                 model_path: str, data_files: dict[str, str]) -> RunIdentity:
+    """This run's identity, which every checkpoint records and a resume checks (its model state is added once the
+    model is built)."""
     world, settings, plans = accelerator.num_processes, resume_invariants(recipe), curriculum.plans
-    data_stores = store_checksums([s.data for s in curriculum.stages], [s.eval_rows for s in curriculum.stages])
-    return {"world_size": world, "strategy": strategies.strategy_name(accelerator),
-            "effective_batch": recipe.train.micro_batch_size * recipe.train.grad_accum * world,
-            "stage_batches": [p.global_batch for p in plans], "stage_plan_steps": [p.steps for p in plans],
-            "lora": recipe.lora.enabled,
-            "recipe_hash": recipe_hash(settings), "invariants": settings, "data_files": data_files,
-            "data_stores": data_stores,
-            "run_name": run_name, "base_model": model_path, "toolkit_version": __version__}
+    return RunIdentity(
+        world_size=world, strategy=strategies.strategy_name(accelerator),
+        effective_batch=recipe.train.micro_batch_size * recipe.train.grad_accum * world,
+        stage_batches=[p.global_batch for p in plans], stage_plan_steps=[p.steps for p in plans],
+        lora=recipe.lora.enabled, recipe_hash=recipe_hash(settings), invariants=settings, data_files=data_files,
+        data_stores=store_checksums([s.data for s in curriculum.stages], [s.eval_rows for s in curriculum.stages]),
+        run_name=run_name, base_model=model_path, toolkit_version=__version__)
 
 
 def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
