@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from toolkit.builtin.text_model import build_qwen_tokenizer  # noqa: E402
 from toolkit.data.plan import encode_files  # noqa: E402
+from toolkit.templates import stock_template  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
-    tokenizer = build_qwen_tokenizer((REPO / "tests" / "data" / "templates" / "qwen3.jinja").read_text())
+    tokenizer = build_qwen_tokenizer(stock_template("qwen3"))
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "chat.jsonl"
