@@ -76,6 +76,7 @@ from toolkit.atomic import build_dir, fsync_dir, write_atomic
 from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, unread_message_keys
 from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
+from toolkit.runtime.process import process_gone
 from toolkit.runtime.signals import Stopped, signal_when_parent_dies
 
 log = logging.getLogger(__name__)
@@ -653,19 +654,11 @@ def _clear_dead_temporaries(final: Path, host: str) -> None:
     for tmp in final.parent.glob(f".{final.name}.{host}.*.tmp"):
         with contextlib.suppress(ValueError, OSError):
             pid = int(tmp.name.split(".")[-2])
-            if pid != os.getpid() and not _alive(pid):
+            if pid != os.getpid() and process_gone(pid):
                 shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(final.parent)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _prepare_in_memory(source: Source, encoder: Any, key: dict[str, Any], *, num_proc: int,

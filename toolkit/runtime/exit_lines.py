@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from toolkit.runtime.process import process_gone
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
 FAILED_EXIT_CODE = 1
@@ -55,20 +56,6 @@ def _store() -> Any | None:
         return torch.distributed.PrefixStore("toolkit-last-words/", _get_default_store())
     except (ImportError, RuntimeError, ValueError):
         return None
-
-
-def _process_gone(pid: int) -> bool:
-    """Whether process `pid` of this host has ended (a zombie not yet reaped by the launcher counts as ended)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):  # no /proc (not Linux): it answered the signal, so it runs
-        return False
 
 
 def _first_line(text: str, limit: int = 200) -> str:
@@ -204,7 +191,7 @@ class LastWords:
             except (RuntimeError, ValueError):  # the store is gone (its host died): nothing more to learn there
                 store, note, where = None, None, None
             pid = where["pid"] if where else None
-            gone = _process_gone(pid) if where and where["host"] == self.host else None
+            gone = process_gone(pid) if where and where["host"] == self.host else None
             peers.append(Peer(rank, note, pid, gone))
         return peers
 

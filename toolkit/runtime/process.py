@@ -18,6 +18,8 @@ import contextlib
 import json
 import logging
 import os
+import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -176,7 +178,6 @@ def record_launch_error(message: str) -> None:
     The launcher then ends its 'Root Cause' summary (printed after its own traceback) with this line instead of
     'To enable traceback see ...', so the reason stays in view under the launcher's output. No-op unlaunched.
     """
-    import time
 
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -208,9 +209,22 @@ def exit_without_teardown(code: int) -> None:
     connections.
     """
     import logging
-    import sys
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie not yet reaped by the launcher counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (not Linux): it answered the signal, so it runs
+        return False
