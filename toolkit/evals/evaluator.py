@@ -6,7 +6,7 @@ eval.all_stages (the forgetting matrix), reduced to one set of metrics that ever
 * the loss evaluation (toolkit.evals.loss) of the stage's eval files: `eval_loss`, `eval_ppl`, `eval_tokens`; with
   all_stages every stage's files too, as `<stage>.eval_loss`;
 * the generation evals (toolkit.evals.generation) of the stage, or of every stage: `<eval>.<score>`, the mean over the
-  eval's rows. The weights are gathered once for all of them (toolkit.strategies.generation).
+  eval's rows. The weights are gathered once for all of them (toolkit.strategies.full_weights).
 
 Rank 0 then writes the completions of the eval, one line per row with the prompt, output, reference and score, to
 `evals/<stage>/step-N.jsonl`, sends them to TensorBoard (text) and W&B (a table) where those trackers are on,
@@ -37,7 +37,7 @@ from toolkit.evals.scorers import Scorer, build_scorers
 from toolkit.metrics.log import to_json_line
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout
-from toolkit.strategies.generation import full_weights_for_generation, shards_parameters
+from toolkit.strategies.full_weights import full_weights_for_generation, shards_parameters
 
 log = logging.getLogger("toolkit")
 

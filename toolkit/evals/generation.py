@@ -16,7 +16,7 @@ completed by transformers' `generate` with the model's KV cache: greedy by defau
 (eval step, batch) so the training's random streams are left untouched.
 
 No rank may hang. Under ZeRO-3 and FSDP the weights are gathered once for the eval
-(toolkit.strategies.generation) and every rank also runs the same number of generate calls (a rank short of
+(toolkit.strategies.full_weights) and every rank also runs the same number of generate calls (a rank short of
 batches completes batch 0 again and discards it) with `synced_gpus`, which keeps each rank stepping until all are
 done: ranks with fewer rows, or whose rows finish earlier, still take part in every forward.
 """
@@ -207,7 +207,7 @@ def generate(accelerator: Accelerator, model: Any, evaluation: GenerationEval, p
              lockstep: bool, seed: int, step: int, image_kwargs: dict[str, Any] | None = None
              ) -> list[tuple[int, str]]:
     """(row index, completion) of this rank's share of the eval's rows. `model` holds its full weights (see
-    toolkit.strategies.generation); with `lockstep` every rank runs as many generate calls, and each call steps
+    toolkit.strategies.full_weights); with `lockstep` every rank runs as many generate calls, and each call steps
     until every rank's rows are done."""
     tokenizer = getattr(processing, "tokenizer", processing)
     config = evaluation.config
