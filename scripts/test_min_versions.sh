@@ -16,7 +16,7 @@
 #   accelerate >= 1.10    the single-process training loop in-process (test_loop)
 #   deepspeed >= 0.19.3   installed and imported, not launched: a 2-process ZeRO-3 launch costs 3 minutes here
 #                         (test_vision's mixed batches, ZeRO-3 + LoRA: passed at these floors on 2026-11-24; to
-#                         run it, pass "tests/test_vision.py::test_mixed_batches_across_ranks_do_not_hang[zero3]"
+#                         run it, pass "tests/data/test_vision.py::test_mixed_batches_across_ranks_do_not_hang[zero3]"
 #                         to this script), and the fix the floor is for (ZeRO-3 + LoRA + non-reentrant checkpointing) is
 #                         the release's, not shown by any fast test
 #   datasets >= 3.0       the toolkit does not import it (bench/throughput.py does, through TRL): installed at its
@@ -76,8 +76,8 @@ if [ "${1:-}" = "--install-only" ]; then
   exit 0
 fi
 if [ "$#" -eq 0 ]; then
-  set -- tests/test_attention.py tests/test_vision.py tests/test_generation.py tests/test_loss_head.py \
-    tests/test_activation_memory.py tests/test_loop.py -m "not slow"
+  set -- tests/model/test_attention.py tests/data/test_vision.py tests/evals/test_generation.py tests/model/test_loss_head.py \
+    tests/model/test_activation_memory.py tests/train/test_loop.py -m "not slow"
 fi
 started=$SECONDS
 python -m pytest -q -ra -p no:cacheprovider "$@"

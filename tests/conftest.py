@@ -172,20 +172,20 @@ SINGLE_CURRICULUM = ("train.micro_batch_size=4", "stages.2.micro_batch_size=2")
 # Answers train without Qwen3's empty think block. The built-in tiny Qwen3 carries Qwen3's template (issue 30), and
 # trained with its think blocks the random model collapses onto their newlines within a few steps: every generation
 # eval completes to "\n\n\n\n\n\n", and equal completions across strategies would prove nothing. Without them the
-# rendering is token for token the ChatML that tests/data/curriculum_losses.json was recorded with.
+# rendering is token for token the ChatML that tests/assets/curriculum_losses.json was recorded with.
 NO_THINK = ("data.thinking=none",)
 # The curriculum runs of the strategy matrix also run a generation eval (at steps 4, 8 and 11): nine prompts in
 # batches of 4, 4 and 1, so two ranks hold 8 and 1 prompts in 2 and 1 batches; the model, trained on arithmetic,
-# answers them with varied junk. Launched through tests/_spy_generation.py, which counts each rank's collectives
-# inside generation (its counts: SPY_DIR of the run). The resumes of tests/test_resume.py run without it: their
+# answers them with varied junk. Launched through tests/helpers/spy_generation.py, which counts each rank's collectives
+# inside generation (its counts: SPY_DIR of the run). The resumes of tests/e2e/test_resume.py run without it: their
 # bit-exact match with these runs shows that evaluating leaves training untouched.
 GENERATION = ("eval.every_steps=4", "eval.generation=[{name: facts, data: [dummy:facts_eval], scorers: [exact], "
               "max_new_tokens: 6, batch_size: 4}]")
-SPY = REPO / "tests" / "_spy_generation.py"
+SPY = REPO / "tests" / "helpers" / "spy_generation.py"
 
 
 def spy_dir(run: Path) -> Path:
-    """Where tests/_spy_generation.py wrote the per-rank counts of a curriculum run."""
+    """Where tests/helpers/spy_generation.py wrote the per-rank counts of a curriculum run."""
     return run.parent / f"{run.name}-spy"
 
 
@@ -251,7 +251,8 @@ BF16_BASE = "model.dtype=bfloat16"
 def bf16_curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`get(strategy)`: the curriculum as a user launches it: the shipped config's own precision (bf16; only
     `--num_processes 2` added, nothing for one process), a bf16 base, a checkpoint after every step. Shared by the
-    bf16 strategy matrix (tests/test_strategies.py) and the bf16 exact resume (tests/test_resume.py); the launch's
+    bf16 strategy matrix (tests/e2e/test_strategies.py) and the bf16 exact resume (tests/e2e/test_resume.py); the
+    launch's
     output is kept beside the run, in `<run>.log`."""
     def launch(strategy: str, out: Path) -> None:
         proc = train(strategy, None if strategy == "single" else 2, out, *curriculum_args(strategy), BF16_BASE,
@@ -263,7 +264,7 @@ def bf16_curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[
 
 def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no") -> list[int]:
     """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would,
-    each run in fresh processes forked from one parent that imported everything once (tests/_relaunch.py says
+    each run in fresh processes forked from one parent that imported everything once (tests/helpers/relaunch.py says
     why); returns the exit codes. Each run's output (all ranks) is in its log. `mixed_precision` None: the
     config file's."""
     jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
@@ -272,7 +273,7 @@ def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precisi
                    "--num_processes", str(processes_for(strategy)),
                    *(["--mixed_precision", mixed_precision] if mixed_precision is not None else [])],
         "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "timeout": LAUNCH_TIMEOUT_S}))
-    proc = run_launch([sys.executable, str(REPO / "tests" / "_relaunch.py"), str(jobs)],
+    proc = run_launch([sys.executable, str(REPO / "tests" / "helpers" / "relaunch.py"), str(jobs)],
                       timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["codes"]

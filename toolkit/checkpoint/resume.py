@@ -68,7 +68,7 @@ def find_resume(resume: str, root: Path) -> Path | None:
     return path
 
 
-# Same-layout resumes proven bit-exact by tests/test_resume.py::test_resume_from_every_checkpoint_is_exact: from
+# Same-layout resumes proven bit-exact by tests/e2e/test_resume.py::test_resume_from_every_checkpoint_is_exact: from
 # every checkpoint of the 3-stage curriculum (stages training different parameters), every later step's loss, lr,
 # gradient norm and counts and the final adapter equal the uninterrupted run's. (strategy name, mixed precision).
 EXACT_RESUME_TESTED = frozenset([*((s, "no") for s in ("single", "ddp", "fsdp2", "zero2", "zero3", "zero3_offload")),

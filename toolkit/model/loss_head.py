@@ -12,8 +12,8 @@ activations, and it grows with sequence length. Here the cross-entropy is comput
 * ``liger`` (CUDA, ``pip install 'curriculum-toolkit[liger]'``): Liger-Kernel's fused linear cross-entropy,
   which computes the gradients of hidden states and weight chunk by chunk in forward. Only for a plain
   ``nn.Linear`` head (no LoRA on it). On the CPU its Triton kernels run in Triton's interpreter
-  (``TRITON_INTERPRET=1``): how CI checks it against the chunked head (tests/test_loss_head.py, and a ZeRO-3
-  launch in tests/test_strategies.py).
+  (``TRITON_INTERPRET=1``): how CI checks it against the chunked head (tests/model/test_loss_head.py, and a ZeRO-3
+  launch in tests/e2e/test_strategies.py).
 
 Where it runs: under ZeRO-3 and FSDP2 the head's weight is sharded and gathered only while the head module runs
 (DeepSpeed's / FSDP's module hooks), and re-gathered for its backward. So the loss is computed *inside the head

@@ -3,7 +3,7 @@
 The estimate answers "which strategy fits on these GPUs?" without loading weights: the model skeleton is built
 on the meta device (exact parameter shapes, LoRA included) and each strategy's layout is applied to it.
 `toolkit.strategies.measure.measure_rank_state_bytes` counts what a rank really holds after an optimizer step,
-so the estimate can be checked against reality (tests/test_memory.py does so for DDP, ZeRO-2, ZeRO-3 and
+so the estimate can be checked against reality (tests/model/test_memory.py does so for DDP, ZeRO-2, ZeRO-3 and
 FSDP2, LoRA and full fine-tuning).
 
 Accounting (bytes per GPU; W = number of GPUs, the data-parallel and sharding degree; "trainable" are the
@@ -35,7 +35,7 @@ parameters the optimizer updates, "frozen" the rest):
 * activations, for T = micro_batch * seq_len tokens and ``activation_bytes`` b per element (2 under bf16 autocast or a
   bf16 model, the shipped launch configs), after Korthikanti et al. 2022 for GQA + SwiGLU with an SDPA/flash kernel
   (no seq^2 score matrix is stored), checked per term against the tensors autograd saves
-  (tests/test_activation_memory.py, 1k-16k tokens, within 15%). One decoder layer saves per token
+  (tests/model/test_activation_memory.py, 1k-16k tokens, within 15%). One decoder layer saves per token
       (2*h + 3*a*d + 2*k*d + 4*i) * b  +  (2*h + qk) * 4  bytes
   (the matmul inputs (two norm outputs, the attention output), q, k, v and the kernel's output, the MLP's gate, up,
   silu(gate) and product; RMSNorm normalises in fp32 and keeps that fp32 input, as do Qwen3's per-head q/k norms, qk =
@@ -52,7 +52,8 @@ parameters the optimizer updates, "frozen" the rest):
   and gradient the cross-entropy makes) for C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T,
   loss_chunk_size), with the chunked head (toolkit/model/loss_head.py, the default), plus T*h*4 for the gradient of the
   hidden states it selects. On CPU the whole step matches a measured one within 7% up to 4096 tokens
-  (bench/loss_head_memory.py, tests/test_memory.py; at 16384 the measured step is 25% larger, outside what autograd
+  (bench/loss_head_memory.py, tests/model/test_memory.py; at 16384 the measured step is 25% larger, outside what
+  autograd
   saves: docs/benchmarks.md). Vision-tower activations of VL models depend on the images and are not included.
 
 The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
@@ -136,7 +137,7 @@ def _norm_input_bytes(activation_bytes: int, fused_layers: bool) -> int:
 def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_copies: bool = False,
                            fused_layers: bool = False) -> int:
     """Bytes one decoder layer saves for backward per token (see the module docstring; counted against autograd's
-    saved tensors in tests/test_activation_memory.py). ``fused_layers``: Liger's RMSNorm keeps its 16-bit input
+    saved tensors in tests/model/test_activation_memory.py). ``fused_layers``: Liger's RMSNorm keeps its 16-bit input
     instead of an fp32 copy, its SwiGLU gate and up without silu(gate) (toolkit/model/fused_layers.py; 1% under the
     measured H100 peak of Qwen3-8B LoRA at 4096 tokens, docs/benchmarks.md)."""
     c = config.get_text_config()

@@ -193,7 +193,7 @@ def finish_trackers(accelerator: Accelerator) -> None:
     `train`), the group's last reference goes when the model is freed, and ProcessGroupGloo's destructor waits for
     its worker threads with the GIL held, while a worker that is finishing the last collective needs the GIL to free
     a tensor made in Python: the rank hangs after its run is done (a CI launch did; PyTorch guards the Python-held
-    group against exactly this, not the Reducer's reference). Checked by tests/test_strategies.py's spy."""
+    group against exactly this, not the Reducer's reference). Checked by tests/e2e/test_strategies.py's spy."""
     with writing(Path(accelerator.logging_dir or ".")):  # their last events are flushed here
         for tracker in accelerator.trackers:
             tracker.finish()

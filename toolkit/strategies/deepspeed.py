@@ -187,7 +187,7 @@ def _history_free_bias_correction(adam: Any, *_: Any) -> None:
     CPU Adam's C++ side keeps `beta ** t` between steps as a running product (multiplied once per step, recomputed
     with pow after any other jump in the step count). That product is not in the optimizer's state_dict: a resumed
     run recomputes it with pow, and its updates then differ from the uninterrupted run's in the last bits (found by
-    tests/test_resume.py's every-checkpoint test). A fresh C++ optimizer (at its step 0) computes the correction
+    tests/e2e/test_resume.py's every-checkpoint test). A fresh C++ optimizer (at its step 0) computes the correction
     from the step count each parameter's state carries, whatever ran before. `create_adam` replaces the one under
     the same id; DeepSpeedCPUAdam.step passes each group's lr, betas, eps and decay with every update."""
     group = adam.param_groups[0]

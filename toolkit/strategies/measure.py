@@ -1,7 +1,8 @@
 """What a rank really holds after an optimizer step: bytes of weights, gradients and optimizer state, read from
 the strategy's own structures (DDP / single, FSDP2 DTensor shards, DeepSpeed ZeRO-1/2/3 partitions and offload).
 
-toolkit/model/memory.py estimates the same quantities before launch; tests/test_memory.py checks one against the other.
+toolkit/model/memory.py estimates the same quantities before launch; tests/model/test_memory.py checks one against the
+other.
 """
 
 from __future__ import annotations

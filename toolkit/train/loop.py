@@ -11,7 +11,7 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 * `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
   the checkpoint, the preemption exit.
 
-Host syncs (a device value read on the host stalls a GPU's queue; tests/test_sync_budget.py counts them):
+Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
   flags; every rank needs the verdict before the update is committed).
 * inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the

@@ -1,0 +1,180 @@
+"""`toolkit inspect-data` reads what training reads: on every data shape the suite trains on (formats, folders,
+ShareGPT, Alpaca, a column mapping, a split, a mixture, drop / truncate, packing, data.thinking, train_on: all,
+vision-language rows), its "stage 'x' data: ..." line is the one training's data loading logs, and it names rows by
+their place in their file."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import stock_template
+from tests.data.test_sources import ALPACA, ROWS, SHAREGPT, _jsonl, _table, _write
+from toolkit.builtin.dummy_data import write_dummy_files
+from toolkit.commands.inspect_data import inspect_data
+from toolkit.config.load import load_recipe
+from toolkit.config.schema import Recipe
+from toolkit.config.stages import resolve_stages
+from toolkit.data.stages import load_curriculum_data, tokenized_cache_dir
+from toolkit.runtime.run_dir import RunLayout
+
+LONG = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(40)))},
+                     {"role": "assistant", "content": "Done."}]}
+
+
+def _recipe(tmp_path: Path, model: str, stages: list[dict[str, Any]], **data: Any) -> Recipe:
+    tree = {"output_dir": str(tmp_path / "run"), "model": {"name_or_path": model},
+            "data": {"max_seq_len": 512, "num_proc": 1, **data},
+            "stages": [{"max_steps": 1, **s} for s in stages]}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
+    return load_recipe(tmp_path / "recipe.yaml")
+
+
+def _training_lines(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What training's data loading logs per stage, loaded as train_curriculum.py loads it."""
+    from toolkit.model.load import is_vision_language, load_processing
+
+    layout = RunLayout(recipe.output_dir)
+    model = recipe.model.name_or_path
+    vision = is_vision_language(model, trust_remote_code=False)
+    processor, tokenizer = load_processing(model, vision=vision, trust_remote_code=False,
+                                           chat_template=recipe.data.chat_template)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="toolkit"):
+        load_curriculum_data(resolve_stages(recipe), recipe.data, tokenizer, processor if vision else None,
+                             layout.dummy_data, tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("stage '")]
+
+
+def _agree(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> str:
+    """inspect-data's report, once its stage lines are shown to be training's."""
+    shown = inspect_data(recipe, stage=None, rows=2, colour=False)
+    lines = [line for line in shown.splitlines() if line.startswith("stage '")]
+    assert len(lines) >= len(recipe.stages)  # a stage's line, and its unread-keys line where it has one
+    assert lines == _training_lines(recipe, caplog)
+    return shown
+
+
+def _formats(tmp_path: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    stages = [{"name": fmt.replace("_", "-"), "data": [str(_write(fmt, tmp_path / fmt, ROWS))]}
+              for fmt in ["jsonl", "json-array", "parquet", "csv", "arrow-stream", "save_to_disk"]]
+    shards = tmp_path / "shards"
+    for i in range(2):
+        _write("jsonl", shards, ROWS, name=f"part-{i}")
+    renamed = [{"dialog": r["messages"], "id": i} for i, r in enumerate(ROWS)]
+    datasets.DatasetDict({"train": _table(renamed[:1]), "test": _table(renamed[1:])}).save_to_disk(
+        str(tmp_path / "dd"))
+    _jsonl(tmp_path / "shapes.jsonl", [SHAREGPT, ALPACA, {"instruction": "Say hi.", "output": "Hi."}])
+    _jsonl(tmp_path / "pc.jsonl", [{"prompt": "2 + 2 =", "completion": "five", "answer": " 4"},
+                                   {"prompt": "3 + 3 =", "completion": "seven", "answer": " 6"}])
+    _jsonl(tmp_path / "text.jsonl", [{"text": "Plain text trains on every token."}] * 2)
+    return [*stages,
+            {"name": "folder", "data": [str(shards)]},
+            {"name": "glob", "data": [str(tmp_path / "**" / "part-*.jsonl")]},
+            {"name": "split", "data": [{"path": str(tmp_path / "dd"), "split": "test",
+                                        "columns": {"messages": "dialog"}}]},
+            {"name": "shapes", "data": [str(tmp_path / "shapes.jsonl")]},
+            {"name": "columns", "data": [{"path": str(tmp_path / "pc.jsonl"), "columns": {"completion": "answer"}}]},
+            {"name": "text", "data": [str(tmp_path / "text.jsonl")]},
+            {"name": "mixture", "data": [{"path": str(tmp_path / "jsonl" / "data.jsonl"), "weight": 3},
+                                         {"path": str(tmp_path / "shapes.jsonl"), "weight": 1}]}]
+
+
+@pytest.mark.parametrize("data", [
+    {},
+    {"overlength": "drop", "max_seq_len": 48},  # only LONG (63 tokens) is over: ROWS are 45, 37 and 24
+    {"overlength": "truncate", "max_seq_len": 40, "packing": True},
+    {"thinking": "none", "chat_template": stock_template("qwen3"), "overlength": "truncate", "max_seq_len": 48},
+    {"train_on": "all", "overlength": "drop", "max_seq_len": 48, "cache_dir": "none"},
+], ids=["default", "drop", "truncate-packing", "thinking", "train-on-all-in-memory"])
+def test_inspect_data_counts_what_training_loads(tmp_path: Path, models: dict[str, str], data: dict[str, Any],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    stages = _formats(tmp_path)
+    _jsonl(tmp_path / "long.jsonl", [*ROWS, LONG, *ROWS])
+    stages.append({"name": "long", "data": [str(tmp_path / "long.jsonl")]})
+    if data.get("overlength") is None:
+        data = {**data, "overlength": "error"}
+        stages.pop()  # its row 4 is refused under error (tested below)
+    if data.get("train_on") == "all":  # ShareGPT's "weight": 0 turn is refused under train_on: all
+        stages = [s for s in stages if "shapes.jsonl" not in json.dumps(s["data"])]
+    shown = _agree(_recipe(tmp_path, models["text"], stages, **data), caplog)
+    if data.get("overlength") == "drop":
+        assert "stage 'long' data: 7 rows, 6 kept" in shown
+
+
+def test_inspect_data_on_vision_language_rows(tmp_path: Path, models: dict[str, str],
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    recipe = _recipe(tmp_path, models["vl"], [{"name": "one", "data": ["dummy:vl_stage1"]},
+                                              {"name": "two", "data": ["dummy:vl_stage2", "dummy:stage2"]}],
+                     overlength="drop", max_seq_len=256)
+    write_dummy_files(RunLayout(recipe.output_dir).dummy_data, 16, seed=recipe.train.seed, vision=True)
+    shown = _agree(recipe, caplog)
+    assert "<|image_pad|>x" in shown
+
+
+def test_inspect_data_shows_the_mapped_column_and_the_file_line(tmp_path: Path, models: dict[str, str],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A file with both `completion` and `answer`, mapped `completion: answer`, trains `answer` (inspect-data used
+    to show `completion`); a row shown is named by its line in the file, not by its place among the kept rows."""
+    path = tmp_path / "qa.jsonl"
+    rows = [{"prompt": "Q: 2 + 2?", "completion": "wrong", "answer": " four"},
+            {"prompt": "Q: " + " ".join(["long"] * 80), "completion": "x", "answer": " y"},
+            {"prompt": "Q: 3 + 3?", "completion": "wrong", "answer": " six"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = _recipe(tmp_path, models["text"], [{"name": "qa", "data": [
+        {"path": str(path), "columns": {"completion": "answer"}}]}], overlength="drop", max_seq_len=32)
+    shown = _agree(recipe, caplog)
+    assert "stage 'qa' data: 3 rows, 2 kept" in shown and "1 dropped over max_seq_len" in shown
+    assert f"=== stage 'qa' ({path} (columns completion: answer)) ===" in shown
+    first, second = shown.split(f"--- {path}:1 ")[1].split(f"--- {path}:3 ")
+    assert "[[ four" in first and "[[ six" in second and "wrong" not in shown
+    assert f"--- {path}:2 " not in shown
+
+
+def test_inspect_data_writes_nothing_in_the_output_dir(tmp_path: Path, models: dict[str, str]) -> None:
+    """Only the run's token stores, beside the output dir, where training prepares them too."""
+    recipe = _recipe(tmp_path, models["text"], [{"name": "a", "data": [str(_jsonl(tmp_path / "a.jsonl", ROWS))]},
+                                                {"name": "d", "data": ["dummy:stage1"]}])
+    inspect_data(recipe, stage=None, rows=1, colour=False)
+    assert not Path(recipe.output_dir).exists()
+    assert any((tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir())
+
+
+def test_inspect_data_on_the_peers_shapes(tmp_path: Path, models: dict[str, str],
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """LLaMA-Factory registry entries (alpaca with its columns, sharegpt with tags; another entry's missing file
+    does not matter), TRL's conversational prompt/completion, ms-swift's query/response and conversation pairs,
+    peers' turn flags and a message key nothing reads: inspect-data's lines, the unread-keys line included, are
+    training's."""
+    lf = tmp_path / "lf"
+    lf.mkdir()
+    _jsonl(lf / "alpaca.jsonl", [{"q": "Say hi.", "a": "Hi."}, {"q": "2 + 2?", "a": "4."}])
+    _jsonl(lf / "chat.jsonl", [{"conversations": [{"speaker": "customer", "text": "Hi?"},
+                                                  {"speaker": "agent", "text": "Hello."}]}])
+    (lf / "dataset_info.json").write_text(json.dumps({
+        "alpaca_demo": {"file_name": "alpaca.jsonl", "columns": {"prompt": "q", "response": "a"}},
+        "chat_demo": {"file_name": "chat.jsonl", "formatting": "sharegpt",
+                      "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "customer",
+                               "assistant_tag": "agent"}},
+        "missing": {"file_name": "nope.jsonl"}}))
+    user, answer = {"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5."}
+    _jsonl(tmp_path / "peers.jsonl", [
+        {"prompt": [user], "completion": [answer]},
+        {"query": "2 + 3?", "response": "5.", "history": [["1 + 1?", "2."]]},
+        {"conversation": [{"human": "2 + 3?", "assistant": "5."}]},
+        {"messages": [user, dict(answer, train=False), {"role": "user", "content": "And 1 + 1?"},
+                      dict(answer, content="2.", loss=True, lang="en")]}])
+    stages = [{"name": "registry", "data": [{"dataset": "alpaca_demo", "dataset_dir": str(lf), "weight": 1},
+                                            {"dataset": "chat_demo", "dataset_dir": str(lf), "weight": 1}]},
+              {"name": "peers", "data": [str(tmp_path / "peers.jsonl")]}]
+    shown = _agree(_recipe(tmp_path, models["text"], stages), caplog)
+    assert "stage 'registry' data: 3 rows, 3 kept" in shown and "stage 'peers' data: 4 rows, 4 kept" in shown
+    assert "stage 'peers' data: messages carry keys not read: lang (1 rows)" in shown
+    assert f"{lf}/dataset_info.json:alpaca_demo (weight 1)" in shown

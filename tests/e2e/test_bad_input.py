@@ -1,0 +1,736 @@
+"""Bad input: one clear `error:` line, exit code 2, no traceback, and nothing written or changed.
+
+The cases are the rows of docs/bad_inputs.md: the test reads the table, runs each row's case and checks that the
+error line holds the row's text. A row without a case, or a case without a row, fails `test_table_and_cases_agree`.
+
+Most cases call the entry points' `main(argv)` in this process: the same code a user's command runs, with the
+same exit code and stderr, but without paying the 10-20 s import of torch and transformers 60 times over. The
+cases marked `subprocess` (and the tests below the table) launch real processes, as a user does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, run_launch, write_jsonl
+from tests.helpers.inprocess import Call, invoke, snapshot
+from toolkit.builtin.models import TINY_MODEL
+from toolkit.runtime.run_dir import RunLayout, RunLock
+
+TABLE = REPO / "docs" / "bad_inputs.md"
+
+
+def documented() -> dict[str, str]:
+    """id -> the text the error line must hold, from the table's rows."""
+    rows = {}
+    for line in TABLE.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"^\| `([a-z0-9-]+)` \|.*\| `([^`]+)` \|$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+# Shared inputs (conftest): `models` (tiny text and VL models, built once) and `trained` (a finished 3-step run).
+
+
+# --- the cases -------------------------------------------------------------------------------------------------
+
+@dataclass
+class Ctx:
+    tmp: Path
+    models: dict[str, str]
+    trained: Path | None = None
+    keep: list[object] = field(default_factory=list)  # objects a case holds until it ends (a live run's lock)
+    cleanups: list[Callable[[], object]] = field(default_factory=list)  # run when the case ends (unmounts)
+
+    def recipe(self, change: Callable[[dict[str, Any]], object] | None = None, rows: list[object] | None = None,
+               text: str | None = None) -> Path:
+        """recipe.yaml (one stage on data.jsonl, output_dir run/) with `change` applied, or given as `text`."""
+        write_jsonl(self.tmp / "data.jsonl", rows if rows is not None else [CHAT] * 8)
+        tree = base_recipe(self.models["text"])
+        if change is not None:
+            change(tree)
+        path = self.tmp / "recipe.yaml"
+        path.write_text(text if text is not None else yaml.safe_dump(tree))
+        return path
+
+    def train(self, *overrides: str, change: Callable[[dict[str, Any]], object] | None = None,
+              rows: list[object] | None = None) -> Call:
+        return Call(["--config", str(self.recipe(change, rows)), *overrides], self.tmp / "run")
+
+    def copy_of_trained(self) -> Path:
+        """A copy of the trained run's folder as the case's folder; returns its run/."""
+        assert self.trained is not None
+        shutil.copytree(self.trained, self.tmp, dirs_exist_ok=True)
+        return self.tmp / "run"
+
+    def resume(self, *overrides: str) -> Call:
+        run = self.copy_of_trained()
+        return Call(["--config", "recipe.yaml", *overrides], run)
+
+
+CASES: dict[str, Callable[[Ctx], Call]] = {}
+NEEDS_TRAINED_RUN: set[str] = set()
+
+
+def case(name: str, *, trained: bool = False) -> Callable[[Callable[[Ctx], Call]], Callable[[Ctx], Call]]:
+    def register(fn: Callable[[Ctx], Call]) -> Callable[[Ctx], Call]:
+        CASES[name] = fn
+        if trained:
+            NEEDS_TRAINED_RUN.add(name)
+        return fn
+
+    return register
+
+
+def stage(key: str, value: object) -> Callable[[dict[str, Any]], None]:
+    return lambda t: t["stages"][0].__setitem__(key, value)
+
+
+def section(name: str, **values: object) -> Callable[[dict[str, Any]], None]:
+    return lambda t: t.setdefault(name, {}).update(values)
+
+
+case("unknown-key")(lambda c: c.train(change=lambda t: t.__setitem__("optimiser", {"lr": 1})))
+case("unknown-key-override")(lambda c: c.train("stages.0.learning_rate=1e-4"))
+case("wrong-type")(lambda c: c.train("train.micro_batch_size=big"))
+case("infinite-float")(lambda c: c.train("optimizer.lr=.inf"))
+case("nan-float")(lambda c: c.train(change=stage("lr", float("nan"))))
+case("broken-override")(lambda c: c.train("train.seed=[1,"))
+case("override-without-value")(lambda c: c.train("optimizer.lr"))
+case("override-index-out-of-range")(lambda c: c.train("stages.5.lr=1e-4"))
+case("dummy-samples-zero")(lambda c: c.train("--create_dummy_data", "--num_dummy_samples", "0"))
+case("epochs-and-max-steps")(lambda c: c.train(change=stage("epochs", 1)))
+case("zero-mixture-weight")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "weight": 0}])))
+case("partial-mixture-weights")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "weight": 1},
+                                                                        "data.jsonl"])))
+case("pacing-without-easy-to-hard")(lambda c: c.train(change=stage("pacing", {"kind": "linear"})))
+case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continue")))
+case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
+case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))
+case("patience-without-eval")(lambda c: c.train(change=stage("patience", 2)))
+GENERATION = {"name": "facts", "data": ["eval.jsonl"], "scorers": ["exact"]}
+
+
+def gated(metric: str, *, generation: bool = True) -> Callable[[dict[str, Any]], None]:
+    def change(tree: dict[str, Any]) -> None:
+        tree.setdefault("eval", {})["every_steps"] = 1
+        if generation:
+            tree["stages"][0]["generation"] = [GENERATION]
+        tree["stages"][0]["advance_when"] = {"metric": metric, "at_least": 0.9}
+    return change
+
+
+def with_scorer(c: Ctx, scorer: str, module: str | None = None, rows: list[object] | None = None) -> Call:
+    """A run whose stage has a generation eval on eval.jsonl with `scorer`; `module` is the text of the scorer's
+    module, in the recipe's folder (each case names its own module: this process imports each name once)."""
+    write_jsonl(c.tmp / "eval.jsonl", rows or [{"messages": [CHAT["messages"][0]], "reference": "4."}])
+    if module is not None:
+        (c.tmp / f"{scorer.partition(':')[0]}.py").write_text(module)
+    return c.train(change=stage("generation", [dict(GENERATION, scorers=[scorer])]))
+
+
+case("gate-unknown-metric")(lambda c: c.train(change=gated("facts.exakt")))
+case("gate-without-eval")(lambda c: c.train(change=gated("facts.exact", generation=False)))
+case("scorer-unknown")(lambda c: with_scorer(c, "exakt"))
+case("scorer-import-fails")(lambda c: with_scorer(c, "my_scorers:cad_parses", "import cadquery_missing\n"))
+case("scorer-missing-function")(lambda c: with_scorer(c, "cad_scorers:cad_parses", "def other(o, r, row):\n    "
+                                                                                       "return 1\n"))
+case("generation-row-without-reference")(lambda c: with_scorer(c, "exact", rows=[{"messages": [CHAT["messages"][0]]}]))
+case("lr-scaling-without-reference")(lambda c: c.train(change=section("optimizer", lr_scaling="linear")))
+case("min-pixels-over-max")(lambda c: c.train(change=section("data", min_pixels=4096, max_pixels=1024)))
+case("bad-exclude-regex")(lambda c: c.train(change=section("lora", exclude_modules="(visual")))
+case("zero-consecutive-skips")(lambda c: c.train("stability.max_consecutive_skips=0"))
+case("data-missing")(lambda c: c.train(change=stage("data", ["nope.jsonl"])))
+case("data-is-directory")(lambda c: (c.tmp / "empty").mkdir() or c.train(change=stage("data", ["empty"])))
+case("data-malformed-line")(lambda c: c.train(rows=[CHAT, CHAT, '{"messages": [oops', CHAT]))
+case("data-row-not-object")(lambda c: c.train(rows=[CHAT, "[1, 2]"]))
+case("data-bad-message")(lambda c: c.train(rows=[{"messages": [{"content": "no role"}]}]))
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]}
+CHATML = section("data", chat_template="chatml")
+
+
+def latin1_data(c: Ctx) -> Path:
+    """data.jsonl whose line 2 holds 'café' in Latin-1: byte 0xe9 at offset len(line 1) + 13."""
+    c.recipe()
+    first = (json.dumps(CHAT) + "\n").encode()
+    (c.tmp / "data.jsonl").write_bytes(first + b'{"text": "caf\xe9"}\n')
+    assert len(first) + 13 == 115
+    return c.tmp / "recipe.yaml"
+
+
+case("data-not-utf8")(lambda c: Call(["--config", str(latin1_data(c))], c.tmp / "run"))
+case("data-tools-with-chatml")(lambda c: c.train(change=CHATML, rows=[CHAT, dict(CHAT, tools=[{"type": "function"}])]))
+case("data-reasoning-with-chatml")(lambda c: c.train(change=CHATML, rows=[{"messages": [
+    CHAT["messages"][0], dict(CHAT["messages"][1], reasoning_content="Add.")]}]))
+case("data-tool-calls-with-chatml")(lambda c: c.train(change=CHATML, rows=[{"messages": [
+    CHAT["messages"][0], TOOL_CALL, {"role": "tool", "content": "4"}, CHAT["messages"][1]]}]))
+case("data-tool-turn-with-chatml")(lambda c: c.train(change=CHATML, rows=[{"messages": [
+    CHAT["messages"][0], CHAT["messages"][1], {"role": "tool", "content": "4"}, CHAT["messages"][1]]}]))
+case("data-assistant-first")(lambda c: c.train(rows=[{"messages": [CHAT["messages"][1], *CHAT["messages"]]}]))
+case("data-trailing-user")(lambda c: c.train(rows=[{"messages": [*CHAT["messages"], CHAT["messages"][0]]}]))
+case("data-thinking-unknown")(lambda c: c.train("data.thinking=maybe"))
+case("data-thinking-marked-template")(lambda c: c.train("data.thinking=none", change=CHATML))
+case("data-no-usable-rows")(lambda c: c.train(rows=[{"text": "word " * 200}] * 4))
+case("data-non-numeric-difficulty")(lambda c: c.train(
+    "stages.0.order=easy_to_hard", rows=[dict(CHAT, difficulty=1), dict(CHAT, difficulty="hard")] * 3))
+USER, ANSWER = CHAT["messages"]
+case("data-mixed-shapes")(lambda c: c.train(rows=[CHAT, dict(CHAT, text="Also this.")]))
+case("data-turn-weight-fraction")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, weight=0.5)]}]))
+case("data-weight-on-user-turn")(lambda c: c.train(rows=[{"messages": [dict(USER, weight=1), ANSWER]}]))
+case("data-weight-with-train-on-all")(lambda c: c.train("data.train_on=all", rows=[
+    {"messages": [USER, dict(ANSWER, weight=0)]}]))
+case("data-train-detail")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, train_detail=[
+    {"begin_offset": 0, "end_offset": 1, "train": False}])]}]))
+case("data-row-weight")(lambda c: c.train(rows=[dict(CHAT, weight=2)]))
+case("data-preference-pair")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "chosen": "4.", "rejected": "5."}]))
+case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
+case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))
+case("data-row-system")(lambda c: c.train(rows=[dict(CHAT, system="Be brief.")]))
+case("data-tools-outside-chat")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "tools": [{"type": "function"}]}]))
+case("data-images-text-model")(lambda c: c.train(rows=[dict(CHAT, images=["images/a.png"])]))
+case("unknown-builtin")(lambda c: c.train("model.name_or_path=builtin:tiny-llama"))
+case("model-dir-missing")(lambda c: c.train("model.name_or_path=./models/nope"))
+case("flash-attn-missing")(lambda c: c.train("model.attn_implementation=flash_attention_2"))
+case("fused-layers-without-gpu")(lambda c: c.train("model.fused_layers=liger"))
+case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
+
+
+@case("empty-output-dir")
+def _(c: Ctx) -> Call:
+    return Call(["--config", str(c.recipe(lambda t: t.__setitem__("output_dir", "")))], c.tmp / "metrics.jsonl")
+
+
+@case("duplicate-key")
+def _(c: Ctx) -> Call:
+    text = "output_dir: run\nstages:\n  - name: only\n    data: [data.jsonl]\n    lr: 1.0e-4\n    lr: 2.0e-4\n"
+    return Call(["--config", str(c.recipe(text=text))], c.tmp / "run")
+
+
+@case("config-is-directory")
+def _(c: Ctx) -> Call:
+    return Call(["--config", str(c.tmp)], c.tmp / "outputs")
+
+
+@case("config-missing")
+def _(c: Ctx) -> Call:
+    return Call(["--config", str(c.tmp / "nope.yaml")], c.tmp / "outputs")
+
+
+@case("config-broken-yaml")
+def _(c: Ctx) -> Call:
+    return Call(["--config", str(c.recipe(text="output_dir: run\nstages: [\n"))], c.tmp / "run")
+
+
+@case("config-not-a-mapping")
+def _(c: Ctx) -> Call:
+    return Call(["--config", str(c.recipe(text="- output_dir\n- run\n"))], c.tmp / "run")
+
+
+@case("config-not-utf8")
+def _(c: Ctx) -> Call:
+    path = c.tmp / "recipe.yaml"
+    path.write_bytes("output_dir: café\n".encode("latin-1"))
+    return Call(["--config", str(path)], c.tmp / "café")
+
+
+@case("output-dir-is-file")
+def _(c: Ctx) -> Call:
+    (c.tmp / "notes.txt").write_text("the user's notes")
+    return replace(c.train("output_dir=notes.txt"), watch=c.tmp / "notes.txt")
+
+
+@case("output-dir-inside-file")
+def _(c: Ctx) -> Call:
+    (c.tmp / "notes.txt").write_text("the user's notes")
+    return replace(c.train("output_dir=notes.txt/run"), watch=c.tmp / "notes.txt")
+
+
+@case("output-dir-in-use")
+def _(c: Ctx) -> Call:
+    call = c.train()
+    lock = RunLock(RunLayout(c.tmp / "run"))  # a live run's lock (flock: per open file)
+    assert lock.acquire() is None
+    c.keep.append(lock)  # held until the case ends
+    return call
+
+
+@case("output-dir-in-use-via-symlink")
+def _(c: Ctx) -> Call:
+    real = c.tmp / "runs" / "exp"
+    real.mkdir(parents=True)
+    (c.tmp / "exp").symlink_to(real)  # beside another folder than the real one: another .toolkit-cache
+    lock = RunLock(RunLayout(real))  # the live run, launched with the real path
+    assert lock.acquire() is None
+    c.keep.append(lock)
+    return replace(c.train("output_dir=exp"), watch=real)
+
+
+@case("earlier-run-without-checkpoint", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    shutil.rmtree(run / "checkpoints")
+    return Call(["--config", "recipe.yaml"], run)
+
+
+def interrupted_run(c: Ctx) -> Path:
+    """The trained run as an attempt killed before its first checkpoint leaves it: no checkpoint, no final/."""
+    run = c.copy_of_trained()
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "final")
+    return run
+
+
+case("earlier-run-of-another-recipe", trained=True)(
+    lambda c: Call(["--config", "recipe.yaml", "optimizer.lr=1e-3"], interrupted_run(c)))
+
+
+@case("earlier-run-without-recipe", trained=True)
+def _(c: Ctx) -> Call:
+    run = interrupted_run(c)
+    (run / "recipe.yaml").unlink()
+    return Call(["--config", "recipe.yaml"], run)
+
+
+case("resume-none-over-checkpoints", trained=True)(lambda c: c.resume("checkpoint.resume=none"))
+case("resume-path-missing", trained=True)(lambda c: c.resume("checkpoint.resume=run/checkpoints/step-00000009"))
+case("resume-changed-recipe", trained=True)(lambda c: c.resume("optimizer.lr=1e-3"))
+case("resume-other-batch", trained=True)(lambda c: c.resume("train.grad_accum=4"))
+
+
+case("resume-forced-stage-length", trained=True)(
+    lambda c: c.resume("checkpoint.resume_force=true", "stages.0.max_steps=4"))
+case("resume-forced-lora-rank", trained=True)(lambda c: c.resume("checkpoint.resume_force=true", "lora.r=8"))
+
+
+@case("resume-uncommitted", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume("checkpoint.resume=run/checkpoints/step-00000002")
+    (c.tmp / "run/checkpoints/step-00000002/COMMITTED").unlink()
+    return call
+
+
+@case("resume-changed-data", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume()
+    with (c.tmp / "data.jsonl").open("a") as f:
+        f.write(json.dumps(CHAT) + "\n")
+    return call
+
+
+@case("resume-swapped-weights", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume()
+    ckpts = c.tmp / "run/checkpoints"
+    shutil.copy(ckpts / "step-00000002/model.safetensors", ckpts / "step-00000003/model.safetensors")
+    return call
+
+
+@case("resume-missing-optimizer", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume()
+    (c.tmp / "run/checkpoints/step-00000003/optimizer.bin").unlink()
+    return call
+
+
+@case("resume-damaged-meta", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume()
+    (c.tmp / "run/checkpoints/step-00000003/meta.json").write_text("{\"step\": 3, ")
+    return call
+
+
+@case("tokenizer-without-template")
+def _(c: Ctx) -> Call:
+    model = c.tmp / "model"
+    shutil.copytree(c.models["text"], model)
+    (model / "chat_template.jinja").unlink()
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return c.train(f"model.name_or_path={model}")
+
+
+@case("image-missing")
+def _(c: Ctx) -> Call:
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                        {"role": "assistant", "content": "Red."}], "images": ["images/nope.png"]}
+    return c.train(f"model.name_or_path={c.models['vl']}", rows=[CHAT, CHAT, row, CHAT])
+
+
+@case("hub-id-offline")
+def _(c: Ctx) -> Call:
+    return replace(c.train("model.name_or_path=curriculum-toolkit-tests/no-such-model"), env={"HF_HUB_OFFLINE": "1"})
+
+
+@case("hub-id-unreachable")
+def _(c: Ctx) -> Call:
+    # A real process with the hub client in online mode (its offline flag is read once, at import). Offline or
+    # not, the answer is the same line: no network (CI), or no such repository (a machine with network).
+    call = c.train("model.name_or_path=curriculum-toolkit-tests/no-such-model")
+    return replace(call, env={"HF_HUB_OFFLINE": "0"}, subprocess=True)
+
+
+@case("remote-code-needed")
+def _(c: Ctx) -> Call:
+    model = c.tmp / "custom-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "toolkit_custom", "auto_map": {
+        "AutoConfig": "configuration_custom.CustomConfig"}}))
+    (model / "configuration_custom.py").write_text(
+        "from transformers import PretrainedConfig\n\nclass CustomConfig(PretrainedConfig):\n"
+        "    model_type = 'toolkit_custom'\n")
+    return c.train(f"model.name_or_path={model}")
+
+
+@case("export-into-source-run", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    return Call(["export", str(run), "--out", str(run)], run, tool="toolkit")
+
+
+@case("export-into-parent", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    return Call(["export", str(run), "--out", str(c.tmp)], c.tmp, tool="toolkit")
+
+
+@case("export-into-user-folder", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    (c.tmp / "thesis").mkdir()
+    (c.tmp / "thesis" / "chapter1.tex").write_text("years of work")
+    return Call(["export", str(run), "--out", str(c.tmp / "thesis")], c.tmp / "thesis", tool="toolkit")
+
+
+@case("export-not-a-run")
+def _(c: Ctx) -> Call:
+    (c.tmp / "stuff").mkdir()
+    (c.tmp / "stuff" / "a.txt").write_text("x")
+    return Call(["export", str(c.tmp / "stuff"), "--out", str(c.tmp / "exported")], c.tmp / "exported",
+                tool="toolkit")
+
+
+@case("export-files-changed", trained=True)
+def _(c: Ctx) -> Call:
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000002"
+    shutil.copy2(ckpt.parent / "step-00000003" / "portable" / "lora_state.safetensors",
+                 ckpt / "portable" / "lora_state.safetensors")
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-base-model-moved", trained=True)
+def _(c: Ctx) -> Call:
+    """A run trained with `model.name_or_path: ../models/tiny-qwen3` from another folder records that path."""
+    ckpt = c.copy_of_trained() / "checkpoints" / "step-00000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(meta | {"base_model": "../models/tiny-qwen3"}))
+    return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-remote-code", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["model"]["trust_remote_code"] = True
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return Call(["export", str(run), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("dummy-data-out-is-file")
+def _(c: Ctx) -> Call:
+    (c.tmp / "notes.txt").write_text("the user's notes")
+    return Call(["dummy-data", "--out", str(c.tmp / "notes.txt")], c.tmp / "notes.txt", tool="toolkit")
+
+
+@case("dummy-data-zero")
+def _(c: Ctx) -> Call:
+    return Call(["dummy-data", "--out", str(c.tmp / "dummy"), "--num-samples", "0"], c.tmp / "dummy", tool="toolkit")
+
+
+@case("preflight-accelerate-config-missing")
+def _(c: Ctx) -> Call:
+    return Call(["preflight", "--config", str(c.recipe()), "--accelerate-config", str(c.tmp / "nope.yaml"),
+                 "--no-data"], c.tmp / "run", tool="toolkit")
+
+
+@case("preflight-accelerate-config-broken")
+def _(c: Ctx) -> Call:
+    (c.tmp / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3\n")
+    return Call(["preflight", "--config", str(c.recipe()), "--accelerate-config", str(c.tmp / "acc.yaml"),
+                 "--no-data"], c.tmp / "run", tool="toolkit")
+
+
+@case("preflight-data-not-utf8")
+def _(c: Ctx) -> Call:
+    return Call(["preflight", "--config", str(latin1_data(c)), "--accelerate-config",
+                 str(REPO / "accelerate_configs" / "single.yaml")], c.tmp / "run", tool="toolkit")
+
+
+def lf_registry(c: Ctx, **entries: dict[str, Any]) -> None:
+    """A LLaMA-Factory data folder lfdata/ (its dataset_info.json and an Alpaca file) with these registry entries."""
+    (c.tmp / "lfdata").mkdir(exist_ok=True)
+    write_jsonl(c.tmp / "lfdata" / "alpaca.jsonl", [{"instruction": "2 + 2?", "output": "4."}] * 8)
+    (c.tmp / "lfdata" / "dataset_info.json").write_text(json.dumps({"alpaca_demo": {"file_name": "alpaca.jsonl"},
+                                                                    **entries}))
+
+
+def registry_case(name: str, dataset: str, **entries: dict[str, Any]) -> None:
+    @case(name)
+    def _(c: Ctx) -> Call:
+        lf_registry(c, **entries)
+        return c.train(change=stage("data", [{"dataset": dataset, "dataset_dir": "lfdata"}]))
+
+
+@case("data-lf-folder-as-path")
+def _(c: Ctx) -> Call:
+    lf_registry(c)
+    return c.train(change=stage("data", ["lfdata"]))
+
+
+registry_case("registry-unknown-dataset", "alpaca_dem")
+registry_case("registry-ranking", "pairs", pairs={"file_name": "alpaca.jsonl", "ranking": True})
+registry_case("registry-kto", "kto", kto={"file_name": "alpaca.jsonl", "formatting": "sharegpt",
+                                          "tags": {"kto_tag": "label"}})
+registry_case("registry-remote", "scripted", scripted={"script_url": "my_loader"})
+registry_case("registry-hub-not-cached", "hub", hub={"hf_hub_url": "someone/not-cached"})
+registry_case("registry-num-samples", "sampled", sampled={"file_name": "alpaca.jsonl", "num_samples": 4})
+case("dataset-comma-list")(lambda c: c.train(change=stage("data", [{"dataset": "alpaca_demo,glaive_toolcall"}])))
+case("data-path-and-dataset")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl",
+                                                                        "dataset": "alpaca_demo"}])))
+case("data-unknown-tag")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "tags": {"role": "speaker"}}])))
+case("data-turn-keys-unmapped")(lambda c: c.train(rows=[{"conversations": [
+    {"speaker": "customer", "text": "2 + 2?"}, {"speaker": "agent", "text": "4."}]}]))
+case("data-unknown-role")(lambda c: c.train(rows=[{"messages": [dict(USER, role="customer"), ANSWER]}]))
+case("data-turn-loss-scale")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, loss_scale=2.0)]}]))
+case("data-part-flags-disagree")(lambda c: c.train(rows=[{"messages": [USER, {"role": "assistant", "content": [
+    {"type": "text", "text": "It is ", "train": False}, {"type": "text", "text": "4.", "train": True}]}]}]))
+case("data-part-not-text")(lambda c: c.train(rows=[{"messages": [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}, ANSWER]}]))
+case("data-trl-stepwise")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completions": ["Two and two", " is 4."],
+                                                    "labels": [True, True]}]))
+case("data-trl-image-not-path")(lambda c: c.train(rows=[dict(CHAT, image={"bytes": None, "path": None})]))
+case("data-prompt-list-completion-string")(lambda c: c.train(rows=[{"prompt": [USER], "completion": "4."}]))
+case("data-tool-call-not-json")(lambda c: c.train(rows=[{"messages": [
+    USER, {"role": "tool_call", "content": "add(2, 2)"}, {"role": "tool_response", "content": "4"}, ANSWER]}]))
+@case("resume-forced-model", trained=True)
+def _(c: Ctx) -> Call:
+    call = c.resume("checkpoint.resume_force=true", "model.name_or_path=other-model")
+    shutil.copytree(c.models["text"], c.tmp / "other-model")
+    return call
+
+
+case("resume-forced-trainable", trained=True)(
+    lambda c: c.resume("checkpoint.resume_force=true", "train.trainable=[lora,model.norm]"))
+case("cache-not-writable")(lambda c: replace(c.train(), env={"TOOLKIT_CACHE_DIR": "/dev/null/cache"}))
+case("chat-template-unknown")(lambda c: c.train(change=section("data", chat_template="qwen4")))
+case("chat-template-missing")(lambda c: c.train(change=section("data", chat_template="templates/chat.jinja")))
+@case("export-final-damaged", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    adapter = run / "final" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[: adapter.stat().st_size // 2])
+    return Call(["export", str(run), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("damaged-store-read-only-cache")
+def _(c: Ctx) -> Call:
+    import numpy as np
+    import pyarrow as pa
+
+    from tests.conftest import mounted_tmpfs, remount_read_only
+    from toolkit.config.load import load_recipe
+    from toolkit.config.stages import resolve_stages
+    from toolkit.data.sources import resolve_source
+    from toolkit.data.stages import row_encoder
+    from toolkit.data.store import open_store
+    from toolkit.model.load import load_processing
+
+    mounts = contextlib.ExitStack()
+    cache = mounts.enter_context(mounted_tmpfs(c.tmp / "cache", "16m"))
+    c.cleanups.append(mounts.close)  # unmounted when the case ends
+    recipe = load_recipe(c.recipe(), [f"data.cache_dir={cache}"])
+    tokenizer = load_processing(c.models["text"], vision=False, trust_remote_code=False, chat_template=None)[1]
+    entry = resolve_stages(recipe)[0].entries[0]  # the run's store, prepared here (a store's key has no path)
+    source = resolve_source(replace(entry, path=str(c.tmp / entry.path)), c.tmp)
+    store = open_store(source, row_encoder(recipe.data, tokenizer, None), cache, num_proc=1).path
+    assert store is not None
+    data = store / "data.arrow"
+    ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
+    raw = data.read_bytes()
+    at = raw.find(ids.tobytes())
+    data.write_bytes(raw[:at] + np.ascontiguousarray(ids[::-1]).tobytes() + raw[at + ids.nbytes:])  # same size
+    remount_read_only(cache)
+    return c.train(f"data.cache_dir={cache}")
+
+
+@case("data-not-regular-file")
+def _(c: Ctx) -> Call:
+    import os
+
+    os.mkfifo(c.tmp / "pipe.jsonl")  # never opened: opening a FIFO blocks until someone writes
+    return c.train(change=stage("data", ["pipe.jsonl"]))
+
+
+case("data-oversized-row")(lambda c: c.train("data.overlength=error", rows=[CHAT, {"text": "word " * 220_000}, CHAT]))
+
+
+# --- running them ----------------------------------------------------------------------------------------------
+
+def test_table_and_cases_agree() -> None:
+    rows = documented()
+    assert len(rows) >= 40
+    assert sorted(set(rows) - set(CASES)) == [], "documented without a case"
+    assert sorted(set(CASES) - set(rows)) == [], "a case missing from docs/bad_inputs.md"
+
+
+@pytest.mark.parametrize("name", sorted(documented()))
+def test_bad_input(name: str, tmp_path: Path, models: dict[str, str], request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = Ctx(tmp_path, models, request.getfixturevalue("trained") if name in NEEDS_TRAINED_RUN else None)
+    try:
+        call = CASES[name](ctx)
+        before = snapshot(call.watch)
+        rc, stderr = invoke(call, tmp_path, monkeypatch)
+    finally:
+        for cleanup in ctx.cleanups:
+            cleanup()
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert rc == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert len(errors) == 1, stderr[-3000:]
+    assert documented()[name] in errors[0], errors[0]
+    assert snapshot(call.watch) == before, f"{call.watch} was changed"
+
+
+# --- keys that change what trains and are honoured (the second table of docs/bad_inputs.md) ---------------------
+
+def honoured_documented() -> list[str]:
+    """The ids of the table of honoured data keys."""
+    text = TABLE.read_text(encoding="utf-8").split("## Data keys that change what trains: honoured")[1]
+    return re.findall(r"^\| `([a-z0-9-]+)` \|", text.split("\n## ")[0], flags=re.MULTILINE)
+
+
+Q2, A2 = {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6."}
+TWO_TURNS = [USER, ANSWER, Q2, A2]
+
+
+def _trained_runs(row: dict[str, Any], tok: Any) -> list[str]:
+    from toolkit.data.encoding import IGNORE_INDEX, encode_row
+
+    ids, labels = encode_row(row, tok, "assistant", "data.jsonl:1")
+    runs, current = [], []
+    for t, lab in [*zip(ids, labels, strict=True), (0, IGNORE_INDEX)]:
+        if lab != IGNORE_INDEX:
+            current.append(t)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    return runs
+
+
+def _flag(messages: list[dict[str, Any]], index: int, **flag: Any) -> list[dict[str, Any]]:
+    return [dict(m, **flag) if i == index else m for i, m in enumerate(messages)]
+
+
+E = "<|im_end|>"
+HONOURED: dict[str, Callable[[Any], None]] = {
+    "turn-weight-zero": lambda tok: _expect(tok, _flag(TWO_TURNS, 1, weight=0), ["<think>\n\n</think>\n\n6." + E]),
+    "turn-training-false": lambda tok: _expect(tok, _flag(TWO_TURNS, 3, training=False), ["4." + E]),
+    "turn-weight-one": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, weight=1), 3, training=True), None),
+    "turn-weight-zero-prompt": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 0, weight=0), 2, training=False), None),
+    "all-turns-weight-zero": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, weight=0), 3, weight=0), []),
+    "null-other-shape": lambda tok: _expect(tok, TWO_TURNS, None, text=None, prompt=None),
+    "plain-extras": lambda tok: _expect(tok, TWO_TURNS, None, id=3, source="web", label="math", difficulty=2),
+    "turn-train-false": lambda tok: _expect(tok, _flag(TWO_TURNS, 3, train=False), ["4." + E]),
+    "turn-loss-false": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, loss=None), 3, loss=False), ["4." + E]),
+    "turn-loss-scale-zero": lambda tok: _expect(tok, _flag(_flag(TWO_TURNS, 1, loss_scale=1), 3, loss_scale=0),
+                                                ["4." + E]),
+    "turn-loss-weight-zero": lambda tok: _expect(tok, _flag(TWO_TURNS, 3, loss_weight=0.0), ["4." + E]),
+}
+
+
+def _expect(tok: Any, messages: list[dict[str, Any]], runs: list[str] | None, **extra: Any) -> None:
+    """The row trains `runs` (None: exactly what the bare two-turn chat trains), on the bare chat's token ids."""
+    from toolkit.data.encoding import encode_row
+
+    bare = _trained_runs({"messages": TWO_TURNS}, tok)
+    assert bare == ["4." + E, "<think>\n\n</think>\n\n6." + E]
+    assert _trained_runs({"messages": messages, **extra}, tok) == (bare if runs is None else runs)
+    assert encode_row({"messages": messages, **extra}, tok, "assistant", "f:1")[0] == \
+        encode_row({"messages": TWO_TURNS}, tok, "assistant", "f:1")[0]
+
+
+def test_honoured_table_and_cases_agree() -> None:
+    assert sorted(honoured_documented()) == sorted(HONOURED)
+
+
+@pytest.mark.parametrize("name", sorted(HONOURED))
+def test_honoured(name: str, qwen_tokenizer: Any) -> None:
+    import copy
+
+    from tests.conftest import stock_template
+
+    tok = copy.copy(qwen_tokenizer)
+    tok.chat_template = stock_template("qwen3")
+    HONOURED[name](tok)
+
+
+# --- the same through real processes, as users launch them ------------------------------------------------------
+
+def test_unknown_key_in_a_real_process(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(base_recipe(TINY_MODEL) | {"optimiser": {"lr": 1}}))
+    proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), "--config", str(recipe)],
+                          cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: Invalid recipe {recipe}: unknown key 'optimiser'. Did you mean: optimizer? Valid keys here: "
+        "output_dir, run_name, model, lora, data, stages, optimizer, schedule, train, eval, stability, checkpoint, "
+        "logging, distributed."]
+    assert not (tmp_path / "run").exists()
+
+
+def test_deepspeed_config_that_does_not_exist(tmp_path: Path) -> None:
+    acc_cfg = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    acc_cfg["deepspeed_config"]["deepspeed_config_file"] = "ds_configs/missing.json"
+    cfg_path = tmp_path / "acc.yaml"
+    cfg_path.write_text(yaml.safe_dump(acc_cfg))
+    launcher = launch_cmd("zero3", 1)
+    launcher[launcher.index("--config_file") + 1] = str(cfg_path)
+    write_jsonl(tmp_path / "data.jsonl", [CHAT] * 8)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(base_recipe(TINY_MODEL, str(tmp_path / "data.jsonl"))
+                                                         | {"output_dir": str(tmp_path / "run")}))
+    proc = run_launch([*launcher, str(REPO / "train_curriculum.py"), "--config", str(tmp_path / "recipe.yaml")],
+                      timeout=300)
+    # accelerate launch exits 1 when its child fails; the child's own message is what the user reads.
+    assert proc.returncode != 0
+    assert "error: The accelerate config names the DeepSpeed config 'ds_configs/missing.json'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_rows_without_assistant_tokens_are_skipped_not_nan(tmp_path: Path, models: dict[str, str],
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from toolkit.metrics.log import read_metrics
+
+    no_assistant = {"messages": [{"role": "user", "content": "Nothing to learn here."}]}
+    ctx = Ctx(tmp_path, models)
+    rc, stderr = invoke(ctx.train("stages.0.max_steps=2", rows=[CHAT, no_assistant] * 6), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "12 rows, 6 kept" in caplog.text and "6 skipped with no trainable tokens" in caplog.text
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert len(records) == 2 and all(r["loss"] is not None for r in records)

@@ -1,0 +1,1 @@
+"""Test helpers: in-process and forked launches, spies and measurement scripts run by the tests."""
