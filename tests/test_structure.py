@@ -329,3 +329,14 @@ def test_import_edges_resolve_packages_and_laziness(tmp_path: Path) -> None:
     assert edges == {("toolkit.a", "toolkit.strategies", False, False),
                      ("toolkit.a", "toolkit.strategies.deepspeed", False, False),
                      ("toolkit.b", "toolkit.a", True, True)}
+
+
+def test_tests_mirror_the_packages() -> None:
+    """tests/<package>/ holds the in-process tests of toolkit/<package>/; tests/e2e/ what launches the trainer or the
+    CLI, tests/helpers/ the scripts tests run, tests/assets/ their data; repository-wide checks stay at the top."""
+    folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    packages = {p.parent.name for p in (REPO / "toolkit").glob("*/__init__.py")}
+    assert folders - packages == {"e2e", "helpers", "assets"}, folders - packages
+    loose = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+    leaves = {f"test_{m.removeprefix('toolkit.')}.py" for m in LAYERS[0] if m != "toolkit"}
+    assert set(loose) - leaves <= {"test_structure.py", "test_docs_links.py"}, loose
