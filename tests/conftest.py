@@ -331,11 +331,11 @@ def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precisi
     return _Relauncher.ask(jobs, timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
 
 
-def train_forked(strategy: str, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
+def train_forked(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
                  mixed_precision: str | None = "no", dummy_samples: int = 64, check: bool = True,
-                 num_processes: int | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`train` of one run through `relaunch`: the same run, without the ~10 s of imports per process a launch
-    spends first. For runs whose test is about what trains, not about the launcher: the result's stderr is the
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`train`'s run through `relaunch`: the same run, without the ~10 s of imports per process a launch spends
+    first. For runs whose test is about what trains, not about the launcher: the result's stderr is the
     run's whole output (every rank's stdout and stderr, in `<out>.log`), its stdout empty."""
     log = out.with_name(f"{out.name}.log")
     argv = dummy_run_args(f"output_dir={out}", *overrides, recipe=recipe, dummy_samples=dummy_samples)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_env, train
+from tests.conftest import REPO, run_env, train_forked
 from toolkit.metrics import Meter, read_metrics, sample_lengths
 
 SHORT = ("stages.0.max_steps=4", "stages.1.max_steps=3")
@@ -57,8 +57,8 @@ def test_sample_lengths_of_packed_rows() -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / strategy
-    train(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10",
-          env={"TOOLKIT_FAULT_NONFINITE": "3:1"})  # rank 1's loss is NaN at step 3
+    train_forked(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10",
+                 env={"TOOLKIT_FAULT_NONFINITE": "3:1"})  # rank 1's loss is NaN at step 3
     records = train_records(out)
     assert [r["skipped"] for r in records] == [0, 0, 1, 0, 0, 0, 0]
     # The skipped step's NaN loss is written as JSON null (bare NaN is not JSON).
@@ -76,8 +76,8 @@ def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_pat
 @pytest.mark.slow
 def test_too_many_consecutive_skips_stops_naming_the_last_good_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "diverged"
-    proc = train("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=2",
-                 "train.micro_batch_size=4", check=False, env={"TOOLKIT_FAULT_NONFINITE": "3:0,4:0"})
+    proc = train_forked("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=2",
+                        "train.micro_batch_size=4", check=False, env={"TOOLKIT_FAULT_NONFINITE": "3:0,4:0"})
     assert proc.returncode != 0
     assert "2 consecutive steps skipped up to step 4 in stage 'short'" in proc.stderr
     assert "step-00000002" in proc.stderr
@@ -86,8 +86,8 @@ def test_too_many_consecutive_skips_stops_naming_the_last_good_checkpoint(tmp_pa
 @pytest.mark.slow
 def test_eval_loss_from_two_processes_equals_one_process(tmp_path: Path) -> None:
     evals = ("eval.data=[dummy:stage2]", "eval.every_steps=2")
-    train("single", 1, tmp_path / "one", *SHORT, *evals, "train.micro_batch_size=4", "eval.micro_batch_size=3")
-    train("zero3", 2, tmp_path / "two", *SHORT, *evals, "eval.micro_batch_size=3")
+    train_forked("single", 1, tmp_path / "one", *SHORT, *evals, "train.micro_batch_size=4", "eval.micro_batch_size=3")
+    train_forked("zero3", 2, tmp_path / "two", *SHORT, *evals, "eval.micro_batch_size=3")
     one, two = eval_records(tmp_path / "one"), eval_records(tmp_path / "two")
     assert [r["step"] for r in one] == [2, 4, 6, 7] == [r["step"] for r in two]
     assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-5)
@@ -98,7 +98,7 @@ def test_eval_loss_from_two_processes_equals_one_process(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_live_metrics_and_mfu(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    train("single", 1, out, *SHORT, "logging.peak_tflops=0.5", "logging.trackers=[tensorboard]")
+    train_forked("single", 1, out, *SHORT, "logging.peak_tflops=0.5", "logging.trackers=[tensorboard]")
     records = train_records(out)
     for key in ("tokens_per_sec", "samples_per_sec", "step_time", "mfu", "peak_memory_gb", "padding_fraction"):
         assert all(r[key] is not None and r[key] >= 0 for r in records), key

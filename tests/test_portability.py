@@ -1,4 +1,7 @@
-"""Checkpoints across strategies and world sizes, export, and refusal of bad checkpoints."""
+"""Checkpoints across strategies and world sizes, export, and refusal of bad checkpoints.
+
+The runs here are forked from the session's relauncher (conftest.train_forked; the launches users make are the
+shared curriculum runs they resume from): each test is about what a checkpoint holds and how a run reads it."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from tests.conftest import (
     SINGLE_CURRICULUM,
     processes_for,
     run_env,
-    train,
+    train_forked,
 )
 from toolkit.config import TINY_MODEL
 from toolkit.metrics import read_metrics
@@ -53,13 +56,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3_lora(runs: Path) -> Path:
-    train("zero3", 2, runs / "zero3", *LONGER)
+    train_forked("zero3", 2, runs / "zero3", *LONGER)
     return runs / "zero3"
 
 
 @pytest.fixture(scope="module")
 def zero3_full(runs: Path) -> Path:
-    train("zero3", 2, runs / "zero3-full", "lora.enabled=false", *LONGER)
+    train_forked("zero3", 2, runs / "zero3-full", "lora.enabled=false", *LONGER)
     return runs / "zero3-full"
 
 
@@ -97,8 +100,8 @@ RESUME_AT = 6
 def test_portable_resume_into_another_layout(reader: str, processes: int, writer: str,
                                              curriculum_runs: Callable[[str], Path], runs: Path) -> None:
     source, out = curriculum_runs(writer), runs / f"{writer}-to-{reader}x{processes}"
-    proc = train(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT, *NO_THINK,
-                 f"checkpoint.resume={ckpt(source, RESUME_AT)}", recipe=CURRICULUM)
+    proc = train_forked(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT,
+                        *NO_THINK, f"checkpoint.resume={ckpt(source, RESUME_AT)}", recipe=CURRICULUM)
     layouts = f"{strategy_name(writer)} x {processes_for(writer)} -> {strategy_name(reader)} x {processes}"
     assert (f"INFO resumed (portable ({layouts}; RNG reseeded per rank from the step)) from "
             f"{ckpt(source, RESUME_AT)}: step {RESUME_AT} of 11") in proc.stderr, proc.stderr[-3000:]
@@ -119,8 +122,8 @@ def strategy_name(config: str) -> str:
 
 def test_full_finetuning_on_another_world_size_names_both_layouts(zero3_full: Path, runs: Path) -> None:
     out = runs / "full-to-single"
-    proc = train("single", 1, out, "lora.enabled=false", *LONGER, SINGLE_SAME_BATCH,
-                 f"checkpoint.resume={ckpt(zero3_full, 10)}", check=False)
+    proc = train_forked("single", 1, out, "lora.enabled=false", *LONGER, SINGLE_SAME_BATCH,
+                        f"checkpoint.resume={ckpt(zero3_full, 10)}", check=False)
     assert proc.returncode != 0 and "loading" not in proc.stderr, proc.stderr[-2000:]  # before the model
     assert "zero3 x 2" in proc.stderr and "single x 1" in proc.stderr and "toolkit export" in proc.stderr
 
@@ -179,7 +182,7 @@ def test_export_vision_language_checkpoint_merged(tmp_path: Path) -> None:
     from toolkit.model import load_processor
 
     run = tmp_path / "vl"
-    train("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")
+    train_forked("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")
     proc = _export(str(ckpt(run, 8)), "--out", str(tmp_path / "merged"), "--merge")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
@@ -212,7 +215,7 @@ def damaged(zero3_lora: Path, tmp_path: Path) -> Path:
 
 
 def _resume(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return train("zero3", 2, out, *LONGER, *extra, check=False)
+    return train_forked("zero3", 2, out, *LONGER, *extra, check=False)
 
 
 def test_resume_path_that_does_not_exist(damaged: Path) -> None:
