@@ -30,6 +30,7 @@ from tests.conftest import (
     toolkit_lines,
     train,
     train_cmd,
+    train_forked,
 )
 from toolkit.checkpoint import EXACT_RESUME_TESTED, committed_checkpoints, read_meta
 from toolkit.metrics import read_metrics
@@ -217,7 +218,7 @@ PATIENCE = ("stages.0.max_steps=8", "stages.0.patience=1", "stages.0.patience_mi
 def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path) -> None:
     early, planned = tmp_path / "early", tmp_path / "planned"
     train("single", 1, early, *PATIENCE)
-    train("single", 1, planned, *PATIENCE[:1], *PATIENCE[3:])  # same run without patience: 8 + 3 steps
+    train_forked("single", 1, planned, *PATIENCE[:1], *PATIENCE[3:])  # same run without patience: 8 + 3 steps
     got = records(early)
     assert [(r["step"], r["stage"]) for r in got] == [(1, "short"), (2, "short"), (3, "long"), (4, "long"),
                                                       (5, "long")]
@@ -232,7 +233,8 @@ def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path
     assert (early / "final" / "adapter_model.safetensors").is_file()
 
     # Resumed before the advance (patience counters saved), at it, and after (stages moved up); forked from one
-    # warm parent, as the every-checkpoint test's resumes are (the launches above are the ones users make).
+    # warm parent, as the every-checkpoint test's resumes are (the launch of `early` above is the one users make;
+    # `planned`, only compared with, is forked too).
     steps = (1, 2, 3)
     argv = dummy_run_args(*PATIENCE)
     codes = relaunch("single", [([*argv, f"output_dir={tmp_path / f'from-{step}'}",
