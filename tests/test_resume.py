@@ -157,9 +157,10 @@ test_resume_from_every_checkpoint_is_exact's."""
 
 @pytest.fixture(scope="module")
 def longer_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`get(strategy)`: the uninterrupted 16-step run (LONGER) under `strategy`, launched once per module. Its
+    """`get(strategy)`: the uninterrupted 16-step run (LONGER) under `strategy`, once per module, forked from the
+    session's relauncher (conftest.train_forked: the launches under test are the killed and resumed ones). Its
     checkpoint settings do not change what trains, so runs that save differently compare with it too."""
-    return launched_once(tmp_path_factory, "longer", lambda strategy, out: train(strategy, 2, out, *LONGER))
+    return launched_once(tmp_path_factory, "longer", lambda strategy, out: train_forked(strategy, 2, out, *LONGER))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
