@@ -6,7 +6,8 @@
 JOBS.json: {"launch": [accelerate launch options, e.g. "--config_file", F, "--num_processes", "2"],
             "runs": [{"argv": [train_curriculum.py arguments], "log": "path/for/output"}, ...],
             "env": {extra environment of the ranks (optional)}, "timeout": seconds per run}
-Prints one JSON line per jobs file, after REPLY_MARK: the exit code of each run (the first non-zero rank's, else 0).
+Prints one JSON line per jobs file, after REPLY_MARK: the exit code of each run (the first non-zero rank's, else 0),
+and when serving the jobs file's path (a test stopped by its timeout leaves its reply to come, for no one).
 
 Why: the exact-resume test resumes every checkpoint of a curriculum under every strategy, dozens of launches. A
 real launch spends ~10 s importing torch, transformers and DeepSpeed per process before training for a second.
@@ -185,7 +186,7 @@ def main() -> None:
 
             traceback.print_exc()
             reply = {"error": f"{type(e).__name__}: {e}"}
-        print(REPLY_MARK + json.dumps(reply), flush=True)
+        print(REPLY_MARK + json.dumps({"jobs": line.strip(), **reply}), flush=True)
 
 
 if __name__ == "__main__":

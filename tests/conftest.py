@@ -269,6 +269,7 @@ class _Relauncher:
 
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    unread = b""  # output read past the last line taken
 
     @classmethod
     def ask(cls, jobs: Path, timeout: float) -> list[int]:
@@ -277,23 +278,30 @@ class _Relauncher:
             with cls.log.open("w") as log:
                 cls.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "_relaunch.py"), "--serve"],
                                             cwd=REPO, env=run_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, text=True, start_new_session=True)
+                                            stderr=log, start_new_session=True)
+            cls.unread = b""
         proc = cls.proc
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(f"{jobs}\n")
+        proc.stdin.write(f"{jobs}\n".encode())
         proc.stdin.flush()
-        deadline = time.monotonic() + timeout
+        deadline, mark = time.monotonic() + timeout, b"relaunch-codes: "
         while True:
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = proc.stdout.readline() if ready else None
-            if line is None or line == "":  # no answer in time, or the parent died: the next job gets a new one
-                cls.close(kill=True)
-                log = cls.log.read_text()[-6000:] if cls.log is not None else ""
-                pytest.fail(f"the relauncher {'did not answer in time' if line is None else 'died'}:\n{log}")
-            if line.startswith("relaunch-codes: "):
-                reply = json.loads(line.removeprefix("relaunch-codes: "))
+            while b"\n" in cls.unread:  # lines as os.read gave them (a buffered reader would hide them from select)
+                line, cls.unread = cls.unread.split(b"\n", 1)
+                if not line.startswith(mark):
+                    continue
+                reply = json.loads(line.removeprefix(mark))
+                if reply["jobs"] != str(jobs):  # the late answer to an earlier test's jobs (it timed out)
+                    continue
                 assert "codes" in reply, f"{reply['error']}:\n{cls.log.read_text()[-6000:] if cls.log else ''}"
                 return reply["codes"]
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(proc.stdout.fileno(), 1 << 16) if ready else None
+            if not chunk:  # no answer in time, or the parent died: the next job gets a new one
+                cls.close(kill=True)
+                log = cls.log.read_text()[-6000:] if cls.log is not None else ""
+                pytest.fail(f"the relauncher {'did not answer in time' if chunk is None else 'died'}:\n{log}")
+            cls.unread += chunk
 
     @classmethod
     def close(cls, kill: bool = False) -> None:
