@@ -1,7 +1,8 @@
 """Data at the scale users train (issue 24): N multi-turn chat rows (~345 tokens each, the real Qwen3 tokenizer and
 Qwen3's stock template, built offline), through a real launch, beside the peer path.
 
-For the toolkit it launches `train_curriculum.py` (DDP, `--processes` processes, packing on, max_seq_len 4096, a
+For the toolkit it launches `train_curriculum.py` (DDP, `--processes` processes, packing on, max_seq_len 4096
+(`--max-seq-len`: the trained rows' length, not the data's; tests/e2e/test_bench.py trains shorter ones), a
 tiny Qwen3 with the real vocabulary) three times: on a tiny data file (the memory baseline), then on the N-row file
 with an empty cache (cold: the file is tokenised into its token store), then again with another output dir (warm:
 the store is mapped). It reports, from the launch's own output as it arrives:
@@ -100,13 +101,13 @@ def _free_port() -> int:
 
 
 def launch(work: Path, model: Path, data: Path, name: str, *, cache: Path, processes: int, steps: int,
-           cores: int | None) -> dict[str, Any]:
+           cores: int | None, max_seq_len: int = 4096) -> dict[str, Any]:
     """One training launch; its data time, preparation line, total time and per-rank peak USS."""
     import psutil
     import yaml
 
     recipe = {"output_dir": str(work / name), "model": {"name_or_path": str(model)},
-              "data": {"max_seq_len": 4096, "packing": True, "cache_dir": str(cache),
+              "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(cache),
                        **({"num_proc": cores} if cores else {})},
               "stages": [{"name": "chat", "data": [str(data)], "max_steps": steps}],
               "train": {"micro_batch_size": 1, "grad_accum": 1},
@@ -278,6 +279,7 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=None, help="data.num_proc and the peer's num_proc "
                         "(default: every core)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per launch")
+    parser.add_argument("--max-seq-len", type=int, default=4096, help="data.max_seq_len of the launches")
     parser.add_argument("--no-baseline", action="store_true", help="skip the tiny-data launch")
     parser.add_argument("--no-peer", action="store_true", help="skip the datasets.map peer")
     parser.add_argument("--prepare-only", action="store_true", help="time the preparation alone, no launch")
@@ -298,6 +300,7 @@ def main() -> None:
         "bench": "data_scale", "date": date.today().isoformat(), "host": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(), "cores": cores, "rows": args.rows,
         "data_file_mb": round(data.stat().st_size / 2**20, 1), "processes": args.processes,
+        "max_seq_len": args.max_seq_len,
         "load_avg_1m_at_start": os.getloadavg()[0]}
     if args.prepare_only:
         result["prepare_only"] = prepare_only(data, tokenizer, work / "cache-prepare", cores)
@@ -305,11 +308,12 @@ def main() -> None:
         if not args.no_baseline:
             tiny = write_rows(work / f"chat-{args.baseline_rows}.jsonl", args.baseline_rows, seed=1)
             result["baseline"] = launch(work, model, tiny, "baseline", cache=work / "cache-baseline",
-                                        processes=args.processes, steps=args.steps, cores=args.cores)
+                                        processes=args.processes, steps=args.steps, cores=args.cores,
+                                        max_seq_len=args.max_seq_len)
         result["cold"] = launch(work, model, data, "cold", cache=work / "cache", processes=args.processes,
-                                steps=args.steps, cores=args.cores)
+                                steps=args.steps, cores=args.cores, max_seq_len=args.max_seq_len)
         result["warm"] = launch(work, model, data, "warm", cache=work / "cache", processes=args.processes,
-                                steps=args.steps, cores=args.cores)
+                                steps=args.steps, cores=args.cores, max_seq_len=args.max_seq_len)
         if "baseline" in result:
             result["rank_uss_growth_gb"] = rank_growth(result["baseline"]["rank_uss_gb"],
                                                        result["cold"]["rank_uss_gb"], result["warm"]["rank_uss_gb"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -262,21 +263,97 @@ def bf16_curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[
     return launched_once(tmp_path_factory, "curriculum-bf16", launch)
 
 
-def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no") -> list[int]:
-    """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would,
-    each run in fresh processes forked from one parent that imported everything once (tests/helpers/relaunch.py says
-    why); returns the exit codes. Each run's output (all ranks) is in its log. `mixed_precision` None: the
-    config file's."""
+class _Relauncher:
+    """tests/helpers/relaunch.py --serve: one parent that imported everything, for the whole session (started on first
+    use,
+    ended with the session or after a job that did not answer in time)."""
+
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    unread = b""  # output read past the last line taken
+
+    @classmethod
+    def ask(cls, jobs: Path, timeout: float) -> list[int]:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.log = jobs.parent / f"relaunch-{os.getpid()}-{time.monotonic_ns()}.log"
+            with cls.log.open("w") as log:
+                server = [sys.executable, str(REPO / "tests" / "helpers" / "relaunch.py"), "--serve"]
+                cls.proc = subprocess.Popen(server, cwd=REPO, env=run_env(), stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+            cls.unread = b""
+        proc = cls.proc
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"{jobs}\n".encode())
+        proc.stdin.flush()
+        deadline, mark = time.monotonic() + timeout, b"relaunch-codes: "
+        while True:
+            while b"\n" in cls.unread:  # lines as os.read gave them (a buffered reader would hide them from select)
+                line, cls.unread = cls.unread.split(b"\n", 1)
+                if not line.startswith(mark):
+                    continue
+                reply = json.loads(line.removeprefix(mark))
+                if reply["jobs"] != str(jobs):  # the late answer to an earlier test's jobs (it timed out)
+                    continue
+                assert "codes" in reply, f"{reply['error']}:\n{cls.log.read_text()[-6000:] if cls.log else ''}"
+                return reply["codes"]
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(proc.stdout.fileno(), 1 << 16) if ready else None
+            if not chunk:  # no answer in time, or the parent died: the next job gets a new one
+                cls.close(kill=True)
+                log = cls.log.read_text()[-6000:] if cls.log is not None else ""
+                pytest.fail(f"the relauncher {'did not answer in time' if chunk is None else 'died'}:\n{log}")
+            cls.unread += chunk
+
+    @classmethod
+    def close(cls, kill: bool = False) -> None:
+        proc, cls.proc = cls.proc, None
+        if proc is None:
+            return
+        if kill:
+            dump_stacks_and_kill(proc.pid)
+            proc.wait()
+        else:  # it ends at the end of its input; the session need not wait for its interpreter's teardown
+            assert proc.stdin is not None
+            proc.stdin.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_the_relauncher() -> Iterator[None]:
+    yield
+    _Relauncher.close()
+
+
+def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no",
+             num_processes: int | None = None, env: dict[str, str] | None = None) -> list[int]:
+    """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would
+    (`num_processes`: processes_for's by default), each run in fresh processes forked from one parent that
+    imported everything once, kept for the session (tests/helpers/relaunch.py says why); returns the exit codes. Each
+    run's output (all ranks) is in its log. `mixed_precision` None: the config file's. `env`: added to the ranks'
+    environment."""
     jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
     jobs.write_text(json.dumps({
         "launch": ["--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
-                   "--num_processes", str(processes_for(strategy)),
+                   "--num_processes", str(num_processes or processes_for(strategy)),
                    *(["--mixed_precision", mixed_precision] if mixed_precision is not None else [])],
-        "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "timeout": LAUNCH_TIMEOUT_S}))
-    proc = run_launch([sys.executable, str(REPO / "tests" / "helpers" / "relaunch.py"), str(jobs)],
-                      timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["codes"]
+        "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "env": env or {},
+        "timeout": LAUNCH_TIMEOUT_S}))
+    return _Relauncher.ask(jobs, timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
+
+
+def train_forked(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
+                 mixed_precision: str | None = "no", dummy_samples: int = 64, check: bool = True,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`train`'s run through `relaunch`: the same run, without the ~10 s of imports per process a launch spends
+    first. For runs whose test is about what trains, not about the launcher: the result's stderr is the
+    run's whole output (every rank's stdout and stderr, in `<out>.log`), its stdout empty."""
+    log = out.with_name(f"{out.name}.log")
+    argv = dummy_run_args(f"output_dir={out}", *overrides, recipe=recipe, dummy_samples=dummy_samples)
+    (code,) = relaunch(strategy, [(argv, log)], mixed_precision=mixed_precision, num_processes=num_processes,
+                       env=env)
+    output = log.read_text()
+    if check and code != 0:
+        pytest.fail(f"{strategy} (forked) failed (rc={code}):\n{output[-6000:]}")
+    return subprocess.CompletedProcess(argv, code, "", output)
 
 
 _hung_launches: list[str] = []

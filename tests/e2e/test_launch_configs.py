@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, run_env, run_launch, train, train_cmd
+from tests.conftest import REPO, run_env, run_launch, train_cmd, train_forked
 from toolkit.errors import ToolkitError
 from toolkit.metrics.log import read_metrics
 from toolkit.runtime.process import check_launch_config, has_accelerator
@@ -98,9 +98,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_reference(runs: Path) -> list[float]:
-    """The one fp32 DDP run every config here is compared with (gradient checkpointing as the recipe sets it)."""
+    """The one fp32 DDP run every config here is compared with (gradient checkpointing as the recipe sets it),
+    forked from the session's relauncher (conftest.train_forked): the configs under test are the ones launched."""
     out = runs / "ddp"
-    train("ddp", 2, out)
+    train_forked("ddp", 2, out)
     return losses(out)
 
 

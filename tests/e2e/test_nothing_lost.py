@@ -30,6 +30,7 @@ from tests.conftest import (
     base_recipe,
     free_port,
     rank_stderr,
+    relaunch,
     run_env,
     run_launch,
     signal_tree,
@@ -674,11 +675,13 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
     assert single.returncode == 130 and took < 10, said[-20:]
     assert [line for line in said if line.strip()][-1].startswith("interrupted (Ctrl-C)"), said[-20:]
 
-    # The same command again, and an uninterrupted run of it (its store is ready now).
+    # The same command again, and an uninterrupted run of it (its store is ready now; forked from the session's
+    # relauncher, conftest.relaunch: the reference needs no launch of its own).
     again = run_launch(cmd)
     assert again.returncode == 0, again.stderr[-3000:]
-    fresh = run_launch([*cmd, f"output_dir={tmp_path / 'fresh'}"])
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    argv = cmd[cmd.index(str(REPO / "train_curriculum.py")) + 1:]
+    (code,) = relaunch("ddp", [([*argv, f"output_dir={tmp_path / 'fresh'}"], tmp_path / "fresh.log")])
+    assert code == 0, (tmp_path / "fresh.log").read_text()[-3000:]
     losses = [[(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl", "train")]
               for run in (out, tmp_path / "fresh")]
     assert losses[0] == losses[1] and [s for s, _ in losses[0]] == [1, 2, 3]

@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib.util
 import math
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_env, train
+from tests.conftest import REPO, train_forked
+from tests.helpers.inprocess import Call, invoke, toolkit_run
 from toolkit.metrics.log import Meter, read_metrics, sample_lengths
 
 SHORT = ("stages.0.max_steps=4", "stages.1.max_steps=3")
@@ -57,8 +58,8 @@ def test_sample_lengths_of_packed_rows() -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / strategy
-    train(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10",
-          env={"TOOLKIT_FAULT_NONFINITE": "3:1"})  # rank 1's loss is NaN at step 3
+    train_forked(strategy, 2, out, *SHORT, "checkpoint.save_steps=1", "checkpoint.keep_last=10",
+                 env={"TOOLKIT_FAULT_NONFINITE": "3:1"})  # rank 1's loss is NaN at step 3
     records = train_records(out)
     assert [r["skipped"] for r in records] == [0, 0, 1, 0, 0, 0, 0]
     # The skipped step's NaN loss is written as JSON null (bare NaN is not JSON).
@@ -76,8 +77,8 @@ def test_poisoned_batch_on_one_rank_skips_the_step_on_all(strategy: str, tmp_pat
 @pytest.mark.slow
 def test_too_many_consecutive_skips_stops_naming_the_last_good_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "diverged"
-    proc = train("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=2",
-                 "train.micro_batch_size=4", check=False, env={"TOOLKIT_FAULT_NONFINITE": "3:0,4:0"})
+    proc = train_forked("single", 1, out, *SHORT, "checkpoint.save_steps=2", "stability.max_consecutive_skips=2",
+                        "train.micro_batch_size=4", check=False, env={"TOOLKIT_FAULT_NONFINITE": "3:0,4:0"})
     assert proc.returncode != 0
     assert "2 consecutive steps skipped up to step 4 in stage 'short'" in proc.stderr
     assert "step-00000002" in proc.stderr
@@ -86,8 +87,8 @@ def test_too_many_consecutive_skips_stops_naming_the_last_good_checkpoint(tmp_pa
 @pytest.mark.slow
 def test_eval_loss_from_two_processes_equals_one_process(tmp_path: Path) -> None:
     evals = ("eval.data=[dummy:stage2]", "eval.every_steps=2")
-    train("single", 1, tmp_path / "one", *SHORT, *evals, "train.micro_batch_size=4", "eval.micro_batch_size=3")
-    train("zero3", 2, tmp_path / "two", *SHORT, *evals, "eval.micro_batch_size=3")
+    train_forked("single", 1, tmp_path / "one", *SHORT, *evals, "train.micro_batch_size=4", "eval.micro_batch_size=3")
+    train_forked("zero3", 2, tmp_path / "two", *SHORT, *evals, "eval.micro_batch_size=3")
     one, two = eval_records(tmp_path / "one"), eval_records(tmp_path / "two")
     assert [r["step"] for r in one] == [2, 4, 6, 7] == [r["step"] for r in two]
     assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-5)
@@ -96,38 +97,38 @@ def test_eval_loss_from_two_processes_equals_one_process(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_live_metrics_and_mfu(tmp_path: Path) -> None:
+def test_live_metrics_and_mfu(tmp_path: Path, toolkit: Callable) -> None:
     out = tmp_path / "run"
-    train("single", 1, out, *SHORT, "logging.peak_tflops=0.5", "logging.trackers=[tensorboard]")
+    train_forked("single", 1, out, *SHORT, "logging.peak_tflops=0.5", "logging.trackers=[tensorboard]")
     records = train_records(out)
     for key in ("tokens_per_sec", "samples_per_sec", "step_time", "mfu", "peak_memory_gb", "padding_fraction"):
         assert all(r[key] is not None and r[key] >= 0 for r in records), key
     assert all(0 < r["mfu"] < 1 for r in records)
     assert any((out / "trackers").rglob("events.out.tfevents.*")), "no TensorBoard event file"
-    proc = subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "plot", str(out)], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = toolkit("plot", str(out))
     assert proc.returncode == 0, proc.stderr
     png = out / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_missing_tracker_names_the_package(tmp_path: Path) -> None:
+def test_missing_tracker_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if importlib.util.find_spec("mlflow") is not None:  # the test needs a tracker that is not installed
         pytest.skip("mlflow is installed here")
-    proc = subprocess.run([sys.executable, str(REPO / "train_curriculum.py"), f"output_dir={tmp_path / 'o'}",
-                           "logging.trackers=[mlflow]"], cwd=REPO, env=run_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2 and "pip install mlflow" in proc.stderr
+    rc, stderr = invoke(Call([f"output_dir={tmp_path / 'o'}", "logging.trackers=[mlflow]"], tmp_path / "o"), REPO,
+                        monkeypatch)  # train_curriculum.py's main, in this process
+    assert rc == 2 and "pip install mlflow" in stderr
     assert not (tmp_path / "o").exists()
 
 
-def _toolkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit.commands.cli", *args], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def toolkit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+            ) -> Callable[..., subprocess.CompletedProcess]:
+    """`toolkit(*args)`: the `toolkit` command, run in this process (tests/helpers/inprocess.py)."""
+    return lambda *args: toolkit_run(list(args), monkeypatch, capsys)
 
 
-def test_preflight_table_recommendation_and_data_scan(tmp_path: Path) -> None:
-    proc = _toolkit("preflight", "--accelerate-config", "accelerate_configs/zero3.yaml", "--num-gpus", "2",
+def test_preflight_table_recommendation_and_data_scan(tmp_path: Path, toolkit: Callable) -> None:
+    proc = toolkit("preflight", "--accelerate-config", "accelerate_configs/zero3.yaml", "--num-gpus", "2",
                     "--gpu-memory-gb", "24", "--no-data")
     assert proc.returncode == 0, proc.stderr
     for strategy in ("ddp", "zero2", "zero3", "zero3_offload", "fsdp"):
@@ -137,19 +138,19 @@ def test_preflight_table_recommendation_and_data_scan(tmp_path: Path) -> None:
     data.write_text('{"text": "hello world"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"stages: [{{name: s, data: [{data}]}}]\ndata: {{max_seq_len: 7}}\n")
-    proc = _toolkit("preflight", "--config", str(recipe), "--accelerate-config", "accelerate_configs/ddp.yaml")
+    proc = toolkit("preflight", "--config", str(recipe), "--accelerate-config", "accelerate_configs/ddp.yaml")
     assert proc.returncode == 0, proc.stderr
     assert "s: 2 rows" in proc.stdout and "1 over max_seq_len, 1 without trainable tokens" in proc.stdout
 
 
-def test_preflight_unknown_model_is_a_clear_error() -> None:
-    proc = _toolkit("preflight", "--no-data", "model.name_or_path=acme/unknown-13b")
+def test_preflight_unknown_model_is_a_clear_error(toolkit: Callable) -> None:
+    proc = toolkit("preflight", "--no-data", "model.name_or_path=acme/unknown-13b")
     assert proc.returncode == 2 and "Unknown model 'acme/unknown-13b'" in proc.stderr and "qwen3-8b" in proc.stderr
 
 
 @pytest.mark.parametrize("recipe", ["recipes/smoke_vl.yaml", "recipes/qwen2_5_vl_7b_curriculum.yaml"])
-def test_preflight_of_vision_language_recipes(recipe: str) -> None:
+def test_preflight_of_vision_language_recipes(recipe: str, toolkit: Callable) -> None:
     """Memory table from the VL config (tiny built locally, 7B from the shipped config); image rows not scanned."""
-    proc = _toolkit("preflight", "--config", recipe, "--accelerate-config", "accelerate_configs/zero3.yaml")
+    proc = toolkit("preflight", "--config", recipe, "--accelerate-config", "accelerate_configs/zero3.yaml")
     assert proc.returncode == 0, proc.stderr
     assert "\nzero3 " in proc.stdout and "data scan skipped: image-text rows are not scanned" in proc.stdout

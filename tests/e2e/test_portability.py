@@ -1,4 +1,9 @@
-"""Checkpoints across strategies and world sizes, export, and refusal of bad checkpoints."""
+"""Checkpoints across strategies and world sizes, export, and refusal of bad checkpoints.
+
+The runs here are forked from the session's relauncher (conftest.train_forked; the launches users make are the
+shared curriculum runs they resume from) and `toolkit export` runs in this process (tests/helpers/inprocess.py): each
+test
+is about what a checkpoint holds and how a run or an export reads it."""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,9 +28,9 @@ from tests.conftest import (
     REPO,
     SINGLE_CURRICULUM,
     processes_for,
-    run_env,
-    train,
+    train_forked,
 )
+from tests.helpers.inprocess import Call, invoke
 from tests.helpers.portable import check_portable_files, portable_state
 from toolkit.builtin.models import TINY_MODEL, builtin_dir
 from toolkit.metrics.log import read_metrics
@@ -52,13 +56,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3_lora(runs: Path) -> Path:
-    train("zero3", 2, runs / "zero3", *LONGER)
+    train_forked("zero3", 2, runs / "zero3", *LONGER)
     return runs / "zero3"
 
 
 @pytest.fixture(scope="module")
 def zero3_full(runs: Path) -> Path:
-    train("zero3", 2, runs / "zero3-full", "lora.enabled=false", *LONGER)
+    train_forked("zero3", 2, runs / "zero3-full", "lora.enabled=false", *LONGER)
     return runs / "zero3-full"
 
 
@@ -97,8 +101,8 @@ RESUME_AT = 6
 def test_portable_resume_into_another_layout(reader: str, processes: int, writer: str,
                                              curriculum_runs: Callable[[str], Path], runs: Path) -> None:
     source, out = curriculum_runs(writer), runs / f"{writer}-to-{reader}x{processes}"
-    proc = train(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT, *NO_THINK,
-                 f"checkpoint.resume={ckpt(source, RESUME_AT)}", recipe=CURRICULUM)
+    proc = train_forked(reader, processes, out, *(SINGLE_CURRICULUM if processes == 1 else ()), *EVERY_CHECKPOINT,
+                        *NO_THINK, f"checkpoint.resume={ckpt(source, RESUME_AT)}", recipe=CURRICULUM)
     layouts = f"{strategy_name(writer)} x {processes_for(writer)} -> {strategy_name(reader)} x {processes}"
     assert (f"INFO resumed (portable ({layouts}; RNG reseeded per rank from the step)) from "
             f"{ckpt(source, RESUME_AT)}: step {RESUME_AT} of 11") in proc.stderr, proc.stderr[-3000:]
@@ -119,15 +123,17 @@ def strategy_name(config: str) -> str:
 
 def test_full_finetuning_on_another_world_size_names_both_layouts(zero3_full: Path, runs: Path) -> None:
     out = runs / "full-to-single"
-    proc = train("single", 1, out, "lora.enabled=false", *LONGER, SINGLE_SAME_BATCH,
-                 f"checkpoint.resume={ckpt(zero3_full, 10)}", check=False)
+    proc = train_forked("single", 1, out, "lora.enabled=false", *LONGER, SINGLE_SAME_BATCH,
+                        f"checkpoint.resume={ckpt(zero3_full, 10)}", check=False)
     assert proc.returncode != 0 and "loading" not in proc.stderr, proc.stderr[-2000:]  # before the model
     assert "zero3 x 2" in proc.stderr and "single x 1" in proc.stderr and "toolkit export" in proc.stderr
 
 
-def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "export", *args], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=300)
+def _export(monkeypatch: pytest.MonkeyPatch, *args: str) -> subprocess.CompletedProcess:
+    """`toolkit export ARGS`, its main called in this process (tests/helpers/inprocess.py: the command's code and exit
+    code, without a fresh process's imports)."""
+    rc, stderr = invoke(Call(["export", *args], REPO, tool="toolkit"), REPO, monkeypatch)
+    return subprocess.CompletedProcess(["toolkit", "export", *args], rc, "", stderr)
 
 
 def _no_empty_tensors(path: Path) -> None:
@@ -136,11 +142,12 @@ def _no_empty_tensors(path: Path) -> None:
             assert all(f.get_slice(k).get_shape() and min(f.get_slice(k).get_shape()) > 0 for k in f.keys())  # noqa: SIM118
 
 
-def test_export_lora_adapter_and_merged_model_agree(zero3_lora: Path, tmp_path: Path) -> None:
+def test_export_lora_adapter_and_merged_model_agree(zero3_lora: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     source = ckpt(zero3_lora, 15)
     for args in ([str(source), "--out", str(tmp_path / "adapter")],
                  [str(source), "--out", str(tmp_path / "merged"), "--merge"]):
-        proc = _export(*args)
+        proc = _export(monkeypatch, *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
     _no_empty_tensors(tmp_path / "adapter")
     _no_empty_tensors(tmp_path / "merged")
@@ -155,12 +162,12 @@ def test_export_lora_adapter_and_merged_model_agree(zero3_lora: Path, tmp_path: 
         assert not torch.allclose(adapter(ids).logits, AutoModelForCausalLM.from_pretrained(base_dir)(ids).logits)
 
 
-def test_export_carries_modules_trained_by_stage_patterns(curriculum_runs: Callable[[str], Path],
-                                                          tmp_path: Path) -> None:
+def test_export_carries_modules_trained_by_stage_patterns(curriculum_runs: Callable[[str], Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The norm trains only through stages[].trainable (a PEFT modules_to_save): an export from a checkpoint must
     rebuild it as training did and carry its trained weight, as the final adapter does."""
     curriculum_zero3 = curriculum_runs("zero3")
-    proc = _export(str(ckpt(curriculum_zero3, 10)), "--out", str(tmp_path / "adapter"))
+    proc = _export(monkeypatch, str(ckpt(curriculum_zero3, 10)), "--out", str(tmp_path / "adapter"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     with safe_open(ckpt(curriculum_zero3, 10) / "portable" / "lora_state.safetensors", "pt") as f:
         trained = f.get_tensor("param/base_model.model.model.norm.modules_to_save.default.weight")
@@ -172,15 +179,15 @@ def test_export_carries_modules_trained_by_stage_patterns(curriculum_runs: Calla
     assert torch.equal(norm.detach(), trained)
 
 
-def test_export_vision_language_checkpoint_merged(tmp_path: Path) -> None:
+def test_export_vision_language_checkpoint_merged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A VL run (projector trained through `trainable`) exports merged, with its processor, loadable as it is."""
     from transformers import AutoModelForImageTextToText, ProcessorMixin
 
     from toolkit.model.load import load_processor
 
     run = tmp_path / "vl"
-    train("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")
-    proc = _export(str(ckpt(run, 8)), "--out", str(tmp_path / "merged"), "--merge")
+    train_forked("single", 1, run, "train.micro_batch_size=4", recipe="recipes/smoke_vl.yaml")
+    proc = _export(monkeypatch, str(ckpt(run, 8)), "--out", str(tmp_path / "merged"), "--merge")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
     # through the toolkit's loader: a bare AutoProcessor returns the tokenizer when the tiny class is not registered
@@ -191,9 +198,10 @@ def test_export_vision_language_checkpoint_merged(tmp_path: Path) -> None:
     assert torch.equal(dict(model.named_parameters())["model.visual.merger.mlp.0.weight"].detach(), merger)
 
 
-def test_export_full_finetuning_from_zero3_shards(zero3_full: Path, tmp_path: Path) -> None:
+def test_export_full_finetuning_from_zero3_shards(zero3_full: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The last checkpoint's consolidated ZeRO-3 shards equal the run's gathered final model."""
-    proc = _export(str(ckpt(zero3_full, 16)), "--out", str(tmp_path / "full"))
+    proc = _export(monkeypatch, str(ckpt(zero3_full, 16)), "--out", str(tmp_path / "full"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
     final = AutoModelForCausalLM.from_pretrained(zero3_full / "final").state_dict()
@@ -212,7 +220,7 @@ def damaged(zero3_lora: Path, tmp_path: Path) -> Path:
 
 
 def _resume(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return train("zero3", 2, out, *LONGER, *extra, check=False)
+    return train_forked("zero3", 2, out, *LONGER, *extra, check=False)
 
 
 def test_resume_path_that_does_not_exist(damaged: Path) -> None:

@@ -2,7 +2,8 @@
 calls and tool results) through the 3-stage curriculum give the same losses under ZeRO-3 x2 and FSDP2 x2 as in one
 process; and `--create_dummy_data` works with a local Qwen3 checkpoint.
 
-Every launch uses --mixed_precision no: this is an fp32 equality test (bf16 rounding differs between sharded and
+Every run (forked from the session's relauncher, conftest.relaunch: accelerate's launch environment without a
+launch's imports) uses --mixed_precision no: this is an fp32 equality test (bf16 rounding differs between sharded and
 unsharded reductions). The model is the session's tiny Qwen3 with the real 151,936-row vocabulary and hidden size
 16, so the large LM head stays cheap.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, launch_cmd, run_launch, train
+from tests.conftest import REPO, relaunch, train_forked
 from toolkit.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -81,12 +82,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> tuple[Pa
 
 
 def run(strategy: str, procs: int, out: Path, recipe: Path, *overrides: str) -> list[dict]:
-    cmd = [*launch_cmd(strategy, procs, mixed_precision="no"), str(REPO / "train_curriculum.py"),
-           "--config", str(recipe), f"output_dir={out}", *overrides]
-    proc = run_launch(cmd)
-    if proc.returncode != 0:
-        pytest.fail(f"{strategy} x{procs} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
+    log = out.with_name(f"{out.name}.log")
+    (code,) = relaunch(strategy, [(["--config", str(recipe), f"output_dir={out}", *overrides], log)],
+                       num_processes=procs)
+    if code != 0:
+        pytest.fail(f"{strategy} x{procs} failed (rc={code}):\n{log.read_text()[-6000:]}")
     return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
@@ -114,8 +114,8 @@ def test_multi_turn_real_tokenizer_matches_single_process(strategy: str, setup: 
 def test_create_dummy_data_with_a_qwen3_checkpoint(tmp_path: Path, qwen3_dir: Path) -> None:
     """The dummy rows (multi-turn and system-prompted among them) train with Qwen3's stock template."""
     out = tmp_path / "dummy"
-    train("single", 1, out, f"model.name_or_path={qwen3_dir}", "stages.0.max_steps=1", "stages.1.max_steps=2",
-          dummy_samples=32)
+    train_forked("single", 1, out, f"model.name_or_path={qwen3_dir}", "stages.0.max_steps=1", "stages.1.max_steps=2",
+                 dummy_samples=32)
     records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["stage"] for r in records] == ["short", "long", "long"]
     rows = [json.loads(line) for line in (out / "dummy_data" / "stage2.jsonl").read_text().splitlines()]

@@ -30,6 +30,7 @@ from tests.conftest import (
     toolkit_lines,
     train,
     train_cmd,
+    train_forked,
 )
 from toolkit.checkpoint.manager import read_meta
 from toolkit.checkpoint.resume import EXACT_RESUME_TESTED
@@ -158,9 +159,10 @@ test_resume_from_every_checkpoint_is_exact's."""
 
 @pytest.fixture(scope="module")
 def longer_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`get(strategy)`: the uninterrupted 16-step run (LONGER) under `strategy`, launched once per module. Its
+    """`get(strategy)`: the uninterrupted 16-step run (LONGER) under `strategy`, once per module, forked from the
+    session's relauncher (conftest.train_forked: the launches under test are the killed and resumed ones). Its
     checkpoint settings do not change what trains, so runs that save differently compare with it too."""
-    return launched_once(tmp_path_factory, "longer", lambda strategy, out: train(strategy, 2, out, *LONGER))
+    return launched_once(tmp_path_factory, "longer", lambda strategy, out: train_forked(strategy, 2, out, *LONGER))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
@@ -219,7 +221,7 @@ PATIENCE = ("stages.0.max_steps=8", "stages.0.patience=1", "stages.0.patience_mi
 def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path) -> None:
     early, planned = tmp_path / "early", tmp_path / "planned"
     train("single", 1, early, *PATIENCE)
-    train("single", 1, planned, *PATIENCE[:1], *PATIENCE[3:])  # same run without patience: 8 + 3 steps
+    train_forked("single", 1, planned, *PATIENCE[:1], *PATIENCE[3:])  # same run without patience: 8 + 3 steps
     got = records(early)
     assert [(r["step"], r["stage"]) for r in got] == [(1, "short"), (2, "short"), (3, "long"), (4, "long"),
                                                       (5, "long")]
@@ -234,7 +236,8 @@ def test_eval_patience_ends_the_stage_early_and_resume_replays_it(tmp_path: Path
     assert (early / "final" / "adapter_model.safetensors").is_file()
 
     # Resumed before the advance (patience counters saved), at it, and after (stages moved up); forked from one
-    # warm parent, as the every-checkpoint test's resumes are (the launches above are the ones users make).
+    # warm parent, as the every-checkpoint test's resumes are (the launch of `early` above is the one users make;
+    # `planned`, only compared with, is forked too).
     steps = (1, 2, 3)
     argv = dummy_run_args(*PATIENCE)
     codes = relaunch("single", [([*argv, f"output_dir={tmp_path / f'from-{step}'}",

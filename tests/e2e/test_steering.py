@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, dummy_run_args, run_env, run_launch, start_and_signal, train
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, dummy_run_args, run_env, run_launch, start_and_signal, train_forked
 from tests.helpers.inprocess import Call, invoke
 from toolkit.checkpoint.manager import read_meta
 from toolkit.metrics.log import read_metrics
@@ -133,7 +133,7 @@ def test_two_processes_under_zero3_decide_and_generate_alike(reference: Path, tm
     completions (nine prompts in batches of 4, 4 and 1: 8 on one rank, 1 on the other) and matrix are the single
     process's."""
     out = tmp_path / "zero3"
-    train("zero3", 2, out, "logging.trackers=[]", recipe=GATED)
+    train_forked("zero3", 2, out, "logging.trackers=[]", recipe=GATED)
     got, expected = records(out, "train"), records(reference, "train")
     assert [(r["step"], r["stage"]) for r in got] == [(r["step"], r["stage"]) for r in expected]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)

@@ -2,7 +2,9 @@
 
 Each 2-process run trains the 2-stage smoke recipe packed (LoRA, gradient checkpointing on, `data.packing`: rows of
 whole samples, attention per sample) with the same global batch as the 1-process reference and must reproduce its
-per-step losses and its final adapter; unpacked rows are the curriculum matrix's below. The loss head is the
+per-step losses and its final adapter; unpacked rows are the curriculum matrix's below. These runs are forked from
+the session's relauncher (conftest.train_forked: accelerate's own launch environment for the config, without a
+launch's imports); the curriculum and bf16 matrices below are launched as users launch them. The loss head is the
 default chunked one (toolkit/model/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight
 is
 tested in tests/model/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
@@ -37,7 +39,7 @@ from tests.conftest import (
     run_env,
     signal_tree,
     spy_dir,
-    train,
+    train_forked,
 )
 from tests.helpers.portable import adam_steps, check_portable_files, portable_state
 from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL, builtin_dir
@@ -72,7 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(runs: Path) -> Path:
     out = runs / "single"
-    train("single", 1, out, *REFERENCE_OVERRIDES, PACKED)
+    train_forked("single", 1, out, *REFERENCE_OVERRIDES, PACKED)
     return out
 
 
@@ -90,7 +92,7 @@ def test_reference_trains(reference: Path) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_matches_single_process(strategy: str, runs: Path, reference: Path) -> None:
     out = runs / strategy
-    proc = train(strategy, 2, out, "model.gradient_checkpointing=true", CHUNKED, PACKED)
+    proc = train_forked(strategy, 2, out, "model.gradient_checkpointing=true", CHUNKED, PACKED)
     assert "loss head: chunked (16 tokens per chunk" in proc.stderr  # the match below is the chunked head's
     assert "packed into" in proc.stderr and "attention: sdpa_packed" in proc.stderr
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
@@ -138,7 +140,7 @@ def two_machines_on_loopback(strategy: str, out: Path, *extra: str, mixed_precis
 @pytest.fixture(scope="module")
 def full_reference(runs: Path) -> Path:
     out = runs / "single-full"
-    train("single", 1, out, "lora.enabled=false", *REFERENCE_OVERRIDES)
+    train_forked("single", 1, out, "lora.enabled=false", *REFERENCE_OVERRIDES)
     return out
 
 
@@ -146,7 +148,7 @@ def full_reference(runs: Path) -> Path:
 def test_full_finetuning_matches_single_process(strategy: str, runs: Path, full_reference: Path) -> None:
     """Sharded full fine-tuning: same losses, and the gathered full model equals the single-process one."""
     out = runs / f"{strategy}-full"
-    train(strategy, 2, out, "lora.enabled=false", CHUNKED)  # the sharded head's weight itself trains
+    train_forked(strategy, 2, out, "lora.enabled=false", CHUNKED)  # the sharded head's weight itself trains
     assert losses(out) == pytest.approx(losses(full_reference), rel=1e-4)
     ref = load_file(full_reference / "final" / "model.safetensors")
     got = load_file(out / "final" / "model.safetensors")
@@ -164,8 +166,8 @@ def test_lora_on_lm_head_under_zero3_matches_single_process(runs: Path) -> None:
     every call, once per chunk. Ranks with different label-token counts must still make the same calls (else
     they hang), and the losses and the head's adapters must be the single-process ones."""
     ref, out = runs / "lm-head-single", runs / "lm-head-zero3"
-    train("single", 1, ref, LM_HEAD_LORA, *REFERENCE_OVERRIDES)
-    train("zero3", 2, out, LM_HEAD_LORA, CHUNKED)
+    train_forked("single", 1, ref, LM_HEAD_LORA, *REFERENCE_OVERRIDES)
+    train_forked("zero3", 2, out, LM_HEAD_LORA, CHUNKED)
     assert losses(out) == pytest.approx(losses(ref), rel=1e-4)
     expected, got = adapter(ref), adapter(out)
     assert got.keys() == expected.keys() and any("lm_head.lora_B" in k for k in got)
@@ -342,7 +344,7 @@ LIGER = liger_available() and triton_interpreted()
 @pytest.fixture(scope="module")
 def vl_reference(runs: Path) -> Path:
     out = runs / "vl-single"
-    train("single", 1, out, *REFERENCE_OVERRIDES, recipe=VL)
+    train_forked("single", 1, out, *REFERENCE_OVERRIDES, recipe=VL)
     return out
 
 
@@ -352,7 +354,7 @@ def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_refe
     projector trains in full in both stages and is saved with the adapter."""
     out = runs / f"vl-{strategy}"
     liger = ("model.loss_head=liger",) if strategy == "zero3" and LIGER else ()  # Triton's interpreter on CPU
-    proc = train(strategy, 2, out, *liger, recipe=VL)
+    proc = train_forked(strategy, 2, out, *liger, recipe=VL)
     assert bool(liger) == ("loss head: liger" in proc.stderr)
     assert losses(out) == pytest.approx(losses(vl_reference), rel=1e-4)  # the reference's head is the chunked one
     first = portable_state(out, 4)
@@ -381,7 +383,7 @@ QWEN3_VL = "model.name_or_path=builtin:tiny-qwen3-vl"
 @pytest.fixture(scope="module")
 def qwen3_vl_reference(runs: Path) -> Path:
     out = runs / "qwen3-vl-single"
-    train("single", 1, out, QWEN3_VL, *REFERENCE_OVERRIDES, recipe=VL)
+    train_forked("single", 1, out, QWEN3_VL, *REFERENCE_OVERRIDES, recipe=VL)
     return out
 
 
@@ -389,6 +391,6 @@ def qwen3_vl_reference(runs: Path) -> Path:
 def test_qwen3_vl_curriculum_matches_single_process(strategy: str, runs: Path, qwen3_vl_reference: Path) -> None:
     """The same VL curriculum on a tiny Qwen3-VL (DeepStack features, 16-px patches) under the sharding strategies."""
     out = runs / f"qwen3-vl-{strategy}"
-    train(strategy, 2, out, QWEN3_VL, recipe=VL)
+    train_forked(strategy, 2, out, QWEN3_VL, recipe=VL)
     assert losses(out) == pytest.approx(losses(qwen3_vl_reference), rel=1e-4)
     assert any("visual.merger" in k for k in adapter(out)) and all(t.numel() > 0 for t in adapter(out).values())

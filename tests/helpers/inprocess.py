@@ -71,3 +71,11 @@ def invoke(call: Call, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int,
     with contextlib.redirect_stderr(err), process_state_kept():
         rc = (train_curriculum.main if call.tool == "train" else cli.main)(call.argv)
     return rc, err.getvalue()
+
+
+def toolkit_run(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`toolkit ARGV` in this process (`invoke`), its stdout and stderr apart as a subprocess's would be."""
+    capsys.readouterr()
+    rc, stderr = invoke(Call(list(argv), cwd, tool="toolkit"), cwd, monkeypatch)
+    return subprocess.CompletedProcess(["toolkit", *argv], rc, capsys.readouterr().out, stderr)

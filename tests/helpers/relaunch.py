@@ -1,11 +1,13 @@
 """Many relaunches of train_curriculum.py for the price of one import: fresh processes forked from a loaded parent.
 
-    python tests/helpers/relaunch.py JOBS.json
+    python tests/helpers/relaunch.py JOBS.json      # one jobs file
+    python tests/helpers/relaunch.py --serve        # a jobs file's path per line on stdin, for the whole test session
 
 JOBS.json: {"launch": [accelerate launch options, e.g. "--config_file", F, "--num_processes", "2"],
             "runs": [{"argv": [train_curriculum.py arguments], "log": "path/for/output"}, ...],
-            "timeout": seconds per run}
-Prints one JSON line: the exit code of each run (the first non-zero rank's, else 0).
+            "env": {extra environment of the ranks (optional)}, "timeout": seconds per run}
+Prints one JSON line per jobs file, after REPLY_MARK: the exit code of each run (the first non-zero rank's, else 0),
+and when serving the jobs file's path (a test stopped by its timeout leaves its reply to come, for no one).
 
 Why: the exact-resume test resumes every checkpoint of a curriculum under every strategy, dozens of launches. A
 real launch spends ~10 s importing torch, transformers and DeepSpeed per process before training for a second.
@@ -15,6 +17,11 @@ its ranks (accelerate's own launch code computes it: `torch.distributed.run` is 
 over), its own rank variables and a fresh rendezvous port. Each child then runs `train_curriculum.main(argv)`
 and exits as the script does. Nothing of one run survives into the next: every run's accelerator, model,
 optimizer, engine and process group are built by a process that did not exist before it.
+
+`--serve` (tests/conftest.py's `relaunch`) keeps one such parent for the whole test session: the suite's many
+relaunching tests (every strategy's resumes, short single-process runs) pay the imports once, not once per test.
+Between jobs the parent only computes the next launch's environment (accelerate's code, its changes to this
+process's environment undone) and forks.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def rank_environment(launch: list[str]) -> tuple[dict[str, str], int]:
         raise _Captured(dict(env or os.environ), 1)
 
     args = accelerate_launch.launch_command_parser().parse_args([*launch, str(REPO / "train_curriculum.py")])
-    saved = distrib_run.run, subprocess.Popen
+    saved, environ = (distrib_run.run, subprocess.Popen), dict(os.environ)
     distrib_run.run, subprocess.Popen = stop_run, stop_popen  # type: ignore[assignment]
     try:
         accelerate_launch.launch_command(args)
@@ -61,6 +68,8 @@ def rank_environment(launch: list[str]) -> tuple[dict[str, str], int]:
         return c.env, c.processes
     finally:
         distrib_run.run, subprocess.Popen = saved  # type: ignore[assignment]
+        os.environ.clear()  # a served parent computes the next launch's environment from the same start
+        os.environ.update(environ)
     raise RuntimeError(f"accelerate launch {launch} started no process")
 
 
@@ -146,17 +155,38 @@ def warm_deepspeed() -> None:
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
 
-def main() -> None:
-    jobs = json.loads(Path(sys.argv[1]).read_text())
+REPLY_MARK = "relaunch-codes: "
+_warmed: list[bool] = []
+
+
+def run_jobs(path: Path) -> list[int]:
+    """Every run of one jobs file, one after another; their exit codes."""
+    jobs = json.loads(path.read_text())
     env, world = rank_environment(jobs["launch"])
+    env.update(jobs.get("env") or {})
     import train_curriculum  # noqa: F401 - loaded once here; every child starts with it imported
 
-    if env.get("ACCELERATE_USE_DEEPSPEED") == "true":
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and not _warmed:
         warm_deepspeed()
+        _warmed.append(True)
     if threading.active_count() != 1:  # forking a process with threads would copy locks held by them
         raise RuntimeError(f"{threading.active_count()} threads before fork: {threading.enumerate()}")
-    codes = [run_one(env, world, run["argv"], Path(run["log"]), jobs.get("timeout", 600)) for run in jobs["runs"]]
-    print(json.dumps({"codes": codes}))
+    return [run_one(env, world, run["argv"], Path(run["log"]), jobs.get("timeout", 600)) for run in jobs["runs"]]
+
+
+def main() -> None:
+    if sys.argv[1] != "--serve":
+        print(REPLY_MARK + json.dumps({"codes": run_jobs(Path(sys.argv[1]))}))
+        return
+    for line in sys.stdin:  # until the session closes the pipe
+        try:
+            reply = {"codes": run_jobs(Path(line.strip()))}
+        except Exception as e:  # the session's test fails with it; the parent serves the next one
+            import traceback
+
+            traceback.print_exc()
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(REPLY_MARK + json.dumps({"jobs": line.strip(), **reply}), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_env
+from tests.helpers.inprocess import toolkit_run
 from toolkit.config.identity import resume_invariants
 from toolkit.config.load import load_recipe
 from toolkit.errors import ToolkitError
@@ -124,15 +125,15 @@ def test_the_estimate_counts_what_liger_keeps() -> None:
     assert stock - fused == (2 * h + qk) * (4 - 2) + inter * 2 == 51_200
 
 
-def test_preflight_counts_fused_layers_as_training_would(tmp_path: Path) -> None:
+def test_preflight_counts_fused_layers_as_training_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {name_or_path: qwen3-8b}\nstages: [{name: s, data: [dummy:stage1], max_steps: 1}]\n")
     lines = {}
-    for value in ("auto", "liger", "none"):
-        proc = subprocess.run([sys.executable, "-m", "toolkit.commands.cli", "preflight", "--config", str(recipe),
-                               "--no-data", "--accelerate-config", "accelerate_configs/single.yaml", "--num-gpus", "1",
-                               f"model.fused_layers={value}"], cwd=REPO, env=run_env(), capture_output=True,
-                              text=True, timeout=300)
+    for value in ("auto", "liger", "none"):  # `toolkit preflight`, its main called in this process
+        proc = toolkit_run(["preflight", "--config", str(recipe), "--no-data", "--accelerate-config",
+                            "accelerate_configs/single.yaml", "--num-gpus", "1", f"model.fused_layers={value}"],
+                           monkeypatch, capsys)
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines[value] = proc.stdout + proc.stderr
     assert "fused layers none" in lines["auto"] and "fused layers none" in lines["none"]  # no CUDA here
