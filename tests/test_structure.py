@@ -221,7 +221,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("toolkit.curriculum",),
     ("toolkit.evals",),
     ("toolkit.train",),
-    ("toolkit.commands",),
+    ("toolkit.commands", "toolkit.__main__"),
     ("train_curriculum",),
 )
 """The packages bottom first: each imports only its own and those above it in this list."""

@@ -77,3 +77,16 @@ def test_a_stop_during_inspect_data_is_one_line_and_keeps_nothing_half_written(t
     assert proc.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith(line)
     assert [p.name for p in stores.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_python_dash_m_toolkit_is_the_toolkit_command() -> None:
+    """`python -m toolkit` runs the command where its console script is not on PATH (a worktree, a bare venv)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import run_env
+
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "--help"], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "{dummy-data,tiny-model,export,preflight,inspect-data,plot}" in proc.stdout
