@@ -253,8 +253,7 @@ def bf16_curriculum_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[
     """`get(strategy)`: the curriculum as a user launches it: the shipped config's own precision (bf16; only
     `--num_processes 2` added, nothing for one process), a bf16 base, a checkpoint after every step. Shared by the
     bf16 strategy matrix (tests/e2e/test_strategies.py) and the bf16 exact resume (tests/e2e/test_resume.py); the
-    launch's
-    output is kept beside the run, in `<run>.log`."""
+    launch's output is kept beside the run, in `<run>.log`."""
     def launch(strategy: str, out: Path) -> None:
         proc = train(strategy, None if strategy == "single" else 2, out, *curriculum_args(strategy), BF16_BASE,
                      recipe=CURRICULUM, mixed_precision=None)

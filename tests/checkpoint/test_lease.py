@@ -1,6 +1,5 @@
 """Tests for toolkit/checkpoint/lease.py and the rotation that respects it: a leased checkpoint is kept until its
-reader is
-done, a reader that dies releases it (the kernel drops the lock), and a reader notices a folder that went or
+reader is done, a reader that dies releases it (the kernel drops the lock), and a reader notices a folder that went or
 changed."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Tests for toolkit/runtime/exit_lines.py: what a rank says when something unexpected stops it, whom it blames, and
-where
-its traceback goes. The launches that kill one rank, or make one rank fail, are in tests/e2e/test_resume.py
+where its traceback goes. The launches that kill one rank, or make one rank fail, are in tests/e2e/test_resume.py
 (`test_sigkill_and_resume_is_exact`) and tests/e2e/test_nothing_lost.py (`test_a_failure_on_one_rank_*`)."""
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 The runs here are forked from the session's relauncher (conftest.train_forked; the launches users make are the
 shared curriculum runs they resume from) and `toolkit export` runs in this process (tests/helpers/inprocess.py): each
-test
-is about what a checkpoint holds and how a run or an export reads it."""
+test is about what a checkpoint holds and how a run or an export reads it."""
 
 from __future__ import annotations
 
@@ -69,10 +68,9 @@ def zero3_full(runs: Path) -> Path:
 # --- Portable resume: the second half of the matrix. ---
 # The portable file is the same whatever layout writes it (tests/e2e/test_strategies.py compares every strategy's
 # checkpoints with the one-process run's), so every pair of layouts is covered once each layout reads such a file
-# correctly: the one-process reader bit for bit in tests/strategies/test_param_state.py, each strategy family here with
-# one
-# launch that resumes another layout's shared curriculum run at step 6. There stage 2 trains only the norm (2 Adam
-# updates) with LoRA frozen since stage 1 (4 updates), at an lr mid-schedule. Then:
+# correctly: the one-process reader bit for bit in tests/strategies/test_param_state.py, each strategy family here
+# with one launch that resumes another layout's shared curriculum run at step 6. There stage 2 trains only the norm
+# (2 Adam updates) with LoRA frozen since stage 1 (4 updates), at an lr mid-schedule. Then:
 #   * LoRA's weights and moments written at step 8, after the frozen rest of stage 2, are the file read at step 6
 #     bit for bit: the reader restored exactly what the file holds (and this layout's writer wrote it back);
 #   * every later checkpoint holds the source run's portable state (the strategy matrix's tolerance) and Adam step

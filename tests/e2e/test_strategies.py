@@ -6,11 +6,10 @@ per-step losses and its final adapter; unpacked rows are the curriculum matrix's
 the session's relauncher (conftest.train_forked: accelerate's own launch environment for the config, without a
 launch's imports); the curriculum and bf16 matrices below are launched as users launch them. The loss head is the
 default chunked one (toolkit/model/loss_head.py) everywhere. (That it runs where ZeRO-3 has gathered the head's weight
-is
-tested in tests/model/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
-after the head's forward (even with stage3_max_live_parameters and max_reuse_distance 0), so a head computed
-outside its module would pass here too; FSDP2 keeps the root's weights, the head's among
-them, unsharded through forward and backward.)
+is tested in tests/model/test_loss_head.py: with this tiny model on CPU, DeepSpeed 0.19 left the head's weight gathered
+after the head's forward (even with stage3_max_live_parameters and max_reuse_distance 0), so a head computed outside its
+module would pass here too; FSDP2 keeps the root's weights, the head's among them, unsharded through forward and
+backward.)
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 `toolkit.builtin.text_model`).
 
 Each is built in-process and deterministically from a config: the `toolkit.builtin.text_model` tokenizer plus Qwen's
-vision
-tokens, its family's stock chat template (Qwen2.5-VL's, Qwen3-VL's), a PIL image processor, and a seeded 2+2-layer
-model, saved so it loads through the normal `from_pretrained` path (`builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen3-vl`
-via `toolkit.builtin.models.materialize_builtin`).
+vision tokens, its family's stock chat template (Qwen2.5-VL's, Qwen3-VL's), a PIL image processor, and a seeded
+2+2-layer model, saved so it loads through the normal `from_pretrained` path (`builtin:tiny-qwen2.5-vl` /
+`builtin:tiny-qwen3-vl` via `toolkit.builtin.models.materialize_builtin`).
 
 Works without torchvision: transformers 5.x' stock `Qwen2_5_VLProcessor` insists on a (torchvision-only) video
 processor, so the tiny models ship `Qwen2_5_VLImageOnlyProcessor` (same processing, images only). AutoProcessor only
@@ -67,10 +66,8 @@ def register_image_only_processor() -> None:
 def build_vl_processor(chat_template: str, *, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS,
                        patch_size: int = 14) -> Qwen2_5_VLImageOnlyProcessor:
     """The tiny models' processor: `toolkit.builtin.text_model` tokenizer + Qwen vision tokens + `chat_template` (each
-    tiny model
-    its family's stock one), PIL image processor
-    (14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL; both merge 2x2 patches into one image token). Registers its
-    class, so what it saves also loads back in this process."""
+    tiny model its family's stock one), PIL image processor (14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL; both
+    merge 2x2 patches into one image token). Registers its class, so what it saves also loads back in this process."""
     register_image_only_processor()
     tokenizer = build_tokenizer(chat_template, vision=True)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size,

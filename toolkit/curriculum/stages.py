@@ -10,12 +10,11 @@ its building blocks.
 Apart from that state (stage lengths after an early advance, patience counters), everything here is a pure
 function of (recipe, dataset sizes, global batch, seed, global step): which stage a step is in, which samples form
 that step's global batch (toolkit.curriculum.sampling: shuffle, sequential, easy-to-hard with competence pacing,
-weighted
-mixtures), which of them each rank and micro-step gets, and the learning rate.
-Nothing depends on the number of processes except the final split, so a 2-process run sees the same global
-batches as a 1-process run, and resuming at any step replays exactly the data the uninterrupted run would have
-seen. The position in the curriculum is therefore the global step plus, when a stage ended early on eval
-patience, the stages' actual lengths (`stage_steps`); checkpoints save both, and the patience counters.
+weighted mixtures), which of them each rank and micro-step gets, and the learning rate. Nothing depends on the number of
+processes except the final split, so a 2-process run sees the same global batches as a 1-process run, and resuming at
+any step replays exactly the data the uninterrupted run would have seen. The position in the curriculum is therefore the
+global step plus, when a stage ended early on eval patience, the stages' actual lengths (`stage_steps`); checkpoints
+save both, and the patience counters.
 """
 
 from __future__ import annotations

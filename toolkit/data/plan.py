@@ -4,10 +4,9 @@ From a store's per-row columns alone (no token is read, except the few rows a tr
 the stage's length policy (`data.max_seq_len`, `data.overlength`) and drops rows with nothing to train, counting
 each; `SourceRows` then serves the kept rows, packed with packing (best-fit decreasing over the kept lengths, as
 index arrays), and their lengths and difficulty, which the sampler orders by (`toolkit/curriculum/sampling.py`). A row
-is
-assembled only when a batch asks for it. Results are the same as encoding the rows one by one and applying the
-policy to each (`toolkit.data.encoding.fit_to_length`): row order is the source's, and a packed row holds its
-samples in that order.
+is assembled only when a batch asks for it. Results are the same as encoding the rows one by one and applying the policy
+to each (`toolkit.data.encoding.fit_to_length`): row order is the source's, and a packed row holds its samples in that
+order.
 """
 
 from __future__ import annotations

@@ -45,16 +45,14 @@ parameters the optimizer updates, "frozen" the rest):
   input in b. fp32 LoRA adapters over a 16-bit base without autocast keep (5*h + a*d + i) * 4 instead of (2*h + a*d +
   i) * b: PEFT casts each adapted Linear's input to fp32 and each keeps its own copy, q, k and v three of the same
   input (under autocast the toolkit turns the cast off: toolkit.model.load.skip_adapter_input_casts). Without
-  checkpointing
-  all L layers are kept: L*T*e. With checkpointing only each layer's input is kept, L*T*h*r (r: bytes of the hidden
-  states, the weights' dtype), plus one layer recomputed in backward, T*e. Shared by all layers: rotary cos/sin
-  (2*d*r) and the final norm's fp32 input (4*h). The loss head adds C*V*(b + 8) (the logits, and the fp32 log-softmax
-  and gradient the cross-entropy makes) for C tokens: all T with ``model.loss_head: standard``; one chunk, C = min(T,
-  loss_chunk_size), with the chunked head (toolkit/model/loss_head.py, the default), plus T*h*4 for the gradient of the
-  hidden states it selects. On CPU the whole step matches a measured one within 7% up to 4096 tokens
+  checkpointing all L layers are kept: L*T*e. With checkpointing only each layer's input is kept, L*T*h*r (r: bytes of
+  the hidden states, the weights' dtype), plus one layer recomputed in backward, T*e. Shared by all layers: rotary
+  cos/sin (2*d*r) and the final norm's fp32 input (4*h). The loss head adds C*V*(b + 8) (the logits, and the fp32
+  log-softmax and gradient the cross-entropy makes) for C tokens: all T with ``model.loss_head: standard``; one chunk,
+  C = min(T, loss_chunk_size), with the chunked head (toolkit/model/loss_head.py, the default), plus T*h*4 for the
+  gradient of the hidden states it selects. On CPU the whole step matches a measured one within 7% up to 4096 tokens
   (bench/loss_head_memory.py, tests/model/test_memory.py; at 16384 the measured step is 25% larger, outside what
-  autograd
-  saves: docs/benchmarks.md). Vision-tower activations of VL models depend on the images and are not included.
+  autograd saves: docs/benchmarks.md). Vision-tower activations of VL models depend on the images and are not included.
 
 The estimate counts persistent state exactly; activations and buffers are first-order approximations (the
 allocator's fragmentation and the CUDA context come on top: see ``format_table``'s headroom).

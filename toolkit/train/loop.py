@@ -320,9 +320,8 @@ def eval_due(run: Run, stage: Stage, done: int) -> bool:
 
 def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> bool:
     """Evaluation every eval.every_steps and at the end of each stage (toolkit/evals/evaluator.py: eval loss and
-    generation
-    evals of the stage, or of every stage with eval.all_stages). Its time is left out of training tokens/s. A gate
-    met, or patience run out, ends the stage: the curriculum moves the later stages up (`stage.plan` is then the
+    generation evals of the stage, or of every stage with eval.all_stages). Its time is left out of training tokens/s. A
+    gate met, or patience run out, ends the stage: the curriculum moves the later stages up (`stage.plan` is then the
     shortened one). Every rank decides on rank 0's metrics. Returns whether the stage ends at `done`."""
     cur = run.curriculum
     stage_end = done == stage.plan.end_step
