@@ -53,9 +53,11 @@ from toolkit.train.setup import (
     check_last_steps_applied,
     check_model,
     check_resume,
+    check_sequence_parallel,
     claim_output_dir,
     model_card,
     name_run,
+    prepare,
     prepare_inputs,
     resume_run,
     run_identity,
@@ -106,6 +108,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     if resume_from is None:  # the recipe is final now: it tells an interrupted attempt of this run from another run
         start_afresh(layout, recipe, accelerator)
     resolved = resolve_stages(recipe)  # each stage's effective settings, from here on
+    sp_attention = check_sequence_parallel(accelerator, resolved, model_path, vision=vision,
+                                           trust_remote_code=recipe.model.trust_remote_code)
     processor, tokenizer = prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data,
                                           vision=vision, dummy_samples=dummy_samples)
     cache = tokenized_cache_dir(recipe.data.cache_dir, out)
@@ -124,7 +128,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
     set_seed(recipe.train.seed)
     model, trainable = build_model(recipe, resolved, model_path, vision=vision,
-                                   mixed_precision=accelerator.mixed_precision)
+                                   mixed_precision=accelerator.mixed_precision, sp_attention=sp_attention)
     curriculum.set_trainable_params(trainable.stage_counts)
     identity.state = state_signature(model, trainable.groups)
     if resume_from is not None:  # before its weights load: a model that cannot hold them is refused, even forced
@@ -139,8 +143,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     optimizer = build_optimizer(accelerator, trainable.param_groups(model), lr=1.0, weight_decay=opt.weight_decay,
                                 betas=opt.betas, eps=opt.eps)
 
-    # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine). ---
-    model, optimizer = accelerator.prepare(model, optimizer)
+    # --- Prepare: wraps model and optimizer for the strategy (DDP, FSDP2 sharding, DeepSpeed engine, Ulysses). ---
+    model, optimizer = prepare(accelerator, model, optimizer)
     run = assemble_run(recipe, layout, accelerator, model, optimizer, trainable, preemption=preemption,
                        curriculum=curriculum, collate=collate, identity=identity, generation=generation,
                        num_workers=loader_workers(recipe.data, vision=vision))

@@ -195,8 +195,10 @@ def processes_for(strategy: str) -> int:
 
 
 def curriculum_args(strategy: str) -> tuple[str, ...]:
-    """The overrides of a curriculum run under `strategy` (fp32, 2 processes, or 1 with the same batches)."""
-    return (*(SINGLE_CURRICULUM if strategy == "single" else ()), *EVERY_CHECKPOINT, *NO_THINK)
+    """The overrides of a curriculum run under `strategy` (fp32, 2 processes, or 1 with the same batches). Under
+    Ulysses (`*_sp2`) the 2 processes are one data-parallel replica: they take the single process's batches."""
+    one_replica = strategy == "single" or strategy.endswith("_sp2")
+    return (*(SINGLE_CURRICULUM if one_replica else ()), *EVERY_CHECKPOINT, *NO_THINK)
 
 
 @pytest.fixture(scope="session")

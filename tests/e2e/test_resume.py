@@ -66,11 +66,11 @@ EXACT_KEYS = ("step", "stage", "stage_index", "stage_step", "loss", "lr", "grad_
 EXACT_EVENT_KEYS = ("step", "stage", "event", "stage_steps", "stage_samples", "stage_tokens", "trainable_params")
 
 
-EXACT_RESUMES = [*((s, "no") for s in ("single", "ddp", "fsdp", "zero2", "zero3", "zero3_offload")),
+EXACT_RESUMES = [*((s, "no") for s in ("single", "ddp", "fsdp", "zero2", "zero3", "zero3_offload", "zero3_sp2")),
                  ("single", "bf16"), ("zero3", "bf16")]
-"""(shipped config, precision) pairs resumed from every checkpoint: fp32 under every strategy, and the precision
-the shipped configs train in (bf16 autocast or DeepSpeed's bf16, a bf16 base) for one process and ZeRO-3, the
-flagship launch."""
+"""(shipped config, precision) pairs resumed from every checkpoint: fp32 under every strategy (Ulysses sequence
+parallelism included), and the precision the shipped configs train in (bf16 autocast or DeepSpeed's bf16, a bf16
+base) for one process and ZeRO-3, the flagship launch."""
 
 
 @pytest.mark.timeout(1800)  # the reference launch and 11 resumes: about 2 minutes on a quiet 2-core machine

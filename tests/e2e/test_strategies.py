@@ -38,6 +38,7 @@ from tests.conftest import (
     run_env,
     signal_tree,
     spy_dir,
+    train,
     train_forked,
 )
 from tests.helpers.portable import adam_steps, check_portable_files, portable_state
@@ -48,6 +49,7 @@ from toolkit.model.loss_head import liger_available, triton_interpreted
 pytestmark = pytest.mark.slow
 
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
+SEQUENCE_PARALLEL = "zero3_sp2"  # Ulysses over 2 processes: one data-parallel replica (tests below)
 # smoke.yaml: micro 2 x accum 2 x 2 processes = 8; the reference gets micro 4 x accum 2 x 1 process = 8.
 REFERENCE_OVERRIDES = ("train.micro_batch_size=4",)
 # The smoke matrix and its reference train packed, as the flagship recipe does; the other references here do not.
@@ -59,6 +61,11 @@ CHUNKED = "model.loss_chunk_size=16"
 
 def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
+
+
+def grad_norms(out: Path) -> list[float]:
+    """Per step: equal norms prove equal gradients, where equal losses do not (Adam undoes a constant factor)."""
+    return [r["grad_norm"] for r in read_metrics(out / "metrics.jsonl", "train")]
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -136,6 +143,79 @@ def two_machines_on_loopback(strategy: str, out: Path, *extra: str, mixed_precis
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
 
 
+# --- Ulysses sequence parallelism ------------------------------------------------------------------------------------
+# Each row's tokens split between the 2 processes of a sequence-parallel group
+# (toolkit/strategies/sequence_parallel.py).
+# The groups are data-parallel replicas: 2 processes with sp_size 2 are one replica, which takes the single process's
+# micro-batches (micro 4); 4 processes are 2 replicas (micro 2 each, as the 2-process matrix above). Padded rows
+# under Ulysses are the curriculum matrix's (SEQUENCE_PARALLEL there, its exact resume in tests/e2e/test_resume.py).
+
+SPY_SP = REPO / "tests" / "helpers" / "spy_sequence_parallel.py"
+
+
+def sp_config(tmp: Path, *, zero: str, processes: int, dp_shard: int) -> Path:
+    """accelerate_configs/zero3_sp2.yaml with another ZeRO JSON and process count, as a user edits it."""
+    text = (REPO / "accelerate_configs" / "zero3_sp2.yaml").read_text()
+    text = (text.replace("ds_configs/zero3.json", f"ds_configs/{zero}.json")
+            .replace("parallelism_config_dp_shard_size: 1", f"parallelism_config_dp_shard_size: {dp_shard}")
+            .replace("num_processes: 2", f"num_processes: {processes}"))
+    path = tmp / f"{zero}_sp2_x{processes}.yaml"
+    path.write_text(text)
+    return path
+
+
+def check_kernels_saw_whole_rows(spy: Path, *, sp: int = 2, heads: int = 4, kv_heads: int = 2) -> None:
+    """Each rank's decoder layers received T / sp tokens of each T-token row, and each attention call all T tokens
+    over heads / sp query and kv_heads / sp key/value heads, with no mask and the whole row's packed boundaries
+    (cu_seq_lens ending at T, max_length a host int)."""
+    for rank in range(sp):
+        events = json.loads((spy / f"rank{rank}.json").read_text())
+        rows = [e[1] for e in events if e[0] == "row"]
+        layers = [e[1] for e in events if e[0] == "layer"]
+        attention = [e[1:] for e in events if e[0] == "attention"]
+        assert rows and layers and attention, events[:20]
+        assert all(e[0] == "row" or e[1] * sp in rows for e in events if e[0] == "layer"), f"rank {rank}: {events}"
+        assert all(t % sp == 0 for t in rows)
+        assert {a[2] for a in attention} == {n * sp for n in layers}  # every row whole in attention
+        assert all(a[:2] == [heads // sp, kv_heads // sp] for a in attention), attention[:5]
+        assert all(a[3] for a in attention), "a mask reached the kernel under Ulysses"
+        assert all(a[4] == a[2] and a[5] for a in attention), "packed boundaries were not the whole row's"
+
+
+def test_sequence_parallel_splits_each_row_and_matches_single_process(runs: Path, reference: Path) -> None:
+    """accelerate_configs/zero3_sp2.yaml as shipped, plus --num_processes 2, and --mixed_precision no (the file's
+    bf16 is tested in the curriculum's bf16 matrix; equality with the fp32 reference needs fp32): packed rows split
+    in two, the single process's losses and adapter, and the spy's proof that each kernel saw what Ulysses promises."""
+    out, spy = runs / "zero3_sp2", runs / "zero3_sp2-spy"
+    proc = train("zero3_sp2", 2, out, "model.gradient_checkpointing=true", CHUNKED, PACKED, *REFERENCE_OVERRIDES,
+                 script=SPY_SP, env={"SPY_SP_DIR": str(spy)})
+    assert "effective batch = 4 micro x 2 accum x 1 data-parallel replicas (2 processes / sp_size 2) = 8" in proc.stderr
+    assert "strategy zero3_sp2" in proc.stderr and "attention: sdpa_packed" in proc.stderr
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-5)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-5)
+    assert [r["tokens"] for r in read_metrics(out / "metrics.jsonl", "train")] == [
+        r["tokens"] for r in read_metrics(reference / "metrics.jsonl", "train")]  # each token counted once
+    ref, got = adapter(reference), adapter(out)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"zero3_sp2: {k}")
+    check_kernels_saw_whole_rows(spy)
+
+
+def test_sequence_parallel_with_two_replicas_on_four_processes(runs: Path, reference: Path) -> None:
+    """4 processes, sp_size 2, ZeRO-2: 2 data-parallel replicas of 2 processes each, micro 2 per replica (the
+    2-process matrix's global batch): the single process's losses and adapter."""
+    out = runs / "zero2_sp2_x4"
+    config = sp_config(runs, zero="zero2", processes=4, dp_shard=2)
+    proc = train(config, 4, out, CHUNKED, PACKED)
+    assert "effective batch = 2 micro x 2 accum x 2 data-parallel replicas (4 processes / sp_size 2) = 8" in proc.stderr
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)
+    ref, got = adapter(reference), adapter(out)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-3, atol=1e-5, msg=f"zero2_sp2 x4: {k}")
+
+
 @pytest.fixture(scope="module")
 def full_reference(runs: Path) -> Path:
     out = runs / "single-full"
@@ -200,12 +280,12 @@ def check_generation(out: Path, reference: Path, strategy: str, spy: Path) -> No
     assert len({line["output"] for lines in got.values() for line in lines}) > 3  # varied, not one constant
     ranks = [json.loads((spy / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(c["evals"] == 3 and c["generate_calls"] == 3 for c in ranks), ranks
-    if strategy in ("zero3", "zero3_offload", "fsdp"):
+    if strategy in ("zero3", "zero3_offload", "fsdp", SEQUENCE_PARALLEL):
         assert all(c["gathers_inside_generate"] == 0 and c["gathers_in_evals"] > 0 for c in ranks), ranks
     assert all(c["destroyed_with_ddp_alive"] == 0 for c in ranks), ranks  # toolkit.runtime.process.finish_trackers
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, SEQUENCE_PARALLEL])
 def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum_runs: Callable[[str], Path]) -> None:
     """Same losses as one process, and per-stage freezing: LoRA trains in stage 1, only the final norm in stage 2
     (LoRA weights and Adam moments bit-identical through it), both in stage 3; generation evals with uneven shares
@@ -215,6 +295,8 @@ def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum
     tests/e2e/test_portability.py, which resume from their checkpoints."""
     out = curriculum_runs(strategy)
     check_curriculum(out, curriculum_runs("single"), strategy, rel=1e-4)
+    if strategy == SEQUENCE_PARALLEL:  # DeepSpeed averages gradients differently under Ulysses (gradient_divisor)
+        assert grad_norms(out) == pytest.approx(grad_norms(curriculum_runs("single")), rel=1e-4)
     check_portable_files(out, curriculum_runs("single"), strategy)
     check_generation(out, curriculum_runs("single"), strategy, spy_dir(out))
     if strategy in GOLDEN:  # the same launches prove the loop unchanged, bit for bit
@@ -306,7 +388,7 @@ def check_trains(out: Path) -> None:
     assert first_stage[-1] < first_stage[0] and records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, SEQUENCE_PARALLEL])
 def test_shipped_config_verbatim_bf16(strategy: str, curriculum_bf16_reference: Path,
                                       bf16_curriculum_runs: Callable[[str], Path]) -> None:
     """The README's launch line: bf16, the single-process bf16 losses within the tolerance above, per-stage

@@ -71,12 +71,13 @@ def find_resume(resume: str, root: Path) -> Path | None:
 # Same-layout resumes proven bit-exact by tests/e2e/test_resume.py::test_resume_from_every_checkpoint_is_exact: from
 # every checkpoint of the 3-stage curriculum (stages training different parameters), every later step's loss, lr,
 # gradient norm and counts and the final adapter equal the uninterrupted run's. (strategy name, mixed precision).
-EXACT_RESUME_TESTED = frozenset([*((s, "no") for s in ("single", "ddp", "fsdp2", "zero2", "zero3", "zero3_offload")),
+EXACT_RESUME_TESTED = frozenset([*((s, "no") for s in ("single", "ddp", "fsdp2", "zero2", "zero3", "zero3_offload",
+                                                        "zero3_sp2")),
                                   ("single", "bf16"), ("zero3", "bf16")])
 
 
-EXACT_RESUME_SCOPE = ("fp32 (mixed_precision: no) single, ddp, fsdp2, zero2, zero3 and zero3_offload; bf16 single "
-                      "and zero3")
+EXACT_RESUME_SCOPE = ("fp32 (mixed_precision: no) single, ddp, fsdp2, zero2, zero3, zero3_offload and zero3_sp2 "
+                      "(Ulysses over 2 processes); bf16 single and zero3")
 
 
 def same_layout(meta: dict[str, Any], strategy: str, world_size: int) -> bool:

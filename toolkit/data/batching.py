@@ -25,12 +25,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Dataset
 
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.metrics.log import sample_lengths
 from toolkit.runtime.signals import signal_when_parent_dies
+from toolkit.strategies import sequence_parallel
 
 
 class StepBatchSampler:
@@ -133,16 +135,25 @@ def _quiet_when_the_trainer_hangs_up(exc_type: type[BaseException], exc: BaseExc
 
 
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
-                 collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int, seed: int) -> Any:
+                 collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int, seed: int,
+                 place: sequence_parallel.Layout | None = None) -> Any:
     """A DataLoader over the stage's rows, prepared by accelerate (its batch sampler sharded over processes,
     batches placed on the device). Its own generator (seeded by `seed`) gives the workers' base seed: without one,
     each new iterator draws it from the global torch RNG, so a loader started at a resume would shift the stream
-    (dropout masks) against the uninterrupted run, whose loader started at the stage's first step."""
+    (dropout masks) against the uninterrupted run, whose loader started at the stage's first step.
+
+    Under Ulysses (`place` with sp_size > 1) the sampler is sharded over data-parallel replicas: the processes of
+    a sequence-parallel group get the same micro-batches, and each trains its slice of their tokens."""
     loader = DataLoader(Rows(rows), batch_sampler=sampler, collate_fn=Collate(collate), num_workers=num_workers,
                         prefetch_factor=2 if num_workers else None, pin_memory=torch.cuda.is_available(),
                         generator=torch.Generator().manual_seed(seed),
                         worker_init_fn=_init_loader_worker if num_workers else None)
-    return accelerator.prepare_data_loader(loader)
+    if place is None or not place.sequence_parallel:
+        return accelerator.prepare_data_loader(loader)
+    # accelerate shards over every process (DeepSpeed's Ulysses builds no device mesh it could read replicas from)
+    return prepare_data_loader(loader, accelerator.device, num_processes=place.dp_size, process_index=place.dp_rank,
+                               put_on_device=True, rng_types=accelerator.rng_types.copy(),
+                               even_batches=accelerator.even_batches, non_blocking=accelerator.non_blocking)
 
 
 class StageBatches:
@@ -154,6 +165,7 @@ class StageBatches:
                  grad_accum: int, group_by_length: bool, num_workers: int) -> None:
         self.accelerator, self.collate = accelerator, collate
         self.accum, self.group_by_length, self.num_workers = grad_accum, group_by_length, num_workers
+        self.place = sequence_parallel.layout(accelerator)  # rows go to data-parallel replicas, not processes
         self._key: tuple[int, int] | None = None  # (stage index, next step in stage) the iterator is at
         self._it: Iterator[Any] | None = None
 
@@ -162,10 +174,11 @@ class StageBatches:
             self._it = None  # drops the previous loader's iterator (its workers stop)
             sampler = StepBatchSampler(stage.sampler.batch, stage.data.lengths, start=step_in_stage,
                                        end=stage.plan.steps, micro_batch_size=stage.plan.micro_batch,
-                                       world_size=self.accelerator.num_processes, grad_accum=self.accum,
+                                       world_size=self.place.dp_size, grad_accum=self.accum,
                                        group_by_length=self.group_by_length)
             self._it = iter(stage_loader(self.accelerator, stage.data.samples, sampler, self.collate,
-                                         num_workers=self.num_workers, seed=(stage.index << 32) + step_in_stage))
+                                         num_workers=self.num_workers, seed=(stage.index << 32) + step_in_stage,
+                                         place=self.place))
         assert self._it is not None
         out = []
         for _ in range(self.accum):

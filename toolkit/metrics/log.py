@@ -122,8 +122,11 @@ class Meter:
         self.tokens_total = 0  # global, all intervals
         self.started = time.perf_counter()
 
-    def add_batch(self, batch: dict[str, torch.Tensor], flops: float, samples: int) -> None:
-        real = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+    def add_batch(self, batch: dict[str, torch.Tensor], flops: float, samples: int, real: int | None = None) -> None:
+        """Count a micro-batch; `real`: its non-padding tokens when the batch has no attention_mask to tell them
+        (a Ulysses slice), else read from the mask (or every token of a packed row)."""
+        if real is None:
+            real = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
         self.counts[0] += real
         self.counts[1] += batch["input_ids"].numel()
         self.flops += flops

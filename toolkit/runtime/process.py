@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitPr
 
 from toolkit.atomic import writing
 from toolkit.errors import ToolkitError
-from toolkit.strategies import build_locks, deepspeed, fsdp
+from toolkit.strategies import build_locks, deepspeed, fsdp, sequence_parallel
 
 log = logging.getLogger(__name__)
 _ORIGINAL_PREPARE_BACKEND = PartialState._prepare_backend
@@ -80,7 +80,7 @@ def check_launch_config() -> None:
 
     Reads what `accelerate launch` put in the environment: fp8 is not supported; fp16 needs a GPU; then the
     strategy's own checks (FSDP must be FSDP2, a DeepSpeed JSON must exist and agree with the launch's
-    precision).
+    precision), and the accelerate config's `parallelism_config` (toolkit/strategies/sequence_parallel.py).
     """
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "fp8":
@@ -91,6 +91,7 @@ def check_launch_config() -> None:
                            "fp16 loss scaling): on CPU use mixed_precision: bf16 or no.")
     fsdp.check_fsdp_version()
     deepspeed.check_deepspeed_file(precision)
+    sequence_parallel.check_launch()  # parallelism_config: Ulysses under DeepSpeed only, sizes that add up
 
 
 def quiet_library_logs() -> None:

@@ -57,11 +57,14 @@ def name_strategy(distributed_type: str, num_processes: int, zero_optimization: 
 
 
 def strategy_name(accelerator: Accelerator) -> str:
-    """The live run's strategy name (see `name_strategy`)."""
+    """The live run's strategy name (see `name_strategy`), with `_sp<N>` under Ulysses sequence parallelism."""
     cfg = ds_config(accelerator)
     fsdp = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
-    return name_strategy(accelerator.distributed_type.value, accelerator.num_processes,
+    name = name_strategy(accelerator.distributed_type.value, accelerator.num_processes,
                          (cfg or {}).get("zero_optimization"), fsdp.fsdp_version if fsdp else None)
+    config = getattr(accelerator, "parallelism_config", None)
+    sp = int(getattr(config, "sp_size", 1) or 1) if config is not None else 1
+    return f"{name}_sp{sp}" if sp > 1 else name
 
 
 def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:

@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.errors import ToolkitError
-from toolkit.strategies import ds_config
+from toolkit.strategies import ds_config, sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,11 @@ def configure_deepspeed(accelerator: Accelerator, model: torch.nn.Module, micro_
         return
     hidden_size = model.config.get_text_config().hidden_size
     _one_trainable_dtype(cfg, model)
+    # Under Ulysses the processes of a sequence-parallel group train the same rows: DeepSpeed counts replicas.
+    replicas = sequence_parallel.layout(accelerator).dp_size
     overridden = own_deepspeed_config(cfg, micro_batch_size=micro_batch_size,
                                       grad_accum=accelerator.gradient_accumulation_steps,
-                                      num_processes=accelerator.num_processes, max_grad_norm=max_grad_norm)
+                                      num_processes=replicas, max_grad_norm=max_grad_norm)
     if overridden:
         log.info("DeepSpeed config: the recipe's values win: %s", "; ".join(overridden))
     zero = cfg.get("zero_optimization", {})

@@ -50,6 +50,7 @@ from toolkit.model.flops import batch_train_flops
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
+from toolkit.strategies import sequence_parallel
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
 
@@ -206,25 +207,36 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResult:
     """One optimizer step over the stage's global batch; stops the run when the guard has skipped too many."""
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
-    world, accum, saving = acc.num_processes, run.recipe.train.grad_accum, run.recipe.checkpoint
+    accum, saving = run.recipe.train.grad_accum, run.recipe.checkpoint
     plan = stage.plan
     # This rank's micro-batches of the step, from the stage's DataLoader (toolkit/data/batching.py: rank r's
     # micro-step j is slot j * world + r of the step's global batch, `rank_micro_batches`).
     micro = run.batches.take(stage, step_in_stage)
+    # Under Ulysses each process of a sequence-parallel group trains its slice of the same micro-batches.
+    place = sequence_parallel.layout(acc)
+    real: list[int | None] = [None] * len(micro)
+    if place.sequence_parallel:
+        sliced = [sequence_parallel.shard_batch(m.batch, place, ignore_index=IGNORE_INDEX) for m in micro]
+        micro = [m._replace(batch=b) for m, (b, _) in zip(micro, sliced, strict=True)]
+        real = [n for _, n in sliced]
     batches = [m.batch for m in micro]
 
     # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
     # is then independent of how the batch is split. Strategies average gradients over ranks and
-    # accumulation steps, hence the world x accum factor in num_items_in_batch.
+    # accumulation steps, hence the world x accum factor in num_items_in_batch. Under Ulysses every process
+    # counts its slice's tokens (the sum counts each token once) and DeepSpeed may average over replicas only.
+    averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
     local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device)
-    items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (world * accum)
+    items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (averaged * accum)
     local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
     for j, (batch, lengths, label_tokens) in enumerate(micro):
         batch = to_device(batch, acc.device)
         logits_for = None if run.recipe.model.loss_head == "standard" else label_tokens  # chunked / Liger heads
-        meter.add_batch(batch, batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled,
-                                                 head_tokens=logits_for), len(lengths))
+        # The processes of a Ulysses group share the row's FLOPs and samples: the sums count each once.
+        flops = batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled,
+                                  head_tokens=logits_for) / place.sp_size
+        meter.add_batch(batch, flops, len(lengths) if place.sp_rank == 0 else 0, real=real[j])
         with acc.accumulate(model):
             loss = model(**batch, num_items_in_batch=items_per_micro).loss
             if injected_fault(step + 1, acc.process_index):
@@ -238,7 +250,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                 summed = acc.reduce(torch.stack([
                     local_loss, torch.tensor(float(run.preemption.requested), device=acc.device),
                     torch.tensor(float(time_due), device=acc.device)]), reduction="sum").tolist()
-                step_loss, preempted, time_due = summed[0] / (world * accum), summed[1] > 0, summed[2] > 0
+                step_loss, preempted, time_due = summed[0] / (averaged * accum), summed[1] > 0, summed[2] > 0
                 verdict = run.guard.judge(step_loss)
                 if verdict.skip:
                     loss = veto_update(loss)

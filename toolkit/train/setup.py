@@ -61,6 +61,7 @@ from toolkit.model.trainable import TrainablePlan, plan_trainable
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, RunLock, committed_checkpoints, set_aside_earlier_attempt
 from toolkit.runtime.signals import PreemptionFlag
+from toolkit.strategies import sequence_parallel
 from toolkit.train.loop import Run, RunState
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.stability import StabilityGuard
@@ -149,8 +150,9 @@ def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Acc
     sampler; lr_scaling scales each stage's lr by its own global batch."""
     training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache)
     opt = recipe.optimizer
+    replicas = sequence_parallel.layout(accelerator).dp_size  # the processes of a Ulysses group share rows
     return build_curriculum(resolved, training_sets, eval_rows, grad_accum=recipe.train.grad_accum,
-                            world_size=accelerator.num_processes, seed=recipe.train.seed,
+                            world_size=replicas, seed=recipe.train.seed,
                             default_schedule=recipe.schedule.kind, lr_scaling=opt.lr_scaling,
                             reference_batch_size=opt.reference_batch_size)
 
@@ -211,9 +213,10 @@ def run_identity(recipe: Recipe, accelerator: Accelerator, curriculum: Curriculu
     """This run's identity, which every checkpoint records and a resume checks (its model state is added once the
     model is built)."""
     world, settings, plans = accelerator.num_processes, resume_invariants(recipe), curriculum.plans
+    replicas = sequence_parallel.layout(accelerator).dp_size
     return RunIdentity(
         world_size=world, strategy=strategies.strategy_name(accelerator),
-        effective_batch=recipe.train.micro_batch_size * recipe.train.grad_accum * world,
+        effective_batch=recipe.train.micro_batch_size * recipe.train.grad_accum * replicas,
         stage_batches=[p.global_batch for p in plans], stage_plan_steps=[p.steps for p in plans],
         lora=recipe.lora.enabled, recipe_hash=recipe_hash(settings), invariants=settings, data_files=data_files,
         data_stores=store_checksums([s.data for s in curriculum.stages], [s.eval_rows for s in curriculum.stages]),
@@ -231,14 +234,18 @@ def check_last_steps_applied(guard: StabilityGuard, layout: RunLayout) -> None:
 
 
 def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, *, vision: bool,
-                mixed_precision: str = "no") -> tuple[torch.nn.Module, TrainablePlan]:
+                mixed_precision: str = "no", sp_attention: str | None = None) -> tuple[torch.nn.Module, TrainablePlan]:
     """The base model with its attention kernel, gradient checkpointing and LoRA, and what trains in each stage.
     `mixed_precision` is the launch's (accelerate's): under autocast LoRA layers keep no fp32 copy of their input.
 
     Modules that `trainable` patterns name in a LoRA run become PEFT modules_to_save (trained in full, saved with
     the adapter); `plan_trainable` then sets requires_grad on everything that trains in any stage.
+    `sp_attention`: the accelerate config's `parallelism_config_sp_attn_implementation` under Ulysses.
     """
-    attn = choose_attention(recipe.model.attn_implementation)
+    requested = recipe.model.attn_implementation
+    if sp_attention is not None:
+        requested = sequence_parallel.attention_request(requested, sp_attention)
+    attn = choose_attention(requested)
     check_loss_head(recipe.model.loss_head)  # a missing kernel fails before the weights load
     dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
     model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code).model_type
@@ -248,7 +255,8 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
                        trust_remote_code=recipe.model.trust_remote_code, vision=vision)
     install_fused_layers(model, fused)  # Liger's RMSNorm, RoPE, SwiGLU on CUDA
     if recipe.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        recomputed = enable_gradient_checkpointing(model, recipe.model.gradient_checkpointing)
+        log.info("gradient checkpointing: %d decoder layer(s) recompute their activations in backward", recomputed)
     entries, keys = [s.trainable for s in resolved], [s.trainable_key for s in resolved]
     if recipe.lora.enabled:
         lora = recipe.lora
@@ -288,9 +296,12 @@ def name_run(recipe: Recipe, accelerator: Accelerator) -> str:
     disagree. Logs the launch's strategy and effective batch."""
     run_name = distributed.broadcast_from_main(accelerator, recipe.run_name or time.strftime("%Y%m%d-%H%M%S"))
     micro, accum, world = recipe.train.micro_batch_size, recipe.train.grad_accum, accelerator.num_processes
-    log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %d processes = %d",
-             run_name, strategies.strategy_name(accelerator), world, accelerator.device, micro, accum, world,
-             micro * accum * world)
+    place = sequence_parallel.layout(accelerator)
+    replicas = (f"{place.dp_size} data-parallel replicas ({world} processes / sp_size {place.sp_size})"
+                if place.sequence_parallel else f"{world} processes")
+    log.info("run %s: strategy %s, %d process(es) on %s; effective batch = %d micro x %d accum x %s = %d",
+             run_name, strategies.strategy_name(accelerator), world, accelerator.device, micro, accum, replicas,
+             micro * accum * place.dp_size)
     return run_name
 
 
@@ -299,6 +310,36 @@ def check_model(model_path: str, *, trust_remote_code: bool) -> bool:
     check_model_source(model_path)
     check_remote_code(model_path, trust_remote_code=trust_remote_code)
     return is_vision_language(model_path, trust_remote_code=trust_remote_code)
+
+
+def check_sequence_parallel(accelerator: Accelerator, resolved: list[ResolvedStage], model_path: str, *,
+                            vision: bool, trust_remote_code: bool) -> str | None:
+    """Under Ulysses sequence parallelism: refuse a model or rows it cannot split (before the data work), and
+    return the config's attention kernel family (None without Ulysses)."""
+    place = sequence_parallel.layout(accelerator)
+    if not place.sequence_parallel:
+        return None
+    text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    sequence_parallel.check_model(place.sp_size, heads=text.num_attention_heads,
+                                  kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                                  vision=vision, max_seq_lens=[s.max_seq_len for s in resolved])
+    family = accelerator.parallelism_config.sp_handler.sp_attn_implementation
+    log.info("sequence parallelism: Ulysses over %d processes per row, %d data-parallel replica(s)", place.sp_size,
+             place.dp_size)
+    return family
+
+
+def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) -> tuple[Any, Any]:
+    """`accelerator.prepare` of the model and optimizer for the launch's strategy. Under Ulysses, accelerate wraps
+    the kernel the model runs (toolkit/strategies/sequence_parallel.py), which then takes any micro-batch size."""
+    sp = sequence_parallel.layout(accelerator).sequence_parallel
+    kernel = model.config._attn_implementation
+    if sp:
+        sequence_parallel.use_kernel(accelerator, kernel)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if sp:
+        sequence_parallel.follow_batch_size(kernel)
+    return model, optimizer
 
 
 def build_collator(recipe: Recipe, model_path: str, processing: Any, *, vision: bool) -> Any:
