@@ -13,7 +13,11 @@
 #                         LoRA adapter, and with images (test_generation)
 #   peft >= 0.18          LoRA under the loss head, including PEFT < 0.21 calling model.forward directly
 #                         (test_loss_head); the adapters' input-cast switch over a bf16 base (test_activation_memory)
-#   accelerate >= 1.10    the single-process training loop in-process (test_loop)
+#   accelerate >= 1.12    the single-process training loop in-process (test_loop); Ulysses sequence parallelism
+#                         (parallelism_config sp_size): the launch refusals and batch slicing in-process
+#                         (test_sequence_parallel); the 2-process Ulysses launch (test_strategies.py::
+#                         test_sequence_parallel_splits_each_row_and_matches_single_process) is not in the subset
+#                         (a DeepSpeed launch here costs minutes: see deepspeed below)
 #   deepspeed >= 0.19.3   installed and imported, not launched: a 2-process ZeRO-3 launch costs 3 minutes here
 #                         (test_vision's mixed batches, ZeRO-3 + LoRA: passed at these floors on 2026-11-24; to
 #                         run it, pass "tests/data/test_vision.py::test_mixed_batches_across_ranks_do_not_hang[zero3]"
@@ -77,7 +81,7 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 if [ "$#" -eq 0 ]; then
   set -- tests/model/test_attention.py tests/data/test_vision.py tests/evals/test_generation.py tests/model/test_loss_head.py \
-    tests/model/test_activation_memory.py tests/train/test_loop.py -m "not slow"
+    tests/model/test_activation_memory.py tests/train/test_loop.py tests/strategies/test_sequence_parallel.py -m "not slow"
 fi
 started=$SECONDS
 python -m pytest -q -ra -p no:cacheprovider "$@"

@@ -118,3 +118,30 @@ def test_stage_activation_estimates_match_measured_steps(tmp_path: Path) -> None
         assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
         measured = json.loads(proc.stdout.strip().splitlines()[-1])["step_gb"] * 1e9
         assert measured == pytest.approx(rows["single"]["activations"], rel=0.15), (stage.name, measured)
+
+
+def test_the_long_recipe_under_ulysses_is_estimated_per_slice_and_names_the_fewest_checkpointed_layers() -> None:
+    """recipes/qwen3_8b_long.yaml with accelerate_configs/zero3_sp2.yaml: each GPU's activations are those of half
+    of every 32k-token row, and the report names the fewest checkpointed layers that fit (each one fewer saves a
+    forward pass in backward); on 1 GPU without Ulysses more layers are needed."""
+    recipe = load_recipe(REPO / "recipes" / "qwen3_8b_long.yaml")
+    config = load_model_config(recipe.model.name_or_path)
+    stages = resolve_stages(recipe)
+    report = preflight(recipe, REPO / "accelerate_configs" / "zero3_sp2.yaml", num_gpus=None, gpu_memory_gb=80,
+                       scan_data=False)
+    assert "selected by " in report and "zero3 + Ulysses sp_size 2" in report
+    sliced = stage_estimates(recipe, config, stages, num_gpus=2, param_bytes=2, sp_size=2)[0]["zero3"]
+    whole = stage_estimates(recipe, config, stages, num_gpus=2, param_bytes=2)[0]["zero3"]
+    assert sliced["activations"] < 0.55 * whole["activations"]
+    assert f"peak {sliced['total'] / 2**30:.2f}" in report
+    proposal = next(x for x in report.splitlines() if x.startswith("gradient checkpointing: the fewest"))
+    fewest = int(proposal.split(": ")[2].split(" of ")[0])
+    assert 0 < fewest < 36 and f"(model.gradient_checkpointing: {fewest})" in proposal
+    budget = 80 * 2**30 * 0.9
+    fits = [stage_estimates(recipe, config, stages, num_gpus=2, param_bytes=2, sp_size=2, grad_ckpt=n)[0]["zero3"]
+            ["total"] <= budget for n in (fewest - 1, fewest)]
+    assert fits == [False, True]
+    single = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=1, gpu_memory_gb=80,
+                       scan_data=False)
+    assert int(next(x for x in single.splitlines() if x.startswith("gradient checkpointing: the fewest"))
+               .split(": ")[2].split(" of ")[0]) > fewest

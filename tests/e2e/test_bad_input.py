@@ -588,6 +588,20 @@ def _(c: Ctx) -> Call:
 case("data-oversized-row")(lambda c: c.train("data.overlength=error", rows=[CHAT, {"text": "word " * 220_000}, CHAT]))
 
 
+def parallelism(c: Ctx, *, deepspeed: bool = True, **sizes: str) -> Call:
+    """What `accelerate launch` puts in the environment for a config file's `parallelism_config` block (one process:
+    the refusals come before the process group)."""
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "ACCELERATE_USE_DEEPSPEED": str(deepspeed).lower(),
+           **{f"PARALLELISM_CONFIG_{k.upper()}": v for k, v in {"sp_size": "2", **sizes}.items()}}
+    return replace(c.train(), env=env)
+
+
+case("sequence-parallel-without-deepspeed")(lambda c: parallelism(c, deepspeed=False))
+case("context-parallel")(lambda c: parallelism(c, cp_size="2", sp_size="1"))
+case("parallel-sizes-do-not-multiply")(lambda c: parallelism(c))
+case("sequence-length-fixed")(lambda c: parallelism(c, sp_seq_length_is_variable="false"))
+
+
 # --- running them ----------------------------------------------------------------------------------------------
 
 def test_table_and_cases_agree() -> None:

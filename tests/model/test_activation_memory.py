@@ -24,6 +24,7 @@ from toolkit.builtin.models import materialize_builtin
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.data.packing import PackedCollator
+from toolkit.errors import ToolkitError
 from toolkit.model.load import apply_lora, enable_gradient_checkpointing, skip_adapter_input_casts
 from toolkit.model.loss_head import install_loss_head
 from toolkit.model.memory import activation_memory, loss_bytes
@@ -112,3 +113,31 @@ def test_preflight_activations_match_saved_bytes(precision: tuple) -> None:
                                          residual_bytes=res_bytes, adapter_input_copies=copies)
             estimate -= loss_bytes(CONFIG, tokens=tokens, activation_bytes=act_bytes)
             assert estimate == pytest.approx(counted, rel=0.15), (tokens, checkpointing, estimate, counted)
+
+
+def test_partial_checkpointing_keeps_what_preflight_counts() -> None:
+    """`model.gradient_checkpointing: 1` of 2 layers: the first layer keeps only its input, the second everything:
+    fewer bytes than without checkpointing, within 15% of preflight's estimate."""
+    plain = lora_model(torch.float32, "no", checkpointing=False)
+    torch.manual_seed(0)
+    partial = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32, attn_implementation="sdpa_packed")
+    assert enable_gradient_checkpointing(partial, 1) == 1
+    partial = apply_lora(partial, r=8, alpha=16, dropout=0.0, target_modules="all-linear", modules_to_save=[])
+    install_loss_head(partial, "chunked")
+    full_ckpt = lora_model(torch.float32, "no", checkpointing=True)
+    batch = packed(4096, CONFIG.vocab_size)
+    none = count_saved(plain, batch, decoder_layers(plain))
+    one = count_saved(partial.train(), batch, decoder_layers(partial), checkpointed=True)
+    both = count_saved(full_ckpt, batch, decoder_layers(full_ckpt), checkpointed=True)
+    # the first layer is recomputed only once the second's activations are freed: no extra layer at the peak
+    held = [none.held_bytes(), one.held_bytes(), both.held_bytes(max(none.layers))]
+    assert held[0] > held[1] and held[2] < held[0], held
+    estimate = activation_memory(CONFIG, tokens=4096, grad_ckpt=1, activation_bytes=4) - loss_bytes(
+        CONFIG, tokens=4096, activation_bytes=4)
+    assert estimate == pytest.approx(held[1], rel=0.15), (estimate, held)
+
+
+def test_more_checkpointed_layers_than_the_model_has_is_refused() -> None:
+    model = AutoModelForCausalLM.from_config(CONFIG)
+    with pytest.raises(ToolkitError, match=r"model\.gradient_checkpointing is 3 but the model has 2 decoder layers"):
+        enable_gradient_checkpointing(model, 3)

@@ -244,3 +244,16 @@ def test_loss_head_estimate_matches_the_cpu_measurement(tmp_path: Path) -> None:
     assert rows["chunked"]["loss"] == pytest.approx(rows["standard"]["loss"], rel=1e-5)
     assert rows["chunked"]["peak_gb"] < rows["standard"]["peak_gb"]
     assert Path(summary["results_file"]).is_file() and "| 512 | chunked |" in proc.stderr
+
+
+def test_partial_checkpointing_and_sequence_parallel_slices(tiny: Qwen3Config) -> None:
+    """N of L layers checkpointed: N inputs kept, L-N layers whole, one recomputed. Ulysses: each GPU's slice of
+    the tokens, under DeepSpeed only (DDP and FSDP2 refuse sp_size at launch)."""
+    standard = {"loss_head": "standard"}
+    one = estimate(tiny, strategy="ddp", num_gpus=2, lora_r=None, param_bytes=4, micro_batch=2, seq_len=16,
+                   grad_ckpt=1, **standard)["activations"]
+    assert one == 32 * (64 * 2 + 2688 + 320 + 10240)  # the recomputed first layer comes after the second is freed
+    assert one < _est(tiny, "ddp", **standard)["activations"]
+    sliced = {s: estimate(tiny, strategy=s, num_gpus=2, lora_r=None, param_bytes=4, micro_batch=2, seq_len=16,
+                          grad_ckpt=False, sp_size=2, **standard)["activations"] for s in ("zero3", "ddp")}
+    assert sliced == {"zero3": 16 * (2 * 2688 + 320 + 10240), "ddp": _est(tiny, "ddp", **standard)["activations"]}

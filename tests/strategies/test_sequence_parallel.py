@@ -136,7 +136,7 @@ def test_the_shipped_shape_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"deepspeed": False}, "runs under DeepSpeed ZeRO-2 or ZeRO-3 only"),
     ({"cp_size": 2, "sp_size": 1}, "FSDP2 context parallelism is not supported here"),
     ({"tp_size": 2}, "tensor parallelism is not supported"),
-    ({"world": 4}, "= 2, but the launch has 4 processes. Set dp_shard_size to 2"),
+    ({"world": 4}, r"= 2, but the launch has 4 process\(es\): set dp_shard_size to 2"),
     ({"sp_seq_length_is_variable": "false"}, "Set it to true"),
     ({"sp_backend": "ring"}, "the only backend is deepspeed"),
 ])

@@ -85,16 +85,18 @@ def fused_layers_counted(recipe: Recipe, config: Any) -> str:
 
 def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *, num_gpus: int, param_bytes: int,
                     activation_bytes: int = 2, residual_bytes: int | None = None,
-                    adapter_input_copies: bool = False, fused_layers: bool = False
-                    ) -> list[dict[str, dict[str, int]]]:
+                    adapter_input_copies: bool = False, fused_layers: bool = False, sp_size: int = 1,
+                    grad_ckpt: bool | int | None = None) -> list[dict[str, dict[str, int]]]:
     """Per stage, `estimate_all`'s rows (strategy -> bytes) for one micro-batch of that stage: its own
     micro_batch_size x max_seq_len tokens (with packing a packed row is max_seq_len tokens; without, max_seq_len
     is the longest row the stage keeps, so the estimate is its worst case). `fused_layers`: Liger's layers counted
-    (`fused_layers_counted`)."""
+    (`fused_layers_counted`). `sp_size`: Ulysses sequence parallelism (each GPU holds its slice's activations);
+    `grad_ckpt`: checkpointed layers other than the recipe's (preflight's proposal)."""
     lora = recipe.lora.enabled
     return [estimate_all(config, num_gpus=num_gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
                          micro_batch=stage.micro_batch_size, seq_len=stage.max_seq_len,
-                         grad_ckpt=recipe.model.gradient_checkpointing, lora_targets=recipe.lora.target_modules,
+                         grad_ckpt=recipe.model.gradient_checkpointing if grad_ckpt is None else grad_ckpt,
+                         lora_targets=recipe.lora.target_modules, sp_size=sp_size,
                          loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
                          activation_bytes=activation_bytes, residual_bytes=residual_bytes,
                          adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)
@@ -120,10 +122,35 @@ def worst_stage(estimates: list[dict[str, dict[str, int]]]) -> int:
     return max(range(len(estimates)), key=lambda i: next(iter(estimates[i].values()))["activations"])
 
 
+def checkpointing_proposal(recipe: Recipe, config: Any, stages: list[ResolvedStage], strategy: str, *, gpus: int,
+                           param_bytes: int, fused_layers: bool, sp_size: int, gpu_memory_gb: float,
+                           precision: dict[str, Any], usable_fraction: float = 0.9) -> str:
+    """The fewest checkpointed decoder layers with which every stage fits under `strategy`: each layer left out of
+    checkpointing is a forward pass saved in backward (spare memory buys speed). `model.gradient_checkpointing: N`."""
+    layers = int(config.get_text_config().num_hidden_layers)
+    budget = gpu_memory_gb * GIB * usable_fraction
+
+    def fits(n: int) -> bool:
+        rows = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes,
+                               fused_layers=fused_layers, sp_size=sp_size, grad_ckpt=n if n < layers else True,
+                               **precision)
+        return all(r[strategy]["total"] <= budget for r in rows)
+
+    fewest = next((n for n in range(layers + 1) if fits(n)), None)  # fits(n) grows with n: the first is the fewest
+    if fewest is None:
+        return (f"gradient checkpointing: even all {layers} decoder layers checkpointed do not fit under {strategy}; "
+                "see the table below")
+    value = "false" if fewest == 0 else ("true" if fewest == layers else str(fewest))
+    return (f"gradient checkpointing: the fewest decoder layers that fit under {strategy}: {fewest} of {layers} "
+            f"(model.gradient_checkpointing: {value})")
+
+
 def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
               scan_data: bool = True) -> str:
     """The preflight report as text."""
     chosen, procs = strategy_of_config(accelerate_config)
+    chosen, _, sp = chosen.partition("_sp")  # Ulysses: the strategy's row, with each GPU's slice of the tokens
+    sp_size = int(sp or 1)
     gpus = num_gpus or procs
     config = _model_config(recipe.model.name_or_path)
     mixed = yaml.safe_load(accelerate_config.read_text()).get("mixed_precision", "no")
@@ -131,10 +158,13 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     param_bytes = weight_bytes(recipe, mixed)
     stages = resolve_stages(recipe)
     fused = fused_layers_counted(recipe, config)
+    precision = activation_precision(recipe, mixed)
     estimates = stage_estimates(recipe, config, stages, num_gpus=gpus, param_bytes=param_bytes,
-                                fused_layers=fused == "liger", **activation_precision(recipe, mixed))
+                                fused_layers=fused == "liger", sp_size=sp_size, **precision)
     worst = worst_stage(estimates)
     shown, note = table_row(chosen, estimates[worst])
+    if sp_size > 1:
+        note += f" with Ulysses sp_size {sp_size}: activations and logits of each GPU's 1/{sp_size} of every row"
     width = max(len(s.name) for s in stages)
     per_stage = [f"per stage ({'packed rows of max_seq_len' if recipe.data.packing else 'rows up to max_seq_len'}"
                  f"; GiB per GPU under {shown}{note}):"]
@@ -148,7 +178,11 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
              f"{'on' if recipe.model.gradient_checkpointing else 'off'}, loss head {recipe.model.loss_head}, "
              f"fused layers {fused}, "
              f"{gpus} GPU(s) of {gpu_memory_gb:g} GiB",
-             f"selected by {accelerate_config}: {chosen}", "", *per_stage, "",
+             f"selected by {accelerate_config}: {chosen}" + (f" + Ulysses sp_size {sp_size}" if sp_size > 1 else ""),
+             "", *per_stage,
+             checkpointing_proposal(recipe, config, stages, shown, gpus=gpus, param_bytes=param_bytes,
+                                    fused_layers=fused == "liger", sp_size=sp_size, gpu_memory_gb=gpu_memory_gb,
+                                    precision=precision), "",
              f"worst stage '{stages[worst].name}' (micro batch {stages[worst].micro_batch_size} x "
              f"{stages[worst].max_seq_len} tokens), every strategy:",
              format_table(estimates[worst], gpu_memory_gb=gpu_memory_gb)]

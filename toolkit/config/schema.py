@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,7 +35,9 @@ class ModelConfig(_Section):
         "auto", description="auto = flash_attention_2 when flash-attn is importable and on CUDA, else sdpa (run as "
         "the toolkit's sdpa_packed: packed rows attend per sample span, no T x T mask; toolkit/model/attention.py)."
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+    gradient_checkpointing: bool | Annotated[int, Field(ge=1)] = Field(
+        False, description="Recompute activations in backward (non-reentrant): true for every decoder layer, or N for "
+        "the first N only (spare memory buys speed: `toolkit preflight` names the fewest that fit).")
     loss_head: Literal["auto", "chunked", "liger", "standard"] = Field(
         "auto", description="Loss head (training and eval): chunked = exact cross-entropy chunk by chunk over "
         "tokens, never the full [tokens x vocab] logits; liger = Liger-Kernel's fused one (CUDA, the liger extra); "

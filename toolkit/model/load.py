@@ -162,11 +162,31 @@ def load_model(name_or_path: str, *, dtype: torch.dtype, attn_implementation: st
     return model
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+def enable_gradient_checkpointing(model: PreTrainedModel, layers: bool | int = True) -> int:
     """Non-reentrant checkpointing (works with LoRA, ZeRO-3 and FSDP); inputs require grad so frozen
-    embeddings still let gradients flow into the checkpointed blocks."""
+    embeddings still let gradients flow into the checkpointed blocks. `layers`: True for every decoder layer, N for
+    the first N of the text decoder (the others keep their activations: faster, more memory). Returns how many
+    decoder layers recompute."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
+    decoder = decoder_layers(model)
+    if layers is True:
+        return len(decoder)
+    if layers > len(decoder):
+        raise ToolkitError(f"model.gradient_checkpointing is {layers} but the model has {len(decoder)} decoder layers: "
+                           "use true for all of them, or a number up to "
+                           f"{len(decoder)}.")
+    for layer in decoder[layers:]:  # transformers checks each layer's own flag at every call
+        layer.gradient_checkpointing = False
+    return layers
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The text decoder's layers, in order (a vision tower's blocks are not among them)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("DecoderLayer")]
 
 
 def apply_lora(model: PreTrainedModel, *, r: int, alpha: float, dropout: float,

@@ -46,7 +46,11 @@ parameters the optimizer updates, "frozen" the rest):
   i) * b: PEFT casts each adapted Linear's input to fp32 and each keeps its own copy, q, k and v three of the same
   input (under autocast the toolkit turns the cast off: toolkit.model.load.skip_adapter_input_casts). Without
   checkpointing all L layers are kept: L*T*e. With checkpointing only each layer's input is kept, L*T*h*r (r: bytes of
-  the hidden states, the weights' dtype), plus one layer recomputed in backward, T*e. Shared by all layers: rotary
+  the hidden states, the weights' dtype), plus one layer recomputed in backward, T*e; with N of L layers checkpointed
+  (``model.gradient_checkpointing: N``, the first N) N*T*h*r + (L-N)*T*e (backward recomputes the first N after
+  the others are freed). Under Ulysses sequence parallelism
+  (``sp_size``) each process holds T/sp_size tokens of every layer (attention's all-to-all gives it all T tokens of
+  heads/sp_size heads: as many elements), and its loss head only its slice's. Shared by all layers: rotary
   cos/sin (2*d*r) and the final norm's fp32 input (4*h). The loss head adds C*V*(b + 8) (the logits, and the fp32
   log-softmax and gradient the cross-entropy makes) for C tokens: all T with ``model.loss_head: standard``; one chunk,
   C = min(T, loss_chunk_size), with the chunked head (toolkit/model/loss_head.py, the default), plus T*h*4 for the
@@ -155,7 +159,7 @@ def layer_activation_bytes(config: Any, *, activation_bytes: int, adapter_input_
     return (matmul_inputs + rest) * activation_bytes + norm_inputs * norm_bytes
 
 
-def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_bytes: int,
+def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool | int, activation_bytes: int,
                       loss_head: str = "chunked", loss_chunk_size: int | None = None,
                       residual_bytes: int | None = None, adapter_input_copies: bool = False,
                       fused_layers: bool = False) -> int:
@@ -171,7 +175,11 @@ def activation_memory(config: Any, *, tokens: int, grad_ckpt: bool, activation_b
                                        adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)
     final_norm = _norm_input_bytes(activation_bytes, fused_layers) * h
     shared = 2 * head_dim * res + final_norm  # rotary cos and sin (all layers share them); the final norm's input
-    kept = layers * h * res + per_layer if grad_ckpt else layers * per_layer
+    # Checkpointed layers keep their input (the residual stream) and one of them is recomputed at a time in backward;
+    # the others keep everything. `model.gradient_checkpointing: N` checkpoints the first N: backward reaches them
+    # after the later, whole layers are freed, so their recomputation never adds to the peak at backward's start.
+    recomputed = layers if grad_ckpt is True else min(int(grad_ckpt), layers)
+    kept = recomputed * h * res + (layers - recomputed) * per_layer + (per_layer if recomputed == layers else 0)
     return tokens * (kept + shared) + loss_bytes(config, tokens=tokens, activation_bytes=activation_bytes,
                                                  loss_head=loss_head, loss_chunk_size=loss_chunk_size)
 
@@ -194,12 +202,13 @@ def loss_bytes(config: Any, *, tokens: int, activation_bytes: int, loss_head: st
 
 
 def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, param_bytes: int,
-             micro_batch: int, seq_len: int, grad_ckpt: bool, lora_targets: str | Iterable[str] = "all-linear",
+             micro_batch: int, seq_len: int, grad_ckpt: bool | int, lora_targets: str | Iterable[str] = "all-linear",
              activation_bytes: int = 2, persistence_threshold: int | None = None, loss_head: str = "chunked",
              loss_chunk_size: int | None = None, residual_bytes: int | None = None,
-             adapter_input_copies: bool = False, fused_layers: bool = False) -> dict[str, int]:
+             adapter_input_copies: bool = False, fused_layers: bool = False, sp_size: int = 1) -> dict[str, int]:
     """Bytes per GPU of ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers`` and their ``total``,
-    plus ``cpu_offload`` (CPU RAM of the whole node), for one strategy; see the module docstring.
+    plus ``cpu_offload`` (CPU RAM of the whole node), for one strategy; see the module docstring. ``sp_size``:
+    Ulysses sequence parallelism (DeepSpeed strategies only): each GPU's activations are its slice's.
 
     ``param_bytes`` is the size of a weight as held during training: 4 for fp32 weights (DDP / FSDP2 under
     autocast, or no mixed precision), 2 for bf16 weights (a bf16 LoRA base, or DeepSpeed with bf16 enabled,
@@ -272,7 +281,8 @@ def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, p
         layer_bytes = max((u[0] for u in units.values()), default=0)
         layer_grads = max((u[1] for u in units.values()), default=0)
         buffers = root_bytes + 2 * layer_bytes + max(layer_grads, root_grads) if world > 1 else 0
-    activations = activation_memory(config, tokens=micro_batch * seq_len, grad_ckpt=grad_ckpt,
+    sliced = sp_size if deepspeed else 1  # DDP and FSDP2 have no Ulysses (refused at launch)
+    activations = activation_memory(config, tokens=_ceil_div(micro_batch * seq_len, sliced), grad_ckpt=grad_ckpt,
                                     activation_bytes=activation_bytes, loss_head=loss_head,
                                     loss_chunk_size=loss_chunk_size, residual_bytes=residual_bytes,
                                     adapter_input_copies=adapter_input_copies, fused_layers=fused_layers)

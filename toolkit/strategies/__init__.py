@@ -68,7 +68,8 @@ def strategy_name(accelerator: Accelerator) -> str:
 
 
 def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
-    """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is."""
+    """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is
+    (`_sp<N>` with Ulysses sequence parallelism)."""
     if not accelerate_config.is_file():
         raise ToolkitError(f"Accelerate config {accelerate_config} does not exist.")
     try:
@@ -90,7 +91,9 @@ def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
             raise ToolkitError(f"{accelerate_config} names DeepSpeed config {path}, which does not exist.")
         zero = json.loads(path.read_text()).get("zero_optimization", {})
     fsdp_version = (cfg.get("fsdp_config") or {}).get("fsdp_version")
-    return name_strategy(kind, procs, zero, fsdp_version), procs
+    name = name_strategy(kind, procs, zero, fsdp_version)
+    sp = int((cfg.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1) or 1)
+    return (f"{name}_sp{sp}" if sp > 1 else name), procs
 
 
 def optimizer_chain(optimizer: Any) -> list[Any]:

@@ -136,16 +136,18 @@ def check_launch() -> int:
     backend = os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
     if backend != "deepspeed":
         raise ToolkitError(f"parallelism_config_sp_backend is {backend!r}; the only backend is deepspeed.")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % sp or replicate * shard * sp != world:
-        raise ToolkitError(
-            f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} x sp_size {sp} = "
-            f"{replicate * shard * sp}, but the launch has {world} processes. Set dp_shard_size to "
-            f"{max(world // sp, 1)} (processes / sp_size) or launch {replicate * shard * sp} processes.")
     if os.environ.get("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE", "true").lower() not in ("true", "1"):
         raise ToolkitError(
             "parallelism_config_sp_seq_length_is_variable is false: the toolkit's micro-batches vary in length "
             "(curriculum stages, packing, padding to the longest row). Set it to true.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if replicate * shard * sp != world:
+        fix = (f"set dp_shard_size to {world // sp} (processes / sp_size)" if world % sp == 0 else
+               f"launch a multiple of sp_size {sp} processes")
+        raise ToolkitError(
+            f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} x sp_size {sp} = "
+            f"{replicate * shard * sp}, but the launch has {world} process(es): {fix}, or launch "
+            f"{replicate * shard * sp} processes (--num_processes).")
     return sp
 
 
