@@ -16,8 +16,9 @@
 #   accelerate >= 1.12    the single-process training loop in-process (test_loop); Ulysses sequence parallelism
 #                         (parallelism_config sp_size): the launch refusals and batch slicing in-process
 #                         (test_sequence_parallel); the 2-process Ulysses launch (test_strategies.py::
-#                         test_sequence_parallel_splits_each_row_and_matches_single_process) is not in the subset
-#                         (a DeepSpeed launch here costs minutes: see deepspeed below)
+#                         test_sequence_parallel_splits_each_row_and_matches_single_process: passed at these floors
+#                         on 2026-11-26) is not in the subset (a DeepSpeed launch here costs minutes: see deepspeed
+#                         below; pass its id to this script to run it)
 #   deepspeed >= 0.19.3   installed and imported, not launched: a 2-process ZeRO-3 launch costs 3 minutes here
 #                         (test_vision's mixed batches, ZeRO-3 + LoRA: passed at these floors on 2026-11-24; to
 #                         run it, pass "tests/data/test_vision.py::test_mixed_batches_across_ranks_do_not_hang[zero3]"

@@ -182,13 +182,34 @@ def check_kernels_saw_whole_rows(spy: Path, *, sp: int = 2, heads: int = 4, kv_h
         assert all(a[4] == a[2] and a[5] for a in attention), "packed boundaries were not the whole row's"
 
 
+GUIDE_CONFIG = """distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: ds_configs/zero3.json
+machine_rank: 0
+num_machines: 1
+num_processes: 2
+parallelism_config:
+  parallelism_config_dp_replicate_size: 1
+  parallelism_config_dp_shard_size: 1  # Must satisfy: 1 x 1 x 2 = 2 num_processes
+  parallelism_config_sp_size: 2
+  parallelism_config_sp_backend: deepspeed
+  parallelism_config_sp_seq_length_is_variable: true
+  parallelism_config_sp_attn_implementation: sdpa
+"""
+"""accelerate's sequence-parallelism guide's config file (docs/source/concept_guides/sequence_parallelism.md, 1.15),
+as written but for its `path/to/ds_config.json`. It used to die at start: "core_attn_implementation='sdpa' does not
+match model config attn_implementation='sdpa_packed'". No mixed_precision: fp32, accelerate's default."""
+
+
 def test_sequence_parallel_splits_each_row_and_matches_single_process(runs: Path, reference: Path) -> None:
-    """accelerate_configs/zero3_sp2.yaml as shipped, plus --num_processes 2, and --mixed_precision no (the file's
-    bf16 is tested in the curriculum's bf16 matrix; equality with the fp32 reference needs fp32): packed rows split
-    in two, the single process's losses and adapter, and the spy's proof that each kernel saw what Ulysses promises."""
+    """The guide's config file as a user copies it (launched as written: fp32, 2 processes): packed rows split in
+    two, the single process's losses, gradient norms and adapter, and the spy's proof that each kernel saw what
+    Ulysses promises. (accelerate_configs/zero3_sp2.yaml verbatim is the curriculum's bf16 matrix below.)"""
+    config = runs / "guide_sp2.yaml"
+    config.write_text(GUIDE_CONFIG)
     out, spy = runs / "zero3_sp2", runs / "zero3_sp2-spy"
-    proc = train("zero3_sp2", 2, out, "model.gradient_checkpointing=true", CHUNKED, PACKED, *REFERENCE_OVERRIDES,
-                 script=SPY_SP, env={"SPY_SP_DIR": str(spy)})
+    proc = train(config, None, out, "model.gradient_checkpointing=true", CHUNKED, PACKED, *REFERENCE_OVERRIDES,
+                 mixed_precision=None, script=SPY_SP, env={"SPY_SP_DIR": str(spy)})
     assert "effective batch = 4 micro x 2 accum x 1 data-parallel replicas (2 processes / sp_size 2) = 8" in proc.stderr
     assert "strategy zero3_sp2" in proc.stderr and "attention: sdpa_packed" in proc.stderr
     assert losses(out) == pytest.approx(losses(reference), rel=1e-5)

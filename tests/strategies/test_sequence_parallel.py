@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
 from toolkit.errors import ToolkitError
-from toolkit.model.loss_head import install_loss_head
+from toolkit.model.loss_head import install_loss_head, liger_available, triton_interpreted
 from toolkit.strategies import sequence_parallel
 from toolkit.strategies.sequence_parallel import Layout, shard_batch
 
@@ -78,10 +78,14 @@ def test_a_key_that_cannot_be_cut_is_refused() -> None:
         shard_batch(batch, Layout(2, 0, 2))
 
 
-@pytest.mark.parametrize("head", ["chunked", "standard"])
+LIGER = pytest.param("liger", marks=pytest.mark.skipif(not (liger_available() and triton_interpreted()),
+                                                      reason="liger-kernel (an optional extra) is not installed"))
+
+
+@pytest.mark.parametrize("head", ["chunked", LIGER, "standard"])
 def test_a_slice_without_label_tokens_adds_zero_not_nan(head: str, models: dict[str, str]) -> None:
     """A slice holding only prompt tokens: its loss term is 0 (divided by the global batch's token count) and its
-    gradients zero and finite, with either loss head."""
+    gradients zero and finite, with every loss head (Liger's kernels in Triton's CPU interpreter, as CI runs them)."""
     model = AutoModelForCausalLM.from_pretrained(models["text"], dtype=torch.float32)
     install_loss_head(model, head)
     part, _ = shard_batch(PackedCollator()(samples([6, 6])), Layout(2, 0, 2))

@@ -21,6 +21,11 @@ owns what the toolkit adds around it:
   after a slice's last one lives on the next process), the row is padded to a multiple of N (pad tokens form a
   span of their own in a packed row, and carry no label), `position_ids` always come with it (the wrapper
   all-gathers them), and a packed row's boundaries stay those of the whole row: the kernel runs on all T tokens.
+  Why not DeepSpeed's `UlyssesSPDataLoaderAdapter`, which accelerate applies to loaders passed to `prepare`: it
+  all-gathers one batch from each process of a group and replays them over sp_size steps, so a step would no longer
+  be the curriculum's step (stages, pacing and exact resume count steps over replicas), and every batch would cost
+  a collective. Here the processes of a group draw the same rows from the memory-mapped token store and slice them
+  locally: no collective, and the data position stays a function of the step.
 
 The loss: each process divides its slice's summed token losses by the label tokens of the whole global batch
 (every process, every micro-step) and multiplies by what DeepSpeed divides the summed gradients by
