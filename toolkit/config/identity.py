@@ -28,6 +28,7 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
         del tree["data"][key]
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
+    del tree["lora"]["fused"]  # bitwise PEFT's numbers either way (tests/model/test_fused_lora.py): a resume may switch
     if tree["model"]["fused_layers"] == "auto":  # the default leaves earlier checkpoints' hashes as they were
         del tree["model"]["fused_layers"]
     tree["seed"] = recipe.train.seed

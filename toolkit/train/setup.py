@@ -43,6 +43,7 @@ from toolkit.metrics.log import Meter, MetricsLog, check_trackers, read_metrics,
 from toolkit.model.attention import check_packing_support, choose_attention
 from toolkit.model.flops import peak_flops
 from toolkit.model.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
+from toolkit.model.fused_lora import install_fused_lora
 from toolkit.model.load import (
     check_model_source,
     check_remote_code,
@@ -255,6 +256,7 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
         model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
                            modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
                            stage_trainable=entries, trainable_keys=keys)
+        install_fused_lora(model, lora.fused)  # PEFT's module objects stay: only their forward is swapped
         if mixed_precision in ("bf16", "fp16"):
             skip_adapter_input_casts(model)  # the adapters compute in 16-bit under autocast: no fp32 input copies
         elif dtype != torch.float32:
