@@ -63,9 +63,10 @@ class LoraConfig(_Section):
         None, description="Modules LoRA must not adapt (PEFT: a list of names, or one regex), e.g. "
         "'.*visual.*' to keep a vision tower free of adapters.")
     fused: Literal["auto", "on", "off"] = Field(
-        "auto", description="LoRA Linear layers: on = the toolkit's fused layers (one autograd function each, the "
-        "adapter added in place, x @ A^T recomputed in backward; bitwise PEFT's numbers; needs dropout 0, else "
-        "PEFT's run with a warning; refused under ZeRO-3); off = PEFT's; auto = PEFT's until a GPU measures them.")
+        "auto", description="LoRA Linear layers: on = the toolkit's fused layers (one autograd function per layer, "
+        "q/k/v and gate/up grouped into one each; the adapter added in place, x @ A^T recomputed in backward; PEFT's "
+        "numbers to rounding; needs dropout 0, else PEFT's run with a warning; refused under ZeRO-3); off = PEFT's; "
+        "auto = PEFT's until a GPU measures them.")
 
     @field_validator("fused", mode="before")
     @classmethod
