@@ -13,7 +13,8 @@ its own `metrics.jsonl`: non-pad tokens/s, MFU (toolkit/model/flops.py: 4N per t
 over the GPU's dense bf16 peak), peak memory and step time, averaged over the steps after `--warmup`. The random
 model is written to disk once (about 16 GB) so that the run loads it like any checkpoint. Writes
 `<out>/<YYYY-MM-DD>-<hostname>-gpu8b[-tiny].json` and prints a JSON summary, then the markdown table rows for
-docs/benchmarks.md on stderr. Target (issue 6): at least 45% MFU on an H100.
+docs/benchmarks.md on stderr. Target (issue 6): at least 45% MFU on an H100. `--variants no_grad_ckpt fused_lora`
+measures `lora.fused: on` (toolkit/model/fused_lora.py) against PEFT's layers (issue 34, lever 3).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "chunked_head": (False, {"loss_head": "chunked"}),  # the toolkit's own head where `auto` picked Liger (CUDA)
     "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
     "unfused": (False, {"fused_layers": "none"}),  # the model's own RMSNorm, RoPE, SwiGLU where auto fuses (CUDA)
+    "fused_lora": (False, {}),  # lora.fused: on (LORA_KEYS), against no_grad_ckpt's PEFT layers
 }
+LORA_KEYS: dict[str, dict[str, Any]] = {"fused_lora": {"fused": "on"}}
+"""Recipe `lora` keys a variant sets over the benchmark's (r16 all-linear)."""
 
 
 def write_model(out: Path, *, tiny: bool) -> Path:
@@ -76,14 +80,15 @@ def write_model(out: Path, *, tiny: bool) -> Path:
 
 
 def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int, checkpointing: bool,
-           peak_tflops: float | None = None, model: dict[str, Any] | None = None) -> dict[str, Any]:
+           peak_tflops: float | None = None, model: dict[str, Any] | None = None,
+           lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """One stage of `steps` optimizer steps over packed rows; no checkpoints (they would write the 16 GB base).
-    `model` holds recipe `model` keys over the defaults (a variant's one change)."""
+    `model` and `lora` hold recipe keys of those sections over the defaults (a variant's one change)."""
     return {
         "output_dir": str(out),
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
                   "attn_implementation": "auto", "gradient_checkpointing": checkpointing, **(model or {})},
-        "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+        "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", **(lora or {})},
         "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache")},
         "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
         "train": {"micro_batch_size": 1, "grad_accum": 1, "seed": 0},
@@ -108,7 +113,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     extra = 2 if profile else 0
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
                                           peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
-                                          checkpointing=checkpointing, model=model)))
+                                          checkpointing=checkpointing, model=model, lora=LORA_KEYS.get(name))))
     script = REPO / ("bench/profile_step.py" if profile else "train_curriculum.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
@@ -127,7 +132,9 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
                                                                              "fused layers"))
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {
-        "status": "ok", "gradient_checkpointing": checkpointing, "model_keys": model,
+        "status": "ok", "gradient_checkpointing": checkpointing, "model_keys": model, "lora_keys": LORA_KEYS.get(name),
+        "fused_lora": next((line.split("fused LoRA: ")[1] for line in proc.stderr.splitlines()
+                            if "fused LoRA: " in line), None),
         "attention": attention, "loss_head": loss_head, "fused_layers": fused,
         "timed_steps": len(timed),
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in timed) / len(timed),
@@ -148,7 +155,9 @@ def markdown_rows(summary: dict[str, Any]) -> str:
         if result["status"] != "ok":
             continue
         mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
-        rows.append(f"| {date} | {gpu} | {result['attention']} | {result['fused_layers']} | {result['loss_head']} | "
+        fused_lora = (result.get("lora_keys") or {}).get("fused") == "on"
+        fused = result["fused_layers"] + (", fused LoRA" if fused_lora else "")
+        rows.append(f"| {date} | {gpu} | {result['attention']} | {fused} | {result['loss_head']} | "
                     f"{'on' if result['gradient_checkpointing'] else 'off'} | {result['tokens_per_sec']:.0f} | "
                     f"{mfu} | {result['peak_memory_gb']:.1f} GiB |")
     return "\n".join(rows)

@@ -28,6 +28,8 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
         del tree["data"][key]
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
+    if tree["lora"]["fused"] != "on":  # auto and off run PEFT's layers: earlier checkpoints' hashes as they were;
+        del tree["lora"]["fused"]  # on's grouped q/k/v and gate/up round their sums otherwise (1e-6 in fp32)
     if tree["model"]["fused_layers"] == "auto":  # the default leaves earlier checkpoints' hashes as they were
         del tree["model"]["fused_layers"]
     tree["seed"] = recipe.train.seed

@@ -64,6 +64,17 @@ class LoraConfig(_Section):
     exclude_modules: list[str] | str | None = Field(
         None, description="Modules LoRA must not adapt (PEFT: a list of names, or one regex), e.g. "
         "'.*visual.*' to keep a vision tower free of adapters.")
+    fused: Literal["auto", "on", "off"] = Field(
+        "auto", description="LoRA Linear layers: on = the toolkit's fused layers (one autograd function per layer, "
+        "q/k/v and gate/up grouped into one each; the adapter added in place, x @ A^T recomputed in backward; PEFT's "
+        "numbers to rounding; needs dropout 0, else PEFT's run with a warning; refused under ZeRO-3); off = PEFT's; "
+        "auto = PEFT's until a GPU measures them.")
+
+    @field_validator("fused", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML reads a bare on / off as true / false: take them as the words they were written as."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _exclude_regex_compiles(self) -> LoraConfig:

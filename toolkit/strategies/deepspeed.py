@@ -220,3 +220,11 @@ def without_zero3_init() -> Iterator[None]:
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def zero3_partitions(model: torch.nn.Module) -> bool:
+    """Whether the model trains under ZeRO-3: a run that built it under zero.Init (its weights are partitioned) or
+    set up with a ZeRO-3 config (DeepSpeed then gathers each module's parameters in that module's forward hook)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled() or any(hasattr(p, "ds_id") for p in model.parameters())

@@ -43,6 +43,7 @@ from toolkit.metrics.log import Meter, MetricsLog, check_trackers, read_metrics,
 from toolkit.model.attention import check_packing_support, choose_attention
 from toolkit.model.flops import peak_flops
 from toolkit.model.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
+from toolkit.model.fused_lora import check_fused_lora, install_fused_lora
 from toolkit.model.load import (
     check_model_source,
     check_remote_code,
@@ -263,6 +264,7 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
         model = setup_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
                            modules_to_save=lora.modules_to_save, exclude_modules=lora.exclude_modules,
                            stage_trainable=entries, trainable_keys=keys)
+        install_fused_lora(model, lora.fused)  # PEFT's module objects stay: only their forward is swapped
         if mixed_precision in ("bf16", "fp16"):
             skip_adapter_input_casts(model)  # the adapters compute in 16-bit under autocast: no fp32 input copies
         elif dtype != torch.float32:
@@ -283,12 +285,16 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
 
 def start_accelerator(recipe: Recipe, layout: RunLayout) -> Accelerator:
     """The Accelerator of the launch's strategy, with the recipe's accumulation, collective timeout and trackers;
-    a tracker, loss head or fused-layer kernel that cannot run here fails first."""
+    a tracker, loss head, fused-layer kernel or fused LoRA layer that cannot run here fails first."""
     check_trackers(recipe.logging.trackers)
     check_loss_head(recipe.model.loss_head)  # a kernel that cannot run here fails before the data work
     check_fused_layers(recipe.model.fused_layers)
-    return distributed.build_accelerator(recipe.train.grad_accum, recipe.distributed.timeout_minutes,
-                                         log_with=recipe.logging.trackers or None, project_dir=str(layout.trackers))
+    accelerator = distributed.build_accelerator(recipe.train.grad_accum, recipe.distributed.timeout_minutes,
+                                                log_with=recipe.logging.trackers or None,
+                                                project_dir=str(layout.trackers))
+    if recipe.lora.enabled:  # fused LoRA layers that cannot run under this strategy fail before the data work
+        check_fused_lora(recipe.lora.fused, strategies.strategy_name(accelerator))
+    return accelerator
 
 
 def name_run(recipe: Recipe, accelerator: Accelerator) -> str:
