@@ -324,7 +324,7 @@ def _end_the_relauncher() -> Iterator[None]:
     _Relauncher.close()
 
 
-def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no",
+def relaunch(strategy: str | Path, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no",
              num_processes: int | None = None, env: dict[str, str] | None = None) -> list[int]:
     """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would
     (`num_processes`: processes_for's by default), each run in fresh processes forked from one parent that
@@ -333,15 +333,17 @@ def relaunch(strategy: str, runs: list[tuple[list[str], Path]], *, mixed_precisi
     environment."""
     jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
     jobs.write_text(json.dumps({
-        "launch": ["--config_file", str(REPO / "accelerate_configs" / f"{strategy}.yaml"),
-                   "--num_processes", str(num_processes or processes_for(strategy)),
+        "launch": ["--config_file", str(strategy if isinstance(strategy, Path) else
+                                        REPO / "accelerate_configs" / f"{strategy}.yaml"),
+                   "--num_processes", str(num_processes or processes_for(str(strategy))),
                    *(["--mixed_precision", mixed_precision] if mixed_precision is not None else [])],
         "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "env": env or {},
         "timeout": LAUNCH_TIMEOUT_S}))
     return _Relauncher.ask(jobs, timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
 
 
-def train_forked(strategy: str, num_processes: int, out: Path, *overrides: str, recipe: str = "recipes/smoke.yaml",
+def train_forked(strategy: str | Path, num_processes: int, out: Path, *overrides: str,
+                 recipe: str = "recipes/smoke.yaml",
                  mixed_precision: str | None = "no", dummy_samples: int = 64, check: bool = True,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`train`'s run through `relaunch`: the same run, without the ~10 s of imports per process a launch spends

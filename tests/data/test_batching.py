@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from accelerate.data_loader import prepare_data_loader
 
 from toolkit.curriculum.sampling import StageSampler
@@ -25,7 +26,7 @@ class Process:
     num_processes = WORLD
 
     def __init__(self, rank: int) -> None:
-        self.rank = rank
+        self.rank = self.process_index = rank
 
     def prepare_data_loader(self, loader: Any) -> Any:
         return prepare_data_loader(loader, num_processes=WORLD, process_index=self.rank, put_on_device=False)
@@ -47,8 +48,20 @@ def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"i": [r["i"] for r in rows]}
 
 
-def _batches(stage: Any, rank: int, start: int, *, workers: int = 0, group: bool = False) -> list[list[list[int]]]:
-    batches = StageBatches(Process(rank), _collate, grad_accum=ACCUM, group_by_length=group, num_workers=workers)
+class UlyssesProcess:
+    """One of 2 * WORLD processes in Ulysses groups of 2 (`parallelism_config.sp_size`): WORLD replicas."""
+
+    num_processes, parallelism_config = 2 * WORLD, SimpleNamespace(sp_size=2)
+    device, rng_types, even_batches, non_blocking = torch.device("cpu"), [], True, False
+
+    def __init__(self, rank: int) -> None:
+        self.process_index = rank
+
+
+def _batches(stage: Any, rank: int, start: int, *, workers: int = 0, group: bool = False,
+             process: Any = None) -> list[list[list[int]]]:
+    batches = StageBatches(process or Process(rank), _collate, grad_accum=ACCUM, group_by_length=group,
+                           num_workers=workers)
     out = []
     for step in range(start, STEPS):
         taken = batches.take(stage, step)
@@ -204,3 +217,11 @@ def test_a_worker_says_nothing_when_the_trainer_hangs_up(init: str) -> None:
                          text=True, timeout=120).stderr
     assert "ValueError: a real bug" in err, err
     assert ("resource_sharer.py" in err) == (init == "none"), err  # its BrokenPipeError or EOFError
+
+
+def test_the_processes_of_a_ulysses_group_draw_their_replicas_rows() -> None:
+    """Under Ulysses the sampler is sharded over replicas, not processes: processes 2r and 2r + 1 of 4 (sp_size 2)
+    take replica r's micro-batches, which are rank r's of a 2-process run."""
+    stage = _stage()
+    for process in range(2 * WORLD):
+        assert _batches(stage, process, 0, process=UlyssesProcess(process)) == _batches(stage, process // 2, 0)

@@ -228,7 +228,7 @@ def test_sequence_parallel_with_two_replicas_on_four_processes(runs: Path, refer
     2-process matrix's global batch): the single process's losses and adapter."""
     out = runs / "zero2_sp2_x4"
     config = sp_config(runs, zero="zero2", processes=4, dp_shard=2)
-    proc = train(config, 4, out, CHUNKED, PACKED)
+    proc = train_forked(config, 4, out, CHUNKED, PACKED)
     assert "effective batch = 2 micro x 2 accum x 2 data-parallel replicas (4 processes / sp_size 2) = 8" in proc.stderr
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)
