@@ -367,3 +367,20 @@ def test_unpacked_batches_run_stock_sdpa_to_the_bit(model_dir: Path, monkeypatch
     assert spy.calls[:half] == spy.calls[half:]
     for (loss, grads), (loss2, grads2) in zip(results["sdpa"], results[SDPA_PACKED], strict=True):
         assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2, strict=True))
+
+
+def test_fa4_without_max_seqlen_parameters_is_not_handed_them() -> None:
+    """Not every FlashAttention-4 release takes max_seqlen_q/k (transformers checks for them too): such a version
+    is called without them, and its (out, lse) pair gives the output."""
+    got: dict[str, Any] = {}
+
+    def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, softmax_scale: float | None = None,
+                               causal: bool = False) -> tuple[torch.Tensor, None]:
+        got.update(causal=causal, scale=softmax_scale)
+        return q, None
+
+    q = torch.randn(5, HEADS, 8)
+    out = attention._causal_fa4(flash_attn_varlen_func, q, q[:, :KV_HEADS], q[:, :KV_HEADS],
+                                torch.tensor([0, 2, 5], dtype=torch.int32), 3, 0.5)
+    assert out is q and got == {"causal": True, "scale": 0.5}

@@ -127,9 +127,10 @@ def _causal_varlen(varlen: Callable[..., torch.Tensor], q: torch.Tensor, k: torc
 def _causal_fa4(flash: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
                 longest: int, scale: float | None) -> torch.Tensor:
     """Causal varlen attention of FlashAttention-4 over `[T, heads, d]` tensors: grouped key/value heads go in as
-    they are (FA4 packs the query heads of a group itself), `longest` as the host int it is."""
-    out = flash(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-                softmax_scale=scale, causal=True)
+    they are (FA4 packs the query heads of a group itself), `longest` as the host int it is, where this version's
+    function takes it (transformers checks the same: not every FA4 release has max_seqlen parameters)."""
+    lengths = {"max_seqlen_q": longest, "max_seqlen_k": longest} if "max_seqlen_q" in _parameters(flash) else {}
+    out = flash(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **lengths, softmax_scale=scale, causal=True)
     return out[0] if isinstance(out, tuple) else out  # (out, lse) from the 4.0 betas
 
 

@@ -6,8 +6,9 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 * `RunState`: what a checkpoint must restore (step, stage, meter totals, pending losses, patience, stage lengths,
   Adam update counts, last metrics), written to and read from meta.json as one object (`to_meta` / `from_meta`),
   so a resume cannot forget a field.
-* `run_step`: global-batch selection, micro-batches, forward/backward with the loss normalised over the global
-  batch, the one all-reduce (loss, preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
+* `run_step`: global-batch selection, micro-batches (each copied to the device while the one before it computes,
+  `prefetched`), forward/backward with the loss normalised over the global batch, the one all-reduce (loss,
+  preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
 * `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
   the checkpoint, the preemption exit.
 
@@ -21,6 +22,8 @@ Host syncs (a device value read on the host stalls a GPU's queue; tests/train/te
 * logging steps: the meter's one reduction (tokens, FLOPs, samples) and the peak-memory max, read back, and the
   gradient norm as a float; evaluation steps: the summed eval loss and token count; stage ends and checkpoints: the
   token count (`Run.tokens_now`). Token and FLOP counts are host arithmetic on the known lengths.
+* never: a host-to-device copy. The loader leaves batches on the host, pinned on CUDA, and `prefetched` copies them
+  without blocking (a blocking copy waits for the device's whole queue, the previous step's backward included).
 """
 
 from __future__ import annotations
