@@ -48,6 +48,7 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
     "unfused": (False, {"fused_layers": "none"}),  # the model's own RMSNorm, RoPE, SwiGLU where auto fuses (CUDA)
     "fused_lora": (False, {}),  # lora.fused: on (LORA_KEYS), against no_grad_ckpt's PEFT layers
+    "torch_varlen": (False, {"attn_implementation": "sdpa"}),  # torch's varlen kernel where auto took FA4 / flash-attn
 }
 LORA_KEYS: dict[str, dict[str, Any]] = {"fused_lora": {"fused": "on"}}
 """Recipe `lora` keys a variant sets over the benchmark's (r16 all-linear)."""

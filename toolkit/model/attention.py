@@ -364,7 +364,8 @@ def choose_attention(requested: str) -> str:
         else:
             requested = "flash_attention_2" if flash2 and torch.cuda.is_available() else "sdpa"
             if _installed(FA4_DISTRIBUTION):
-                log.info("attention: FlashAttention-4 not used: %s", fa4_why)
+                # Not "attention: ...": bench/gpu_qwen3_8b.py reads the kernel from that line.
+                log.info("FlashAttention-4 is installed but not used: %s", fa4_why)
     kernel = RECIPE_TO_KERNEL[requested]
     torch_varlen = torch.cuda.is_available() and _varlen_attn() is not None
     packed_rows = {FA4_PACKED: "FlashAttention-4 varlen in 16-bit, else sdpa per sample",
