@@ -25,7 +25,7 @@ class Process:
     num_processes = WORLD
 
     def __init__(self, rank: int) -> None:
-        self.rank = rank
+        self.rank = self.process_index = rank
 
     def prepare_data_loader(self, loader: Any, device_placement: bool | None = None) -> Any:
         assert device_placement is False  # batches stay on the host: the loop copies them (toolkit/train/loop.py)
