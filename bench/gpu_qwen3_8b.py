@@ -48,6 +48,7 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
     "unfused": (False, {"fused_layers": "none"}),  # the model's own RMSNorm, RoPE, SwiGLU where auto fuses (CUDA)
     "fused_lora": (False, {}),  # lora.fused: on (LORA_KEYS), against no_grad_ckpt's PEFT layers
+    "torch_varlen": (False, {"attn_implementation": "sdpa"}),  # torch's varlen kernel where auto took FA4 / flash-attn
 }
 LORA_KEYS: dict[str, dict[str, Any]] = {"fused_lora": {"fused": "on"}}
 """Recipe `lora` keys a variant sets over the benchmark's (r16 all-linear)."""
@@ -122,7 +123,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     profile_file = args.out / f"{name}-profile.json"
     if profile:
         env |= {"PROFILE_STEP": str(args.warmup + args.steps + 1), "PROFILE_OUT": str(profile_file),
-                "PROFILE_VOCAB": str(args.vocab)}
+                "PROFILE_VOCAB": str(args.vocab), "PROFILE_OVERLAP": "0" if args.no_overlap else "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     if proc.returncode != 0:
         return {"status": "failed", "returncode": proc.returncode, "log_tail": proc.stderr[-3000:]}
@@ -143,6 +144,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
         "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
         "padding_fraction": sum(r["padding_fraction"] for r in timed) / len(timed),
         "final_loss": timed[-1]["loss"],
+        "copy_overlap": not (profile and args.no_overlap),
         "profile": json.loads(profile_file.read_text()) if profile and profile_file.is_file() else None,
     }
 
@@ -174,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="what to run, in order (default: without and with gradient checkpointing)")
     parser.add_argument("--profile", action="store_true",
                         help="profile two more steps of the first variant (bench/profile_step.py), untimed")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="with --profile: the profiled variant copies its micro-batches in turn, blocking, before "
+                        "each forward (PROFILE_OVERLAP=0), its timed steps too: run with and without to compare the "
+                        "idle share")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak for MFU (default: looked up from the GPU's name)")
     args = parser.parse_args(argv)

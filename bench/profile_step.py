@@ -1,14 +1,21 @@
 """train_curriculum.py with a window of optimizer steps under torch.profiler: where one step's time goes.
 
     accelerate launch ... bench/profile_step.py --config recipe.yaml     # PROFILE_STEP, PROFILE_OUT, PROFILE_VOCAB
+    PROFILE_OVERLAP=0 accelerate launch ... bench/profile_step.py ...      # the micro-batch copies in turn
 
 The run is the product's own (same recipe, same launch); only `run_step` is wrapped. Steps PROFILE_STEP and
 PROFILE_STEP + 1 (1-based, optimizer steps) are recorded, so the window holds the code between two steps too
 (metrics, the next batch). PROFILE_OUT receives a JSON summary: the window's wall time, the device's busy time
-(the union of its kernels) and longest idle gap, the top operators by the device time of the kernels they launched,
-the attention kernels, and the share of the loss head (every operator with an input of the vocabulary's width,
-PROFILE_VOCAB: its matmuls forward and backward, softmax, cross-entropy), each share over the busy time.
-bench/gpu_qwen3_8b.py --profile runs it and excludes the two steps from its timings.
+(the union of its kernels), its idle share (1 - busy / wall: the time the GPU waited for the host) and longest idle
+gap, the top operators by the device time of the kernels they launched, the attention kernels, and the share of the
+loss head (every operator with an input of the vocabulary's width, PROFILE_VOCAB: its matmuls forward and backward,
+softmax, cross-entropy), each share over the busy time.
+
+PROFILE_OVERLAP (default 1) switches the loop's micro-batch copies (toolkit/train/loop.py `OVERLAP_COPIES`): 1, the
+next micro-batch copied on a side stream while the current one computes, non-blocking; 0, each copied just before its
+forward, blocking (what the loop did before). The idle share of the two, on one machine, is what the overlap saves.
+It holds for the whole process, the steps outside the window too.
+bench/gpu_qwen3_8b.py --profile runs it and excludes the two steps from its timings (--no-overlap: PROFILE_OVERLAP=0).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import train_curriculum  # noqa: E402
+from toolkit.train import loop  # noqa: E402
 
 ATTENTION_WORDS = ("flash", "fmha", "attention", "varlen", "sdpa", "cudnn_attn")
 
@@ -76,6 +84,8 @@ def summarise(prof: torch.profiler.profile, wall_s: float, vocab: int, top: int 
         "window_steps": 2, "wall_s": wall_s,
         "time_basis": "device" if kernels else "cpu (no GPU kernels)",
         "device_busy_s": busy_us / 1e6, "device_busy_share": busy_us / 1e6 / wall_s if kernels else None,
+        "device_idle_share": 1 - busy_us / 1e6 / wall_s if kernels else None,
+        "copy_overlap": loop.OVERLAP_COPIES,
         "longest_idle_gap_ms": max(gaps, default=0.0) / 1e3, "idle_gaps_over_1ms": sum(g > 1e3 for g in gaps),
         "top_ops": [{"name": e.key, "device_ms": self_us(e) / 1e3, "share": self_us(e) / total_us,
                      "calls": e.count} for e in sorted(ops, key=lambda e: -self_us(e))[:top]],
@@ -88,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     first = int(os.environ["PROFILE_STEP"])
     out = Path(os.environ["PROFILE_OUT"])
     vocab = int(os.environ["PROFILE_VOCAB"])
+    loop.OVERLAP_COPIES = os.environ.get("PROFILE_OVERLAP", "1") != "0"
     run_step = train_curriculum.run_step
     state: dict[str, Any] = {"calls": 0}
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -28,7 +28,8 @@ class Process:
     def __init__(self, rank: int) -> None:
         self.rank = self.process_index = rank
 
-    def prepare_data_loader(self, loader: Any) -> Any:
+    def prepare_data_loader(self, loader: Any, device_placement: bool | None = None) -> Any:
+        assert device_placement is False  # batches stay on the host: the loop copies them (toolkit/train/loop.py)
         return prepare_data_loader(loader, num_processes=WORLD, process_index=self.rank, put_on_device=False)
 
 

@@ -205,6 +205,7 @@ case("data-images-text-model")(lambda c: c.train(rows=[dict(CHAT, images=["image
 case("unknown-builtin")(lambda c: c.train("model.name_or_path=builtin:tiny-llama"))
 case("model-dir-missing")(lambda c: c.train("model.name_or_path=./models/nope"))
 case("flash-attn-missing")(lambda c: c.train("model.attn_implementation=flash_attention_2"))
+case("flash4-missing")(lambda c: c.train("model.attn_implementation=flash4"))
 case("fused-layers-without-gpu")(lambda c: c.train("model.fused_layers=liger"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
 

@@ -1,8 +1,8 @@
 """bench/gpu_qwen3_8b.py --tiny, end to end on CPU (fast suite): the GPU benchmark's pipeline with the GPU run's
 settings (bf16 base under bf16 mixed precision, LoRA, packed rows through the kernel `auto` picks, the chunked
 loss head, MFU against a given peak), without and with gradient checkpointing, metrics read back, and the first
-variant's profiled window (bench/profile_step.py, operator CPU time standing in for the GPU's), so that a first run
-on a GPU only measures."""
+variant's profiled window (bench/profile_step.py, operator CPU time standing in for the GPU's; with the micro-batch
+copies in turn, --no-overlap), so that a first run on a GPU only measures."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.conftest import REPO, run_env
 
 def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_qwen3_8b.py"), "--tiny", "--steps", "2",
-                           "--warmup", "1", "--peak-tflops", "1", "--out", str(tmp_path), "--profile"], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=600)
+                           "--warmup", "1", "--peak-tflops", "1", "--out", str(tmp_path), "--profile",
+                           "--no-overlap"], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     summary = json.loads(proc.stdout)
     variants = summary["variants"]
@@ -31,6 +31,8 @@ def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
     profile = variants["no_grad_ckpt"]["profile"]  # two untimed steps after the timed ones
     assert variants["grad_ckpt"]["profile"] is None and profile["time_basis"].startswith("cpu")
     assert profile["wall_s"] > 0 and len(profile["top_ops"]) == 15 and profile["vocab"] == 1024
+    assert profile["device_idle_share"] is None and profile["copy_overlap"] is False  # no GPU; --no-overlap
+    assert variants["no_grad_ckpt"]["copy_overlap"] is False and variants["grad_ckpt"]["copy_overlap"] is True
     assert 0 < profile["loss_head_share"] < 1  # the head's matmuls and cross-entropy, found by the vocab width
     assert any("attention" in op["name"] for op in profile["attention_kernels"]), profile["attention_kernels"]
     assert Path(summary["results_file"]).parent == tmp_path and Path(summary["results_file"]).is_file()

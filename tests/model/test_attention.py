@@ -5,7 +5,9 @@
   trailing dims (the stock sdpa path, checked alongside, builds exactly such a mask).
 * a flash kernel (a fake one registered through transformers' AttentionInterface, with transformers' flash mask)
   gets the collator's boundaries, `cu_seq_lens_q/k` and int `max_length_q/k`, after the loop's device move.
-* the varlen branch (CUDA only) gets [T, heads, d] tensors, int32 offsets, int lengths, causal window, enable_gqa.
+* the varlen branch (CUDA only) gets [T, heads, d] tensors, int32 offsets, int lengths, causal window, enable_gqa;
+  fa4_packed's (FlashAttention-4, stood in for) the same in FA4's names, its key/value heads not repeated.
+* `choose_attention`: auto takes the fastest kernel that runs; one that cannot run here is refused in one line.
 * the loss and gradients of a packed batch equal the padded batch's (tests/data/test_packing.py, every kernel).
 """
 
@@ -26,8 +28,9 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from toolkit.builtin.text_model import write_tiny_qwen3
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator, flash_boundaries
+from toolkit.errors import ToolkitError
 from toolkit.model import attention
-from toolkit.model.attention import EAGER_PACKED, SDPA_PACKED, check_packing_support, choose_attention
+from toolkit.model.attention import EAGER_PACKED, FA4_PACKED, SDPA_PACKED, check_packing_support, choose_attention
 from toolkit.model.load import enable_gradient_checkpointing
 from toolkit.train.loop import to_device
 
@@ -236,20 +239,112 @@ def test_flash_boundaries() -> None:
         flash_boundaries(torch.tensor([[1, 2, 0]]))
 
 
+def installed(monkeypatch: pytest.MonkeyPatch, *distributions: str) -> None:
+    monkeypatch.setattr(attention, "_installed", lambda name: name in distributions)
+
+
+def gpu(monkeypatch: pytest.MonkeyPatch, major: int, name: str = "NVIDIA H100 80GB HBM3") -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
 def test_auto_takes_the_best_exact_kernel(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """FlashAttention-4 > flash-attn 2 > torch's varlen (sdpa_packed on CUDA) > sdpa per span, each where it runs."""
+    installed(monkeypatch)
     with caplog.at_level(logging.INFO, logger="toolkit.model.attention"):
         assert choose_attention("auto") == SDPA_PACKED  # no flash-attn, no CUDA here
     assert "attention: sdpa_packed (packed rows: sdpa per sample, no T x T mask)" in caplog.text
     assert choose_attention("sdpa") == SDPA_PACKED and choose_attention("eager") == EAGER_PACKED
-    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
-    assert choose_attention("auto") == SDPA_PACKED  # flash-attn without CUDA: not usable
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert choose_attention("auto") == "flash_attention_2"
-    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
+    installed(monkeypatch, "flash-attn", "flash-attn-4")
+    assert choose_attention("auto") == SDPA_PACKED  # flash-attn and FA4 without CUDA: not usable
+    gpu(monkeypatch, 8, "NVIDIA A100-SXM4-80GB")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="toolkit.model.attention"):
+        assert choose_attention("auto") == "flash_attention_2"  # FA4 is not for sm80
+    assert "FlashAttention-4 is installed but not used: FlashAttention-4 runs on sm90 (Hopper) and sm100 " \
+           "(Blackwell) GPUs; NVIDIA A100-SXM4-80GB is sm80" in caplog.text
+    monkeypatch.setattr(attention, "_fa4_varlen", lambda: per_span_sdpa)  # the package's import, stood in for
+    for major in (9, 10):
+        gpu(monkeypatch, major)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="toolkit.model.attention"):
+            assert choose_attention("auto") == choose_attention("flash4") == FA4_PACKED
+        assert "attention: fa4_packed (packed rows: FlashAttention-4 varlen in 16-bit" in caplog.text
+    installed(monkeypatch)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="toolkit.model.attention"):
         assert choose_attention("auto") == SDPA_PACKED
-    assert "PyTorch varlen flash in 16-bit" in caplog.text
+    assert "PyTorch varlen flash in 16-bit" in caplog.text and "FlashAttention-4" not in caplog.text
+
+
+@pytest.mark.parametrize(("requested", "machine", "message"), [
+    ("flash4", "cpu", "model.attn_implementation is flash4 but flash-attn-4 is not installed: pip install "
+                      "'curriculum-toolkit[flash4]' (sm90 / sm100 GPUs); or use auto or sdpa."),
+    ("flash4", "cpu+fa4", "model.attn_implementation is flash4 but FlashAttention-4 needs a CUDA GPU (sm90 Hopper or "
+                          "sm100 Blackwell) and there is none; or use auto or sdpa."),
+    ("flash4", "sm80+fa4", "model.attn_implementation is flash4 but FlashAttention-4 runs on sm90 (Hopper) and sm100 "
+                           "(Blackwell) GPUs; NVIDIA A100 is sm80; or use auto or sdpa."),
+    ("flash4", "sm90+broken-fa4", "model.attn_implementation is flash4 but flash-attn-4 is installed but does not "
+                                  "import (No module named 'cutlass'); reinstall it; or use auto or sdpa."),
+    ("flash_attention_2", "cpu", "model.attn_implementation is flash_attention_2 but flash-attn is not installed"),
+    ("flash_attention_2", "cpu+fa2", "model.attn_implementation is flash_attention_2 but there is no CUDA device: "
+                                     "use auto or sdpa."),
+])
+def test_a_kernel_that_cannot_run_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch, requested: str,
+                                                         machine: str, message: str) -> None:
+    installed(monkeypatch, *[name for name, mark in (("flash-attn-4", "fa4"), ("flash-attn", "fa2"))
+                             if mark in machine])
+    if machine.startswith("sm"):
+        gpu(monkeypatch, int(machine[2]), "NVIDIA A100")
+
+    def broken() -> None:
+        raise ModuleNotFoundError("No module named 'cutlass'")
+
+    monkeypatch.setattr(attention, "_fa4_varlen", broken if "broken" in machine else lambda: per_span_sdpa)
+    with pytest.raises(ToolkitError) as refused:
+        choose_attention(requested)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_fa4_gets_packed_rows_in_flash_layout(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fa4_packed hands packed rows to FlashAttention-4's varlen function (a CPU stand-in that records its
+    arguments): [T, heads, d] with the key/value heads not repeated, the collator's int32 offsets on the query's
+    device, max_seqlen a host int, causal. The loss equals sdpa_packed's per-span one; unpacked rows never reach it."""
+    calls: list[dict[str, Any]] = []
+
+    def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None
+                               = None, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                               max_seqlen_k: int | None = None, softmax_scale: float | None = None,
+                               causal: bool = False, **rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "cu_q": cu_seqlens_q, "cu_k": cu_seqlens_k,
+                      "max": (max_seqlen_q, max_seqlen_k), "causal": causal, "rest": rest, "device": q.device})
+        out = per_span_sdpa(q, k, v, cu_seqlens_q, scale=softmax_scale, is_causal=causal, enable_gqa=True)
+        return out, torch.zeros(q.shape[1], q.shape[0])  # (out, lse), as flash-attn-4 returns them
+
+    batch = to_device(packed_batch(), torch.device("cpu"))
+    expected = train_step(load(model_dir, SDPA_PACKED), batch)
+    monkeypatch.setattr(attention, "_fa4_varlen", lambda: flash_attn_varlen_func)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: pytest.fail("torch's varlen ran instead of FA4"))
+    monkeypatch.setattr(attention, "varlen_runs", lambda query, dropout: True)  # CUDA, 16-bit
+    model = load(model_dir, FA4_PACKED)
+    torch.testing.assert_close(train_step(model, batch), expected, rtol=1e-6, atol=1e-6)
+    tokens, head_dim = sum(LENGTHS), model.config.head_dim
+    offsets = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    assert len(calls) == model.config.num_hidden_layers
+    for call in calls:
+        assert call["q"] == (tokens, HEADS, head_dim) and call["k"] == (tokens, KV_HEADS, head_dim)
+        assert call["cu_q"] is call["cu_k"] and call["cu_q"].dtype == torch.int32
+        assert call["cu_q"].device == call["device"] and call["cu_q"].tolist() == offsets
+        assert type(call["max"][0]) is int and call["max"] == (max(LENGTHS), max(LENGTHS))
+        assert call["causal"] and not call["rest"]
+
+    calls.clear()  # a padded batch: the stock sdpa path, FA4 never called
+    padded = {"input_ids": torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+              "labels": torch.tensor([[IGNORE_INDEX, 6, 7, IGNORE_INDEX], [IGNORE_INDEX, 9, 10, 11]])}
+    torch.testing.assert_close(train_step(model, padded), train_step(load(model_dir, "sdpa"), padded), rtol=0, atol=0)
+    assert not calls
 
 
 def test_unpacked_batches_run_stock_sdpa_to_the_bit(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,3 +367,20 @@ def test_unpacked_batches_run_stock_sdpa_to_the_bit(model_dir: Path, monkeypatch
     assert spy.calls[:half] == spy.calls[half:]
     for (loss, grads), (loss2, grads2) in zip(results["sdpa"], results[SDPA_PACKED], strict=True):
         assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2, strict=True))
+
+
+def test_fa4_without_max_seqlen_parameters_is_not_handed_them() -> None:
+    """Not every FlashAttention-4 release takes max_seqlen_q/k (transformers checks for them too): such a version
+    is called without them, and its (out, lse) pair gives the output."""
+    got: dict[str, Any] = {}
+
+    def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, softmax_scale: float | None = None,
+                               causal: bool = False) -> tuple[torch.Tensor, None]:
+        got.update(causal=causal, scale=softmax_scale)
+        return q, None
+
+    q = torch.randn(5, HEADS, 8)
+    out = attention._causal_fa4(flash_attn_varlen_func, q, q[:, :KV_HEADS], q[:, :KV_HEADS],
+                                torch.tensor([0, 2, 5], dtype=torch.int32), 3, 0.5)
+    assert out is q and got == {"causal": True, "scale": 0.5}

@@ -1,5 +1,6 @@
 """The loop's units alone, in this process: the run state's meta.json round trip, one step against a loss computed
-by hand, and the order of the after-step events (a stage end at a checkpoint step)."""
+by hand, the order of the after-step events (a stage end at a checkpoint step), and the host-to-device copies of the
+micro-batches (non-blocking from pinned memory, the next one issued before the current forward)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from toolkit.metrics.log import read_metrics
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
-from toolkit.train import setup
+from toolkit.train import loop, setup
 from toolkit.train.loop import Run, RunState, after_step, enter_stage, evaluate_stage, run_step
 from toolkit.train.optimizer import build_optimizer
 
@@ -243,3 +245,61 @@ def test_a_signal_during_an_eval_stops_the_run_at_that_step(tmp_path: Path) -> N
     assert after_step(run, stage, 0, 1, result) == PREEMPTED_EXIT_CODE
     assert [c.name for c in committed_checkpoints(run.manager.root)] == ["step-00000001"]
 
+
+
+def test_to_device_copies_pinned_tensors_without_blocking_and_keeps_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pinned tensor (the loader pins on CUDA) is copied with non_blocking=True, any other blocking; the packed
+    row's max lengths stay Python ints. (This torch has no pinned memory without a GPU: `is_pinned` stands in.)"""
+    pinned, pageable = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 1]])
+    copies: list[tuple[torch.Tensor, bool]] = []
+    real_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        copies.append((self, kwargs.get("non_blocking", False)))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self is pinned)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    moved = loop.to_device({"input_ids": pinned, "attention_mask": pageable, "max_length_q": 3},
+                           torch.device("cpu"))
+    assert [(t is pinned, blocking) for t, blocking in copies] == [(True, True), (False, False)]
+    assert type(moved["max_length_q"]) is int and moved["input_ids"] is pinned
+
+
+def copies_and_forwards(run: Run, monkeypatch: pytest.MonkeyPatch, steps: int) -> tuple[list[str], list[Any]]:
+    """The order of the loop's host-to-device copies and forwards over `steps` optimizer steps (`c<j>` / `f<j>`, j
+    the micro-batch by first appearance), and the steps' results."""
+    seen: list[torch.Tensor] = []
+    events: list[str] = []
+    real = loop.to_device
+
+    def label(kind: str, ids: torch.Tensor) -> None:
+        if not any(ids is s for s in seen):
+            seen.append(ids)
+        events.append(f"{kind}{next(i for i, s in enumerate(seen) if s is ids)}")
+
+    def to_device(batch: dict[str, Any], device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        label("c", batch["input_ids"])
+        return real(batch, device, **kwargs)
+
+    monkeypatch.setattr(loop, "to_device", to_device)
+    run.model.register_forward_pre_hook(lambda _m, _a, kwargs: label("f", kwargs["input_ids"]), with_kwargs=True)
+    stage = run.curriculum.stages[0]
+    enter_stage(run, stage, 0)
+    results = [run_step(run, stage, step, step) for step in range(steps)]
+    return events, results
+
+
+def test_the_next_micro_batch_is_copied_before_the_current_forward(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batch j + 1's copy is issued before micro-batch j's forward (on CUDA it runs on a side stream while j
+    computes); the losses and gradient norms are those of copying each batch just before its forward, to the bit."""
+    overrides = ("train.grad_accum=3", "train.micro_batch_size=1", "stages.0.max_steps=2", "data.packing=true",
+                 "data.max_seq_len=96")
+    events, overlapped = copies_and_forwards(build_run(tmp_path / "a", *overrides), monkeypatch, steps=2)
+    assert events == ["c0", "c1", "f0", "c2", "f1", "f2", "c3", "c4", "f3", "c5", "f4", "f5"]
+    monkeypatch.setattr(loop, "OVERLAP_COPIES", False)
+    events, in_turn = copies_and_forwards(build_run(tmp_path / "b", *overrides), monkeypatch, steps=2)
+    assert events == ["c0", "f0", "c1", "f1", "c2", "f2", "c3", "f3", "c4", "f4", "c5", "f5"]
+    for a, b in zip(overlapped, in_turn, strict=True):
+        assert a.loss == b.loss and torch.equal(torch.as_tensor(a.grad_norm), torch.as_tensor(b.grad_norm))

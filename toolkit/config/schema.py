@@ -31,9 +31,12 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype; auto = bfloat16 on a bf16-capable GPU, else float32."
     )
-    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
-        "auto", description="auto = flash_attention_2 when flash-attn is importable and on CUDA, else sdpa (run as "
-        "the toolkit's sdpa_packed: packed rows attend per sample span, no T x T mask; toolkit/model/attention.py)."
+    attn_implementation: Literal["auto", "flash4", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="auto = the fastest exact kernel present: flash4 on an sm90 / sm100 GPU with flash-attn-4, "
+        "else flash_attention_2 when flash-attn is installed and on CUDA, else sdpa (run as the toolkit's sdpa_packed: "
+        "packed rows through torch's varlen kernel on CUDA, per sample span elsewhere, no T x T mask). flash4 = "
+        "FlashAttention-4 for packed rows (the flash4 extra; toolkit/model/attention.py). A kernel that cannot run on "
+        "the machine is refused."
     )
     gradient_checkpointing: bool | Annotated[int, Field(ge=1)] = Field(
         False, description="Recompute activations in backward (non-reentrant): true for every decoder layer, or N for "

@@ -1,6 +1,6 @@
 """Batches: a stage's micro-batches through a `torch.utils.data.DataLoader`, prepared by accelerate, built by worker
-processes with prefetch (and pinned memory on CUDA), while which samples a step sees stays a pure function of the
-step.
+processes with prefetch (and pinned memory on CUDA, left on the host for the loop's own copies), while which samples
+a step sees stays a pure function of the step.
 
 `StepBatchSampler` yields, for every step of a stage from a given step on, the step's global batch
 (`StageSampler.batch`, sorted by length with `data.group_by_length`) cut into `world x grad_accum` micro-batches in
@@ -137,10 +137,13 @@ def _quiet_when_the_trainer_hangs_up(exc_type: type[BaseException], exc: BaseExc
 def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: StepBatchSampler,
                  collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *, num_workers: int, seed: int,
                  place: sequence_parallel.Layout | None = None) -> Any:
-    """A DataLoader over the stage's rows, prepared by accelerate (its batch sampler sharded over processes,
-    batches placed on the device). Its own generator (seeded by `seed`) gives the workers' base seed: without one,
-    each new iterator draws it from the global torch RNG, so a loader started at a resume would shift the stream
-    (dropout masks) against the uninterrupted run, whose loader started at the stage's first step.
+    """A DataLoader over the stage's rows, prepared by accelerate (its batch sampler sharded over processes).
+    Batches stay on the host, pinned on CUDA: the training loop copies each to the device itself, without blocking,
+    while the micro-batch before it computes (`toolkit.train.loop.prefetched`); accelerate's placement would copy a
+    step's micro-batches at once, each copy waiting for the device's queue to drain. Its own generator (seeded by
+    `seed`) gives the workers' base seed: without one, each new iterator draws it from the global torch RNG, so a
+    loader started at a resume would shift the stream (dropout masks) against the uninterrupted run, whose loader
+    started at the stage's first step.
 
     Under Ulysses (`place` with sp_size > 1) the sampler is sharded over data-parallel replicas: the processes of
     a sequence-parallel group get the same micro-batches, and each trains its slice of their tokens."""
@@ -149,10 +152,10 @@ def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: Step
                         generator=torch.Generator().manual_seed(seed),
                         worker_init_fn=_init_loader_worker if num_workers else None)
     if place is None or not place.sequence_parallel:
-        return accelerator.prepare_data_loader(loader)
+        return accelerator.prepare_data_loader(loader, device_placement=False)
     # accelerate shards over every process (DeepSpeed's Ulysses builds no device mesh it could read replicas from)
     return prepare_data_loader(loader, accelerator.device, num_processes=place.dp_size, process_index=place.dp_rank,
-                               put_on_device=True, rng_types=accelerator.rng_types.copy(),
+                               put_on_device=False, rng_types=accelerator.rng_types.copy(),
                                even_batches=accelerator.even_batches, non_blocking=accelerator.non_blocking)
 
 

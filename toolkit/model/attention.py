@@ -14,6 +14,13 @@ computed over the whole row. So the toolkit registers its own kernels through tr
   the stock mask, unchanged to the bit.
 * ``eager_packed``: the same span split around the model's own eager attention (a causal mask per span); the
   exact reference, for tests.
+* ``fa4_packed``: ``sdpa_packed`` with FlashAttention-4 (the `flash-attn-4` package, `flash_attn.cute`, compiled
+  just in time for sm90 / sm100) as the varlen kernel of packed rows, called directly with the collator's
+  boundaries. Not through torch's `activate_flash_attention_impl("FA4")`: that swaps the flash kernels of every
+  sdpa call in the process, and raises instead of falling back where FA4 cannot run (dropout, an unsupported
+  head size); here everything but a packed row keeps the stock sdpa path. Not transformers' `flash_attention_4`
+  either, which runs every batch (padded evals, generation) through FA4. No "flash" in the name: transformers
+  treats such names as flash kernels of its own.
 * ``flash_attention_2`` is transformers' own and already varlen: it gets the boundaries from the batch.
 
 The boundaries come with the batch: the packing collator adds `cu_seq_lens_q/k` (int32 offsets) and
@@ -23,14 +30,16 @@ builds the mask (one host read per forward, `masking_utils.find_packed_sequence_
 functions turn what it finds into the marker `PACKED_ROW` instead of a T x T mask. Without collator boundaries (a
 packed row built elsewhere) the kernels read the restarts off `position_ids`, once per forward.
 
-`model.attn_implementation: auto` takes the best exact kernel available: flash_attention_2 on CUDA with flash-attn,
-else ``sdpa_packed``; `sdpa` and `eager` name the toolkit's kernels too (identical on unpacked batches).
+`model.attn_implementation: auto` takes the fastest exact kernel present: ``fa4_packed`` (flash4) on an sm90 / sm100
+GPU with flash-attn-4, else flash_attention_2 on CUDA with flash-attn, else ``sdpa_packed`` (torch's varlen kernel on
+CUDA, sdpa per span elsewhere); `sdpa` and `eager` name the toolkit's kernels too (identical on unpacked batches). A
+recipe that names a kernel this machine cannot run is refused in one line (`choose_attention`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib.metadata
 import inspect
 import itertools
 import logging
@@ -50,7 +59,11 @@ log = logging.getLogger(__name__)
 
 SDPA_PACKED = "sdpa_packed"
 EAGER_PACKED = "eager_packed"
-RECIPE_TO_KERNEL = {"sdpa": SDPA_PACKED, "eager": EAGER_PACKED, "flash_attention_2": "flash_attention_2"}
+FA4_PACKED = "fa4_packed"
+RECIPE_TO_KERNEL = {"sdpa": SDPA_PACKED, "eager": EAGER_PACKED, "flash_attention_2": "flash_attention_2",
+                    "flash4": FA4_PACKED}
+FA4_DISTRIBUTION = "flash-attn-4"  # installs the `flash_attn.cute` package (flash-attn, FA2, ships a `cute` folder too)
+FA4_MAJORS = (9, 10)  # compute capabilities FA4's kernels are written for: sm90 (Hopper), sm100 (Blackwell)
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -63,6 +76,27 @@ def _varlen_attn() -> Callable[..., torch.Tensor] | None:
     except ImportError:  # torch < 2.10
         return None
     return varlen_attn
+
+
+@functools.cache
+def _fa4_varlen() -> Callable[..., Any] | None:
+    """FlashAttention-4's varlen function, or None without flash-attn-4 (an installed package that fails to import
+    raises: `fa4_unavailable` reports it before a model loads)."""
+    if not _installed(FA4_DISTRIBUTION):
+        return None
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def _installed(distribution: str) -> bool:
+    """Whether a distribution is installed. By distribution, not import name: flash-attn (FA2) and flash-attn-4 both
+    install under `flash_attn`."""
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @functools.cache
@@ -88,6 +122,16 @@ def _causal_varlen(varlen: Callable[..., torch.Tensor], q: torch.Tensor, k: torc
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     return varlen(q, k, v, cu, cu, longest, longest, **options)
+
+
+def _causal_fa4(flash: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                longest: int, scale: float | None) -> torch.Tensor:
+    """Causal varlen attention of FlashAttention-4 over `[T, heads, d]` tensors: grouped key/value heads go in as
+    they are (FA4 packs the query heads of a group itself), `longest` as the host int it is, where this version's
+    function takes it (transformers checks the same: not every FA4 release has max_seqlen parameters)."""
+    lengths = {"max_seqlen_q": longest, "max_seqlen_k": longest} if "max_seqlen_q" in _parameters(flash) else {}
+    out = flash(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **lengths, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out  # (out, lse) from the 4.0 betas
 
 
 class _HostCache:
@@ -158,22 +202,27 @@ def _per_span(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch
     return torch.cat(outs, dim=1)
 
 
-def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa for every batch but a packed row; for a packed row, varlen (CUDA, 16-bit) or sdpa per
-    span with `is_causal` and `enable_gqa` (key/value heads are never repeated by hand)."""
+def _packed_or_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, kwargs: dict[str, Any],
+                    *, fa4: bool) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa for every batch but a packed row; for a packed row, a varlen kernel (CUDA, 16-bit: FA4 when
+    `fa4` and it is installed, else torch's) or sdpa per span with `is_causal` and `enable_gqa` (key/value heads are
+    never repeated by hand)."""
     packed = _packed_boundaries(query, key, attention_mask, kwargs)
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     cu, longest = packed
+    if varlen_runs(query, dropout):
+        flash = _fa4_varlen() if fa4 else None
+        varlen = _varlen_attn() if flash is None else None
+        if flash is not None or varlen is not None:
+            cu = cu.to(device=query.device, dtype=torch.int32)
+            q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, d]
+            out = (_causal_fa4(flash, q, k, v, cu, longest, scaling) if flash is not None
+                   else _causal_varlen(varlen, q, k, v, cu, longest, scaling))
+            return out.unsqueeze(0), None
     gqa = key.shape[1] != query.shape[1]
-    varlen = _varlen_attn()
-    if varlen is not None and varlen_runs(query, dropout):
-        cu = cu.to(device=query.device, dtype=torch.int32)
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, d]
-        return _causal_varlen(varlen, q, k, v, cu, longest, scaling).unsqueeze(0), None
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
@@ -181,6 +230,21 @@ def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
         return out.transpose(1, 2)
 
     return _per_span(attend, query, key, value, cu).contiguous(), None
+
+
+def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa for every batch but a packed row; a packed row through torch's varlen kernel (CUDA,
+    16-bit) or sdpa per span."""
+    return _packed_or_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs, fa4=False)
+
+
+def fa4_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`sdpa_packed_forward` with FlashAttention-4 as the varlen kernel of packed rows (CUDA, 16-bit)."""
+    return _packed_or_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs, fa4=True)
 
 
 def _model_eager(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:
@@ -245,7 +309,9 @@ def register_kernels() -> None:
     """Make the toolkit's kernels known to transformers (idempotent; before a model is loaded with one)."""
     AttentionInterface.register(SDPA_PACKED, sdpa_packed_forward)
     AttentionInterface.register(EAGER_PACKED, eager_packed_forward)
+    AttentionInterface.register(FA4_PACKED, fa4_packed_forward)
     AttentionMaskInterface.register(SDPA_PACKED, sdpa_packed_mask)
+    AttentionMaskInterface.register(FA4_PACKED, sdpa_packed_mask)  # the same masks: only packed rows differ
     AttentionMaskInterface.register(EAGER_PACKED, eager_packed_mask)
 
 
@@ -255,23 +321,57 @@ register_kernels()
 # ------------------------------------------------------------------------------------------- the choice
 
 
-def choose_attention(requested: str) -> str:
-    """The kernel a recipe's `model.attn_implementation` runs, logged with why.
+def fa4_unavailable() -> str | None:
+    """Why FlashAttention-4 cannot run in this process (one clause, with what to install or use), or None when it
+    can: flash-attn-4 installed and importable, a CUDA GPU of compute capability 9.x or 10.x."""
+    if not _installed(FA4_DISTRIBUTION):
+        return f"{FA4_DISTRIBUTION} is not installed: pip install 'curriculum-toolkit[flash4]' (sm90 / sm100 GPUs)"
+    if not torch.cuda.is_available():
+        return "FlashAttention-4 needs a CUDA GPU (sm90 Hopper or sm100 Blackwell) and there is none"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in FA4_MAJORS:
+        return (f"FlashAttention-4 runs on sm90 (Hopper) and sm100 (Blackwell) GPUs; {torch.cuda.get_device_name()} "
+                f"is sm{major}{minor}")
+    try:
+        _fa4_varlen()
+    except ImportError as e:  # a missing or mismatched dependency (nvidia-cutlass-dsl, cuda-bindings)
+        return f"{FA4_DISTRIBUTION} is installed but does not import ({e}); reinstall it"
+    return None
 
-    `auto`: flash_attention_2 when flash-attn is importable and CUDA is present (varlen by design), else
-    ``sdpa_packed`` (on CUDA its packed rows use PyTorch's varlen flash kernel in 16-bit; elsewhere sdpa per
-    sample span). `sdpa` / `eager` are the toolkit's span-exact versions of transformers' kernels.
+
+def choose_attention(requested: str) -> str:
+    """The kernel a recipe's `model.attn_implementation` runs, logged with why; a kernel that cannot run here is
+    refused in one line (before the weights load).
+
+    `auto`: the fastest exact kernel present, FlashAttention-4 (``fa4_packed``) on an sm90 / sm100 GPU with
+    flash-attn-4, else flash_attention_2 when flash-attn is installed and CUDA is present (varlen by design), else
+    ``sdpa_packed`` (on CUDA its packed rows use PyTorch's varlen flash kernel in 16-bit; elsewhere sdpa per sample
+    span). `sdpa` / `eager` are the toolkit's span-exact versions of transformers' kernels.
     """
-    flash = importlib.util.find_spec("flash_attn") is not None
-    if requested == "flash_attention_2" and not flash:
+    flash2 = _installed("flash-attn")
+    if requested == "flash_attention_2" and not flash2:
         raise ToolkitError("model.attn_implementation is flash_attention_2 but flash-attn is not installed: "
                            "pip install 'curriculum-toolkit[flash]' (needs CUDA), or use auto or sdpa.")
+    if requested == "flash_attention_2" and not torch.cuda.is_available():
+        raise ToolkitError("model.attn_implementation is flash_attention_2 but there is no CUDA device: use auto or "
+                           "sdpa.")
+    fa4_why = fa4_unavailable() if requested in ("auto", "flash4") else None
+    if requested == "flash4" and fa4_why is not None:
+        raise ToolkitError(f"model.attn_implementation is flash4 but {fa4_why}; or use auto or sdpa.")
     if requested == "auto":
-        requested = "flash_attention_2" if flash and torch.cuda.is_available() else "sdpa"
+        if fa4_why is None:
+            requested = "flash4"
+        else:
+            requested = "flash_attention_2" if flash2 and torch.cuda.is_available() else "sdpa"
+            if _installed(FA4_DISTRIBUTION):
+                # Not "attention: ...": bench/gpu_qwen3_8b.py reads the kernel from that line.
+                log.info("FlashAttention-4 is installed but not used: %s", fa4_why)
     kernel = RECIPE_TO_KERNEL[requested]
-    packed_rows = {"flash_attention_2": "flash-attn varlen",
-                   SDPA_PACKED: ("PyTorch varlen flash in 16-bit, else sdpa per sample"
-                                 if torch.cuda.is_available() and _varlen_attn() is not None else "sdpa per sample"),
+    torch_varlen = torch.cuda.is_available() and _varlen_attn() is not None
+    packed_rows = {FA4_PACKED: "FlashAttention-4 varlen in 16-bit, else sdpa per sample",
+                   "flash_attention_2": "flash-attn varlen",
+                   SDPA_PACKED: ("PyTorch varlen flash in 16-bit, else sdpa per sample" if torch_varlen
+                                 else "sdpa per sample"),
                    EAGER_PACKED: "eager per sample"}[kernel]
     log.info("attention: %s (packed rows: %s, no T x T mask)", kernel, packed_rows)
     return kernel
@@ -279,7 +379,7 @@ def choose_attention(requested: str) -> str:
 
 # Attention implementations that honour position-id restarts (see the module docstring).
 PACKING_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
-                               SDPA_PACKED, EAGER_PACKED})
+                               SDPA_PACKED, EAGER_PACKED, FA4_PACKED})
 
 
 def check_packing_support(model: torch.nn.Module) -> None:

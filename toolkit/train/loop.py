@@ -6,8 +6,9 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 * `RunState`: what a checkpoint must restore (step, stage, meter totals, pending losses, patience, stage lengths,
   Adam update counts, last metrics), written to and read from meta.json as one object (`to_meta` / `from_meta`),
   so a resume cannot forget a field.
-* `run_step`: global-batch selection, micro-batches, forward/backward with the loss normalised over the global
-  batch, the one all-reduce (loss, preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
+* `run_step`: global-batch selection, micro-batches (each copied to the device while the one before it computes,
+  `prefetched`), forward/backward with the loss normalised over the global batch, the one all-reduce (loss,
+  preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
 * `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
   the checkpoint, the preemption exit.
 
@@ -21,6 +22,8 @@ Host syncs (a device value read on the host stalls a GPU's queue; tests/train/te
 * logging steps: the meter's one reduction (tokens, FLOPs, samples) and the peak-memory max, read back, and the
   gradient norm as a float; evaluation steps: the summed eval loss and token count; stage ends and checkpoints: the
   token count (`Run.tokens_now`). Token and FLOP counts are host arithmetic on the known lengths.
+* never: a host-to-device copy. The loader leaves batches on the host, pinned on CUDA, and `prefetched` copies them
+  without blocking (a blocking copy waits for the device's whole queue, the previous step's backward included).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -198,10 +202,68 @@ def enter_stage(run: Run, stage: Stage, step: int) -> None:
              " (continued schedule)" if plan.schedule == "continue" else "")
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def to_device(batch: dict[str, Any], device: torch.device, *, non_blocking: bool | None = None) -> dict[str, Any]:
     """A collated batch on `device`: its tensors moved, its ints (the packed row's `max_length_q/k`, which the
-    attention kernels take as host ints) left as they are."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    attention kernels take as host ints) left as they are. A pinned tensor (the loader pins on CUDA) is copied
+    without blocking the host (`non_blocking=None`): a blocking copy waits for the whole queue, the previous step's
+    backward and update included, before the host may launch anything more."""
+    def move(value: torch.Tensor) -> torch.Tensor:
+        return value.to(device, non_blocking=value.is_pinned() if non_blocking is None else non_blocking)
+
+    return {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+OVERLAP_COPIES = True
+"""Copy micro-batch j + 1 to the device while micro-batch j computes (`prefetched`). bench/profile_step.py turns it
+off (PROFILE_OVERLAP=0) to measure what it saves; training keeps it on."""
+
+
+class _DeviceCopies:
+    """Host-to-device copies of micro-batches, on a side stream on CUDA so that they overlap the compute stream's
+    work. `issue` queues a batch's copy; `take` hands the batch to the compute stream, which waits for that copy on
+    the device (an event, not a host wait), and marks each tensor used by it (`record_stream`): the tensors were
+    allocated on the side stream, and the caching allocator must not give their memory away while the forward and
+    backward still read them. Off CUDA nothing is copied (`.to` returns the tensor itself) and nothing waits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def issue(self, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        if self.stream is None:
+            return to_device(batch, self.device), None
+        with torch.cuda.stream(self.stream):
+            moved = to_device(batch, self.device)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return moved, done
+
+    def take(self, issued: tuple[dict[str, Any], Any]) -> dict[str, Any]:
+        batch, done = issued
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            for value in batch.values():
+                if isinstance(value, torch.Tensor):
+                    value.record_stream(compute)
+        return batch
+
+
+def prefetched(micro: list[Any], device: torch.device, *, overlap: bool | None = None) -> Iterator[tuple[Any, ...]]:
+    """`micro`'s micro-batches (`(batch, *counts)` tuples, `toolkit.data.batching.MicroBatch`) with each batch on
+    `device`, micro-batch j + 1's copy issued before micro-batch j is handed out, i.e. before j's forward: the copy
+    runs while j computes, and the host never waits for a copy (`_DeviceCopies`). Off (`overlap` False, default
+    `OVERLAP_COPIES`): each batch copied, blocking, on the compute stream just before its forward, as before."""
+    if not (OVERLAP_COPIES if overlap is None else overlap):
+        for batch, *counts in micro:
+            yield (to_device(batch, device, non_blocking=False), *counts)
+        return
+    copies = _DeviceCopies(device)
+    issued = copies.issue(micro[0][0]) if micro else None
+    for j, (_, *counts) in enumerate(micro):
+        current = issued
+        issued = copies.issue(micro[j + 1][0]) if j + 1 < len(micro) else None
+        yield (copies.take(current), *counts)
 
 
 def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResult:
@@ -225,13 +287,13 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     # is then independent of how the batch is split. Strategies average gradients over ranks and
     # accumulation steps, hence the world x accum factor in num_items_in_batch. Under Ulysses every process
     # counts its slice's tokens (the sum counts each token once) and DeepSpeed may average over replicas only.
+    # Counted on the host batches (the loop moves each to the device itself), so the copy never blocks.
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
-    local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device)
+    local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device, non_blocking=True)
     items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (averaged * accum)
     local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
-    for j, (batch, lengths, label_tokens) in enumerate(micro):
-        batch = to_device(batch, acc.device)
+    for j, (batch, lengths, label_tokens) in enumerate(prefetched(micro, acc.device)):
         logits_for = None if run.recipe.model.loss_head == "standard" else label_tokens  # chunked / Liger heads
         # The processes of a Ulysses group share the row's FLOPs and samples: the sums count each once.
         flops = batch_train_flops(run.text_config, lengths, lora=run.recipe.lora.enabled,
