@@ -5,8 +5,9 @@
 * A stage's worth of packed micro-batches of varied packing (different token counts and sample counts) compiles
   once for all layers, not once per batch, nor once per layer (every layer's input needs a gradient, as under
   gradient checkpointing; without it the first layer is a second variant, once); and the compiled run's losses and
-  gradients equal the uncompiled ones (fp32). The compiler is Dynamo with a backend that counts the graphs it is handed and runs
-  them eagerly: what is counted is what inductor would be asked to compile.
+  gradients equal the uncompiled ones (fp32). The compiler is Dynamo with a backend that counts the graphs it is
+  handed and runs them eagerly: what is counted is what inductor would be asked to compile.
+* `train.compile` reaches build_model: the layers compiled in place, the boundaries fixed at the longest stage's row.
 * With the CUDA varlen branch (an exact CPU stand-in for the kernel, left out of the graph as the real custom op is
   not), the kernel receives the fixed boundaries: 32 offsets and the row length, every step.
 
@@ -25,13 +26,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from toolkit.builtin.models import materialize_builtin
 from toolkit.builtin.text_model import write_tiny_qwen3
+from toolkit.config.load import load_recipe
+from toolkit.config.stages import resolve_stages
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
 from toolkit.model import attention
 from toolkit.model.attention import EAGER_PACKED, SDPA_PACKED
-from toolkit.model.compile import SLOTS, FixedBoundaries, compile_layers, pad_boundaries
+from toolkit.model.compile import SLOTS, FixedBoundaries, compile_layers, decoder_layers, pad_boundaries
 from toolkit.model.load import apply_lora
+from toolkit.train.setup import build_model
 
 ROW = 64  # the stage's row length (data.max_seq_len)
 PACKINGS = ((20, 9, 30), (5, 60), (12, 12, 12, 12, 7), (33, 2, 17, 4))  # one micro-batch each: T and spans vary
@@ -140,3 +145,21 @@ def test_a_stage_compiles_once_per_layer_variant_and_trains_the_same(model_dir: 
     for b, loss in zip(inputs, expected, strict=True):
         torch.testing.assert_close(step(compiled, b)[0], loss, rtol=1e-6, atol=1e-6)
     assert calls == [(SLOTS, ROW, ROW)] * (2 * compiled.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("compile_on", [False, True])
+def test_the_recipe_key_compiles_the_built_models_layers(tmp_path: Path, compile_on: bool) -> None:
+    """`train.compile` reaches build_model: every decoder layer of the LoRA model compiled in place (parameter names
+    unchanged), the boundaries fixed at the longest stage's row; nothing compiled without it."""
+    recipe = load_recipe(None, [f"output_dir={tmp_path / 'run'}", "data.packing=true", "data.max_seq_len=96",
+                                "stages.0.max_seq_len=128", f"train.compile={str(compile_on).lower()}"])
+    resolved = resolve_stages(recipe)
+    model, _ = build_model(recipe, resolved, materialize_builtin(recipe.model.name_or_path, tmp_path / "cache"),
+                           vision=False)
+    decoder, layers = decoder_layers(model)
+    assert all((layer._compiled_call_impl is not None) == compile_on for layer in layers)
+    hooks = [h for h, _ in decoder._forward_pre_hooks_with_kwargs.items()]
+    fixed = [decoder._forward_pre_hooks[h] for h in hooks]
+    assert [f.row_length for f in fixed] == ([max(s.max_seq_len for s in resolved)] if compile_on else [])
+    assert max(s.max_seq_len for s in resolved) == 128
+    assert not any("_orig_mod" in name for name, _ in model.named_parameters())
