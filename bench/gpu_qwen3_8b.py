@@ -314,6 +314,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         for name in args.variants:
             variants[name] = run_variant(name, model_dir, data, work, args=args, profile=args.profile)
             print(f"variant {name}: {json.dumps(variants[name])}", file=sys.stderr, flush=True)
+            # Each row as it ends: a device session cut off by its time limit keeps the rows it finished.
+            (args.out / "rows-so-far.json").write_text(json.dumps(variants, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -336,6 +338,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
     summary["results_file"] = str(args.out / name)
     (args.out / name).write_text(json.dumps(summary, indent=2))
     (args.out / name).with_suffix(".md").write_text(markdown_rows(summary) + "\n")
+    (args.out / "rows-so-far.json").unlink(missing_ok=True)
     return summary
 
 

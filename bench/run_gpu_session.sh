@@ -8,15 +8,17 @@
 #   gpu8b.json / gpu8b.md   the bench's summary and table (bench/gpu_qwen3_8b.py)
 #   session.json            date, GPU, driver, CUDA, the Python packages that shape the numbers, the command
 #   bench.log               the bench's stderr (every row's progress, the losses check)
-# Sized for the 10-minute limit of one device command: about 30 s to write the random weights, then per row about
-# 40 s to load them and 3 + 8 + 2 steps (the compile row pays its compilation in the warm-up). BENCH_STEPS,
+#   rows-so-far.json        only when the bench was cut off: the rows it finished
+# Sized for the 10-minute limit of one device command: about a minute to write the random weights, then per row
+# about 40 s to start and load them and 3 + 6 + 2 optimizer steps of 2 x 4096 tokens (the compile row pays its
+# compilation in the warm-up); the skipped rows cost nothing. Give the command a 600 s timeout. BENCH_STEPS,
 # BENCH_WARMUP and BENCH_ROWS override the defaults; BENCH_EXTRA adds bench options (`--tiny --peak-tflops 1`
 # checks the script on a CPU).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 out_root=${1:-bench/results}
-steps=${BENCH_STEPS:-8}
+steps=${BENCH_STEPS:-6}
 warmup=${BENCH_WARMUP:-3}
 rows=${BENCH_ROWS:-default compile lora_fused_on lora_fused_off micro2 grad_ckpt fa4}
 extra=${BENCH_EXTRA:-}
