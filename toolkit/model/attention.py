@@ -128,6 +128,7 @@ def _from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`_FROM_POSITIONS`, out of any compiled layer: it reads position_ids back to the host."""
     return _FROM_POSITIONS(position_ids)
 
+
 PACKED_ROW = torch.empty(0)
 """The mask the toolkit's mask functions give a row whose position_ids restart: transformers has found the
 restarts itself (`find_packed_sequence_indices`, which then turns off `allow_is_causal_skip`), so the kernel splits

@@ -20,6 +20,9 @@ What keeps a stage to one compilation per layer variant:
   skips. So the kernel's arguments do not change shape or value within a run.
 * A layer whose input needs no gradient (the first one, after frozen embeddings, when gradient checkpointing does
   not make the embeddings' output require grad) is a second variant: a guard on `requires_grad`, once per run.
+  Loss evaluations (no grad, padded or packed rows) are further variants, each compiled once. Generation evals
+  with a KV cache may exceed Dynamo's recompile limit (the cache is indexed by layer) and then run those layers
+  eagerly: slower evals, the same results.
 
 What is not compiled: the CPU path of the packed-row attention splits the row at its sample boundaries with host
 values (`cu.tolist()`), which cannot be traced; that call is excluded with `torch.compiler.disable`
