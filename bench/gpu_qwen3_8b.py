@@ -1,20 +1,34 @@
 """GPU benchmark: the Qwen3-8B architecture (random weights), LoRA r16 on all linear layers, bf16, packed rows of
-4096 tokens, flash-attention 2 when installed (else sdpa_packed), without and with gradient checkpointing, one GPU.
+4096 tokens, one GPU; the default and each speed lever of issue 34 on and off, side by side in one invocation.
 
-    python bench/gpu_qwen3_8b.py [--steps 20] [--warmup 5] [--out bench/results]
+    python bench/gpu_qwen3_8b.py [--steps 20] [--warmup 5] [--out bench/results] [--profile]
     python bench/gpu_qwen3_8b.py --tiny     # the same pipeline on the tiny Qwen3, anywhere (what the tests run)
+    bash bench/run_gpu_session.sh           # a lent GPU: every row, profiled, recorded in bench/results/
+
+Rows (`ROWS`; `--variants` picks, in order): `default` (the toolkit's defaults), `compile` (`train.compile`),
+`lora_fused_on` / `lora_fused_off` (`lora.fused`, skipped with a note where the schema has no such key),
+`micro2` (micro batch 2 x 4096 instead of 1 x 4096 with 2 accumulation steps: the same rows per optimizer step),
+`grad_ckpt` (the checkpointed row), `fa4` (`model.attn_implementation: flash4`, skipped where flash-attn-4 is not
+installed), `torch_varlen` (torch's varlen kernel, `sdpa`, where `auto` took FA4 or flash-attn), and the older
+one-change rows `chunked_head`, `standard_head`, `unfused`. Every row trains the
+same data with the same global batch (2 rows of 4096 tokens per optimizer step), so the final losses must agree
+within bf16 noise (`LOSS_RTOL`); the summary says whether they do.
 
 --tiny runs the GPU run's settings (bf16 base, bf16 mixed precision, LoRA, packed rows through the attention
 kernel `auto` picks, the default loss head, MFU against --peak-tflops) on the tiny Qwen3, so a first run on a GPU
 only measures.
 
 What is measured is the product itself: `train_curriculum.py` under `accelerate launch` (one process), reading
-its own `metrics.jsonl`: non-pad tokens/s, MFU (toolkit/model/flops.py: 4N per token for LoRA plus causal attention,
-over the GPU's dense bf16 peak), peak memory and step time, averaged over the steps after `--warmup`. The random
-model is written to disk once (about 16 GB) so that the run loads it like any checkpoint. Writes
-`<out>/<YYYY-MM-DD>-<hostname>-gpu8b[-tiny].json` and prints a JSON summary, then the markdown table rows for
-docs/benchmarks.md on stderr. Target (issue 6): at least 45% MFU on an H100. `--variants no_grad_ckpt fused_lora`
-measures `lora.fused: on` (toolkit/model/fused_lora.py) against PEFT's layers (issue 34, lever 3).
+its own `metrics.jsonl`, averaged over the steps after `--warmup`: non-pad tokens/s; MFU by our count
+(toolkit/model/flops.py: 4N per token for LoRA, the LM head for the label tokens, causal attention per packed
+sample) and by NeMo AutoModel's (`nemo_automodel_flops_per_token`: 6N for every token, attention over the whole
+row), both over the GPU's dense bf16 peak; peak memory; step time; the final loss; with `--profile`, two more
+steps per row under torch.profiler (bench/profile_step.py, untimed) give the GPU's idle share. The random model is
+written to disk once (about 16 GB) so that each row loads it like any checkpoint. Writes
+`<out>/<YYYY-MM-DD>-<hostname>-gpu8b[-tiny].json` and `.md` (the table) and prints a JSON summary, then the
+markdown table on stderr. Target (issue 34): at least 45% MFU on an H100. `--profile --no-overlap` copies each
+micro-batch in turn before its forward (lever 1 off) in every profiled row: run with and without to compare the
+idle share.
 """
 
 from __future__ import annotations
@@ -38,20 +52,76 @@ sys.path.insert(0, str(REPO / "bench"))
 from throughput import machine_info, versions, worker_env, write_chat_data  # noqa: E402
 
 MFU_TARGET = 0.45
+LOSS_RTOL = 5e-3  # bf16 noise: a final loss within 0.5% of the default row's (bf16 carries about 2.4 digits)
+ROWS_PER_STEP = 2  # packed rows per optimizer step in every row: micro 1 x 2 accumulation, or micro 2 x 1
 
-# name: (gradient checkpointing, recipe `model` keys over the defaults). The first two are the issue's rows; the
-# others change one thing against no_grad_ckpt, measured in the same invocation (before/after on one machine).
-VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
-    "no_grad_ckpt": (False, {}),
-    "grad_ckpt": (True, {}),
-    "chunked_head": (False, {"loss_head": "chunked"}),  # the toolkit's own head where `auto` picked Liger (CUDA)
-    "standard_head": (False, {"loss_head": "standard"}),  # transformers' full-vocabulary logits, then the loss
-    "unfused": (False, {"fused_layers": "none"}),  # the model's own RMSNorm, RoPE, SwiGLU where auto fuses (CUDA)
-    "fused_lora": (False, {}),  # lora.fused: on (LORA_KEYS), against no_grad_ckpt's PEFT layers
-    "torch_varlen": (False, {"attn_implementation": "sdpa"}),  # torch's varlen kernel where auto took FA4 / flash-attn
+
+def _schema_has(section: str, key: str, value: str | None = None) -> bool:
+    """Whether the recipe schema has `section.key` (and, for a Literal, accepts `value`)."""
+    from typing import get_args
+
+    from toolkit.config.schema import Recipe
+
+    model = Recipe.model_fields[section].annotation
+    field = getattr(model, "model_fields", {}).get(key)
+    if field is None:
+        return False
+    return value is None or value in get_args(field.annotation)
+
+
+def _lora_fused_missing() -> str | None:
+    return None if _schema_has("lora", "fused") else "lora.fused is not in this toolkit's recipe schema"
+
+
+def _fa4_missing() -> str | None:
+    import importlib.util
+
+    if not _schema_has("model", "attn_implementation", "flash4"):
+        return "the toolkit has no FlashAttention 4 kernel (model.attn_implementation has no flash4)"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return "FlashAttention 4 (flash_attn.cute) is not installed"
+    return None
+
+
+# name: (recipe keys over the defaults, by section; a check that returns why the row cannot run here, or None).
+ROWS: dict[str, tuple[dict[str, dict[str, Any]], Any]] = {
+    "default": ({}, None),
+    "compile": ({"train": {"compile": True}}, None),
+    "lora_fused_on": ({"lora": {"fused": "on"}}, _lora_fused_missing),
+    "lora_fused_off": ({"lora": {"fused": "off"}}, _lora_fused_missing),
+    "micro2": ({"train": {"micro_batch_size": 2, "grad_accum": 1}}, None),
+    "grad_ckpt": ({"model": {"gradient_checkpointing": True}}, None),
+    "fa4": ({"model": {"attn_implementation": "flash4"}}, _fa4_missing),
+    "torch_varlen": ({"model": {"attn_implementation": "sdpa"}}, None),  # torch's kernel where auto took FA4 / flash
+    "chunked_head": ({"model": {"loss_head": "chunked"}}, None),  # the toolkit's own head where `auto` took Liger
+    "standard_head": ({"model": {"loss_head": "standard"}}, None),  # full-vocabulary logits, then the loss
+    "unfused": ({"model": {"fused_layers": "none"}}, None),  # the model's own RMSNorm, RoPE, SwiGLU
 }
-LORA_KEYS: dict[str, dict[str, Any]] = {"fused_lora": {"fused": "on"}}
-"""Recipe `lora` keys a variant sets over the benchmark's (r16 all-linear)."""
+LEVER_ROWS = ["default", "compile", "lora_fused_on", "lora_fused_off", "micro2", "grad_ckpt", "fa4", "torch_varlen"]
+
+
+def nemo_automodel_flops_per_token(config: Any, seq_len: int) -> float:
+    """Training FLOPs per token by NeMo AutoModel's count for Qwen2/Qwen3 (`qwen3_flops` in
+    nemo_automodel/components/utils/flops_utils.py), for rows of `seq_len` tokens, written out from its terms:
+
+        6 * L * h*(a*d) * (2 + 2k/a)     q, k, v, o projections: forward, and both gradients of every weight
+      + 6 * L * s * (a*d)                causal attention over the whole row (QK^T and AV, halved)
+      + 6 * L * 3*h*i                    SwiGLU MLP
+      + 6 * h * V                        LM head, every token
+
+    so 6N per token even for LoRA (frozen weights get no weight gradient: our count charges 4N), attention over
+    the packed row's length rather than each sample's, and the head for every token. Formula only: their code
+    is not imported or copied."""
+    from toolkit.model.params import decoder_config
+
+    c = decoder_config(config)
+    layers, hidden, heads = int(c.num_hidden_layers), int(c.hidden_size), int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+    q_width = heads * head_dim
+    attention = 6 * layers * (hidden * q_width * (2 + 2 * kv / heads) + seq_len * q_width)
+    mlp = 6 * layers * 3 * hidden * int(c.intermediate_size)
+    return attention + mlp + 6 * hidden * int(c.vocab_size)
 
 
 def write_model(out: Path, *, tiny: bool) -> Path:
@@ -80,19 +150,19 @@ def write_model(out: Path, *, tiny: bool) -> Path:
     return out
 
 
-def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int, checkpointing: bool,
-           peak_tflops: float | None = None, model: dict[str, Any] | None = None,
-           lora: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One stage of `steps` optimizer steps over packed rows; no checkpoints (they would write the 16 GB base).
-    `model` and `lora` hold recipe keys of those sections over the defaults (a variant's one change)."""
+def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int,
+           peak_tflops: float | None = None, keys: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One stage of `steps` optimizer steps over packed rows, `ROWS_PER_STEP` rows a step; no checkpoints (they
+    would write the 16 GB base). `keys` holds recipe keys over the defaults, by section (a row's one change)."""
+    keys = keys or {}
     return {
         "output_dir": str(out),
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
-                  "attn_implementation": "auto", "gradient_checkpointing": checkpointing, **(model or {})},
-        "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", **(lora or {})},
+                  "attn_implementation": "auto", "gradient_checkpointing": False, **keys.get("model", {})},
+        "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", **keys.get("lora", {})},
         "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache")},
         "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
-        "train": {"micro_batch_size": 1, "grad_accum": 1, "seed": 0},
+        "train": {"micro_batch_size": 1, "grad_accum": ROWS_PER_STEP, "seed": 0, **keys.get("train", {})},
         "checkpoint": {"save_on_stage_end": False, "best_metric": None},
         "logging": {"logging_steps": 1, "progress_bar": False, "trackers": [], "peak_tflops": peak_tflops},
     }
@@ -106,15 +176,20 @@ def logged(log: str, label: str) -> str | None:
 
 def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: argparse.Namespace,
                 profile: bool = False) -> dict[str, Any]:
-    """Train one variant through train_curriculum.py and summarise its metrics after the warmup steps. With
-    `profile`, two more steps run under torch.profiler (bench/profile_step.py) and are not timed."""
-    checkpointing, model = VARIANTS[name]
+    """Train one row through train_curriculum.py and summarise its metrics after the warmup steps. With
+    `profile`, two more steps run under torch.profiler (bench/profile_step.py) and are not timed. A row that
+    cannot run here is skipped with the reason."""
+    keys, missing = ROWS[name]
+    reason = missing() if missing is not None else None
+    if reason is not None:
+        return {"status": "skipped", "note": reason, "keys": keys}
+    checkpointing = bool(keys.get("model", {}).get("gradient_checkpointing", False))
     out = work / name
     path = work / f"{name}.yaml"
     extra = 2 if profile else 0
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
                                           peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
-                                          checkpointing=checkpointing, model=model, lora=LORA_KEYS.get(name))))
+                                          keys=keys)))
     script = REPO / ("bench/profile_step.py" if profile else "train_curriculum.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
@@ -132,37 +207,61 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     attention, loss_head, fused = (logged(proc.stderr, label) for label in ("attention", "loss head",
                                                                              "fused layers"))
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
+    tokens_per_sec = sum(r["tokens_per_sec"] for r in timed) / len(timed)
+    profiled = json.loads(profile_file.read_text()) if profile and profile_file.is_file() else None
+    busy = profiled.get("device_busy_share") if profiled else None
     return {
-        "status": "ok", "gradient_checkpointing": checkpointing, "model_keys": model, "lora_keys": LORA_KEYS.get(name),
+        "status": "ok", "gradient_checkpointing": checkpointing, "keys": keys,
         "fused_lora": next((line.split("fused LoRA: ")[1] for line in proc.stderr.splitlines()
                             if "fused LoRA: " in line), None),
         "attention": attention, "loss_head": loss_head, "fused_layers": fused,
-        "timed_steps": len(timed),
-        "tokens_per_sec": sum(r["tokens_per_sec"] for r in timed) / len(timed),
+        "compiled": "train.compile: " in proc.stderr, "timed_steps": len(timed),
+        "tokens_per_sec": tokens_per_sec,
         "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
         "mfu": sum(mfu) / len(mfu) if mfu else None,
+        "mfu_nemo": (tokens_per_sec * args.nemo_flops_per_token / args.peak
+                     if args.peak and args.nemo_flops_per_token else None),
         "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
         "padding_fraction": sum(r["padding_fraction"] for r in timed) / len(timed),
+        "idle_share": None if busy is None else 1.0 - busy,
         "final_loss": timed[-1]["loss"],
         "copy_overlap": not (profile and args.no_overlap),
-        "profile": json.loads(profile_file.read_text()) if profile and profile_file.is_file() else None,
+        "profile": profiled,
     }
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def markdown_rows(summary: dict[str, Any]) -> str:
-    """Rows for the table in docs/benchmarks.md."""
+    """The table for docs/benchmarks.md: one line per row, skipped and failed rows with why."""
     gpu, date = summary["machine"]["gpu"] or "CPU", summary["date"]
-    rows = []
-    for result in summary["variants"].values():
+    lines = ["| date | device | row | attention | fused layers | loss head | grad. ckpt. | tokens/s | MFU (ours) | "
+             "MFU (NeMo AutoModel) | peak memory | idle | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, result in summary["variants"].items():
         if result["status"] != "ok":
+            why = result.get("note") or f"failed (exit {result.get('returncode')})"
+            lines.append(f"| {date} | {gpu} | {name} | {result['status']}: {why} |||||||||")
             continue
-        mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
-        fused_lora = (result.get("lora_keys") or {}).get("fused") == "on"
-        fused = result["fused_layers"] + (", fused LoRA" if fused_lora else "")
-        rows.append(f"| {date} | {gpu} | {result['attention']} | {fused} | {result['loss_head']} | "
-                    f"{'on' if result['gradient_checkpointing'] else 'off'} | {result['tokens_per_sec']:.0f} | "
-                    f"{mfu} | {result['peak_memory_gb']:.1f} GiB |")
-    return "\n".join(rows)
+        lines.append(f"| {date} | {gpu} | {name} | {result['attention']} | {result['fused_layers']} | "
+                     f"{result['loss_head']} | {'on' if result['gradient_checkpointing'] else 'off'} | "
+                     f"{result['tokens_per_sec']:.0f} | {_pct(result['mfu'])} | {_pct(result['mfu_nemo'])} | "
+                     f"{result['peak_memory_gb']:.1f} GiB | {_pct(result['idle_share'])} | "
+                     f"{result['final_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def losses_agree(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Whether every row's final loss is within `LOSS_RTOL` of the first row's (the same data, the same global
+    batch: only bf16 rounding may differ)."""
+    losses = {name: v["final_loss"] for name, v in variants.items() if v["status"] == "ok"}
+    if not losses:
+        return {"agree": None, "rtol": LOSS_RTOL, "max_rel_diff": None, "reference": None}
+    reference = next(iter(losses))
+    worst = max(abs(x - losses[reference]) / abs(losses[reference]) for x in losses.values())
+    return {"agree": worst <= LOSS_RTOL, "rtol": LOSS_RTOL, "max_rel_diff": worst, "reference": reference}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,12 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation, allocator)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="packed row length (default 4096; tiny 256)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON result")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["no_grad_ckpt", "grad_ckpt"],
-                        help="what to run, in order (default: without and with gradient checkpointing)")
+    parser.add_argument("--variants", nargs="+", choices=list(ROWS), default=LEVER_ROWS,
+                        help="rows to run, in order; the first is the reference for the loss check (default: "
+                        "the default and each lever of issue 34)")
     parser.add_argument("--profile", action="store_true",
-                        help="profile two more steps of the first variant (bench/profile_step.py), untimed")
+                        help="profile two more steps of every row (bench/profile_step.py), untimed: the idle share")
     parser.add_argument("--no-overlap", action="store_true",
-                        help="with --profile: the profiled variant copies its micro-batches in turn, blocking, before "
+                        help="with --profile: each profiled row copies its micro-batches in turn, blocking, before "
                         "each forward (PROFILE_OVERLAP=0), its timed steps too: run with and without to compare the "
                         "idle share")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -190,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(summary, indent=2), file=stdout, flush=True)
     print(markdown_rows(summary), file=sys.stderr)
-    return 0 if all(v["status"] == "ok" for v in summary["variants"].values()) else 1
+    ran = all(v["status"] in ("ok", "skipped") for v in summary["variants"].values())
+    return 0 if ran and summary["losses"]["agree"] is not False else 1
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -210,17 +311,22 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         from transformers import AutoTokenizer
 
         data = work / "data.jsonl"
-        # Enough rows for every step to get full packed rows (about 6 rows per 4096-token row at this mix).
-        rows = 12 * (args.warmup + args.steps) + 64
+        # Enough rows for every step to get full packed rows (about 6 samples per 4096-token row at this mix).
+        rows = 6 * ROWS_PER_STEP * (args.warmup + args.steps + 2) + 64
         write_chat_data(data, AutoTokenizer.from_pretrained(model_dir), rows, args.max_seq_len, seed=0)
         from transformers import AutoConfig
 
-        args.vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        config = AutoConfig.from_pretrained(model_dir)
+        args.vocab = config.vocab_size
+        args.nemo_flops_per_token = nemo_automodel_flops_per_token(config, args.max_seq_len)
+        args.peak = _peak(args.peak_tflops)
         args.out.mkdir(parents=True, exist_ok=True)
         variants = {}
-        for i, name in enumerate(args.variants):
-            variants[name] = run_variant(name, model_dir, data, work, args=args, profile=args.profile and i == 0)
+        for name in args.variants:
+            variants[name] = run_variant(name, model_dir, data, work, args=args, profile=args.profile)
             print(f"variant {name}: {json.dumps(variants[name])}", file=sys.stderr, flush=True)
+            # Each row as it ends: a device session cut off by its time limit keeps the rows it finished.
+            (args.out / "rows-so-far.json").write_text(json.dumps(variants, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -230,16 +336,31 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         "machine": machine_info(), "versions": versions(),
         "settings": {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B architecture, random weights",
                      "lora": "r16 all-linear", "max_seq_len": args.max_seq_len, "packing": True,
-                     "micro_batch_size": 1, "warmup": args.warmup, "steps": args.steps,
-                     "variants": {name: VARIANTS[name] for name in args.variants}},
+                     "rows_per_step": ROWS_PER_STEP, "warmup": args.warmup, "steps": args.steps,
+                     "profiled": args.profile, "peak_tflops": None if args.peak is None else args.peak / 1e12,
+                     "nemo_automodel_flops_per_token": args.nemo_flops_per_token,
+                     "variants": {name: ROWS[name][0] for name in args.variants}},
         "variants": variants,
+        "losses": losses_agree(variants),
         "target": {"mfu": MFU_TARGET, "best_mfu": best,
                    "met": None if best is None or args.tiny else best >= MFU_TARGET},
     }
     name = f"{summary['date']}-{socket.gethostname()}-gpu8b{'-tiny' if args.tiny else ''}.json"
     summary["results_file"] = str(args.out / name)
     (args.out / name).write_text(json.dumps(summary, indent=2))
+    (args.out / name).with_suffix(".md").write_text(markdown_rows(summary) + "\n")
+    (args.out / "rows-so-far.json").unlink(missing_ok=True)
     return summary
+
+
+def _peak(override_tflops: float | None) -> float | None:
+    """The device's dense bf16 peak FLOP/s, as the training run finds it (toolkit/model/flops.py)."""
+    import torch
+
+    from toolkit.model.flops import peak_flops
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return peak_flops(name, override_tflops)
 
 
 if __name__ == "__main__":

@@ -438,6 +438,9 @@ class TrainConfig(_Section):
     trainable: list[str] | None = Field(
         None, min_length=1, description="Default of stages[].trainable: 'lora' and/or name patterns (default: "
         "['lora'] with LoRA, every parameter without).")
+    compile: bool = Field(False, description="torch.compile each decoder layer (regional, dynamic token count; "
+                          "packed rows get fixed varlen boundaries so a run compiles once). Opt-in until measured "
+                          "on a GPU (docs/benchmarks.md).")
 
 
 class CheckpointConfig(_Section):

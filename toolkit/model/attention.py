@@ -149,8 +149,9 @@ class _HostCache:
 
 
 def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
-    offsets = cu.tolist()
-    return list(itertools.pairwise(offsets))
+    """The non-empty sample spans: `train.compile` pads cu_seq_lens with repeats of its last offset
+    (toolkit/model/compile.py), empty spans that attend to nothing."""
+    return [(a, b) for a, b in itertools.pairwise(cu.tolist()) if b > a]
 
 
 def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -164,6 +165,13 @@ def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor
 
 _SPANS = _HostCache(_spans)
 _FROM_POSITIONS = _HostCache(_boundaries_from_positions)
+
+
+@torch.compiler.disable
+def _from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`_FROM_POSITIONS`, out of any compiled layer: it reads position_ids back to the host."""
+    return _FROM_POSITIONS(position_ids)
+
 
 PACKED_ROW = torch.empty(0)
 """The mask the toolkit's mask functions give a row whose position_ids restart: transformers has found the
@@ -183,7 +191,7 @@ def _packed_boundaries(query: torch.Tensor, key: torch.Tensor, attention_mask: t
         position_ids = kwargs.get("position_ids")
         if not isinstance(position_ids, torch.Tensor):
             raise ValueError("a packed row reached the attention kernel without position_ids or cu_seq_lens_q")
-        return _FROM_POSITIONS(position_ids)
+        return _from_positions(position_ids)
     if attention_mask is None and cu is not None and query.shape[0] == 1 and key.shape[2] == query.shape[2]:
         return cu, int(kwargs["max_length_q"])  # boundaries given without restarting position_ids
     return None
@@ -194,10 +202,14 @@ def varlen_runs(query: torch.Tensor, dropout: float) -> bool:
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
 
 
+@torch.compiler.disable
 def _per_span(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], query: torch.Tensor,
               key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """`attend(q, k, v)` (each `[1, heads, s, d]`, output `[1, s, heads, d]`) on every sample span, concatenated
-    along the sequence: the exact block-diagonal causal attention, with no T x T tensor anywhere."""
+    along the sequence: the exact block-diagonal causal attention, with no T x T tensor anywhere.
+
+    Left out of a compiled layer (`train.compile`, a graph break): the split reads the boundaries on the host and
+    loops over them, which no graph can hold; the layer's other work is compiled around it."""
     outs = [attend(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]) for a, b in _SPANS(cu)]
     return torch.cat(outs, dim=1)
 

@@ -41,6 +41,7 @@ from toolkit.evals.evaluator import Evaluator, GenerationPlan
 from toolkit.evals.forgetting import prune_after
 from toolkit.metrics.log import Meter, MetricsLog, check_trackers, read_metrics, truncate_after
 from toolkit.model.attention import check_packing_support, choose_attention
+from toolkit.model.compile import compile_layers
 from toolkit.model.flops import peak_flops
 from toolkit.model.fused_layers import check_fused_layers, install_fused_layers, resolve_fused_layers
 from toolkit.model.fused_lora import check_fused_lora, install_fused_lora
@@ -277,6 +278,8 @@ def build_model(recipe: Recipe, resolved: list[ResolvedStage], model_path: str, 
     trainable = plan_trainable(model, entries, keys, lora=recipe.lora.enabled)
     if recipe.lora.enabled and dtype != torch.float32:
         upcast_trainable(model)  # modules trained in full over a 16-bit base: fp32, as the adapters
+    if recipe.train.compile:  # last: the traced layers are the ones that train
+        compile_layers(model, row_length=max(s.max_seq_len for s in resolved), packing=recipe.data.packing)
     total = count_parameters(model)[0]
     for stage, count in zip(resolved, trainable.stage_counts, strict=True):
         log.info("stage '%s' trains %d of %d parameters (%.3f%%)", stage.name, count, total, 100 * count / total)

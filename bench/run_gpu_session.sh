@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One command for a lent GPU: the whole Qwen3-8B LoRA measurement of issue 34, recorded in one go.
+#
+#   bash bench/run_gpu_session.sh [OUT]       # OUT defaults to bench/results; on a lent machine pass $OUT
+#
+# Runs bench/gpu_qwen3_8b.py once with every row (the default and each lever on and off, the checkpointed row;
+# rows that cannot run here are skipped with why), profiled (the idle share), and writes into OUT/<date>-<gpu>/:
+#   gpu8b.json / gpu8b.md   the bench's summary and table (bench/gpu_qwen3_8b.py)
+#   session.json            date, GPU, driver, CUDA, the Python packages that shape the numbers, the command
+#   bench.log               the bench's stderr (every row's progress, the losses check)
+#   rows-so-far.json        only when the bench was cut off: the rows it finished
+# Sized for the 10-minute limit of one device command: about a minute to write the random weights, then per row
+# about 40 s to start and load them and 3 + 6 + 2 optimizer steps of 2 x 4096 tokens (the compile row pays its
+# compilation in the warm-up); the skipped rows cost nothing. Give the command a 600 s timeout. BENCH_STEPS,
+# BENCH_WARMUP and BENCH_ROWS override the defaults; BENCH_EXTRA adds bench options (`--tiny --peak-tflops 1`
+# checks the script on a CPU).
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+out_root=${1:-bench/results}
+steps=${BENCH_STEPS:-6}
+warmup=${BENCH_WARMUP:-3}
+rows=${BENCH_ROWS:-default compile lora_fused_on lora_fused_off micro2 grad_ckpt fa4}
+extra=${BENCH_EXTRA:-}
+python=${PYTHON:-python}
+
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' | tr -cd '[:alnum:]-')
+dir="$out_root/$(date -u +%Y-%m-%d)-${gpu:-nogpu}"
+mkdir -p "$dir"
+
+"$python" - "$dir/session.json" "$steps" "$warmup" "$rows" "$extra" <<'EOF'
+import datetime, importlib.metadata, json, platform, subprocess, sys
+
+def version(pkg):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+def smi(query):
+    try:
+        return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+import torch
+path, steps, warmup, rows, extra = sys.argv[1:]
+info = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": smi("name"), "driver": smi("driver_version"), "gpu_memory": smi("memory.total"),
+        "cuda": torch.version.cuda, "python": platform.python_version(), "platform": platform.platform(),
+        "packages": {p: version(p) for p in ("torch", "transformers", "accelerate", "peft", "liger-kernel", "triton",
+                                                "flash-attn", "flash-attn-4", "curriculum-toolkit")},
+        "command": f"bench/gpu_qwen3_8b.py --warmup {warmup} --steps {steps} --profile --variants {rows} {extra}"}
+open(path, "w").write(json.dumps(info, indent=2))
+print(json.dumps(info), file=sys.stderr)
+EOF
+
+# shellcheck disable=SC2086  # rows and extra are lists of words
+"$python" bench/gpu_qwen3_8b.py --warmup "$warmup" --steps "$steps" --profile --variants $rows --out "$dir" $extra \
+    > /dev/null 2> "$dir/bench.log"
+status=$?
+for f in "$dir"/*-gpu8b*.json "$dir"/*-gpu8b*.md; do  # the bench names them <date>-<host>-gpu8b[-tiny].*
+    [ -e "$f" ] && mv "$f" "$dir/gpu8b.${f##*.}"
+done
+tail -n 20 "$dir/bench.log"
+echo "bench exit $status; results in $dir" >&2
+exit $status
