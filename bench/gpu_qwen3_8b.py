@@ -28,7 +28,8 @@ written to disk once (about 16 GB) so that each row loads it like any checkpoint
 `<out>/<YYYY-MM-DD>-<hostname>-gpu8b[-tiny].json` and `.md` (the table) and prints a JSON summary, then the
 markdown table on stderr. Target (issue 34): at least 45% MFU on an H100. `--profile --no-overlap` copies each
 micro-batch in turn before its forward (lever 1 off) in every profiled row: run with and without to compare the
-idle share.
+idle share. `--variants grad_ckpt long16k long32k` measures the long rows of issue 33 (packed rows of 4k, 16k and
+32k tokens on one GPU, checkpointed), each beside preflight's estimate of its peak.
 """
 
 from __future__ import annotations
@@ -96,7 +97,12 @@ ROWS: dict[str, tuple[dict[str, dict[str, Any]], Any]] = {
     "chunked_head": ({"model": {"loss_head": "chunked"}}, None),  # the toolkit's own head where `auto` took Liger
     "standard_head": ({"model": {"loss_head": "standard"}}, None),  # full-vocabulary logits, then the loss
     "unfused": ({"model": {"fused_layers": "none"}}, None),  # the model's own RMSNorm, RoPE, SwiGLU
+    # Long rows (issue 33), beside grad_ckpt's 4096: one GPU, checkpointed, packed rows of 16k and 32k tokens. Other
+    # rows per step than the others (not in the losses check); each reports preflight's estimate of its peak.
+    "long16k": ({"data": {"max_seq_len": 16384}, "model": {"gradient_checkpointing": True}}, None),
+    "long32k": ({"data": {"max_seq_len": 32768}, "model": {"gradient_checkpointing": True}}, None),
 }
+LONG_ROWS = ["grad_ckpt", "long16k", "long32k"]
 LEVER_ROWS = ["default", "compile", "lora_fused_on", "lora_fused_off", "micro2", "grad_ckpt", "fa4", "torch_varlen"]
 
 
@@ -160,7 +166,8 @@ def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: i
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
                   "attn_implementation": "auto", "gradient_checkpointing": False, **keys.get("model", {})},
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", **keys.get("lora", {})},
-        "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache")},
+        "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache"),
+                 **keys.get("data", {})},
         "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
         "train": {"micro_batch_size": 1, "grad_accum": ROWS_PER_STEP, "seed": 0, **keys.get("train", {})},
         "checkpoint": {"save_on_stage_end": False, "best_metric": None},
@@ -172,6 +179,26 @@ def logged(log: str, label: str) -> str | None:
     """The first word after `<label>: ` in a run's log (the kernels train_curriculum.py says it chose)."""
     return next((line.split(f" {label}: ")[1].split(" ")[0] for line in log.splitlines() if f" {label}: " in line),
                 None)
+
+
+def row_length(keys: dict[str, dict[str, Any]], args: argparse.Namespace) -> int:
+    """The packed row length a bench row trains (its own `data.max_seq_len`, else the bench's)."""
+    return int(keys.get("data", {}).get("max_seq_len", args.max_seq_len))
+
+
+def estimated_peak_gb(recipe_file: Path, config: Any) -> float:
+    """What `toolkit preflight` estimates for this row's recipe on one GPU (strategy single, bf16 launch), in GiB:
+    the row's measured peak is compared with it."""
+    from toolkit.commands.preflight import activation_precision, fused_layers_counted, stage_estimates, weight_bytes
+    from toolkit.config.load import load_recipe
+    from toolkit.config.stages import resolve_stages
+
+    recipe = load_recipe(recipe_file)
+    rows = stage_estimates(recipe, config, resolve_stages(recipe), num_gpus=1,
+                           param_bytes=weight_bytes(recipe, "bf16"),
+                           fused_layers=fused_layers_counted(recipe, config) == "liger",
+                           **activation_precision(recipe, "bf16"))
+    return max(r["single"]["total"] for r in rows) / 2**30
 
 
 def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: argparse.Namespace,
@@ -219,8 +246,10 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
         "tokens_per_sec": tokens_per_sec,
         "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
         "mfu": sum(mfu) / len(mfu) if mfu else None,
-        "mfu_nemo": (tokens_per_sec * args.nemo_flops_per_token / args.peak
-                     if args.peak and args.nemo_flops_per_token else None),
+        "mfu_nemo": (tokens_per_sec * nemo_automodel_flops_per_token(args.config, row_length(keys, args)) / args.peak
+                     if args.peak else None),
+        "row_length": row_length(keys, args),
+        "estimated_peak_gb": estimated_peak_gb(path, args.config),
         "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
         "padding_fraction": sum(r["padding_fraction"] for r in timed) / len(timed),
         "idle_share": None if busy is None else 1.0 - busy,
@@ -237,26 +266,29 @@ def _pct(x: float | None) -> str:
 def markdown_rows(summary: dict[str, Any]) -> str:
     """The table for docs/benchmarks.md: one line per row, skipped and failed rows with why."""
     gpu, date = summary["machine"]["gpu"] or "CPU", summary["date"]
-    lines = ["| date | device | row | attention | fused layers | loss head | grad. ckpt. | tokens/s | MFU (ours) | "
-             "MFU (NeMo AutoModel) | peak memory | idle | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| date | device | row | row length | attention | fused layers | loss head | grad. ckpt. | tokens/s | "
+             "MFU (ours) | MFU (NeMo AutoModel) | peak memory | preflight's estimate | idle | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, result in summary["variants"].items():
         if result["status"] != "ok":
             why = result.get("note") or f"failed (exit {result.get('returncode')})"
-            lines.append(f"| {date} | {gpu} | {name} | {result['status']}: {why} |||||||||")
+            lines.append(f"| {date} | {gpu} | {name} | {result['status']}: {why} |||||||||||")
             continue
-        lines.append(f"| {date} | {gpu} | {name} | {result['attention']} | {result['fused_layers']} | "
+        lines.append(f"| {date} | {gpu} | {name} | {result['row_length']} | {result['attention']} | "
+                     f"{result['fused_layers']} | "
                      f"{result['loss_head']} | {'on' if result['gradient_checkpointing'] else 'off'} | "
                      f"{result['tokens_per_sec']:.0f} | {_pct(result['mfu'])} | {_pct(result['mfu_nemo'])} | "
-                     f"{result['peak_memory_gb']:.1f} GiB | {_pct(result['idle_share'])} | "
+                     f"{result['peak_memory_gb']:.1f} GiB | {result['estimated_peak_gb']:.1f} GiB | "
+                     f"{_pct(result['idle_share'])} | "
                      f"{result['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
 def losses_agree(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Whether every row's final loss is within `LOSS_RTOL` of the first row's (the same data, the same global
-    batch: only bf16 rounding may differ)."""
-    losses = {name: v["final_loss"] for name, v in variants.items() if v["status"] == "ok"}
+    batch: only bf16 rounding may differ). Rows of other lengths (`long16k`, `long32k`) train other batches."""
+    losses = {name: v["final_loss"] for name, v in variants.items()
+              if v["status"] == "ok" and "data" not in v.get("keys", {})}
     if not losses:
         return {"agree": None, "rtol": LOSS_RTOL, "max_rel_diff": None, "reference": None}
     reference = next(iter(losses))
@@ -311,12 +343,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         from transformers import AutoTokenizer
 
         data = work / "data.jsonl"
-        # Enough rows for every step to get full packed rows (about 6 samples per 4096-token row at this mix).
-        rows = 6 * ROWS_PER_STEP * (args.warmup + args.steps + 2) + 64
+        # Enough rows for every step to get full packed rows (about 6 samples per 4096-token row at this mix), at
+        # the longest row any requested bench row packs.
+        longest = max(row_length(ROWS[name][0], args) for name in args.variants)
+        rows = 6 * ROWS_PER_STEP * (args.warmup + args.steps + 2) * -(-longest // args.max_seq_len) + 64
         write_chat_data(data, AutoTokenizer.from_pretrained(model_dir), rows, args.max_seq_len, seed=0)
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_dir)
+        config = args.config = AutoConfig.from_pretrained(model_dir)
         args.vocab = config.vocab_size
         args.nemo_flops_per_token = nemo_automodel_flops_per_token(config, args.max_seq_len)
         args.peak = _peak(args.peak_tflops)

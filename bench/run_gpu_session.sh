@@ -13,7 +13,8 @@
 # about 40 s to start and load them and 3 + 6 + 2 optimizer steps of 2 x 4096 tokens (the compile row pays its
 # compilation in the warm-up); the skipped rows cost nothing. Give the command a 600 s timeout. BENCH_STEPS,
 # BENCH_WARMUP and BENCH_ROWS override the defaults; BENCH_EXTRA adds bench options (`--tiny --peak-tflops 1`
-# checks the script on a CPU).
+# checks the script on a CPU). The long rows of issue 33 (4k, 16k and 32k-token packed rows, checkpointed, with
+# preflight's estimate of each peak) are a second command: BENCH_ROWS="grad_ckpt long16k long32k" bash ...
 set -uo pipefail
 
 cd "$(dirname "$0")/.."

@@ -43,5 +43,6 @@ def test_gpu_benchmark_pipeline_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert 0 < profile["loss_head_share"] < 1  # the head's matmuls and cross-entropy, found by the vocab width
     assert any("attention" in op["name"] for op in profile["attention_kernels"]), profile["attention_kernels"]
     assert Path(summary["results_file"]).parent == tmp_path and Path(summary["results_file"]).is_file()
+    assert all(v["row_length"] == 256 and v["estimated_peak_gb"] > 0 for v in variants.values())
     assert proc.stderr.count("| sdpa_packed |") == 3  # the markdown rows for docs/benchmarks.md
     assert Path(summary["results_file"]).with_suffix(".md").read_text().count("| sdpa_packed |") == 3
