@@ -34,6 +34,7 @@ from tests.conftest import (
     LAUNCH_TIMEOUT_S,
     NO_THINK,
     REPO,
+    dummy_run_args,
     launch_cmd,
     run_env,
     signal_tree,
@@ -201,15 +202,27 @@ as written but for its `path/to/ds_config.json`. It used to die at start: "core_
 match model config attn_implementation='sdpa_packed'". No mixed_precision: fp32, accelerate's default."""
 
 
-def test_sequence_parallel_splits_each_row_and_matches_single_process(runs: Path, reference: Path) -> None:
+# The Ulysses smoke run's overrides: packed, checkpointed, the chunked head, the reference's batch, and a checkpoint
+# after each of its 7 steps (resumed from each below).
+SP_SMOKE = ("model.gradient_checkpointing=true", CHUNKED, PACKED, *REFERENCE_OVERRIDES, "checkpoint.save_steps=1",
+            "checkpoint.keep_last=7")
+
+
+@pytest.fixture(scope="module")
+def guide_config(runs: Path) -> Path:
+    config = runs / "guide_sp2.yaml"
+    config.write_text(GUIDE_CONFIG)
+    return config
+
+
+def test_sequence_parallel_splits_each_row_and_matches_single_process(runs: Path, reference: Path,
+                                                                      guide_config: Path) -> None:
     """The guide's config file as a user copies it (launched as written: fp32, 2 processes): packed rows split in
     two, the single process's losses, gradient norms and adapter, and the spy's proof that each kernel saw what
     Ulysses promises. (accelerate_configs/zero3_sp2.yaml verbatim is the curriculum's bf16 matrix below.)"""
-    config = runs / "guide_sp2.yaml"
-    config.write_text(GUIDE_CONFIG)
     out, spy = runs / "zero3_sp2", runs / "zero3_sp2-spy"
-    proc = train(config, None, out, "model.gradient_checkpointing=true", CHUNKED, PACKED, *REFERENCE_OVERRIDES,
-                 mixed_precision=None, script=SPY_SP, env={"SPY_SP_DIR": str(spy)})
+    proc = train(guide_config, None, out, *SP_SMOKE, mixed_precision=None, script=SPY_SP,
+                 env={"SPY_SP_DIR": str(spy)})
     assert "effective batch = 4 micro x 2 accum x 1 data-parallel replicas (2 processes / sp_size 2) = 8" in proc.stderr
     assert "strategy zero3_sp2" in proc.stderr and "attention: sdpa_packed" in proc.stderr
     assert losses(out) == pytest.approx(losses(reference), rel=1e-5)
@@ -221,6 +234,19 @@ def test_sequence_parallel_splits_each_row_and_matches_single_process(runs: Path
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"zero3_sp2: {k}")
     check_kernels_saw_whole_rows(spy)
+
+
+def test_sequence_parallel_resumes_exactly_from_every_checkpoint(runs: Path, guide_config: Path) -> None:
+    """The run above (packed rows, a checkpoint after each of its 7 steps, a stage boundary) resumed from each
+    checkpoint into a new output_dir: every later step, the stage summaries and the final adapter equal the
+    uninterrupted run's to the last bit, and the log says "resumed (exact)" (EXACT_RESUME_TESTED's zero3_sp2)."""
+    from tests.e2e.test_resume import assert_exact_from_every_checkpoint
+
+    reference = runs / "zero3_sp2"
+    if not (reference / "final").is_dir():
+        pytest.skip("the Ulysses smoke run above did not finish")
+    assert_exact_from_every_checkpoint(guide_config, reference, dummy_run_args(*SP_SMOKE), steps=7,
+                                       mixed_precision=None)
 
 
 def test_sequence_parallel_with_two_replicas_on_four_processes(runs: Path, reference: Path) -> None:

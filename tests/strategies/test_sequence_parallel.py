@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
@@ -59,11 +59,11 @@ def test_a_packed_row_is_cut_after_its_labels_are_shifted(sp: int) -> None:
         assert "attention_mask" not in p
 
 
-def test_padded_rows_get_positions_and_keep_their_padding_on_the_right(qwen_tokenizer) -> None:
+def test_padded_rows_get_positions_and_keep_their_padding_on_the_right(models: dict[str, str]) -> None:
     """Right-padded rows: position ids 0..T-1 (Ulysses all-gathers them), no mask (causal attention never looks
     right), the real tokens counted from the mask."""
-    qwen_tokenizer.pad_token = qwen_tokenizer.pad_token or "<|endoftext|>"
-    batch = DataCollatorForSeq2Seq(qwen_tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
+    tokenizer = AutoTokenizer.from_pretrained(models["text"])
+    batch = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
                                    return_tensors="pt")(samples([7, 4]))
     parts, real = zip(*(shard_batch(batch, Layout(2, r, 2)) for r in range(2)), strict=True)
     assert sum(real) == 11 and [p["input_ids"].shape for p in parts] == [(2, 4), (2, 4)]

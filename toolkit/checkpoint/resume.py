@@ -70,7 +70,8 @@ def find_resume(resume: str, root: Path) -> Path | None:
 
 # Same-layout resumes proven bit-exact by tests/e2e/test_resume.py::test_resume_from_every_checkpoint_is_exact: from
 # every checkpoint of the 3-stage curriculum (stages training different parameters), every later step's loss, lr,
-# gradient norm and counts and the final adapter equal the uninterrupted run's. (strategy name, mixed precision).
+# gradient norm and counts and the final adapter equal the uninterrupted run's; zero3_sp2 (Ulysses) from every
+# checkpoint of its packed 2-stage smoke run (tests/e2e/test_strategies.py). (strategy name, mixed precision).
 EXACT_RESUME_TESTED = frozenset([*((s, "no") for s in ("single", "ddp", "fsdp2", "zero2", "zero3", "zero3_offload",
                                                         "zero3_sp2")),
                                   ("single", "bf16"), ("zero3", "bf16")])
