@@ -243,8 +243,7 @@ def test_sequence_parallel_resumes_exactly_from_every_checkpoint(runs: Path, gui
     from tests.e2e.test_resume import assert_exact_from_every_checkpoint
 
     reference = runs / "zero3_sp2"
-    if not (reference / "final").is_dir():
-        pytest.skip("the Ulysses smoke run above did not finish")
+    assert (reference / "final").is_dir(), "the Ulysses smoke run of the test above did not finish"
     assert_exact_from_every_checkpoint(guide_config, reference, dummy_run_args(*SP_SMOKE), steps=7,
                                        mixed_precision=None)
 
