@@ -207,6 +207,41 @@ case("model-dir-missing")(lambda c: c.train("model.name_or_path=./models/nope"))
 case("flash-attn-missing")(lambda c: c.train("model.attn_implementation=flash_attention_2"))
 case("flash4-missing")(lambda c: c.train("model.attn_implementation=flash4"))
 case("fused-layers-without-gpu")(lambda c: c.train("model.fused_layers=liger"))
+
+
+def not_installed(c: Ctx, *modules: str) -> None:
+    """`modules` cannot be imported for the case, as Python marks one (sys.modules[name] = None), installed or not."""
+    saved = {m: sys.modules.get(m, False) for m in modules}
+    for m in modules:
+        sys.modules[m] = None  # type: ignore[assignment]
+
+    def restore() -> None:
+        for m, v in saved.items():
+            if v is False:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = v
+
+    c.cleanups.append(restore)
+
+
+def _tracker_not_installed(c: Ctx) -> Call:
+    not_installed(c, "trackio")
+    return c.train("logging.trackers=[trackio]")
+
+
+def _train_without_deepspeed(c: Ctx) -> Call:
+    not_installed(c, "deepspeed")
+    return Call(["train", "--accelerate-config", "zero3", "--dry-run"], c.tmp / "run", tool="toolkit")
+
+
+case("tracker-not-installed")(_tracker_not_installed)
+case("train-unknown-accelerate-config")(
+    lambda c: Call(["train", "--accelerate-config", "zero4", "--dry-run"], c.tmp / "run", tool="toolkit"))
+case("train-deepspeed-not-installed")(_train_without_deepspeed)
+case("export-without-out")(lambda c: Call(["export", str(c.tmp / "run")], c.tmp / "run", tool="toolkit"))
+case("export-private-without-push")(
+    lambda c: Call(["export", str(c.tmp / "run"), "--out", str(c.tmp / "x"), "--private"], c.tmp / "x", tool="toolkit"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
 
 

@@ -29,10 +29,18 @@ def _tiny_model(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from toolkit.commands.export import export
+    if args.push_to_hub is None and args.private:
+        raise ToolkitError("--private is for --push-to-hub: name the repo to create (--push-to-hub USER/NAME).")
+    if args.push_to_hub is None and args.out is None:
+        raise ToolkitError("toolkit export needs --out DIR (the folder to write), or --push-to-hub REPO.")
+    from toolkit.commands.export import export, push_to_hub
 
-    print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
-                 trust_remote_code=args.trust_remote_code))
+    if args.push_to_hub is not None:
+        print(push_to_hub(args.source, args.push_to_hub, out=args.out, merge=args.merge, private=args.private,
+                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code))
+    else:
+        print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
+                     trust_remote_code=args.trust_remote_code))
 
 
 def _preflight(args: argparse.Namespace) -> None:
@@ -65,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Curriculum fine-tuning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # Parsed by toolkit/commands/train.py (`main` hands it the arguments): listed here for `toolkit --help`.
+    sub.add_parser("train", add_help=False, help="Print the canonical `accelerate launch ... train_curriculum.py` "
+                   "line of a run and run it: toolkit train --config R [--accelerate-config NAME|PATH] [--dry-run] "
+                   "[overrides] [-- accelerate args] (toolkit train --help).")
+
     p = sub.add_parser("dummy-data", help="Write deterministic dummy chat JSONL files (stage1, stage2).")
     p.add_argument("--out", required=True, help="Output directory.")
     p.add_argument("--num-samples", type=int, default=256, help="Rows per file.")
@@ -81,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="Export a checkpoint or run as a PEFT adapter, or a merged model (--merge).")
     p.add_argument("source", help="<output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
-    p.add_argument("--out", required=True, help="Directory to write: new, empty, or an earlier export. The export "
+    p.add_argument("--out", help="Directory to write (required unless --push-to-hub): new, empty, or an earlier "
+                   "export. The export "
                    "is built beside it and swapped in when complete: in one atomic step on Linux (renameat2 "
                    "RENAME_EXCHANGE); where that is unsupported the earlier export is moved aside first, and a crash "
                    "between the two renames leaves it beside --out as .<name>.old-*.")
@@ -90,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "earlier export (never the source or a folder holding it).")
     p.add_argument("--trust-remote-code", action="store_true", help="Allow the model's own Python code to run, "
                    "for runs whose recipe sets model.trust_remote_code.")
+    p.add_argument("--push-to-hub", metavar="REPO", help="Upload to this Hugging Face Hub repo (USER/NAME, created "
+                   "if missing): final/ as it is, verified first, with its model card; with --merge (or a "
+                   "checkpoint) the export, written to --out or a temporary folder. Login: `hf auth login` or "
+                   "HF_TOKEN.")
+    p.add_argument("--private", action="store_true", help="With --push-to-hub: create the repo private.")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("preflight", help="Per-GPU memory estimate for every strategy, and a scan of the data.")
@@ -123,7 +142,14 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Every command ends with one line on bad input (exit 2), Ctrl-C (130) or SIGTERM (75): what the commands
     write (token stores, exports, plots) is built aside and renamed in, so a stop keeps nothing half-written."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its unknown arguments are train_curriculum.py's, those after `--` accelerate's
+        from toolkit.commands.train import parse_args, train
+
+        args = parse_args(argv[1:])
+        args.func = train
+    else:
+        args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     try:
         args.func(args)

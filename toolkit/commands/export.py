@@ -199,6 +199,40 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
     return out
 
 
+def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = None, merge: bool = False,
+                private: bool = False, overwrite: bool = False, trust_remote_code: bool = False) -> str:
+    """Upload a run's model to the Hugging Face Hub repo `repo_id` (created if missing, `private` if new) through
+    huggingface_hub (create_repo + upload_folder; its login: `hf auth login` or HF_TOKEN, its HF_ENDPOINT).
+
+    Without --merge a run's final/ is uploaded as it is, verified first (every file against the sizes and sha256
+    training recorded), with the model card training wrote. With --merge (or a checkpoint) the export is written
+    first, to `out` or a temporary folder, and that is uploaded, without its export marker. Returns the commit's
+    URL."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    src, run = _resolve(Path(source).resolve())
+    with tempfile.TemporaryDirectory(prefix="toolkit-push-") as scratch:
+        if src == run.final and not merge:
+            verify_final(src)  # a file cut short or swapped is refused before anything is sent
+            folder = src
+        else:
+            folder = export(source, Path(out) if out is not None else Path(scratch) / "export", merge=merge,
+                            overwrite=overwrite, trust_remote_code=trust_remote_code)
+        api = HfApi()
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=[EXPORT_MARKER],
+                                       commit_message=f"Upload {run.root.name} ({'merged' if merge else src.name})")
+        except (HfHubHTTPError, OSError, ValueError) as e:
+            raise ToolkitError(f"Uploading {folder} to {repo_id} on {api.endpoint} failed: "
+                               f"{' '.join(str(e).split())[:300]} (log in with `hf auth login` or set HF_TOKEN; a "
+                               "repo id is <user or organization>/<name>).") from None
+    return commit.commit_url
+
+
 def _read_checkpoint(chosen: Path, run: RunLayout, typed: Recipe, *, merge: bool, from_run: bool
                      ) -> tuple[Path, dict[str, Any], str, bool, Any]:
     """(checkpoint, its meta, base model, vision, the model to export) read from one whole committed checkpoint.

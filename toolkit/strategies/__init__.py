@@ -67,9 +67,8 @@ def strategy_name(accelerator: Accelerator) -> str:
     return f"{name}_sp{sp}" if sp > 1 else name
 
 
-def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
-    """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is
-    (`_sp<N>` with Ulysses sequence parallelism)."""
+def _read_config(accelerate_config: Path) -> dict[str, Any]:
+    """The accelerate config file's keys, or one line saying why there are none."""
     if not accelerate_config.is_file():
         raise ToolkitError(f"Accelerate config {accelerate_config} does not exist.")
     try:
@@ -80,6 +79,23 @@ def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
     if not isinstance(cfg, dict):
         raise ToolkitError(f"Accelerate config {accelerate_config} must hold a mapping of keys (as written by "
                            "`accelerate config`).")
+    return cfg
+
+
+def deepspeed_of_config(accelerate_config: Path) -> tuple[bool, str | None]:
+    """(whether the accelerate config file launches DeepSpeed, the DeepSpeed JSON it names as written or None).
+    accelerate reads that JSON's path from the launch's working directory, not from the config's folder."""
+    cfg = _read_config(accelerate_config)
+    if str(cfg.get("distributed_type", "NO")) != DistributedType.DEEPSPEED:
+        return False, None
+    named = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    return True, str(named) if named else None
+
+
+def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
+    """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is
+    (`_sp<N>` with Ulysses sequence parallelism)."""
+    cfg = _read_config(accelerate_config)
     kind, procs = str(cfg.get("distributed_type", "NO")), int(cfg.get("num_processes", 1))
     ds = cfg.get("deepspeed_config") or {}
     zero: dict[str, Any] = {"stage": ds.get("zero_stage", 0),  # the inline keys, as the JSON spells them
