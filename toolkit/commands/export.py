@@ -223,7 +223,7 @@ def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = No
                             overwrite=overwrite, trust_remote_code=trust_remote_code)
         api = HfApi()
         try:
-            api.create_repo(repo_id, private=private, exist_ok=True)
+            api.create_repo(repo_id, private=private or None, exist_ok=True)  # not --private: the Hub's default
             commit = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=[EXPORT_MARKER],
                                        commit_message=f"Upload {run.root.name} ({'merged' if merge else src.name})")
         except (HfHubHTTPError, OSError, ValueError) as e:
