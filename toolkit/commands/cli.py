@@ -105,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="Allow the model's own Python code to run, "
                    "for runs whose recipe sets model.trust_remote_code.")
     p.add_argument("--push-to-hub", metavar="REPO", help="Upload to this Hugging Face Hub repo (USER/NAME, created "
-                   "if missing): final/ as it is, verified first, with its model card; with --merge (or a "
-                   "checkpoint) the export, written to --out or a temporary folder. Login: `hf auth login` or "
-                   "HF_TOKEN.")
+                   "if missing): final/ as it is, verified first, with its model card; with --merge, a "
+                   "checkpoint or --out, the export, written to --out or a temporary folder. Login: `hf auth login` "
+                   "or HF_TOKEN.")
     p.add_argument("--private", action="store_true", help="With --push-to-hub: create the repo private.")
     p.set_defaults(func=_export)
 

@@ -204,10 +204,10 @@ def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = No
     """Upload a run's model to the Hugging Face Hub repo `repo_id` (created if missing, `private` if new) through
     huggingface_hub (create_repo + upload_folder; its login: `hf auth login` or HF_TOKEN, its HF_ENDPOINT).
 
-    Without --merge a run's final/ is uploaded as it is, verified first (every file against the sizes and sha256
-    training recorded), with the model card training wrote. With --merge (or a checkpoint) the export is written
-    first, to `out` or a temporary folder, and that is uploaded, without its export marker. Returns the commit's
-    URL."""
+    A run's final/ is uploaded as it is, verified first (every file against the sizes and sha256 training
+    recorded), with the model card training wrote. With --merge, a checkpoint as the source, or `out`, the export is
+    written first (to `out`, else a temporary folder) and that is uploaded, without its export marker. Returns the
+    commit's URL."""
     import tempfile
 
     from huggingface_hub import HfApi
@@ -215,7 +215,7 @@ def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = No
 
     src, run = _resolve(Path(source).resolve())
     with tempfile.TemporaryDirectory(prefix="toolkit-push-") as scratch:
-        if src == run.final and not merge:
+        if src == run.final and not merge and out is None:
             verify_final(src)  # a file cut short or swapped is refused before anything is sent
             folder = src
         else:
