@@ -45,11 +45,12 @@ def _export(args: argparse.Namespace) -> None:
 
 def _preflight(args: argparse.Namespace) -> None:
     from toolkit.commands.preflight import preflight
+    from toolkit.commands.train import find_config, launch_root
     from toolkit.config.load import load_recipe
 
     recipe = load_recipe(args.config, args.overrides)
-    print(preflight(recipe, Path(args.accelerate_config), num_gpus=args.num_gpus, gpu_memory_gb=args.gpu_memory_gb,
-                    scan_data=not args.no_data))
+    print(preflight(recipe, find_config(args.accelerate_config, launch_root()), num_gpus=args.num_gpus,
+                    gpu_memory_gb=args.gpu_memory_gb, scan_data=not args.no_data))
 
 
 def _inspect_data(args: argparse.Namespace) -> None:
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("preflight", help="Per-GPU memory estimate for every strategy, and a scan of the data.")
     p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
-    p.add_argument("--accelerate-config", default="accelerate_configs/zero3.yaml", help="Launch config to assess.")
+    p.add_argument("--accelerate-config", default="zero3", help="Launch config to assess: a shipped config by name "
+                   "(as toolkit train takes it; default zero3) or an accelerate config file.")
     p.add_argument("--num-gpus", type=int, help="GPUs in the job (default: num_processes of the launch config).")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="Memory per GPU, GiB.")
     p.add_argument("--no-data", action="store_true", help="Skip the data scan.")

@@ -94,7 +94,8 @@ def deepspeed_of_config(accelerate_config: Path) -> tuple[bool, str | None]:
 
 def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
     """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is
-    (`_sp<N>` with Ulysses sequence parallelism)."""
+    (`_sp<N>` with Ulysses sequence parallelism). Its DeepSpeed JSON is read from the working directory, as
+    accelerate reads it, or else beside the config's folder (a shipped config, as `toolkit train` launches it)."""
     cfg = _read_config(accelerate_config)
     kind, procs = str(cfg.get("distributed_type", "NO")), int(cfg.get("num_processes", 1))
     ds = cfg.get("deepspeed_config") or {}
@@ -103,6 +104,9 @@ def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
                             "offload_param": {"device": ds.get("offload_param_device", "none")}}
     if kind == DistributedType.DEEPSPEED and ds.get("deepspeed_config_file"):
         path = Path(ds["deepspeed_config_file"])
+        beside = accelerate_config.resolve().parent.parent / path  # a shipped config's, read from another folder
+        if not path.is_file() and not path.is_absolute() and beside.is_file():
+            path = beside
         if not path.is_file():
             raise ToolkitError(f"{accelerate_config} names DeepSpeed config {path}, which does not exist.")
         zero = json.loads(path.read_text()).get("zero_optimization", {})
