@@ -278,3 +278,20 @@ def test_the_smoke_recipe_trains_into_a_volume_in_a_read_only_tree(tmp_path: Pat
     assert sorted(p.name for p in (tmp_path / "tree").iterdir()) == ["out"]
     assert (builtin_dir(TINY_MODEL, user) / "config.json").is_file() and list((user / "tokenized").iterdir())
     assert [p.suffix for p in (user / "locks").iterdir()] == [".lock"]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink"])
+def test_a_lock_file_planted_in_the_shared_folder_is_refused_and_never_written(tmp_path: Path,
+                                                                                planted: str) -> None:
+    """The run lock's name is predictable and its folder shared (`.toolkit-cache/locks`): a link planted there by
+    anyone who can write the folder must not make the launch write lock JSON into the user's file (issue 39)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    layout = RunLayout(tmp_path / "runs" / "exp")
+    layout.lock_file.parent.mkdir(parents=True)
+    {"symlink": lambda p: p.symlink_to(victim), "fifo": os.mkfifo,
+     "hardlink": lambda p: os.link(victim, p)}[planted](layout.lock_file)
+    busy = RunLock(layout).acquire()
+    assert busy is not None and str(layout.lock_file) in busy and "\n" not in busy
+    assert ("symbolic link" if planted == "symlink" else "regular file" if planted == "fifo" else "hard links") in busy
+    assert victim.read_text() == "the user's own file\n"

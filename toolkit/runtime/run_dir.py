@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from toolkit.atomic import open_own
 from toolkit.config.identity import changed_keys, resume_invariants
 from toolkit.config.load import load_recipe
 from toolkit.errors import ToolkitError
@@ -319,7 +320,10 @@ class RunLock:
     def _lock_file(self) -> str | None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            f = self.path.open("a+", encoding="utf-8")
+            # Never through a link, nor truncating a file found there before it is known to be a lock (open_own).
+            f = os.fdopen(open_own(self.path, os.O_RDWR | os.O_CREAT), "r+", encoding="utf-8")
+        except ToolkitError as e:
+            return f"its lock file cannot be used: {str(e).rstrip('.')}"
         except OSError as e:
             return f"its lock file {self.path} cannot be opened ({e.strerror})"
         try:
