@@ -569,6 +569,7 @@ def test_verify_refuses_plain_pickle(tmp_path: Path) -> None:
     with pytest.raises(ToolkitError) as err:
         verify_checkpoint_files(ckpt)
     assert "random_states_1.pkl" in str(err.value)
+    assert "pickle opcode" in str(err.value) and "weights_only" not in str(err.value)  # never torch's advice
     assert not pwned.exists()
 
 

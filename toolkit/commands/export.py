@@ -30,7 +30,7 @@ from toolkit.checkpoint.final import verify_final
 from toolkit.checkpoint.lease import ReadLease
 from toolkit.checkpoint.manager import changed_files, read_meta
 from toolkit.checkpoint.portable import portable_lora_file
-from toolkit.checkpoint.safe_load import verify_checkpoint_files
+from toolkit.checkpoint.safe_load import verify_checkpoint_files, weights_only_loads
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
@@ -231,7 +231,8 @@ def _read_checkpoint(chosen: Path, run: RunLayout, typed: Recipe, *, merge: bool
                                        "another checkpoint, or restore the original files.")
                 verify_checkpoint_files(chosen)
                 base = _base_model(typed.model.name_or_path, meta["base_model"], run)
-                vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
+                with weights_only_loads(chosen):  # a file swapped after the check cannot run code
+                    vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
             except (ToolkitError, OSError):
                 if lease.still_held():
                     raise
