@@ -137,6 +137,26 @@ def refuse_link(path: Path, what: str) -> None:
                            "of its own. Remove it.")
 
 
+def not_ours(folder: Path, *, marker: str | None = None, ours: Callable[[Path], bool] | None = None) -> list[str]:
+    """What in `folder` its writer did not write, by name (a folder's with '/'): nothing for a missing or empty
+    folder, one holding `marker` (a file the writer leaves in every folder it writes), or one whose every entry
+    `ours` claims. With `refuse_not_ours`, the one rule for a folder the user names as an output (export's --out,
+    tiny-model's and dummy-data's --out, a run's output_dir): never written into, let alone replaced, unless it is
+    new, empty or an earlier output of the same writer."""
+    if not folder.is_dir() or (marker is not None and (folder / marker).is_file()):
+        return []
+    return sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in folder.iterdir()
+                  if ours is None or not ours(p))
+
+
+def refuse_not_ours(folder: Path, found: list[str], *, label: str, what: str, then: str, fix: str) -> None:
+    """One line refusing `folder` (named `label` in the command) when it holds what `not_ours` found."""
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ToolkitError(f"{label} {folder} is a non-empty folder that is not {what} (it holds {shown}); {then}. "
+                           f"{fix}")
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write `path` with `write(f)` on a temporary file beside it, fsync, rename it over `path`, fsync the folder.
     Readers see all of the new content or the old one; a failure leaves no temporary file. The file gets the

@@ -24,7 +24,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from toolkit.atomic import build_dir
+from toolkit.atomic import build_dir, not_ours, refuse_not_ours
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint.final import verify_final
 from toolkit.checkpoint.lease import ReadLease
@@ -127,9 +127,9 @@ EXPORT_MARKER = ".toolkit-export.json"
 def _check_replaceable(folder: Path, out: Path, *, overwrite: bool) -> None:
     """Refuse to replace `folder` (at --out, or just swapped out of it) unless it is empty, an earlier export
     (it holds EXPORT_MARKER) or --overwrite was given."""
-    if not overwrite and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file():
-        raise ToolkitError(f"--out {out} is a non-empty folder that is not an earlier export; it would be replaced. "
-                           "Choose a new folder, or pass --overwrite to replace it.")
+    if not overwrite:
+        refuse_not_ours(out, not_ours(folder, marker=EXPORT_MARKER), label="--out", what="an earlier export",
+                        then="it would be replaced", fix="Choose a new folder, or pass --overwrite to replace it.")
 
 
 def check_out(out: Path, src: Path, run: RunLayout, *, overwrite: bool) -> None:
