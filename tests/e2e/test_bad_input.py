@@ -492,6 +492,37 @@ def _(c: Ctx) -> Call:
     return Call(["dummy-data", "--out", str(c.tmp / "notes.txt")], c.tmp / "notes.txt", tool="toolkit")
 
 
+@case("dummy-data-out-user-folder")
+def _(c: Ctx) -> Call:
+    (c.tmp / "data").mkdir()
+    (c.tmp / "data" / "stage1.jsonl").write_text('{"text": "the user\'s own rows"}\n')
+    return Call(["dummy-data", "--out", str(c.tmp / "data")], c.tmp / "data", tool="toolkit")
+
+
+@case("tiny-model-out-user-folder")
+def _(c: Ctx) -> Call:
+    (c.tmp / "model").mkdir()
+    (c.tmp / "model" / "config.json").write_text('{"model_type": "the user\'s own"}\n')
+    return Call(["tiny-model", "--out", str(c.tmp / "model")], c.tmp / "model", tool="toolkit")
+
+
+@case("output-dir-of-the-user")
+def _(c: Ctx) -> Call:
+    (c.tmp / "run").mkdir()
+    (c.tmp / "run" / "recipe.yaml").write_text("model: {name_or_path: the/users/own}\n")
+    return c.train()
+
+
+@case("run-lock-is-a-link")
+def _(c: Ctx) -> Call:
+    victim = c.tmp / "victim.txt"
+    victim.write_text("the user's own file\n")
+    lock = RunLayout(c.tmp / "run").lock_file
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(victim)  # planted by anyone who can write the shared folder beside the output dir
+    return replace(c.train(), watch=victim)
+
+
 @case("dummy-data-zero")
 def _(c: Ctx) -> Call:
     return Call(["dummy-data", "--out", str(c.tmp / "dummy"), "--num-samples", "0"], c.tmp / "dummy", tool="toolkit")

@@ -5,10 +5,39 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.atomic import build_dir, not_ours, refuse_not_ours
 from toolkit.errors import ToolkitError, out_of_space
 from toolkit.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
+
+TINY_MODEL_MARKER = ".toolkit-tiny-model.json"
+DUMMY_DATA_MARKER = ".toolkit-dummy-data.json"
+"""Written into every `tiny-model` / `dummy-data` output: a folder holding one may be replaced by the same command."""
+
+
+def _write_out(out: Path, marker: str, what: str, write: Callable[[Path], object], *, files: str,
+               overwrite: bool) -> None:
+    """Build the folder at --out as export does (toolkit/atomic.py build_dir), after export's rule: --out is new,
+    empty, an earlier output of this command (it holds `marker`), or --overwrite was given; else one line naming
+    what is there. The folder swapped out is checked again before it is deleted."""
+    if out.exists() and not out.is_dir():
+        raise ToolkitError(f"--out {out} is a file; name a folder for the {files}.")
+
+    def check(folder: Path) -> None:
+        if not overwrite:
+            refuse_not_ours(out, not_ours(folder, marker=marker), label="--out", what=what,
+                            then="its files would be replaced", fix="Choose a new folder, or pass --overwrite to "
+                            "replace it.")
+
+    check(out)
+
+    def build(tmp: Path) -> None:
+        write(tmp)
+        (tmp / marker).write_text("{}\n")
+
+    build_dir(out.resolve(), build, check_replaced=check)
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
@@ -16,16 +45,22 @@ def _dummy_data(args: argparse.Namespace) -> None:
 
     if args.num_samples < 1:
         raise ToolkitError(f"--num-samples must be at least 1, got {args.num_samples}.")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ToolkitError(f"--out {args.out} is a file; name a folder for the dummy data files.")
-    for name, path in write_dummy_data(args.out, args.num_samples, seed=args.seed).items():
-        print(f"{name}: {path}")
+    out = Path(args.out)
+    _write_out(out, DUMMY_DATA_MARKER, "an earlier dummy-data output",
+               lambda tmp: write_dummy_data(tmp, args.num_samples, seed=args.seed), files="dummy data files",
+               overwrite=args.overwrite)
+    for name in ("stage1", "stage2"):
+        print(f"{name}: {out / f'{name}.jsonl'}")
 
 
 def _tiny_model(args: argparse.Namespace) -> None:
     from toolkit.builtin.text_model import write_tiny_qwen3
 
-    print(write_tiny_qwen3(args.out, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed))
+    out = Path(args.out)
+    _write_out(out, TINY_MODEL_MARKER, "an earlier tiny-model output",
+               lambda tmp: write_tiny_qwen3(tmp, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed),
+               files="model", overwrite=args.overwrite)
+    print(out)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -80,17 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "[overrides] [-- accelerate args] (toolkit train --help).")
 
     p = sub.add_parser("dummy-data", help="Write deterministic dummy chat JSONL files (stage1, stage2).")
-    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--out", required=True, help="Output directory: new, empty, or an earlier dummy-data output.")
     p.add_argument("--num-samples", type=int, default=256, help="Rows per file.")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="Allow --out to be a non-empty folder that is not an "
+                   "earlier dummy-data output (it is replaced).")
     p.set_defaults(func=_dummy_data)
 
     p = sub.add_parser("tiny-model", help="Write a tiny random Qwen3 with a small trained tokenizer and "
                        "Qwen3's chat template (no network).")
-    p.add_argument("--out", required=True, help="Output directory (loadable with from_pretrained).")
+    p.add_argument("--out", required=True, help="Output directory (loadable with from_pretrained): new, empty, or an "
+                   "earlier tiny-model output.")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="Allow --out to be a non-empty folder that is not an "
+                   "earlier tiny-model output (it is replaced).")
     p.set_defaults(func=_tiny_model)
 
     p = sub.add_parser("export", help="Export a checkpoint or run as a PEFT adapter, or a merged model (--merge).")

@@ -24,13 +24,13 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from toolkit.atomic import build_dir
+from toolkit.atomic import build_dir, not_ours, refuse_not_ours
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint.final import verify_final
 from toolkit.checkpoint.lease import ReadLease
 from toolkit.checkpoint.manager import changed_files, read_meta
 from toolkit.checkpoint.portable import portable_lora_file
-from toolkit.checkpoint.safe_load import verify_checkpoint_files
+from toolkit.checkpoint.safe_load import verify_checkpoint_files, weights_only_loads
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
@@ -127,9 +127,9 @@ EXPORT_MARKER = ".toolkit-export.json"
 def _check_replaceable(folder: Path, out: Path, *, overwrite: bool) -> None:
     """Refuse to replace `folder` (at --out, or just swapped out of it) unless it is empty, an earlier export
     (it holds EXPORT_MARKER) or --overwrite was given."""
-    if not overwrite and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file():
-        raise ToolkitError(f"--out {out} is a non-empty folder that is not an earlier export; it would be replaced. "
-                           "Choose a new folder, or pass --overwrite to replace it.")
+    if not overwrite:
+        refuse_not_ours(out, not_ours(folder, marker=EXPORT_MARKER), label="--out", what="an earlier export",
+                        then="it would be replaced", fix="Choose a new folder, or pass --overwrite to replace it.")
 
 
 def check_out(out: Path, src: Path, run: RunLayout, *, overwrite: bool) -> None:
@@ -265,7 +265,8 @@ def _read_checkpoint(chosen: Path, run: RunLayout, typed: Recipe, *, merge: bool
                                        "another checkpoint, or restore the original files.")
                 verify_checkpoint_files(chosen)
                 base = _base_model(typed.model.name_or_path, meta["base_model"], run)
-                vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
+                with weights_only_loads(chosen):  # a file swapped after the check cannot run code
+                    vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
             except (ToolkitError, OSError):
                 if lease.still_held():
                     raise
