@@ -127,6 +127,14 @@ def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.d
     return sums.loss, sums.tokens
 
 
+def forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's per-segment (float64 loss sum, label-token count), in segment order (`segment_ids`), by
+    the pass's own forward; differentiable under autograd: a preference stage's policy log-probs
+    (toolkit/train/preference.py), the same numbers the pass gives its reference."""
+    return _forward_sums(model, batch, device)
+
+
 @torch.no_grad()
 def row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence[dict[str, Any]],
              collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,

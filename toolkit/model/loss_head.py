@@ -121,6 +121,11 @@ def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
     return F.cross_entropy(head(hidden).float(), target, reduction="sum")
 
 
+def _token_losses(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, target: torch.Tensor
+                  ) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), target, reduction="none")
+
+
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, *, chunk_tokens: int, ignore_index: int = -100,
                           same_chunks_on_all_ranks: bool = False, segments: SegmentSums | None = None
@@ -138,8 +143,9 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
     weights sit in submodules (PEFT's lora.Linear, modules_to_save) under ZeRO-3, where each submodule call
     gathers its weight from all ranks, and ranks with different chunk counts would wait on each other forever.
 
-    ``segments`` (no grad only): also add each label token's loss (float64) to its segment's sum and count
-    (``SegmentSums``: per padded row, or per sample of a packed row), for the scoring pass.
+    ``segments``: also add each label token's loss (float64) to its segment's sum and count (``SegmentSums``: per
+    padded row, or per sample of a packed row), for the scoring pass; under autograd the sums are differentiable
+    (a preference stage's per-sequence log-probs), each chunk checkpointed as above.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(flat.device)
@@ -156,9 +162,7 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
     for start in range(0, max(longest, 1), chunk_tokens):
         h, y = flat[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if owners is not None and segments is not None:
-            if grad:
-                raise RuntimeError("per-segment loss sums are computed without gradients (the scoring pass)")
-            tokens = F.cross_entropy(head(h).float(), y, reduction="none")
+            tokens = checkpoint(_token_losses, head, h, y, use_reentrant=False) if grad else _token_losses(head, h, y)
             segments.add(owners[start:start + chunk_tokens], tokens)
             part = tokens.sum()
         else:
