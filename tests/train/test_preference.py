@@ -31,11 +31,17 @@ from toolkit.model.attention import SDPA_PACKED, register_kernels
 from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
 from toolkit.train.preference import (
+    METRICS,
     PairLogps,
     PreferenceSettings,
+    ReferenceStore,
+    global_normalisers,
+    pair_counts,
+    pair_metrics,
     policy_logps,
     preference_loss,
     preference_terms,
+    reference_key,
     reference_logps,
 )
 
@@ -208,3 +214,86 @@ def test_the_base_reference_is_the_model_with_its_adapter_off(models: dict[str, 
     assert np.abs(np.stack(on, 1).reshape(-1) - expected).max() > 1e-3  # the adapter is back on afterwards
     with pytest.raises(ToolkitError, match="full fine-tuning"):
         reference_logps(accelerator, base, sequences, padding_collator(tokenizer), 2, base=True)
+
+
+def test_grad_accumulation_gives_the_global_batch_loss_gradients_and_metrics(models: dict[str, str],
+                                                                             tokenizer: Any, tmp_path: Any) -> None:
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    settings = PreferenceSettings(("sigmoid", "sft"), (1.0, 0.5))
+    accelerator = distributed.build_accelerator(1, 10)
+    collate = padding_collator(tokenizer)
+    results = []
+    for split in ([sequences], [sequences[:4], sequences[4:]]):  # one micro-batch of 4 pairs, or 2 of 2
+        model = lora_model(models)
+        install_loss_head(model, "chunked", chunk_tokens=7)
+        ref = reference_logps(accelerator, model, sequences, collate, 4)
+        nudge(model)
+        model.train()
+        batches = [collate(part) for part in split]
+        counts = [pair_counts(b) for b in batches]
+        pairs, chosen_tokens = global_normalisers(accelerator, sum(c[0] for c in counts),
+                                                  sum(c[1] for c in counts), divisor=len(split))
+        total, parts, at = 0.0, [], 0
+        for batch, (n, _) in zip(batches, counts, strict=True):
+            chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, n, torch.device("cpu"))
+            logps = PairLogps(chosen, rejected, torch.from_numpy(ref[0][at:at + n]),
+                              torch.from_numpy(ref[1][at:at + n]), c_tokens, r_tokens)
+            terms = preference_terms(settings, logps)
+            loss = preference_loss(settings, terms, pairs, chosen_tokens) / len(split)  # accelerate's 1/accum
+            loss.backward()
+            total, at = total + float(loss), at + n
+            parts.append((terms, logps))
+        assert at == len(PAIRS)
+        results.append((total, lora_grads(model), pair_metrics(accelerator, parts), counts))
+    (one, grads_one, metrics_one, counts_one), (two, grads_two, metrics_two, counts_two) = results
+    chosen_label_tokens = sum(sum(y != IGNORE_INDEX for y in s["labels"][1:]) for s in sequences[0::2])
+    assert counts_one == [(4, chosen_label_tokens)] and sum(c[1] for c in counts_two) == chosen_label_tokens
+    assert abs(one - two) < 1e-6
+    for name, grad in grads_one.items():
+        torch.testing.assert_close(grads_two[name], grad, rtol=0, atol=1e-6, msg=name)
+    assert set(metrics_one) == set(METRICS)
+    for name in METRICS:
+        assert metrics_two[name] == pytest.approx(metrics_one[name], abs=1e-9)
+    assert metrics_one["rewards/margins"] == pytest.approx(
+        metrics_one["rewards/chosen"] - metrics_one["rewards/rejected"], abs=1e-12)
+    assert metrics_one["rewards/chosen"] != 0
+
+
+def test_the_reference_store_keeps_the_entry_policy_and_finishes_a_stopped_pass(models: dict[str, str],
+                                                                               tokenizer: Any, tmp_path: Any) -> None:
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    collate = padding_collator(tokenizer)
+    accelerator = distributed.build_accelerator(1, 10)
+    model = lora_model(models)
+    head = install_loss_head(model, "chunked")
+    assert head is not None
+    expected = reference_logps(accelerator, model, sequences, collate, 2)
+    key = reference_key("dpo", {"pairs.jsonl": "sha"}, {"step": 3}, base=False)
+    assert key != reference_key("dpo", {"pairs.jsonl": "other"}, {"step": 3}, base=False)
+    assert key != reference_key("dpo", {"pairs.jsonl": "sha"}, {"step": 4}, base=False)
+    store = ReferenceStore(tmp_path / "run", key)
+    calls = head.calls
+    got = store.logps(accelerator, model, sequences, collate, 2, block_rows=2)
+    assert head.calls - calls == 4 and store.done(len(sequences)) == len(sequences)  # 4 blocks of 2 sequences
+    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    nudge(model)  # a later policy: a resume reads what the entry policy gave
+    calls = head.calls
+    again = ReferenceStore(tmp_path / "run", key).logps(accelerator, model, sequences, collate, 2)
+    assert head.calls == calls
+    np.testing.assert_array_equal(np.stack(again), np.stack(expected))
+    with np.load(store.path) as saved:  # a pass stopped after its first 2 blocks
+        logps, done = saved["logps"], saved["done"]
+    done[4:] = False
+    np.savez(store.path.with_suffix(".tmp.npz"), logps=logps, done=done)
+    store.path.with_suffix(".tmp.npz").replace(store.path)
+    assert store.done(len(sequences)) == 4
+    calls = head.calls
+    finished = store.logps(accelerator, model, sequences, collate, 2, block_rows=2)
+    assert head.calls - calls == 2  # only the 4 sequences left, under the model that runs now
+    np.testing.assert_array_equal(np.stack(finished)[:, :2], np.stack(expected)[:, :2])
+    with pytest.raises(ToolkitError, match="move it away"):
+        store.logps(accelerator, model, sequences[:4], collate, 2)

@@ -19,15 +19,25 @@ The losses, with h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), named 
   divided by their count: TRL's `sft` term).
 
 The pair losses are summed over pairs and divided by the number of pairs in the global batch (all ranks, all
-micro-steps); the `sft` term by the global batch's chosen-token count, so neither gradient accumulation nor the
-process count changes the loss. `loss_weights` weighs each named loss (default 1 each).
+micro-steps: `pair_counts` on the host batches, `global_normalisers`' one all-reduce); the `sft` term by the global
+batch's chosen-token count, so neither gradient accumulation nor the process count changes the loss. `loss_weights`
+weighs each named loss (default 1 each). `pair_metrics` gives TRL's step metrics over the global batch.
+
+The reference of `reference: precompute` is the policy as it enters the stage: one scoring pass over the stage's
+pairs at its first step, kept float64 in the run folder (`ReferenceStore`, keyed by `reference_key`: stage, data,
+entry state), resumed block by block after a stop and reused as is by a resume. `base` runs the same pass with the
+LoRA adapter off (`adapter_disabled`; LLaMA-Factory's reference for a LoRA run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,12 +45,18 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
+from toolkit.atomic import write_atomic
+from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.evals.scoring import forward_sums, row_sums
+from toolkit.evals.scoring import forward_sums, row_sums, segment_ids
+from toolkit.model.loss_head import shifted_labels
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 LOSSES = (*PAIR_LOSSES, "sft")
 DEFAULT_BETA = 0.1
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+"""The step metrics, named as TRL's DPOTrainer logs them: means over the global batch's pairs."""
 
 
 @dataclass(frozen=True)
@@ -183,3 +199,102 @@ def reference_logps(accelerator: Accelerator, model: torch.nn.Module, sequences:
                         block_rows=block_rows)
     logps = -sums.loss
     return logps[0::2], logps[1::2]
+
+
+def pair_counts(batch: dict[str, Any]) -> tuple[int, int]:
+    """(pairs, chosen label tokens) of a host micro-batch collated in pair order, padded or packed: what the global
+    batch's normalisers add up, counted without touching the device."""
+    seg, count = segment_ids(batch)
+    owners = shifted_labels(seg, -1)[shifted_labels(batch["labels"], IGNORE_INDEX) != IGNORE_INDEX]
+    per_sequence = torch.bincount(owners[owners >= 0], minlength=count)
+    return count // 2, int(per_sequence[0:count - count % 2:2].sum())
+
+
+def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int, divisor: int) -> tuple[float, float]:
+    """The global batch's pair count and chosen-token count (this rank's micro-batches' `pair_counts` summed,
+    all-reduced) divided by `divisor`, the number of gradients the strategy averages (processes x accumulation
+    steps): each micro-batch's `preference_loss` with these sums, over ranks and micro-steps, to the global
+    batch's loss, so neither the process count nor gradient accumulation changes it."""
+    local = torch.tensor([float(pairs), float(chosen_tokens)], dtype=torch.float64, device=accelerator.device)
+    total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
+    summed = total.tolist()
+    return summed[0] / divisor, summed[1] / divisor
+
+
+def pair_metrics(accelerator: Accelerator, parts: Sequence[tuple[PreferenceTerms, PairLogps]]) -> dict[str, float]:
+    """METRICS over every pair of the global batch (this rank's micro-batches `parts`, one all-reduce)."""
+    sums = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
+    for terms, logps in parts:
+        chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()
+        sums += torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(),
+                             (chosen - rejected).sum(), logps.chosen.detach().double().sum(),
+                             logps.rejected.detach().double().sum(),
+                             torch.tensor(float(len(chosen)), dtype=torch.float64, device=chosen.device)]
+                            ).to(sums.device)
+    if accelerator.num_processes > 1:
+        sums = accelerator.reduce(sums, reduction="sum")
+    values = sums.tolist()
+    n = max(values[-1], 1.0)
+    return {name: v / n for name, v in zip(METRICS, values[:-1], strict=True)}
+
+
+def reference_key(stage: str, data_fingerprint: Any, entry_state: Any, base: bool) -> str:
+    """What a stage's reference log-probs are bound to: the stage, its data (the fingerprint of its pairs) and the
+    policy at stage entry (e.g. the checkpoint step and weights digest it entered with; `base`: the adapter off)."""
+    blob = json.dumps({"stage": stage, "data": data_fingerprint, "state": entry_state, "base": base},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+class ReferenceStore:
+    """A stage's reference log-probs in the run folder, float64: `<folder>/reference-<key>.npz` holding every
+    sequence's summed log-prob (pair order) and which are done. The scoring pass writes it after each block
+    (process 0, atomically), so a pass stopped by a signal goes on from its last block; a resume finds it whole and
+    never recomputes it from a later policy. Another key (other data, another entry state) is another file."""
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.path = Path(folder) / f"reference-{key}.npz"
+
+    def _read(self, sequences: int) -> tuple[np.ndarray, np.ndarray]:
+        if not self.path.exists():
+            return np.zeros(sequences, np.float64), np.zeros(sequences, bool)
+        with np.load(self.path) as saved:
+            logps, done = saved["logps"], saved["done"]
+        if len(logps) != sequences:
+            raise ToolkitError(f"{self.path} holds {len(logps)} reference log-probs for {sequences} sequences of the "
+                               "same key; it is not this stage's: move it away to recompute.")
+        return logps.astype(np.float64), done.astype(bool)
+
+    def _write(self, logps: np.ndarray, done: np.ndarray) -> None:
+        def write(f: Any) -> None:
+            buffer = io.BytesIO()
+            np.savez(buffer, logps=logps, done=done)
+            f.write(buffer.getvalue())
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, write)
+
+    def done(self, sequences: int) -> int:
+        """How many of the `sequences` are stored already."""
+        return int(self._read(sequences)[1].sum())
+
+    def logps(self, accelerator: Accelerator, model: torch.nn.Module, sequences: Sequence[dict[str, Any]],
+              collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
+              base: bool = False, block_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every pair's reference (chosen, rejected) log-probs: those stored, the rest by the scoring pass
+        (`reference_logps` over the sequences not done), stored block by block. Collective."""
+        if len(sequences) % 2:
+            raise ValueError(f"{len(sequences)} sequences are not whole pairs")
+        logps, done = self._read(len(sequences))
+        todo = np.flatnonzero(~done)
+        if len(todo):
+            def keep(rows: np.ndarray, part: Any) -> None:
+                logps[rows], done[rows] = -part.loss, True
+                if accelerator.is_main_process:
+                    self._write(logps, done)
+
+            with adapter_disabled(model) if base else contextlib.nullcontext():
+                row_sums(accelerator, model, sequences, collate, micro_batch_size, rows=todo,
+                         block_rows=block_rows, on_block=keep)
+            accelerator.wait_for_everyone()
+        return logps[0::2].copy(), logps[1::2].copy()
