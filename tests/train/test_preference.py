@@ -193,7 +193,8 @@ def test_at_the_reference_the_sigmoid_loss_is_ln2_and_rewards_are_zero() -> None
     ({"loss": ("dpo",)}, "names 'dpo'"), ({"loss": ()}, "is empty"), ({"loss": ("sft",)}, "only sft"),
     ({"loss": ("sigmoid", "sigmoid")}, "twice"), ({"loss_weights": (1.0, 2.0)}, "2 weights for 1"),
     ({"beta": 0.0}, "beta is 0.0"), ({"loss": ("robust",), "label_smoothing": 0.5}, "[0, 0.5)"),
-    ({"label_smoothing": 0.1}, "only the robust loss")])
+    ({"label_smoothing": 0.1}, "only the robust loss"), ({"loss": ("orpo", "sigmoid")}, "takes no reference"),
+    ({"loss": ("simpo",), "simpo_gamma": -1.0}, "simpo_gamma is -1.0")])
 def test_bad_settings_are_refused_in_one_line(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ToolkitError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         PreferenceSettings(**kwargs)
@@ -297,3 +298,48 @@ def test_the_reference_store_keeps_the_entry_policy_and_finishes_a_stopped_pass(
     np.testing.assert_array_equal(np.stack(finished)[:, :2], np.stack(expected)[:, :2])
     with pytest.raises(ToolkitError, match="move it away"):
         store.logps(accelerator, model, sequences[:4], collate, 2)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_losses_equal_trl_orpo_and_cpo_simpo(models: dict[str, str], tokenizer: Any, tmp_path: Any,
+                                                            objective: str) -> None:
+    """ORPO and SimPO take no reference: their formulas against TRL's own ORPOTrainer.odds_ratio_loss and
+    CPOTrainer.cpo_loss (loss_type simpo) on the same per-pair average log-probs, the loss and its LoRA gradients;
+    the log-probs themselves are the ones proven above."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    settings = (PreferenceSettings(("orpo", "sft"), beta=0.1) if objective == "orpo"
+                else PreferenceSettings(("simpo",), beta=2.0, simpo_gamma=0.5))
+    assert settings.reference_free
+    grads, losses = [], []
+    for side in ("trl", "ours"):
+        model = lora_model(models)
+        install_loss_head(model, "chunked", chunk_tokens=7)
+        model.train()
+        chosen, rejected, c_tokens, r_tokens = policy_logps(model, padding_collator(tokenizer)(sequences),
+                                                            len(PAIRS), torch.device("cpu"))
+        if side == "trl":
+            trl_self = type("TrlSelf", (), {"beta": settings.beta, "alpha": 0.0, "loss_type": "simpo",
+                                            "simpo_gamma": settings.simpo_gamma, "label_smoothing": 0.0,
+                                            "accelerator": type("Acc", (), {"device": torch.device("cpu")})()})()
+            c_mean, r_mean = chosen / c_tokens, rejected / r_tokens
+            if objective == "orpo":
+                ratio_losses = ORPOTrainer.odds_ratio_loss(trl_self, c_mean, r_mean)[0]
+                loss = -chosen.sum() / c_tokens.sum() - ratio_losses.mean()  # ORPOTrainer: nll - mean(beta ratio)
+            else:
+                loss = CPOTrainer.cpo_loss(trl_self, c_mean, r_mean)[0].mean()
+        else:
+            zeros = torch.zeros_like(chosen)
+            terms = preference_terms(settings, PairLogps(chosen, rejected, zeros, zeros, c_tokens, r_tokens))
+            loss = preference_loss(settings, terms, len(PAIRS), float(c_tokens.sum()))
+            assert torch.allclose(terms.chosen_rewards, settings.beta * (chosen / c_tokens).detach())
+        loss.backward()
+        losses.append(float(loss))
+        grads.append(lora_grads(model))
+    assert abs(losses[0] - losses[1]) < 1e-6, losses
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)

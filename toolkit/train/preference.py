@@ -15,6 +15,10 @@ The losses, with h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), named 
   token count (TRL's normalisation, confirmed by the IPO authors).
 * ``robust`` (rDPO, Chowdhury et al. 2024): ((1 - e) -log sigmoid(beta h) - e -log sigmoid(-beta h)) / (1 - 2 e),
   e = ``label_smoothing`` in [0, 0.5).
+* ``orpo`` (Hong et al. 2024, eqs. 4 and 7; no reference): -beta log sigmoid(log odds(c) - log odds(r)), odds
+  of the average token log-probs, odds(p) = p / (1 - p); with ``sft`` (weight 1) it is TRL's ORPOTrainer loss.
+* ``simpo`` (Meng et al. 2024, eq. 6; no reference): -log sigmoid(beta (avg log pi(c) - avg log pi(r)) -
+  ``simpo_gamma``), TRL's CPOTrainer with loss_type simpo (its `cpo_alpha` NLL is ``sft`` here).
 * ``sft``: the chosen completions' negative log-likelihood per token (summed over the batch's chosen tokens,
   divided by their count: TRL's `sft` term).
 
@@ -52,7 +56,9 @@ from toolkit.evals.scoring import forward_sums, row_sums, segment_ids
 from toolkit.model.loss_head import shifted_labels
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
-LOSSES = (*PAIR_LOSSES, "sft")
+REFERENCE_FREE = ("orpo", "simpo")
+"""Losses without a reference: ORPO (TRL's ORPOTrainer) and SimPO (TRL's CPOTrainer, loss_type simpo)."""
+LOSSES = (*PAIR_LOSSES, *REFERENCE_FREE, "sft")
 DEFAULT_BETA = 0.1
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -67,6 +73,7 @@ class PreferenceSettings:
     loss_weights: tuple[float, ...] | None = None
     beta: float = DEFAULT_BETA
     label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
 
     def __post_init__(self) -> None:
         where = "stages[].preference"
@@ -77,9 +84,13 @@ class PreferenceSettings:
                 raise ToolkitError(f"{where}.loss names {name!r}; choose from {', '.join(LOSSES)}.")
         if len(set(self.loss)) != len(self.loss):
             raise ToolkitError(f"{where}.loss names a loss twice ({list(self.loss)}); name each once.")
-        if not any(name in PAIR_LOSSES for name in self.loss):
+        if not any(name in (*PAIR_LOSSES, *REFERENCE_FREE) for name in self.loss):
             raise ToolkitError(f"{where}.loss is only sft; add a pair loss ({', '.join(PAIR_LOSSES)}) or make the "
                                "stage objective sft.")
+        free = [name for name in self.loss if name in REFERENCE_FREE]
+        if free and len([name for name in self.loss if name != "sft"]) > 1:
+            raise ToolkitError(f"{where}.loss mixes {free[0]}, which takes no reference, with other pair losses "
+                               f"({list(self.loss)}); {free[0]} goes alone (with sft at most).")
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss):
             raise ToolkitError(f"{where}.loss_weights has {len(self.loss_weights)} weights for {len(self.loss)} "
                                "losses; give one weight per loss.")
@@ -87,9 +98,16 @@ class PreferenceSettings:
             raise ToolkitError(f"{where}.beta is {self.beta}; it must be > 0 (TRL's default: 0.1).")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ToolkitError(f"{where}.label_smoothing is {self.label_smoothing}; it must lie in [0, 0.5).")
+        if self.simpo_gamma < 0:
+            raise ToolkitError(f"{where}.simpo_gamma is {self.simpo_gamma}; it must be >= 0 (TRL's default: 0.5).")
         if self.label_smoothing and "robust" not in self.loss:
             raise ToolkitError(f"{where}.label_smoothing is {self.label_smoothing} but only the robust loss uses "
                                "it; add robust to preference.loss or remove label_smoothing.")
+
+    @property
+    def reference_free(self) -> bool:
+        """ORPO and SimPO: no reference log-probs (PairLogps' ref_* are zeros, unused)."""
+        return any(name in REFERENCE_FREE for name in self.loss)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -126,9 +144,16 @@ def preference_terms(settings: PreferenceSettings, logps: PairLogps) -> Preferen
     chosen_ratio = logps.chosen - logps.ref_chosen
     rejected_ratio = logps.rejected - logps.ref_rejected
     h = chosen_ratio - rejected_ratio
+    chosen_mean = logps.chosen / logps.chosen_tokens.clamp(min=1)  # average log-probs: ORPO's and SimPO's
+    rejected_mean = logps.rejected / logps.rejected_tokens.clamp(min=1)
     total = torch.zeros((), dtype=h.dtype, device=h.device)
     for name, weight in settings.weights.items():
-        if name == "sigmoid":
+        if name == "orpo":  # ORPO eq. 4 and 7: log odds(p) = log p - log(1 - p) of the average log-probs
+            log_odds = (chosen_mean - rejected_mean) - (_log1mexp(chosen_mean) - _log1mexp(rejected_mean))
+            per_pair = -beta * F.logsigmoid(log_odds)
+        elif name == "simpo":  # SimPO eq. 6: the length-normalised margin less gamma
+            per_pair = -F.logsigmoid(beta * (chosen_mean - rejected_mean) - settings.simpo_gamma)
+        elif name == "sigmoid":
             per_pair = -F.logsigmoid(beta * h)
         elif name == "hinge":
             per_pair = torch.relu(1 - beta * h)
@@ -141,7 +166,14 @@ def preference_terms(settings: PreferenceSettings, logps: PairLogps) -> Preferen
         else:  # sft: normalised by tokens, not pairs (below)
             continue
         total = total + weight * per_pair.sum()
+    if settings.reference_free:  # TRL's ORPO / CPO log beta times the average log-probs as the rewards
+        return PreferenceTerms(total, -logps.chosen.sum(), beta * chosen_mean.detach(), beta * rejected_mean.detach())
     return PreferenceTerms(total, -logps.chosen.sum(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -ln 2 (Maechler 2012)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
 def preference_loss(settings: PreferenceSettings, terms: PreferenceTerms, pairs: float, chosen_tokens: float
