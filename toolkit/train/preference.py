@@ -245,8 +245,8 @@ def pair_counts(batch: dict[str, Any]) -> tuple[int, int]:
 def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int, divisor: int) -> tuple[float, float]:
     """The global batch's pair count and chosen-token count (this rank's micro-batches' `pair_counts` summed,
     all-reduced) divided by `divisor`, the number of gradients the strategy averages (processes x accumulation
-    steps): each micro-batch's `preference_loss` with these sums, over ranks and micro-steps, to the global
-    batch's loss, so neither the process count nor gradient accumulation changes it."""
+    steps). Every micro-batch's `preference_loss` divides by them, so the averaged gradients are those of the
+    global batch's loss: neither the process count nor gradient accumulation changes it. Collective."""
     local = torch.tensor([float(pairs), float(chosen_tokens)], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
     summed = total.tolist()
