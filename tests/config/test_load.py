@@ -516,3 +516,39 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
                                                                                               "eval.every_steps=3",
                                                                                               gated[2]]))
     assert "gate_evals" not in resume_invariants(load_recipe(None, [GEN]))  # ungated: as before
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["stages.0.objective=dpo"], "stages.0 ('warmup_short'): objective dpo does not train yet"),
+    (["stages.0.objective=simpo"], "objective simpo does not train yet"),
+    (["stages.0.objective=kto"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo' or 'simpo'"),
+    (["stages.0.preference={beta: 0.2}"], "preference is set but the stage's objective is sft"),
+    (["stages.0.objective=dpo", "stages.0.preference={beta: 0}"], "'stages.0.preference.beta'"),
+    (["stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, dpo]}"], "'stages.0.preference.loss.1'"),
+    (["stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, sigmoid]}"], "names a loss twice"),
+    (["stages.0.objective=dpo", "stages.0.preference={loss: sft}"], "preference.loss is only sft"),
+    (["stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, sft], loss_weights: [1]}"],
+     "loss_weights has 1 weights for 2 losses"),
+    (["stages.0.objective=dpo", "stages.0.preference={label_smoothing: 0.1}"],
+     "only the robust loss uses it"),
+    (["stages.0.objective=dpo", "stages.0.preference={loss: robust, label_smoothing: 0.5}"],
+     "'stages.0.preference.label_smoothing': Input should be less than 0.5"),
+    (["stages.0.objective=dpo", "stages.0.preference={simpo_gamma: 1}"], "only simpo stages use it"),
+    (["stages.0.objective=orpo", "stages.0.preference={loss: [hinge]}"], "pair loss is orpo itself"),
+    (["stages.0.objective=simpo", "stages.0.preference={reference: base}"], "simpo takes no reference"),
+    (["lora.enabled=false", "stages.0.objective=dpo", "stages.0.preference={reference: base}"],
+     "reference is base (the model with its LoRA adapter off) but lora.enabled is false"),
+])
+def test_preference_stage_keys_are_validated_then_refused(overrides: list[str], needle: str) -> None:
+    """Every bad value of stages[].objective / stages[].preference gets its one line; a valid preference stage is
+    refused in one line too (not wired into a run yet), never trained as sft."""
+    assert needle in _error(None, overrides)
+
+
+def test_sft_objective_is_the_default_and_leaves_resume_hashes_unchanged() -> None:
+    from toolkit.config.identity import resume_invariants
+
+    recipe = load_recipe(None)
+    assert [s.objective for s in recipe.stages] == ["sft"] * len(recipe.stages)
+    assert all("objective" not in s and "preference" not in s for s in resume_invariants(recipe)["stages"])
+    assert resume_invariants(load_recipe(None, ["stages.0.objective=sft"])) == resume_invariants(recipe)

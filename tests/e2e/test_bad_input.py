@@ -117,6 +117,14 @@ case("zero-mixture-weight")(lambda c: c.train(change=stage("data", [{"path": "da
 case("partial-mixture-weights")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "weight": 1},
                                                                         "data.jsonl"])))
 case("pacing-without-easy-to-hard")(lambda c: c.train(change=stage("pacing", {"kind": "linear"})))
+case("stage-objective-not-trained")(lambda c: c.train(change=stage("objective", "dpo")))
+case("preference-on-sft-stage")(lambda c: c.train(change=stage("preference", {"beta": 0.2})))
+case("preference-base-without-lora")(lambda c: c.train(
+    "lora.enabled=false", "stages.0.objective=dpo", "stages.0.preference={reference: base}"))
+case("preference-smoothing-without-robust")(lambda c: c.train(
+    "stages.0.objective=dpo", "stages.0.preference={label_smoothing: 0.1}"))
+case("preference-loss-weights-count")(lambda c: c.train(
+    "stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, sft], loss_weights: [1]}"))
 case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continue")))
 case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
 case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))

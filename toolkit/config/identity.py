@@ -20,6 +20,8 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     for stage in tree["stages"]:
         if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
             del stage["micro_batch_size"]
+        if stage["objective"] == "sft" and stage["preference"] is None:  # the default: earlier hashes as they were
+            del stage["objective"], stage["preference"]
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
             for key in ("split", "columns", "tags", "dataset", "dataset_dir"):
                 if isinstance(entry, dict) and entry.get(key) is None:

@@ -343,6 +343,42 @@ class AdvanceWhen(_Section):
                 else f"{self.metric} <= {self.at_most:g}")
 
 
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+"""Stage objectives that train on preference pairs (`stages[].objective`; the default, sft, trains on rows)."""
+
+
+class PreferenceConfig(_Section):
+    """A preference stage's loss and reference, named as TRL's DPOConfig names them (docs/preference.md)."""
+
+    loss: list[Literal["sigmoid", "ipo", "hinge", "robust", "sft"]] = Field(
+        ["sigmoid"], min_length=1, description="DPO pair losses (TRL's loss_type; sft adds the chosen NLL), one or "
+        "a list; orpo and simpo stages name at most sft.")
+    loss_weights: list[float] | None = Field(None, description="One weight per loss (default 1 each).")
+    beta: float = Field(0.1, gt=0, description="Temperature of the log-ratio (TRL's beta).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Label noise of the robust loss, in [0, 0.5).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin (simpo stages only).")
+    reference: Literal["precompute", "base"] | None = Field(
+        None, description="precompute (default for dpo): the policy as it enters the stage; base: the model with "
+        "the LoRA adapter off. orpo and simpo take none.")
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _one_or_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PreferenceConfig:
+        if len(set(self.loss)) != len(self.loss):
+            raise ValueError(f"loss names a loss twice ({self.loss}); name each once")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss):
+            raise ValueError(f"loss_weights has {len(self.loss_weights)} weights for {len(self.loss)} losses; give "
+                             "one weight per loss")
+        if self.label_smoothing and "robust" not in self.loss:
+            raise ValueError(f"label_smoothing is {self.label_smoothing} but only the robust loss uses it; add "
+                             "robust to loss or remove label_smoothing")
+        return self
+
+
 class StageConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -376,6 +412,10 @@ class StageConfig(_Section):
                                                           "(default: eval.generation).")
     advance_when: AdvanceWhen | None = Field(None, description="Mastery gate: end the stage once an eval metric "
                                              "reaches a threshold (max_steps / epochs stay the ceiling).")
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
+        "sft", description="What the stage trains: sft on rows, or dpo / orpo / simpo on preference pairs.")
+    preference: PreferenceConfig | None = Field(None, description="A dpo / orpo / simpo stage's loss and reference "
+                                                "(default: sigmoid, beta 0.1, reference precompute).")
 
     @model_validator(mode="after")
     def _consistent(self) -> StageConfig:
@@ -386,6 +426,23 @@ class StageConfig(_Section):
             raise ValueError("give a weight to every data file of the stage, or to none")
         if self.pacing is not None and self.order != "easy_to_hard":
             raise ValueError("pacing needs order: easy_to_hard")
+        if self.objective == "sft" and self.preference is not None:
+            raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
+                             "simpo) or remove preference")
+        pref = self.preference
+        if self.objective in ("orpo", "simpo") and pref is not None:
+            if [name for name in pref.loss if name != "sft"] and "loss" in pref.model_fields_set:
+                raise ValueError(f"preference.loss names {pref.loss} but an {self.objective} stage's pair loss is "
+                                 f"{self.objective} itself; name at most sft (the chosen NLL)")
+            if pref.reference is not None:
+                raise ValueError(f"preference.reference is {pref.reference} but {self.objective} takes no "
+                                 "reference; remove it")
+        if self.objective == "dpo" and pref is not None and pref.loss == ["sft"]:
+            raise ValueError("preference.loss is only sft; add a pair loss (sigmoid, ipo, hinge, robust) or make the "
+                             "stage's objective sft")
+        if pref is not None and "simpo_gamma" in pref.model_fields_set and self.objective != "simpo":
+            raise ValueError(f"preference.simpo_gamma is set but the stage's objective is {self.objective}; only "
+                             "simpo stages use it")
         return self
 
     @property
@@ -537,6 +594,23 @@ class Recipe(_Section):
                 raise ValueError(f"{where}: patience may end the stage early, which would cut the LR schedule "
                                  f"that stage '{self.stages[i + 1].name}' continues; give that stage its own "
                                  "schedule")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_stages(self) -> Recipe:
+        """A `reference: base` needs a LoRA adapter to switch off; then every preference objective is refused in
+        one line: the losses, log-probs and pair shapes are built (docs/preference.md), their wiring into the
+        data, the reference pass at stage entry and the step is not."""
+        for i, stage in enumerate(self.stages):
+            if stage.objective == "sft":
+                continue
+            where = f"stages.{i} ('{stage.name}')"
+            if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
+                raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
+                                 "lora.enabled is false; use reference: precompute")
+            raise ValueError(f"{where}: objective {stage.objective} does not train yet (its losses are built, "
+                             "not wired into a run: docs/preference.md); use objective: sft, or TRL's DPOTrainer "
+                             "for the preference stage")
         return self
 
     @model_validator(mode="after")

@@ -24,6 +24,10 @@ tensor back as ``loss``. ``num_items_in_batch`` normalises exactly as transforme
 summed token losses divided by it, or the mean over label tokens without it. Labels shift the same way (pad
 with ``ignore_index`` on the right, then drop the first column), so packed rows match the standard head.
 
+Per row: inside ``LossHead.per_segment`` a labelled call also adds each label token's loss (float64) to its segment
+(a padded row, or one sample of a packed row): the scoring pass's per-row sums (toolkit/evals/scoring.py), by the
+same chunks, so scoring never builds full logits either. ``loss_head_of`` finds the head under any wrapper.
+
 A call without labels, or with ``logits_to_keep``, takes the standard path and returns real logits
 (generation, export). With labels, ``outputs.logits`` is the loss itself, not logits: nothing in training reads
 them. If the labelled call's head never ran (a model whose forward does not call its output embeddings), the loss
@@ -32,11 +36,12 @@ function raises instead of silently falling back.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,14 +93,43 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+@dataclass
+class SegmentSums:
+    """Per-segment token-loss sums (float64) and label-token counts of one forward call. ``ids`` gives each
+    position of the batch its segment (``[B, T]``, -1 for none); a position's loss counts for the segment of the
+    label it predicts, so ids are shifted like the labels."""
+
+    ids: torch.Tensor
+    count: int
+    loss: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+    @property
+    def shifted(self) -> torch.Tensor:
+        return shifted_labels(self.ids, -1)
+
+    def add(self, owners: torch.Tensor, losses: torch.Tensor) -> None:
+        if self.loss is None or self.tokens is None:
+            self.loss = torch.zeros(self.count, dtype=torch.float64, device=losses.device)
+            self.tokens = torch.zeros(self.count, dtype=torch.int64, device=losses.device)
+        self.loss.index_add_(0, owners, losses.double())
+        self.tokens.index_add_(0, owners, torch.ones_like(owners))
+
+
 def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, target: torch.Tensor
                 ) -> torch.Tensor:
     return F.cross_entropy(head(hidden).float(), target, reduction="sum")
 
 
+def _token_losses(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, target: torch.Tensor
+                  ) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), target, reduction="none")
+
+
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, *, chunk_tokens: int, ignore_index: int = -100,
-                          same_chunks_on_all_ranks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          same_chunks_on_all_ranks: bool = False, segments: SegmentSums | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy over label tokens, number of label tokens) of ``head(hidden)`` against
     ``shift_labels``, without ever holding more than ``chunk_tokens`` rows of logits.
 
@@ -108,11 +142,16 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
     with empty ones; one scalar all-reduce). Needed when calling the head runs collectives per call: a head whose
     weights sit in submodules (PEFT's lora.Linear, modules_to_save) under ZeRO-3, where each submodule call
     gathers its weight from all ranks, and ranks with different chunk counts would wait on each other forever.
+
+    ``segments``: also add each label token's loss (float64) to its segment's sum and count (``SegmentSums``: per
+    padded row, or per sample of a packed row), for the scoring pass; under autograd the sums are differentiable
+    (a preference stage's per-sequence log-probs), each chunk checkpointed as above.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(flat.device)
     keep = (targets != ignore_index).nonzero().squeeze(1)
     flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
+    owners = segments.shifted.reshape(-1).to(flat.device).index_select(0, keep) if segments is not None else None
     grad = torch.is_grad_enabled()
     total: torch.Tensor | None = None
     longest = len(targets)
@@ -122,7 +161,12 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
         longest = int(count.item())
     for start in range(0, max(longest, 1), chunk_tokens):
         h, y = flat[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        part = checkpoint(_chunk_loss, head, h, y, use_reentrant=False) if grad else _chunk_loss(head, h, y)
+        if owners is not None and segments is not None:
+            tokens = checkpoint(_token_losses, head, h, y, use_reentrant=False) if grad else _token_losses(head, h, y)
+            segments.add(owners[start:start + chunk_tokens], tokens)
+            part = tokens.sum()
+        else:
+            part = checkpoint(_chunk_loss, head, h, y, use_reentrant=False) if grad else _chunk_loss(head, h, y)
         total = part if total is None else total + part
     assert total is not None
     return total, torch.tensor(len(targets), device=total.device)
@@ -165,6 +209,7 @@ class LossHead:
         self.model, self.head = model, head
         self.wrapped = any(True for _ in head.children())  # its weights live in submodules with their own hooks
         self._pending: _Call | None = None
+        self.segments: SegmentSums | None = None  # set by `per_segment` for the scoring pass's forward calls
         self._head_forward = head.forward  # the module's own forward (nn.Linear's, PEFT lora.Linear's, ...)
         self._standard_loss = model.loss_function
         # The causal LM's forward is wrapped, not hooked: PEFT before 0.21 calls `model.forward(...)` directly,
@@ -181,6 +226,7 @@ class LossHead:
         model.forward = forward_with_labels  # type: ignore[method-assign]
         head.forward = self._forward  # type: ignore[method-assign]
         model.loss_function = self._loss  # transformers calls self.loss_function(logits=..., labels=..., ...)
+        model.toolkit_loss_head = self  # found again under any wrapper by `loss_head_of`
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
@@ -196,13 +242,13 @@ class LossHead:
         call = self._pending
         if call is None or call.done or args or kwargs:
             return self._head_forward(hidden, *args, **kwargs)
-        if self.kind == "liger":  # inside the head's forward: the weight is gathered here
+        if self.kind == "liger" and self.segments is None:  # inside the head's forward: the weight is gathered here
             summed, count = liger_cross_entropy(self.head.weight, self.head.bias, hidden, call.shift_labels,
                                                 ignore_index=call.ignore_index)
         else:
             summed, count = chunked_cross_entropy(self._head_forward, hidden, call.shift_labels,
                                                   chunk_tokens=self.chunk_tokens, ignore_index=call.ignore_index,
-                                                  same_chunks_on_all_ranks=self.wrapped)
+                                                  same_chunks_on_all_ranks=self.wrapped, segments=self.segments)
         call.done = True
         self.calls += 1
         if call.num_items is None:
@@ -220,8 +266,20 @@ class LossHead:
                                "its output embeddings with the hidden states; set model.loss_head: standard")
         return logits.reshape(())  # the head returned the loss (possibly re-wrapped by DeepSpeed's hooks)
 
+    @contextlib.contextmanager
+    def per_segment(self, ids: torch.Tensor, count: int) -> Iterator[SegmentSums]:
+        """Forward calls inside also sum each segment's token losses (``ids``: ``[B, T]`` segment of each position,
+        -1 for none, ``count`` segments): the per-row (per-sample of a packed row) sums of the scoring pass,
+        computed by the chunked head (Liger's kernel sums over the whole batch only), still without full logits."""
+        self.segments = SegmentSums(ids, count)
+        try:
+            yield self.segments
+        finally:
+            self.segments = None
+
     def remove(self) -> None:
         """Back to the standard head (tests compare both on one model)."""
+        del self.model.toolkit_loss_head
         del self.model.forward  # the instance attribute: the class's forward shows through again
         del self.head.forward  # the instance attribute: the class's forward shows through again
         self.model.loss_function = self._standard_loss
@@ -232,6 +290,15 @@ def causal_lm(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def loss_head_of(model: nn.Module) -> LossHead | None:
+    """The head installed on ``model`` under any wrapper (DDP / DeepSpeed's ``.module``, PEFT), or None."""
+    seen = 0
+    while hasattr(model, "module") and isinstance(model.module, nn.Module) and seen < 8:
+        model, seen = model.module, seen + 1
+    found = getattr(causal_lm(model), "toolkit_loss_head", None)
+    return found if isinstance(found, LossHead) else None
 
 
 def install_loss_head(model: nn.Module, kind: str = "auto", chunk_tokens: int | None = None) -> LossHead | None:

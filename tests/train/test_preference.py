@@ -1,0 +1,347 @@
+"""The preference losses (toolkit/train/preference.py) against TRL's DPOTrainer, and the per-pair log-probs of the
+loss head against full logits.
+
+TRL tokenizes the pairs and builds its batch; our side takes the same token ids as pair-ordered sequences and runs
+them through the chunked loss head (several chunks per batch), padded or packed into one row. Both models are the
+tiny Qwen3 in fp32 with the same LoRA adapter (B off zero). TRL, handed a PEFT model, keeps a copy of the adapter as
+its reference ("ref"): the policy as it entered, our `reference: precompute`, which the scoring pass gives before
+the adapter is nudged (both sides the same way) so the policy differs from its reference. TRL is a test dependency
+(the `dev` extra): this file fails, it does not skip, without it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from trl import DPOConfig, DPOTrainer
+
+from toolkit.data.collate import padding_collator
+from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.data.packing import PackedCollator
+from toolkit.errors import ToolkitError
+from toolkit.model.attention import SDPA_PACKED, register_kernels
+from toolkit.model.loss_head import install_loss_head
+from toolkit.runtime import process as distributed
+from toolkit.train.preference import (
+    METRICS,
+    PairLogps,
+    PreferenceSettings,
+    ReferenceStore,
+    global_normalisers,
+    pair_counts,
+    pair_metrics,
+    policy_logps,
+    preference_loss,
+    preference_terms,
+    reference_key,
+    reference_logps,
+)
+
+PAIRS = [("What is 2 + 2?", " 4.", " 5, or maybe 22."),
+         ("Name a colour.", " Blue, like the sky over the sea at noon.", " Loud."),
+         ("Spell cat.", " c a t", " k a t t"),
+         ("Count to five.", " one two three four five", " one two four")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models: dict[str, str]) -> Any:
+    return AutoTokenizer.from_pretrained(models["text"])
+
+
+def lora_model(models: dict[str, str], attn: str = "sdpa") -> PreTrainedModel:
+    """The tiny Qwen3 with a LoRA adapter whose B matrices are not zero (seeded: the same on every call)."""
+    register_kernels()
+    base = AutoModelForCausalLM.from_pretrained(models["text"], attn_implementation=attn, dtype=torch.float32)
+    base.config.use_cache = False
+    torch.manual_seed(0)  # lora_A's initialisation
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return model
+
+
+def nudge(model: torch.nn.Module) -> None:
+    """Move the trained adapter's B matrices (not TRL's "ref" copy), the same way on every model."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B.default" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+
+
+def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, loss: list[str],
+                weights: list[float] | None, label_smoothing: float) -> DPOTrainer:
+    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), loss_type=loss, loss_weights=weights, beta=0.1,
+                     label_smoothing=label_smoothing, per_device_train_batch_size=len(PAIRS), report_to=[],
+                     use_cpu=True, gradient_checkpointing=False, max_length=None, dataset_num_proc=None)
+    return DPOTrainer(model=lora_model(models), args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def pair_sequences(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's tokenized pairs as our pair-ordered sequences: prompt + completion, labels on the completion."""
+    out = []
+    for row in rows:
+        for side in ("chosen_ids", "rejected_ids"):
+            out.append({"input_ids": row["prompt_ids"] + row[side],
+                        "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + row[side]})
+    return out
+
+
+def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n.replace(".default", ""): p.grad.detach().clone() for n, p in model.named_parameters()
+            if "lora_" in n and p.grad is not None}
+
+
+CASES = {"sigmoid": (["sigmoid"], None, 0.0), "ipo": (["ipo"], None, 0.0), "hinge": (["hinge"], None, 0.0),
+         "robust": (["robust"], None, 0.2), "sigmoid+sft": (["sigmoid", "sft"], [0.7, 0.3], 0.0)}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_lora_gradients_equal_trl_dpo_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any,
+                                                        case: str, packed: bool) -> None:
+    loss_names, weights, smoothing = CASES[case]
+    trainer = trl_trainer(models, tokenizer, tmp_path, loss_names, weights, smoothing)
+    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    batch = trainer.data_collator(rows)
+    nudge(trainer.model)
+    trainer.model.train()
+    expected = trainer.compute_loss(trainer.model, batch)
+    expected.backward()
+    expected_grads = lora_grads(trainer.model)
+
+    model = lora_model(models, SDPA_PACKED if packed else "sdpa")
+    install_loss_head(model, "chunked", chunk_tokens=7)  # several chunks per batch
+    sequences = pair_sequences(rows)
+    collate = PackedCollator() if packed else padding_collator(tokenizer)
+    accelerator = distributed.build_accelerator(1, 10)
+    ref_chosen, ref_rejected = reference_logps(accelerator, model, sequences, collate, 3)
+    nudge(model)
+    model.train()
+    chosen, rejected, chosen_tokens, rejected_tokens = policy_logps(model, collate(sequences), len(PAIRS),
+                                                                    torch.device("cpu"))
+    settings = PreferenceSettings(tuple(loss_names), tuple(weights) if weights else None, 0.1, smoothing)
+    terms = preference_terms(settings, PairLogps(chosen, rejected, torch.from_numpy(ref_chosen),
+                                                 torch.from_numpy(ref_rejected), chosen_tokens, rejected_tokens))
+    ours = preference_loss(settings, terms, len(PAIRS), float(chosen_tokens.sum()))
+    ours.backward()
+    grads = lora_grads(model)
+
+    # within 1e-6, relative once the loss passes 1: TRL's fp32 loss has a 2e-6 resolution at IPO's ~25
+    assert abs(float(ours) - float(expected)) <= 1e-6 * max(1.0, abs(float(expected))), (float(ours), float(expected))
+    assert float(expected) != pytest.approx(math.log(2), abs=1e-3)  # the policy is not its reference
+    assert set(grads) == set(expected_grads) and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-6, msg=name)
+    assert any(float(g.abs().max()) > 1e-4 for g in grads.values())  # gradients that could differ
+
+
+@torch.no_grad()
+def full_logits_logps(model: torch.nn.Module, sample: dict[str, Any]) -> float:
+    logp = F.log_softmax(model(input_ids=torch.tensor([sample["input_ids"]])).logits[0].double(), dim=-1)
+    targets = torch.tensor(sample["labels"][1:])
+    keep = targets != IGNORE_INDEX
+    return float(logp[:-1][keep].gather(1, targets[keep].unsqueeze(1)).sum())
+
+
+def test_pair_logps_equal_full_logits_and_packed_equals_padded(models: dict[str, str], tokenizer: Any,
+                                                               tmp_path: Any) -> None:
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    plain = lora_model(models)
+    expected = np.array([full_logits_logps(plain, s) for s in sequences])
+    results = {}
+    for packed in (False, True):
+        model = lora_model(models, SDPA_PACKED if packed else "sdpa")
+        install_loss_head(model, "chunked", chunk_tokens=5)
+        collate = PackedCollator() if packed else padding_collator(tokenizer)
+        ref = reference_logps(distributed.build_accelerator(1, 10), model, sequences, collate, 2)
+        # sums of up to ~150 fp32 token log-probs: within 1e-6, or 1e-7 relative (the scoring pass's own bound)
+        np.testing.assert_allclose(np.stack(ref, 1).reshape(-1), expected, rtol=1e-7, atol=1e-6)
+        chosen, rejected, _, _ = policy_logps(model, collate(sequences), len(PAIRS), torch.device("cpu"))
+        (chosen.sum() - 2 * rejected.sum()).backward()
+        np.testing.assert_allclose(torch.stack([chosen, rejected], 1).reshape(-1).detach().numpy(), expected,
+                                   rtol=1e-7, atol=1e-6)
+        results[packed] = lora_grads(model)
+    for name, grad in results[True].items():
+        torch.testing.assert_close(grad, results[False][name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_at_the_reference_the_sigmoid_loss_is_ln2_and_rewards_are_zero() -> None:
+    logps = torch.tensor([-3.0, -7.5], dtype=torch.float64)
+    tokens = torch.tensor([3, 5])
+    terms = preference_terms(PreferenceSettings(), PairLogps(logps, logps - 1, logps, logps - 1, tokens, tokens))
+    assert float(preference_loss(PreferenceSettings(), terms, 2, 6)) == pytest.approx(math.log(2), abs=1e-12)
+    assert terms.chosen_rewards.abs().max() == 0 and terms.rejected_rewards.abs().max() == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"loss": ("dpo",)}, "names 'dpo'"), ({"loss": ()}, "is empty"), ({"loss": ("sft",)}, "only sft"),
+    ({"loss": ("sigmoid", "sigmoid")}, "twice"), ({"loss_weights": (1.0, 2.0)}, "2 weights for 1"),
+    ({"beta": 0.0}, "beta is 0.0"), ({"loss": ("robust",), "label_smoothing": 0.5}, "[0, 0.5)"),
+    ({"label_smoothing": 0.1}, "only the robust loss"), ({"loss": ("orpo", "sigmoid")}, "takes no reference"),
+    ({"loss": ("simpo",), "simpo_gamma": -1.0}, "simpo_gamma is -1.0")])
+def test_bad_settings_are_refused_in_one_line(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ToolkitError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        PreferenceSettings(**kwargs)
+
+
+def test_the_base_reference_is_the_model_with_its_adapter_off(models: dict[str, str], tokenizer: Any,
+                                                               tmp_path: Any) -> None:
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i] for i in range(2)]
+    sequences = pair_sequences(rows)
+    base = AutoModelForCausalLM.from_pretrained(models["text"], dtype=torch.float32)
+    expected = np.array([full_logits_logps(base, s) for s in sequences])
+    model = lora_model(models)
+    install_loss_head(model, "chunked")
+    accelerator = distributed.build_accelerator(1, 10)
+    off = reference_logps(accelerator, model, sequences, padding_collator(tokenizer), 2, base=True)
+    on = reference_logps(accelerator, model, sequences, padding_collator(tokenizer), 2)
+    np.testing.assert_allclose(np.stack(off, 1).reshape(-1), expected, rtol=1e-7, atol=1e-6)
+    assert np.abs(np.stack(on, 1).reshape(-1) - expected).max() > 1e-3  # the adapter is back on afterwards
+    with pytest.raises(ToolkitError, match="full fine-tuning"):
+        reference_logps(accelerator, base, sequences, padding_collator(tokenizer), 2, base=True)
+
+
+def test_grad_accumulation_gives_the_global_batch_loss_gradients_and_metrics(models: dict[str, str],
+                                                                             tokenizer: Any, tmp_path: Any) -> None:
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    settings = PreferenceSettings(("sigmoid", "sft"), (1.0, 0.5))
+    accelerator = distributed.build_accelerator(1, 10)
+    collate = padding_collator(tokenizer)
+    results = []
+    for split in ([sequences], [sequences[:4], sequences[4:]]):  # one micro-batch of 4 pairs, or 2 of 2
+        model = lora_model(models)
+        if len(split) == 2:  # as training loads it (toolkit/model/load.py): checkpointing changes no gradient
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        install_loss_head(model, "chunked", chunk_tokens=7)
+        ref = reference_logps(accelerator, model, sequences, collate, 4)
+        nudge(model)
+        model.train()
+        batches = [collate(part) for part in split]
+        counts = [pair_counts(b) for b in batches]
+        pairs, chosen_tokens = global_normalisers(accelerator, sum(c[0] for c in counts),
+                                                  sum(c[1] for c in counts), divisor=len(split))
+        total, parts, at = 0.0, [], 0
+        for batch, (n, _) in zip(batches, counts, strict=True):
+            chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, n, torch.device("cpu"))
+            logps = PairLogps(chosen, rejected, torch.from_numpy(ref[0][at:at + n]),
+                              torch.from_numpy(ref[1][at:at + n]), c_tokens, r_tokens)
+            terms = preference_terms(settings, logps)
+            loss = preference_loss(settings, terms, pairs, chosen_tokens) / len(split)  # accelerate's 1/accum
+            loss.backward()
+            total, at = total + float(loss), at + n
+            parts.append((terms, logps))
+        assert at == len(PAIRS)
+        results.append((total, lora_grads(model), pair_metrics(accelerator, parts), counts))
+    (one, grads_one, metrics_one, counts_one), (two, grads_two, metrics_two, counts_two) = results
+    chosen_label_tokens = sum(sum(y != IGNORE_INDEX for y in s["labels"][1:]) for s in sequences[0::2])
+    assert counts_one == [(4, chosen_label_tokens)] and sum(c[1] for c in counts_two) == chosen_label_tokens
+    assert abs(one - two) < 1e-6
+    for name, grad in grads_one.items():
+        torch.testing.assert_close(grads_two[name], grad, rtol=0, atol=1e-6, msg=name)
+    assert set(metrics_one) == set(METRICS)
+    for name in METRICS:
+        assert metrics_two[name] == pytest.approx(metrics_one[name], abs=1e-9)
+    assert metrics_one["rewards/margins"] == pytest.approx(
+        metrics_one["rewards/chosen"] - metrics_one["rewards/rejected"], abs=1e-12)
+    assert metrics_one["rewards/chosen"] != 0
+
+
+def test_the_reference_store_keeps_the_entry_policy_and_finishes_a_stopped_pass(models: dict[str, str],
+                                                                               tokenizer: Any, tmp_path: Any) -> None:
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    collate = padding_collator(tokenizer)
+    accelerator = distributed.build_accelerator(1, 10)
+    model = lora_model(models)
+    head = install_loss_head(model, "chunked")
+    assert head is not None
+    expected = reference_logps(accelerator, model, sequences, collate, 2)
+    key = reference_key("dpo", {"pairs.jsonl": "sha"}, {"step": 3}, base=False)
+    assert key != reference_key("dpo", {"pairs.jsonl": "other"}, {"step": 3}, base=False)
+    assert key != reference_key("dpo", {"pairs.jsonl": "sha"}, {"step": 4}, base=False)
+    store = ReferenceStore(tmp_path / "run", key)
+    calls = head.calls
+    got = store.logps(accelerator, model, sequences, collate, 2, block_rows=2)
+    assert head.calls - calls == 4 and store.done(len(sequences)) == len(sequences)  # 4 blocks of 2 sequences
+    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    nudge(model)  # a later policy: a resume reads what the entry policy gave
+    calls = head.calls
+    again = ReferenceStore(tmp_path / "run", key).logps(accelerator, model, sequences, collate, 2)
+    assert head.calls == calls
+    np.testing.assert_array_equal(np.stack(again), np.stack(expected))
+    with np.load(store.path) as saved:  # a pass stopped after its first 2 blocks
+        logps, done = saved["logps"], saved["done"]
+    done[4:] = False
+    np.savez(store.path.with_suffix(".tmp.npz"), logps=logps, done=done)
+    store.path.with_suffix(".tmp.npz").replace(store.path)
+    assert store.done(len(sequences)) == 4
+    calls = head.calls
+    finished = store.logps(accelerator, model, sequences, collate, 2, block_rows=2)
+    assert head.calls - calls == 2  # only the 4 sequences left, under the model that runs now
+    np.testing.assert_array_equal(np.stack(finished)[:, :2], np.stack(expected)[:, :2])
+    with pytest.raises(ToolkitError, match="move it away"):
+        store.logps(accelerator, model, sequences[:4], collate, 2)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_losses_equal_trl_orpo_and_cpo_simpo(models: dict[str, str], tokenizer: Any, tmp_path: Any,
+                                                            objective: str) -> None:
+    """ORPO and SimPO take no reference: their formulas against TRL's own ORPOTrainer.odds_ratio_loss and
+    CPOTrainer.cpo_loss (loss_type simpo) on the same per-pair average log-probs, the loss and its LoRA gradients;
+    the log-probs themselves are the ones proven above."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    settings = (PreferenceSettings(("orpo", "sft"), beta=0.1) if objective == "orpo"
+                else PreferenceSettings(("simpo",), beta=2.0, simpo_gamma=0.5))
+    assert settings.reference_free
+    grads, losses = [], []
+    for side in ("trl", "ours"):
+        model = lora_model(models)
+        install_loss_head(model, "chunked", chunk_tokens=7)
+        model.train()
+        chosen, rejected, c_tokens, r_tokens = policy_logps(model, padding_collator(tokenizer)(sequences),
+                                                            len(PAIRS), torch.device("cpu"))
+        if side == "trl":
+            trl_self = type("TrlSelf", (), {"beta": settings.beta, "alpha": 0.0, "loss_type": "simpo",
+                                            "simpo_gamma": settings.simpo_gamma, "label_smoothing": 0.0,
+                                            "accelerator": type("Acc", (), {"device": torch.device("cpu")})()})()
+            c_mean, r_mean = chosen / c_tokens, rejected / r_tokens
+            if objective == "orpo":
+                ratio_losses = ORPOTrainer.odds_ratio_loss(trl_self, c_mean, r_mean)[0]
+                loss = -chosen.sum() / c_tokens.sum() - ratio_losses.mean()  # ORPOTrainer: nll - mean(beta ratio)
+            else:
+                loss = CPOTrainer.cpo_loss(trl_self, c_mean, r_mean)[0].mean()
+        else:
+            zeros = torch.zeros_like(chosen)
+            terms = preference_terms(settings, PairLogps(chosen, rejected, zeros, zeros, c_tokens, r_tokens))
+            loss = preference_loss(settings, terms, len(PAIRS), float(c_tokens.sum()))
+            assert torch.allclose(terms.chosen_rewards, settings.beta * (chosen / c_tokens).detach())
+        loss.backward()
+        losses.append(float(loss))
+        grads.append(lora_grads(model))
+    assert abs(losses[0] - losses[1]) < 1e-6, losses
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,197 @@
+"""Preference pairs: every peer's pair shape mapped to two rows that share a prompt, and a pair's token fit.
+
+A pair becomes a chosen row and a rejected row in TRL's prompt/completion shape (the shape `toolkit/data/shapes.py`
+already reads: a string prompt and completion, or lists of messages where only the completion trains), so each side
+is rendered and masked by the encoder like any other row. The shapes (docs/data.md):
+
+* TRL explicit: `prompt`, `chosen`, `rejected`; strings (standard) or lists of messages (conversational).
+* TRL implicit: `chosen` and `rejected` only, whole conversations (or texts) sharing a prefix, which is the prompt
+  (TRL's `extract_prompt`: messages up to the first that differs; for texts, characters up to the first that
+  differs, a space before it going to the completion).
+* LLaMA-Factory `ranking: true`, after the entry's `columns` are applied: alpaca (`instruction`, `input`, `system`,
+  `history`, string `chosen` / `rejected`) or sharegpt (`conversations` / `messages` turns, `chosen` / `rejected`
+  one turn each).
+* ms-swift: `messages` ending with the chosen assistant turn and `rejected_response` (a string), or
+  `rejected_messages` (the whole rejected conversation).
+* axolotl `chat_template.default`: `messages` (the prompt) with `chosen` / `rejected` one assistant message each.
+
+The fit (`fit_pair`): the two encoded sides share their prompt tokens. Over `max_seq_len`, `overlength: error`
+raises, `drop` drops the pair, `truncate` cuts the prompt first (from its start, keeping the turns nearest the
+completion, down to one token) and then the completions' ends. A pair left without a completion token on either side
+is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.data.encoding import IGNORE_INDEX, overlength_message
+from toolkit.data.shapes import ROLE_NAMES
+from toolkit.errors import ToolkitError
+
+PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages")
+"""Keys that make a row a preference pair."""
+
+
+def is_pair(row: dict[str, Any]) -> bool:
+    """Whether the row is a preference pair (has one of PAIR_KEYS)."""
+    return any(row.get(k) is not None for k in PAIR_KEYS)
+
+
+def _message(turn: Any, at: str, where: str) -> dict[str, Any]:
+    """An OpenAI `{role, content}` or ShareGPT `{from, value}` turn as an OpenAI message."""
+    if isinstance(turn, dict) and "role" in turn and "content" in turn:
+        return dict(turn)
+    if isinstance(turn, dict) and "from" in turn and "value" in turn and turn["from"] in ROLE_NAMES:
+        rest = {k: v for k, v in turn.items() if k not in ("from", "value")}
+        return {"role": ROLE_NAMES[turn["from"]], "content": turn["value"], **rest}
+    raise ToolkitError(f"{where}: {at} must be a message ({{\"role\", \"content\"}} or {{\"from\", \"value\"}}); "
+                       f"found {str(turn)[:80]!r}.")
+
+
+def _messages(value: Any, at: str, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ToolkitError(f"{where}: '{at}' must be a non-empty list of messages.")
+    return [_message(t, f"{at}[{i}]", where) for i, t in enumerate(value)]
+
+
+def _completion(value: Any, at: str, where: str) -> list[dict[str, Any]] | str:
+    """A completion: a string, one assistant message, or a list of messages."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return [_message(value, at, where)]
+    return _messages(value, at, where)
+
+
+def _as_messages(value: list[dict[str, Any]] | str) -> list[dict[str, Any]]:
+    return [{"role": "assistant", "content": value}] if isinstance(value, str) else value
+
+
+def _sides(prompt: Any, chosen: Any, rejected: Any, rest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chosen and rejected rows (prompt/completion shape); text stays text only when all three are strings."""
+    if not (isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)):
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        chosen, rejected = _as_messages(chosen), _as_messages(rejected)
+    return {**rest, "prompt": prompt, "completion": chosen}, {**rest, "prompt": prompt, "completion": rejected}
+
+
+def _text_prefix(chosen: str, rejected: str) -> int:
+    """TRL's extract_prompt on texts: characters up to the first that differs, a space before it to the completion."""
+    at = next((i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b),
+              min(len(chosen), len(rejected)))
+    return at - 1 if at > 0 and chosen[at - 1] == " " else at
+
+
+def _implicit(row: dict[str, Any], where: str, rest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    chosen, rejected = row["chosen"], row["rejected"]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        at = _text_prefix(chosen, rejected)
+        if at == 0 or at >= min(len(chosen), len(rejected)):
+            raise ToolkitError(f"{where}: 'chosen' and 'rejected' share no prompt, or one is the other's prefix; "
+                               "give a 'prompt' key (TRL's explicit shape).")
+        return _sides(chosen[:at], chosen[at:], rejected[at:], rest)
+    c, r = _messages(chosen, "chosen", where), _messages(rejected, "rejected", where)
+    at = next((i for i, (a, b) in enumerate(zip(c, r, strict=False)) if a != b), min(len(c), len(r)))
+    if at == 0 or at >= min(len(c), len(r)):
+        raise ToolkitError(f"{where}: 'chosen' and 'rejected' share no leading messages (the prompt), or one is the "
+                           "other's prefix; give a 'prompt' key (TRL's explicit shape).")
+    return _sides(c[:at], c[at:], r[at:], rest)
+
+
+def _alpaca_prompt(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """LLaMA-Factory alpaca ranking: system, history ([[query, answer], ...], context), instruction + input."""
+    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    for i, turn in enumerate(row.get("history") or []):
+        if not (isinstance(turn, list) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
+            raise ToolkitError(f"{where}: history[{i}] must be a [query, answer] pair of strings.")
+        messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+    if not isinstance(row.get("instruction"), str):
+        raise ToolkitError(f"{where}: 'instruction' must be a string (LLaMA-Factory's alpaca ranking shape).")
+    query = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
+    return [*messages, {"role": "user", "content": query}]
+
+
+def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (chosen, rejected) rows of a pair row in any of the module's shapes; an unreadable pair gets one line."""
+    taken = {*PAIR_KEYS, "prompt", "messages", "conversations", "instruction", "input", "system", "history"}
+    rest = {k: v for k, v in row.items() if k not in taken}
+    if row.get("rejected_response") is not None or row.get("rejected_messages") is not None:  # ms-swift
+        messages = _messages(row.get("messages"), "messages", where)
+        if messages[-1]["role"] != "assistant":
+            raise ToolkitError(f"{where}: 'messages' must end with the chosen assistant turn (ms-swift's shape).")
+        if row.get("rejected_messages") is not None:
+            rejected = _messages(row["rejected_messages"], "rejected_messages", where)
+            if rejected[:-1] != messages[:-1] or rejected[-1]["role"] != "assistant":
+                raise ToolkitError(f"{where}: 'rejected_messages' must be 'messages' with another last assistant "
+                                   "turn (ms-swift's shape).")
+            return _sides(messages[:-1], messages[-1:], rejected[-1:], rest)
+        if not isinstance(row["rejected_response"], str):
+            raise ToolkitError(f"{where}: 'rejected_response' must be a string (ms-swift's shape).")
+        return _sides(messages[:-1], messages[-1:], row["rejected_response"], rest)
+    if row.get("chosen") is None or row.get("rejected") is None:
+        missing = "chosen" if row.get("chosen") is None else "rejected"
+        raise ToolkitError(f"{where}: a preference pair needs 'chosen' and 'rejected'; '{missing}' is missing.")
+    chosen = _completion(row["chosen"], "chosen", where)
+    rejected = _completion(row["rejected"], "rejected", where)
+    if row.get("prompt") is not None:  # TRL explicit
+        prompt = row["prompt"] if isinstance(row["prompt"], str) else _messages(row["prompt"], "prompt", where)
+        return _sides(prompt, chosen, rejected, rest)
+    for key in ("messages", "conversations"):  # axolotl chat_template.default, LLaMA-Factory sharegpt
+        if row.get(key) is not None:
+            prompt = _messages(row[key], key, where)
+            if row.get("system") and prompt[0]["role"] != "system":
+                prompt = [{"role": "system", "content": row["system"]}, *prompt]
+            return _sides(prompt, chosen, rejected, rest)
+    if row.get("instruction") is not None:  # LLaMA-Factory alpaca
+        return _sides(_alpaca_prompt(row, where), chosen, rejected, rest)
+    return _implicit(row, where, rest)
+
+
+@dataclass
+class PairStats:
+    """What happened to a stage's pairs."""
+
+    pairs: int = 0
+    kept: int = 0
+    dropped_overlength: int = 0
+    truncated: int = 0
+    no_completion: int = 0
+
+
+def _prompt_length(labels: list[int]) -> int:
+    return next((i for i, y in enumerate(labels) if y != IGNORE_INDEX), len(labels))
+
+
+def fit_pair(chosen: dict[str, list[int]], rejected: dict[str, list[int]], *, max_seq_len: int, overlength: str,
+             where: str, stats: PairStats) -> tuple[dict[str, list[int]], dict[str, list[int]]] | None:
+    """The pair's two encoded sides (`input_ids`, `labels`) within `max_seq_len` (module docstring), or None when
+    dropped (counted in `stats`). Both sides must share the tokens before their first label: the prompt."""
+    stats.pairs += 1
+    cut = _prompt_length(chosen["labels"])
+    if cut != _prompt_length(rejected["labels"]) or chosen["input_ids"][:cut] != rejected["input_ids"][:cut]:
+        raise ValueError(f"{where}: the chosen and rejected sides render different prompts")
+    if cut >= len(chosen["labels"]) or cut >= len(rejected["labels"]):
+        stats.no_completion += 1
+        return None
+    longest = max(len(chosen["input_ids"]), len(rejected["input_ids"]))
+    if longest > max_seq_len:
+        if overlength == "error":
+            raise ToolkitError(overlength_message(where, longest, max_seq_len))
+        if overlength == "drop":
+            stats.dropped_overlength += 1
+            return None
+        stats.truncated += 1
+        skip = min(longest - max_seq_len, max(cut - 1, 0))  # the prompt's start goes first; one token stays
+
+        def fit(side: dict[str, list[int]]) -> dict[str, list[int]]:
+            return {"input_ids": side["input_ids"][skip:skip + max_seq_len],
+                    "labels": side["labels"][skip:skip + max_seq_len]}
+
+        chosen, rejected = fit(chosen), fit(rejected)
+        if any(all(y == IGNORE_INDEX for y in side["labels"]) for side in (chosen, rejected)):
+            stats.no_completion += 1
+            return None
+    stats.kept += 1
+    return chosen, rejected

@@ -1,0 +1,180 @@
+"""The scoring pass: one no-grad forward of a model over a list of rows, sharded across the processes, giving every
+process each row's summed token loss (float64) and label-token count. One owner for every "score these rows"
+question: the eval loss (toolkit/evals/loss.py), model-scored difficulty (loss, perplexity, IFD) and the
+reference log-probs of a preference stage (a row's summed log-prob is minus its summed loss).
+
+How it shards. The rows go in blocks; in each block rank r takes rows r, r + world, ... and every rank runs the
+same number of forward calls (a rank past its share repeats a row and discards it), because under ZeRO-3 and FSDP2
+each forward gathers the parameters collectively and a rank that stopped early would hang the others: the model
+stays sharded, nothing is gathered whole. After a block one all-reduce of two float64 vectors (each rank writes only
+its own rows, the others add zeros: the sum is exact) gives every rank the block's results, and `on_block` may keep
+them: the unit a stopped pass resumes from. Under Ulysses the model runs in eval mode, where every process attends
+over whole rows (toolkit/strategies/sequence_parallel.py), so the rows are shared over all processes as well.
+
+Where the numbers come from. Rows are batched by the run's collator, padded or packed into one row. The installed
+loss head (toolkit/model/loss_head.py) computes each label token's cross-entropy chunk by chunk, never holding a
+full `[tokens x vocabulary]` logits tensor, and adds it to its segment: a padded row, or one sample of a packed row
+(its span between `cu_seq_lens` boundaries). With `model.loss_head: standard` the logits are computed in full and
+reduced the same way.
+
+Measures of a row (docs/recipes.md, "Model-scored difficulty"): `loss`, the mean label-token cross-entropy
+(self-paced learning's difficulty, Kumar et al. 2010); `perplexity`, its exponential; `ifd`, the response's loss
+given the prompt divided by its loss alone (Instruction-Following Difficulty, Li et al. 2024), the "alone" row being
+`response_alone` of the row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.model.loss_head import loss_head_of, shifted_labels
+
+MEASURES = ("loss", "perplexity", "ifd")
+
+
+@dataclass
+class RowSums:
+    """Per row: the summed cross-entropy of its label tokens (float64; minus the summed log-prob) and their count."""
+
+    loss: np.ndarray
+    tokens: np.ndarray
+
+    def mean(self) -> np.ndarray:
+        """Mean token loss per row (NaN for a row without label tokens)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.tokens > 0, self.loss / np.maximum(self.tokens, 1), np.nan)
+
+
+def measure(name: str, given: RowSums, alone: RowSums | None = None) -> np.ndarray:
+    """The float64 score of each row under `name` (one of MEASURES); `ifd` needs the rows' `alone` sums."""
+    if name == "loss":
+        return given.mean()
+    if name == "perplexity":
+        return np.exp(given.mean())
+    if name == "ifd":
+        if alone is None:
+            raise ValueError("ifd needs the response-alone sums")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return given.mean() / alone.mean()
+    raise ValueError(f"unknown measure {name!r}; choose one of {', '.join(MEASURES)}")
+
+
+def response_alone(sample: dict[str, Any]) -> dict[str, Any]:
+    """The row's response without its prompt, for IFD's s(A): the row's first token (the chat template's opening
+    token, an anchor as a BOS is) followed by its label tokens only, every one of them a label. So the response
+    tokens are scored given only the response before them, and the count equals the row's own label count. A
+    multi-turn row's assistant turns are joined in order."""
+    ids, labels = list(sample["input_ids"]), list(sample["labels"])
+    kept = [t for t, y in zip(ids, labels, strict=True) if y != IGNORE_INDEX]
+    return {"input_ids": ids[:1] + kept, "labels": [IGNORE_INDEX, *kept]}
+
+
+def segment_ids(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """Each position's segment (``[B, T]``) and the number of segments: the rows of a padded batch, or the
+    samples of a packed row (its ``cu_seq_lens_q`` boundaries, or where its text positions restart at 0)."""
+    ids = batch["input_ids"]
+    if "cu_seq_lens_q" in batch:
+        bounds = batch["cu_seq_lens_q"].to(torch.int64).cpu()
+        count = len(bounds) - 1
+        seg = torch.repeat_interleave(torch.arange(count), bounds.diff()).reshape(ids.shape)
+        return seg, count
+    if "position_ids" in batch and ids.shape[0] == 1:
+        pos = batch["position_ids"].cpu()
+        text = (pos[0] if pos.dim() == 3 else pos).reshape(-1)  # VL: [4, 1, T], text positions first
+        seg = torch.cumsum((text == 0).to(torch.int64), 0) - 1
+        return seg.clamp(min=0).reshape(ids.shape), int(seg.max()) + 1 if seg.numel() else 1
+    rows = ids.shape[0]
+    return torch.arange(rows).unsqueeze(1).expand(rows, ids.shape[-1]).contiguous(), rows
+
+
+def _full_logit_sums(model: torch.nn.Module, batch: dict[str, Any], seg: torch.Tensor, count: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-segment sums from full logits (``model.loss_head: standard``: the user chose full logits)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits.float()
+    target = shifted_labels(batch["labels"], IGNORE_INDEX).to(logits.device)
+    owners = shifted_labels(seg, -1).to(logits.device)
+    keep = target != IGNORE_INDEX
+    token = F.cross_entropy(logits[keep], target[keep], reduction="none").double()
+    loss = torch.zeros(count, dtype=torch.float64, device=logits.device).index_add_(0, owners[keep], token)
+    tokens = torch.zeros(count, dtype=torch.int64, device=logits.device).index_add_(
+        0, owners[keep], torch.ones_like(owners[keep]))
+    return loss, tokens
+
+
+def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's per-segment (loss sum, token count)."""
+    seg, count = segment_ids(batch)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    head = loss_head_of(model)
+    if head is None:
+        return _full_logit_sums(model, batch, seg.to(device), count)
+    with head.per_segment(seg.to(device), count) as sums:
+        model(**batch, num_items_in_batch=torch.ones((), device=device))
+    if sums.loss is None or sums.tokens is None:  # no label token in the micro-batch
+        return (torch.zeros(count, dtype=torch.float64, device=device),
+                torch.zeros(count, dtype=torch.int64, device=device))
+    return sums.loss, sums.tokens
+
+
+def forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's per-segment (float64 loss sum, label-token count), in segment order (`segment_ids`), by
+    the pass's own forward; differentiable under autograd: a preference stage's policy log-probs
+    (toolkit/train/preference.py), the same numbers the pass gives its reference."""
+    return _forward_sums(model, batch, device)
+
+
+@torch.no_grad()
+def row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence[dict[str, Any]],
+             collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
+             rows: Sequence[int] | None = None, block_rows: int | None = None,
+             on_block: Callable[[np.ndarray, RowSums], None] | None = None) -> RowSums:
+    """Each of `rows` (default: all `samples`, each one sequence) scored: a `RowSums` over `rows`, the same on every
+    process. Collective: every process calls it with the same rows. `on_block(indices, sums)` is called on every
+    process after each block (`block_rows` rows, default all) with that block's rows and results."""
+    order = np.arange(len(samples), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    block = max(block_rows or len(order), 1)
+    out = RowSums(np.zeros(len(order), np.float64), np.zeros(len(order), np.int64))
+    was_training = model.training
+    model.eval()
+    try:
+        for at in range(0, len(order), block):
+            chunk = order[at:at + block]
+            loss = torch.zeros(len(chunk), dtype=torch.float64, device=device)
+            tokens = torch.zeros(len(chunk), dtype=torch.float64, device=device)
+            mine = list(range(rank, len(chunk), world))
+            per_rank = math.ceil(len(chunk) / world)
+            for start in range(0, per_rank, micro_batch_size):
+                idx = mine[start:start + micro_batch_size]
+                batch = collate([samples[int(chunk[i])] for i in (idx or [0])])  # past its share: run, discard
+                summed, counted = _forward_sums(model, batch, device)
+                n = max(len(idx), 1)
+                if len(summed) < n or bool(counted[n:].any()):  # a VL batch's trailing dummy image has no label
+                    raise ValueError(f"a micro-batch of {n} rows collated into {len(summed)} segments with "
+                                     "labels: the scoring pass takes one sequence per row")
+                if idx:
+                    where = torch.tensor(idx, device=device)
+                    loss.index_copy_(0, where, summed[:len(idx)])
+                    tokens.index_copy_(0, where, counted[:len(idx)].double())
+            if world > 1:
+                loss = accelerator.reduce(loss, reduction="sum")
+                tokens = accelerator.reduce(tokens, reduction="sum")
+            part = RowSums(loss.cpu().numpy(), tokens.cpu().numpy().astype(np.int64))
+            out.loss[at:at + len(chunk)], out.tokens[at:at + len(chunk)] = part.loss, part.tokens
+            if on_block is not None:
+                on_block(chunk, part)
+    finally:
+        model.train(was_training)
+    return out
