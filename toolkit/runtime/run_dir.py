@@ -117,6 +117,16 @@ class RunLayout:
         return self.root / "training.png"
 
     @property
+    def report(self) -> Path:
+        """The run's report page (toolkit/metrics/report.py), rewritten by rank 0 as the run goes."""
+        return self.root / "report.html"
+
+    @property
+    def model_card(self) -> Path:
+        """final/'s model card (toolkit/checkpoint/model_card.py)."""
+        return self.final / "README.md"
+
+    @property
     def evals(self) -> Path:
         """Generation-eval completions and the forgetting matrix (toolkit/evals/evaluator.py,
         toolkit/evals/forgetting.py)."""
