@@ -130,7 +130,7 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
             "lr": plan.get("lr", cfg.get("lr")), "schedule": plan.get("schedule", cfg.get("schedule")),
             "global_batch": plan.get("global_batch"), "advance_when": cfg.get("advance_when"),
             "patience": cfg.get("patience"),
-            "evals": [g.get("name") for g in cfg.get("generation") or [] if isinstance(g, dict)],
+            "generation": [g.get("name") for g in cfg.get("generation") or [] if isinstance(g, dict)],
         })
         # the next stage starts where this one ended; one not reached yet, where its plan ends
         start += steps if state == "done" else max(steps, planned or 0)
@@ -245,7 +245,7 @@ def render(runs: list[dict[str, Any]]) -> str:
     """The page of `runs` (one run, or several side by side), as one HTML document."""
     title = " vs ".join(r["name"] for r in runs)
     data = json.dumps({"runs": runs}, separators=(",", ":"), allow_nan=False)
-    data = data.replace("</", "<\\/").replace("<!--", "<\\!--")  # inert inside the <script> element
+    data = data.replace("<", "\\u003c")  # still JSON, and never `</script>` or `<!--` inside the <script> element
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="generator" content="{GENERATOR}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -294,8 +294,7 @@ def report(runs: list[str | Path], out: str | Path | None = None) -> Path:
     else:
         target = Path(out)
         if target.is_dir():
-            raise ToolkitError(f"--out {out} is a folder; name the HTML file to write, e.g. "
-                               f"{Path(out) / 'report.html'}.")
+            raise ToolkitError(f"--out {out} is a folder; name the HTML file to write, e.g. {out}/report.html.")
         if target.exists() and not is_report(target):
             raise ToolkitError(f"--out {out} exists and is not a report page of the toolkit; name a new file (it is "
                                "not replaced).")
