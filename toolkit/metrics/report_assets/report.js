@@ -16,7 +16,7 @@
     loss: "loss", lr: "learning rate", grad_norm: "grad norm", tokens_per_sec: "tokens / s", mfu: "MFU",
     peak_memory_gb: "peak memory (GiB)",
   };
-  const W = 1000, PAD = { l: 64, r: 16, t: 22, b: 28 };
+  const W = 1000, PAD = { l: 64, r: 26, t: 22, b: 28 };
 
   function el(tag, attrs, parent, text) {
     const node = document.createElement(tag);
@@ -40,7 +40,7 @@
     if (v === null || v === undefined || Number.isNaN(v)) return "–";
     const a = Math.abs(v);
     if (a === 0) return "0";
-    if (a >= 1e5 || a < 1e-3) return v.toExponential(3);
+    if (a >= 1e5 || a < 1e-3) return v.toExponential(3).replace(/\.?0+e/, "e").replace("e+", "e");
     return String(Number(v.toPrecision(4)));
   }
   function section(id, title, note) {
@@ -370,6 +370,9 @@
       steps.forEach((s, j) => {
         const i = stageIndex[stageAt[s]] ?? 0;
         svg("rect", { x: LW + j * CW, y: 4, width: CW, height: 14, fill: BANDS[i % BANDS.length] }, hm);
+      });
+      steps.forEach((s, j) => {  // the labels over every band (drawn after them, so no band hides one)
+        const i = stageIndex[stageAt[s]] ?? 0;
         if (j === 0 || stageAt[steps[j - 1]] !== stageAt[s]) {
           svg("text", { x: LW + j * CW + 3, y: 15, class: "bandlabel", fill: BAND_TEXT[i % BANDS.length] }, hm, stageAt[s]);
           if (j > 0) svg("line", { x1: LW + j * CW, x2: LW + j * CW, y1: 4, y2: TOP + CH * rows.length, class: "stageline" }, hm);
