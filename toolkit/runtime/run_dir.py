@@ -202,7 +202,7 @@ class RunLayout:
     def records(self) -> tuple[Path, ...]:
         """What a run writes about itself into its output dir: its logs and identity (not its checkpoints, final
         model or generated inputs). An attempt that stopped before its first checkpoint has these set aside."""
-        return (self.trackers, self.plot, self.matrix_plot, self.evals, self.metrics, self.run_json,
+        return (self.trackers, self.plot, self.matrix_plot, self.report, self.evals, self.metrics, self.run_json,
                 self.recipe)  # the recipe last: see set_aside
 
     @property
