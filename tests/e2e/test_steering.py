@@ -131,7 +131,7 @@ def test_forgetting_matrix_and_its_plot(reference: Path, monkeypatch: pytest.Mon
 
 
 ARTIFACTS = REPO / "test-artifacts"
-"""Where the browser test leaves its screenshots (CI keeps the folder; docs/images/report.png is one of them)."""
+"""Where the browser test leaves its screenshots (docs/images/report.png is its report-top.png)."""
 
 
 def test_the_report_page_in_a_browser(reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,6 +170,12 @@ def test_the_report_page_in_a_browser(reference: Path, tmp_path: Path, monkeypat
             page.wait_for_selector("body[data-drawn=true]", timeout=30_000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=ARTIFACTS / "report.png", full_page=True)
+            # the README's picture (docs/images/report.png): the top of the page, down to the forgetting matrix's
+            # first two heatmaps
+            heatmaps = page.locator("#matrix .heatwrap").nth(1).bounding_box()
+            assert heatmaps is not None
+            page.screenshot(path=ARTIFACTS / "report-top.png", full_page=True,
+                            clip={"x": 0, "y": 0, "width": 1280, "height": heatmaps["y"] + heatmaps["height"] + 24})
             assert errors == []
             charts = page.locator("[data-panel]")
             assert charts.count() >= 5  # loss, lr, grad norm, tokens/s, memory, generation evals (no MFU on CPU)

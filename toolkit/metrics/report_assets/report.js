@@ -136,7 +136,7 @@
     const g = s.gate;
     if (s.ended_by === "gate" && g) {
       const rule = g.at_least != null ? `≥ ${fmt(g.at_least)}` : `≤ ${fmt(g.at_most)}`;
-      return `gate: ${g.metric} ${rule} met at step ${g.met_step} (${fmt(g.last)})`;
+      return `gate: ${g.metric} ${rule}, reached ${fmt(g.last)} at step ${g.met_step}`;
     }
     if (s.ended_by === "patience") {
       const best = s.advance && s.advance.best_eval_loss != null ? `, best eval_loss ${fmt(s.advance.best_eval_loss)}` : "";
