@@ -69,6 +69,13 @@ def matrix(out: Path) -> list[dict]:
     return read_metrics(RunLayout(out).eval_matrix)
 
 
+def page(out: Path) -> dict:
+    """The data the run's report.html draws (its one run)."""
+    text = RunLayout(out).report.read_text()
+    return json.loads(text.split('<script type="application/json" id="report-data">')[1].split("</script>")[0])[
+        "runs"][0]
+
+
 def test_the_gate_ends_stage_one_once_its_answers_are_right(reference: Path) -> None:
     train_records = records(reference, "train")
     assert [(r["step"], r["stage"]) for r in train_records] == [(s, "learn") for s in range(1, 5)] + [
@@ -243,6 +250,9 @@ def test_sigkill_just_after_the_gate_resumes_in_the_next_stage_exactly(reference
     proc.wait(timeout=60)
     assert [read_meta(c)["step"] for c in committed_checkpoints(out / "checkpoints")] == [4]
     assert read_meta(committed_checkpoints(out / "checkpoints")[0])["curriculum"]["stage_steps"] == [4, 8]
+    killed = page(out)  # the page of its last evaluation and stage end (a SIGKILL leaves no time for another)
+    assert not killed["finished"] and [(s["name"], s["state"]) for s in killed["stages"]] == [
+        ("learn", "done"), ("overwrite", "waiting")] and len(killed["completions"]["files"]) == 2
     resumed = run_launch(cmd, env=run_env(), timeout=LAUNCH_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed (exact) from" in resumed.stderr and "step 4 of 12, stage 'learn'" in resumed.stderr
@@ -254,6 +264,7 @@ def test_sigkill_just_after_the_gate_resumes_in_the_next_stage_exactly(reference
     assert completions(out) == completions(reference)
     assert [(r["step"], r["eval"], r["metric"]) for r in matrix(out)] == [
         (r["step"], r["eval"], r["metric"]) for r in matrix(reference)]
+    assert page(out)["finished"] and page(out)["matrix"] == matrix(out)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -288,6 +299,8 @@ def test_a_required_gate_left_unmet_stops_the_run_and_its_resume(tmp_path: Path,
     assert [read_meta(c)["step"] for c in committed_checkpoints(out / "checkpoints")] == [2]  # nothing lost
     summary = events(out)[-1]
     assert summary["event"] == "stage_end" and summary["gate"]["met"] is False and not (out / "final").exists()
+    stopped = page(out)  # rewritten as the run stopped: how far it got, and why
+    assert not stopped["finished"] and stopped["last_step"] == 2 and stopped["stages"][0]["gate"]["met"] is False
     before = (out / "metrics.jsonl").read_text()
     rc, stderr = invoke(call, tmp_path, monkeypatch)  # the same command resumes at the stage end: it stops again
     assert rc == 2 and [line for line in stderr.splitlines() if line.startswith("error: ")] == errors
