@@ -178,7 +178,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
     card = model_card(recipe, config, curriculum, layout, processor, accelerator, vision=vision, datasets=hub)
     final = save_final(accelerator, model, processor, layout.final, card=card)
-    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final, run.guard.total_skipped)
+    log.info("done. report: %s  metrics: %s  final model: %s  (%d steps skipped)", layout.report, layout.metrics, final,
+             run.guard.total_skipped)
     distributed.finish_trackers(accelerator)
     return 0
 
