@@ -219,6 +219,14 @@ def test_the_report_page_in_a_browser(reference: Path, tmp_path: Path, monkeypat
             assert f"train loss: {float(f'{losses[step - 1]:.4g}'):g}" in tip
             page.locator("[data-panel=loss] button.toggle").click()  # log scale: drawn again, bands and all
             assert page.locator("[data-panel=loss] rect.band").count() == len(stages) and errors == []
+
+            both = tmp_path / "both.html"  # two runs side by side: curves overlaid, one heatmap set per run
+            assert invoke(Call(["report", str(reference), str(reference), "--out", str(both)], both, tool="toolkit"),
+                          tmp_path, monkeypatch)[0] == 0
+            page.goto(both.as_uri())
+            page.wait_for_selector("body[data-drawn=true]", timeout=30_000)
+            assert page.locator("[data-panel=loss] path.series").count() == 2 * 3  # train loss and 2 eval sets
+            assert page.locator("g.cell").count() == 2 * len(cells) and errors == []
         finally:
             browser.close()
 
