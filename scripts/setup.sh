@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the toolkit with its test dependencies. Idempotent.
+# Create .venv (if missing) and install the toolkit into it (editable), with the extras named (comma-separated, as
+# in pyproject.toml): `bash scripts/setup.sh` is the lean install the demo needs; scripts/test.sh asks for
+# dev,liger,deepspeed. Idempotent: a second call adds what is missing.
 # torch is installed first and explicitly: without a pin, pip picks a multi-GB CUDA build even on CPU machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+EXTRAS=${1:-}
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
@@ -14,7 +17,8 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "torch==2.13.0"  # CPU build
   fi
 fi
-# DeepSpeed's build imports torch to decide which ops to prebuild: build it against the torch just installed.
-python -m pip install -q --no-build-isolation "deepspeed>=0.19.3; sys_platform == 'linux'"
-# liger: its loss head is tested on the CPU in Triton's interpreter (triton is about 1 GB installed)
-python -m pip install -q -e ".[dev,liger]"
+if [[ ",$EXTRAS," == *",deepspeed,"* ]]; then
+  # DeepSpeed's build imports torch to decide which ops to prebuild: build it against the torch just installed.
+  python -m pip install -q --no-build-isolation "deepspeed>=0.19.3; sys_platform == 'linux'"
+fi
+python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"

@@ -44,12 +44,13 @@ PY=${PYTHON:-python3}
 export TORCH_EXTENSIONS_DIR="$(cd "$VENV" && pwd)/torch_extensions"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
-# "name>=X" of the five packages in [project].dependencies, as "name==X"
+# "name>=X" of the five packages in [project].dependencies (DeepSpeed: its extra), as "name==X"
 floors=$(python - <<'PYEOF'
 import re
 import tomllib
 
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["deepspeed"]  # DeepSpeed: an extra
 wanted = {"transformers", "accelerate", "peft", "datasets", "deepspeed"}
 pins = [f"{m[1]}=={m[2]}" for d in deps if (m := re.match(r"([\w.-]+)>=([\d.]+)", d.split(";")[0].strip()))
         and m[1] in wanted]

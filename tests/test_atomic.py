@@ -199,3 +199,24 @@ def test_a_full_disk_is_recognised_however_it_is_wrapped(tmp_path: Path) -> None
     with pytest.raises(OutOfSpace) as err, writing(tmp_path / "outer"), writing(tmp_path / "outer" / "inner"):
         raise bare
     assert err.value.path == tmp_path / "outer" / "inner"
+
+
+def test_files_built_get_the_umask_mode_safetensors_too(tmp_path: Path) -> None:
+    """Under umask 002 a published folder's files are 0664, also those that safetensors writes 0600 (issue 39)."""
+    import torch
+    from safetensors.torch import save_file
+
+    def build(folder: Path) -> None:
+        save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+        (folder / "sub").mkdir()
+        (folder / "sub" / "notes.txt").write_text("x")
+
+    old = os.umask(0o002)
+    try:
+        atomic.build_dir(tmp_path / "out", build)
+        atomic.write_text_atomic(tmp_path / "one.txt", "x")
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in tmp_path.rglob("*") if p.is_file()}
+    assert modes == {"out/model.safetensors": "0o664", "out/sub/notes.txt": "0o664", "one.txt": "0o664"}

@@ -26,12 +26,13 @@ import os
 import platform
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from toolkit.errors import out_of_space
+from toolkit.errors import ToolkitError, out_of_space
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -72,6 +73,90 @@ def _umask() -> int:
     return umask
 
 
+def file_mode() -> int:
+    """The mode a plain open() gives a new file under this process's umask: every file the toolkit writes gets it."""
+    return 0o666 & ~_umask()
+
+
+def apply_umask(folder: Path) -> None:
+    """Give every file under `folder` (one being built, not yet published) `file_mode()`: some writers make their
+    files private to this user whatever the umask (safetensors writes 0600), where the toolkit promises the mode a
+    plain open() gives."""
+    mode = file_mode()
+    for path in [folder, *folder.rglob("*")]:
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
+
+
+def open_own(path: Path, flags: int, mode: int = 0o666) -> int:
+    """A file descriptor for `path`, a regular file of its own (one link), opened without following a symbolic
+    link (O_NOFOLLOW) and without blocking on a FIFO; `flags` may add O_CREAT (never O_TRUNC: a file found there is
+    not truncated before it is known to be one). For the files the toolkit takes from a folder others can write (a
+    run lock, a store lock, a cache record): a link planted at the predictable name would make the toolkit write
+    through it into someone's file. Anything else there is refused in one line naming it."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP or path.is_symlink():
+            raise ToolkitError(f"{path} is a symbolic link, where the toolkit keeps a file of its own: it never "
+                               "writes through a link. Remove the link (and see who placed it).") from None
+        if e.errno == errno.ENXIO:  # a FIFO or socket with no reader
+            raise ToolkitError(f"{path} is not a regular file (a FIFO, socket or device), where the toolkit keeps "
+                               "a file of its own. Remove it.") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        what = "not a regular file (a FIFO, socket or device)" if not stat.S_ISREG(st.st_mode) else \
+            f"a file with {st.st_nlink} hard links (another name for someone's file)"
+        raise ToolkitError(f"{path} is {what}, where the toolkit keeps a file of its own. Remove it.")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_own_text(path: Path) -> str:
+    """The text of `path`, a regular file of its own (`open_own`): never read through a link, never blocking on a
+    FIFO. FileNotFoundError where there is none."""
+    with os.fdopen(open_own(path, os.O_RDONLY), encoding="utf-8") as f:
+        return f.read()
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """Refuse, in one line, a `path` taken from a shared folder (`what` it should be) that is a symbolic link, or a
+    file that is not a regular one; a missing one, a folder or a regular file passes."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise ToolkitError(f"{path} is a symbolic link, where the toolkit keeps {what} of its own: it never follows "
+                           "a link in a shared folder. Remove the link (and see who placed it).")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise ToolkitError(f"{path} is not a regular file (a FIFO, socket or device), where the toolkit keeps {what} "
+                           "of its own. Remove it.")
+
+
+def not_ours(folder: Path, *, marker: str | None = None, ours: Callable[[Path], bool] | None = None) -> list[str]:
+    """What in `folder` its writer did not write, by name (a folder's with '/'): nothing for a missing or empty
+    folder, one holding `marker` (a file the writer leaves in every folder it writes), or one whose every entry
+    `ours` claims. With `refuse_not_ours`, the one rule for a folder the user names as an output (export's --out,
+    tiny-model's and dummy-data's --out, a run's output_dir): never written into, let alone replaced, unless it is
+    new, empty or an earlier output of the same writer."""
+    if not folder.is_dir() or (marker is not None and (folder / marker).is_file()):
+        return []
+    return sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in folder.iterdir()
+                  if ours is None or not ours(p))
+
+
+def refuse_not_ours(folder: Path, found: list[str], *, label: str, what: str, then: str, fix: str) -> None:
+    """One line refusing `folder` (named `label` in the command) when it holds what `not_ours` found."""
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ToolkitError(f"{label} {folder} is a non-empty folder that is not {what} (it holds {shown}); {then}. "
+                           f"{fix}")
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write `path` with `write(f)` on a temporary file beside it, fsync, rename it over `path`, fsync the folder.
     Readers see all of the new content or the old one; a failure leaves no temporary file. The file gets the
@@ -80,7 +165,7 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make it private to this user
+            os.fchmod(fd, file_mode())  # mkstemp's 0600 would make it private to this user
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
@@ -205,6 +290,7 @@ def build_dir(target: Path, build: Callable[[Path], Any], *, replace: bool = Tru
             tmp.mkdir(parents=True)
         try:
             build(tmp)
+            apply_umask(tmp)
             if replace:
                 replace_dir(tmp, target, check_replaced=check_replaced)
                 return True

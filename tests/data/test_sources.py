@@ -387,3 +387,25 @@ def test_a_fifo_or_device_is_not_a_regular_file(tmp_path: Path, tok: PreTrainedT
         for entry in [tmp_path, str(tmp_path / "*.jsonl")]:
             with pytest.raises(ToolkitError, match=message):
                 _within(20, lambda e=entry: _samples([e], tok))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_hash_record_planted_in_the_cache_is_refused(tmp_path: Path, planted: str) -> None:
+    """`hashes/<sha of the path>.json` has a predictable name in a shared cache: a link there is never read through
+    (nor written through), a FIFO never blocks the launch (issue 39)."""
+    import hashlib
+    import os
+
+    from toolkit.data.sources import content_digest
+
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"text": "x"}\n')
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    record = tmp_path / "cache" / "hashes" / f"{hashlib.sha256(str(data.resolve()).encode()).hexdigest()}.json"
+    record.parent.mkdir(parents=True)
+    record.symlink_to(victim) if planted == "symlink" else os.mkfifo(record)
+    with pytest.raises(ToolkitError, match="symbolic link" if planted == "symlink" else "not a regular file") as e:
+        content_digest(data, tmp_path / "cache")
+    assert str(record) in str(e.value) and "\n" not in str(e.value)
+    assert victim.read_text() == "the user's own file\n"

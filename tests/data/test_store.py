@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -704,3 +705,30 @@ def test_a_store_cut_for_a_shorter_max_seq_len_is_prepared_again(tmp_path: Path,
     assert "capped" not in json.loads((ordinary.path / "meta.json").read_text())
     before = encoding_mod.ENCODE_CALLS
     assert store(plain, 4096).path == ordinary.path and before == encoding_mod.ENCODE_CALLS
+
+
+# --- a shared cache: nothing at a predictable name is followed (issue 39) -------------------------------------
+
+@pytest.mark.parametrize("planted", ["lock", "store", "failed"])
+def test_a_link_planted_in_the_store_cache_is_refused_and_its_target_untouched(
+        tmp_path: Path, tok: PreTrainedTokenizerFast, planted: str) -> None:
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    cache = tmp_path / "cache"
+    _load(path, tok, cache)
+    (store,) = _stores(cache)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    if planted == "store":  # a store folder of somebody's, under the name this launch looks for
+        elsewhere = tmp_path / "elsewhere"
+        store.rename(elsewhere)
+        store.symlink_to(elsewhere)
+        link = store
+    else:
+        shutil.rmtree(store)  # the next launch prepares it: it takes the lock, or reads the failure
+        link = store.with_name(f"{store.name}.{planted}")
+        link.unlink(missing_ok=True)
+        link.symlink_to(victim)
+    with pytest.raises(ToolkitError, match="is a symbolic link") as err:
+        _load(path, tok, cache)
+    assert str(link) in str(err.value) and "\n" not in str(err.value)
+    assert victim.read_text() == "the user's own file\n"

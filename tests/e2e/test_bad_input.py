@@ -207,6 +207,41 @@ case("model-dir-missing")(lambda c: c.train("model.name_or_path=./models/nope"))
 case("flash-attn-missing")(lambda c: c.train("model.attn_implementation=flash_attention_2"))
 case("flash4-missing")(lambda c: c.train("model.attn_implementation=flash4"))
 case("fused-layers-without-gpu")(lambda c: c.train("model.fused_layers=liger"))
+
+
+def not_installed(c: Ctx, *modules: str) -> None:
+    """`modules` cannot be imported for the case, as Python marks one (sys.modules[name] = None), installed or not."""
+    saved = {m: sys.modules.get(m, False) for m in modules}
+    for m in modules:
+        sys.modules[m] = None  # type: ignore[assignment]
+
+    def restore() -> None:
+        for m, v in saved.items():
+            if v is False:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = v
+
+    c.cleanups.append(restore)
+
+
+def _tracker_not_installed(c: Ctx) -> Call:
+    not_installed(c, "trackio")
+    return c.train("logging.trackers=[trackio]")
+
+
+def _train_without_deepspeed(c: Ctx) -> Call:
+    not_installed(c, "deepspeed")
+    return Call(["train", "--accelerate-config", "zero3", "--dry-run"], c.tmp / "run", tool="toolkit")
+
+
+case("tracker-not-installed")(_tracker_not_installed)
+case("train-unknown-accelerate-config")(
+    lambda c: Call(["train", "--accelerate-config", "zero4", "--dry-run"], c.tmp / "run", tool="toolkit"))
+case("train-deepspeed-not-installed")(_train_without_deepspeed)
+case("export-without-out")(lambda c: Call(["export", str(c.tmp / "run")], c.tmp / "run", tool="toolkit"))
+case("export-private-without-push")(
+    lambda c: Call(["export", str(c.tmp / "run"), "--out", str(c.tmp / "x"), "--private"], c.tmp / "x", tool="toolkit"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
 
 
@@ -475,6 +510,37 @@ def _(c: Ctx) -> Call:
 def _(c: Ctx) -> Call:
     (c.tmp / "notes.txt").write_text("the user's notes")
     return Call(["dummy-data", "--out", str(c.tmp / "notes.txt")], c.tmp / "notes.txt", tool="toolkit")
+
+
+@case("dummy-data-out-user-folder")
+def _(c: Ctx) -> Call:
+    (c.tmp / "data").mkdir()
+    (c.tmp / "data" / "stage1.jsonl").write_text('{"text": "the user\'s own rows"}\n')
+    return Call(["dummy-data", "--out", str(c.tmp / "data")], c.tmp / "data", tool="toolkit")
+
+
+@case("tiny-model-out-user-folder")
+def _(c: Ctx) -> Call:
+    (c.tmp / "model").mkdir()
+    (c.tmp / "model" / "config.json").write_text('{"model_type": "the user\'s own"}\n')
+    return Call(["tiny-model", "--out", str(c.tmp / "model")], c.tmp / "model", tool="toolkit")
+
+
+@case("output-dir-of-the-user")
+def _(c: Ctx) -> Call:
+    (c.tmp / "run").mkdir()
+    (c.tmp / "run" / "recipe.yaml").write_text("model: {name_or_path: the/users/own}\n")
+    return c.train()
+
+
+@case("run-lock-is-a-link")
+def _(c: Ctx) -> Call:
+    victim = c.tmp / "victim.txt"
+    victim.write_text("the user's own file\n")
+    lock = RunLayout(c.tmp / "run").lock_file
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(victim)  # planted by anyone who can write the shared folder beside the output dir
+    return replace(c.train(), watch=victim)
 
 
 @case("dummy-data-zero")

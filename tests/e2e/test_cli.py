@@ -27,12 +27,13 @@ def test_preflight_and_inspect_data_resolve_builtin_models_from_any_folder(
     recipe = _recipe(tmp_path / "recipes", model)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    preflight = ["preflight", "--config", str(recipe), "--accelerate-config",
-                 str(REPO / "accelerate_configs" / "ddp.yaml")]
+    # a shipped config by name, as toolkit train takes it; its DeepSpeed JSON is found beside it from any folder
+    preflight = ["preflight", "--config", str(recipe), "--accelerate-config", "zero3"]
     rc, stderr = invoke(Call(preflight, tmp_path, tool="toolkit"), elsewhere, monkeypatch)
     assert rc == 0, stderr[-3000:]
     shown = capsys.readouterr().out
     assert f"model {model}:" in shown and "recommended:" in shown
+    assert f"selected by {REPO / 'accelerate_configs' / 'zero3.yaml'}: zero3" in shown
     if model == TINY_MODEL:  # the data scan tokenises with the built-in model's tokenizer
         assert "only: 4 rows" in shown
         rc, stderr = invoke(Call(["inspect-data", "--config", str(recipe), "--rows", "1"], tmp_path, tool="toolkit"),
@@ -89,4 +90,4 @@ def test_python_dash_m_toolkit_is_the_toolkit_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "toolkit", "--help"], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "{dummy-data,tiny-model,export,preflight,inspect-data,plot,report}" in proc.stdout
+    assert "{train,dummy-data,tiny-model,export,preflight,inspect-data,plot,report}" in proc.stdout

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, run_env, run_launch, train_cmd, train_forked
+from tests.conftest import REPO, dummy_run_args, free_port, run_env, run_launch, train_cmd, train_forked
 from toolkit.errors import ToolkitError
 from toolkit.metrics.log import read_metrics
 from toolkit.runtime.process import check_launch_config, has_accelerator
@@ -151,6 +151,24 @@ def test_auto_json_with_optimizer_and_scheduler_blocks(runs: Path, ddp_reference
     trained(launch(config, out))
     assert json.loads((out / "run.json").read_text())["mixed_precision"] == "no"
     assert losses(out) == pytest.approx(ddp_reference, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_toolkit_train_is_the_canonical_launch(runs: Path, ddp_reference: list[float]) -> None:
+    """`toolkit train` (toolkit/commands/train.py) prints the canonical launch line first, then becomes it: the
+    2-process DDP run trains the reference's losses, and the launch's exit code is the command's."""
+    out, port = runs / "toolkit-train", str(free_port())
+    cmd = [sys.executable, "-m", "toolkit.commands.cli", "train", "--config", "recipes/smoke.yaml",
+           "--accelerate-config", "ddp", *dummy_run_args(f"output_dir={out}")[2:], "--", "--num_processes", "2",
+           "--mixed_precision", "no", "--main_process_port", port]
+    proc = run_launch(cmd)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.splitlines()[0] == (
+        f"accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 --mixed_precision no "
+        f"--main_process_port {port} train_curriculum.py --config recipes/smoke.yaml --create_dummy_data "
+        f"--num_dummy_samples 64 output_dir={out}")
+    assert losses(out) == ddp_reference
+    assert json.loads((out / "run.json").read_text())["strategy"] == "ddp"
 
 
 @pytest.mark.slow

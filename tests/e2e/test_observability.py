@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,12 +111,16 @@ def test_live_metrics_and_mfu(tmp_path: Path, toolkit: Callable) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_missing_tracker_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if importlib.util.find_spec("mlflow") is not None:  # the test needs a tracker that is not installed
-        pytest.skip("mlflow is installed here")
-    rc, stderr = invoke(Call([f"output_dir={tmp_path / 'o'}", "logging.trackers=[mlflow]"], tmp_path / "o"), REPO,
+@pytest.mark.parametrize(("trackers", "fix"), [
+    ("[mlflow]", "pip install 'curriculum-toolkit[mlflow]'"),
+    ("[tensorboard, wandb, trackio]", "pip install tensorboard 'curriculum-toolkit[wandb,trackio]'")])
+def test_missing_tracker_names_the_package(trackers: str, fix: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("tensorboard", "wandb", "mlflow", "trackio"):  # as Python marks a module that cannot be imported
+        monkeypatch.setitem(sys.modules, name, None)
+    rc, stderr = invoke(Call([f"output_dir={tmp_path / 'o'}", f"logging.trackers={trackers}"], tmp_path / "o"), REPO,
                         monkeypatch)  # train_curriculum.py's main, in this process
-    assert rc == 2 and "pip install mlflow" in stderr
+    assert rc == 2 and f"{fix} (or remove it from logging.trackers)" in stderr, stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -207,10 +207,40 @@ def test_another_recipe_a_finished_run_or_an_unknown_one_are_refused(tmp_path: P
 def test_an_empty_or_new_folder_is_left_alone(tmp_path: Path) -> None:
     invariants = resume_invariants(load_recipe(None))
     assert set_aside_earlier_attempt(RunLayout(tmp_path / "new"), invariants) is None
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("the user's")
-    assert set_aside_earlier_attempt(RunLayout(tmp_path / "mine"), invariants) is None
-    assert not (tmp_path / "new").exists() and (tmp_path / "mine" / "notes.txt").exists()
+    (tmp_path / "empty").mkdir()
+    assert set_aside_earlier_attempt(RunLayout(tmp_path / "empty"), invariants) is None
+    assert not (tmp_path / "new").exists()
+
+
+def test_what_a_run_writes_before_its_records_is_a_run_of_ours(tmp_path: Path) -> None:
+    """A launch stopped before run.json (bad input found late, a kill) leaves generated data, a save being written,
+    the shared cache where the user put it, atomic.py's temporaries, its recipe.yaml: the next launch starts."""
+    layout = RunLayout(tmp_path / "run")
+    (layout.dummy_data).mkdir(parents=True)
+    (layout.checkpoints / "step-00000005.tmp").mkdir(parents=True)
+    (layout.root / CACHE).mkdir()
+    (layout.root / ".run.json.abc123.tmp").write_text("{")
+    layout.recipe.write_text(recipe_to_yaml(load_recipe(None)))
+    assert set_aside_earlier_attempt(layout, resume_invariants(load_recipe(None))) is None
+
+
+@pytest.mark.parametrize("users", ["notes.txt", "recipe.yaml", "checkpoints/step-00000099", "checkpoints/backup.tmp"])
+def test_a_folder_of_the_users_is_refused_naming_what_is_there(tmp_path: Path, users: str) -> None:
+    """A fresh start in a folder holding no run of ours would have overwritten the user's recipe.yaml, and saving
+    (or rotating) would have replaced their `checkpoints/step-00000099/` (issue 39): refused, one line, as export
+    refuses its --out."""
+    layout = RunLayout(tmp_path / "mine")
+    path = layout.root / users
+    if users.startswith("checkpoints/"):
+        path.mkdir(parents=True)
+        (path / "weights.bin").write_bytes(b"mine")
+    else:
+        layout.root.mkdir()
+        path.write_text("model: {name_or_path: my/model}\n" if users == "recipe.yaml" else "the user's\n")
+    message = refused(layout, resume_invariants(load_recipe(None)))
+    assert message.startswith(f"output_dir {layout.root} is a non-empty folder that is not a run of this toolkit "
+                              f"(it holds {users + ('/' if users.startswith('checkpoints/') else '')})")
+    assert "\n" not in message
 
 
 # --- an output dir whose parent is read-only (a container's volume in a read-only tree) -------------------------
@@ -278,3 +308,20 @@ def test_the_smoke_recipe_trains_into_a_volume_in_a_read_only_tree(tmp_path: Pat
     assert sorted(p.name for p in (tmp_path / "tree").iterdir()) == ["out"]
     assert (builtin_dir(TINY_MODEL, user) / "config.json").is_file() and list((user / "tokenized").iterdir())
     assert [p.suffix for p in (user / "locks").iterdir()] == [".lock"]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink"])
+def test_a_lock_file_planted_in_the_shared_folder_is_refused_and_never_written(tmp_path: Path,
+                                                                                planted: str) -> None:
+    """The run lock's name is predictable and its folder shared (`.toolkit-cache/locks`): a link planted there by
+    anyone who can write the folder must not make the launch write lock JSON into the user's file (issue 39)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    layout = RunLayout(tmp_path / "runs" / "exp")
+    layout.lock_file.parent.mkdir(parents=True)
+    {"symlink": lambda p: p.symlink_to(victim), "fifo": os.mkfifo,
+     "hardlink": lambda p: os.link(victim, p)}[planted](layout.lock_file)
+    busy = RunLock(layout).acquire()
+    assert busy is not None and str(layout.lock_file) in busy and "\n" not in busy
+    assert ("symbolic link" if planted == "symlink" else "regular file" if planted == "fifo" else "hard links") in busy
+    assert victim.read_text() == "the user's own file\n"

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, launch_cmd, run_env, run_launch, signal_tree
+from toolkit.errors import ToolkitError
 from toolkit.strategies import build_locks
 from toolkit.strategies.build_locks import clear_stale_build_locks
 
@@ -303,3 +304,17 @@ def test_deepspeed_launch_after_a_killed_one_does_not_hang(tmp_path: Path, deeps
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stderr.count(f"Removed {lock}") == 1
     assert not lock.exists() and (out / "final").is_dir()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_link_or_fifo_at_a_build_lock_is_refused_in_one_line(tmp_path: Path, planted: str) -> None:
+    """torch waits for anything at `<op>/lock` to go: a planted link or FIFO would hang every launch (issue 39)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    lock = tmp_path / "exts" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(victim) if planted == "symlink" else os.mkfifo(lock)
+    with pytest.raises(ToolkitError, match="symbolic link" if planted == "symlink" else "not a regular file") as e:
+        clear_stale_build_locks(tmp_path / "exts")
+    assert str(lock) in str(e.value) and "\n" not in str(e.value)
+    assert victim.read_text() == "the user's own file\n" and (lock.is_symlink() or lock.exists())

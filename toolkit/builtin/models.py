@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.atomic import build_dir
+from toolkit.atomic import build_dir, refuse_link
 from toolkit.errors import ToolkitError
 
 TINY_MODEL = "builtin:tiny-qwen3"
@@ -36,6 +36,8 @@ def materialize_builtin(name_or_path: str, cache_dir: Path) -> str:
     if name_or_path not in builtins:
         return name_or_path
     target = builtin_dir(name_or_path, cache_dir)
+    refuse_link(target, "a built-in model")  # a shared cache: its predictable name never leads elsewhere
+    refuse_link(target / "config.json", "a built-in model's config")
     if not (target / "config.json").is_file():
         # The test-model builders are imported only here, when a built-in model is first built: loading any model
         # (a built one included) never imports them.

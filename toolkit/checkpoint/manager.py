@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import secrets
 import shutil
 import time
@@ -31,12 +32,15 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from toolkit.atomic import swap_dir, write_text_atomic
+from toolkit.atomic import apply_umask, swap_dir, write_text_atomic
 from toolkit.checkpoint.lease import delete_unless_leased
 from toolkit.checkpoint.portable import save_portable_lora
 from toolkit.errors import OutOfSpace, ToolkitError
 from toolkit.runtime import process as distributed
-from toolkit.runtime.run_dir import _STEP_DIR, COMMIT_MARKER, checkpoint_dir, committed_checkpoints
+from toolkit.runtime.run_dir import COMMIT_MARKER, checkpoint_dir, committed_checkpoints
+
+_OUR_TEMP = re.compile(r"^step-\d{8}(\.[0-9a-f]{8})?\.tmp$")
+"""The temporary folders this manager makes: `step-N.tmp` (a save being written), `step-N.<hex>.tmp` (`_discard`)."""
 
 META_FILE = "meta.json"
 BEST_FILE = "best.json"
@@ -154,6 +158,7 @@ class CheckpointManager:
             write_state(tmp)
             self.barrier()  # every rank finished writing its shards
             if self.is_main:
+                apply_umask(tmp)  # safetensors writes its files 0600 whatever the umask
                 # Digests of what was written, checked on resume: a file swapped or cut short is refused.
                 meta = {**meta, "files": file_digests(tmp)}
                 write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
@@ -234,9 +239,10 @@ class CheckpointManager:
         return truth
 
     def _clear_stale(self) -> None:
-        """Partial saves (`*.tmp`) of a run that died, or replaced folders a reader held until now."""
+        """Partial saves (`step-N.tmp`) of a run that died, or replaced folders a reader held until now
+        (`step-N.<hex>.tmp`): only the names this manager gives, never another `*.tmp` of the user's."""
         for path in self.root.iterdir():
-            if path.name.endswith(".tmp") and path.is_dir():
+            if _OUR_TEMP.match(path.name) and path.is_dir() and not path.is_symlink():
                 delete_unless_leased(path)
 
     def _rotate(self) -> None:
@@ -246,8 +252,8 @@ class CheckpointManager:
         if self._best is not None:
             keep.add(self._best["path"])
         self._clear_stale()
-        for path in sorted(self.root.iterdir()):
-            if _STEP_DIR.match(path.name) and path.name not in keep and not delete_unless_leased(path):
+        for path in committed_checkpoints(self.root):  # only what this toolkit committed: never an unmarked folder
+            if path.name not in keep and not path.is_symlink() and not delete_unless_leased(path):
                 log.info("kept %s for now: a reader holds it (toolkit export); a later rotation deletes it", path)
 
 

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 
 from toolkit.checkpoint.manager import read_meta
 from toolkit.checkpoint.portable import load_portable_lora, portable_lora_file
-from toolkit.checkpoint.safe_load import verify_checkpoint_files
+from toolkit.checkpoint.safe_load import load_checked, verify_checkpoint_files, weights_only_loads
 from toolkit.config.identity import changed_keys as _changed_keys
 from toolkit.errors import ToolkitError
 from toolkit.runtime.run_dir import COMMIT_MARKER, committed_checkpoints
@@ -249,6 +249,18 @@ _LOAD_MISFITS = ("Error(s) in loading state_dict", "size mismatch", "doesn't mat
 """What torch's load_state_dict says of a model or optimizer state written for other parameters."""
 
 
+SCHEDULER_STATE = "custom_checkpoint_0.pkl"
+"""The LR scheduler's state: accelerate's name for the first object registered for checkpointing, and the run
+registers only the scheduler (toolkit/train/setup.py)."""
+
+
+def _scheduler_state(ckpt: Path, meta: dict[str, Any]) -> Any:
+    """The scheduler's state, read once, checked against the digest committed with it and unpickled weights-only
+    from those bytes (`load_checked`)."""
+    recorded = (meta.get("files") or {}).get(SCHEDULER_STATE)
+    return load_checked(ckpt / SCHEDULER_STATE, recorded["sha256"] if recorded else None)
+
+
 def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, ckpt: Path, *,
             strategy: str, seed: int) -> Restored:
     """Load `ckpt` into the prepared objects. All ranks call this.
@@ -262,9 +274,11 @@ def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, sc
     """
     verify_checkpoint_files(ckpt)
     meta = read_meta(ckpt)
+    scheduler_state = _scheduler_state(ckpt, meta)
     if same_layout(meta, strategy, accelerator.num_processes):
         try:
-            accelerator.load_state(str(ckpt))
+            with weights_only_loads(ckpt):  # a file swapped after the check cannot run code (safe_load.py)
+                accelerator.load_state(str(ckpt))
         except (RuntimeError, ValueError) as e:  # a checkpoint of an earlier version, without a state signature
             if not any(sign in str(e) for sign in _LOAD_MISFITS):
                 raise
@@ -272,13 +286,15 @@ def restore(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, sc
                 f"Checkpoint {ckpt} does not fit this run's model ({str(e).strip().splitlines()[0][:160]}): it was "
                 "written for other parameters (model, lora or trainable settings). Resume with the recipe it was "
                 f"written with, or start a new output_dir from its weights (toolkit export {ckpt} --merge).") from None
+        # accelerate read the custom state again by its name (weights-only, above; its load_state cannot be told
+        # to skip it): it is put back from the bytes checked against the commit-time digest, read before.
+        scheduler.load_state_dict(scheduler_state)
         if (strategy, accelerator.mixed_precision) in EXACT_RESUME_TESTED:
             return Restored("exact")
         return Restored(f"same layout: every state restored, but bit-exact resume is tested for "
                         f"{EXACT_RESUME_SCOPE} only, not {strategy} in {accelerator.mixed_precision}")
     lost = load_portable_lora(accelerator, model, optimizer, ckpt)
-    scheduler_files = sorted(ckpt.glob("custom_checkpoint_*.pkl"))
-    scheduler.load_state_dict(torch.load(scheduler_files[0], map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(scheduler_state)
     # load_state_dict restores the position, not the optimizer's lr: that was set by the step before the save.
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr

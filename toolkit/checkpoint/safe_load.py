@@ -1,16 +1,31 @@
 """Loading what a checkpoint holds without running its code: pickles read weights-only (metadata by an allow-list), DCP
-folders checked, before any resume or export reads them."""
+folders checked, before any resume or export reads them.
+
+A check before a load leaves a window: a process that can write the checkpoint folder may swap a file between the
+two. So a checkpoint is also *loaded* weights-only (`weights_only_loads`: torch's own switch forces it on every
+`torch.load`, accelerate's and DeepSpeed's included, which pass weights_only=False for some files), and the small
+custom states (the LR scheduler's `custom_checkpoint_*.pkl`) are read once, checked against their commit-time
+sha256 and loaded from those very bytes (`load_checked`). DCP's `.metadata` is read by DCP with plain pickle, which
+no switch reaches: it is checked here, and an FSDP checkpoint folder must not be writable by others.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import os
 import pickle
+import re
+import stat
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from toolkit.atomic import open_own
 from toolkit.errors import ToolkitError
 from toolkit.strategies import consolidate
 
@@ -36,9 +51,70 @@ _DCP_BASICS = {"Size", "float32", "float16", "bfloat16", "float64", "int64", "in
                "set", "frozenset", "slice", "complex"}
 
 
-def _load_weights_only(source: Any, *, mmap: bool = False) -> None:
+def _load_weights_only(source: Any, *, mmap: bool = False) -> Any:
     with torch.serialization.safe_globals(consolidate.checkpoint_safe_globals()):
-        torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+@contextlib.contextmanager
+def weights_only_loads(ckpt: Path) -> Iterator[None]:
+    """Inside, every torch.load of this process is weights-only with the types our checkpoints hold allowed,
+    whatever its caller passes: accelerate's custom states and DeepSpeed's files are read with weights_only=False
+    otherwise. torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD is the documented switch for it (torch.load reads it at each
+    call); it is put back as it was on the way out. A refused pickle (a file of `ckpt` swapped after its check)
+    ends in one line."""
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(consolidate.checkpoint_safe_globals()):
+            yield
+    except pickle.UnpicklingError as e:
+        raise ToolkitError(f"Refusing to load checkpoint {ckpt}: one of its files changed after it was checked, into "
+                           f"pickled objects that are not plain tensors or known-safe types ({not_allowed(e)[:200]})."
+                           " Only load checkpoints you wrote yourself, from a folder no one else can write.") from None
+    finally:
+        if before is None:
+            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
+def not_allowed(e: BaseException) -> str:
+    """What an unpickler refused, in a few words: the global it met or the opcode, never torch's advice to load
+    with weights_only=False (a checkpoint that needs it runs code)."""
+    text = str(e).replace(torch.serialization.UNSAFE_MESSAGE, "")
+    where = m[0] if (m := re.match(r"in \S+, entry \S+: ", text)) else ""  # a .distcp entry (_verify_dcp_dir)
+    if m := re.search(r"GLOBAL (\S+)", text):
+        return f"{where}global {m[1]} is not allowed"
+    if m := re.search(r"Unsupported operand (\d+)", text):
+        return f"{where}pickle opcode {m[1]} (an object built by a call) is not allowed"
+    lines = [line.strip() for line in text.splitlines() if "global" in line or ".distcp" in line]
+    said = " ".join(lines) or f"{where}objects of other types"
+    return said if "weights_only" not in said else f"{where}objects of other types"
+
+
+def load_checked(path: Path, sha256: str | None) -> Any:
+    """The object pickled in `path`, a regular file of the checkpoint (never a link, never blocking on a FIFO),
+    read once: its bytes are checked against `sha256` (what was committed; None for checkpoints of earlier
+    versions) and unpickled weights-only from those same bytes, so a file swapped after any check is never what
+    is loaded. Raises ToolkitError."""
+    ckpt = path.parent
+    try:
+        with os.fdopen(open_own(path, os.O_RDONLY), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ToolkitError(f"Checkpoint {ckpt}: {path.name} cannot be read ({e.strerror}). Resume from another "
+                           "checkpoint (checkpoint.resume=<path>).") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise ToolkitError(f"Checkpoint {ckpt} does not hold what was committed: {path.name} is not the file "
+                           "committed with it (its sha256 differs). Resume from another checkpoint "
+                           "(checkpoint.resume=<path>) or restore the original files.")
+    try:
+        return _load_weights_only(io.BytesIO(data))
+    except pickle.UnpicklingError as e:
+        raise ToolkitError(f"Refusing to load checkpoint {ckpt}: {path.name} contains pickled objects that are not "
+                           f"plain tensors or known-safe types ({not_allowed(e)}). Only load checkpoints you wrote "
+                           "yourself.") from None
 
 
 def _verify_dcp_dir(metadata_file: Path) -> None:
@@ -67,8 +143,13 @@ def verify_checkpoint_files(ckpt: Path) -> None:
     from safetensors import safe_open
 
     for path in sorted(ckpt.rglob("*")):
-        if not path.is_file():
+        mode = path.lstat().st_mode
+        if stat.S_ISDIR(mode):
             continue
+        if not stat.S_ISREG(mode):  # a FIFO would block the load for ever; a link leads out of the checkpoint
+            raise ToolkitError(f"Checkpoint {ckpt}: {path.relative_to(ckpt)} is not a regular file (a link, FIFO, "
+                               "socket or device; a checkpoint holds only files). Resume from another checkpoint "
+                               "(checkpoint.resume=<path>).")
         try:
             if path.suffix in (".bin", ".pt", ".pkl", ".pth"):
                 is_zip = zipfile.is_zipfile(path)
@@ -84,11 +165,8 @@ def verify_checkpoint_files(ckpt: Path) -> None:
             elif path.name == ".metadata":
                 _verify_dcp_dir(path)
         except pickle.UnpicklingError as e:
-            lines = str(e).splitlines()
-            culprit = " ".join(line.strip() for line in lines if "GLOBAL" in line or "global" in line or
-                               ".distcp" in line) or lines[0]
             raise ToolkitError(f"Refusing to load checkpoint {ckpt}: {path.name} contains pickled objects that are "
-                               f"not plain tensors or known-safe types ({culprit[:300]}). Only "
+                               f"not plain tensors or known-safe types ({not_allowed(e)[:300]}). Only "
                                "load checkpoints you wrote yourself.") from None
         except Exception as e:
             raise ToolkitError(f"Checkpoint {ckpt} is damaged: {path.relative_to(ckpt)} cannot be read "

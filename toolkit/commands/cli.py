@@ -5,10 +5,39 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.atomic import build_dir, not_ours, refuse_not_ours
 from toolkit.errors import ToolkitError, out_of_space
 from toolkit.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
+
+TINY_MODEL_MARKER = ".toolkit-tiny-model.json"
+DUMMY_DATA_MARKER = ".toolkit-dummy-data.json"
+"""Written into every `tiny-model` / `dummy-data` output: a folder holding one may be replaced by the same command."""
+
+
+def _write_out(out: Path, marker: str, what: str, write: Callable[[Path], object], *, files: str,
+               overwrite: bool) -> None:
+    """Build the folder at --out as export does (toolkit/atomic.py build_dir), after export's rule: --out is new,
+    empty, an earlier output of this command (it holds `marker`), or --overwrite was given; else one line naming
+    what is there. The folder swapped out is checked again before it is deleted."""
+    if out.exists() and not out.is_dir():
+        raise ToolkitError(f"--out {out} is a file; name a folder for the {files}.")
+
+    def check(folder: Path) -> None:
+        if not overwrite:
+            refuse_not_ours(out, not_ours(folder, marker=marker), label="--out", what=what,
+                            then="its files would be replaced", fix="Choose a new folder, or pass --overwrite to "
+                            "replace it.")
+
+    check(out)
+
+    def build(tmp: Path) -> None:
+        write(tmp)
+        (tmp / marker).write_text("{}\n")
+
+    build_dir(out.resolve(), build, check_replaced=check)
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
@@ -16,32 +45,47 @@ def _dummy_data(args: argparse.Namespace) -> None:
 
     if args.num_samples < 1:
         raise ToolkitError(f"--num-samples must be at least 1, got {args.num_samples}.")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ToolkitError(f"--out {args.out} is a file; name a folder for the dummy data files.")
-    for name, path in write_dummy_data(args.out, args.num_samples, seed=args.seed).items():
-        print(f"{name}: {path}")
+    out = Path(args.out)
+    _write_out(out, DUMMY_DATA_MARKER, "an earlier dummy-data output",
+               lambda tmp: write_dummy_data(tmp, args.num_samples, seed=args.seed), files="dummy data files",
+               overwrite=args.overwrite)
+    for name in ("stage1", "stage2"):
+        print(f"{name}: {out / f'{name}.jsonl'}")
 
 
 def _tiny_model(args: argparse.Namespace) -> None:
     from toolkit.builtin.text_model import write_tiny_qwen3
 
-    print(write_tiny_qwen3(args.out, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed))
+    out = Path(args.out)
+    _write_out(out, TINY_MODEL_MARKER, "an earlier tiny-model output",
+               lambda tmp: write_tiny_qwen3(tmp, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed),
+               files="model", overwrite=args.overwrite)
+    print(out)
 
 
 def _export(args: argparse.Namespace) -> None:
-    from toolkit.commands.export import export
+    if args.push_to_hub is None and args.private:
+        raise ToolkitError("--private is for --push-to-hub: name the repo to create (--push-to-hub USER/NAME).")
+    if args.push_to_hub is None and args.out is None:
+        raise ToolkitError("toolkit export needs --out DIR (the folder to write), or --push-to-hub REPO.")
+    from toolkit.commands.export import export, push_to_hub
 
-    print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
-                 trust_remote_code=args.trust_remote_code))
+    if args.push_to_hub is not None:
+        print(push_to_hub(args.source, args.push_to_hub, out=args.out, merge=args.merge, private=args.private,
+                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code))
+    else:
+        print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
+                     trust_remote_code=args.trust_remote_code))
 
 
 def _preflight(args: argparse.Namespace) -> None:
     from toolkit.commands.preflight import preflight
+    from toolkit.commands.train import find_config, launch_root
     from toolkit.config.load import load_recipe
 
     recipe = load_recipe(args.config, args.overrides)
-    print(preflight(recipe, Path(args.accelerate_config), num_gpus=args.num_gpus, gpu_memory_gb=args.gpu_memory_gb,
-                    scan_data=not args.no_data))
+    print(preflight(recipe, find_config(args.accelerate_config, launch_root()), num_gpus=args.num_gpus,
+                    gpu_memory_gb=args.gpu_memory_gb, scan_data=not args.no_data))
 
 
 def _inspect_data(args: argparse.Namespace) -> None:
@@ -71,23 +115,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Curriculum fine-tuning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # Parsed by toolkit/commands/train.py (`main` hands it the arguments): listed here for `toolkit --help`.
+    sub.add_parser("train", add_help=False, help="Print the canonical `accelerate launch ... train_curriculum.py` "
+                   "line of a run and run it: toolkit train --config R [--accelerate-config NAME|PATH] [--dry-run] "
+                   "[overrides] [-- accelerate args] (toolkit train --help).")
+
     p = sub.add_parser("dummy-data", help="Write deterministic dummy chat JSONL files (stage1, stage2).")
-    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--out", required=True, help="Output directory: new, empty, or an earlier dummy-data output.")
     p.add_argument("--num-samples", type=int, default=256, help="Rows per file.")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="Allow --out to be a non-empty folder that is not an "
+                   "earlier dummy-data output (it is replaced).")
     p.set_defaults(func=_dummy_data)
 
     p = sub.add_parser("tiny-model", help="Write a tiny random Qwen3 with a small trained tokenizer and "
                        "Qwen3's chat template (no network).")
-    p.add_argument("--out", required=True, help="Output directory (loadable with from_pretrained).")
+    p.add_argument("--out", required=True, help="Output directory (loadable with from_pretrained): new, empty, or an "
+                   "earlier tiny-model output.")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="Allow --out to be a non-empty folder that is not an "
+                   "earlier tiny-model output (it is replaced).")
     p.set_defaults(func=_tiny_model)
 
     p = sub.add_parser("export", help="Export a checkpoint or run as a PEFT adapter, or a merged model (--merge).")
     p.add_argument("source", help="<output_dir>, <output_dir>/checkpoints/step-N or <output_dir>/final.")
-    p.add_argument("--out", required=True, help="Directory to write: new, empty, or an earlier export. The export "
+    p.add_argument("--out", help="Directory to write (required unless --push-to-hub): new, empty, or an earlier "
+                   "export. The export "
                    "is built beside it and swapped in when complete: in one atomic step on Linux (renameat2 "
                    "RENAME_EXCHANGE); where that is unsupported the earlier export is moved aside first, and a crash "
                    "between the two renames leaves it beside --out as .<name>.old-*.")
@@ -96,11 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "earlier export (never the source or a folder holding it).")
     p.add_argument("--trust-remote-code", action="store_true", help="Allow the model's own Python code to run, "
                    "for runs whose recipe sets model.trust_remote_code.")
+    p.add_argument("--push-to-hub", metavar="REPO", help="Upload to this Hugging Face Hub repo (USER/NAME, created "
+                   "if missing): final/ as it is, verified first, with its model card; with --merge, a "
+                   "checkpoint or --out, the export, written to --out or a temporary folder. Login: `hf auth login` "
+                   "or HF_TOKEN.")
+    p.add_argument("--private", action="store_true", help="With --push-to-hub: create the repo private.")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("preflight", help="Per-GPU memory estimate for every strategy, and a scan of the data.")
     p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
-    p.add_argument("--accelerate-config", default="accelerate_configs/zero3.yaml", help="Launch config to assess.")
+    p.add_argument("--accelerate-config", default="zero3", help="Launch config to assess: a shipped config by name "
+                   "(as toolkit train takes it; default zero3) or an accelerate config file.")
     p.add_argument("--num-gpus", type=int, help="GPUs in the job (default: num_processes of the launch config).")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="Memory per GPU, GiB.")
     p.add_argument("--no-data", action="store_true", help="Skip the data scan.")
@@ -137,7 +198,14 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Every command ends with one line on bad input (exit 2), Ctrl-C (130) or SIGTERM (75): what the commands
     write (token stores, exports, plots) is built aside and renamed in, so a stop keeps nothing half-written."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its unknown arguments are train_curriculum.py's, those after `--` accelerate's
+        from toolkit.commands.train import parse_args, train
+
+        args = parse_args(argv[1:])
+        args.func = train
+    else:
+        args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     try:
         args.func(args)

@@ -24,13 +24,13 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from toolkit.atomic import build_dir
+from toolkit.atomic import build_dir, not_ours, refuse_not_ours
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint.final import verify_final
 from toolkit.checkpoint.lease import ReadLease
 from toolkit.checkpoint.manager import changed_files, read_meta
 from toolkit.checkpoint.portable import portable_lora_file
-from toolkit.checkpoint.safe_load import verify_checkpoint_files
+from toolkit.checkpoint.safe_load import verify_checkpoint_files, weights_only_loads
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
@@ -127,9 +127,9 @@ EXPORT_MARKER = ".toolkit-export.json"
 def _check_replaceable(folder: Path, out: Path, *, overwrite: bool) -> None:
     """Refuse to replace `folder` (at --out, or just swapped out of it) unless it is empty, an earlier export
     (it holds EXPORT_MARKER) or --overwrite was given."""
-    if not overwrite and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file():
-        raise ToolkitError(f"--out {out} is a non-empty folder that is not an earlier export; it would be replaced. "
-                           "Choose a new folder, or pass --overwrite to replace it.")
+    if not overwrite:
+        refuse_not_ours(out, not_ours(folder, marker=EXPORT_MARKER), label="--out", what="an earlier export",
+                        then="it would be replaced", fix="Choose a new folder, or pass --overwrite to replace it.")
 
 
 def check_out(out: Path, src: Path, run: RunLayout, *, overwrite: bool) -> None:
@@ -199,6 +199,40 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
     return out
 
 
+def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = None, merge: bool = False,
+                private: bool = False, overwrite: bool = False, trust_remote_code: bool = False) -> str:
+    """Upload a run's model to the Hugging Face Hub repo `repo_id` (created if missing, `private` if new) through
+    huggingface_hub (create_repo + upload_folder; its login: `hf auth login` or HF_TOKEN, its HF_ENDPOINT).
+
+    A run's final/ is uploaded as it is, verified first (every file against the sizes and sha256 training
+    recorded), with the model card training wrote. With --merge, a checkpoint as the source, or `out`, the export is
+    written first (to `out`, else a temporary folder) and that is uploaded, without its export marker. Returns the
+    commit's URL."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    src, run = _resolve(Path(source).resolve())
+    with tempfile.TemporaryDirectory(prefix="toolkit-push-") as scratch:
+        if src == run.final and not merge and out is None:
+            verify_final(src)  # a file cut short or swapped is refused before anything is sent
+            folder = src
+        else:
+            folder = export(source, Path(out) if out is not None else Path(scratch) / "export", merge=merge,
+                            overwrite=overwrite, trust_remote_code=trust_remote_code)
+        api = HfApi()
+        try:
+            api.create_repo(repo_id, private=private or None, exist_ok=True)  # not --private: the Hub's default
+            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=[EXPORT_MARKER],
+                                       commit_message=f"Upload {run.root.name} ({'merged' if merge else src.name})")
+        except (HfHubHTTPError, OSError, ValueError) as e:
+            raise ToolkitError(f"Uploading {folder} to {repo_id} on {api.endpoint} failed: "
+                               f"{' '.join(str(e).split())[:300]} (log in with `hf auth login` or set HF_TOKEN; a "
+                               "repo id is <user or organization>/<name>).") from None
+    return commit.commit_url
+
+
 def _read_checkpoint(chosen: Path, run: RunLayout, typed: Recipe, *, merge: bool, from_run: bool
                      ) -> tuple[Path, dict[str, Any], str, bool, Any]:
     """(checkpoint, its meta, base model, vision, the model to export) read from one whole committed checkpoint.
@@ -231,7 +265,8 @@ def _read_checkpoint(chosen: Path, run: RunLayout, typed: Recipe, *, merge: bool
                                        "another checkpoint, or restore the original files.")
                 verify_checkpoint_files(chosen)
                 base = _base_model(typed.model.name_or_path, meta["base_model"], run)
-                vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
+                with weights_only_loads(chosen):  # a file swapped after the check cannot run code
+                    vision, model = _load_model(chosen, meta, base, typed, run, merge=merge)
             except (ToolkitError, OSError):
                 if lease.still_held():
                     raise

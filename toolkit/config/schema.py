@@ -458,8 +458,9 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     logging_steps: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
-    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="Experiment trackers (through accelerate).")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Experiment trackers (through accelerate); wandb, "
+        "mlflow and trackio need the toolkit's extra of that name.")
     peak_tflops: float | None = Field(None, gt=0, description="Accelerator peak TFLOP/s for MFU (default: "
                                       "looked up from the device name).")
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from toolkit.atomic import write_atomic
+from toolkit.atomic import read_own_text, write_atomic
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
@@ -624,7 +624,7 @@ def content_digest(path: Path, cache_dir: Path | None) -> str:
     sig = file_stat_signature(path)
     record = cache_dir / "hashes" / f"{_sha256(str(path.resolve()).encode())}.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        saved = json.loads(record.read_text())
+        saved = json.loads(read_own_text(record))  # a shared cache: never through a link, nor blocking on a FIFO
         if saved["stat"] == sig and isinstance(saved["sha256"], str):
             return saved["sha256"]
     started = time.time_ns()

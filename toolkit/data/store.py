@@ -72,7 +72,7 @@ import tokenizers
 import transformers
 from tqdm.auto import tqdm
 
-from toolkit.atomic import build_dir, fsync_dir, write_atomic
+from toolkit.atomic import build_dir, fsync_dir, open_own, read_own_text, refuse_link, write_atomic
 from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, unread_message_keys
 from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
@@ -236,7 +236,7 @@ class _Unverified(Exception):
 def _verified(folder: Path, meta: dict[str, Any], data: Path) -> bool:
     """Whether verified.json says data.arrow, as it is now (stat), matched meta.json's sha256."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        record = json.loads((folder / VERIFIED_FILE).read_text())
+        record = json.loads(read_own_text(folder / VERIFIED_FILE))
         return bool(record["sha256"] == meta["sha256"] and record["stat"] == file_stat_signature(data))
     return False
 
@@ -268,6 +268,9 @@ def _open_ready(folder: Path, key: dict[str, Any], source: Source, *, max_tokens
     checksum counts as damaged), "yes-read-only" (hash it unless remembered; the cache cannot be written, so a
     store without a checksum is used, with a warning, and a damaged one refused)."""
     meta_path = folder / "meta.json"
+    for path, what in ((folder, "a token store"), (meta_path, "a store's record"), (folder / "data.arrow",
+                       "a store's tokens"), (folder / VERIFIED_FILE, "a store's record")):
+        refuse_link(path, what)  # in a shared cache: never a link to somebody's (or something else's) files
     if not meta_path.is_file():
         return None
     try:
@@ -427,7 +430,7 @@ class _Lock:
 
     def try_acquire(self, what: str) -> bool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = open_own(self.path, os.O_RDWR | os.O_CREAT)  # never through a link planted in the shared cache
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -447,7 +450,7 @@ class _Lock:
 
     def holder(self) -> str:
         with contextlib.suppress(OSError, ValueError, KeyError):
-            info = json.loads(self.path.read_text())
+            info = json.loads(read_own_text(self.path))
             return f"{info['host']} pid {info['pid']}"
         return "another process"
 
@@ -548,7 +551,7 @@ def _digest(source: Source, cache: Path | None) -> str:
 def _failure(path: Path, since: float) -> str | None:
     """The one-line error of a preparation that failed after `since` (one this launch was waiting on)."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        info = json.loads(path.read_text())
+        info = json.loads(read_own_text(path))
         if info["time"] >= since:
             return str(info["message"])
     return None

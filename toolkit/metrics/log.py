@@ -80,16 +80,21 @@ def truncate_after(path: Path, step: int) -> None:
     write_text_atomic(path, "".join(to_json_line(r) for r in kept))
 
 
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+"""logging.trackers' names -> the package each needs. TensorBoard (the default) comes with the toolkit; the others are
+its extras of the same name (pyproject.toml)."""
 
 
 def check_trackers(names: list[str]) -> None:
-    """Fail before training when a requested tracker's package is missing (accelerate would only warn)."""
+    """Fail before training when a requested tracker's package is missing (accelerate would only warn), naming the
+    `pip install` that brings it."""
     missing = [n for n in names if importlib.util.find_spec(TRACKER_PACKAGES[n]) is None]
     if missing:
-        packages = " ".join(TRACKER_PACKAGES[n] for n in missing)
+        extras = [n for n in missing if n != "tensorboard"]
+        fix = " ".join([*(["tensorboard"] if "tensorboard" in missing else []),
+                        *([f"'curriculum-toolkit[{','.join(extras)}]'"] if extras else [])])
         raise ToolkitError(f"logging.trackers asks for {', '.join(missing)}, which is not installed: "
-                           f"pip install {packages} (or remove it from logging.trackers).")
+                           f"pip install {fix} (or remove it from logging.trackers).")
 
 
 def peak_memory_bytes(device: torch.device) -> int:

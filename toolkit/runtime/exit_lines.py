@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from toolkit.atomic import open_own
+from toolkit.errors import ToolkitError
 from toolkit.runtime.process import process_gone
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
@@ -169,10 +171,13 @@ class LastWords:
                 else Path(tempfile.gettempdir()) / f"toolkit-rank-{self.rank}-{self.pid}.log")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as f:
+            # The log may sit in a shared cache (a run stopped before its outputs): never written through a link.
+            with os.fdopen(open_own(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a", encoding="utf-8") as f:
                 f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: rank {self.rank} of {self.world}, pid "
                         f"{self.pid} on {self.host}\n{''.join(traceback.format_exception(exc))}")
-        except OSError:
+        except (OSError, ToolkitError) as e:
+            if isinstance(e, ToolkitError):
+                print(f"error: rank log not written: {e}", file=sys.stderr)
             traceback.print_exception(exc, file=sys.stderr)
             return None
         return path

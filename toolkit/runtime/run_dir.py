@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from toolkit.atomic import not_ours, open_own, refuse_not_ours
 from toolkit.config.identity import changed_keys, resume_invariants
-from toolkit.config.load import load_recipe
+from toolkit.config.load import load_recipe, recipe_to_yaml
 from toolkit.errors import ToolkitError
 
 log = logging.getLogger(__name__)
@@ -258,10 +259,16 @@ def set_aside_earlier_attempt(layout: RunLayout, invariants: dict[str, Any]) -> 
       scheduler requeues the same command): its records are moved, not deleted, to
       `earlier_attempts/<its start time>/` with one warning saying where; that folder is returned.
 
-    None where the folder holds no earlier run. Call it on one process (rank 0)."""
+    Where it holds none, it must be new, empty, or hold only what a run of this toolkit writes before its records
+    (`not_a_run`): a folder of the user's is refused in one line naming what is there, as `toolkit export` refuses
+    its --out (toolkit/atomic.py refuse_not_ours). None where the folder holds no earlier run. Call it on one
+    process (rank 0)."""
     out = layout.root
     found = ", ".join(path.name for path in layout.earlier_run_files if path.exists())
     if not found:
+        refuse_not_ours(out, not_a_run(layout), label="output_dir", what="a run of this toolkit",
+                        then="a fresh start would write among them and could replace them",
+                        fix="Choose a new or empty output_dir, or move those files away.")
         return None
     held = f"output_dir {out} holds the outputs of an earlier run ({found}) and no checkpoint to resume from"
     fix = "Use a new output_dir, or delete this one if you no longer need it."
@@ -299,6 +306,44 @@ def set_aside_earlier_attempt(layout: RunLayout, invariants: dict[str, Any]) -> 
     return aside
 
 
+_OUR_TEMPORARY = re.compile(r"^\..+\.(tmp|old-[0-9a-f]{8})$")
+"""toolkit/atomic.py's temporary files and folders (`.<name>.*.tmp`, `.<name>.old-*`), left by a killed writer."""
+_OUR_CHECKPOINT_ENTRY = re.compile(r"^(best\.json|step-\d{8}(\.[0-9a-f]{8})?\.tmp|\..+\.(tmp|old-[0-9a-f]{8}))$")
+"""What the checkpoint manager leaves in `checkpoints/` before its first commit: best.json, the folder of a save
+being written (`step-N.tmp`) or set aside (`step-N.<hex>.tmp`), atomic.py's temporaries."""
+
+
+def _our_recipe(path: Path) -> bool:
+    """Whether `path` is a recipe.yaml as a run writes it: the full dump of a recipe (toolkit/config/load.py
+    recipe_to_yaml), byte for byte. A recipe the user wrote names only some keys."""
+    try:
+        return recipe_to_yaml(load_recipe(path)) == path.read_text(encoding="utf-8")
+    except (ToolkitError, OSError, UnicodeDecodeError):
+        return False
+
+
+def not_a_run(layout: RunLayout) -> list[str]:
+    """What in the output dir no run of this toolkit wrote (`toolkit/atomic.py not_ours`), for a folder holding no
+    earlier run's records: a run writes only the layout's own names into it (`recipe.yaml` only as its full dump),
+    the shared cache where the user set it there, atomic.py's temporaries, and in `checkpoints/` the manager's own
+    names; anything else is the user's. An uncommitted `checkpoints/step-N/` is not the manager's (it commits a
+    folder whole, marker included): a save of that step would replace it."""
+    names = {p.name for p in (layout.checkpoints, layout.final, layout.metrics, layout.run_json, layout.trackers,
+                              layout.dummy_data, layout.plot, layout.evals, layout.matrix_plot, layout.logs,
+                              layout.earlier_attempts)} | {f"{layout.final.name}.tmp", CACHE}
+
+    def ours(path: Path) -> bool:
+        if path.name == layout.recipe.name:
+            return _our_recipe(path)
+        return (path.name in names or bool(_OUR_TEMPORARY.match(path.name))) and not path.is_symlink()
+
+    found = not_ours(layout.root, ours=ours)
+    if "checkpoints/" in found or not layout.checkpoints.is_dir():
+        return found
+    return found + [f"checkpoints/{name}" for name in not_ours(
+        layout.checkpoints, ours=lambda p: bool(_OUR_CHECKPOINT_ENTRY.match(p.name)) and not p.is_symlink())]
+
+
 class RunLock:
     """Exclusive, process-lifetime lock on an output dir (see the module docstring). Hold the object."""
 
@@ -329,7 +374,10 @@ class RunLock:
     def _lock_file(self) -> str | None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            f = self.path.open("a+", encoding="utf-8")
+            # Never through a link, nor truncating a file found there before it is known to be a lock (open_own).
+            f = os.fdopen(open_own(self.path, os.O_RDWR | os.O_CREAT), "r+", encoding="utf-8")
+        except ToolkitError as e:
+            return f"its lock file cannot be used: {str(e).rstrip('.')}"
         except OSError as e:
             return f"its lock file {self.path} cannot be opened ({e.strerror})"
         try:

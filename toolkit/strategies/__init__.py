@@ -67,9 +67,8 @@ def strategy_name(accelerator: Accelerator) -> str:
     return f"{name}_sp{sp}" if sp > 1 else name
 
 
-def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
-    """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is
-    (`_sp<N>` with Ulysses sequence parallelism)."""
+def _read_config(accelerate_config: Path) -> dict[str, Any]:
+    """The accelerate config file's keys, or one line saying why there are none."""
     if not accelerate_config.is_file():
         raise ToolkitError(f"Accelerate config {accelerate_config} does not exist.")
     try:
@@ -80,6 +79,24 @@ def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
     if not isinstance(cfg, dict):
         raise ToolkitError(f"Accelerate config {accelerate_config} must hold a mapping of keys (as written by "
                            "`accelerate config`).")
+    return cfg
+
+
+def deepspeed_of_config(accelerate_config: Path) -> tuple[bool, str | None]:
+    """(whether the accelerate config file launches DeepSpeed, the DeepSpeed JSON it names as written or None).
+    accelerate reads that JSON's path from the launch's working directory, not from the config's folder."""
+    cfg = _read_config(accelerate_config)
+    if str(cfg.get("distributed_type", "NO")) != DistributedType.DEEPSPEED:
+        return False, None
+    named = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    return True, str(named) if named else None
+
+
+def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
+    """(strategy name, num_processes) an accelerate config file selects, named as a run launched with it is
+    (`_sp<N>` with Ulysses sequence parallelism). Its DeepSpeed JSON is read from the working directory, as
+    accelerate reads it, or else beside the config's folder (a shipped config, as `toolkit train` launches it)."""
+    cfg = _read_config(accelerate_config)
     kind, procs = str(cfg.get("distributed_type", "NO")), int(cfg.get("num_processes", 1))
     ds = cfg.get("deepspeed_config") or {}
     zero: dict[str, Any] = {"stage": ds.get("zero_stage", 0),  # the inline keys, as the JSON spells them
@@ -87,6 +104,9 @@ def strategy_of_config(accelerate_config: Path) -> tuple[str, int]:
                             "offload_param": {"device": ds.get("offload_param_device", "none")}}
     if kind == DistributedType.DEEPSPEED and ds.get("deepspeed_config_file"):
         path = Path(ds["deepspeed_config_file"])
+        beside = accelerate_config.resolve().parent.parent / path  # a shipped config's, read from another folder
+        if not path.is_file() and not path.is_absolute() and beside.is_file():
+            path = beside
         if not path.is_file():
             raise ToolkitError(f"{accelerate_config} names DeepSpeed config {path}, which does not exist.")
         zero = json.loads(path.read_text()).get("zero_optimization", {})

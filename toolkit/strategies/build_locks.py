@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.atomic import refuse_link
+
 log = logging.getLogger(__name__)
 
 STALE_AFTER_S = 10 * 60  # no op build takes this long
@@ -68,7 +70,11 @@ def build_locks(root: Path) -> list[Path]:
     """torch's build locks under `root`: empty files named `lock` in an op's build folder (torch creates them
     empty and never writes to them; one left by a killed first build may have no `build.ninja` beside it yet)."""
     candidates = [*root.glob("*/lock"), *root.glob("*/*/lock")]
-    return sorted(p for p in candidates if p.is_file() and not p.is_symlink() and p.stat().st_size == 0)
+    for path in candidates:
+        # torch creates its locks with O_EXCL (no link followed) and waits for any `lock` there to go: a link or
+        # FIFO planted at the name would hang every launch, and this module never removes what it did not judge.
+        refuse_link(path, "a build lock (torch's)")
+    return sorted(p for p in candidates if p.is_file() and p.stat().st_size == 0)
 
 
 @dataclass(frozen=True)
