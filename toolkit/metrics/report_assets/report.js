@@ -241,7 +241,8 @@
     let log = false;
     const stages = RUNS[0].stages;
     const allSteps = lines.flatMap((l) => [l.pts[0][0], l.pts[l.pts.length - 1][0]]);
-    const stageEnd = Math.max(0, ...RUNS.flatMap((r) => r.stages.map((s) => s.start + s.steps)));
+    const extent = (s) => s.start + (s.state === "done" ? s.steps : Math.max(s.steps, s.planned || 0));
+    const stageEnd = Math.max(0, ...RUNS.flatMap((r) => r.stages.map(extent)));  // a live run: its whole plan
     const x0 = 0, x1 = Math.max(stageEnd, ...allSteps, 1);
     const X = (s) => PAD.l + ((s - x0) / (x1 - x0)) * (W - PAD.l - PAD.r);
     function draw() {
@@ -266,11 +267,11 @@
         Y = (v) => H - PAD.b - ((v - lo) / (hi - lo)) * (H - PAD.t - PAD.b);
         ticks = niceTicks(lo, hi, 5);
       }
-      stages.forEach((s, i) => {
-        if (s.state === "waiting") return;
-        const a = X(s.start), b = X(s.start + s.steps);
+      stages.forEach((s, i) => {  // a stage not ended yet: its band spans its plan, paler
+        const a = X(s.start), b = X(extent(s));
         svg("rect", { x: a, y: PAD.t, width: Math.max(b - a, 1), height: H - PAD.t - PAD.b,
-          fill: BANDS[i % BANDS.length], class: "band", "data-stage": s.name }, chart);
+          fill: BANDS[i % BANDS.length], "fill-opacity": s.state === "done" ? 1 : 0.45, class: "band",
+          "data-stage": s.name }, chart);
         svg("text", { x: a + 4, y: PAD.t - 6, class: "bandlabel", fill: BAND_TEXT[i % BANDS.length] }, chart, s.name);
       });
       RUNS.slice(1).forEach((run, k) => run.stages.slice(1).forEach((s) => {
@@ -397,7 +398,8 @@
       svg("text", { x: LW, y: height - 6, class: "tick" }, hm, "step (the stage being trained above)");
     }
   });
-  if (!anyMatrix) el("p", { class: "note" }, mx, "No forgetting matrix: the run's recipe does not set eval.all_stages.");
+  if (!anyMatrix) el("p", { class: "note" }, mx, "No forgetting matrix: it needs eval.all_stages in the recipe, " +
+    "and grows at each evaluation.");
 
   // --- completions ---------------------------------------------------------------------------------------------
   const cp = section("completions", "Completions by stage and step",
