@@ -31,6 +31,7 @@ from toolkit.config.stages import resolve_stages
 from toolkit.data.stages import data_fingerprint, hub_datasets, loader_workers, tokenized_cache_dir
 from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals.evaluator import import_scorers, load_generation_plan
+from toolkit.metrics.report import refresh_report
 from toolkit.runtime import process as distributed
 from toolkit.runtime.exit_lines import FAILED_EXIT_CODE, LastWords
 from toolkit.runtime.run_dir import RunLayout, check_output_dir
@@ -177,7 +178,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- Save: gathered adapter (or full model) + tokenizer / processor, usable with from_pretrained. ---
     card = model_card(recipe, config, curriculum, layout, processor, accelerator, vision=vision, datasets=hub)
     final = save_final(accelerator, model, processor, layout.final, card=card)
-    log.info("done. metrics: %s  final model: %s  (%d steps skipped)", layout.metrics, final, run.guard.total_skipped)
+    log.info("done. report: %s  metrics: %s  final model: %s  (%d steps skipped)", layout.report, layout.metrics, final,
+             run.guard.total_skipped)
     distributed.finish_trackers(accelerator)
     return 0
 
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return PREEMPTED_EXIT_CODE if ending.stopped_with_a_peer else FAILED_EXIT_CODE
     finally:
         preemption.ended()
+        if ending.outputs_written and ending.rank == 0 and ending.layout is not None:
+            refresh_report(ending.layout)  # at the run's end, however it ended: the page shows how far it got
 
 
 def _stopped(ending: LastWords, preemption: PreemptionFlag, signal_name: str) -> int:

@@ -195,7 +195,7 @@ def _violation(node: ast.AST) -> str | None:
 RUN_LAYOUT_OWNER = "toolkit/runtime/run_dir.py"
 RUN_LAYOUT_NAMES = {"checkpoints", "final", "metrics.jsonl", "run.json", "recipe.yaml", "trackers", "dummy_data",
                     "training.png", ".toolkit-cache", "tokenized", "locks", "earlier-attempts", "logs", "evals",
-                    "matrix.jsonl", "forgetting.png"}
+                    "matrix.jsonl", "forgetting.png", "report.html"}
 
 
 def layout_literals(source: str, filename: str = "<src>") -> list[str]:

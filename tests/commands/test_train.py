@@ -81,6 +81,8 @@ def test_an_installed_wheel_carries_the_entry_and_the_configs(tmp_path: Path, mo
     for shipped in [REPO / "train_curriculum.py", *(REPO / "accelerate_configs").glob("*.yaml"),
                     *(REPO / "ds_configs").glob("*.json")]:
         assert (installed / shipped.relative_to(REPO)).read_bytes() == shipped.read_bytes(), shipped
+    for asset in (REPO / "toolkit" / "metrics" / "report_assets").iterdir():  # the report page's code, inlined
+        assert (site / asset.relative_to(REPO)).read_bytes() == asset.read_bytes(), asset
 
     root = launch_root(site / "toolkit")
     assert root == installed

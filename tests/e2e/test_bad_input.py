@@ -494,6 +494,26 @@ def _(c: Ctx) -> Call:
     return Call(["export", str(run), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
 
 
+@case("report-not-a-run")
+def _(c: Ctx) -> Call:
+    (c.tmp / "stuff").mkdir()
+    return Call(["report", str(c.tmp / "stuff")], c.tmp / "stuff", tool="toolkit")
+
+
+@case("report-runs-without-out", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    shutil.copytree(run, c.tmp / "run2")
+    return Call(["report", str(run), str(c.tmp / "run2")], run, tool="toolkit")
+
+
+@case("report-out-not-a-report", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    (c.tmp / "notes.html").write_text("<html>the user's notes</html>")
+    return Call(["report", str(run), "--out", str(c.tmp / "notes.html")], c.tmp / "notes.html", tool="toolkit")
+
+
 @case("dummy-data-out-is-file")
 def _(c: Ctx) -> Call:
     (c.tmp / "notes.txt").write_text("the user's notes")

@@ -11,6 +11,7 @@ curriculum launches of tests/e2e/test_strategies.py.) The replay and required-ga
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, dummy_run_args, run_env, run_launch, start_and_signal, train_forked
 from tests.helpers.inprocess import Call, invoke
 from toolkit.checkpoint.manager import read_meta
+from toolkit.evals.forgetting import row_label
 from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
@@ -65,6 +67,13 @@ def completions(out: Path) -> dict[str, list[dict]]:
 
 def matrix(out: Path) -> list[dict]:
     return read_metrics(RunLayout(out).eval_matrix)
+
+
+def page(out: Path) -> dict:
+    """The data the run's report.html draws (its one run)."""
+    text = RunLayout(out).report.read_text()
+    return json.loads(text.split('<script type="application/json" id="report-data">')[1].split("</script>")[0])[
+        "runs"][0]
 
 
 def test_the_gate_ends_stage_one_once_its_answers_are_right(reference: Path) -> None:
@@ -128,6 +137,100 @@ def test_forgetting_matrix_and_its_plot(reference: Path, monkeypatch: pytest.Mon
     assert layout.plot.is_file() and layout.matrix_plot.read_bytes().startswith(b"\x89PNG")
 
 
+ARTIFACTS = REPO / "test-artifacts"
+"""Where the browser test leaves its screenshots (docs/images/report.png is its report-top.png)."""
+
+
+def test_the_report_page_in_a_browser(reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page the run kept up to date (report.html, rewritten at every eval, stage end and the run's end), in
+    headless Chromium from the system's packages driven by Playwright: it draws without a console error, one band
+    per stage in every chart, the forgetting matrix's cells with the values of evals/matrix.jsonl, and one
+    completion per line of the files under evals/. `toolkit report` on the finished run writes the same page."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: pip install -e '.[dev]' (scripts/setup.sh does)")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("no chromium on PATH: apt-get install chromium (.ci/run installs it)")
+    layout = RunLayout(reference)
+    again = tmp_path / "again.html"
+    rc, stderr = invoke(Call(["report", str(reference), "--out", str(again)], again, tool="toolkit"), tmp_path,
+                        monkeypatch)
+    assert rc == 0, stderr
+    assert again.read_text() == layout.report.read_text()  # the live page is the finished run's page
+
+    stages = [e["stage"] for e in events(reference) if e["event"] == "stage_end"]
+    cells = {(r["metric"], row_label(r), r["step"]): r["value"] for r in matrix(reference)}
+    files = {p.relative_to(reference).as_posix(): len(p.read_text().splitlines())
+             for p in sorted(layout.evals.glob("*/step-*.jsonl"))}
+    losses = [r["loss"] for r in records(reference, "train")]
+    assert stages == ["learn", "overwrite"] and len(cells) == 30 and sum(files.values()) == 108 and len(losses) == 12
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(layout.report.as_uri())
+            page.wait_for_selector("body[data-drawn=true]", timeout=30_000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=ARTIFACTS / "report.png", full_page=True)
+            # the README's picture (docs/images/report.png): the top of the page, down to the forgetting matrix's
+            # first two heatmaps
+            heatmaps = page.locator("#matrix .heatwrap").nth(1).bounding_box()
+            assert heatmaps is not None
+            page.screenshot(path=ARTIFACTS / "report-top.png", full_page=True,
+                            clip={"x": 0, "y": 0, "width": 1280, "height": heatmaps["y"] + heatmaps["height"] + 24})
+            assert errors == []
+            charts = page.locator("[data-panel]")
+            assert charts.count() >= 5  # loss, lr, grad norm, tokens/s, memory, generation evals (no MFU on CPU)
+            for i in range(charts.count()):
+                bands = charts.nth(i).locator("rect.band")
+                assert [bands.nth(j).get_attribute("data-stage") for j in range(bands.count())] == stages
+            assert page.locator("table.stages tbody tr").all_inner_texts()[0].count("gate: facts.exact") == 1
+            train_loss = page.locator("[data-panel=loss] path[data-series='train loss']").get_attribute("d")
+            assert train_loss is not None and train_loss.count("L") == len(losses) - 1  # every step drawn
+
+            shown = page.eval_on_selector_all("g.cell", "gs => gs.map(g => [g.dataset.metric, g.dataset.row, "
+                                              "Number(g.dataset.step), Number(g.dataset.value), "
+                                              "g.querySelector('text').textContent])")
+            assert {(m, row, step): value for m, row, step, value, _ in shown} == cells
+            assert all(text == f"{value:.2f}" for *_, value, text in shown)
+
+            def completions_shown() -> dict[str, int]:
+                found = page.eval_on_selector_all("[data-completion]:not(.dim)", "ts => ts.map(t => t.dataset.file)")
+                return {f: found.count(f) for f in sorted(set(found))}
+
+            assert completions_shown() == files
+            page.select_option("#completions-eval", "revised")
+            assert sum(completions_shown().values()) == 9 * 6  # stage 2's 9 questions, at all 6 evaluations
+            page.select_option("#completions-score", "says_red = 1")
+            red = sum(1 for path in layout.evals.glob("*/step-*.jsonl") for line in path.read_text().splitlines()
+                      if json.loads(line)["score"].get("says_red") == 1.0)
+            assert 0 < sum(completions_shown().values()) == red
+
+            box = page.locator("[data-panel=loss] svg.chart").bounding_box()
+            assert box is not None
+            page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)  # hover: the values
+            tip = page.locator("[data-panel=loss] .tip").inner_text()
+            step = int(tip.split("step ")[1].split()[0])
+            assert f"train loss: {float(f'{losses[step - 1]:.4g}'):g}" in tip
+            page.locator("[data-panel=loss] button.toggle").click()  # log scale: drawn again, bands and all
+            assert page.locator("[data-panel=loss] rect.band").count() == len(stages) and errors == []
+
+            both = tmp_path / "both.html"  # two runs side by side: curves overlaid, one heatmap set per run
+            assert invoke(Call(["report", str(reference), str(reference), "--out", str(both)], both, tool="toolkit"),
+                          tmp_path, monkeypatch)[0] == 0
+            page.goto(both.as_uri())
+            page.wait_for_selector("body[data-drawn=true]", timeout=30_000)
+            assert page.locator("[data-panel=loss] path.series").count() == 2 * 3  # train loss and 2 eval sets
+            assert page.locator("g.cell").count() == 2 * len(cells) and errors == []
+        finally:
+            browser.close()
+
+
 def test_two_processes_under_zero3_decide_and_generate_alike(reference: Path, tmp_path: Path) -> None:
     """Rank 0's metrics decide the gate on every rank: the stage ends at the same step on both, and losses,
     completions (nine prompts in batches of 4, 4 and 1: 8 on one rank, 1 on the other) and matrix are the single
@@ -155,6 +258,9 @@ def test_sigkill_just_after_the_gate_resumes_in_the_next_stage_exactly(reference
     proc.wait(timeout=60)
     assert [read_meta(c)["step"] for c in committed_checkpoints(out / "checkpoints")] == [4]
     assert read_meta(committed_checkpoints(out / "checkpoints")[0])["curriculum"]["stage_steps"] == [4, 8]
+    killed = page(out)  # the page of its last evaluation and stage end (a SIGKILL leaves no time for another)
+    assert not killed["finished"] and [(s["name"], s["state"]) for s in killed["stages"]] == [
+        ("learn", "done"), ("overwrite", "waiting")] and len(killed["completions"]["files"]) == 2
     resumed = run_launch(cmd, env=run_env(), timeout=LAUNCH_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed (exact) from" in resumed.stderr and "step 4 of 12, stage 'learn'" in resumed.stderr
@@ -166,6 +272,7 @@ def test_sigkill_just_after_the_gate_resumes_in_the_next_stage_exactly(reference
     assert completions(out) == completions(reference)
     assert [(r["step"], r["eval"], r["metric"]) for r in matrix(out)] == [
         (r["step"], r["eval"], r["metric"]) for r in matrix(reference)]
+    assert page(out)["finished"] and page(out)["matrix"] == matrix(out)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -200,6 +307,8 @@ def test_a_required_gate_left_unmet_stops_the_run_and_its_resume(tmp_path: Path,
     assert [read_meta(c)["step"] for c in committed_checkpoints(out / "checkpoints")] == [2]  # nothing lost
     summary = events(out)[-1]
     assert summary["event"] == "stage_end" and summary["gate"]["met"] is False and not (out / "final").exists()
+    stopped = page(out)  # rewritten as the run stopped: how far it got, and why
+    assert not stopped["finished"] and stopped["last_step"] == 2 and stopped["stages"][0]["gate"]["met"] is False
     before = (out / "metrics.jsonl").read_text()
     rc, stderr = invoke(call, tmp_path, monkeypatch)  # the same command resumes at the stage end: it stops again
     assert rc == 2 and [line for line in stderr.splitlines() if line.startswith("error: ")] == errors

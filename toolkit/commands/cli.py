@@ -105,6 +105,12 @@ def _plot(args: argparse.Namespace) -> None:
         print(matrix)
 
 
+def _report(args: argparse.Namespace) -> None:
+    from toolkit.metrics.report import report
+
+    print(report(args.runs, args.out))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Curriculum fine-tuning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "with eval.all_stages, forgetting.png (the forgetting matrix as a heatmap).")
     p.add_argument("output_dir")
     p.set_defaults(func=_plot)
+
+    p = sub.add_parser("report", help="Write the report page of a run (its own <output_dir>/report.html, which "
+                       "training keeps up to date), or of several runs side by side (--out): stages, curves, "
+                       "forgetting matrix, completions, recipe, model card. One HTML file, no network.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="Output dirs of training runs (finished or not).")
+    p.add_argument("--out", help="HTML file to write (default: RUN/report.html; needed for several runs). An "
+                   "existing file is replaced only if it is a report page.")
+    p.set_defaults(func=_report)
     return parser
 
 

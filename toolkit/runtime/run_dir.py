@@ -118,6 +118,16 @@ class RunLayout:
         return self.root / "training.png"
 
     @property
+    def report(self) -> Path:
+        """The run's report page (toolkit/metrics/report.py), rewritten by rank 0 as the run goes."""
+        return self.root / "report.html"
+
+    @property
+    def model_card(self) -> Path:
+        """final/'s model card (toolkit/checkpoint/model_card.py)."""
+        return self.final / "README.md"
+
+    @property
     def evals(self) -> Path:
         """Generation-eval completions and the forgetting matrix (toolkit/evals/evaluator.py,
         toolkit/evals/forgetting.py)."""
@@ -193,7 +203,7 @@ class RunLayout:
     def records(self) -> tuple[Path, ...]:
         """What a run writes about itself into its output dir: its logs and identity (not its checkpoints, final
         model or generated inputs). An attempt that stopped before its first checkpoint has these set aside."""
-        return (self.trackers, self.plot, self.matrix_plot, self.evals, self.metrics, self.run_json,
+        return (self.trackers, self.plot, self.matrix_plot, self.report, self.evals, self.metrics, self.run_json,
                 self.recipe)  # the recipe last: see set_aside
 
     @property

@@ -10,7 +10,7 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
   `prefetched`), forward/backward with the loss normalised over the global batch, the one all-reduce (loss,
   preemption and timed-save flags), the guard's verdict, optimizer and scheduler.
 * `after_step`: in this order, the step record, evaluation and patience (early stage advance), the stage summary,
-  the checkpoint, the preemption exit.
+  the checkpoint, report.html (rank 0, after an evaluation or a stage end), the preemption exit.
 
 Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
@@ -50,6 +50,7 @@ from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator
 from toolkit.metrics.log import Meter, MetricsLog
+from toolkit.metrics.report import refresh_report
 from toolkit.model.flops import batch_train_flops
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import committed_checkpoints
@@ -346,7 +347,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
 
 def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: StepResult) -> int | None:
     """Everything that follows optimizer step `done`, in this order: the step record, evaluation and patience
-    (which may end the stage early), the stage summary, the checkpoint, the preemption exit.
+    (which may end the stage early), the stage summary, the checkpoint, report.html, the preemption exit.
 
     Returns the exit code when the run stops here (preempted), else None. Collective: every rank calls it.
     """
@@ -375,6 +376,8 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
         stage_summary(run, stage, done, tokens)
     if save:
         save_checkpoint(run, run.state(done, stage, step_in_stage, stage_end=stage_end, tokens=tokens))
+    if (evaluates or stage_end) and acc.is_main_process:  # the page after each evaluation and stage end
+        refresh_report(run.evaluator.layout)
     if stage_end and (unmet := run.curriculum.unmet_required_gate(stage)) is not None:
         raise ToolkitError(unmet)  # after the checkpoint: its state says so, and a resume there stops again
     if result.preempted:
