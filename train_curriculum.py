@@ -80,15 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
           preemption: PreemptionFlag, config: str | None = None) -> int:
-    """One run of `recipe` (read from the --config file `config`; None: the embedded default). A stop signal ends it
-    at once until the first step begins (`Stopped`: nothing to save yet), and from then on after the step it is in,
-    with a checkpoint (toolkit/runtime/signals.py)."""
+    """One run of `recipe` (from the --config file `config`; None: the embedded default). A stop signal ends it at once
+    before the first step (`Stopped`: nothing to save), then after its step, with a checkpoint (runtime/signals.py)."""
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
     check_output_dir(out)
-    # User scorer functions, imported before anything heavy (from the recipe's folder).
-    scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())
+    scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())  # user scorers, before the heavy
     # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
     # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
     # Processes building at once are safe (each builds aside; the first rename wins, the copies are identical).
@@ -215,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
         code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
-                     ending=ending, preemption=preemption,
-                     config=args.config)
+                     ending=ending, preemption=preemption, config=args.config)
         ending.finished()
         return code
     except ToolkitError as e:
@@ -248,5 +245,5 @@ def _stopped(ending: LastWords, preemption: PreemptionFlag, signal_name: str) ->
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    distributed.exit_without_teardown(exit_code)
+    status = main()
+    distributed.exit_without_teardown(status)
