@@ -215,6 +215,17 @@ def _(c: Ctx) -> Call:
     return Call(["--config", str(c.recipe(lambda t: t.__setitem__("output_dir", "")))], c.tmp / "metrics.jsonl")
 
 
+@case("root-output-dir")
+def _(c: Ctx) -> Call:
+    # train.micro_batch_size=big too: every recipe error is on the one line, and a toolkit without the check stops
+    # on that one instead of training into / (the first run of this case without the check did)
+    return Call(["--config", str(c.recipe(lambda t: t.__setitem__("output_dir", "/tmp/../.."))),
+                 "train.micro_batch_size=big"], c.tmp / "run")
+
+
+case("run-name-path")(lambda c: c.train("run_name=../../elsewhere"))  # TensorBoard wrote outside output_dir
+
+
 @case("duplicate-key")
 def _(c: Ctx) -> Call:
     text = "output_dir: run\nstages:\n  - name: only\n    data: [data.jsonl]\n    lr: 1.0e-4\n    lr: 2.0e-4\n"
@@ -509,6 +520,8 @@ registry_case("registry-kto", "kto", kto={"file_name": "alpaca.jsonl", "formatti
 registry_case("registry-remote", "scripted", scripted={"script_url": "my_loader"})
 registry_case("registry-hub-not-cached", "hub", hub={"hf_hub_url": "someone/not-cached"})
 registry_case("registry-num-samples", "sampled", sampled={"file_name": "alpaca.jsonl", "num_samples": 4})
+registry_case("registry-file-outside", "outside", outside={"file_name": "../data.jsonl"})  # it trained on it
+registry_case("registry-file-absolute", "absolute", absolute={"file_name": "/etc/hostname"})
 case("dataset-comma-list")(lambda c: c.train(change=stage("data", [{"dataset": "alpaca_demo,glaive_toolcall"}])))
 case("data-path-and-dataset")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl",
                                                                         "dataset": "alpaca_demo"}])))

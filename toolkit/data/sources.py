@@ -38,7 +38,7 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from toolkit.atomic import write_atomic
@@ -239,7 +239,12 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
                                    "read: save it to a file in the registry's folder and give its file_name.")
         path = str(info["hf_hub_url"])
     elif info.get("file_name"):
-        path = str(folder / str(info["file_name"]))
+        name_in_dir = PurePath(str(info["file_name"]))
+        if name_in_dir.is_absolute() or ".." in name_in_dir.parts:
+            raise ToolkitError(f"{here} has file_name {str(info['file_name'])!r}, which leaves {folder}: a registry "
+                               "names files in its own folder; to train on another file, name it in the recipe "
+                               "(path: ...).")
+        path = str(folder / name_in_dir)
     else:
         raise ToolkitError(f"{here} has no file_name (or hf_hub_url) to read.")
     mapped = {fields[k]: str(v) for k, v in columns.items()}
