@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import typing
 from pathlib import Path
 
@@ -516,3 +517,14 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
                                                                                               "eval.every_steps=3",
                                                                                               gated[2]]))
     assert "gate_evals" not in resume_invariants(load_recipe(None, [GEN]))  # ungated: as before
+
+
+def test_the_recipe_guide_names_every_model_key() -> None:
+    """docs/recipes.md's annotated recipe has a line for each `model.*` key of the schema (trust_remote_code, which
+    decides whether a model folder's own Python code runs, was missing)."""
+    from toolkit.config.schema import ModelConfig
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    block = guide[guide.index("\nmodel:\n"):guide.index("\nlora:")]
+    missing = [key for key in ModelConfig.model_fields if not re.search(rf"^\s+#? ?{key}:", block, re.MULTILINE)]
+    assert not missing, missing

@@ -453,6 +453,14 @@ def _(c: Ctx) -> Call:
     return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
 
 
+@case("export-without-recipe", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    (run / "recipe.yaml").unlink()  # it used to advise "--config", an option export does not have
+    return Call(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(c.tmp / "exported")],
+                c.tmp / "exported", tool="toolkit")
+
+
 @case("export-remote-code", trained=True)
 def _(c: Ctx) -> Call:
     run = c.copy_of_trained()
