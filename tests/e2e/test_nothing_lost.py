@@ -328,7 +328,9 @@ def test_final_holds_a_model_card_that_loads(trained: Path, tmp_path: Path) -> N
     card = ModelCard.load(final / MODEL_CARD)
     assert (card.data.base_model, card.data.library_name, card.data.pipeline_tag) == (None, "peft", "text-generation")
     assert card.data.tags == ["curriculum-toolkit", "curriculum-learning", "lora"]
-    base = yaml.safe_load((trained / "recipe.yaml").read_text())["model"]["name_or_path"]
+    base = yaml.safe_load((trained / "recipe.yaml").read_text())["model"]["name_or_path"]  # an absolute path
+    base = os.path.relpath(base, trained)  # the card's paths are relative to the recipe's folder (issue 39)
+    assert str(trained) not in card.text and not base.startswith("/")
     assert f"A LoRA adapter (PEFT) for `{base}`" in card.text and "Trained with the recipe `recipe.yaml`." in card.text
     assert "| 1 | only | `data.jsonl` | 16 | 3 | 12 |" in card.text and "| `lora` (" in card.text
     assert "## Chat template\n\nqwen3 (the base model's own)." in card.text
