@@ -181,10 +181,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
 
 
 def _stopped_on_error(ending: LastWords, e: ToolkitError) -> int:
-    """Bad input or a full disk: one line on this rank (exit 2), which the other ranks can name."""
-    ending.stopped_on_error(str(e))
-    print(f"error: {e}", file=sys.stderr)
-    distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
+    """Bad input or a full disk: one line (exit 2), which the other ranks can name; under a launch, once in all."""
+    if (line := ending.stopped_on_error(str(e))) is not None:
+        print(line, file=sys.stderr)
     return 2
 
 
