@@ -156,6 +156,7 @@ case("zero-consecutive-skips")(lambda c: c.train("stability.max_consecutive_skip
 case("data-missing")(lambda c: c.train(change=stage("data", ["nope.jsonl"])))
 case("data-is-directory")(lambda c: (c.tmp / "empty").mkdir() or c.train(change=stage("data", ["empty"])))
 case("data-malformed-line")(lambda c: c.train(rows=[CHAT, CHAT, '{"messages": [oops', CHAT]))
+case("data-nested-too-deeply")(lambda c: c.train(rows=[CHAT, '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}"]))
 case("data-row-not-object")(lambda c: c.train(rows=[CHAT, "[1, 2]"]))
 case("data-bad-message")(lambda c: c.train(rows=[{"messages": [{"content": "no role"}]}]))
 TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
@@ -380,6 +381,17 @@ def _(c: Ctx) -> Call:
 def _(c: Ctx) -> Call:
     row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
                         {"role": "assistant", "content": "Red."}], "images": ["images/nope.png"]}
+    return c.train(f"model.name_or_path={c.models['vl']}", rows=[CHAT, CHAT, row, CHAT])
+
+
+@case("image-not-regular-file")
+def _(c: Ctx) -> Call:
+    import os
+
+    (c.tmp / "images").mkdir()
+    os.mkfifo(c.tmp / "images" / "pipe.png")  # it used to be said "not to exist"
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                        {"role": "assistant", "content": "Red."}], "images": ["images/pipe.png"]}
     return c.train(f"model.name_or_path={c.models['vl']}", rows=[CHAT, CHAT, row, CHAT])
 
 

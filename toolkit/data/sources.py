@@ -35,6 +35,7 @@ import json
 import os
 import re
 import stat
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -506,6 +507,10 @@ def _parse_jsonl(path: Path, start: int, end: int, first: int) -> Iterator[tuple
                     at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
                     raise ToolkitError(f"{path}:{number}: not valid JSON ({_json_problem(e)} at {at}). "
                                        "Each line must be one JSON object.") from None
+                except RecursionError:  # json's C parser recurses once per level of [ or {
+                    raise ToolkitError(f"{path}:{number}: nested too deeply (over Python's recursion limit of "
+                                       f"{sys.getrecursionlimit()} levels of lists and objects); no chat row is "
+                                       "nested like that: fix or drop the row.") from None
                 del line
                 yield number, row
                 del row
@@ -525,6 +530,10 @@ def _load_json_array(path: Path) -> list[Any]:
                            "text.") from None
     except json.JSONDecodeError as e:
         raise ToolkitError(f"{path}: not valid JSON ({_json_problem(e)} at line {e.lineno}, column {e.colno}).") \
+            from None
+    except RecursionError:
+        raise ToolkitError(f"{path}: nested too deeply (over Python's recursion limit of {sys.getrecursionlimit()} "
+                           "levels of lists and objects); no chat row is nested like that: fix or drop the row.") \
             from None
     if not isinstance(rows, list):
         raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")
