@@ -27,6 +27,7 @@ from tests.conftest import (
     CHAT,
     LAUNCH_TIMEOUT_S,
     REPO,
+    as_in_a_terminal,
     base_recipe,
     free_port,
     rank_stderr,
@@ -516,7 +517,8 @@ def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:
     recipe["stages"][0]["max_steps"] = 10_000
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     proc = subprocess.Popen([sys.executable, str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"],
-                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_in_a_terminal)
     try:
         _wait_for_step(tmp_path / "run", 3, proc)
         proc.send_signal(signal.SIGINT)
@@ -584,7 +586,7 @@ def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, c
 
     proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_NATIVE_CODE], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+                            preexec_fn=as_in_a_terminal)
     try:
         assert proc.stdout.readline() == "blocked\n"
         time.sleep(0.3)
@@ -664,7 +666,7 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
         fcntl.flock(held, fcntl.LOCK_EX)
         single = subprocess.Popen([sys.executable, *cmd[cmd.index(str(REPO / "train_curriculum.py")):]],
                                   cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                  text=True, preexec_fn=as_in_a_terminal)
         said: list[str] = []
 
         def waiting() -> bool:
