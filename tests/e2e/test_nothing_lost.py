@@ -693,6 +693,37 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
 
 # --- resume on changed inputs ------------------------------------------------------------------------------------
 
+def test_a_resume_over_other_tokens_of_the_same_data_is_refused(trained: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A resume compares the token stores' checksums (docs/reliability.md): the finished run's store made to hold
+    other tokens of the same data file, consistently (its meta.json's sha256 is the new file's, as a store prepared
+    by another library version is), so the store is used as it is. Relaunching the same command is refused, naming
+    the store's entry; forced, it resumes and says so."""
+    import hashlib
+
+    import pyarrow as pa
+
+    copy_run(trained, tmp_path)
+    (store,) = [p for p in (tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir()
+                if p.is_dir() and not p.name.startswith(".")]
+    data = store / "data.arrow"
+    ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
+    raw = data.read_bytes()
+    at = raw.find(ids.tobytes())
+    data.write_bytes(raw[:at] + (ids[::-1].copy()).tobytes() + raw[at + ids.nbytes:])  # same size, other ids
+    meta = json.loads((store / "meta.json").read_text())
+    (store / "meta.json").write_text(json.dumps(meta | {"sha256": hashlib.sha256(data.read_bytes()).hexdigest()}))
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 2, stderr[-3000:]
+    assert "token stores whose tokens differ from the checkpoint's (same data files, other tokens: prepared by " \
+           "other library versions, or edited): data.jsonl" in stderr, stderr[-3000:]
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true"], tmp_path / "run"),
+                        tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "resumed despite token stores whose tokens differ" in caplog.text
+
+
 def test_resume_force_says_what_differs(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
     copy_run(trained, tmp_path)
