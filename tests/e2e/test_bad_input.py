@@ -580,6 +580,32 @@ def _(c: Ctx) -> Call:
     return Call(["export", str(run), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
 
 
+@case("export-checkpoint-final-tokenizer-changed", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    config = run / "final" / "tokenizer_config.json"  # still a tokenizer that loads: only the check can tell
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"model_max_length": 7}))
+    return Call(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(c.tmp / "exported")],
+                c.tmp / "exported", tool="toolkit")
+
+
+@case("model-from-damaged-final")
+def _(c: Ctx) -> Call:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.checkpoint.final import save_final
+
+    final = c.tmp / "earlier" / "final"  # a full fine-tune's final/, as training writes it
+    final.parent.mkdir()
+    save_final(Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained(c.models["text"]),
+               AutoTokenizer.from_pretrained(c.models["text"]), final, card=None)
+    weights = final / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[:-64] + bytes(64))  # the same size, the last tensor's last values zeroed: it loads
+    return c.train(f"model.name_or_path={final}")
+
+
 @case("damaged-store-read-only-cache")
 def _(c: Ctx) -> Call:
     import numpy as np
