@@ -575,6 +575,33 @@ store.get("a key nobody sets")  # held in C++ (as in a collective whose peer is 
 """
 
 
+def test_a_stop_before_the_first_step_ends_in_one_line_and_writes_no_run(tmp_path: Path, models: dict[str, str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop-before-first-step path in this process (the launches below send real signals to real launches, in
+    minutes): a SIGTERM that arrives while the model is built stops the run at once (`Stopped`), with its one line
+    and exit 75, and no run outputs written (recipe.yaml, run.json, metrics.jsonl come only after the model)."""
+    import train_curriculum
+
+    write_jsonl(tmp_path / "data.jsonl", [CHAT] * 8)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(base_recipe(models["text"])))
+    build_model = train_curriculum.build_model
+
+    def signalled_while_building(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in this (the main) thread before the next bytecode
+        return build_model(*args, **kwargs)
+
+    monkeypatch.setattr(train_curriculum, "build_model", signalled_while_building)
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 75, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == ("stopped by SIGTERM before training began: nothing to save. No "
+                                               "checkpoint was committed yet: relaunch the same command to start "
+                                               "again."), stderr[-3000:]
+    assert "Traceback" not in stderr
+    written = [name for name in ("recipe.yaml", "run.json", "metrics.jsonl", "checkpoints")
+               if (tmp_path / "run" / name).exists()]
+    assert not written, written
+
+
 @pytest.mark.parametrize(("sig", "code", "line"), [
     (signal.SIGTERM, 75, "stopped by SIGTERM before training began: nothing to save. Relaunch the same command."),
     (signal.SIGINT, 130, "interrupted (Ctrl-C): stopped without saving")])
