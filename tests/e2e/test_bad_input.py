@@ -782,9 +782,8 @@ def test_unknown_key_in_a_real_process(tmp_path: Path) -> None:
 def test_a_refusal_under_a_two_process_launch_is_one_line(tmp_path: Path) -> None:
     """Issue 38 rule 5: both ranks refuse the recipe (before their process group exists); rank 0 says it, rank 1
     hears it through the launcher's store and stays quiet, so the launch prints one `error:` line in all (it printed
-    one per rank). Each rank exits 2; the launch's own exit (1) and its ChildFailedError traceback are torch
-    elastic's, which no child can change (docs/bad_inputs.md): its summary holds the line once, rank 1 pointing
-    at it."""
+    one per rank). Rank 0 exits 2; the launch's own exit (1) and its ChildFailedError traceback are torch elastic's,
+    which no child can change (docs/bad_inputs.md): its summary holds the line once, as its root cause."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(base_recipe(TINY_MODEL) | {"optimiser": {"lr": 1}}))
     proc = run_launch([*launch_cmd("ddp", 2), str(REPO / "train_curriculum.py"), "--config", str(recipe)],
@@ -792,10 +791,15 @@ def test_a_refusal_under_a_two_process_launch_is_one_line(tmp_path: Path) -> Non
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "unknown key 'optimiser'" in errors[0], output[-4000:]
-    assert proc.returncode == 1 and output.count("exitcode  : 2 ") == 2, output[-4000:]  # each rank exited 2
+    assert proc.returncode == 1, output[-4000:]
     root_cause = output[output.index("Root Cause"):]
-    assert "rank      : 0 " in root_cause and "traceback : error: Invalid recipe" in root_cause, root_cause
-    assert "traceback : the same error as rank 0 (rank 1 stopped on it too)" in output, output[-4000:]
+    assert "rank      : 0 " in root_cause and "exitcode  : 2 " in root_cause, root_cause
+    assert "traceback : error: Invalid recipe" in root_cause, root_cause
+    # Rank 1 stopped on the same error and stayed quiet (exit 2, its record pointing at rank 0's), or, where rank 0
+    # ended first, the launcher stopped it with SIGTERM (it stops the others once one process fails).
+    rank_1 = output[output.index("Failures:"):output.index("Root Cause")]
+    assert ("traceback : the same error as rank 0 (rank 1 stopped on it too)" in rank_1
+            or "SIGTERM" in rank_1), rank_1
     assert not re.search(r'File ".*(/toolkit/|train_curriculum\.py)"', output), output[-4000:]  # no rank's
     assert not (tmp_path / "run").exists()
 

@@ -65,7 +65,8 @@ def _store() -> Any | None:
                 _AGENT_STORE.append(torch.distributed.TCPStore(
                     os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                     timeout=_STORE_TIMEOUT, wait_for_workers=False))
-            return torch.distributed.PrefixStore("toolkit-last-words/", _AGENT_STORE[0])
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier attempt's notes are not this one's
+            return torch.distributed.PrefixStore(f"toolkit-last-words/{attempt}/", _AGENT_STORE[0])
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return None
         from torch.distributed.distributed_c10d import _get_default_store
