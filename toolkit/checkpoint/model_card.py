@@ -181,7 +181,8 @@ def _body(*, title: str, base_model: str, lora: bool, stages: list[StageCard], r
              (f"Trained with the recipe `{recipe_source}`." if recipe_source else
               "Trained with the toolkit's embedded default recipe.")
              + " The resolved recipe (defaults and command-line overrides applied) is the run folder's "
-               "`recipe.yaml`, and below; in this card, local paths are relative to the recipe's folder.", "",
+               "`recipe.yaml`, and below; in this card, absolute local paths are written relative to the recipe's "
+               "folder.", "",
              "<details><summary>Resolved recipe</summary>", "", f"{fence}yaml", recipe_yaml.rstrip("\n"), fence, "",
              "</details>", "",
              "## Curriculum", "",
