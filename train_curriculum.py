@@ -81,15 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: LastWords,
           preemption: PreemptionFlag, config: str | None = None) -> int:
-    """One run of `recipe` (read from the --config file `config`; None: the embedded default). A stop signal ends it
-    at once until the first step begins (`Stopped`: nothing to save yet), and from then on after the step it is in,
-    with a checkpoint (toolkit/runtime/signals.py)."""
+    """One run of `recipe` (from the --config file `config`; None: the embedded default). A stop signal ends it at once
+    before the first step (`Stopped`: nothing to save), then after its step, with a checkpoint (runtime/signals.py)."""
     out = Path(recipe.output_dir)
     layout = RunLayout(out)
     ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
     check_output_dir(out)
-    # User scorer functions, imported before anything heavy (from the recipe's folder).
-    scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())
+    scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())  # user scorers, before the heavy
     # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
     # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
     # Processes building at once are safe (each builds aside; the first rename wins, the copies are identical).
@@ -185,10 +183,9 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
 
 
 def _stopped_on_error(ending: LastWords, e: ToolkitError) -> int:
-    """Bad input or a full disk: one line on this rank (exit 2), which the other ranks can name."""
-    ending.stopped_on_error(str(e))
-    print(f"error: {e}", file=sys.stderr)
-    distributed.record_launch_error(f"error: {e}")  # the launcher's failure summary ends with it
+    """Bad input or a full disk: one line (exit 2), which the other ranks can name; under a launch, once in all."""
+    if (line := ending.stopped_on_error(str(e))) is not None:
+        print(line, file=sys.stderr)
     return 2
 
 
@@ -217,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolkitError(f"--num_dummy_samples must be at least 1, got {args.num_dummy_samples}.")
         recipe = load_recipe(args.config, args.overrides)
         code = train(recipe, create_dummy=args.create_dummy_data, dummy_samples=args.num_dummy_samples,
-                     ending=ending, preemption=preemption,
-                     config=args.config)
+                     ending=ending, preemption=preemption, config=args.config)
         ending.finished()
         return code
     except ToolkitError as e:
@@ -252,5 +248,5 @@ def _stopped(ending: LastWords, preemption: PreemptionFlag, signal_name: str) ->
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    distributed.exit_without_teardown(exit_code)
+    status = main()
+    distributed.exit_without_teardown(status)

@@ -5,7 +5,9 @@
     python bench/gpu_qwen3_8b.py --tiny     # the same pipeline on the tiny Qwen3, anywhere (what the tests run)
     bash bench/run_gpu_session.sh           # a lent GPU: every row, profiled, recorded in bench/results/
 
-Rows (`ROWS`; `--variants` picks, in order): `default` (the toolkit's defaults), `compile` (`train.compile`),
+Rows (`ROWS`; `--variants` picks, in order): `default` (the toolkit's defaults), `no_overlap` (the default with the
+micro-batch copies in turn, not on the side stream: its loss checks the stream's event wait), `compile`
+(`train.compile`),
 `lora_fused_on` / `lora_fused_off` (`lora.fused`, skipped with a note where the schema has no such key),
 `micro2` (micro batch 2 x 4096 instead of 1 x 4096 with 2 accumulation steps: the same rows per optimizer step),
 `grad_ckpt` (the checkpointed row), `fa4` (`model.attn_implementation: flash4`, skipped where flash-attn-4 is not
@@ -87,6 +89,10 @@ def _fa4_missing() -> str | None:
 # name: (recipe keys over the defaults, by section; a check that returns why the row cannot run here, or None).
 ROWS: dict[str, tuple[dict[str, dict[str, Any]], Any]] = {
     "default": ({}, None),
+    # The default with the micro-batch copies in turn (toolkit/train/loop.py OVERLAP_COPIES off, through
+    # bench/profile_step.py): its loss must agree with the others', which copy on a side stream that the forward
+    # waits for (an event): a forward that did not wait would read batches still being copied.
+    "no_overlap": ({}, None),
     "compile": ({"train": {"compile": True}}, None),
     "lora_fused_on": ({"lora": {"fused": "on"}}, _lora_fused_missing),
     "lora_fused_off": ({"lora": {"fused": "off"}}, _lora_fused_missing),
@@ -103,7 +109,9 @@ ROWS: dict[str, tuple[dict[str, dict[str, Any]], Any]] = {
     "long32k": ({"data": {"max_seq_len": 32768}, "model": {"gradient_checkpointing": True}}, None),
 }
 LONG_ROWS = ["grad_ckpt", "long16k", "long32k"]
-LEVER_ROWS = ["default", "compile", "lora_fused_on", "lora_fused_off", "micro2", "grad_ckpt", "fa4", "torch_varlen"]
+OVERLAP_OFF_ROWS = {"no_overlap"}
+LEVER_ROWS = ["default", "no_overlap", "compile", "lora_fused_on", "lora_fused_off", "micro2", "grad_ckpt", "fa4",
+              "torch_varlen"]
 
 
 def nemo_automodel_flops_per_token(config: Any, seq_len: int) -> float:
@@ -217,15 +225,17 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
                                           peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
                                           keys=keys)))
-    script = REPO / ("bench/profile_step.py" if profile else "train_curriculum.py")
+    overlap = name not in OVERLAP_OFF_ROWS and not (profile and args.no_overlap)
+    script = REPO / ("bench/profile_step.py" if profile or not overlap else "train_curriculum.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "single.yaml"), "--num_processes", "1",
            "--mixed_precision", "bf16", str(script), "--config", str(path)]
     env = worker_env(threads=1 if args.tiny else 8)
     profile_file = args.out / f"{name}-profile.json"
+    env |= {"PROFILE_OVERLAP": "1" if overlap else "0"}
     if profile:
         env |= {"PROFILE_STEP": str(args.warmup + args.steps + 1), "PROFILE_OUT": str(profile_file),
-                "PROFILE_VOCAB": str(args.vocab), "PROFILE_OVERLAP": "0" if args.no_overlap else "1"}
+                "PROFILE_VOCAB": str(args.vocab)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     if proc.returncode != 0:
         return {"status": "failed", "returncode": proc.returncode, "log_tail": proc.stderr[-3000:]}
@@ -254,7 +264,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
         "padding_fraction": sum(r["padding_fraction"] for r in timed) / len(timed),
         "idle_share": None if busy is None else 1.0 - busy,
         "final_loss": timed[-1]["loss"],
-        "copy_overlap": not (profile and args.no_overlap),
+        "copy_overlap": overlap,
         "profile": profiled,
     }
 

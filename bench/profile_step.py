@@ -14,7 +14,8 @@ softmax, cross-entropy), each share over the busy time.
 PROFILE_OVERLAP (default 1) switches the loop's micro-batch copies (toolkit/train/loop.py `OVERLAP_COPIES`): 1, the
 next micro-batch copied on a side stream while the current one computes, non-blocking; 0, each copied just before its
 forward, blocking (what the loop did before). The idle share of the two, on one machine, is what the overlap saves.
-It holds for the whole process, the steps outside the window too.
+It holds for the whole process, the steps outside the window too. Without PROFILE_STEP nothing is profiled: the
+run alone, its copies as PROFILE_OVERLAP says (bench/gpu_qwen3_8b.py's `no_overlap` row).
 bench/gpu_qwen3_8b.py --profile runs it and excludes the two steps from its timings (--no-overlap: PROFILE_OVERLAP=0).
 """
 
@@ -95,10 +96,12 @@ def summarise(prof: torch.profiler.profile, wall_s: float, vocab: int, top: int 
 
 
 def main(argv: list[str] | None = None) -> int:
+    loop.OVERLAP_COPIES = os.environ.get("PROFILE_OVERLAP", "1") != "0"
+    if "PROFILE_STEP" not in os.environ:  # no window: the run alone, its copies as PROFILE_OVERLAP says
+        return train_curriculum.main(argv)
     first = int(os.environ["PROFILE_STEP"])
     out = Path(os.environ["PROFILE_OUT"])
     vocab = int(os.environ["PROFILE_VOCAB"])
-    loop.OVERLAP_COPIES = os.environ.get("PROFILE_OVERLAP", "1") != "0"
     run_step = train_curriculum.run_step
     state: dict[str, Any] = {"calls": 0}
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -3,7 +3,8 @@
 #
 #   bash bench/run_gpu_session.sh [OUT]       # OUT defaults to bench/results; on a lent machine pass $OUT
 #
-# Runs bench/gpu_qwen3_8b.py once with every row (the default and each lever on and off, the checkpointed row;
+# Runs bench/gpu_qwen3_8b.py once with every row (the default and each lever on and off, the default with the
+# micro-batch copies in turn, whose loss must agree: the prefetch stream's event wait; the checkpointed row;
 # rows that cannot run here are skipped with why), profiled (the idle share), and writes into OUT/<date>-<gpu>/:
 #   gpu8b.json / gpu8b.md   the bench's summary and table (bench/gpu_qwen3_8b.py)
 #   session.json            date, GPU, driver, CUDA, the Python packages that shape the numbers, the command
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 out_root=${1:-bench/results}
 steps=${BENCH_STEPS:-6}
 warmup=${BENCH_WARMUP:-3}
-rows=${BENCH_ROWS:-default compile lora_fused_on lora_fused_off micro2 grad_ckpt fa4}
+rows=${BENCH_ROWS:-default no_overlap compile lora_fused_on lora_fused_off micro2 grad_ckpt fa4}
 extra=${BENCH_EXTRA:-}
 python=${PYTHON:-python}
 

@@ -74,6 +74,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def as_in_a_terminal() -> None:
+    """A child's `preexec_fn`: SIGINT's default disposition, as a terminal gives a command. A suite started with
+    SIGINT ignored (`nohup ... &` from a script) passes that on to its children, which then never see a test's
+    Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -399,7 +406,7 @@ def start_and_signal(cmd: list[str], out: Path, at_step: int, sig: int, timeout:
     """Start a run in its own process group; once it logged `at_step`, send `sig` to the whole group (SIGKILL:
     to every process of the launch), or SIGKILL the training process of `rank` alone."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=as_in_a_terminal)
     wait_until(f"step {at_step}", lambda: last_logged_step(out) >= at_step, proc, timeout)
     if rank is not None:
         kill_rank(proc, rank)

@@ -134,3 +134,19 @@ def test_a_broken_link_or_anchor_is_found(tmp_path: Path) -> None:
         "README.md:4: #nowhere (no heading 'nowhere' in README.md)",
         "README.md:9: docs/also-missing.md (no such file)",
     ]
+
+
+TEST_CITATION = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_cited_test_exists(page: Path) -> None:
+    """A `tests/<file>.py::<name>` a page cites (docs/reliability.md's guarding tests) names a test function of that
+    file: a renamed test leaves no stale name behind (two did)."""
+    stale = []
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        for file, name in TEST_CITATION.findall(line):
+            source = REPO / file
+            if not source.is_file() or not re.search(rf"^\s*def {name}\(", source.read_text(), re.MULTILINE):
+                stale.append(f"{page.name}:{number}: {file}::{name}")
+    assert not stale, stale

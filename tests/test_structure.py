@@ -340,3 +340,20 @@ def test_tests_mirror_the_packages() -> None:
     loose = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
     leaves = {f"test_{m.removeprefix('toolkit.')}.py" for m in LAYERS[0] if m != "toolkit"}
     assert set(loose) - leaves <= {"test_structure.py", "test_docs_links.py"}, loose
+
+
+def test_the_entry_reads_in_one_sitting() -> None:
+    """train_curriculum.py stays a page a reader takes in at once: `train()` (config, accelerator, data, model,
+    optimizer, prepare, resume, loop, save) at most 100 lines, the file at most 250, and no module-level name that
+    shadows one it imports (`exit_code` was both signals' function and `__main__`'s result)."""
+    source = (REPO / "train_curriculum.py").read_text()
+    tree = ast.parse(source)
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    assert train.end_lineno - train.lineno + 1 <= 100, train.end_lineno - train.lineno + 1
+    assert len(source.splitlines()) <= 250, len(source.splitlines())
+    imported = {alias.asname or alias.name for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import)
+                for alias in n.names}
+    module_level = [n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.ClassDef)]  # `__main__` too
+    assigned = {t.id for top in module_level for n in ast.walk(top) if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Name)}
+    assert not imported & assigned, imported & assigned

@@ -189,3 +189,39 @@ def test_hub_datasets_are_the_entries_read_from_the_hub_cache(tmp_path: Path, mo
         {"name": "b", "data": [{"dataset": "mine", "dataset_dir": "reg"}, {"dataset": "file", "dataset_dir": "reg"},
                                "org/chat"]}]})
     assert hub_datasets(resolve_stages(recipe), tmp_path / "dummy") == ["org/chat", "org/registered"]
+
+
+def test_the_card_records_paths_relative_to_the_recipe_not_this_machines(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose recipe (in project/recipes/) names its base model and data by absolute paths: the card (its
+    body, the stages' data and the resolved recipe) holds them relative to the recipe's folder, and Hub ids as they
+    are; no absolute path of this machine is left in it."""
+    from types import SimpleNamespace
+
+    from toolkit.config.load import load_recipe
+    from toolkit.runtime.run_dir import RunLayout
+    from toolkit.train.setup import model_card
+
+    project = tmp_path / "project"
+    (project / "recipes").mkdir(parents=True)
+    (project / "models" / "base").mkdir(parents=True)
+    recipe_file = project / "recipes" / "my.yaml"
+    recipe_file.write_text(f"output_dir: {project / 'runs/r'}\nmodel: {{name_or_path: {project / 'models/base'}}}\n"
+                           f"stages:\n  - {{name: only, data: ['{project / 'data/a.jsonl'}', org/hub-chat], "
+                           "max_steps: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(str(recipe_file))
+    layout = RunLayout(project / "runs" / "r")
+    layout.root.mkdir(parents=True)
+    layout.metrics.write_text('{"step": 1, "loss": 1.0}\n')
+    resolved = SimpleNamespace(paths=[str(project / "data/a.jsonl"), "org/hub-chat"], weights=None, trainable=None)
+    plan = SimpleNamespace(num_samples=4, steps=1, global_batch=4, lr=1e-4)
+    curriculum = SimpleNamespace(stages=[SimpleNamespace(name="only", resolved=resolved, plan=plan,
+                                                         trainable_params=None)])
+    rank0 = SimpleNamespace(is_main_process=True)
+    card = model_card(recipe, str(recipe_file), curriculum, layout, None, rank0,  # type: ignore[arg-type]
+                      vision=False, datasets=[])
+    assert card is not None
+    assert str(tmp_path) not in card, card
+    assert "`../models/base`" in card and "`../data/a.jsonl`" in card and "`org/hub-chat`" in card
+    assert "output_dir: ../runs/r" in card and "Trained with the recipe `my.yaml`" in card

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import stock_template
+from tests.conftest import CHAT, stock_template
 from tests.data.test_sources import ALPACA, ROWS, SHAREGPT, _jsonl, _table, _write
 from toolkit.builtin.dummy_data import write_dummy_files
 from toolkit.commands.inspect_data import inspect_data
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.data.stages import load_curriculum_data, tokenized_cache_dir
+from toolkit.data.stages import tokenized_cache_dir
 from toolkit.runtime.run_dir import RunLayout
 
 LONG = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(40)))},
@@ -36,18 +36,22 @@ def _recipe(tmp_path: Path, model: str, stages: list[dict[str, Any]], **data: An
 
 
 def _training_lines(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What training's data loading logs per stage, loaded as train_curriculum.py loads it."""
-    from toolkit.model.load import is_vision_language, load_processing
+    """What training's data loading logs per stage: train_curriculum.py's own calls (toolkit/train/setup.py), from
+    the model check to the built curriculum, in one CPU process (dummy data: 16 rows a file, as the tests write)."""
+    from accelerate import Accelerator
 
-    layout = RunLayout(recipe.output_dir)
+    from toolkit.train.setup import build_stages, check_model, prepare_inputs
+
+    layout, resolved = RunLayout(recipe.output_dir), resolve_stages(recipe)
+    accelerator = Accelerator(cpu=True)
     model = recipe.model.name_or_path
-    vision = is_vision_language(model, trust_remote_code=False)
-    processor, tokenizer = load_processing(model, vision=vision, trust_remote_code=False,
-                                           chat_template=recipe.data.chat_template)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="toolkit"):
-        load_curriculum_data(resolve_stages(recipe), recipe.data, tokenizer, processor if vision else None,
-                             layout.dummy_data, tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
+        vision = check_model(model, trust_remote_code=recipe.model.trust_remote_code)
+        processor, tokenizer = prepare_inputs(recipe, resolved, accelerator, model, layout.dummy_data, vision=vision,
+                                              dummy_samples=16)
+        build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None, layout.dummy_data,
+                     tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("stage '")]
 
 
@@ -178,3 +182,15 @@ def test_inspect_data_on_the_peers_shapes(tmp_path: Path, models: dict[str, str]
     assert "stage 'registry' data: 3 rows, 3 kept" in shown and "stage 'peers' data: 4 rows, 4 kept" in shown
     assert "stage 'peers' data: messages carry keys not read: lang (1 rows)" in shown
     assert f"{lf}/dataset_info.json:alpaca_demo (weight 1)" in shown
+
+
+def test_a_chat_template_override_changes_what_inspect_data_shows(tmp_path: Path, models: dict[str, str],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """data.chat_template: chatml on a Qwen3 model (whose own template writes an empty think block before the last
+    answer): inspect-data renders the rows with ChatML, as training does, not with the model's template."""
+    _jsonl(tmp_path / "chat.jsonl", [CHAT] * 2)
+    stages = [{"name": "one", "data": [str(tmp_path / "chat.jsonl")]}]
+    own = inspect_data(_recipe(tmp_path, models["text"], stages), stage=None, rows=1, colour=False)
+    chatml = _agree(_recipe(tmp_path, models["text"], stages, chat_template="chatml"), caplog)
+    assert "[[<think>\n\n</think>\n\n4.<|im_end|>]]" in own
+    assert "<think>" not in chatml and "<|im_start|>assistant\n[[4.<|im_end|>]]" in chatml

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import typing
 from pathlib import Path
 
@@ -552,3 +553,12 @@ def test_sft_objective_is_the_default_and_leaves_resume_hashes_unchanged() -> No
     assert [s.objective for s in recipe.stages] == ["sft"] * len(recipe.stages)
     assert all("objective" not in s and "preference" not in s for s in resume_invariants(recipe)["stages"])
     assert resume_invariants(load_recipe(None, ["stages.0.objective=sft"])) == resume_invariants(recipe)
+def test_the_recipe_guide_names_every_model_key() -> None:
+    """docs/recipes.md's annotated recipe has a line for each `model.*` key of the schema (trust_remote_code, which
+    decides whether a model folder's own Python code runs, was missing)."""
+    from toolkit.config.schema import ModelConfig
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    block = guide[guide.index("\nmodel:\n"):guide.index("\nlora:")]
+    missing = [key for key in ModelConfig.model_fields if not re.search(rf"^\s+#? ?{key}:", block, re.MULTILINE)]
+    assert not missing, missing

@@ -164,6 +164,7 @@ case("zero-consecutive-skips")(lambda c: c.train("stability.max_consecutive_skip
 case("data-missing")(lambda c: c.train(change=stage("data", ["nope.jsonl"])))
 case("data-is-directory")(lambda c: (c.tmp / "empty").mkdir() or c.train(change=stage("data", ["empty"])))
 case("data-malformed-line")(lambda c: c.train(rows=[CHAT, CHAT, '{"messages": [oops', CHAT]))
+case("data-nested-too-deeply")(lambda c: c.train(rows=[CHAT, '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}"]))
 case("data-row-not-object")(lambda c: c.train(rows=[CHAT, "[1, 2]"]))
 case("data-bad-message")(lambda c: c.train(rows=[{"messages": [{"content": "no role"}]}]))
 TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
@@ -256,6 +257,17 @@ case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, m
 @case("empty-output-dir")
 def _(c: Ctx) -> Call:
     return Call(["--config", str(c.recipe(lambda t: t.__setitem__("output_dir", "")))], c.tmp / "metrics.jsonl")
+
+
+@case("root-output-dir")
+def _(c: Ctx) -> Call:
+    # train.micro_batch_size=big too: every recipe error is on the one line, and a toolkit without the check stops
+    # on that one instead of training into / (the first run of this case without the check did)
+    return Call(["--config", str(c.recipe(lambda t: t.__setitem__("output_dir", "/tmp/../.."))),
+                 "train.micro_batch_size=big"], c.tmp / "run")
+
+
+case("run-name-path")(lambda c: c.train("run_name=../../elsewhere"))  # TensorBoard wrote outside output_dir
 
 
 @case("duplicate-key")
@@ -415,6 +427,17 @@ def _(c: Ctx) -> Call:
     return c.train(f"model.name_or_path={c.models['vl']}", rows=[CHAT, CHAT, row, CHAT])
 
 
+@case("image-not-regular-file")
+def _(c: Ctx) -> Call:
+    import os
+
+    (c.tmp / "images").mkdir()
+    os.mkfifo(c.tmp / "images" / "pipe.png")  # it used to be said "not to exist"
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                        {"role": "assistant", "content": "Red."}], "images": ["images/pipe.png"]}
+    return c.train(f"model.name_or_path={c.models['vl']}", rows=[CHAT, CHAT, row, CHAT])
+
+
 @case("hub-id-offline")
 def _(c: Ctx) -> Call:
     return replace(c.train("model.name_or_path=curriculum-toolkit-tests/no-such-model"), env={"HF_HUB_OFFLINE": "1"})
@@ -483,6 +506,14 @@ def _(c: Ctx) -> Call:
     meta = json.loads((ckpt / "meta.json").read_text())
     (ckpt / "meta.json").write_text(json.dumps(meta | {"base_model": "../models/tiny-qwen3"}))
     return Call(["export", str(ckpt), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-without-recipe", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    (run / "recipe.yaml").unlink()  # it used to advise "--config", an option export does not have
+    return Call(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(c.tmp / "exported")],
+                c.tmp / "exported", tool="toolkit")
 
 
 @case("export-remote-code", trained=True)
@@ -603,6 +634,8 @@ registry_case("registry-kto", "kto", kto={"file_name": "alpaca.jsonl", "formatti
 registry_case("registry-remote", "scripted", scripted={"script_url": "my_loader"})
 registry_case("registry-hub-not-cached", "hub", hub={"hf_hub_url": "someone/not-cached"})
 registry_case("registry-num-samples", "sampled", sampled={"file_name": "alpaca.jsonl", "num_samples": 4})
+registry_case("registry-file-outside", "outside", outside={"file_name": "../data.jsonl"})  # it trained on it
+registry_case("registry-file-absolute", "absolute", absolute={"file_name": "/etc/hostname"})
 case("dataset-comma-list")(lambda c: c.train(change=stage("data", [{"dataset": "alpaca_demo,glaive_toolcall"}])))
 case("data-path-and-dataset")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl",
                                                                         "dataset": "alpaca_demo"}])))
@@ -639,6 +672,32 @@ def _(c: Ctx) -> Call:
     adapter = run / "final" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[: adapter.stat().st_size // 2])
     return Call(["export", str(run), "--out", str(c.tmp / "exported")], c.tmp / "exported", tool="toolkit")
+
+
+@case("export-checkpoint-final-tokenizer-changed", trained=True)
+def _(c: Ctx) -> Call:
+    run = c.copy_of_trained()
+    config = run / "final" / "tokenizer_config.json"  # still a tokenizer that loads: only the check can tell
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"model_max_length": 7}))
+    return Call(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(c.tmp / "exported")],
+                c.tmp / "exported", tool="toolkit")
+
+
+@case("model-from-damaged-final")
+def _(c: Ctx) -> Call:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.checkpoint.final import save_final
+
+    final = c.tmp / "earlier" / "final"  # a full fine-tune's final/, as training writes it
+    final.parent.mkdir()
+    save_final(Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained(c.models["text"]),
+               AutoTokenizer.from_pretrained(c.models["text"]), final, card=None)
+    weights = final / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[:-64] + bytes(64))  # the same size, the last tensor's last values zeroed: it loads
+    return c.train(f"model.name_or_path={final}")
 
 
 @case("damaged-store-read-only-cache")
@@ -810,6 +869,32 @@ def test_unknown_key_in_a_real_process(tmp_path: Path) -> None:
         f"error: Invalid recipe {recipe}: unknown key 'optimiser'. Did you mean: optimizer? Valid keys here: "
         "output_dir, run_name, model, lora, data, stages, optimizer, schedule, train, eval, stability, checkpoint, "
         "logging, distributed."]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_refusal_under_a_two_process_launch_is_one_line(tmp_path: Path) -> None:
+    """Issue 38 rule 5: both ranks refuse the recipe (before their process group exists); rank 0 says it, rank 1
+    hears it through the launcher's store and stays quiet, so the launch prints one `error:` line in all (it printed
+    one per rank). Rank 0 exits 2; the launch's own exit (1) and its ChildFailedError traceback are torch elastic's,
+    which no child can change (docs/bad_inputs.md): its summary holds the line once, as its root cause."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(base_recipe(TINY_MODEL) | {"optimiser": {"lr": 1}}))
+    proc = run_launch([*launch_cmd("ddp", 2), str(REPO / "train_curriculum.py"), "--config", str(recipe)],
+                      cwd=tmp_path, timeout=300)
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "unknown key 'optimiser'" in errors[0], output[-4000:]
+    assert proc.returncode == 1, output[-4000:]
+    root_cause = output[output.index("Root Cause"):]
+    assert "rank      : 0 " in root_cause and "exitcode  : 2 " in root_cause, root_cause
+    assert "traceback : error: Invalid recipe" in root_cause, root_cause
+    # Rank 1 stopped on the same error and stayed quiet (exit 2, its record pointing at rank 0's), or, where rank 0
+    # ended first, the launcher stopped it with SIGTERM (it stops the others once one process fails).
+    rank_1 = output[output.index("Failures:"):output.index("Root Cause")]
+    assert ("traceback : the same error as rank 0 (rank 1 stopped on it too)" in rank_1
+            or "SIGTERM" in rank_1), rank_1
+    assert not re.search(r'File ".*(/toolkit/|train_curriculum\.py)"', output), output[-4000:]  # no rank's
     assert not (tmp_path / "run").exists()
 
 

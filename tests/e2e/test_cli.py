@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import CHAT, REPO, base_recipe, write_jsonl
+from tests.conftest import CHAT, REPO, as_in_a_terminal, base_recipe, write_jsonl
 from tests.helpers.inprocess import Call, invoke
 from toolkit.builtin.models import TINY_MODEL, TINY_QWEN3_VL_MODEL
 
@@ -67,7 +67,7 @@ def test_a_stop_during_inspect_data_is_one_line_and_keeps_nothing_half_written(t
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     proc = subprocess.Popen([sys.executable, "-m", "toolkit.commands.cli", "inspect-data", "--config",
                              str(tmp_path / "recipe.yaml")], cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal)
     stores = tmp_path / ".toolkit-cache" / "tokenized" / "stores"
     deadline = time.monotonic() + 120
     while not (stores.is_dir() and any(p.name.endswith(".tmp") for p in stores.iterdir())):  # tokenising now

@@ -27,6 +27,7 @@ from tests.conftest import (
     CHAT,
     LAUNCH_TIMEOUT_S,
     REPO,
+    as_in_a_terminal,
     base_recipe,
     free_port,
     rank_stderr,
@@ -328,7 +329,9 @@ def test_final_holds_a_model_card_that_loads(trained: Path, tmp_path: Path) -> N
     card = ModelCard.load(final / MODEL_CARD)
     assert (card.data.base_model, card.data.library_name, card.data.pipeline_tag) == (None, "peft", "text-generation")
     assert card.data.tags == ["curriculum-toolkit", "curriculum-learning", "lora"]
-    base = yaml.safe_load((trained / "recipe.yaml").read_text())["model"]["name_or_path"]
+    base = yaml.safe_load((trained / "recipe.yaml").read_text())["model"]["name_or_path"]  # an absolute path
+    base = os.path.relpath(base, trained)  # the card's paths are relative to the recipe's folder (issue 39)
+    assert str(trained) not in card.text and not base.startswith("/")
     assert f"A LoRA adapter (PEFT) for `{base}`" in card.text and "Trained with the recipe `recipe.yaml`." in card.text
     assert "| 1 | only | `data.jsonl` | 16 | 3 | 12 |" in card.text and "| `lora` (" in card.text
     assert "## Chat template\n\nqwen3 (the base model's own)." in card.text
@@ -514,7 +517,8 @@ def test_ctrl_c_stops_with_one_line(trained: Path, tmp_path: Path) -> None:
     recipe["stages"][0]["max_steps"] = 10_000
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     proc = subprocess.Popen([sys.executable, str(REPO / "train_curriculum.py"), "--config", "recipe.yaml"],
-                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_in_a_terminal)
     try:
         _wait_for_step(tmp_path / "run", 3, proc)
         proc.send_signal(signal.SIGINT)
@@ -571,6 +575,33 @@ store.get("a key nobody sets")  # held in C++ (as in a collective whose peer is 
 """
 
 
+def test_a_stop_before_the_first_step_ends_in_one_line_and_writes_no_run(tmp_path: Path, models: dict[str, str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop-before-first-step path in this process (the launches below send real signals to real launches, in
+    minutes): a SIGTERM that arrives while the model is built stops the run at once (`Stopped`), with its one line
+    and exit 75, and no run outputs written (recipe.yaml, run.json, metrics.jsonl come only after the model)."""
+    import train_curriculum
+
+    write_jsonl(tmp_path / "data.jsonl", [CHAT] * 8)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(base_recipe(models["text"])))
+    build_model = train_curriculum.build_model
+
+    def signalled_while_building(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in this (the main) thread before the next bytecode
+        return build_model(*args, **kwargs)
+
+    monkeypatch.setattr(train_curriculum, "build_model", signalled_while_building)
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 75, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == ("stopped by SIGTERM before training began: nothing to save. No "
+                                               "checkpoint was committed yet: relaunch the same command to start "
+                                               "again."), stderr[-3000:]
+    assert "Traceback" not in stderr
+    written = [name for name in ("recipe.yaml", "run.json", "metrics.jsonl", "checkpoints")
+               if (tmp_path / "run" / name).exists()]
+    assert not written, written
+
+
 @pytest.mark.parametrize(("sig", "code", "line"), [
     (signal.SIGTERM, 75, "stopped by SIGTERM before training began: nothing to save. Relaunch the same command."),
     (signal.SIGINT, 130, "interrupted (Ctrl-C): stopped without saving")])
@@ -582,7 +613,7 @@ def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, c
 
     proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_NATIVE_CODE], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+                            preexec_fn=as_in_a_terminal)
     try:
         assert proc.stdout.readline() == "blocked\n"
         time.sleep(0.3)
@@ -662,7 +693,7 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
         fcntl.flock(held, fcntl.LOCK_EX)
         single = subprocess.Popen([sys.executable, *cmd[cmd.index(str(REPO / "train_curriculum.py")):]],
                                   cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                  text=True, preexec_fn=as_in_a_terminal)
         said: list[str] = []
 
         def waiting() -> bool:
@@ -688,6 +719,37 @@ def test_stop_signals_before_the_first_step_end_every_rank_at_once(tmp_path: Pat
 
 
 # --- resume on changed inputs ------------------------------------------------------------------------------------
+
+def test_a_resume_over_other_tokens_of_the_same_data_is_refused(trained: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A resume compares the token stores' checksums (docs/reliability.md): the finished run's store made to hold
+    other tokens of the same data file, consistently (its meta.json's sha256 is the new file's, as a store prepared
+    by another library version is), so the store is used as it is. Relaunching the same command is refused, naming
+    the store's entry; forced, it resumes and says so."""
+    import hashlib
+
+    import pyarrow as pa
+
+    copy_run(trained, tmp_path)
+    (store,) = [p for p in (tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir()
+                if p.is_dir() and not p.name.startswith(".")]
+    data = store / "data.arrow"
+    ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
+    raw = data.read_bytes()
+    at = raw.find(ids.tobytes())
+    data.write_bytes(raw[:at] + (ids[::-1].copy()).tobytes() + raw[at + ids.nbytes:])  # same size, other ids
+    meta = json.loads((store / "meta.json").read_text())
+    (store / "meta.json").write_text(json.dumps(meta | {"sha256": hashlib.sha256(data.read_bytes()).hexdigest()}))
+    rc, stderr = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 2, stderr[-3000:]
+    assert "token stores whose tokens differ from the checkpoint's (same data files, other tokens: prepared by " \
+           "other library versions, or edited): data.jsonl" in stderr, stderr[-3000:]
+    rc, stderr = invoke(Call(["--config", "recipe.yaml", "checkpoint.resume_force=true"], tmp_path / "run"),
+                        tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "resumed despite token stores whose tokens differ" in caplog.text
+
 
 def test_resume_force_says_what_differs(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:

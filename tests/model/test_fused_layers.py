@@ -39,9 +39,11 @@ def test_auto_is_none_without_cuda_and_liger_with_it(monkeypatch: pytest.MonkeyP
         assert runs == "none" and f"liger tries Liger's for '{model_type}'" in why
     for model_type in ("qwen2_5_vl", "qwen3_vl"):  # Liger 0.8.5's VL patches do not import with transformers 5.24
         try:
-            resolve_fused_layers("liger", model_type)
+            resolved = resolve_fused_layers("liger", model_type)
         except ToolkitError as e:
             assert f"Liger-Kernel's layers for '{model_type}' do not load with this transformers" in str(e)
+        else:  # a Liger release whose VL patches load: then liger is what runs, never a silent none
+            assert resolved.runs == "liger", resolved
 
     def broken(name: str) -> None:
         raise ImportError("cannot import name 'LigerQwen3CausalLMOutput'")

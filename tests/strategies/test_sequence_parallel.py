@@ -4,6 +4,8 @@ slice without label tokens. That 2 and 4 processes train the single process's lo
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
@@ -40,22 +42,26 @@ def whole(parts: list[dict], key: str) -> torch.Tensor:
 def test_a_packed_row_is_cut_after_its_labels_are_shifted(sp: int) -> None:
     """The slices put back together are the row padded to a multiple of sp_size: the targets shifted over the whole
     row (a slice's last token's target is the next slice's first token), the padding a sample of its own without
-    labels, and each slice carrying the whole row's boundaries."""
-    batch = PackedCollator()(samples([5, 4, 4]))  # 13 tokens
+    labels, and each slice carrying the whole row's boundaries. The rows' lengths put every cut, for 2 and for 3
+    slices, before a labelled token, so a shift within each slice (its last target lost) fails for both."""
+    batch = PackedCollator()(samples([5, 6, 8]))  # 19 tokens: 2 slices of 10, 3 of 7, each with padding
+    n = 19
     parts, real = zip(*(shard_batch(batch, Layout(sp, r, sp)) for r in range(sp)), strict=True)
-    total = 13 + (-13 % sp)
-    assert sum(real) == 13 and all(p["input_ids"].shape == (1, total // sp) for p in parts)
-    torch.testing.assert_close(whole(parts, "input_ids")[:, :13], batch["input_ids"])
+    total = n + (-n % sp)
+    assert total > n and sum(real) == n and all(p["input_ids"].shape == (1, total // sp) for p in parts)
+    torch.testing.assert_close(whole(parts, "input_ids")[:, :n], batch["input_ids"])
     shifted = torch.cat([batch["labels"][:, 1:], torch.full((1, 1), IGNORE_INDEX)], dim=1)
-    assert torch.equal(whole(parts, "shift_labels")[:, :13], shifted)
-    assert torch.equal(whole(parts, "labels")[:, :13], batch["labels"])  # what the loop counts, as without Ulysses
-    assert (whole(parts, "shift_labels")[:, 13:] == IGNORE_INDEX).all()
+    assert torch.equal(whole(parts, "shift_labels")[:, :n], shifted)
+    for before, after in itertools.pairwise(parts):  # the cut's target: the next slice's first token, a labelled one
+        assert before["shift_labels"][0, -1] == after["labels"][0, 0] != IGNORE_INDEX
+    assert torch.equal(whole(parts, "labels")[:, :n], batch["labels"])  # what the loop counts, as without Ulysses
+    assert (whole(parts, "shift_labels")[:, n:] == IGNORE_INDEX).all()
     positions = whole(parts, "position_ids")[0].tolist()
-    assert positions[:13] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3] and positions[13:] == list(range(total - 13))
-    cu = [0, 5, 9, 13] + ([total] if total > 13 else [])
+    assert positions[:n] == [*range(5), *range(6), *range(8)] and positions[n:] == list(range(total - n))
+    cu = [0, 5, 11, 19, total]
     for p in parts:
         assert p["cu_seq_lens_q"].tolist() == cu and p["cu_seq_lens_k"] is p["cu_seq_lens_q"]
-        assert p["max_length_q"] == 5 and isinstance(p["max_length_q"], int)
+        assert p["max_length_q"] == 8 and isinstance(p["max_length_q"], int)
         assert "attention_mask" not in p
 
 

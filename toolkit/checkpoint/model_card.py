@@ -16,6 +16,7 @@ loadable.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,29 @@ def is_hub_id(name: str) -> bool:
     return HUB_ID.match(name) is not None and not Path(name).expanduser().exists()
 
 
+def portable_path(name: str, recipe_dir: Path) -> str:
+    """A local path as the card records it: relative to the recipe's folder (`recipe_dir`), since a card travels
+    with the model and this machine's absolute paths mean nothing elsewhere (and say who trained it where). A Hub id
+    and a prefixed name (`builtin:`, `dummy:`) stay as they are; a relative path is read from the working directory,
+    as the recipe's paths are."""
+    if is_hub_id(name) or re.match(r"^[a-z][a-z0-9+.-]*:", name):
+        return name
+    path = Path(name).expanduser()
+    return os.path.relpath(path if path.is_absolute() else Path.cwd() / path, recipe_dir.absolute())
+
+
+def portable_tree(tree: Any, recipe_dir: Path) -> Any:
+    """A recipe's dumped tree with every absolute path in it made relative to the recipe's folder (`portable_path`);
+    the other values are kept (a relative string in a recipe need not be a path: a name, a template)."""
+    if isinstance(tree, dict):
+        return {k: portable_tree(v, recipe_dir) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [portable_tree(v, recipe_dir) for v in tree]
+    if isinstance(tree, str) and tree.startswith(("/", "~/")) and "\n" not in tree:
+        return portable_path(tree, recipe_dir)
+    return tree
+
+
 def build_model_card(*, title: str, base_model: str, lora: bool, vision: bool, stages: list[StageCard],
                      results: FinalResults, chat_template: str, recipe_source: str | None, recipe_yaml: str,
                      toolkit_version: str, datasets: list[str] | None = None) -> ModelCard:
@@ -157,7 +181,8 @@ def _body(*, title: str, base_model: str, lora: bool, stages: list[StageCard], r
              (f"Trained with the recipe `{recipe_source}`." if recipe_source else
               "Trained with the toolkit's embedded default recipe.")
              + " The resolved recipe (defaults and command-line overrides applied) is the run folder's "
-               "`recipe.yaml`, and below.", "",
+               "`recipe.yaml`, and below; in this card, absolute local paths are written relative to the recipe's "
+               "folder.", "",
              "<details><summary>Resolved recipe</summary>", "", f"{fence}yaml", recipe_yaml.rstrip("\n"), fence, "",
              "</details>", "",
              "## Curriculum", "",

@@ -164,6 +164,10 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
     src, run = _resolve(Path(source).resolve())  # a symlink to a run's final/ is that run's final/
     out = Path(out)
     check_out(out, src, run, overwrite=overwrite)
+    if not run.recipe.is_file():  # a checkpoint whose run folder lost it (load_recipe would advise --config)
+        raise ToolkitError(f"{src} has no recipe beside it: export reads the run's {run.recipe} (written when the "
+                           "run started) for its base model and settings. Put it back: the recipe the run trained "
+                           "with, its command-line overrides applied.")
     typed = load_recipe(run.recipe)
     trust = typed.model.trust_remote_code
     if trust and not trust_remote_code:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -548,7 +549,8 @@ class DistributedConfig(_Section):
 class Recipe(_Section):
     output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go (not "
                             "empty: that would write into the current directory).")
-    run_name: str | None = Field(None, description="Name for logs and trackers (default: start time, from rank 0).")
+    run_name: str | None = Field(None, description="Name for logs and trackers (default: start time, from rank 0): a "
+                                 "plain name, as TensorBoard writes a folder of it inside output_dir.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning.")
     data: DataConfig = Field(default_factory=DataConfig, description="Formatting and length policy.")
@@ -568,6 +570,17 @@ class Recipe(_Section):
         if not value.strip():
             raise ValueError("output_dir is empty, which would write the run into the current directory; name a "
                              "folder, e.g. outputs/my-run")
+        if Path(value).expanduser().resolve() == Path(Path.cwd().anchor):
+            raise ValueError(f"output_dir {value!r} is the filesystem root, which would write the run into it; name "
+                             "a folder, e.g. outputs/my-run")
+        return value
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_plain(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or value in (".", "..") or "/" in value or "\\" in value):
+            raise ValueError(f"run_name {value!r} must be a plain name (no '/', not '.' or '..'): TensorBoard "
+                             "writes a folder of that name inside output_dir, which a path would leave")
         return value
 
     @model_validator(mode="after")

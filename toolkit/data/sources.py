@@ -35,10 +35,11 @@ import json
 import os
 import re
 import stat
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from toolkit.atomic import read_own_text, write_atomic
@@ -240,7 +241,12 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
                                    "read: save it to a file in the registry's folder and give its file_name.")
         path = str(info["hf_hub_url"])
     elif info.get("file_name"):
-        path = str(folder / str(info["file_name"]))
+        name_in_dir = PurePath(str(info["file_name"]))
+        if name_in_dir.is_absolute() or ".." in name_in_dir.parts:
+            raise ToolkitError(f"{here} has file_name {str(info['file_name'])!r}, which leaves {folder}: a registry "
+                               "names files in its own folder; to train on another file, name it in the recipe "
+                               "(path: ...).")
+        path = str(folder / name_in_dir)
     else:
         raise ToolkitError(f"{here} has no file_name (or hf_hub_url) to read.")
     mapped = {fields[k]: str(v) for k, v in columns.items()}
@@ -502,6 +508,10 @@ def _parse_jsonl(path: Path, start: int, end: int, first: int) -> Iterator[tuple
                     at = "the end of the line" if e.pos >= len(line.rstrip("\r\n")) else f"column {e.pos + 1}"
                     raise ToolkitError(f"{path}:{number}: not valid JSON ({_json_problem(e)} at {at}). "
                                        "Each line must be one JSON object.") from None
+                except RecursionError:  # json's C parser recurses once per level of [ or {
+                    raise ToolkitError(f"{path}:{number}: nested too deeply (over Python's recursion limit of "
+                                       f"{sys.getrecursionlimit()} levels of lists and objects); no chat row is "
+                                       "nested like that: fix or drop the row.") from None
                 del line
                 yield number, row
                 del row
@@ -521,6 +531,10 @@ def _load_json_array(path: Path) -> list[Any]:
                            "text.") from None
     except json.JSONDecodeError as e:
         raise ToolkitError(f"{path}: not valid JSON ({_json_problem(e)} at line {e.lineno}, column {e.colno}).") \
+            from None
+    except RecursionError:
+        raise ToolkitError(f"{path}: nested too deeply (over Python's recursion limit of {sys.getrecursionlimit()} "
+                           "levels of lists and objects); no chat row is nested like that: fix or drop the row.") \
             from None
     if not isinstance(rows, list):
         raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")

@@ -59,6 +59,10 @@ def _load_image(path: Path, where: str) -> Image.Image:
 
 
 def _check_image(path: Path, where: str) -> None:
+    """A regular file: a FIFO is never opened (opening one blocks until someone writes), nor a device."""
+    if path.exists() and not path.is_file():
+        raise ToolkitError(f"{where}: image file {path} is not a regular file (a FIFO, device, socket or folder); "
+                           "images are read from regular files: save the image to a file and name that.")
     if not path.is_file():
         raise ToolkitError(f"{where}: image file {path} does not exist (image paths are relative to the data "
                            "file's directory).")

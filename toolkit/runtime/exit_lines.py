@@ -37,7 +37,7 @@ import torch
 
 from toolkit.atomic import open_own
 from toolkit.errors import ToolkitError
-from toolkit.runtime.process import process_gone
+from toolkit.runtime.process import process_gone, record_launch_error
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
 FAILED_EXIT_CODE = 1
@@ -47,16 +47,34 @@ _LOST_PEER_SIGNS = ("gloo", "NCCL", "Connection reset by peer", "Connection clos
 """Texts of the collective errors that a peer's death (or hang: a timeout) causes, under gloo and NCCL."""
 
 
+_AGENT_STORE: list[Any] = []
+"""The launcher agent's store, once connected (one connection per process)."""
+_SAME_ERROR_WAIT = timedelta(seconds=15)
+"""How long a rank other than 0 waits for rank 0's own ending before it says its error itself."""
+
+
 def _store() -> Any | None:
-    """The launch's rendezvous store, or None without a process group. torch has no public getter for it;
-    `_get_default_store` is what torch.distributed itself uses, and any failure here only costs the rank's name."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
+    """The launch's rendezvous store (this module's keys under their own prefix), or None in a single process.
+
+    Under torchrun / `accelerate launch` it is the launcher agent's store (TORCHELASTIC_USE_AGENT_STORE, at
+    MASTER_ADDR:MASTER_PORT), which every rank reaches before its process group exists and after it is gone, so a
+    rank that stops on bad input in its first second can be heard too. Elsewhere it is the process group's own
+    store: torch has no public getter for it; `_get_default_store` is what torch.distributed itself uses. Any
+    failure here only costs what the store would have told."""
     try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR"):
+            if not _AGENT_STORE:
+                _AGENT_STORE.append(torch.distributed.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=_STORE_TIMEOUT, wait_for_workers=False))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier attempt's notes are not this one's
+            return torch.distributed.PrefixStore(f"toolkit-last-words/{attempt}/", _AGENT_STORE[0])
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
         from torch.distributed.distributed_c10d import _get_default_store
 
         return torch.distributed.PrefixStore("toolkit-last-words/", _get_default_store())
-    except (ImportError, RuntimeError, ValueError):
+    except (ImportError, RuntimeError, ValueError, KeyError):
         return None
 
 
@@ -124,9 +142,35 @@ class LastWords:
         """The run's outputs are being written: the log goes into its folder from now on."""
         self.outputs_written = True
 
-    def stopped_on_error(self, message: str) -> None:
-        """This rank ends with a one-line error of its own (bad input): the others may name it."""
+    def stopped_on_error(self, message: str) -> str | None:
+        """This rank ends with a one-line error (bad input): the others may name it. Returns the line to print, or
+        None when rank 0 says it (`said_by_rank_0`): a launch prints one `error:` line in all (issue 38). The
+        launcher's failure summary lists every rank's record: the line once, the other ranks pointing at it; rank 0
+        records it before its note, so it is the summary's first observed failure (its 'Root Cause')."""
+        line = f"error: {message}"
+        if self.rank == 0:
+            record_launch_error(line)
         self._store_set(f"end/{self.rank}", {"kind": "error", "message": message})
+        if self.rank == 0:
+            return line
+        quiet = self.said_by_rank_0(message)
+        record_launch_error(f"the same error as rank 0 (rank {self.rank} stopped on it too)" if quiet else line)
+        return None if quiet else line
+
+    def said_by_rank_0(self, message: str) -> bool:
+        """Whether rank 0 ends with this same error, and so says it for the launch (issue 38: one `error:` line in
+        all): a rank other than 0 that stops on bad input waits for rank 0's note (up to `_SAME_ERROR_WAIT`: every
+        rank reads the same recipe and data, so they fail alike and at about the same time). A rank whose error
+        is its own (another message, or rank 0 silent: another host's missing file) says it itself."""
+        if self.rank == 0 or self.world == 1 or (store := _store()) is None:
+            return False
+        try:
+            store.set_timeout(_SAME_ERROR_WAIT)
+            store.wait(["end/0"])
+            note = _store_get(store, "end/0")
+        except (RuntimeError, ValueError):  # no word from rank 0 in time, or the store is gone
+            return False
+        return note == {"kind": "error", "message": message}
 
     def interrupted(self) -> None:
         self._store_set(f"end/{self.rank}", {"kind": "interrupted"})

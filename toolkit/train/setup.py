@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from accelerate import Accelerator
 from transformers import AutoConfig
 
@@ -25,6 +26,7 @@ from toolkit.checkpoint.model_card import (
     build_model_card,
     describe_chat_template,
     final_results,
+    portable_tree,
     stage_results,
 )
 from toolkit.checkpoint.resume import RunIdentity, check_resumable, find_resume, restore
@@ -373,18 +375,22 @@ def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layou
         log.warning("final/ is written without its model card (README.md): %s", e)
         return None
     outcome = stage_results(records)
+    here = Path(config).parent if config else Path.cwd()  # the card's paths are relative to the recipe's folder
     stages = []
     for stage in curriculum.stages:
         settings, plan, got = stage.resolved, stage.plan, outcome.get(stage.name, {})
         stages.append(StageCard(
-            name=stage.name, data=list(zip(settings.paths, settings.weights or [None] * len(settings.paths),
-                                           strict=True)),
+            name=stage.name, data=list(zip(portable_tree(list(settings.paths), here),
+                                           settings.weights or [None] * len(settings.paths), strict=True)),
             rows=plan.num_samples, steps=plan.steps, samples=plan.steps * plan.global_batch, lr=plan.lr,
             trainable=list(settings.trainable or []), trainable_params=stage.trainable_params,
             tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("last_eval", {})))
     return str(build_model_card(
-        title=recipe.run_name or Path(recipe.output_dir).name, base_model=recipe.model.name_or_path,
+        title=recipe.run_name or Path(recipe.output_dir).name,
+        base_model=portable_tree(recipe.model.name_or_path, here),
         lora=recipe.lora.enabled, vision=vision, stages=stages, results=final_results(records),
-        chat_template=describe_chat_template(recipe.data.chat_template, getattr(processor, "chat_template", None)),
-        recipe_source=config, recipe_yaml=recipe_to_yaml(recipe), toolkit_version=__version__,
+        chat_template=describe_chat_template(portable_tree(recipe.data.chat_template, here),
+                                             getattr(processor, "chat_template", None)),
+        recipe_source=portable_tree(config, here), toolkit_version=__version__,
+        recipe_yaml=yaml.safe_dump(portable_tree(recipe.model_dump(mode="json"), here), sort_keys=False),
         datasets=datasets))
