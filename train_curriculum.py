@@ -83,10 +83,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
           preemption: PreemptionFlag, config: str | None = None) -> int:
     """One run of `recipe` (from the --config file `config`; None: the embedded default). A stop signal ends it at once
     before the first step (`Stopped`: nothing to save), then after its step, with a checkpoint (runtime/signals.py)."""
-    out = Path(recipe.output_dir)
-    layout = RunLayout(out)
-    ending.layout = layout  # a stop names the checkpoint a relaunch resumes from
-    check_output_dir(out)
+    layout = ending.layout = RunLayout(recipe.output_dir)  # a stop names the checkpoint a relaunch resumes from
+    check_output_dir(layout.root)
     scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())  # user scorers, before the heavy
     # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
     # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
@@ -111,7 +109,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
                                            trust_remote_code=recipe.model.trust_remote_code)
     processor, tokenizer = prepare_inputs(recipe, resolved, accelerator, model_path, layout.dummy_data,
                                           vision=vision, dummy_samples=dummy_samples)
-    cache = tokenized_cache_dir(recipe.data.cache_dir, out)
+    cache = tokenized_cache_dir(recipe.data.cache_dir, layout.root)
     curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
                               layout.dummy_data, cache)
     collate = build_collator(recipe, model_path, processor if vision else tokenizer, vision=vision)
@@ -120,8 +118,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     identity = run_identity(recipe, accelerator, curriculum, run_name=run_name, model_path=model_path,
                             data_files=data_fingerprint(resolved, layout.dummy_data, cache))
     hub = hub_datasets(resolved, layout.dummy_data)  # for the model card, while every entry is known to resolve
-    resume_meta, forced = {}, []
-    if resume_from is not None:  # before loading the model: a mismatch should fail in seconds
+    resume_meta, forced = {}, []  # a resume is checked before the model loads: a mismatch should fail in seconds
+    if resume_from is not None:
         resume_meta, forced = check_resume(accelerator, resume_from, identity, force=recipe.checkpoint.resume_force)
 
     # --- Model: same seed on every rank so LoRA init agrees (ZeRO-3 / FSDP shard each rank's own copy). ---
