@@ -117,6 +117,15 @@ case("zero-mixture-weight")(lambda c: c.train(change=stage("data", [{"path": "da
 case("partial-mixture-weights")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "weight": 1},
                                                                         "data.jsonl"])))
 case("pacing-without-easy-to-hard")(lambda c: c.train(change=stage("pacing", {"kind": "linear"})))
+case("difficulty-field-without-name")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "field"})))
+case("difficulty-without-order")(lambda c: c.train(change=stage("difficulty", {"by": "length"})))
+case("drop-everything")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", drop={"easiest": 0.5, "hardest": 0.5})))
+case("difficulty-field-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "field", "field": "difficulty"})))
+case("difficulty-named-field-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "field", "field": "score"})))
 case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continue")))
 case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
 case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))

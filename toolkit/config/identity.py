@@ -20,6 +20,9 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     for stage in tree["stages"]:
         if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
             del stage["micro_batch_size"]
+        for key in ("difficulty", "drop"):  # bound when set; unset, earlier checkpoints' hashes stay as they were
+            if stage.get(key) is None:
+                stage.pop(key, None)
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
             for key in ("split", "columns", "tags", "dataset", "dataset_dir"):
                 if isinstance(entry, dict) and entry.get(key) is None:

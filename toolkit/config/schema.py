@@ -343,6 +343,36 @@ class AdvanceWhen(_Section):
                 else f"{self.metric} <= {self.at_most:g}")
 
 
+ORDERED = ("easy_to_hard", "hard_to_easy")
+"""The orders by difficulty; `hard_to_easy` is `easy_to_hard` over the negated difficulty (ties still by index)."""
+
+
+class DifficultyConfig(_Section):
+    by: Literal["length", "field"] = Field(..., description="What a row's difficulty is: its token length, or a "
+                                           "number in the row's key `field`.")
+    field: str | None = Field(None, min_length=1, description="The row key holding the difficulty (by: field).")
+
+    @model_validator(mode="after")
+    def _field_with_by_field(self) -> DifficultyConfig:
+        if self.by == "field" and self.field is None:
+            raise ValueError("difficulty.by is field: name the row key with difficulty.field")
+        if self.by != "field" and self.field is not None:
+            raise ValueError(f"difficulty.field is read only with by: field, not by: {self.by}")
+        return self
+
+
+class DropConfig(_Section):
+    easiest: float = Field(0.0, ge=0, lt=1, description="Share of the stage's rows dropped from the easy end.")
+    hardest: float = Field(0.0, ge=0, lt=1, description="Share of the stage's rows dropped from the hard end.")
+
+    @model_validator(mode="after")
+    def _something_left(self) -> DropConfig:
+        if self.easiest + self.hardest >= 1:
+            raise ValueError(f"drop.easiest + drop.hardest is {self.easiest + self.hardest:g}: nothing would be "
+                             "left; keep their sum below 1")
+        return self
+
+
 class StageConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -352,9 +382,15 @@ class StageConfig(_Section):
                                          "columns}; weights make a seeded mixture).")
     mixture_replacement: bool = Field(False, description="Mixture draws with replacement (else each file is "
                                       "used without repeats until exhausted).")
-    order: Literal["shuffle", "sequential", "easy_to_hard"] = Field(
-        "shuffle", description="Sample order; easy_to_hard sorts by the rows' difficulty, else token length.")
-    pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard.")
+    order: Literal["shuffle", "sequential", "easy_to_hard", "hard_to_easy"] = Field(
+        "shuffle", description="Sample order; easy_to_hard / hard_to_easy sort by the rows' difficulty (see "
+        "difficulty; by default the rows' `difficulty` key when every row has one, else token length).")
+    difficulty: DifficultyConfig | None = Field(None, description="What orders the rows (order easy_to_hard / "
+                                                "hard_to_easy) and what drop ranks by: {by: length | field, "
+                                                "field: NAME}.")
+    drop: DropConfig | None = Field(None, description="Drop the easiest / hardest shares of the stage's rows by "
+                                    "difficulty before training: {easiest: f, hardest: f}.")
+    pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard / hard_to_easy.")
     schedule: Literal["cosine", "linear", "constant", "wsd", "continue"] | None = Field(
         None, description="LR schedule of this stage (default schedule.kind); continue = carry the previous one.")
     max_seq_len: int | None = Field(None, gt=1, description="Override data.max_seq_len (short-to-long).")
@@ -384,8 +420,17 @@ class StageConfig(_Section):
         weighted = [isinstance(d, DataSource) and d.weight is not None for d in self.data]
         if any(weighted) and not all(weighted):
             raise ValueError("give a weight to every data file of the stage, or to none")
-        if self.pacing is not None and self.order != "easy_to_hard":
-            raise ValueError("pacing needs order: easy_to_hard")
+        if self.pacing is not None and self.order not in ORDERED:
+            raise ValueError("pacing needs order: easy_to_hard or hard_to_easy")
+        for d in self.data:
+            mapped = isinstance(d, DataSource) and (d.columns or {}).get("difficulty")
+            if self.difficulty is not None and self.difficulty.by == "field" and mapped \
+                    and mapped != self.difficulty.field:
+                raise ValueError(f"difficulty.field is {self.difficulty.field} but data entry {d.entry().name} maps "
+                                 f"difficulty to column {mapped}: keep one of them")
+        if self.difficulty is not None and self.order not in ORDERED and self.drop is None:
+            raise ValueError(f"difficulty orders rows only with order easy_to_hard or hard_to_easy (or ranks them "
+                             f"for drop); with order {self.order} it would change nothing: remove it or set order")
         return self
 
     @property
