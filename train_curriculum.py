@@ -65,6 +65,7 @@ from toolkit.train.setup import (
     start_afresh,
     write_run_files,
 )
+from toolkit.train.stage_scores import score_before_training
 
 log = logging.getLogger("toolkit")
 
@@ -160,6 +161,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
     step = run.resumed.step if run.resumed else 0
+    score_before_training(run, step)  # stages ordered by the base model's scores: taken before the first step
     preemption.training()  # a signal from here on finishes the step it is in, saves and exits
     run.bar = tqdm(total=curriculum.end_step, initial=step,
                    disable=not (accelerator.is_main_process and recipe.logging.progress_bar))

@@ -120,6 +120,12 @@ case("pacing-without-easy-to-hard")(lambda c: c.train(change=stage("pacing", {"k
 case("difficulty-field-without-name")(lambda c: c.train(change=lambda t: t["stages"][0].update(
     order="easy_to_hard", difficulty={"by": "field"})))
 case("difficulty-without-order")(lambda c: c.train(change=stage("difficulty", {"by": "length"})))
+case("difficulty-model-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss"})))
+case("difficulty-scorer-path")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss", "model": "./small-model"})))
+case("drop-by-model-score")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss", "model": "current"}, drop={"easiest": 0.1})))
 case("drop-everything")(lambda c: c.train(change=lambda t: t["stages"][0].update(
     order="easy_to_hard", drop={"easiest": 0.5, "hardest": 0.5})))
 case("difficulty-field-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(

@@ -347,10 +347,18 @@ ORDERED = ("easy_to_hard", "hard_to_easy")
 """The orders by difficulty; `hard_to_easy` is `easy_to_hard` over the negated difficulty (ties still by index)."""
 
 
+MODEL_MEASURES = ("loss", "perplexity", "ifd")
+"""Difficulty scored by a model's forward pass (toolkit/evals/scoring.py, toolkit/train/stage_scores.py)."""
+
+
 class DifficultyConfig(_Section):
-    by: Literal["length", "field"] = Field(..., description="What a row's difficulty is: its token length, or a "
-                                           "number in the row's key `field`.")
+    by: Literal["length", "field", "loss", "perplexity", "ifd"] = Field(
+        ..., description="What a row's difficulty is: its token length, a number in the row's key `field`, or a "
+        "model's score of it: loss (mean label-token cross-entropy), perplexity, ifd (loss given the prompt over "
+        "the response's loss alone).")
     field: str | None = Field(None, min_length=1, description="The row key holding the difficulty (by: field).")
+    model: str | None = Field(None, min_length=1, description="The scorer of by: loss | perplexity | ifd: base "
+                              "(the run's model before training) or current (the policy as it enters the stage).")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -358,6 +366,13 @@ class DifficultyConfig(_Section):
             raise ValueError("difficulty.by is field: name the row key with difficulty.field")
         if self.by != "field" and self.field is not None:
             raise ValueError(f"difficulty.field is read only with by: field, not by: {self.by}")
+        if self.by in MODEL_MEASURES and self.model is None:
+            raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model (base or current)")
+        if self.by not in MODEL_MEASURES and self.model is not None:
+            raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
+        if self.model is not None and self.model not in ("base", "current"):
+            raise ValueError(f"difficulty.model {self.model!r}: a separate scorer model (a path or hub id) is not "
+                             "supported yet; use base (the run's model before training) or current")
         return self
 
 
@@ -386,8 +401,8 @@ class StageConfig(_Section):
         "shuffle", description="Sample order; easy_to_hard / hard_to_easy sort by the rows' difficulty (see "
         "difficulty; by default the rows' `difficulty` key when every row has one, else token length).")
     difficulty: DifficultyConfig | None = Field(None, description="What orders the rows (order easy_to_hard / "
-                                                "hard_to_easy) and what drop ranks by: {by: length | field, "
-                                                "field: NAME}.")
+                                                "hard_to_easy) and what drop ranks by: {by: length | field | "
+                                                "loss | perplexity | ifd, field: NAME, model: base | current}.")
     drop: DropConfig | None = Field(None, description="Drop the easiest / hardest shares of the stage's rows by "
                                     "difficulty before training: {easiest: f, hardest: f}.")
     pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard / hard_to_easy.")
@@ -428,6 +443,10 @@ class StageConfig(_Section):
                     and mapped != self.difficulty.field:
                 raise ValueError(f"difficulty.field is {self.difficulty.field} but data entry {d.entry().name} maps "
                                  f"difficulty to column {mapped}: keep one of them")
+        if self.difficulty is not None and self.difficulty.by in MODEL_MEASURES and self.drop is not None:
+            raise ValueError(f"drop with difficulty.by {self.difficulty.by} is not supported yet (the scores exist "
+                             "only once the model is built, after the stage's rows are planned): drop by length "
+                             "or a field, or remove drop")
         if self.difficulty is not None and self.order not in ORDERED and self.drop is None:
             raise ValueError(f"difficulty orders rows only with order easy_to_hard or hard_to_easy (or ranks them "
                              f"for drop); with order {self.order} it would change nothing: remove it or set order")

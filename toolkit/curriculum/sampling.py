@@ -116,6 +116,9 @@ class StageSampler:
         self._replacement = replacement
         self._pacing = pacing
         self._seed, self._stage = int(seed), int(stage_index)
+        self._settings = dict(sizes=sizes, weights=weights, replacement=replacement, order=order, lengths=lengths,
+                              pacing=pacing, seed=seed, stage_index=stage_index, global_batch=global_batch,
+                              total_steps=total_steps)
         self._g, self._total_steps = int(global_batch), int(total_steps)
         self._steps_per_epoch = self._n // self._g
         self._probs = None if weights is None else np.asarray(weights, dtype=np.float64) / float(sum(weights))
@@ -132,6 +135,11 @@ class StageSampler:
         self._blocks: _Lru[tuple[np.ndarray, np.ndarray]] = _Lru(_CACHE)  # mixture block -> (dataset, rank)
         self._passes: _Lru[np.ndarray] = _Lru(_CACHE * len(sizes))        # mixture (dataset, pass) -> perm
         self._cum_counts: list[np.ndarray] = [np.zeros(len(sizes), dtype=np.int64)]  # draws before block b
+
+    def with_difficulty(self, difficulty: np.ndarray) -> StageSampler:
+        """The same stage's sampler ordered by `difficulty` (one per sample): a model's scores, known only once
+        the model has scored the stage's rows at its entry (toolkit/train/stage_scores.py)."""
+        return StageSampler(difficulty=difficulty, **self._settings)
 
     @property
     def num_samples(self) -> int:

@@ -177,6 +177,36 @@ class SourceRows(Sequence[dict[str, Any]]):
         return packed_row([self._sample(j) for j in self.members(k)])
 
 
+class KeptRows(Sequence[dict[str, Any]]):
+    """A stage's kept rows one by one, unpacked, over its sources in order: what a model scores (a packed row's
+    samples are scored apart, each given only itself)."""
+
+    def __init__(self, parts: Sequence[SourceRows]) -> None:
+        self.parts = list(parts)
+        self.starts = np.cumsum([0, *(len(p.selection.index) for p in self.parts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i) % len(self)
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k]._sample(i - int(self.starts[k]))
+
+    def per_row(self, values: np.ndarray) -> np.ndarray:
+        """Kept-row values as the stage's rows' (the sampler's): a packed row takes its hardest sample's."""
+        out = []
+        for part, lo, hi in zip(self.parts, self.starts[:-1].tolist(), self.starts[1:].tolist(), strict=True):
+            mine = np.asarray(values[lo:hi], dtype=np.float64)
+            if part.bins is not None and len(part.bins[0]) > 1:
+                offsets, members = part.bins
+                mine = np.maximum.reduceat(mine[members], offsets[:-1])
+            out.append(mine)
+        return np.concatenate(out) if out else np.zeros(0, np.float64)
+
+
 def packed_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """`toolkit.data.packing.pack_row`, and for vision-language samples their images and grids in order, with how many
     images each sample has (`image_counts`: the collator splits them back per sample). An image is never split:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
-from toolkit.config.schema import ORDERED, DataConfig, DataEntry
+from toolkit.config.schema import MODEL_MEASURES, ORDERED, DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import TextEncoder
 from toolkit.data.plan import (
@@ -145,11 +145,12 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     """A stage's training rows over its entries' stores: each entry's selection under the stage's length policy
     (data.max_seq_len, data.overlength), rows with nothing to train skipped, the stage's `drop` shares left out,
     packed with data.packing, and the difficulty easy_to_hard / hard_to_easy order by (`stage.difficulty`: the
-    rows' field, or token length; by default the `difficulty` key when every row has one). Training and
+    rows' field, or token length; by default the `difficulty` key when every row has one; a model's scores are
+    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then). Training and
     `toolkit inspect-data` both read a stage through this."""
     ordered = stage.order in ORDERED
     by = stage.difficulty.by if stage.difficulty is not None else None
-    needs = (ordered or stage.drop is not None) and by != "length"
+    needs = (ordered or stage.drop is not None) and by not in ("length", *MODEL_MEASURES)  # scores: at training
     picked = []
     for entry in stage.entries:
         store = stores(entry)

@@ -57,6 +57,7 @@ from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
+from toolkit.train.stage_scores import order_by_model
 
 log = logging.getLogger("toolkit")
 
@@ -191,11 +192,13 @@ def record_header(done: int, stage: Stage) -> dict[str, Any]:
 
 def enter_stage(run: Run, stage: Stage, step: int) -> None:
     """A stage's first step (or the first after a resume): its freezing, its patience (resumed counters when the
-    checkpoint was taken inside this stage)."""
+    checkpoint was taken inside this stage), its order by a model's scores (taken now, or read back on a resume:
+    toolkit/train/stage_scores.py)."""
     plan = stage.plan
     run.current_stage = stage.index
     run.freezer.set_stage(stage.index)
     run.curriculum.enter(stage)
+    order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler over them, before the first step
     log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
              plan.index + 1, len(run.curriculum.stages), plan.name, plan.start_step + 1, plan.end_step,
              plan.num_samples, plan.global_batch, run.curriculum.lr_at(step),
