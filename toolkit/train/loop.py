@@ -146,6 +146,7 @@ class Run:
     peak_flops: float | None = None
     bar: Any = None
     resumed: RunState | None = None
+    resumed_from: Path | None = None  # the checkpoint folder resumed from (its run folder holds the stage scores)
     current_stage: int = -1
     last_save: float = field(default_factory=time.monotonic)  # monotonic: not carried over a resume
     stage_start_tokens: int = 0

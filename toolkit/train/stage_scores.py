@@ -14,8 +14,10 @@ scores: the rows (each source's store checksum, kept rows and length cut), the r
 their responses alone for IFD), and the scorer (`base`: the base model and the model settings; `current`: the run's
 resume identity, the recipe hash, data checksums, stage batches and trainable state, with the step it scores at, a
 function of which is the policy's state then). A resume inside the stage reads the file and never scores with its
-later policy; one whose file is gone is refused in one line. A resume from a checkpoint at or before the stage
-entry scores again from the same state: the same scores (the file, when there, is simply read).
+later policy; one whose file is gone is refused in one line. A checkpoint references its scores through its run
+folder: a resume into a new output_dir takes them from the checkpoint's run (`<run>/checkpoints/step-N`). A resume
+from a checkpoint at or before the stage entry scores again from the same state: the same scores (the file, when
+there, is simply read).
 """
 
 from __future__ import annotations
@@ -34,21 +36,28 @@ from toolkit.curriculum.stages import Stage
 from toolkit.data.plan import KeptRows
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import RowSums, ScoreCache, cached_row_sums, measure, response_alone, score_key
+from toolkit.runtime.run_dir import RunLayout
 
 log = logging.getLogger(__name__)
 
 
 def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[dict[str, Any]],
                        collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
-                       folder: Path, key: str, may_score: bool, what: str) -> RowSums:
+                       folder: Path, key: str, may_score: bool, what: str,
+                       elsewhere: Path | None = None) -> RowSums:
     """Each sample's row sums by `model` (the prepared model: collective, every process calls it), kept in
     `folder` under `key` and read from there when already complete.
 
     `may_score`: whether the run stands where the key says the scores are taken (a stage's first step, step 0):
     only then may rows still missing be scored. Past that point the model has moved on; a missing or incomplete
     file is refused in one line rather than scored with a later model. `what` names the scores in the log and in
-    that refusal."""
+    that refusal. `elsewhere`: another run folder's scores (the run a resume's checkpoint belongs to, when it
+    resumes into a new output_dir), whose complete file of this key is taken over."""
     cache = ScoreCache(folder, key, len(samples), writer=accelerator.is_main_process)
+    if not cache.complete and elsewhere is not None and elsewhere.resolve() != folder.resolve():
+        theirs = ScoreCache(elsewhere, key, len(samples), writer=False)
+        if theirs.complete:
+            cache.record(np.arange(len(samples)), theirs.sums)
     if not cache.complete and not may_score:
         assert cache.path is not None
         raise ToolkitError(f"{what}: {cache.path} is missing or incomplete, and this launch resumes past the point "
@@ -108,15 +117,17 @@ def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
     rows = KeptRows(stage.data.samples.parts)
     ident = {"rows": _rows_identity(rows), "scorer": scorer_identity(run.identity, scorer, at)}
     folder = Path(run.recipe.output_dir) / "scores"
+    elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     what = f"stage '{stage.name}' scored by the {scorer} model at step {at}"
     args = (run.accelerator, run.model)
     given = stage_entry_scores(*args, rows, run.collate, stage.plan.micro_batch, folder=folder,
-                               key=score_key(render="given", **ident), may_score=step == at, what=what)
+                               key=score_key(render="given", **ident), may_score=step == at, what=what,
+                               elsewhere=elsewhere)
     alone = None
     if how.by == "ifd":
         alone = stage_entry_scores(*args, _Alone(rows), run.collate, stage.plan.micro_batch, folder=folder,
                                    key=score_key(render="alone", **ident), may_score=step == at,
-                                   what=f"{what} (responses alone, for ifd)")
+                                   what=f"{what} (responses alone, for ifd)", elsewhere=elsewhere)
     scores = measure(how.by, given, alone)
     finite = scores[np.isfinite(scores)]
     hardest = float(finite.max()) + 1.0 if len(finite) else 0.0
