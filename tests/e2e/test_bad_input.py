@@ -477,6 +477,18 @@ def _(c: Ctx) -> Call:
     return Call(["dummy-data", "--out", str(c.tmp / "dummy"), "--num-samples", "0"], c.tmp / "dummy", tool="toolkit")
 
 
+@case("score-out-exists")
+def _(c: Ctx) -> Call:
+    (c.tmp / "mine.parquet").write_text("the user's")
+    return Call(["score", "--config", str(c.recipe()), "--out", str(c.tmp / "mine.parquet")], c.tmp / "run",
+                tool="toolkit")
+
+
+@case("score-unknown-stage")
+def _(c: Ctx) -> Call:
+    return Call(["score", "--config", str(c.recipe()), "--stage", "nope"], c.tmp / "run", tool="toolkit")
+
+
 @case("preflight-accelerate-config-missing")
 def _(c: Ctx) -> Call:
     return Call(["preflight", "--config", str(c.recipe()), "--accelerate-config", str(c.tmp / "nope.yaml"),
