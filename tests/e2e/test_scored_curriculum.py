@@ -1,11 +1,12 @@
 """A stage ordered by the current model's loss, end to end (recipes/smoke_curriculum_scored.yaml: an SFT stage of
 3 steps, then a stage of 3 steps easy_to_hard by the policy's loss at its entry, step 3; a checkpoint per step).
 
-One single-process run and one 2-process DDP run (same global batches), then resumes of the single run from each
-of its 6 checkpoints (forked launches, tests/helpers/relaunch.py). Checked: both runs take the same scores under the
-same key and train the same losses; the scores equal a pass recomputed here from the step-3 checkpoint's adapter;
-the scored stage's batches are those rows easiest first (each step's token count is its 4 rows' lengths); every
-resume is exact, the ones inside the scored stage reading the scores rather than scoring with a later policy.
+One single-process run and 2-process runs under DDP, FSDP2 and ZeRO-3 (same global batches), then resumes of the
+single run from each of its 6 checkpoints (forked launches, tests/helpers/relaunch.py). Checked: every run takes the
+same scores under the same key and trains the same losses; the scores equal a pass recomputed here from the step-3
+checkpoint's adapter; the scored stage's batches are those rows easiest first (each step's token count is its 4
+rows' lengths); every resume is exact, the ones inside the scored stage reading the scores rather than scoring with
+a later policy.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.slow
 SCORED = "recipes/smoke_curriculum_scored.yaml"
 EVERY = ("checkpoint.keep_last=6",)
 ROWS = 32
+TWO_PROCESSES = ("ddp", "fsdp", "zero3")
 
 
 def scores_of(run: Path) -> tuple[str, dict[str, np.ndarray]]:
@@ -73,19 +75,22 @@ def recomputed(run: Path, ckpt: Path) -> tuple[np.ndarray, np.ndarray, np.ndarra
 @pytest.mark.timeout(1200)
 def test_a_stage_ordered_by_current_loss_scores_alike_follows_the_policy_at_entry_and_resumes_exactly(
         tmp_path: Path) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
+    one = tmp_path / "one"
     first = train_forked("single", 1, one, *EVERY, recipe=SCORED, dummy_samples=ROWS)
     assert "stage 'scored': ordered easy_to_hard by loss of the current model (30 rows" in first.stderr
-    train_forked("ddp", 2, two, *EVERY, "train.grad_accum=1", recipe=SCORED, dummy_samples=ROWS)
-
     name, single = scores_of(one)
-    other, ddp = scores_of(two)
-    assert other == name  # the same key: processes and batch split are not part of it
-    assert single["done"].all() and ddp["done"].all()
-    np.testing.assert_array_equal(ddp["tokens"], single["tokens"])
-    np.testing.assert_allclose(ddp["loss"], single["loss"], rtol=1e-6)
-    ref, got = read_metrics(one / "metrics.jsonl", "train"), read_metrics(two / "metrics.jsonl", "train")
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert single["done"].all()
+    ref = read_metrics(one / "metrics.jsonl", "train")
+    for strategy in TWO_PROCESSES:  # the pass sharded over 2 ranks; under ZeRO-3 and FSDP2 the model too
+        two = tmp_path / strategy
+        train_forked(strategy, 2, two, "train.grad_accum=1", recipe=SCORED, dummy_samples=ROWS)
+        other, theirs = scores_of(two)
+        assert other == name, strategy  # the same key: processes, strategy and batch split are not part of it
+        assert theirs["done"].all()
+        np.testing.assert_array_equal(theirs["tokens"], single["tokens"])
+        np.testing.assert_allclose(theirs["loss"], single["loss"], rtol=1e-6, err_msg=strategy)
+        got = read_metrics(two / "metrics.jsonl", "train")
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), strategy
 
     loss, tokens, lengths = recomputed(one, one / "checkpoints" / "step-00000003")
     np.testing.assert_array_equal(tokens, single["tokens"])
