@@ -1,12 +1,12 @@
 """A stage ordered by the current model's loss, end to end (recipes/smoke_curriculum_scored.yaml: an SFT stage of
 3 steps, then a stage of 3 steps easy_to_hard by the policy's loss at its entry, step 3; a checkpoint per step).
 
-One single-process run and 2-process runs under DDP, FSDP2 and ZeRO-3 (same global batches), then resumes of the
-single run from each of its 6 checkpoints (forked launches, tests/helpers/relaunch.py). Checked: every run takes the
-same scores under the same key and trains the same losses; the scores equal a pass recomputed here from the step-3
-checkpoint's adapter; the scored stage's batches are those rows easiest first (each step's token count is its 4
-rows' lengths); every resume is exact, the ones inside the scored stage reading the scores rather than scoring with
-a later policy.
+One single-process run and 2-process runs under DDP, FSDP2, ZeRO-3 and Ulysses sp_size 2 (same global batches),
+then resumes of the single run from each of its 6 checkpoints (forked launches, tests/helpers/relaunch.py).
+Checked: every run takes the same scores under the same key and trains the same losses; the scores equal a pass
+recomputed here from the step-3 checkpoint's adapter; the scored stage's batches are those rows easiest first (each
+step's token count is its 4 rows' lengths); every resume is exact, the ones inside the scored stage reading the
+scores rather than scoring with a later policy.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ pytestmark = pytest.mark.slow
 SCORED = "recipes/smoke_curriculum_scored.yaml"
 EVERY = ("checkpoint.keep_last=6",)
 ROWS = 32
-TWO_PROCESSES = ("ddp", "fsdp", "zero3")
+TWO_PROCESSES = ("ddp", "fsdp", "zero3", "zero3_sp2")
+"""Under Ulysses (zero3_sp2) the 2 processes are one data-parallel replica: the single process's batches as they are;
+the others take 2 x 1 micro-batches where it takes 1 x 2."""
 
 
 def scores_of(run: Path) -> tuple[str, dict[str, np.ndarray]]:
@@ -83,7 +85,8 @@ def test_a_stage_ordered_by_current_loss_scores_alike_follows_the_policy_at_entr
     ref = read_metrics(one / "metrics.jsonl", "train")
     for strategy in TWO_PROCESSES:  # the pass sharded over 2 ranks; under ZeRO-3 and FSDP2 the model too
         two = tmp_path / strategy
-        train_forked(strategy, 2, two, "train.grad_accum=1", recipe=SCORED, dummy_samples=ROWS)
+        split = () if strategy.endswith("_sp2") else ("train.grad_accum=1",)
+        train_forked(strategy, 2, two, *split, recipe=SCORED, dummy_samples=ROWS)
         other, theirs = scores_of(two)
         assert other == name, strategy  # the same key: processes, strategy and batch split are not part of it
         assert theirs["done"].all()
