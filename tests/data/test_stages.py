@@ -90,10 +90,19 @@ def test_the_new_keys_bind_a_checkpoint_only_when_set(tmp_path: Path, models: di
     assert "difficulty" not in plain["stages"][0] and "drop" not in plain["stages"][0]  # earlier hashes unchanged
     dropped = resume_invariants(_recipe(tmp_path, models["text"], drop={"easiest": 0.1}))
     assert dropped["stages"][0]["drop"] == {"easiest": 0.1, "hardest": 0.0}
+    by_field = resume_invariants(_recipe(tmp_path, models["text"], order="easy_to_hard",
+                                         difficulty={"by": "field", "field": "score"}))
+    assert by_field["stages"][0]["difficulty"] == {"by": "field", "field": "score"}  # as before difficulty.model
+    scored = resume_invariants(_recipe(tmp_path, models["text"], order="easy_to_hard",
+                                       difficulty={"by": "ifd", "model": "current"}))
+    assert scored["stages"][0]["difficulty"] == {"by": "ifd", "field": None, "model": "current"}  # the scorer binds
 
 
 @pytest.mark.parametrize("stage, message", [
-    ({"order": "easy_to_hard", "difficulty": {"by": "loss"}}, "difficulty.by"),
+    ({"order": "easy_to_hard", "difficulty": {"by": "loss"}}, "name the scorer with difficulty.model"),
+    ({"order": "easy_to_hard", "difficulty": {"by": "loss", "model": "org/small"}}, "not supported yet"),
+    ({"order": "easy_to_hard", "difficulty": {"by": "field", "field": "x", "model": "base"}},
+     "difficulty.model scores rows only with"),
     ({"order": "easy_to_hard", "difficulty": {"by": "length", "field": "x"}}, "read only with by: field"),
     ({"order": "easy_to_hard", "drop": {"easiest": -0.1}}, "drop.easiest"),
     ({"order": "easy_to_hard", "drop": {"hardest": 1}}, "drop.hardest"),
