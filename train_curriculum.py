@@ -167,8 +167,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
                    disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
     while step < curriculum.end_step:  # the end moves up when a stage ends early
         stage, step_in_stage = curriculum.locate(step)
-        if stage.index != run.current_stage:
-            enter_stage(run, stage, step)
+        if stage.index != run.current_stage and (code := enter_stage(run, stage, step)) is not None:
+            return code  # stopped during the stage's scoring pass
         result = run_step(run, stage, step_in_stage, step)
         if (code := after_step(run, stage, step_in_stage, step + 1, result)) is not None:
             return code

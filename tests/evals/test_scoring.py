@@ -178,3 +178,25 @@ def test_a_stopped_pass_keeps_its_blocks_and_the_next_one_scores_only_the_rest(
     other = score_key(rows="store-sha", scorer="other-weights", rendering="given")
     assert not ScoreCache(tmp_path, other, 6, writer=True).done.any()  # another scorer: scored afresh
     assert not ScoreCache(tmp_path, key, 7, writer=True).done.any()  # other rows under the same key: afresh
+
+
+def test_should_stop_ends_the_pass_between_blocks_keeping_them(tmp_path: Path, models: dict[str, str],
+                                                               tokenizer: Any, samples: list[dict[str, Any]],
+                                                               expected: dict[str, np.ndarray]) -> None:
+    model = load(models)
+    install_loss_head(model, "chunked")
+    accelerator, collate = distributed.build_accelerator(1, 10), padding_collator(tokenizer)
+    asked: list[int] = []
+
+    def stop() -> bool:  # a signal arrives during the second block
+        asked.append(1)
+        return len(asked) >= 2
+
+    cache = ScoreCache(tmp_path, "k", len(samples), writer=True)
+    assert cached_row_sums(accelerator, model, samples, collate, 1, cache=cache, block_rows=2,
+                           should_stop=stop) is None
+    kept = ScoreCache(tmp_path, "k", len(samples), writer=True)
+    assert kept.done.tolist() == [True] * 4 + [False] * 2  # the two finished blocks
+    sums = cached_row_sums(accelerator, model, samples, collate, 1, cache=kept, block_rows=2, should_stop=stop)
+    assert sums is not None  # the last block completes the pass: nothing left to stop
+    np.testing.assert_allclose(sums.loss, expected["sum"], rtol=1e-7)

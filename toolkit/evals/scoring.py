@@ -242,10 +242,13 @@ class Progress:
 
 def cached_row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence[dict[str, Any]],
                     collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
-                    cache: ScoreCache | None, what: str = "scoring", block_rows: int | None = None) -> RowSums:
+                    cache: ScoreCache | None, what: str = "scoring", block_rows: int | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> RowSums | None:
     """`row_sums` of every sample, through `cache`: rows it holds are not scored again, each finished block is
     kept as it ends (a pass stopped by a signal keeps them; the relaunch goes on), progress is logged per block.
-    Collective, like `row_sums`; every process holds the same cache state (it is read from the same file)."""
+    Collective, like `row_sums`; every process holds the same cache state (it is read from the same file).
+    `should_stop` (collective too, the same answer on every process) is asked after each block: True ends the
+    pass there, with None returned, its finished blocks kept."""
     cache = cache if cache is not None else ScoreCache(None, "", len(samples), writer=False)
     todo = np.flatnonzero(~cache.done)
     if len(todo):
@@ -256,6 +259,16 @@ def cached_row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: S
             cache.record(indices, part)
             if accelerator.is_main_process:
                 log.info("%s", progress.line(len(indices)))
+            if should_stop is not None and not cache.complete and should_stop():
+                raise _StopPass
 
-        row_sums(accelerator, model, samples, collate, micro_batch_size, rows=todo, block_rows=block, on_block=keep)
+        try:
+            row_sums(accelerator, model, samples, collate, micro_batch_size, rows=todo, block_rows=block,
+                     on_block=keep)
+        except _StopPass:
+            return None
     return RowSums(cache.sums.loss.copy(), cache.sums.tokens.copy())
+
+
+class _StopPass(Exception):
+    pass

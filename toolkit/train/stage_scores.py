@@ -36,7 +36,7 @@ from toolkit.curriculum.stages import Stage
 from toolkit.data.plan import KeptRows
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import RowSums, ScoreCache, cached_row_sums, measure, response_alone, score_key
-from toolkit.runtime.run_dir import RunLayout
+from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[dict[str, Any]],
                        collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
                        folder: Path, key: str, may_score: bool, what: str,
-                       elsewhere: Path | None = None) -> RowSums:
+                       elsewhere: Path | None = None, should_stop: Callable[[], bool] | None = None
+                       ) -> RowSums | None:
     """Each sample's row sums by `model` (the prepared model: collective, every process calls it), kept in
     `folder` under `key` and read from there when already complete.
 
@@ -52,7 +53,8 @@ def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[d
     only then may rows still missing be scored. Past that point the model has moved on; a missing or incomplete
     file is refused in one line rather than scored with a later model. `what` names the scores in the log and in
     that refusal. `elsewhere`: another run folder's scores (the run a resume's checkpoint belongs to, when it
-    resumes into a new output_dir), whose complete file of this key is taken over."""
+    resumes into a new output_dir), whose complete file of this key is taken over. `should_stop`: asked after
+    each block, on every process (collective); True stops the pass there, its blocks kept, and returns None."""
     cache = ScoreCache(folder, key, len(samples), writer=accelerator.is_main_process)
     if not cache.complete and elsewhere is not None and elsewhere.resolve() != folder.resolve():
         theirs = ScoreCache(elsewhere, key, len(samples), writer=False)
@@ -65,7 +67,8 @@ def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[d
                            "resume from a checkpoint at or before that point (checkpoint.resume: a step folder).")
     if cache.complete:
         log.info("%s: read from %s", what, cache.path)
-    return cached_row_sums(accelerator, model, samples, collate, micro_batch_size, cache=cache, what=what)
+    return cached_row_sums(accelerator, model, samples, collate, micro_batch_size, cache=cache, what=what,
+                           should_stop=should_stop)
 
 
 def model_scored(stage: Stage) -> str | None:
@@ -104,10 +107,33 @@ class _Alone(Sequence[dict[str, Any]]):
         return response_alone(self.rows[i])
 
 
+class ScoringStopped(Exception):
+    """A stop signal ended a stage's scoring pass between blocks; a checkpoint at this step resumes it."""
+
+
+def _stop_for_signal(run: Any, step: int) -> Callable[[], bool]:
+    """After a block: whether a stop signal reached any process (one all-reduce, the same answer everywhere) and a
+    checkpoint at `step` exists for the relaunch to resume the pass from (the stage-end checkpoint, or the one this
+    launch resumed from). Without one the pass goes on; the signal then ends the run after the next step."""
+    import torch
+
+    acc = run.accelerator
+    committed = committed_checkpoints(run.manager.root)
+    here = (bool(committed) and committed[-1].name == f"step-{step:08d}") or (
+        run.resumed is not None and run.resumed.step == step)
+
+    def ask() -> bool:
+        flag = acc.reduce(torch.tensor(float(run.preemption.requested), device=acc.device), reduction="sum")
+        return bool(flag.item() > 0) and here
+
+    return ask
+
+
 def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
     """Order `stage` by its model scores (difficulty by loss | perplexity | ifd): score its kept rows (or read
     them), set the stage's difficulty and sampler from them, and return the per-row scores. `run` is the
-    train loop's `Run`; `step` the global step the run stands at. None for a stage no model orders."""
+    train loop's `Run`; `step` the global step the run stands at. None for a stage no model orders. Raises
+    `ScoringStopped` when a stop signal ends the pass (`current` scores, from a checkpoint at this step)."""
     scorer = model_scored(stage)
     if scorer is None:
         return None
@@ -120,14 +146,19 @@ def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     what = f"stage '{stage.name}' scored by the {scorer} model at step {at}"
     args = (run.accelerator, run.model)
+    stop = _stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
     given = stage_entry_scores(*args, rows, run.collate, stage.plan.micro_batch, folder=folder,
                                key=score_key(render="given", **ident), may_score=step == at, what=what,
-                               elsewhere=elsewhere)
+                               elsewhere=elsewhere, should_stop=stop)
     alone = None
-    if how.by == "ifd":
+    if given is not None and how.by == "ifd":
         alone = stage_entry_scores(*args, _Alone(rows), run.collate, stage.plan.micro_batch, folder=folder,
                                    key=score_key(render="alone", **ident), may_score=step == at,
-                                   what=f"{what} (responses alone, for ifd)", elsewhere=elsewhere)
+                                   what=f"{what} (responses alone, for ifd)", elsewhere=elsewhere, should_stop=stop)
+        if alone is None:
+            raise ScoringStopped(what)
+    if given is None:
+        raise ScoringStopped(what)
     scores = measure(how.by, given, alone)
     finite = scores[np.isfinite(scores)]
     hardest = float(finite.max()) + 1.0 if len(finite) else 0.0
