@@ -6,11 +6,12 @@ then resumes of the single run from each of its 6 checkpoints (forked launches, 
 Checked: every run takes the same scores under the same key and trains the same losses; the scores equal a pass
 recomputed here from the step-3 checkpoint's adapter; the scored stage's batches are those rows easiest first (each
 step's token count is its 4 rows' lengths); every resume is exact, the ones inside the scored stage reading the
-scores rather than scoring with a later policy.
+scores rather than scoring with a later policy, and one whose run folder has no scores is refused in one line.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import dummy_run_args, train_forked
+from tests.conftest import dummy_run_args, relaunch, train_forked
 from tests.e2e.test_resume import assert_exact_from_every_checkpoint
 from toolkit.builtin.models import materialize_builtin
 from toolkit.checkpoint.portable import portable_lora_file
@@ -109,3 +110,12 @@ def test_a_stage_ordered_by_current_loss_scores_alike_follows_the_policy_at_entr
         log = (tmp_path / f"one-from-{step}.log").read_text()
         assert "scored by the current model at step 3: read from" in log
         assert "rows/s" not in log.split("resumed (exact)")[1]  # nothing scored again
+
+    # A checkpoint inside the stage whose run folder holds no scores: refused, not scored with the later policy.
+    orphan = tmp_path / "elsewhere" / "checkpoints" / "step-00000005"
+    shutil.copytree(one / "checkpoints" / "step-00000005", orphan)
+    out = tmp_path / "orphan"
+    (code,) = relaunch("single", [([*argv, f"output_dir={out}", f"checkpoint.resume={orphan}"],
+                                   out.with_suffix(".log"))], mixed_precision="no")
+    assert code == 2
+    assert "resumes past the point those scores were taken" in out.with_suffix(".log").read_text()
