@@ -116,6 +116,18 @@ def test_hard_to_easy_is_the_hardest_first_ties_by_index_paced_or_not() -> None:
         assert np.all(np.diff(difficulty[own]) <= 0)
 
 
+def test_with_difficulty_is_the_same_stage_sampled_over_new_scores() -> None:
+    """A model's scores arrive at the stage's entry: the sampler built over lengths, then given them, is the one
+    built over them from the start (pacing and mixture included)."""
+    scores = np.random.default_rng(2).random(100)
+    for settings in ({}, {"pacing": Pacing("sqrt", 0.3)}, {"weights": [1.0, 2.0, 0.5]}):
+        later = _sampler(order="easy_to_hard", difficulty=None, **settings).with_difficulty(scores)
+        built = _sampler(order="easy_to_hard", difficulty=scores, **settings)
+        assert [later.batch(k) for k in range(8)] == [built.batch(k) for k in range(8)]
+    with pytest.raises(ToolkitError, match="difficulty"):
+        _sampler(order="easy_to_hard", difficulty=None).with_difficulty(np.full(100, np.nan))
+
+
 def test_easy_to_hard_without_difficulty_sorts_by_length() -> None:
     lengths = np.random.default_rng(2).integers(1, 500, size=100)
     s = _sampler(order="easy_to_hard", lengths=lengths)
