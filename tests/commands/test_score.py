@@ -14,6 +14,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.commands.inspect_data import inspect_data
 from toolkit.commands.score import score
 from toolkit.config.load import load_recipe
 from toolkit.data.plan import encode_files
@@ -50,6 +51,8 @@ def test_score_reports_and_writes_each_rows_score(tmp_path: Path, models: dict[s
     assert report.splitlines()[1].startswith("  (training orders this stage by the policy as it enters it")
     assert report.split("easiest 4:\n")[1].splitlines()[0].endswith(f"{data}:{easiest + 1}")
     assert "scores: " in report and report.count("|") == 10  # the histogram's bins
+    shown = inspect_data(recipe, stage="only", rows=2, colour=False)  # each row with its score
+    assert f"--- {data}:2 (" in shown and f"ifd {table['ifd'][1]:.4g}) ---" in shown
     named = tmp_path / "mine.parquet"
     named.write_text("the user's")
     with pytest.raises(ToolkitError, match="exists; name a new file"):
