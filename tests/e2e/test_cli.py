@@ -89,4 +89,4 @@ def test_python_dash_m_toolkit_is_the_toolkit_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "toolkit", "--help"], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "{dummy-data,tiny-model,export,preflight,inspect-data,plot}" in proc.stdout
+    assert "{dummy-data,tiny-model,export,preflight,inspect-data,score,plot}" in proc.stdout
