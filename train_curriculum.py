@@ -66,6 +66,7 @@ from toolkit.train.setup import (
     start_afresh,
     write_run_files,
 )
+from toolkit.train.stage_scores import score_before_training
 
 log = logging.getLogger("toolkit")
 
@@ -86,9 +87,8 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     layout = ending.layout = RunLayout(recipe.output_dir)  # a stop names the checkpoint a relaunch resumes from
     check_output_dir(layout.root)
     scorers = import_scorers(recipe, Path(config).parent if config else Path.cwd())  # user scorers, before the heavy
-    # A built-in tiny model is written (if missing) by every process before the process group exists: once it does,
-    # transformers' save_pretrained writes weights on global rank 0 only, so another node's copy would have none.
-    # Processes building at once are safe (each builds aside; the first rename wins, the copies are identical).
+    # Every process writes a built-in tiny model (if missing) before the process group exists, since after it
+    # save_pretrained writes weights on global rank 0 only. Builders at once are safe: the first rename wins.
     model_path = materialize_builtin(recipe.model.name_or_path, layout.cache)
 
     # --- Accelerator: the launch config decides the strategy; we only pass what the recipe owns. ---
@@ -157,13 +157,14 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()
     step = run.resumed.step if run.resumed else 0
+    score_before_training(run, step)  # stages ordered by the base model's scores: taken before the first step
     preemption.training()  # a signal from here on finishes the step it is in, saves and exits
     run.bar = tqdm(total=curriculum.end_step, initial=step,
                    disable=not (accelerator.is_main_process and recipe.logging.progress_bar))
     while step < curriculum.end_step:  # the end moves up when a stage ends early
         stage, step_in_stage = curriculum.locate(step)
-        if stage.index != run.current_stage:
-            enter_stage(run, stage, step)
+        if stage.index != run.current_stage and (code := enter_stage(run, stage, step)) is not None:
+            return code  # stopped during the stage's scoring pass
         result = run_step(run, stage, step_in_stage, step)
         if (code := after_step(run, stage, step_in_stage, step + 1, result)) is not None:
             return code
@@ -201,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     ending = LastWords()
-    # Stop signals from here on: before the first step they end the run at once, then after a step with a checkpoint;
-    # the launcher's death reaches the trainer as SIGTERM (toolkit/runtime/signals.py).
+    # Stop signals from here on end the run at once before the first step, then after a step (runtime/signals.py).
     preemption = PreemptionFlag(advice=ending.relaunch_advice)
     threading.excepthook = _quiet_about_full_disks
     if torch.cuda.is_available():

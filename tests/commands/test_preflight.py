@@ -145,3 +145,13 @@ def test_the_long_recipe_under_ulysses_is_estimated_per_slice_and_names_the_fewe
                        scan_data=False)
     assert int(next(x for x in single.splitlines() if x.startswith("gradient checkpointing: the fewest"))
                .split(": ")[2].split(" of ")[0]) > fewest
+
+
+def test_a_stage_ordered_by_a_model_has_its_scoring_pass_estimated(tmp_path: Path) -> None:
+    recipe = load_recipe(REPO / "recipes" / "smoke_curriculum_scored.yaml",
+                         [f"output_dir={tmp_path / 'run'}", "stages.1.difficulty.by=ifd"])
+    report = preflight(recipe, REPO / "accelerate_configs" / "ddp.yaml", num_gpus=2, gpu_memory_gb=80,
+                       scan_data=False)
+    lines = report.split("scoring passes (difficulty by a model's score")[1].splitlines()
+    assert lines[1].startswith("  scored: ifd of the current model, at the stage's first step: two no-grad forwards")
+    assert not any(x.startswith("  sft:") for x in lines)  # not ordered by a model: no pass

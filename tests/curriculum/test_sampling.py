@@ -100,6 +100,34 @@ def test_easy_to_hard_without_pacing_is_nondecreasing_every_epoch() -> None:
     assert [i for k in range(12, 24) for i in s.batch(k)] == epoch
 
 
+def test_hard_to_easy_is_the_hardest_first_ties_by_index_paced_or_not() -> None:
+    difficulty = np.random.default_rng(1).integers(0, 10, size=100).astype(float)  # many ties
+    s = _sampler(order="hard_to_easy", difficulty=difficulty)
+    epoch = [i for k in range(12) for i in s.batch(k)]
+    assert epoch == np.lexsort((np.arange(100), -difficulty))[:96].tolist()
+    assert np.all(np.diff(difficulty[epoch]) <= 0)
+    paced = _sampler(order="hard_to_easy", difficulty=difficulty, pacing=Pacing("linear", 0.2))
+    first = paced.batch(0)  # competence 0.2: the hardest fifth only
+    assert set(first) <= set(np.lexsort((np.arange(100), -difficulty))[:20].tolist())
+    mixed = _sampler(order="hard_to_easy", difficulty=difficulty, weights=[1.0, 2.0, 0.5])
+    drawn = [i for k in range(3) for i in mixed.batch(k)]
+    for lo, hi in ((0, 30), (30, 80), (80, 100)):  # each dataset walked hardest first
+        own = [i for i in drawn if lo <= i < hi]
+        assert np.all(np.diff(difficulty[own]) <= 0)
+
+
+def test_with_difficulty_is_the_same_stage_sampled_over_new_scores() -> None:
+    """A model's scores arrive at the stage's entry: the sampler built over lengths, then given them, is the one
+    built over them from the start (pacing and mixture included)."""
+    scores = np.random.default_rng(2).random(100)
+    for settings in ({}, {"pacing": Pacing("sqrt", 0.3)}, {"weights": [1.0, 2.0, 0.5]}):
+        later = _sampler(order="easy_to_hard", difficulty=None, **settings).with_difficulty(scores)
+        built = _sampler(order="easy_to_hard", difficulty=scores, **settings)
+        assert [later.batch(k) for k in range(8)] == [built.batch(k) for k in range(8)]
+    with pytest.raises(ToolkitError, match="difficulty"):
+        _sampler(order="easy_to_hard", difficulty=None).with_difficulty(np.full(100, np.nan))
+
+
 def test_easy_to_hard_without_difficulty_sorts_by_length() -> None:
     lengths = np.random.default_rng(2).integers(1, 500, size=100)
     s = _sampler(order="easy_to_hard", lengths=lengths)

@@ -125,6 +125,21 @@ case("preference-smoothing-without-robust")(lambda c: c.train(
     "stages.0.objective=dpo", "stages.0.preference={label_smoothing: 0.1}"))
 case("preference-loss-weights-count")(lambda c: c.train(
     "stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, sft], loss_weights: [1]}"))
+case("difficulty-field-without-name")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "field"})))
+case("difficulty-without-order")(lambda c: c.train(change=stage("difficulty", {"by": "length"})))
+case("difficulty-model-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss"})))
+case("difficulty-scorer-path")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss", "model": "./small-model"})))
+case("drop-by-model-score")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss", "model": "current"}, drop={"easiest": 0.1})))
+case("drop-everything")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", drop={"easiest": 0.5, "hardest": 0.5})))
+case("difficulty-field-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "field", "field": "difficulty"})))
+case("difficulty-named-field-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "field", "field": "score"})))
 case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continue")))
 case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
 case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))
@@ -585,6 +600,18 @@ def _(c: Ctx) -> Call:
 @case("dummy-data-zero")
 def _(c: Ctx) -> Call:
     return Call(["dummy-data", "--out", str(c.tmp / "dummy"), "--num-samples", "0"], c.tmp / "dummy", tool="toolkit")
+
+
+@case("score-out-exists")
+def _(c: Ctx) -> Call:
+    (c.tmp / "mine.parquet").write_text("the user's")
+    return Call(["score", "--config", str(c.recipe()), "--out", str(c.tmp / "mine.parquet")], c.tmp / "run",
+                tool="toolkit")
+
+
+@case("score-unknown-stage")
+def _(c: Ctx) -> Call:
+    return Call(["score", "--config", str(c.recipe()), "--stage", "nope"], c.tmp / "run", tool="toolkit")
 
 
 @case("preflight-accelerate-config-missing")

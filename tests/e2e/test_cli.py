@@ -90,4 +90,4 @@ def test_python_dash_m_toolkit_is_the_toolkit_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "toolkit", "--help"], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "{train,dummy-data,tiny-model,export,preflight,inspect-data,plot,report}" in proc.stdout
+    assert "{train,dummy-data,tiny-model,export,preflight,inspect-data,score,plot,report}" in proc.stdout

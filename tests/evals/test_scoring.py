@@ -9,7 +9,9 @@ perplexity and IFD agree within 1e-6, and so do the eval loss built on it and th
 
 from __future__ import annotations
 
+import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ from toolkit.data.collate import padding_collator
 from toolkit.data.encoding import IGNORE_INDEX, encode_row
 from toolkit.data.packing import PackedCollator
 from toolkit.evals.loss import evaluate
-from toolkit.evals.scoring import measure, response_alone, row_sums
+from toolkit.evals.scoring import ScoreCache, cached_row_sums, measure, response_alone, row_sums, score_key
 from toolkit.model.attention import SDPA_PACKED, register_kernels
 from toolkit.model.loss_head import install_loss_head, loss_head_of
 from toolkit.runtime import process as distributed
@@ -131,3 +133,70 @@ def test_response_alone_keeps_the_label_tokens_after_the_opening_token() -> None
                                                               IGNORE_INDEX, 7]}
     assert response_alone(row) == {"input_ids": [1, 4, 5, 7], "labels": [IGNORE_INDEX, 4, 5, 7]}
 
+
+
+class StopAfter:
+    """Raises, as a stop signal before the first step does (runtime/signals.py's Stopped), once `blocks` blocks
+    were kept: the pass is cut off between two blocks."""
+
+    def __init__(self, cache: ScoreCache, blocks: int) -> None:
+        self.cache, self.left = cache, blocks
+        self._record = cache.record
+
+    def __call__(self, indices: np.ndarray, part: Any) -> None:
+        self._record(indices, part)
+        self.left -= 1
+        if self.left == 0:
+            raise KeyboardInterrupt
+
+
+def test_a_stopped_pass_keeps_its_blocks_and_the_next_one_scores_only_the_rest(
+        tmp_path: Path, models: dict[str, str], tokenizer: Any, samples: list[dict[str, Any]],
+        expected: dict[str, np.ndarray], caplog: pytest.LogCaptureFixture) -> None:
+    model = load(models)
+    head = install_loss_head(model, "chunked")
+    assert head is not None
+    accelerator = distributed.build_accelerator(1, 10)
+    collate = padding_collator(tokenizer)
+    key = score_key(rows="store-sha", scorer="weights-sha", rendering="given")
+    first = ScoreCache(tmp_path, key, len(samples), writer=True)
+    first.record = StopAfter(first, blocks=2)  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        cached_row_sums(accelerator, model, samples, collate, 1, cache=first, block_rows=2)
+    again = ScoreCache(tmp_path, key, len(samples), writer=True)
+    assert again.done.tolist() == [True] * 4 + [False] * 2  # two blocks of two rows kept
+    calls = head.calls
+    with caplog.at_level(logging.INFO, logger="toolkit.evals.scoring"):
+        sums = cached_row_sums(accelerator, model, samples, collate, 1, cache=again, block_rows=2)
+    assert head.calls - calls == 2  # only the two rows not done
+    np.testing.assert_allclose(sums.loss, expected["sum"], rtol=1e-7)
+    assert any("scoring: 6/6 rows (100%)" in r.getMessage() and "rows/s, ETA" in r.getMessage()
+               for r in caplog.records)
+    calls = head.calls
+    cached_row_sums(accelerator, model, samples, collate, 1, cache=ScoreCache(tmp_path, key, 6, writer=True))
+    assert head.calls == calls  # complete: nothing scored again
+    other = score_key(rows="store-sha", scorer="other-weights", rendering="given")
+    assert not ScoreCache(tmp_path, other, 6, writer=True).done.any()  # another scorer: scored afresh
+    assert not ScoreCache(tmp_path, key, 7, writer=True).done.any()  # other rows under the same key: afresh
+
+
+def test_should_stop_ends_the_pass_between_blocks_keeping_them(tmp_path: Path, models: dict[str, str],
+                                                               tokenizer: Any, samples: list[dict[str, Any]],
+                                                               expected: dict[str, np.ndarray]) -> None:
+    model = load(models)
+    install_loss_head(model, "chunked")
+    accelerator, collate = distributed.build_accelerator(1, 10), padding_collator(tokenizer)
+    asked: list[int] = []
+
+    def stop() -> bool:  # a signal arrives during the second block
+        asked.append(1)
+        return len(asked) >= 2
+
+    cache = ScoreCache(tmp_path, "k", len(samples), writer=True)
+    assert cached_row_sums(accelerator, model, samples, collate, 1, cache=cache, block_rows=2,
+                           should_stop=stop) is None
+    kept = ScoreCache(tmp_path, "k", len(samples), writer=True)
+    assert kept.done.tolist() == [True] * 4 + [False] * 2  # the two finished blocks
+    sums = cached_row_sums(accelerator, model, samples, collate, 1, cache=kept, block_rows=2, should_stop=stop)
+    assert sums is not None  # the last block completes the pass: nothing left to stop
+    np.testing.assert_allclose(sums.loss, expected["sum"], rtol=1e-7)

@@ -95,6 +95,14 @@ def _inspect_data(args: argparse.Namespace) -> None:
     print(inspect_data(load_recipe(args.config, args.overrides), stage=args.stage, rows=args.rows))
 
 
+def _score(args: argparse.Namespace) -> None:
+    from toolkit.commands.score import score
+    from toolkit.config.load import load_recipe
+
+    print(score(load_recipe(args.config, args.overrides), stage=args.stage,
+                out=None if args.out is None else Path(args.out)))
+
+
 def _plot(args: argparse.Namespace) -> None:
     from toolkit.evals.forgetting import plot_forgetting
     from toolkit.metrics.plot import plot_run
@@ -175,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=3, help="Rows to print per stage (default 3).")
     p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
     p.set_defaults(func=_inspect_data)
+
+    p = sub.add_parser("score", help="Score a stage's rows with the recipe's model before training (loss, "
+                       "perplexity or ifd): a histogram, the easiest and hardest rows, every row's score in parquet.")
+    p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
+    p.add_argument("--stage", help="The stage (default: the first one a model orders, else the first).")
+    p.add_argument("--out", help="The parquet file to write (default <output_dir>/scores/<stage>.parquet).")
+    p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
+    p.set_defaults(func=_score)
 
     p = sub.add_parser("plot", help="Write <output_dir>/training.png (loss, eval loss, LR, tokens/s by stage) and, "
                        "with eval.all_stages, forgetting.png (the forgetting matrix as a heatmap).")

@@ -128,14 +128,30 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                 lines += [f"  {describe_entry(e, w)}: {p.selection.stats.summary()}"
                           for e, w, p in zip(st.entries, weights, parts, strict=True)]
             lines.append(stage_statistics(src))
+            scored = _scores(layout, st.name)
             shown = ((p, int(i)) for p in parts for i in p.selection.index)
             for part, i in itertools.islice(shown, rows):
                 sample = part.store.sample(i, part.selection.limit)
                 full = int(part.store.lengths[i])
                 cut = f", truncated from {full}" if full > part.selection.limit else ""
-                lines += [f"--- {part.store.where(i)} ({len(sample['input_ids'])} tokens{cut}) ---",
+                where = part.store.where(i)
+                score = f", {scored[0]} {scored[1][where]:.4g}" if scored and where in scored[1] else ""
+                lines += [f"--- {where} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
                           mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
     return "\n".join(lines)
+
+
+def _scores(layout: RunLayout, stage: str) -> tuple[str, dict[str, float]] | None:
+    """(measure, row -> score) from `toolkit score`'s file of the stage (`<output_dir>/scores/<stage>.parquet`),
+    None when there is none."""
+    import pyarrow.parquet as pq
+
+    path = layout.scores / f"{stage}.parquet"
+    if not path.is_file():
+        return None
+    table = pq.read_table(path).to_pydict()
+    name = next((m for m in ("loss", "perplexity", "ifd") if m in table), None)
+    return None if name is None else (name, dict(zip(table["row"], table[name], strict=True)))
 
 
 def _dummy_dir(recipe: Recipe, tmp: Path, *, vision: bool) -> Path:

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from toolkit.builtin.models import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
-from toolkit.config.schema import DataConfig, Recipe
+from toolkit.config.schema import MODEL_MEASURES, DataConfig, Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
 from toolkit.model.fused_layers import resolve_fused_layers
@@ -53,7 +53,8 @@ def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_l
     no_loss = int(sum((s.label_tokens == 0).sum() for s in stores))
     rows = len(arr)
     arr = arr if rows else np.zeros(1, np.int64)
-    return {"rows": rows, "p50": int(np.percentile(arr, 50)), "p90": int(np.percentile(arr, 90)),
+    tokens = int(np.minimum(arr, max_seq_len).sum()) if rows else 0
+    return {"rows": rows, "tokens": tokens, "p50": int(np.percentile(arr, 50)), "p90": int(np.percentile(arr, 90)),
             "p99": int(np.percentile(arr, 99)), "max": int(arr.max()),
             "over_max_seq_len": int((arr > max_seq_len).sum()), "no_trainable_tokens": no_loss}
 
@@ -145,6 +146,24 @@ def checkpointing_proposal(recipe: Recipe, config: Any, stages: list[ResolvedSta
             f"(model.gradient_checkpointing: {value})")
 
 
+def scoring_passes(stages: list[Any]) -> list[str]:
+    """What the scoring passes of the stages a model orders cost (difficulty by loss | perplexity | ifd): one
+    no-grad forward over the stage's rows (ifd: two, the responses alone too), a forward being about 1/3 of a
+    training step's compute per token (2 of 6 x parameters FLOPs); memory under the stage's training peak."""
+    lines = []
+    for stage in stages:
+        how = stage.difficulty
+        if how is None or how.by not in MODEL_MEASURES:
+            continue
+        when = "before the first step" if how.model == "base" else "at the stage's first step"
+        passes = "two no-grad forwards (the rows, then their responses alone)" if how.by == "ifd" else \
+            "one no-grad forward"
+        lines.append(f"  {stage.name}: {how.by} of the {how.model} model, {when}: {passes} over its rows, each "
+                     "about 1/3 of an epoch's training compute; peak memory below the stage's training peak above "
+                     "(no gradients, no optimizer step, the loss head's chunks)")
+    return ["scoring passes (difficulty by a model's score; toolkit/evals/scoring.py):", *lines] if lines else []
+
+
 def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
               scan_data: bool = True) -> str:
     """The preflight report as text."""
@@ -186,6 +205,9 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
              f"worst stage '{stages[worst].name}' (micro batch {stages[worst].micro_batch_size} x "
              f"{stages[worst].max_seq_len} tokens), every strategy:",
              format_table(estimates[worst], gpu_memory_gb=gpu_memory_gb)]
+    scored = scoring_passes(stages)
+    if scored:
+        lines += ["", *scored]
     if scan_data and getattr(config, "vision_config", None) is not None:
         lines += ["", "data scan skipped: image-text rows are not scanned by preflight (training reports each "
                   "stage's kept, dropped and truncated rows at its start)."]
@@ -211,6 +233,10 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                 st = scan_stage(list(stage.entries), tokenizer, dummy_dir, max_seq_len=stage.max_seq_len,
                                 train_on=recipe.data.train_on, thinking=recipe.data.thinking,
                                 chat_template=recipe.data.chat_template)
+                if stage.difficulty is not None and stage.difficulty.by in MODEL_MEASURES:
+                    passes = 2 if stage.difficulty.by == "ifd" else 1
+                    lines.append(f"  {stage.name}: its scoring pass runs {passes * st['tokens']} tokens forward "
+                                 f"({passes} x the {st['tokens']} of its rows within max_seq_len)")
                 lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "
                              f"{st['no_trainable_tokens']} without trainable tokens")

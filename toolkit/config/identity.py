@@ -22,6 +22,11 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             del stage["micro_batch_size"]
         if stage["objective"] == "sft" and stage["preference"] is None:  # the default: earlier hashes as they were
             del stage["objective"], stage["preference"]
+        for key in ("difficulty", "drop"):  # bound when set; unset, earlier checkpoints' hashes stay as they were
+            if stage.get(key) is None:
+                stage.pop(key, None)
+        if stage.get("difficulty") is not None and stage["difficulty"].get("model") is None:
+            del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
             for key in ("split", "columns", "tags", "dataset", "dataset_dir"):
                 if isinstance(entry, dict) and entry.get(key) is None:

@@ -380,6 +380,51 @@ class PreferenceConfig(_Section):
         return self
 
 
+ORDERED = ("easy_to_hard", "hard_to_easy")
+"""The orders by difficulty; `hard_to_easy` is `easy_to_hard` over the negated difficulty (ties still by index)."""
+
+
+MODEL_MEASURES = ("loss", "perplexity", "ifd")
+"""Difficulty scored by a model's forward pass (toolkit/evals/scoring.py, toolkit/train/stage_scores.py)."""
+
+
+class DifficultyConfig(_Section):
+    by: Literal["length", "field", "loss", "perplexity", "ifd"] = Field(
+        ..., description="What a row's difficulty is: its token length, a number in the row's key `field`, or a "
+        "model's score of it: loss (mean label-token cross-entropy), perplexity, ifd (loss given the prompt over "
+        "the response's loss alone).")
+    field: str | None = Field(None, min_length=1, description="The row key holding the difficulty (by: field).")
+    model: str | None = Field(None, min_length=1, description="The scorer of by: loss | perplexity | ifd: base "
+                              "(the run's model before training) or current (the policy as it enters the stage).")
+
+    @model_validator(mode="after")
+    def _field_with_by_field(self) -> DifficultyConfig:
+        if self.by == "field" and self.field is None:
+            raise ValueError("difficulty.by is field: name the row key with difficulty.field")
+        if self.by != "field" and self.field is not None:
+            raise ValueError(f"difficulty.field is read only with by: field, not by: {self.by}")
+        if self.by in MODEL_MEASURES and self.model is None:
+            raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model (base or current)")
+        if self.by not in MODEL_MEASURES and self.model is not None:
+            raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
+        if self.model is not None and self.model not in ("base", "current"):
+            raise ValueError(f"difficulty.model {self.model!r}: a separate scorer model (a path or hub id) is not "
+                             "supported yet; use base (the run's model before training) or current")
+        return self
+
+
+class DropConfig(_Section):
+    easiest: float = Field(0.0, ge=0, lt=1, description="Share of the stage's rows dropped from the easy end.")
+    hardest: float = Field(0.0, ge=0, lt=1, description="Share of the stage's rows dropped from the hard end.")
+
+    @model_validator(mode="after")
+    def _something_left(self) -> DropConfig:
+        if self.easiest + self.hardest >= 1:
+            raise ValueError(f"drop.easiest + drop.hardest is {self.easiest + self.hardest:g}: nothing would be "
+                             "left; keep their sum below 1")
+        return self
+
+
 class StageConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -389,9 +434,15 @@ class StageConfig(_Section):
                                          "columns}; weights make a seeded mixture).")
     mixture_replacement: bool = Field(False, description="Mixture draws with replacement (else each file is "
                                       "used without repeats until exhausted).")
-    order: Literal["shuffle", "sequential", "easy_to_hard"] = Field(
-        "shuffle", description="Sample order; easy_to_hard sorts by the rows' difficulty, else token length.")
-    pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard.")
+    order: Literal["shuffle", "sequential", "easy_to_hard", "hard_to_easy"] = Field(
+        "shuffle", description="Sample order; easy_to_hard / hard_to_easy sort by the rows' difficulty (see "
+        "difficulty; by default the rows' `difficulty` key when every row has one, else token length).")
+    difficulty: DifficultyConfig | None = Field(None, description="What orders the rows (order easy_to_hard / "
+                                                "hard_to_easy) and what drop ranks by: {by: length | field | "
+                                                "loss | perplexity | ifd, field: NAME, model: base | current}.")
+    drop: DropConfig | None = Field(None, description="Drop the easiest / hardest shares of the stage's rows by "
+                                    "difficulty before training: {easiest: f, hardest: f}.")
+    pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard / hard_to_easy.")
     schedule: Literal["cosine", "linear", "constant", "wsd", "continue"] | None = Field(
         None, description="LR schedule of this stage (default schedule.kind); continue = carry the previous one.")
     max_seq_len: int | None = Field(None, gt=1, description="Override data.max_seq_len (short-to-long).")
@@ -444,6 +495,21 @@ class StageConfig(_Section):
         if pref is not None and "simpo_gamma" in pref.model_fields_set and self.objective != "simpo":
             raise ValueError(f"preference.simpo_gamma is set but the stage's objective is {self.objective}; only "
                              "simpo stages use it")
+        if self.pacing is not None and self.order not in ORDERED:
+            raise ValueError("pacing needs order: easy_to_hard or hard_to_easy")
+        for d in self.data:
+            mapped = isinstance(d, DataSource) and (d.columns or {}).get("difficulty")
+            if self.difficulty is not None and self.difficulty.by == "field" and mapped \
+                    and mapped != self.difficulty.field:
+                raise ValueError(f"difficulty.field is {self.difficulty.field} but data entry {d.entry().name} maps "
+                                 f"difficulty to column {mapped}: keep one of them")
+        if self.difficulty is not None and self.difficulty.by in MODEL_MEASURES and self.drop is not None:
+            raise ValueError(f"drop with difficulty.by {self.difficulty.by} is not supported yet (the scores exist "
+                             "only once the model is built, after the stage's rows are planned): drop by length "
+                             "or a field, or remove drop")
+        if self.difficulty is not None and self.order not in ORDERED and self.drop is None:
+            raise ValueError(f"difficulty orders rows only with order easy_to_hard or hard_to_easy (or ranks them "
+                             f"for drop); with order {self.order} it would change nothing: remove it or set order")
         return self
 
     @property

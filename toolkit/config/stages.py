@@ -3,9 +3,18 @@ recipe-wide default."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from toolkit.config.schema import LORA_KEYWORD, AdvanceWhen, DataEntry, GenerationEvalConfig, PacingConfig, Recipe
+from toolkit.config.schema import (
+    LORA_KEYWORD,
+    AdvanceWhen,
+    DataEntry,
+    DifficultyConfig,
+    DropConfig,
+    GenerationEvalConfig,
+    PacingConfig,
+    Recipe,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class ResolvedStage:
     patience_min_delta: float
     generation: tuple[GenerationEvalConfig, ...] = ()
     advance_when: AdvanceWhen | None = None
+    difficulty: DifficultyConfig | None = None  # None: the rows' `difficulty` when every row has one, else length
+    drop: DropConfig | None = None
 
 
 def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
@@ -55,7 +66,8 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
         micro = stage.micro_batch_size or recipe.train.micro_batch_size
         trainable = stage.trainable or default_trainable
         resolved.append(ResolvedStage(
-            index=i, name=stage.name, paths=tuple(stage.paths), entries=tuple(stage.entries),
+            index=i, name=stage.name, paths=tuple(stage.paths), entries=difficulty_entries(stage.entries,
+                                                                                           stage.difficulty),
             weights=None if stage.weights is None else tuple(stage.weights),
             mixture_replacement=stage.mixture_replacement, order=stage.order, pacing=stage.pacing,
             max_seq_len=stage.max_seq_len or recipe.data.max_seq_len, micro_batch_size=micro,
@@ -69,8 +81,21 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
             trainable_key=f"stages.{i}.trainable" if stage.trainable else "train.trainable",
             patience=stage.patience, patience_min_delta=stage.patience_min_delta,
             generation=tuple(stage.generation if stage.generation is not None else recipe.eval.generation),
-            advance_when=stage.advance_when))
+            advance_when=stage.advance_when, difficulty=stage.difficulty, drop=stage.drop))
     return resolved
+
+
+def difficulty_entries(entries: list[DataEntry], difficulty: DifficultyConfig | None) -> tuple[DataEntry, ...]:
+    """The stage's entries, each reading its difficulty from `difficulty.field` (by: field): the field is mapped
+    to the row's `difficulty` as an entry's `columns` would map it, so the token store keeps it."""
+    if difficulty is None or difficulty.by != "field" or difficulty.field == "difficulty":
+        return tuple(entries)
+    mapped = []
+    for entry in entries:
+        columns = dict(entry.columns)
+        columns["difficulty"] = str(difficulty.field)
+        mapped.append(replace(entry, columns=tuple(sorted(columns.items()))))
+    return tuple(mapped)
 
 
 def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) -> list[str]:

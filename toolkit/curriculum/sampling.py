@@ -16,7 +16,8 @@ Modes:
 * No weights (epochs). Each epoch is `steps_per_epoch` full global batches taken from the front of that epoch's
   order; the remainder is dropped. `shuffle`: a fresh permutation per epoch seeded by [seed, stage_index, epoch]
   (identical to `curriculum.global_batch_indices`), so a different remainder is dropped each epoch.
-  `sequential`: file order every epoch. `easy_to_hard` without pacing: the sorted order every epoch. With both
+  `sequential`: file order every epoch. `easy_to_hard` without pacing: the sorted order every epoch
+  (`hard_to_easy`: the same over the negated difficulty, hardest first, here and below). With both
   fixed orders the same tail (the last samples, or the hardest ones) is dropped every epoch.
 * Weights (a mixture). Every position of the stage is one draw; its dataset is chosen with probability
   weights[d] / sum(weights). Positions are grouped in blocks of one epoch (`steps_per_epoch * global_batch`
@@ -51,6 +52,7 @@ from typing import Generic, Literal, TypeVar
 
 import numpy as np
 
+from toolkit.config.schema import ORDERED
 from toolkit.errors import ToolkitError
 
 # Seed-stream tags: distinct, nonzero (SeedSequence ignores trailing zeros, so tags must not be trailing).
@@ -59,7 +61,8 @@ _TAG_PASS = 0x6D697850   # per-dataset permutation of one pass
 _TAG_DRAW = 0x6D697844   # per-step within-dataset draws with replacement
 _CACHE = 2               # per-epoch arrays kept (current and previous epoch, or the two passes a batch spans)
 
-Order = Literal["shuffle", "sequential", "easy_to_hard"]
+Order = Literal["shuffle", "sequential", "easy_to_hard", "hard_to_easy"]
+
 V = TypeVar("V")
 
 
@@ -113,13 +116,17 @@ class StageSampler:
         self._replacement = replacement
         self._pacing = pacing
         self._seed, self._stage = int(seed), int(stage_index)
+        self._settings = dict(sizes=sizes, weights=weights, replacement=replacement, order=order, lengths=lengths,
+                              pacing=pacing, seed=seed, stage_index=stage_index, global_batch=global_batch,
+                              total_steps=total_steps)
         self._g, self._total_steps = int(global_batch), int(total_steps)
         self._steps_per_epoch = self._n // self._g
         self._probs = None if weights is None else np.asarray(weights, dtype=np.float64) / float(sum(weights))
         self._sorted: np.ndarray | None = None  # global indices in ascending difficulty (easy_to_hard only)
         self._local_sorted: list[np.ndarray] = []  # per dataset, local indices in ascending difficulty
-        if order == "easy_to_hard":
+        if order in ORDERED:
             key = np.asarray(lengths if difficulty is None else difficulty, dtype=np.float64)
+            key = -key if order == "hard_to_easy" else key
             self._sorted = np.argsort(key, kind="stable")  # stable: ties keep index order
             if weights is not None:  # within each dataset, local indices sorted by difficulty
                 self._local_sorted = [np.argsort(key[o:o + s], kind="stable")
@@ -128,6 +135,11 @@ class StageSampler:
         self._blocks: _Lru[tuple[np.ndarray, np.ndarray]] = _Lru(_CACHE)  # mixture block -> (dataset, rank)
         self._passes: _Lru[np.ndarray] = _Lru(_CACHE * len(sizes))        # mixture (dataset, pass) -> perm
         self._cum_counts: list[np.ndarray] = [np.zeros(len(sizes), dtype=np.int64)]  # draws before block b
+
+    def with_difficulty(self, difficulty: np.ndarray) -> StageSampler:
+        """The same stage's sampler ordered by `difficulty` (one per sample): a model's scores, known only once
+        the model has scored the stage's rows at its entry (toolkit/train/stage_scores.py)."""
+        return StageSampler(difficulty=difficulty, **self._settings)
 
     @property
     def num_samples(self) -> int:
@@ -163,7 +175,7 @@ class StageSampler:
         lo, hi = j * self._g, (j + 1) * self._g
         if self._order == "sequential":
             return list(range(lo, hi))
-        if self._order == "easy_to_hard":
+        if self._order in ORDERED:
             assert self._sorted is not None
             return self._sorted[lo:hi].tolist()
         perm = self._epochs.get((epoch,), lambda: np.random.default_rng(
@@ -212,7 +224,7 @@ class StageSampler:
         """Local order of dataset d in its q-th pass (replacement=False)."""
         if self._order == "sequential":
             return np.arange(int(self._sizes[d]), dtype=np.int64)
-        if self._order == "easy_to_hard":
+        if self._order in ORDERED:
             return self._local_sorted[d]
         return self._passes.get((d, q), lambda: np.random.default_rng(
             [self._seed, self._stage, _TAG_PASS, d, q]).permutation(int(self._sizes[d])))
@@ -254,8 +266,9 @@ def _validate(*, sizes: list[int], weights: list[float] | None, replacement: boo
             "(micro_batch_size x grad_accum x processes). Add data or lower the batch size.")
     if seed < 0 or stage_index < 0:
         raise ToolkitError(f"Seed ({seed}) and stage index ({stage_index}) must be >= 0.")
-    if order not in ("shuffle", "sequential", "easy_to_hard"):
-        raise ToolkitError(f"Stage {stage_index}: order must be shuffle, sequential or easy_to_hard, got {order!r}.")
+    if order not in ("shuffle", "sequential", *ORDERED):
+        raise ToolkitError(f"Stage {stage_index}: order must be shuffle, sequential, easy_to_hard or hard_to_easy, "
+                           f"got {order!r}.")
     if weights is not None:
         if len(weights) != len(sizes):
             raise ToolkitError(f"Stage {stage_index} has {len(sizes)} datasets but {len(weights)} weights; "
@@ -274,8 +287,9 @@ def _validate(*, sizes: list[int], weights: list[float] | None, replacement: boo
         raise ToolkitError(f"Stage {stage_index}: replacement draws at random, which contradicts order {order!r}; "
                            "use order shuffle or replacement false.")
     if pacing is not None:
-        if order != "easy_to_hard":
-            raise ToolkitError(f"Stage {stage_index}: pacing applies only to order easy_to_hard, not {order!r}.")
+        if order not in ORDERED:
+            raise ToolkitError(f"Stage {stage_index}: pacing applies only to order easy_to_hard or hard_to_easy, "
+                               f"not {order!r}.")
         if weights is not None:
             raise ToolkitError(f"Stage {stage_index}: pacing with weights (a paced mixture) is not supported; "
                                "drop the weights or the pacing.")

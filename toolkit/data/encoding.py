@@ -64,11 +64,14 @@ class DataStats:
     no_label_tokens: int = 0
     tokens: int = 0
     label_tokens: int = 0
+    dropped_by_difficulty: int = 0  # stage.drop
 
     def summary(self) -> str:
         return (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
                 f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
-                f"{self.no_label_tokens} skipped with no trainable tokens")
+                f"{self.no_label_tokens} skipped with no trainable tokens"
+                + (f", {self.dropped_by_difficulty} dropped by difficulty (drop)" if self.dropped_by_difficulty
+                   else ""))
 
     def add(self, other: DataStats) -> None:
         for key in vars(self):

@@ -12,6 +12,8 @@ order.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +79,33 @@ def kept_difficulty(store: Store, selection: Selection) -> np.ndarray | None:
     return values
 
 
+def drop_by_difficulty(keys: list[np.ndarray], *, easiest: float, hardest: float) -> list[np.ndarray]:
+    """Per source, which kept rows stay once the stage's `easiest` and `hardest` shares are dropped (stage.drop):
+    the rows of all the stage's sources ranked together by `keys` (each source's kept rows' difficulty), ties by
+    position, floor(share x rows) dropped from each end."""
+    flat = np.concatenate(keys) if keys else np.zeros(0, np.float64)
+    n = len(flat)
+    order = np.argsort(flat, kind="stable")
+    keep = np.ones(n, dtype=bool)
+    n_easy = math.floor(round(easiest * n, 9))  # round: 0.1 * 1000 is 100.00000000000001
+    n_hard = math.floor(round(hardest * n, 9))
+    keep[order[:n_easy]] = False
+    if n_hard:
+        keep[order[n - n_hard:]] = False
+    return np.split(keep, np.cumsum([len(k) for k in keys])[:-1].astype(np.int64)) if keys else []
+
+
+def kept_subset(selection: Selection, keep: np.ndarray) -> Selection:
+    """The selection without the rows `keep` leaves out (stage.drop), counted in its stats."""
+    stats = DataStats(**vars(selection.stats))
+    dropped = int((~keep).sum())
+    stats.kept -= dropped
+    stats.dropped_by_difficulty += dropped
+    stats.tokens, stats.label_tokens = int(selection.lengths[keep].sum()), int(selection.label_tokens[keep].sum())
+    return Selection(selection.index[keep], selection.lengths[keep], selection.label_tokens[keep], selection.limit,
+                     stats)
+
+
 def packing_plan(store: Store, selection: Selection) -> tuple[np.ndarray, np.ndarray]:
     """The packed rows of a selection as index arrays: packed row k holds the kept rows
     members[offsets[k]:offsets[k + 1]] (best-fit decreasing over the kept lengths, `pack_best_fit_decreasing`).
@@ -86,7 +115,8 @@ def packing_plan(store: Store, selection: Selection) -> tuple[np.ndarray, np.nda
     is computed again."""
     path = None
     if store.path is not None:
-        policy = f"{selection.limit}-{len(selection.index)}-{int(selection.lengths.sum())}"
+        rows = hashlib.sha256(np.ascontiguousarray(selection.index, dtype=np.int64).tobytes()).hexdigest()[:16]
+        policy = f"{selection.limit}-{len(selection.index)}-{int(selection.lengths.sum())}-{rows}"
         path = store.path / "plans" / f"packed-{policy}.npz"
         with contextlib.suppress(OSError, ValueError, KeyError):
             with np.load(path, allow_pickle=False) as saved:
@@ -145,6 +175,36 @@ class SourceRows(Sequence[dict[str, Any]]):
         if self.bins is None:
             return self._sample(k)
         return packed_row([self._sample(j) for j in self.members(k)])
+
+
+class KeptRows(Sequence[dict[str, Any]]):
+    """A stage's kept rows one by one, unpacked, over its sources in order: what a model scores (a packed row's
+    samples are scored apart, each given only itself)."""
+
+    def __init__(self, parts: Sequence[SourceRows]) -> None:
+        self.parts = list(parts)
+        self.starts = np.cumsum([0, *(len(p.selection.index) for p in self.parts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i) % len(self)
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k]._sample(i - int(self.starts[k]))
+
+    def per_row(self, values: np.ndarray) -> np.ndarray:
+        """Kept-row values as the stage's rows' (the sampler's): a packed row takes its hardest sample's."""
+        out = []
+        for part, lo, hi in zip(self.parts, self.starts[:-1].tolist(), self.starts[1:].tolist(), strict=True):
+            mine = np.asarray(values[lo:hi], dtype=np.float64)
+            if part.bins is not None and len(part.bins[0]) > 1:
+                offsets, members = part.bins
+                mine = np.maximum.reduceat(mine[members], offsets[:-1])
+            out.append(mine)
+        return np.concatenate(out) if out else np.zeros(0, np.float64)
 
 
 def packed_row(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -10,11 +10,22 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
-from toolkit.config.schema import DataConfig, DataEntry
+from toolkit.config.schema import MODEL_MEASURES, ORDERED, DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import TextEncoder
-from toolkit.data.plan import SourceRows, StageRows, TrainingSet, kept_difficulty, select_rows, training_set
+from toolkit.data.plan import (
+    SourceRows,
+    StageRows,
+    TrainingSet,
+    drop_by_difficulty,
+    kept_difficulty,
+    kept_subset,
+    select_rows,
+    training_set,
+)
 from toolkit.data.sources import resolve_source
 from toolkit.data.store import Store, open_store
 from toolkit.errors import ToolkitError
@@ -132,16 +143,33 @@ def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, pr
 
 def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> TrainingSet:
     """A stage's training rows over its entries' stores: each entry's selection under the stage's length policy
-    (data.max_seq_len, data.overlength), rows with nothing to train skipped, packed with data.packing, and the
-    difficulty easy_to_hard orders by. Training and `toolkit inspect-data` both read a stage through this."""
-    easy_to_hard = stage.order == "easy_to_hard"
-    parts = []
+    (data.max_seq_len, data.overlength), rows with nothing to train skipped, the stage's `drop` shares left out,
+    packed with data.packing, and the difficulty easy_to_hard / hard_to_easy order by (`stage.difficulty`: the
+    rows' field, or token length; by default the `difficulty` key when every row has one; a model's scores are
+    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then). Training and
+    `toolkit inspect-data` both read a stage through this."""
+    ordered = stage.order in ORDERED
+    by = stage.difficulty.by if stage.difficulty is not None else None
+    needs = (ordered or stage.drop is not None) and by not in ("length", *MODEL_MEASURES)  # scores: at training
+    picked = []
     for entry in stage.entries:
         store = stores(entry)
         selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
-        parts.append(SourceRows(store, selection, packing=data.packing,
-                                difficulty=kept_difficulty(store, selection) if easy_to_hard else None))
-    return training_set(parts, needs_difficulty=easy_to_hard)
+        values = kept_difficulty(store, selection) if needs else None
+        if by == "field" and values is None:
+            field = stage.difficulty.field if stage.difficulty is not None else "difficulty"
+            raise ToolkitError(f"{entry.name}: stage '{stage.name}' has difficulty.by field but no row has the key "
+                               f"'{field}'; add it to every row or use difficulty.by: length.")
+        picked.append((store, selection, values))
+    if stage.drop is not None:
+        every = all(v is not None for _, _, v in picked)
+        keys = [v if every and v is not None else sel.lengths.astype(np.float64) for _, sel, v in picked]
+        masks = drop_by_difficulty(keys, easiest=stage.drop.easiest, hardest=stage.drop.hardest)
+        picked = [(store, kept_subset(sel, keep), None if v is None else v[keep])
+                  for (store, sel, v), keep in zip(picked, masks, strict=True)]
+    parts = [SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
+             for store, selection, values in picked]
+    return training_set(parts, needs_difficulty=ordered)
 
 
 def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> str:

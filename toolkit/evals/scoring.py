@@ -25,9 +25,14 @@ given the prompt divided by its loss alone (Instruction-Following Difficulty, Li
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,8 +40,11 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
+from toolkit.atomic import write_atomic
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.model.loss_head import loss_head_of, shifted_labels
+
+log = logging.getLogger(__name__)
 
 MEASURES = ("loss", "perplexity", "ifd")
 
@@ -178,3 +186,97 @@ def row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence
     finally:
         model.train(was_training)
     return out
+
+
+# ------------------------------------------------------------------------------------- cached and resumable
+
+
+def score_key(**identity: Any) -> str:
+    """The cache key of one set of row sums: a hash of what decides them, given by the caller as JSON-able values
+    (the rows: store checksums and kept rows; the scorer: a weights hash or the run's state at stage entry; the
+    rendering: the rows as trained, or their responses alone). Anything else (batch sizes, processes, strategy)
+    leaves the sums as they are, so it is not part of the key."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+class ScoreCache:
+    """The row sums of one key in `folder/scores-<key>.npz` (`loss`, `tokens` and `done` per row), rewritten
+    atomically after every block by the main process: a pass stopped part-way keeps its finished blocks, and the
+    next pass over the same key scores only the rows not done. A file of another row count is not this key's.
+    `folder` None: kept in memory only."""
+
+    def __init__(self, folder: Path | None, key: str, rows: int, *, writer: bool) -> None:
+        self.path = None if folder is None else Path(folder) / f"scores-{key}.npz"
+        self.rows, self.writer = rows, writer and self.path is not None
+        self.sums = RowSums(np.zeros(rows, np.float64), np.zeros(rows, np.int64))
+        self.done = np.zeros(rows, dtype=bool)
+        if self.path is None:  # kept in memory only
+            return
+        try:
+            with np.load(self.path, allow_pickle=False) as saved:
+                loss, tokens, done = saved["loss"], saved["tokens"], saved["done"]
+        except (OSError, KeyError, ValueError):
+            return
+        if len(loss) == len(tokens) == len(done) == rows:
+            self.sums, self.done = RowSums(loss.astype(np.float64), tokens.astype(np.int64)), done.astype(bool)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.done.all())
+
+    def record(self, indices: np.ndarray, part: RowSums) -> None:
+        self.sums.loss[indices], self.sums.tokens[indices] = part.loss, part.tokens
+        self.done[indices] = True
+        if self.writer and self.path is not None:
+            write_atomic(self.path, lambda f: np.savez(f, loss=self.sums.loss, tokens=self.sums.tokens,
+                                                        done=self.done))
+
+
+class Progress:
+    """The pass's progress in the log, once per block: rows done, rows/s and the time left."""
+
+    def __init__(self, what: str, total: int, already: int) -> None:
+        self.what, self.total, self.done, self.start_done = what, total, already, already
+        self.start = time.monotonic()
+
+    def line(self, rows: int) -> str:
+        self.done += rows
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = (self.done - self.start_done) / elapsed
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        return (f"{self.what}: {self.done}/{self.total} rows ({100 * self.done / max(self.total, 1):.0f}%), "
+                f"{rate:.1f} rows/s, ETA {left:.0f} s")
+
+
+def cached_row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence[dict[str, Any]],
+                    collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
+                    cache: ScoreCache | None, what: str = "scoring", block_rows: int | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> RowSums | None:
+    """`row_sums` of every sample, through `cache`: rows it holds are not scored again, each finished block is
+    kept as it ends (a pass stopped by a signal keeps them; the relaunch goes on), progress is logged per block.
+    Collective, like `row_sums`; every process holds the same cache state (it is read from the same file).
+    `should_stop` (collective too, the same answer on every process) is asked after each block: True ends the
+    pass there, with None returned, its finished blocks kept."""
+    cache = cache if cache is not None else ScoreCache(None, "", len(samples), writer=False)
+    todo = np.flatnonzero(~cache.done)
+    if len(todo):
+        block = block_rows or max(micro_batch_size * accelerator.num_processes * 16, 1)
+        progress = Progress(what, len(samples), len(samples) - len(todo))
+
+        def keep(indices: np.ndarray, part: RowSums) -> None:
+            cache.record(indices, part)
+            if accelerator.is_main_process:
+                log.info("%s", progress.line(len(indices)))
+            if should_stop is not None and not cache.complete and should_stop():
+                raise _StopPass
+
+        try:
+            row_sums(accelerator, model, samples, collate, micro_batch_size, rows=todo, block_rows=block,
+                     on_block=keep)
+        except _StopPass:
+            return None
+    return RowSums(cache.sums.loss.copy(), cache.sums.tokens.copy())
+
+
+class _StopPass(Exception):
+    pass

@@ -113,6 +113,12 @@ class RunLayout:
         return self.root / "dummy_data"
 
     @property
+    def scores(self) -> Path:
+        """Model scores of a stage's rows (toolkit/train/stage_scores.py): kept across relaunches, never moved
+        aside, so a pass stopped part-way goes on and a resume reads the scores its stage was ordered by."""
+        return self.root / "scores"
+
+    @property
     def plot(self) -> Path:
         """`toolkit plot`'s picture of metrics.jsonl."""
         return self.root / "training.png"

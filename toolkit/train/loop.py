@@ -58,6 +58,7 @@ from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
+from toolkit.train.stage_scores import ScoringStopped, order_by_model
 
 log = logging.getLogger("toolkit")
 
@@ -146,6 +147,7 @@ class Run:
     peak_flops: float | None = None
     bar: Any = None
     resumed: RunState | None = None
+    resumed_from: Path | None = None  # the checkpoint folder resumed from (its run folder holds the stage scores)
     current_stage: int = -1
     last_save: float = field(default_factory=time.monotonic)  # monotonic: not carried over a resume
     stage_start_tokens: int = 0
@@ -190,17 +192,28 @@ def record_header(done: int, stage: Stage) -> dict[str, Any]:
     return {"step": done, "stage": stage.name, "stage_index": stage.index}
 
 
-def enter_stage(run: Run, stage: Stage, step: int) -> None:
+def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
     """A stage's first step (or the first after a resume): its freezing, its patience (resumed counters when the
-    checkpoint was taken inside this stage)."""
+    checkpoint was taken inside this stage), its order by a model's scores (taken now, or read back on a resume:
+    toolkit/train/stage_scores.py). Returns the preempted exit code when a stop signal ended that scoring pass
+    (its finished blocks kept; the checkpoint at this step resumes it), else None."""
     plan = stage.plan
     run.current_stage = stage.index
     run.freezer.set_stage(stage.index)
     run.curriculum.enter(stage)
+    try:
+        order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler over them, before its first step
+    except ScoringStopped as stopped:
+        log.warning("preempted (%s) during the scoring pass (%s): its finished blocks are kept, the checkpoint at "
+                    "step %d resumes it; relaunch the same command", run.preemption.signal_name or "signal on "
+                    "another rank", stopped, step)
+        distributed.finish_trackers(run.accelerator)
+        return PREEMPTED_EXIT_CODE
     log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
              plan.index + 1, len(run.curriculum.stages), plan.name, plan.start_step + 1, plan.end_step,
              plan.num_samples, plan.global_batch, run.curriculum.lr_at(step),
              " (continued schedule)" if plan.schedule == "continue" else "")
+    return None
 
 
 def to_device(batch: dict[str, Any], device: torch.device, *, non_blocking: bool | None = None) -> dict[str, Any]:

@@ -93,6 +93,7 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
     restored = restore(run.accelerator, run.model, run.optimizer, run.scheduler, ckpt,
                                   strategy=run.identity.strategy, seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
+    run.resumed_from = ckpt
     if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
         opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
         for group, base, lr_at in zip(run.optimizer.param_groups, run.scheduler.base_lrs, run.scheduler.lr_lambdas,

@@ -1,0 +1,63 @@
+"""Scores taken at a point of the run (toolkit/train/stage_scores.py): scored once where the key says, read back
+afterwards without a forward, refused past that point when missing; the scorer's identity moves with what decides
+its weights only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from toolkit.data.collate import padding_collator
+from toolkit.data.encoding import encode_row
+from toolkit.errors import ToolkitError
+from toolkit.evals.scoring import row_sums
+from toolkit.model.loss_head import install_loss_head
+from toolkit.runtime import process as distributed
+from toolkit.train.stage_scores import scorer_identity, stage_entry_scores
+
+ROWS = [("What is 2 + 2?", "4."), ("Name a colour.", "Blue, like the sky."), ("Spell cat.", "c a t")]
+
+
+def test_scores_are_taken_once_where_the_key_says_and_read_back_after(tmp_path: Path,
+                                                                      models: dict[str, str]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(models["text"])
+    samples: list[dict[str, Any]] = []
+    for i, (q, a) in enumerate(ROWS):
+        ids, labels = encode_row({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]},
+                                 tokenizer, "assistant", f"rows.jsonl:{i + 1}")
+        samples.append({"input_ids": ids, "labels": labels})
+    model = AutoModelForCausalLM.from_pretrained(models["text"], dtype=torch.float32)
+    head = install_loss_head(model, "chunked")
+    assert head is not None
+    accelerator, collate = distributed.build_accelerator(1, 10), padding_collator(tokenizer)
+    with pytest.raises(ToolkitError, match="resumes past the point those scores were taken"):
+        stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=False,
+                           what="stage 'b'")
+    taken = stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=True,
+                               what="stage 'b'")
+    np.testing.assert_array_equal(taken.loss, row_sums(accelerator, model, samples, collate, 2).loss)
+    with torch.no_grad():  # the model moves on: a later launch reads the scores, it does not score again
+        for p in model.parameters():
+            p.add_(0.1)
+    calls = head.calls
+    again = stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=False,
+                               what="stage 'b'")
+    assert head.calls == calls
+    np.testing.assert_array_equal(again.loss, taken.loss)
+    assert (tmp_path / "scores-k.npz").is_file()
+
+
+def test_the_current_scorer_is_the_run_at_a_step_and_the_base_scorer_is_not() -> None:
+    run = SimpleNamespace(base_model="m", invariants={"model": {"name_or_path": "m"}}, state={"a": "1"},
+                          recipe_hash="r", data_stores={"s": "x"}, stage_batches=[4, 4])
+    assert scorer_identity(run, "current", 3) != scorer_identity(run, "current", 4)
+    assert scorer_identity(run, "base", 3) == scorer_identity(run, "base", 0)
+    other = SimpleNamespace(**{**vars(run), "recipe_hash": "r2"})
+    assert scorer_identity(other, "current", 3) != scorer_identity(run, "current", 3)
+    assert scorer_identity(other, "base", 0) == scorer_identity(run, "base", 0)  # the base model did not change
