@@ -289,9 +289,9 @@ def test_the_reference_store_keeps_the_entry_policy_and_finishes_a_stopped_pass(
     assert head.calls == calls
     np.testing.assert_array_equal(np.stack(again), np.stack(expected))
     with np.load(store.path) as saved:  # a pass stopped after its first 2 blocks
-        logps, done = saved["logps"], saved["done"]
+        loss, tokens, done = saved["loss"], saved["tokens"], saved["done"]
     done[4:] = False
-    np.savez(store.path.with_suffix(".tmp.npz"), logps=logps, done=done)
+    np.savez(store.path.with_suffix(".tmp.npz"), loss=loss, tokens=tokens, done=done)
     store.path.with_suffix(".tmp.npz").replace(store.path)
     assert store.done(len(sequences)) == 4
     calls = head.calls

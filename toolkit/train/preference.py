@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,10 +48,9 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from toolkit.atomic import write_atomic
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.evals.scoring import forward_sums, row_sums, segment_ids
+from toolkit.evals.scoring import ScoreCache, cached_row_sums, forward_sums, row_sums, segment_ids
 from toolkit.model.loss_head import shifted_labels
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
@@ -279,54 +277,39 @@ def reference_key(stage: str, data_fingerprint: Any, entry_state: Any, base: boo
 
 
 class ReferenceStore:
-    """A stage's reference log-probs in the run folder, float64: `<folder>/reference-<key>.npz` holding every
-    sequence's summed log-prob (pair order) and which are done. The scoring pass writes it after each block
-    (process 0, atomically), so a pass stopped by a signal goes on from its last block; a resume finds it whole and
-    never recomputes it from a later policy. Another key (other data, another entry state) is another file."""
+    """A stage's reference log-probs in the run folder: the scoring pass's own cache (`ScoreCache`: float64 summed
+    losses, minus the log-probs, of every sequence in pair order, kept by process 0 after each block), under the key
+    `reference_key` names. So a pass stopped by a signal goes on from its last block, a resume finds it whole and
+    never recomputes it from a later policy, and another key (other data, another entry state) is another file."""
 
     def __init__(self, folder: Path, key: str) -> None:
-        self.path = Path(folder) / f"reference-{key}.npz"
-
-    def _read(self, sequences: int) -> tuple[np.ndarray, np.ndarray]:
-        if not self.path.exists():
-            return np.zeros(sequences, np.float64), np.zeros(sequences, bool)
-        with np.load(self.path) as saved:
-            logps, done = saved["logps"], saved["done"]
-        if len(logps) != sequences:
-            raise ToolkitError(f"{self.path} holds {len(logps)} reference log-probs for {sequences} sequences of the "
-                               "same key; it is not this stage's: move it away to recompute.")
-        return logps.astype(np.float64), done.astype(bool)
-
-    def _write(self, logps: np.ndarray, done: np.ndarray) -> None:
-        def write(f: Any) -> None:
-            buffer = io.BytesIO()
-            np.savez(buffer, logps=logps, done=done)
-            f.write(buffer.getvalue())
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, write)
+        self.folder, self.key = Path(folder), key
+        self.path = self.folder / f"scores-{key}.npz"  # ScoreCache's file of this key
 
     def done(self, sequences: int) -> int:
         """How many of the `sequences` are stored already."""
-        return int(self._read(sequences)[1].sum())
+        return int(ScoreCache(self.folder, self.key, sequences, writer=False).done.sum())
 
     def logps(self, accelerator: Accelerator, model: torch.nn.Module, sequences: Sequence[dict[str, Any]],
               collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
               base: bool = False, block_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Every pair's reference (chosen, rejected) log-probs: those stored, the rest by the scoring pass
-        (`reference_logps` over the sequences not done), stored block by block. Collective."""
+        """Every pair's reference (chosen, rejected) log-probs: those stored, the rest by the scoring pass over the
+        sequences not done (`base`: with the adapter off), stored block by block. Collective."""
         if len(sequences) % 2:
             raise ValueError(f"{len(sequences)} sequences are not whole pairs")
-        logps, done = self._read(len(sequences))
-        todo = np.flatnonzero(~done)
-        if len(todo):
-            def keep(rows: np.ndarray, part: Any) -> None:
-                logps[rows], done[rows] = -part.loss, True
-                if accelerator.is_main_process:
-                    self._write(logps, done)
-
-            with adapter_disabled(model) if base else contextlib.nullcontext():
-                row_sums(accelerator, model, sequences, collate, micro_batch_size, rows=todo,
-                         block_rows=block_rows, on_block=keep)
-            accelerator.wait_for_everyone()
+        if self.path.exists():  # the key names the data: another count is another stage's file, not to be rescored
+            with np.load(self.path, allow_pickle=False) as saved:
+                stored = len(saved["done"])
+            if stored != len(sequences):
+                raise ToolkitError(f"{self.path} holds {stored} reference log-probs for {len(sequences)} sequences "
+                                   "of the same key; it is not this stage's: move it away to recompute.")
+        if accelerator.is_main_process:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        cache = ScoreCache(self.folder, self.key, len(sequences), writer=accelerator.is_main_process)
+        with adapter_disabled(model) if base else contextlib.nullcontext():
+            sums = cached_row_sums(accelerator, model, sequences, collate, micro_batch_size, cache=cache,
+                                   what="reference log-probs", block_rows=block_rows)
+        assert sums is not None  # no should_stop: the pass runs to its end
+        accelerator.wait_for_everyone()
+        logps = -sums.loss
         return logps[0::2].copy(), logps[1::2].copy()
