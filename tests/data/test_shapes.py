@@ -245,7 +245,8 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
     ({"prompt": "2 + 2?", "completions": ["It is", " 4."], "labels": [True, True]},
      r"the row has 'completions': TRL's stepwise-supervision rows"),
     ({"image": {"bytes": "..."}, "messages": [U1, A1]},
-     r"the row has 'image' \(TRL's one-image column\) that is not a path; give the image paths as a list in 'images'"),
+     r"the row has 'image' \(TRL's and Qwen-VL's image column\) that is not a path or a list of paths; give the "
+     r"image paths as a list in 'images'"),
     ({"query": "2 + 2?"}, r"the row has 'query' but no 'response' \(ms-swift's query/response rows need both\)"),
     ({"conversation": [{"human": "hi"}]}, r"'conversation' must be a non-empty list of \{\"human\": str"),
     ({"messages": [U1, {"role": "tool_call", "content": "add(2, 3)"}]},
@@ -254,7 +255,8 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
                                      r"\['dialog', 'id'\]; if 'dialog' holds the chat, map it: columns: "
                                      r"\{messages: dialog\}"),
     ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1], "videos": ["clip.mp4"]},
-     r"the row has 'videos': video rows are not supported"),
+     r"the row has 'videos': video rows do not train yet: their frames are never read, and '<video>' would train as "
+     r"text"),
 ])
 def test_shapes_refused_with_their_reason(tmp_path: Path, tok: PreTrainedTokenizerFast, row: dict,
                                           error: str) -> None:

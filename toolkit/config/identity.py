@@ -21,11 +21,13 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
         if stage["micro_batch_size"] is not None:  # kept when unset, so hashes of earlier checkpoints still match
             del stage["micro_batch_size"]
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns", "tags", "dataset", "dataset_dir"):
+            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
     for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains
         del tree["data"][key]
+    if tree["data"]["empty_answers"] == "error":  # the default leaves earlier checkpoints' hashes as they were
+        del tree["data"]["empty_answers"]
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
     if tree["lora"]["fused"] != "on":  # auto and off run PEFT's layers: earlier checkpoints' hashes as they were;
