@@ -32,9 +32,12 @@ class ShapeError(ToolkitError):
     `ignore`), written at the end of the line as YAML to paste (`entry_yaml`). `toolkit inspect-data FILE` applies
     the fix (`with_fix`) and reads the file again, as the user would."""
 
-    def __init__(self, message: str, fix: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, fix: dict[str, Any] | None = None, said: bool = False) -> None:
         self.fix = fix or {}
-        super().__init__(message + (f" Give the data entry {entry_yaml(self.fix)}." if self.fix else ""))
+        super().__init__(message + (f" Give the data entry {entry_yaml(self.fix)}." if self.fix and not said else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # whole across the preparing processes: the line as said, the fix
+        return (ShapeError, (str(self), self.fix, True))
 
 
 def entry_yaml(fix: dict[str, Any]) -> str:
@@ -181,9 +184,10 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str]) -> None:
     stage's log (`toolkit.data.encoding.row_notes`)."""
     unread = [k for k, v in row.items() if k not in READ_ROW_KEYS and k not in REFUSED_ROW_KEYS
               and not k.startswith("_") and holds_content(k, v)]
-    shaped = any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion"))
-    if unread and not shaped:
-        _no_shape(row, where, original, unread)
+    if not any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion")):
+        content = [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)]
+        if content:
+            _no_shape(row, where, original, content)
     if unread:
         raise ShapeError(f"{where}: the row's {_keys(unread)} {'holds' if len(unread) == 1 else 'hold'} content "
                          f"({_kind(row[unread[0]])}) that no shape reads (the row has keys {original}; "
@@ -201,9 +205,9 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str]) -> None:
 
 def _no_shape(row: dict[str, Any], where: str, original: list[str], content: list[str]) -> None:
     """Refuse a row that no shape reads, naming its keys, the closest shapes and the entry that trains it: a list
-    of turns under another name as the chat (`columns: {messages: KEY}`), else its longest text as plain text
-    (`columns: {text: KEY}`), the other content keys dropped knowingly. Glaive's `chat` is one string holding a
-    whole dialog (USER: / ASSISTANT: markers), which no shape splits into turns."""
+    of turns under another name as the chat (`columns: {messages: KEY}`), else its longest text (a `system` prompt
+    last) as plain text (`columns: {text: KEY}`), the other content keys dropped knowingly. Glaive's `chat` is one
+    string holding a whole dialog (USER: / ASSISTANT: markers), which no shape splits into turns."""
     close = closest_shapes(original)
     near = f"; closest shapes: {'; '.join(close)}" if close else ""
     chats = [k for k in content if isinstance(row[k], list) and row[k] and all(isinstance(t, dict) for t in row[k])]
@@ -212,7 +216,7 @@ def _no_shape(row: dict[str, Any], where: str, original: list[str], content: lis
         raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
                          f"{original}; if '{chats[0]}' holds the chat, map it: columns: {{messages: {chats[0]}}}"
                          f"{near}.", {"columns": {"messages": chats[0]}, **({"ignore": rest} if rest else {})})
-    texts = sorted((k for k in content if isinstance(row[k], str)), key=lambda k: -len(row[k]))
+    texts = sorted((k for k in content if isinstance(row[k], str)), key=lambda k: (k == "system", -len(row[k])))
     if not texts:
         raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
                          f"{original}, none a chat or a text{near}.")
