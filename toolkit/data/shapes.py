@@ -217,6 +217,14 @@ def _no_shape(row: dict[str, Any], where: str, original: list[str], content: lis
                          f"{original}; if '{chats[0]}' holds the chat, map it: columns: {{messages: {chats[0]}}}"
                          f"{near}.", {"columns": {"messages": chats[0]}, **({"ignore": rest} if rest else {})})
     texts = sorted((k for k in content if isinstance(row[k], str)), key=lambda k: (k == "system", -len(row[k])))
+    answer = next((k for k in texts if k.lower() in ANSWER_NAMES), None)
+    asked = next((k for k in texts if k != answer and k != "system"), None)
+    if answer is not None and asked is not None:  # a question and its answer (GSM8K): Alpaca's two fields
+        rest = [k for k in content if k not in (answer, asked)]
+        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
+                         f"{original}, none a chat{near}. '{asked}' and '{answer}' are a question and its answer: "
+                         "the Alpaca shape reads them.", {"columns": {"instruction": asked, "output": answer},
+                                                         **({"ignore": rest} if rest else {})})
     if not texts:
         raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
                          f"{original}, none a chat or a text{near}.")
