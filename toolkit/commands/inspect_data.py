@@ -183,7 +183,7 @@ def file_recipe(entry: DataEntry, overrides: list[str], folder: Path, *, vision:
     tree.update(output_dir=str(folder / "run"), model={"name_or_path": TINY_VL_MODEL if vision else TINY_MODEL},
                 data={"max_seq_len": 4096, "cache_dir": "none"},
                 stages=[{"name": Path(str(entry.path)).stem or "data", "data": [entry_tree(entry)]}])
-    path = folder / "recipe.yaml"
+    path = folder / "inspect-file.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return load_recipe(path, overrides)
 
