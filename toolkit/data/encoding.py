@@ -153,8 +153,9 @@ def unread_message_keys(row: dict[str, Any]) -> set[str]:
     return {k for m in messages if isinstance(m, dict) for k in m if k not in MESSAGE_KEYS}
 
 
-READ_ROW_KEYS = ("messages", "prompt", "completion", "text", "tools", "images", "difficulty", "label")
-"""Row keys a shape or the encoder reads (or refuses: REFUSED_ROW_KEYS). A source's other keys hold no content
+READ_ROW_KEYS = ("messages", "prompt", "completion", "text", "tools", "images", "difficulty", "label", "reference")
+"""Row keys a shape or the encoder reads (or refuses: REFUSED_ROW_KEYS; `reference` is read by generation evals,
+whose prompt files may also be loss-eval data). A source's other keys hold no content
 (toolkit/data/shapes.py refuses those that do) and are named once in the stage's log (`row_notes`)."""
 NOTE_KEY = "_notes"
 """A mapped row's notes (toolkit/data/shapes.py): what was chosen for it, said once per stage in the log."""

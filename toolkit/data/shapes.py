@@ -195,7 +195,8 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str]) -> None:
                          "knowingly.", {"ignore": unread})
     messages = row.get("messages")
     turns = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
-    keys = sorted({k for m in turns for k, v in m.items() if k not in MESSAGE_KEYS and holds_content(k, v)})
+    keys = sorted({k for m in turns for k, v in m.items()
+                   if k not in MESSAGE_KEYS and k != "train_detail" and holds_content(k, v)})  # the encoder refuses it
     if keys:
         raise ShapeError(f"{where}: the turns carry {_keys(keys)}, which {'holds' if len(keys) == 1 else 'hold'} "
                          "content that no shape reads (a turn is read as role, content, tool_calls, "
