@@ -701,3 +701,37 @@ def test_content_keys_are_refused_unless_ignored(tmp_path: Path, tok: PreTrained
     turn = _jsonl(tmp_path / "t.jsonl", [{"messages": [U1, dict(A1, thoughts="Two plus three, so five.")]}])
     with pytest.raises(ToolkitError, match=r"the turns carry key 'thoughts', which holds content"):
         _samples([turn], tok)
+
+
+def test_ignore_is_part_of_the_store_key_and_the_resume_check(tmp_path: Path) -> None:
+    """A data entry's `ignore` changes which rows are accepted: it keys the token store and the resume check,
+    and an entry without it keeps its earlier keys."""
+
+    class Enc:
+        fingerprint = "f"
+
+        @staticmethod
+        def options() -> dict[str, Any]:
+            return {}
+
+    path = _jsonl(tmp_path / "d.jsonl", [{"messages": [U1, A1]}])
+    plain = store_key(resolve_source(Entry(str(path)), tmp_path), "d", Enc())
+    ignoring = store_key(resolve_source(DataSource(path=str(path), ignore=["note"]).entry(), tmp_path), "d", Enc())
+    assert plain != ignoring and "ignore" not in plain
+
+    def invariants(entry: dict[str, Any]) -> dict[str, Any]:
+        return resume_invariants(Recipe.model_validate({"stages": [{"name": "s", "data": [entry]}]}))
+
+    assert invariants({"path": str(path)}) != invariants({"path": str(path), "ignore": ["note"]})
+    assert '"ignore":' not in json.dumps(invariants({"path": str(path)}))
+
+
+def test_a_prompt_that_is_not_the_chats_first_turn(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """`prompt` beside `messages` that do not start with it: two shapes, refused with the entry that trains the
+    chat."""
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "Something else.", "messages": [U1, A1]}])
+    with pytest.raises(ToolkitError, match=r"p.jsonl:1: the row has 'messages' and a 'prompt' that is not its first "
+                                           r"user turn.* Give the data entry \{ignore: \[prompt\]\}\."):
+        _samples([path], tok)
+    assert _samples([DataSource(path=str(path), ignore=["prompt"]).entry()], tok) == _expected([{"messages": [U1, A1]}],
+                                                                                              tok)

@@ -552,6 +552,7 @@ def one_object(c: Ctx) -> Call:
 
 
 case("data-json-one-object")(one_object)
+case("data-prompt-beside-messages")(lambda c: c.train(rows=[dict(CHAT, prompt="Something else.")]))
 case("data-ignore-empty-key")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "ignore": [""]}])))
 case("data-trl-image-not-path")(lambda c: c.train(rows=[dict(CHAT, image={"bytes": None, "path": None})]))
 case("data-prompt-list-completion-string")(lambda c: c.train(rows=[{"prompt": [USER], "completion": "4."}]))

@@ -108,7 +108,7 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
         row = _from_turns(row, "conversations", where, tags, system=True)
     elif row.get("messages") is not None:
         row = _from_turns(row, "messages", where, tags, system="system" in mapped)
-        row = _prompt_of_messages(row, notes)
+        row = _prompt_of_messages(row, where, notes)
     elif row.get("instruction") is not None:
         row = _alpaca_or_text(row, where, mapped, original, notes)
     elif isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
@@ -322,8 +322,9 @@ def _check_placeholders(row: dict[str, Any], where: str) -> None:
 
 # --- rows that hold their dialog twice ----------------------------------------------------------------------------
 
-def _prompt_of_messages(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """UltraChat's `prompt` beside the `messages` that start with it: trained once, from `messages`."""
+def _prompt_of_messages(row: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
+    """UltraChat's `prompt` beside the `messages` that start with it: trained once, from `messages`; a `prompt`
+    that is another text is a second shape, refused with the entry that trains the chat."""
     prompt, messages = row.get("prompt"), row.get("messages")
     if not isinstance(prompt, str) or not isinstance(messages, list) or row.get("completion") is not None:
         return row
@@ -331,7 +332,9 @@ def _prompt_of_messages(row: dict[str, Any], notes: list[str]) -> dict[str, Any]
     if isinstance(first, str) and first.strip() == prompt.strip():
         notes.append("'prompt' repeats the first user turn of 'messages': trained once, from 'messages'")
         return {k: v for k, v in row.items() if k != "prompt"}
-    return row
+    raise ShapeError(f"{where}: the row has 'messages' and a 'prompt' that is not its first user turn, two shapes "
+                     "that are not one dialog twice; the chat trains once the prompt is dropped knowingly.",
+                     {"ignore": ["prompt"]})
 
 
 ALPACA_KEYS = ("instruction", "input", "output", "system", "history")
@@ -666,7 +669,7 @@ def _from_pairs(row: dict[str, Any], where: str) -> dict[str, Any]:
     for p in pairs:
         messages += [{"role": "user", "content": p["human"]}, {"role": "assistant", "content": p["assistant"]}]
     out = {k: v for k, v in row.items() if k not in ("conversation", "system")}
-    out["messages"] = messages
+    out["messages"] = _placeholders(messages, out)
     return out
 
 
