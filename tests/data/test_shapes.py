@@ -735,3 +735,19 @@ def test_a_prompt_that_is_not_the_chats_first_turn(tmp_path: Path, tok: PreTrain
         _samples([path], tok)
     assert _samples([DataSource(path=str(path), ignore=["prompt"]).entry()], tok) == _expected([{"messages": [U1, A1]}],
                                                                                               tok)
+
+
+def test_image_url_parts_of_a_file(tmp_path: Path, vl_processor: Any) -> None:
+    """OpenAI's `image_url` part ({"url": path}) and LLaMA-Factory v1's (`value`: path) name an image file: read as
+    an image of the row; `video_url` is refused."""
+    wild_copy(tmp_path, "gsm8k.jsonl")  # writes the corpus's image files
+    question = {"type": "text", "text": "What are the differences between these two cats?"}
+    row = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cats/001.jpg"}},
+                                                     {"type": "image_url", "value": "cats/002.jpg"}, question]},
+                        {"role": "assistant", "content": "The first cat is an orange tabby."}]}
+    data = _wild_samples(Entry(str(_jsonl(tmp_path / "u.jsonl", [row]))), "vl", None, vl_processor)
+    assert [len(s["images"]) for s in data.samples] == [2]
+    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "value": "a.mp4"}, question]},
+                          row["messages"][1]]}
+    with pytest.raises(ToolkitError, match=r"has a 'video_url' part: video rows do not train yet"):
+        _wild_samples(Entry(str(_jsonl(tmp_path / "v.jsonl", [video]))), "vl", None, vl_processor)
