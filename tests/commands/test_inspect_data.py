@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import CHAT, stock_template
+from tests.data.test_shapes import TRAINS, wild_copy
 from tests.data.test_sources import ALPACA, ROWS, SHAREGPT, _jsonl, _table, _write
 from toolkit.builtin.dummy_data import write_dummy_files
 from toolkit.commands.inspect_data import inspect_data
@@ -194,3 +195,43 @@ def test_a_chat_template_override_changes_what_inspect_data_shows(tmp_path: Path
     chatml = _agree(_recipe(tmp_path, models["text"], stages, chat_template="chatml"), caplog)
     assert "[[<think>\n\n</think>\n\n4.<|im_end|>]]" in own
     assert "<think>" not in chatml and "<|im_start|>assistant\n[[4.<|im_end|>]]" in chatml
+
+
+# --- `toolkit inspect-data FILE`, no recipe (issue 38) ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(TRAINS))
+def test_inspect_file_prints_the_entry_that_trains_it(name: str, tmp_path: Path, models: dict[str, str],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """For each file of the wild corpus: the shape, two rows with their trained spans under the built-in model's
+    stock template, and the data entry which, pasted into a recipe, trains every row through training's own data
+    loading (the entry's keys are the ones the refusals gave)."""
+    from toolkit.commands.inspect_data import inspect_file
+
+    path = wild_copy(tmp_path / "data", name)
+    out = inspect_file(str(path), ["data.num_proc=1"], rows=2, colour=False)
+    assert out.count("--- ") >= 1 and "[[" in out and "\nshape: " in out, out
+    pasted = yaml.safe_load(out.split("data entry to paste into a recipe stage:\n")[1].split("\nwhy")[0])
+    entry = pasted["data"][0]
+    assert (entry if isinstance(entry, str) else entry["path"]) == str(path)
+    assert {k: v for k, v in (entry if isinstance(entry, dict) else {}).items() if k != "path"} == TRAINS[name][1]
+    vision = "model builtin:tiny-qwen2.5-vl" in out
+    assert vision == (TRAINS[name][0] == "vl")
+    recipe = _recipe(tmp_path, models["vl" if vision else "text"], [{"name": "s", "data": pasted["data"]}],
+                     max_seq_len=4096)
+    lines = _training_lines(recipe, caplog)
+    rows = sum(1 for line in path.read_text().splitlines()[1:]) if path.suffix == ".csv" else \
+        len(json.loads(path.read_text())) if path.suffix == ".json" and path.read_text().startswith("[") else \
+        1 if path.suffix == ".json" else len(path.read_text().splitlines())
+    assert f"stage 's' data: {rows} rows, {rows} kept" in lines[0], lines
+
+
+def test_inspect_file_no_shape_fits(tmp_path: Path) -> None:
+    """A file that no shape reads, and whose refusal offers no entry: the keys found and the closest shapes."""
+    from toolkit.commands.inspect_data import inspect_file
+    from toolkit.errors import ToolkitError
+
+    path = _jsonl(tmp_path / "q.jsonl", [{"instruction": "When did Virgin Australia start operating?",
+                                           "category": "closed_qa"}])
+    with pytest.raises(ToolkitError, match=r"q.jsonl: no shape reads it as it is \(keys found: \['category', "
+                                           r"'instruction'\]; closest shapes: Alpaca: instruction, input, output\)"):
+        inspect_file(str(path), [], rows=2, colour=False)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import stock_template
@@ -245,7 +248,8 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
     ({"prompt": "2 + 2?", "completions": ["It is", " 4."], "labels": [True, True]},
      r"the row has 'completions': TRL's stepwise-supervision rows"),
     ({"image": {"bytes": "..."}, "messages": [U1, A1]},
-     r"the row has 'image' \(TRL's one-image column\) that is not a path; give the image paths as a list in 'images'"),
+     r"the row has 'image' \(TRL's and Qwen-VL's image column\) that is not a path or a list of paths; give the "
+     r"image paths as a list in 'images'"),
     ({"query": "2 + 2?"}, r"the row has 'query' but no 'response' \(ms-swift's query/response rows need both\)"),
     ({"conversation": [{"human": "hi"}]}, r"'conversation' must be a non-empty list of \{\"human\": str"),
     ({"messages": [U1, {"role": "tool_call", "content": "add(2, 3)"}]},
@@ -254,7 +258,8 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
                                      r"\['dialog', 'id'\]; if 'dialog' holds the chat, map it: columns: "
                                      r"\{messages: dialog\}"),
     ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1], "videos": ["clip.mp4"]},
-     r"the row has 'videos': video rows are not supported"),
+     r"the row has 'videos': video rows do not train yet: their frames are never read, and '<video>' would train as "
+     r"text"),
 ])
 def test_shapes_refused_with_their_reason(tmp_path: Path, tok: PreTrainedTokenizerFast, row: dict,
                                           error: str) -> None:
@@ -454,3 +459,295 @@ def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrained
     assert _samples([DataSource(dataset="hub_chat").entry()], tok) == _expected([{"messages": [U1, A1]}], tok)
     assert _samples([DataSource(dataset="hub_chat", split="train").entry()], tok) == _expected([{"messages": CHAT}],
                                                                                                  tok)
+
+
+# --- data from the wild (issue 38): real rows of tests/assets/wild/ (origins in its README) ----------------------
+
+WILD = Path(__file__).parents[1] / "assets" / "wild"
+IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png")
+"""The image files the corpus's rows name, written as small pictures beside a copy of the file."""
+TRAINS = {  # file -> (model, the data entry keys its refusals give, applied in turn)
+    "tatsu_alpaca.jsonl": ("text", {}),
+    "dolly.jsonl": ("text", {"columns": {"input": "context", "output": "response"}}),
+    "ultrachat.jsonl": ("text", {}),
+    "openai_chat.jsonl": ("text", {}),
+    "llamafactory_v1.jsonl": ("text", {}),
+    "ms_swift_query.csv": ("text", {}),
+    "ms_swift_alpaca.csv": ("text", {}),
+    "trl_conversational.jsonl": ("text", {}),
+    "glaive_function_calling.jsonl": ("text", {"columns": {"text": "chat"}, "ignore": ["system"]}),
+    "gsm8k.jsonl": ("text", {"columns": {"instruction": "question", "output": "answer"}}),
+    "ms_swift_query.jsonl": ("vl", {}),
+    "qwenvl_single.json": ("vl", {}),
+    "qwenvl_image_list.jsonl": ("vl", {}),
+}
+REFUSED = {  # file -> the refusal (no data entry trains these rows)
+    "qwenvl_video.jsonl": r"the row has 'video': video rows do not train yet: their frames are never read",
+    "llamafactory_mllm_video_demo.json": r"the row has 'videos': video rows do not train yet",
+    "openai_audio.jsonl": r"has a 'input_audio' part: audio does not train: .*Qwen2-Audio and Qwen2.5-Omni do",
+    "openai_vision_url.jsonl": r"has an image_url part that is not an image file's path",
+    "llamafactory_dataset_info.json": r"the file holds one object, not an array, and it is not a row",
+    "empty_answer.jsonl": r"messages\[2\] is an assistant turn with no content, which would train a bare end-of-turn "
+                          r"token; .*set data.empty_answers: skip",
+}
+FIX = re.compile(r" Give the data entry (\{.*\})\.$")
+
+
+def wild_copy(tmp: Path, name: str) -> Path:
+    """A copy of the corpus file in `tmp`, with the image files its rows name."""
+    from PIL import Image
+
+    for rel in IMAGES:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (56, 56), "red").save(tmp / rel)
+    shutil.copy(WILD / name, tmp / name)
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def vl_processor(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoProcessor
+
+    from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
+
+    return AutoProcessor.from_pretrained(materialize_builtin(TINY_VL_MODEL, tmp_path_factory.mktemp("vl")))
+
+
+def _wild_samples(entry: Entry, kind: str, tok: Any, processor: Any, **kw: Any) -> Any:
+    from toolkit.data.vision import VLEncoder
+
+    encoder = VLEncoder(processor, train_on="assistant") if kind == "vl" else None
+    return encode_files([entry], processor.tokenizer if kind == "vl" else tok, max_seq_len=4096, overlength="error",
+                        train_on="assistant", encoder=encoder, **kw)
+
+
+def trains_after_fixes(path: Path, kind: str, tok: Any, processor: Any) -> tuple[Any, dict[str, Any], Entry]:
+    """The file read as training reads it; each refusal that offers YAML applied as a recipe gives it (through the
+    recipe's own schema), until it trains. Returns the rows, the keys applied and the entry."""
+    applied: dict[str, Any] = {}
+    for _ in range(4):
+        entry = DataSource(path=str(path), **applied).entry()
+        try:
+            return _wild_samples(entry, kind, tok, processor), applied, entry
+        except ToolkitError as e:
+            fix = FIX.search(str(e))
+            assert fix is not None, f"refused without the data entry that trains it: {e}"
+            for key, value in yaml.safe_load(fix.group(1)).items():
+                applied[key] = ({**applied.get(key, {}), **value} if isinstance(value, dict)
+                                else sorted({*applied.get(key, []), *value}))
+    raise AssertionError(f"{path} still refused after the fixes {applied}")
+
+
+@pytest.mark.parametrize("name", sorted(TRAINS))
+def test_wild_files_train_or_their_refusal_gives_the_entry_that_does(name: str, tmp_path: Path,
+                                                                      tok: PreTrainedTokenizerFast,
+                                                                      vl_processor: Any) -> None:
+    """Rule 3: every corpus file trains as it is, or each refusal names the data entry (YAML) that trains it; the
+    YAML is applied as a recipe gives it and the file trains, every row kept."""
+    kind, fix = TRAINS[name]
+    data, applied, _ = trains_after_fixes(wild_copy(tmp_path, name), kind, tok, vl_processor)
+    assert applied == fix
+    assert data.stats.kept == data.stats.rows > 0 and data.stats.label_tokens > 0
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_wild_files_that_cannot_train_are_refused_in_one_line(name: str, tmp_path: Path,
+                                                               tok: PreTrainedTokenizerFast, vl_processor: Any) -> None:
+    """Video (the singular `video` key trained its `<video>` as text), audio, image URLs, a registry given as a
+    data file and an empty answer: one line each, never trained."""
+    path = wild_copy(tmp_path, name)
+    kind = "vl" if "video" in name else "text"
+    with pytest.raises(ToolkitError, match=REFUSED[name]):
+        _wild_samples(Entry(str(path)), kind, tok, vl_processor)
+
+
+def _decoded(sample: dict[str, Any], tok: Any) -> str:
+    return tok.decode(sample["input_ids"])
+
+
+def test_tatsu_alpaca_trains_once_from_its_fields(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """tatsu-lab/alpaca's rendered `text` beside its fields: the fields train, once, and the choice is logged;
+    `columns: {text: text}` trains the text instead (the user's word wins)."""
+    from toolkit.data.plan import _selections
+
+    path = wild_copy(tmp_path, "tatsu_alpaca.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    samples = _samples([path], tok)
+    assert "Below is an instruction" not in _decoded(samples[0], tok)
+    assert _trained(samples[0], tok).startswith("<think>\n\n</think>\n\n" + rows[0]["output"][:20])
+    assert "Twitter, Instagram, Telegram" in _decoded(samples[2], tok)
+    (store, _), = _selections([path], tok, max_seq_len=1024, overlength="error", train_on="assistant",
+                              thinking="auto", cache_dir=None, encoder=None, num_proc=1)
+    assert any(n.startswith("'text' renders instruction/input/output") and c == 3 for n, c in store.notes.items())
+    as_text = _samples([DataSource(path=str(path), columns={"text": "text"}).entry()], tok)
+    assert "### Instruction:\nGive three tips" in _trained(as_text[0], tok)
+
+
+def test_dolly_trains_with_its_context(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """Dolly's `context` passage trains in the prompt once mapped; the old advice (`columns: {output: response}`
+    alone) is refused naming `context` and the column that reads it, never trained without it."""
+    path = wild_copy(tmp_path, "dolly.jsonl")
+    with pytest.raises(ToolkitError, match=r"dolly.jsonl:1: the row has 'instruction' and no 'output' .*answer in "
+                                           r"'response' and its passage in 'context'"):
+        _samples([path], tok)
+    half = DataSource(path=str(path), columns={"output": "response"}).entry()
+    with pytest.raises(ToolkitError, match=r"'context' holds content .* Give the data entry \{columns: \{input: "
+                                           r"context\}\}"):
+        _samples([half], tok)
+    entry = DataSource(path=str(path), columns={"input": "context", "output": "response"}).entry()
+    first = _samples([entry], tok)[0]
+    assert "collapse of Ansett Australia" in _decoded(first, tok)
+    assert "collapse of Ansett" not in _trained(first, tok)
+
+
+def test_ultrachat_prompt_beside_messages_trains_once(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """UltraChat's `prompt` repeats the first user turn of its `messages`: the chat trains, the prompt once."""
+    sample = _samples([wild_copy(tmp_path, "ultrachat.jsonl")], tok)[0]
+    assert _decoded(sample, tok).count("Create a fully-developed protagonist") == 1
+    assert "Name: Ava" in _trained(sample, tok) and "Certainly!" in _trained(sample, tok)
+
+
+def test_llamafactory_v1_reasoning_and_tool_call_parts(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """LLaMA-Factory v1's `reasoning` part is the turn's thinking (Qwen3's think block, as its template writes
+    `reasoning_content`), its `tool_call` part a tool call."""
+    trained = _trained(_samples([wild_copy(tmp_path, "llamafactory_v1.jsonl")], tok)[0], tok)
+    assert "<think>\nI need to use the multiply function to calculate 6*8.\n</think>" in trained
+    assert '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 8}}\n</tool_call>' in trained
+
+
+def test_openai_system_and_answer_row_trains(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """A row of a system prompt and an answer alone (OpenAI's format accepts it) trains; the file is not refused."""
+    samples = _samples([wild_copy(tmp_path, "openai_chat.jsonl")], tok)
+    assert "William Shakespeare" in _trained(samples[1], tok)
+    assert "Paris\n" not in _trained(samples[0], tok)  # weight 0 stays untrained
+
+
+def test_csv_cells_are_text(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """ms-swift's own CSV examples: all-digit cells (`00000`) are text, as ms-swift reads them."""
+    samples = _samples([wild_copy(tmp_path, "ms_swift_query.csv")], tok)
+    assert _decoded(samples[0], tok).startswith("<|im_start|>system\n00000<|im_end|>")
+    assert _trained(samples[0], tok).endswith("22222<|im_end|>")
+    alpaca = _samples([wild_copy(tmp_path, "ms_swift_alpaca.csv")], tok)
+    assert "11111\n22222" in _decoded(alpaca[0], tok)
+
+
+def test_image_placeholders_and_image_keys(tmp_path: Path, vl_processor: Any) -> None:
+    """`<image>` in ms-swift's `query`, Qwen-VL's `image` (a path or a list) and a pretty-printed one-row JSON
+    file: image tokens where the placeholders were, never the placeholder as text."""
+    tok = vl_processor.tokenizer
+    for name, images in (("ms_swift_query.jsonl", [1, 2, 0]), ("qwenvl_single.json", [1]),
+                         ("qwenvl_image_list.jsonl", [2])):
+        data = _wild_samples(Entry(str(wild_copy(tmp_path, name))), "vl", tok, vl_processor)
+        assert [len(s.get("images", [])) for s in data.samples] == images, name
+        assert not any("<image>" in _decoded(s, tok) for s in data.samples), name
+
+
+def test_glaive_names_its_chat(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """Glaive's `system` + `chat`: the error names `chat` (the dialog), not only `system`."""
+    with pytest.raises(ToolkitError, match=r"found keys \['chat', 'system'\], none a chat\. 'chat' is text"):
+        _samples([wild_copy(tmp_path, "glaive_function_calling.jsonl")], tok)
+
+
+def test_empty_answers_skip(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """data.empty_answers: skip keeps an empty answer untrained and says so in the stage's log; the row, with
+    nothing else to train, is skipped and counted."""
+    from toolkit.data.encoding import TextEncoder
+    from toolkit.data.plan import _selections
+
+    path = wild_copy(tmp_path, "empty_answer.jsonl")
+    encoder = TextEncoder(tok, train_on="assistant", empty_answers="skip")
+    (store, selection), = _selections([path], tok, max_seq_len=1024, overlength="error", train_on="assistant",
+                                      thinking="auto", cache_dir=None, encoder=encoder, num_proc=1)
+    assert selection.stats.no_label_tokens == 1 and selection.stats.kept == 0
+    assert store.notes == {"assistant turns with no content left untrained (data.empty_answers: skip)": 1}
+
+
+def test_keys_without_content_are_named_in_the_log(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """Rule 1: Dolly's `category` and UltraChat's `prompt_id` hold no content: kept out, named once per stage."""
+    from toolkit.data.plan import _selections
+
+    dolly = DataSource(path=str(wild_copy(tmp_path, "dolly.jsonl")),
+                       columns={"input": "context", "output": "response"}).entry()
+    (store, _), (other, _) = _selections([dolly, wild_copy(tmp_path, "ultrachat.jsonl")], tok, max_seq_len=1024,
+                                         overlength="error", train_on="assistant", thinking="auto", cache_dir=None,
+                                         encoder=None, num_proc=1)
+    assert store.notes == {"keys without content, not read: category": 2}
+    assert other.notes["keys without content, not read: prompt_id"] == 1
+
+
+@pytest.mark.parametrize(("key", "value", "content"), [
+    ("context", "Virgin Australia, the trading name", True), ("context", "", False), ("category", "closed_qa", False),
+    ("prompt_id", "d938b65dfe31f05f80eb8572964c6673eddbd68eff3db6bd234d7f1e3b86c2af", False),
+    ("source", "a long passage of words", False), ("picture", "cats/001.jpg", True), ("score", 4.5, False),
+    ("tools", [{"name": "multiply"}], True), ("keywords", ["apple", "pear"], False), ("id", 3, False),
+])
+def test_what_holds_content(key: str, value: Any, content: bool) -> None:
+    """The rule docs/data.md states: names of ids, scores, categories, sources hold none; text with words, a
+    media file, objects do."""
+    from toolkit.data.shapes import holds_content
+
+    assert holds_content(key, value) is content
+
+
+def test_content_keys_are_refused_unless_ignored(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """A key holding content that nothing reads is refused with `ignore:`; on a turn too; ignore drops it."""
+    row = {"messages": [U1, A1], "rationale": "Because two and three make five."}
+    path = _jsonl(tmp_path / "r.jsonl", [row])
+    with pytest.raises(ToolkitError, match=r"r.jsonl:1: the row's key 'rationale' holds content \(text of 32 "
+                                           r"characters\) that no shape reads .* Give the data entry \{ignore: "
+                                           r"\[rationale\]\}\."):
+        _samples([path], tok)
+    assert _samples([DataSource(path=str(path), ignore=["rationale"]).entry()], tok) == _expected([row], tok)
+    turn = _jsonl(tmp_path / "t.jsonl", [{"messages": [U1, dict(A1, thoughts="Two plus three, so five.")]}])
+    with pytest.raises(ToolkitError, match=r"the turns carry key 'thoughts', which holds content"):
+        _samples([turn], tok)
+
+
+def test_ignore_is_part_of_the_store_key_and_the_resume_check(tmp_path: Path) -> None:
+    """A data entry's `ignore` changes which rows are accepted: it keys the token store and the resume check,
+    and an entry without it keeps its earlier keys."""
+
+    class Enc:
+        fingerprint = "f"
+
+        @staticmethod
+        def options() -> dict[str, Any]:
+            return {}
+
+    path = _jsonl(tmp_path / "d.jsonl", [{"messages": [U1, A1]}])
+    plain = store_key(resolve_source(Entry(str(path)), tmp_path), "d", Enc())
+    ignoring = store_key(resolve_source(DataSource(path=str(path), ignore=["note"]).entry(), tmp_path), "d", Enc())
+    assert plain != ignoring and "ignore" not in plain
+
+    def invariants(entry: dict[str, Any]) -> dict[str, Any]:
+        return resume_invariants(Recipe.model_validate({"stages": [{"name": "s", "data": [entry]}]}))
+
+    assert invariants({"path": str(path)}) != invariants({"path": str(path), "ignore": ["note"]})
+    assert '"ignore":' not in json.dumps(invariants({"path": str(path)}))
+
+
+def test_a_prompt_that_is_not_the_chats_first_turn(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """`prompt` beside `messages` that do not start with it: two shapes, refused with the entry that trains the
+    chat."""
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "Something else.", "messages": [U1, A1]}])
+    with pytest.raises(ToolkitError, match=r"p.jsonl:1: the row has 'messages' and a 'prompt' that is not its first "
+                                           r"user turn.* Give the data entry \{ignore: \[prompt\]\}\."):
+        _samples([path], tok)
+    assert _samples([DataSource(path=str(path), ignore=["prompt"]).entry()], tok) == _expected([{"messages": [U1, A1]}],
+                                                                                              tok)
+
+
+def test_image_url_parts_of_a_file(tmp_path: Path, vl_processor: Any) -> None:
+    """OpenAI's `image_url` part ({"url": path}) and LLaMA-Factory v1's (`value`: path) name an image file: read as
+    an image of the row; `video_url` is refused."""
+    wild_copy(tmp_path, "gsm8k.jsonl")  # writes the corpus's image files
+    question = {"type": "text", "text": "What are the differences between these two cats?"}
+    row = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cats/001.jpg"}},
+                                                     {"type": "image_url", "value": "cats/002.jpg"}, question]},
+                        {"role": "assistant", "content": "The first cat is an orange tabby."}]}
+    data = _wild_samples(Entry(str(_jsonl(tmp_path / "u.jsonl", [row]))), "vl", None, vl_processor)
+    assert [len(s["images"]) for s in data.samples] == [2]
+    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "value": "a.mp4"}, question]},
+                          row["messages"][1]]}
+    with pytest.raises(ToolkitError, match=r"has a 'video_url' part: video rows do not train yet"):
+        _wild_samples(Entry(str(_jsonl(tmp_path / "v.jsonl", [video]))), "vl", None, vl_processor)

@@ -246,7 +246,8 @@ def test_sharegpt_tool_calls(tmp_path: Path, qwen_tokenizer: Any) -> None:
     ({"conversations": [{"from": "human", "value": "a"}], "messages": CHAT},
      r"the row has both 'messages' and 'conversations'"),
     ({"instruction": "Add."}, r"the row has 'instruction' but no 'output' \(Alpaca rows need both\)"),
-    ({"instruction": "Add.", "output": "5.", "text": "x"}, r"the row has both 'instruction' and 'text'; keep one"),
+    ({"instruction": "Add.", "output": "5.", "text": "x"},
+     r"the row has both 'instruction' and 'text', two shapes that are not one dialog twice"),
     ({"instruction": "Add.", "output": "5.", "history": [["q"]]}, r"'history' must be a list of \[instruction, "),
 ])
 def test_a_row_missing_a_field_names_file_row_and_field(tmp_path: Path, tok: PreTrainedTokenizerFast,

@@ -677,6 +677,37 @@ case("data-part-not-text")(lambda c: c.train(rows=[{"messages": [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}, ANSWER]}]))
 case("data-trl-stepwise")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completions": ["Two and two", " is 4."],
                                                     "labels": [True, True]}]))
+case("data-content-key-unread")(lambda c: c.train(rows=[dict(CHAT, rationale="Because two and three make five.")]))
+case("data-turn-content-key-unread")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, thoughts="So: five.")]}]))
+case("data-dolly-unmapped")(lambda c: c.train(rows=[{  # databricks-dolly-15k, row 2
+    "instruction": "Which is a species of fish? Tope or Rope", "context": "", "response": "Tope",
+    "category": "classification"}]))
+case("data-dialog-in-one-string")(lambda c: c.train(rows=[{  # glaiveai/glaive-function-calling-v2
+    "system": "SYSTEM: You are a helpful assistant, with no access to external functions.",
+    "chat": "USER: hi\n\n\nASSISTANT: hello <|endoftext|>\n\n\n"}]))
+case("data-video-row")(lambda c: c.train(rows=[{"video": "videos/005.mp4", "conversations": [  # Qwen-VL finetune
+    {"from": "human", "value": "<video>\nWhat caused the blue object to move?"},
+    {"from": "gpt", "value": "Answer: (B) Collision"}]}]))
+case("data-video-placeholder")(lambda c: c.train(rows=[{"messages": [dict(USER, content="<video>What is she doing?"),
+                                                                     ANSWER]}]))
+case("data-audio-part")(lambda c: c.train(rows=[{"messages": [dict(USER, content=[
+    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]), ANSWER]}]))
+case("data-image-url")(lambda c: c.train(rows=[{"messages": [dict(USER, content=[
+    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]), ANSWER]}]))
+case("data-unknown-part-type")(lambda c: c.train(rows=[{"messages": [dict(USER, content=[
+    {"type": "file", "file": {"file_id": "f"}}]), ANSWER]}]))
+case("data-empty-answer")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWER, content="")]}]))
+case("data-empty-answers-unknown")(lambda c: c.train("data.empty_answers=drop"))
+
+
+def one_object(c: Ctx) -> Call:
+    (c.tmp / "info.json").write_text(json.dumps({"alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}}, indent=2))
+    return c.train(change=stage("data", ["info.json"]))
+
+
+case("data-json-one-object")(one_object)
+case("data-prompt-beside-messages")(lambda c: c.train(rows=[dict(CHAT, prompt="Something else.")]))
+case("data-ignore-empty-key")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "ignore": [""]}])))
 case("data-trl-image-not-path")(lambda c: c.train(rows=[dict(CHAT, image={"bytes": None, "path": None})]))
 case("data-prompt-list-completion-string")(lambda c: c.train(rows=[{"prompt": [USER], "completion": "4."}]))
 case("data-tool-call-not-json")(lambda c: c.train(rows=[{"messages": [

@@ -89,10 +89,14 @@ def _preflight(args: argparse.Namespace) -> None:
 
 
 def _inspect_data(args: argparse.Namespace) -> None:
-    from toolkit.commands.inspect_data import inspect_data
+    from toolkit.commands.inspect_data import inspect_data, inspect_file
     from toolkit.config.load import load_recipe
 
-    print(inspect_data(load_recipe(args.config, args.overrides), stage=args.stage, rows=args.rows))
+    words = args.overrides
+    if args.config is None and words and "=" not in words[0]:  # `toolkit inspect-data FILE`: no recipe
+        print(inspect_file(words[0], words[1:], rows=2 if args.rows is None else args.rows))
+        return
+    print(inspect_data(load_recipe(args.config, words), stage=args.stage, rows=3 if args.rows is None else args.rows))
 
 
 def _score(args: argparse.Namespace) -> None:
@@ -177,11 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_preflight)
 
     p = sub.add_parser("inspect-data", help="Show rows as training tokenises them (trained tokens marked) and each "
-                       "stage's token statistics.")
+                       "stage's token statistics; `inspect-data FILE` (no recipe) detects the file's shape and "
+                       "prints the data entry that trains it.")
     p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
     p.add_argument("--stage", help="Only this stage (default: every stage).")
-    p.add_argument("--rows", type=int, default=3, help="Rows to print per stage (default 3).")
-    p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
+    p.add_argument("--rows", type=int, help="Rows to print per stage (default 3; 2 for a FILE).")
+    p.add_argument("overrides", nargs="*", help="A data FILE (without --config), then recipe overrides, "
+                   "key.sub=value.")
     p.set_defaults(func=_inspect_data)
 
     p = sub.add_parser("score", help="Score a stage's rows with the recipe's model before training (loss, "

@@ -4,17 +4,26 @@ Reads each stage through training's own function (`toolkit.data.stages.load_stag
 columns, chat template, data.thinking, over-length policy, image tokens for vision-language models) and prints
 training's line of counts for it, token statistics, and the first kept rows with the trained tokens marked, each
 named by its place in its file (`file:line`, `file row N`). The first thing to run on new data.
+
+`toolkit inspect-data FILE`, with no recipe, reads one file the same way under the built-in model (its family's stock
+template; the tiny Qwen2.5-VL when the rows carry images): each refusal that carries its fix (the data entry's
+columns, tags, ignore: toolkit/data/shapes.py ShapeError) is applied and the file read again, as the user would,
+and the report ends with the data entry to paste into a recipe and why each key is there. A file no shape fits is
+refused with the keys found and the closest shapes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from toolkit.builtin.dummy_data import DUMMY_PREFIX, write_dummy_files
 from toolkit.config.schema import DataEntry, Recipe
@@ -72,10 +81,11 @@ def stage_statistics(src: TrainingSet) -> str:
 
 
 def describe_entry(entry: DataEntry, weight: float | None) -> str:
-    """A data entry as the recipe gives it: path, split, column mapping, mixture weight."""
+    """A data entry as the recipe gives it: path, split, column mapping, tags, ignored keys, mixture weight."""
     extras = ([f"split {entry.split}"] if entry.split else []) + \
         ([f"columns {', '.join(f'{ours}: {theirs}' for ours, theirs in entry.columns)}"] if entry.columns else []) + \
         ([f"tags {', '.join(f'{tag}: {name}' for tag, name in entry.tags)}"] if entry.tags else []) + \
+        ([f"ignore {', '.join(entry.ignore)}"] if entry.ignore else []) + \
         ([f"weight {weight:g}"] if weight is not None else [])
     return entry.name + (f" ({'; '.join(extras)})" if extras else "")
 
@@ -162,3 +172,95 @@ def _dummy_dir(recipe: Recipe, tmp: Path, *, vision: bool) -> Path:
     fresh = RunLayout(tmp).dummy_data
     write_dummy_files(fresh, 64, seed=recipe.train.seed, vision=vision)
     return fresh
+
+
+MAX_FIXES = 6
+"""Refusals with a fix `inspect_file` applies before it gives up (each names other keys)."""
+VISION_WORDS = ("needs a vision-language model", "a vision-language model reads it")
+"""What the text model's refusal of an image row says (toolkit/data/encoding.py): read with the VL model instead."""
+
+
+def entry_tree(entry: DataEntry) -> dict[str, Any] | str:
+    """A data entry as a recipe writes it: the bare path, or {path, columns, tags, ignore} where any is set."""
+    tree: dict[str, Any] = {"path": entry.path}
+    tree.update({k: dict(v) for k, v in (("columns", entry.columns), ("tags", entry.tags)) if v})
+    if entry.ignore:
+        tree["ignore"] = list(entry.ignore)
+    return tree if len(tree) > 1 else str(entry.path)
+
+
+def file_recipe(entry: DataEntry, overrides: list[str], folder: Path, *, vision: bool) -> Recipe:
+    """The embedded default recipe with one stage on `entry`, the built-in model (text, or VL for image rows),
+    max_seq_len 4096, token stores in memory and its output in `folder`; then the user's overrides."""
+    from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL
+    from toolkit.config.load import DEFAULT_RECIPE, load_recipe
+
+    tree = json.loads(json.dumps(DEFAULT_RECIPE))
+    tree.update(output_dir=str(folder / "run"), model={"name_or_path": TINY_VL_MODEL if vision else TINY_MODEL},
+                data={"max_seq_len": 4096, "cache_dir": "none"},
+                stages=[{"name": Path(str(entry.path)).stem or "data", "data": [entry_tree(entry)]}])
+    path = folder / "inspect-file.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return load_recipe(path, overrides)
+
+
+def _first_keys(path: str) -> list[str]:
+    """The keys of the file's first row as stored (before any shape is read), for a file no shape fits."""
+    from toolkit.data.sources import open_source, resolve_source
+
+    source = resolve_source(DataEntry(path), Path())
+    if source.fmt == "jsonl":
+        with source.files[0].open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    return sorted(row) if isinstance(row, dict) else []
+        return []
+    open_source(source)
+    rows = source.arrays[0] if source.arrays else source.tables[0].column_names if source.tables else []
+    return sorted(rows if source.tables else rows[0] if rows and isinstance(rows[0], dict) else [])
+
+
+def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool | None = None) -> str:
+    """`toolkit inspect-data FILE`: the file read by training's own path (`inspect_data` on a one-stage recipe,
+    `file_recipe`), each refusal's fix applied in turn, and the data entry that trains it, with why. A file that
+    no fix reads is refused in one line: the keys found, the closest shapes and training's refusal."""
+    from toolkit.data.shapes import ShapeError, closest_shapes, with_fix
+
+    entry, why, vision = DataEntry(path), [], False
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(MAX_FIXES + 2):
+            try:
+                report = inspect_data(file_recipe(entry, overrides, Path(tmp), vision=vision), stage=None,
+                                      rows=rows, colour=colour)
+                break
+            except ShapeError as e:
+                if not e.fix:
+                    raise _no_fit(path, e, closest_shapes) from None
+                why.append(str(e))
+                entry = with_fix(entry, e.fix)
+            except ToolkitError as e:
+                if vision or not any(w in str(e) for w in VISION_WORDS):
+                    raise  # a refusal that is not about the shape (a missing image, bad JSON) says it all
+                vision = True
+                why.append(f"{e} (read with the built-in vision-language model instead)")
+        else:
+            raise ToolkitError(f"{path}: still refused after {MAX_FIXES} fixes: {why[-1]}")
+    entry_lines = yaml.safe_dump({"data": [entry_tree(entry)]}, sort_keys=False, default_flow_style=None).rstrip()
+    keys: list[str] = []
+    with contextlib.suppress(ToolkitError, OSError, ValueError):
+        theirs = {t: ours for ours, t in entry.columns}
+        keys = [theirs.get(k, k) for k in _first_keys(path) if k not in entry.ignore]
+    shape = next(iter(closest_shapes(keys)), "none of the named shapes' keys")
+    lines = [report, "", f"shape: {shape}", "data entry to paste into a recipe stage:", entry_lines]
+    lines += ["why:"] + [f"  - {w}" for w in why] if why else ["why: the rows train as they are; no key to map."]
+    return "\n".join(lines)
+
+
+def _no_fit(path: str, error: ToolkitError, closest: Any) -> ToolkitError:
+    keys: list[str] = []
+    with contextlib.suppress(ToolkitError, OSError, ValueError):  # the refusal below says what is wrong with it
+        keys = _first_keys(path)
+    near = closest(keys)
+    return ToolkitError(f"{path}: no shape reads it as it is (keys found: {keys}; closest shapes: "
+                        f"{'; '.join(near) if near else 'none'}). Training says: {error}")

@@ -118,6 +118,10 @@ class DataConfig(_Section):
         "renders (Qwen3: an empty <think></think> block before the last answer, its non-thinking format; Qwen2.5: "
         "none); 'empty' gives the last answer an empty think block; 'none' trains answers with no think block."
     )
+    empty_answers: Literal["error", "skip"] = Field(
+        "error", description="An assistant turn with no content (it would train a bare end-of-turn token): "
+        "'error' refuses the row, naming it; 'skip' keeps the turn in the context untrained (a row left with nothing "
+        "to train is skipped), and the stage's log counts the rows.")
     min_pixels: int | None = Field(None, gt=0, description="Vision models: smallest image area after resizing, "
                                    "in pixels (default: the processor's).")
     max_pixels: int | None = Field(None, gt=0, description="Vision models: largest image area after resizing, "
@@ -163,6 +167,17 @@ class DataSource(_Section):
                                         "assistant_tag, system_tag, observation_tag (tool results), function_tag "
                                         "(tool calls), e.g. {role_tag: speaker, content_tag: text, user_tag: "
                                         "customer, assistant_tag: agent}.")
+    ignore: list[str] | None = Field(None, description="Keys of this source's rows (and of their turns) to drop "
+                                     "knowingly: a key that holds content (text, media, tools) and that no shape "
+                                     "reads is refused unless listed here, e.g. [category, context].")
+
+    @field_validator("ignore")
+    @classmethod
+    def _ignore_keys(cls, value: list[str] | None) -> list[str] | None:
+        for key in value or []:
+            if not isinstance(key, str) or not key:
+                raise ValueError("ignore: each key must be a non-empty string")
+        return value
 
     @field_validator("columns")
     @classmethod
@@ -200,7 +215,8 @@ class DataSource(_Section):
     def entry(self) -> DataEntry:
         return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())),
                          tuple(sorted((self.tags or {}).items())), self.dataset,
-                         (self.dataset_dir or "data") if self.dataset is not None else None)
+                         (self.dataset_dir or "data") if self.dataset is not None else None,
+                         tuple(sorted(set(self.ignore or ()))))
 
 
 @dataclass(frozen=True)
@@ -215,6 +231,7 @@ class DataEntry:
     tags: tuple[tuple[str, str], ...] = ()
     dataset: str | None = None
     dataset_dir: str | None = None
+    ignore: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

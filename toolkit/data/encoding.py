@@ -156,6 +156,53 @@ def unread_message_keys(row: dict[str, Any]) -> set[str]:
     return {k for m in messages if isinstance(m, dict) for k in m if k not in MESSAGE_KEYS}
 
 
+READ_ROW_KEYS = ("messages", "prompt", "completion", "text", "tools", "images", "difficulty", "label", "reference")
+"""Row keys a shape or the encoder reads (or refuses: REFUSED_ROW_KEYS; `reference` is read by generation evals,
+whose prompt files may also be loss-eval data). A source's other keys hold no content
+(toolkit/data/shapes.py refuses those that do) and are named once in the stage's log (`row_notes`)."""
+NOTE_KEY = "_notes"
+"""A mapped row's notes (toolkit/data/shapes.py): what was chosen for it, said once per stage in the log."""
+NOT_READ = "keys without content, not read"
+
+
+def row_notes(row: dict[str, Any], empty_answers: str = "error") -> list[str]:
+    """What the stage's log says about the row, once per stage with the rows it holds for: the shape chosen where a
+    row holds its dialog twice (`NOTE_KEY`), each row key nothing reads (`NOT_READ: key`), and an empty answer left
+    untrained under data.empty_answers: skip."""
+    notes = list(row.get(NOTE_KEY) or [])
+    notes += [f"{NOT_READ}: {k}" for k in row if k not in READ_ROW_KEYS and k not in REFUSED_ROW_KEYS
+              and not k.startswith("_")]
+    messages = row.get("messages")
+    if empty_answers == "skip" and isinstance(messages, list) and any(_empty_answer(m) for m in messages):
+        notes.append("assistant turns with no content left untrained (data.empty_answers: skip)")
+    return notes
+
+
+def _empty_answer(m: Any) -> bool:
+    """An assistant turn with nothing to train but its end token: no content, tool call or reasoning."""
+    if not isinstance(m, dict) or m.get("role") != "assistant" or m.get("tool_calls") or m.get("reasoning_content"):
+        return False
+    content = m.get("content")
+    if isinstance(content, list):
+        return not any(not isinstance(p, dict) or p.get("type") != "text" or (p.get("text") or "").strip()
+                       for p in content)
+    return content is None or (isinstance(content, str) and not content.strip())
+
+
+def empty_answers(messages: Any, where: str, policy: str) -> Any:
+    """data.empty_answers on the row's messages: 'error' refuses an assistant turn with no content (it would train
+    a bare end-of-turn token); 'skip' keeps it in the context untrained (PROMPT_TURN)."""
+    if not isinstance(messages, list) or not any(_empty_answer(m) for m in messages):
+        return messages
+    i = next(i for i, m in enumerate(messages) if _empty_answer(m))
+    if policy != "skip":
+        raise ToolkitError(f"{where}: messages[{i}] is an assistant turn with no content, which would train a bare "
+                           "end-of-turn token; fill or remove the turn, or set data.empty_answers: skip to keep such "
+                           "turns untrained (counted in the stage's log).")
+    return [dict(m, content=m.get("content") or "", **{PROMPT_TURN: True}) if _empty_answer(m) else m
+            for m in messages]
+
+
 NUMERIC_FLAGS = ("weight", "loss_weight", "loss_scale")
 """TURN_FLAGS whose values are numbers (0 or 1 here); the others are true / false."""
 
@@ -213,8 +260,10 @@ def _joined_text(parts: list[Any], where: str) -> str:
     for p in parts:
         if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
             kind = f"a '{p.get('type')}' part" if isinstance(p, dict) else "a part that is not an object"
-            raise ToolkitError(f"{where}.content has {kind}; this model reads text only, so content must be a string "
-                               "or a list of {\"type\": \"text\", \"text\": str} parts.")
+            family = (" (a vision-language model reads it: Qwen2.5-VL, Qwen3-VL, builtin:tiny-qwen2.5-vl)"
+                      if isinstance(p, dict) and p.get("type") == "image" else "")
+            raise ToolkitError(f"{where}.content has {kind}; this model reads text only{family}, so content must be "
+                               "a string or a list of {\"type\": \"text\", \"text\": str} parts.")
         texts.append(p["text"])
     return "".join(texts)
 
@@ -231,12 +280,13 @@ def _check_parts(parts: list[Any], where: str) -> None:
 
 
 def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) -> None:
-    """With train_on: assistant, a conversation with assistant turns opens with a user turn (after an optional
-    system prompt) and ends with an assistant turn."""
+    """With train_on: assistant, a conversation with assistant turns and a user turn opens with a user turn (after
+    an optional system prompt) and ends with an assistant turn. A row of a system prompt and answers alone (OpenAI's
+    fine-tuning format accepts it) trains its answers."""
     if train_on != "assistant" or not any(m["role"] == "assistant" for m in messages):
         return
     first = next(m["role"] for m in messages if m["role"] != "system")
-    if first != "user":
+    if first != "user" and any(m["role"] == "user" for m in messages):  # system + answer alone (OpenAI) trains
         raise ToolkitError(f"{where}: the conversation starts with a{'n' if first == 'assistant' else ''} {first} "
                            "turn; after an optional system prompt it must start with a user turn.")
     if messages[-1]["role"] != "assistant":
@@ -491,14 +541,16 @@ class TextEncoder:
     with the tokenizer for worker processes."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, empty_answers: str = "error") -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
 
     def options(self) -> dict[str, Any]:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""
-        return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking}
+        return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
+                **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {})}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
@@ -577,8 +629,9 @@ class TextEncoder:
                 f"{where}: the row is a chat ('messages') but the tokenizer has no chat template. Use a chat "
                 "model's tokenizer or set data.chat_template (for example: chatml).")
         train_on, thinking = self.train_on, self.thinking
-        messages = check_messages(row["messages"], where, train_on)
-        trains = assistant_trains(row["messages"], where, train_on)
+        given = empty_answers(row["messages"], where, self.empty_answers)
+        messages = check_messages(given, where, train_on)
+        trains = assistant_trains(given, where, train_on)
         tools = row.get("tools")
         template = tok.chat_template
         check_renderable(template, messages, tools, where, override=self.chat_template)

@@ -12,14 +12,45 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from toolkit.data.encoding import PROMPT_TURN
+import yaml
+
+from toolkit.config.schema import DataEntry
+from toolkit.data.encoding import MESSAGE_KEYS, NOTE_KEY, PROMPT_TURN, READ_ROW_KEYS, REFUSED_ROW_KEYS
 from toolkit.errors import ToolkitError
 
 if TYPE_CHECKING:
     from toolkit.data.sources import Source
+
+
+class ShapeError(ToolkitError):
+    """A row that no shape reads as it is, with the data entry keys that train it (`fix`: `columns`, `tags`,
+    `ignore`), written at the end of the line as YAML to paste (`entry_yaml`). `toolkit inspect-data FILE` applies
+    the fix (`with_fix`) and reads the file again, as the user would."""
+
+    def __init__(self, message: str, fix: dict[str, Any] | None = None, said: bool = False) -> None:
+        self.fix = fix or {}
+        super().__init__(message + (f" Give the data entry {entry_yaml(self.fix)}." if self.fix and not said else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # whole across the preparing processes: the line as said, the fix
+        return (ShapeError, (str(self), self.fix, True))
+
+
+def entry_yaml(fix: dict[str, Any]) -> str:
+    """`fix` as one line of flow-style YAML: `{columns: {input: context, output: response}, ignore: [category]}`."""
+    return yaml.safe_dump(fix, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
+
+
+def with_fix(entry: DataEntry, fix: dict[str, Any]) -> DataEntry:
+    """The entry with a refusal's fix applied: its columns and tags added to the entry's, its ignore keys joined."""
+    columns = {**dict(entry.columns), **fix.get("columns", {})}
+    tags = {**dict(entry.tags), **fix.get("tags", {})}
+    return replace(entry, columns=tuple(sorted(columns.items())), tags=tuple(sorted(tags.items())),
+                   ignore=tuple(sorted({*entry.ignore, *fix.get("ignore", [])})))
 
 STRUCTURED = ("messages", "conversations", "conversation", "tools", "images", "history")
 """Fields that hold lists or objects; in a CSV/TSV cell (or LLaMA-Factory's `tools` string) they are JSON text."""
@@ -50,6 +81,9 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
     placeholders), Alpaca, ms-swift's `query`/`response` and `conversation` rows, TRL's conversational `prompt` /
     `completion`. A text row (`text`, string `prompt` / `completion`) stays as it is."""
     entry = source.entry
+    original = sorted(row)
+    if entry.ignore:
+        row = _drop_ignored(row, set(entry.ignore))
     if entry.columns:
         row = dict(row)
         taken = {}
@@ -63,31 +97,263 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
         row.update(taken)
     if source.fmt in ("csv", "tsv") or isinstance(row.get("tools"), str):
         row = {k: _json_cell(v, k, where) if k in STRUCTURED and isinstance(v, str) else v for k, v in row.items()}
+    if source.fmt in ("csv", "tsv") and isinstance(row.get("difficulty"), str):  # cells are read as text
+        with contextlib.suppress(ValueError):
+            row["difficulty"] = float(row["difficulty"])
     tags = dict(entry.tags)
-    if row.get("image") is not None:  # TRL's one-image column
-        if row.get("images") is not None or not isinstance(row["image"], str):
-            raise ToolkitError(f"{where}: the row has 'image' (TRL's one-image column) "
-                               f"{'beside images' if row.get('images') is not None else 'that is not a path'}; give "
-                               "the image paths as a list in 'images', one {\"type\": \"image\"} part each.")
-        row = {**{k: v for k, v in row.items() if k != "image"}, "images": [row["image"]]}
+    mapped = dict(entry.columns)
+    notes: list[str] = []
+    row = _media(row, where)
     if row.get("conversations") is not None:
         row = _from_turns(row, "conversations", where, tags, system=True)
     elif row.get("messages") is not None:
-        row = _from_turns(row, "messages", where, tags, system="system" in dict(entry.columns))
+        row = _from_turns(row, "messages", where, tags, system="system" in mapped)
+        row = _prompt_of_messages(row, where, notes)
     elif row.get("instruction") is not None:
-        row = _from_alpaca(row, where)
+        row = _alpaca_or_text(row, where, mapped, original, notes)
     elif isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
         row = _from_conversational(row, where, tags)
     elif any(row.get(k) is not None for k in ("prompt", "completion", "text")):
-        pass  # a text row: ms-swift's keys beside it are extras, as any other key
+        pass  # a text row
     elif row.get("query") is not None or row.get("response") is not None:
         row = _from_query_response(row, where)
     elif row.get("conversation") is not None:
         row = _from_pairs(row, where)
+    _check_placeholders(row, where)
+    _check_unread(row, where, original)
     if entry.dataset is not None and isinstance(row.get("images"), list):  # LLaMA-Factory: paths from dataset_dir
         base = Path(entry.dataset_dir or "data").absolute()
         row["images"] = [str(base / p) if isinstance(p, str) else p for p in row["images"]]
+    if notes:
+        row[NOTE_KEY] = notes
     return row
+
+
+# --- keys that hold content -------------------------------------------------------------------------------------
+
+NO_CONTENT_NAMES = ("id", "idx", "index", "uid", "uuid", "key", "source", "sources", "url", "urls", "link",
+                    "category", "categories", "type", "task", "task_type", "lang", "language", "license", "score",
+                    "scores", "rating", "quality", "split", "subset", "dataset", "origin", "model", "tag", "tags",
+                    "label", "meta", "metadata", "hash", "timestamp", "date", "length", "turns", "num_turns")
+"""Row and turn key names that hold no content, whatever their value (`holds_content`); also any name ending in
+`_id`, `_ids`, `_idx`, `_url`, `_score`, `_count` or `_type`."""
+NO_CONTENT_SUFFIXES = ("_id", "_ids", "_idx", "_url", "_score", "_count", "_type", "_source")
+MEDIA_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".mp4", ".avi", ".mov",
+                  ".mkv", ".webm", ".mp3", ".wav", ".flac", ".ogg", ".m4a")
+
+
+def no_content_name(key: str) -> bool:
+    """A key named as one that holds no content (NO_CONTENT_NAMES, NO_CONTENT_SUFFIXES)."""
+    name = key.lower()
+    return name in NO_CONTENT_NAMES or name.endswith(NO_CONTENT_SUFFIXES)
+
+
+def holds_content(key: str, value: Any) -> bool:
+    """Whether a key's value is content a model could learn from (the rule docs/data.md states): never for a name
+    in NO_CONTENT_NAMES (ids, indexes, scores, categories, sources, urls, ...), numbers, booleans and nulls; for a
+    string, when it has whitespace in it (words) or names a media file; for a list or object, when anything in it
+    does, or it holds objects (tool definitions, turns)."""
+    if no_content_name(key):
+        return False
+    if isinstance(value, str):
+        text = value.strip()
+        return bool(re.search(r"\s", text)) or text.lower().endswith(MEDIA_SUFFIXES)
+    if isinstance(value, dict):
+        return bool(value) and (any(isinstance(v, dict | list) for v in value.values())
+                                or any(holds_content(k, v) for k, v in value.items()))
+    if isinstance(value, list):
+        return any(isinstance(v, dict) or holds_content(key, v) for v in value)
+    return False
+
+
+def _drop_ignored(row: dict[str, Any], ignore: set[str]) -> dict[str, Any]:
+    """The row without the entry's `ignore` keys, in the row and in the turns of its chat fields."""
+    out = {}
+    for k, v in row.items():
+        if k in ignore:
+            continue
+        if k in ("messages", "conversations", "prompt", "completion") and isinstance(v, list):
+            v = [{tk: tv for tk, tv in t.items() if tk not in ignore} if isinstance(t, dict) else t for t in v]
+        out[k] = v
+    return out
+
+
+def _check_unread(row: dict[str, Any], where: str, original: list[str]) -> None:
+    """Refuse a key of the mapped row, or of its turns, that holds content and that nothing reads: its line names
+    the key, the row's keys and the entry's `ignore` that drops it knowingly. Keys without content stay, for the
+    stage's log (`toolkit.data.encoding.row_notes`)."""
+    unread = [k for k, v in row.items() if k not in READ_ROW_KEYS and k not in REFUSED_ROW_KEYS
+              and not k.startswith("_") and holds_content(k, v)]
+    if not any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion")):
+        content = [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)]
+        if content:
+            _no_shape(row, where, original, content)
+    if unread:
+        raise ShapeError(f"{where}: the row's {_keys(unread)} {'holds' if len(unread) == 1 else 'hold'} content "
+                         f"({_kind(row[unread[0]])}) that no shape reads (the row has keys {original}; "
+                         f"{_shape_name(row)} reads {_read_keys(row)}): map it to a field with columns, or drop it "
+                         "knowingly.", {"ignore": unread})
+    messages = row.get("messages")
+    turns = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    keys = sorted({k for m in turns for k, v in m.items()
+                   if k not in MESSAGE_KEYS and k != "train_detail" and holds_content(k, v)})  # the encoder refuses it
+    if keys:
+        raise ShapeError(f"{where}: the turns carry {_keys(keys)}, which {'holds' if len(keys) == 1 else 'hold'} "
+                         "content that no shape reads (a turn is read as role, content, tool_calls, "
+                         "reasoning_content, name, tool_call_id and its training flags): drop it knowingly.",
+                         {"ignore": keys})
+
+
+def _no_shape(row: dict[str, Any], where: str, original: list[str], content: list[str]) -> None:
+    """Refuse a row that no shape reads, naming its keys, the closest shapes and the entry that trains it: a list
+    of turns under another name as the chat (`columns: {messages: KEY}`), else its longest text (a `system` prompt
+    last) as plain text (`columns: {text: KEY}`), the other content keys dropped knowingly. Glaive's `chat` is one
+    string holding a whole dialog (USER: / ASSISTANT: markers), which no shape splits into turns."""
+    close = closest_shapes(original)
+    near = f"; closest shapes: {'; '.join(close)}" if close else ""
+    chats = [k for k in content if isinstance(row[k], list) and row[k] and all(isinstance(t, dict) for t in row[k])]
+    if chats:
+        rest = [k for k in content if k != chats[0]]
+        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
+                         f"{original}; if '{chats[0]}' holds the chat, map it: columns: {{messages: {chats[0]}}}"
+                         f"{near}.", {"columns": {"messages": chats[0]}, **({"ignore": rest} if rest else {})})
+    texts = sorted((k for k in content if isinstance(row[k], str)), key=lambda k: (k == "system", -len(row[k])))
+    answer = next((k for k in texts if k.lower() in ANSWER_NAMES), None)
+    asked = next((k for k in texts if k != answer and k != "system"), None)
+    if answer is not None and asked is not None:  # a question and its answer (GSM8K): Alpaca's two fields
+        rest = [k for k in content if k not in (answer, asked)]
+        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
+                         f"{original}, none a chat{near}. '{asked}' and '{answer}' are a question and its answer: "
+                         "the Alpaca shape reads them.", {"columns": {"instruction": asked, "output": answer},
+                                                         **({"ignore": rest} if rest else {})})
+    if not texts:
+        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
+                         f"{original}, none a chat or a text{near}.")
+    rest = [k for k in content if k != texts[0]]
+    raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys {original}, "
+                     f"none a chat{near}. '{texts[0]}' is text ({_kind(row[texts[0]])}): a dialog written into one "
+                     "string is not split into turns, so convert it to messages to train the answers only, or train "
+                     "it as plain text (every token).", {"columns": {"text": texts[0]},
+                                                          **({"ignore": rest} if rest else {})})
+
+
+def _keys(keys: list[str]) -> str:
+    return ("key " if len(keys) == 1 else "keys ") + ", ".join(f"'{k}'" for k in keys)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "a media file" if value.strip().lower().endswith(MEDIA_SUFFIXES) else f"text of {len(value)} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return "an object"
+
+
+def _shape_name(row: dict[str, Any]) -> str:
+    if isinstance(row.get("messages"), list):
+        return "the chat"
+    return "the text row" if row.get("text") is not None else "the prompt/completion row"
+
+
+def _read_keys(row: dict[str, Any]) -> str:
+    return ", ".join(k for k in READ_ROW_KEYS if row.get(k) is not None) or "nothing"
+
+
+SHAPE_KEYS = {
+    "chat (OpenAI, TRL)": ("messages",),
+    "ShareGPT (LLaMA-Factory, axolotl)": ("conversations",),
+    "Alpaca": ("instruction", "input", "output"),
+    "query/response (ms-swift)": ("query", "response"),
+    "conversation pairs (ms-swift)": ("conversation",),
+    "prompt/completion (TRL)": ("prompt", "completion"),
+    "text": ("text",),
+}
+"""The accepted shapes by the keys that make them, for the closest shapes of a row none fits."""
+
+
+def closest_shapes(keys: list[str], n: int = 3) -> list[str]:
+    """The shapes whose keys the row shares most (a shape sharing none is not named)."""
+    score = {name: len(set(k) & set(keys)) / len(k) for name, k in SHAPE_KEYS.items()}
+    ranked = sorted((name for name in score if score[name] > 0), key=lambda name: -score[name])
+    return [f"{name}: {', '.join(SHAPE_KEYS[name])}" for name in ranked[:n]]
+
+
+# --- media --------------------------------------------------------------------------------------------------------
+
+VIDEO = ("video rows do not train yet: their frames are never read, and '<video>' would train as text; keep them "
+         "out of this source")
+AUDIO = ("audio does not train: the models this toolkit trains read no audio (Qwen2-Audio and Qwen2.5-Omni do); "
+         "keep audio rows out of this source")
+
+
+def _media(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """Media keys, singular or plural, a string or a list: `image` (TRL's and Qwen-VL's finetune column) becomes
+    `images`; video and audio keys are refused in one line (never trained as text)."""
+    for key, why in (("video", VIDEO), ("videos", VIDEO), ("audio", AUDIO), ("audios", AUDIO)):
+        if row.get(key) not in (None, [], ""):
+            raise ToolkitError(f"{where}: the row has '{key}': {why}.")
+    image = row.get("image")
+    if image is None:
+        return row
+    paths = [image] if isinstance(image, str) else image
+    if row.get("images") is not None or not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        why = "beside images" if row.get("images") is not None else "that is not a path or a list of paths"
+        raise ToolkitError(f"{where}: the row has 'image' (TRL's and Qwen-VL's image column) {why}; give the "
+                           "image paths as a list in 'images', one {\"type\": \"image\"} part or '<image>' each.")
+    return {**{k: v for k, v in row.items() if k != "image"}, "images": paths}
+
+
+def _texts(row: dict[str, Any]) -> list[str]:
+    texts = [row[k] for k in ("text", "prompt", "completion") if isinstance(row.get(k), str)]
+    for m in row.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        texts += [p if isinstance(p, str) else p.get("text") for p in parts
+                  if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str))]
+    return texts
+
+
+def _check_placeholders(row: dict[str, Any], where: str) -> None:
+    """A `<video>` or `<audio>` placeholder anywhere in the row's text is refused (it would train as text)."""
+    for tag, why in (("<video>", VIDEO), ("<audio>", AUDIO)):
+        if any(tag in t for t in _texts(row)):
+            raise ToolkitError(f"{where}: the text holds '{tag}': {why}.")
+
+
+# --- rows that hold their dialog twice ----------------------------------------------------------------------------
+
+def _prompt_of_messages(row: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
+    """UltraChat's `prompt` beside the `messages` that start with it: trained once, from `messages`; a `prompt`
+    that is another text is a second shape, refused with the entry that trains the chat."""
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if not isinstance(prompt, str) or not isinstance(messages, list) or row.get("completion") is not None:
+        return row
+    first = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+    if isinstance(first, str) and first.strip() == prompt.strip():
+        notes.append("'prompt' repeats the first user turn of 'messages': trained once, from 'messages'")
+        return {k: v for k, v in row.items() if k != "prompt"}
+    raise ShapeError(f"{where}: the row has 'messages' and a 'prompt' that is not its first user turn, two shapes "
+                     "that are not one dialog twice; the chat trains once the prompt is dropped knowingly.",
+                     {"ignore": ["prompt"]})
+
+
+ALPACA_KEYS = ("instruction", "input", "output", "system", "history")
+
+
+def _alpaca_or_text(row: dict[str, Any], where: str, mapped: dict[str, str], original: list[str],
+                    notes: list[str]) -> dict[str, Any]:
+    """An Alpaca row, or (the user's word: `columns: {text: ...}`) its rendered `text`. tatsu-lab/alpaca's `text`
+    beside the fields it renders trains once, from the fields; a `text` that is not their rendering is two shapes."""
+    text = row.get("text")
+    if isinstance(text, str) and "text" in mapped:
+        notes.append(f"'text' chosen by columns; {', '.join(k for k in ALPACA_KEYS if k in row)} not trained")
+        return {k: v for k, v in row.items() if k not in ALPACA_KEYS}
+    if isinstance(text, str) and row.get("output") is not None and all(
+            isinstance(row.get(k), str) and row[k].strip() in text for k in ("instruction", "output") if row.get(k)):
+        notes.append("'text' renders instruction/input/output: trained once, from the fields "
+                     "(columns: {text: text} trains the text instead)")
+        row = {k: v for k, v in row.items() if k != "text"}
+    return _from_alpaca(row, where, original)
 
 
 def _json_cell(value: str, key: str, where: str) -> Any:
@@ -157,6 +423,7 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
             raise ToolkitError(f"{where}: 'system' must be a string.")
         messages.append({"role": "system", "content": row["system"]})
     joined = -1  # the index of the assistant turn that tool calls join
+    found: list[str] = []  # image_url paths of the parts
     for i, turn in enumerate(turns):
         at = f"{name}[{i}]"
         if not isinstance(turn, dict):
@@ -193,8 +460,15 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
             joined = len(messages)
         else:
             message["role"] = role
-            message["content"] = _parts(content, at, where, message) if isinstance(content, list) else content
+            if isinstance(content, list):
+                content = _parts(content, at, where, message, found)
+                content = content if content or role != "assistant" else ""
+            message["content"] = content
         messages.append(message)
+    if found:
+        if out.get("images"):
+            raise ToolkitError(f"{where}: the row has 'images' and image_url parts; give the images one way.")
+        out["images"] = found
     out["messages"] = _placeholders(messages, out)
     return out
 
@@ -203,8 +477,22 @@ PART_FLAGS = ("train", "training", "weight", "loss_weight", "loss", "loss_scale"
 """Training flags a content part may carry (axolotl's per-part `train`): honoured when a turn's parts agree."""
 
 
-def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any]) -> list[Any]:
-    """A content list with LLaMA-Factory v1's `value` text parts read as `text`, and per-part training flags made
+PART_TYPES = {
+    "text": "read as text (LLaMA-Factory v1's `value`, OpenAI's and TRL's `text`)",
+    "reasoning": "LLaMA-Factory v1: the assistant turn's reasoning_content (Qwen3's think block)",
+    "tool_call": "LLaMA-Factory v1: a tool call of the assistant turn (its JSON `value`)",
+    "image": "TRL: an image of the row's `images`, in order",
+    "image_url": "OpenAI / LLaMA-Factory v1: an image file (a path, not a URL), added to the row's `images`",
+    "video_url": VIDEO, "video": VIDEO,
+    "input_audio": AUDIO, "audio": AUDIO, "audio_url": AUDIO,
+}
+"""Every content-part type of the formats read (LLaMA-Factory v1, OpenAI, TRL) and what becomes of it."""
+
+
+def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any], images: list[str]) -> list[Any]:
+    """A content list read part by part (PART_TYPES): text parts (LLaMA-Factory v1's `value` read as `text`),
+    LLaMA-Factory v1's `reasoning` and `tool_call` parts made the turn's reasoning_content and tool_calls, image
+    parts (`image_url` paths appended to `images`); video and audio parts refused. Per-part training flags become
     the turn's flag: exactly when every part of the turn says the same, else refused."""
     out, flags = [], set()
     for part in parts:
@@ -212,9 +500,35 @@ def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any]) -> li
             out.append(part)
             continue
         part = dict(part)
-        if part.get("type") == "text" and "text" not in part and "value" in part:
+        kind = part.get("type")
+        value = part.get("value")
+        if kind == "text" and "text" not in part and "value" in part:
             part["text"] = part.pop("value")
         flags.add(tuple(sorted((k, part.pop(k)) for k in PART_FLAGS if k in part)))
+        if kind in ("reasoning", "tool_call"):
+            if message.get("role") not in ("assistant", "gpt", None) or not isinstance(value, str | dict | list):
+                raise ToolkitError(f"{where}: {at} has a '{kind}' part on a turn that is not the assistant's, or "
+                                   "without a 'value'; only an assistant turn reasons and calls tools.")
+            if kind == "reasoning":
+                message["reasoning_content"] = message.get("reasoning_content", "") + str(value)
+            else:
+                message["tool_calls"] = [*message.get("tool_calls", []), *_tool_calls(value, at, where)]
+            continue
+        if kind == "image_url":
+            url = part.get("image_url", value)
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or re.match(r"^(https?|data):", url):
+                raise ToolkitError(f"{where}: {at} has an image_url part that is not an image file's path ("
+                                   f"{str(url)[:40]!r}); images are read from files, never downloaded or decoded "
+                                   "from data URLs: save the image and give its path.")
+            images.append(url)
+            out.append({"type": "image"})
+            continue
+        if kind not in PART_TYPES:
+            raise ToolkitError(f"{where}: {at} has a '{kind}' part; the part types read are "
+                               f"{', '.join(PART_TYPES)}.")
+        if PART_TYPES[kind] in (VIDEO, AUDIO):
+            raise ToolkitError(f"{where}: {at} has a '{kind}' part: {PART_TYPES[kind]}.")
         out.append(part)
     if flags - {()}:
         if len(flags) > 1:
@@ -272,14 +586,41 @@ def _tool_calls(value: Any, at: str, where: str) -> list[dict[str, Any]]:
     return [{"type": "function", "function": c} for c in calls]
 
 
-def _from_alpaca(row: dict[str, Any], where: str) -> dict[str, Any]:
+ANSWER_NAMES = ("response", "answer", "output_text", "completion", "target", "reply", "assistant", "solution")
+"""Key names that hold an Alpaca row's answer under another name (Dolly's `response`)."""
+
+
+def _from_alpaca(row: dict[str, Any], where: str, original: list[str]) -> dict[str, Any]:
     """Alpaca: `instruction` (+ `input`, joined with a newline) -> `output`, optional `system` and `history`
-    ([[instruction, output], ...] of earlier turns, which train like the last one)."""
+    ([[instruction, output], ...] of earlier turns, which train like the last one). A row with its answer under
+    another name (Dolly's `instruction`, `context`, `response`) is refused with the columns that read it all."""
     for key in ("messages", "conversations", "prompt", "text"):
         if row.get(key) is not None:
-            raise ToolkitError(f"{where}: the row has both 'instruction' and '{key}'; keep one row shape.")
+            raise ShapeError(f"{where}: the row has both 'instruction' and '{key}', two shapes that are not one "
+                             f"dialog twice (the row has keys {original}); keep one: columns: {{{key}: {key}}} "
+                             f"trains '{key}', or drop it knowingly.", {"ignore": [key]})
+    textual = [k for k, v in row.items() if k not in ALPACA_KEYS and k not in READ_ROW_KEYS
+               and not no_content_name(k) and (isinstance(v, str) or holds_content(k, v))]
     if row.get("output") is None:
-        raise ToolkitError(f"{where}: the row has 'instruction' but no 'output' (Alpaca rows need both).")
+        rest = textual
+        answer = next((k for k in rest if k.lower() in ANSWER_NAMES), None)
+        if answer is None:
+            raise ShapeError(f"{where}: the row has 'instruction' but no 'output' (Alpaca rows need both); the row "
+                             f"has keys {original}, none an answer.")
+        columns = {"output": answer}
+        others = [k for k in rest if k != answer]
+        if others and row.get("input") is None:
+            columns = {"input": others.pop(0), **columns}
+        fix: dict[str, Any] = {"columns": columns, **({"ignore": others} if others else {})}
+        passage = f" and its passage in '{columns['input']}'" if "input" in columns else ""
+        raise ShapeError(f"{where}: the row has 'instruction' and no 'output' (the row has keys {original}); it is "
+                         f"the Alpaca shape with its answer in '{answer}'{passage}.", fix)
+    unread = [k for k in textual if holds_content(k, row[k])]
+    if unread and not row.get("input"):
+        fix = {"columns": {"input": unread[0]}, **({"ignore": unread[1:]} if unread[1:] else {})}
+        raise ShapeError(f"{where}: the Alpaca row's '{unread[0]}' holds content ({_kind(row[unread[0]])}) that no "
+                         f"field reads (the row has keys {original}); Alpaca's 'input' reads a passage after the "
+                         "instruction.", fix)
     out = _from_exchange(row, where, ("instruction", "input", "output"), "instruction", "output")
     if row.get("input"):
         out["messages"][-2]["content"] += f"\n{row['input']}"
@@ -310,7 +651,7 @@ def _from_exchange(row: dict[str, Any], where: str, keys: tuple[str, ...], asked
         messages += [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
     messages += [{"role": "user", "content": row[asked]}, {"role": "assistant", "content": row[answered]}]
     out = {k: v for k, v in row.items() if k not in (*keys, "system", "history")}
-    out["messages"] = messages
+    out["messages"] = _placeholders(messages, out)
     return out
 
 
@@ -328,7 +669,7 @@ def _from_pairs(row: dict[str, Any], where: str) -> dict[str, Any]:
     for p in pairs:
         messages += [{"role": "user", "content": p["human"]}, {"role": "assistant", "content": p["assistant"]}]
     out = {k: v for k, v in row.items() if k not in ("conversation", "system")}
-    out["messages"] = messages
+    out["messages"] = _placeholders(messages, out)
     return out
 
 

@@ -99,7 +99,7 @@ class Source:
 
     def describe(self) -> dict[str, Any]:
         return {"entry": self.entry.name, "format": self.fmt, "split": self.entry.split,
-                "columns": dict(self.entry.columns), "tags": dict(self.entry.tags),
+                "columns": dict(self.entry.columns), "tags": dict(self.entry.tags), "ignore": list(self.entry.ignore),
                 "files": [str(p) for p in self.files]}
 
 
@@ -370,10 +370,20 @@ def _file_format(path: Path) -> str:
     if fmt is None:
         raise ToolkitError(f"Data file {path}: unknown format '{path.suffix}'; use .jsonl, .json, .parquet, .csv, "
                            ".tsv or .arrow.")
-    if fmt == "json":  # a JSON array of rows, or JSON Lines under a .json name
+    if fmt == "json":  # a JSON array of rows, one JSON object, or JSON Lines under a .json name
         with path.open("rb") as f:
             head = f.read(4096).lstrip()
-        return "json" if head[:1] == b"[" else "jsonl"
+            if head[:1] == b"[":
+                return "json"
+            f.seek(0)
+            first = f.readline()
+        try:
+            json.loads(first)
+        except (UnicodeDecodeError, json.JSONDecodeError):  # not one object per line: one pretty-printed object?
+            with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError, OSError):
+                if isinstance(json.loads(path.read_bytes().decode("utf-8")), dict):
+                    return "json"
+        return "jsonl"
     return fmt
 
 
@@ -536,9 +546,19 @@ def _load_json_array(path: Path) -> list[Any]:
         raise ToolkitError(f"{path}: nested too deeply (over Python's recursion limit of {sys.getrecursionlimit()} "
                            "levels of lists and objects); no chat row is nested like that: fix or drop the row.") \
             from None
+    if isinstance(rows, dict):  # one object: one row, when it is one
+        if set(rows) & set(ROW_KEYS):
+            return [rows]
+        raise ToolkitError(f"{path}: the file holds one object, not an array, and it is not a row (its keys are "
+                           f"{sorted(rows)[:12]}; a row has one of {', '.join(ROW_KEYS)}); a .json data file holds an "
+                           "array of row objects, one object per line, or one row.")
     if not isinstance(rows, list):
         raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")
     return rows
+
+
+ROW_KEYS = ("messages", "conversations", "conversation", "instruction", "prompt", "completion", "text", "query")
+"""Keys that make an object a row (a JSON file holding one object is one row when it has one)."""
 
 
 def _open_tables(source: Source) -> list[Any]:
@@ -567,14 +587,27 @@ def _open_tables(source: Source) -> list[Any]:
         if source.fmt == "arrow":
             return [_open_arrow(path) for path in source.files]
         builder = {"tsv": "csv"}.get(source.fmt, source.fmt)
-        kwargs = {"sep": "\t"} if source.fmt == "tsv" else {}
-        return [datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-                for path in source.files]
+        kwargs: dict[str, Any] = {"sep": "\t"} if source.fmt == "tsv" else {}
+        tables = []
+        for path in source.files:
+            if source.fmt in ("csv", "tsv"):  # every cell is text, as ms-swift reads its own files: `00000` stays
+                kwargs.update(keep_default_na=False, features=datasets.Features(
+                    {name: datasets.Value("string") for name in _header(path, kwargs.get("sep", ","))}))
+            tables.append(datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs))
+        return tables
     except ToolkitError:
         raise
     except Exception as e:  # a file that is not what its suffix says; a hub id that is not cached
         raise ToolkitError(f"Data entry {source.name} could not be read as {source.fmt} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]}).") from None
+
+
+def _header(path: Path, sep: str) -> list[str]:
+    """The column names of a CSV / TSV file's first line (Python's csv, as pandas reads a header)."""
+    import csv
+
+    with path.open(encoding="utf-8", newline="") as f:
+        return next(csv.reader(f, delimiter=sep), [])
 
 
 def _pick_split(dd: Any, split: str | None, name: str) -> Any:

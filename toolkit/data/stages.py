@@ -15,7 +15,7 @@ import numpy as np
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import MODEL_MEASURES, ORDERED, DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
-from toolkit.data.encoding import TextEncoder
+from toolkit.data.encoding import NOT_READ, TextEncoder
 from toolkit.data.plan import (
     SourceRows,
     StageRows,
@@ -95,8 +95,9 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None) -> Any:
         from toolkit.data.vision import VLEncoder  # image rows only
 
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-                         chat_template=data.chat_template)
-    return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template)
+                         chat_template=data.chat_template, empty_answers=data.empty_answers)
+    return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
+                       empty_answers=data.empty_answers)
 
 
 def num_proc(data: DataConfig) -> int:
@@ -179,15 +180,28 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
 
 
 def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:
-    """The stage's line naming the message keys nothing reads, with how many rows carry each (None: there are none):
-    said once per stage, so a key a peer's tool reads and this toolkit does not is never silently dropped."""
+    """The stage's lines naming the message keys and the row keys (none of them content: toolkit/data/shapes.py
+    refuses those) nothing reads, the shape chosen where rows hold their dialog twice, and empty answers left
+    untrained, each with how many rows it holds for (None: nothing to say): said once per stage, so nothing in the
+    data is dropped in silence."""
     unread: Counter[str] = Counter()
+    notes: Counter[str] = Counter()
     for entry in stage.entries:
         unread.update(stores(entry).unread_keys)
-    if not unread:
-        return None
-    return (f"stage '{stage.name}' data: messages carry keys not read: "
-            f"{', '.join(f'{k} ({n} rows)' for k, n in sorted(unread.items()))}")
+        notes.update(stores(entry).notes)
+    lines = []
+    if unread:
+        lines.append(f"stage '{stage.name}' data: messages carry keys not read: "
+                     f"{', '.join(f'{k} ({n} rows)' for k, n in sorted(unread.items()))}")
+    grouped: dict[str, list[str]] = {}
+    for note, n in sorted(notes.items()):
+        head, _, key = note.partition(": ")
+        if key and head == NOT_READ:
+            grouped.setdefault(head, []).append(f"{key} ({n} rows)")
+        else:
+            grouped.setdefault(note, []).append(f"{n} rows")
+    lines += [f"stage '{stage.name}' data: {head}: {', '.join(said)}" for head, said in grouped.items()]
+    return "\n".join(lines) or None
 
 
 def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,

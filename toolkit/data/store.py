@@ -73,7 +73,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from toolkit.atomic import build_dir, fsync_dir, open_own, read_own_text, refuse_link, write_atomic
-from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, unread_message_keys
+from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, row_notes, unread_message_keys
 from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
 from toolkit.errors import ToolkitError
 from toolkit.runtime.process import process_gone
@@ -81,7 +81,7 @@ from toolkit.runtime.signals import Stopped, signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 2  # 2: every peer's per-message training flags honoured (train, loss, loss_scale, ...)
+STORE_VERSION = 3  # 3: rows' notes (keys without content, shapes chosen, empty answers) counted
 """Bump whenever the encoding or the store's columns change what a source prepares to, so old stores miss."""
 PIECE_ROWS = 1000
 """Rows per piece of work (and per record batch): small enough that the first bad row stops the pool in about a
@@ -124,6 +124,8 @@ def store_key(source: Source, digest: str, encoder: Any) -> dict[str, Any]:
            "columns": sorted(source.entry.columns), "tokenizer": fingerprint, "encoding": encoder.options()}
     if source.entry.tags:  # only when set, so stores of entries without tags keep their names
         key["tags"] = sorted(source.entry.tags)
+    if source.entry.ignore:
+        key["ignore"] = sorted(source.entry.ignore)
     return json.loads(json.dumps(key))
 
 
@@ -163,6 +165,7 @@ class Store:
         self.capped = {int(k): int(v) for k, v in (meta.get("capped") or {}).get("rows", {}).items()}
         self.table = table  # keeps the mapping alive
         self.unread_keys: dict[str, int] = meta.get("unread_keys") or {}  # message key -> rows carrying it
+        self.notes: dict[str, int] = meta.get("notes") or {}  # what the stage's log says about rows -> rows
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -323,9 +326,9 @@ def _init_worker(source: Source, encoder: Any, max_tokens: int | None) -> None:
     signal_when_parent_dies(signal.SIGKILL)
 
 
-def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int], dict[int, int]]:
-    """The piece's record batch, how many of its rows carry each message key that nothing reads, and the rows of it
-    the size guard cut (row in the piece -> characters)."""
+def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int], dict[int, int], dict[str, int]]:
+    """The piece's record batch, how many of its rows carry each message key that nothing reads, the rows of it
+    the size guard cut (row in the piece -> characters), and how many rows carry each note (`row_notes`)."""
     assert _WORK is not None
     source, encoder, max_tokens = _WORK
     rows, numbers = read_piece(source, piece)
@@ -333,7 +336,8 @@ def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int], dict[in
     batch = encoder.encode(rows, numbers, lambda n: source.where(piece.file_index, n),
                            base_dir=source.files[piece.file_index].parent if source.files else Path(), **kw)
     unread = dict(Counter(k for row in rows for k in unread_message_keys(row)))
-    return record_batch(batch, piece.file_index), unread, batch.capped
+    notes = dict(Counter(n for row in rows for n in row_notes(row, encoder.empty_answers)))
+    return record_batch(batch, piece.file_index), unread, batch.capped, notes
 
 
 def record_batch(batch: EncodedBatch, file_index: int) -> pa.RecordBatch:
@@ -382,13 +386,15 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
     processes = max(1, min(num_proc, math.ceil(total / ROWS_PER_PROCESS), len(work)))
     counts: dict[str, Any] = {"rows": 0, "tokens": 0, "label_tokens": 0}
     unread: Counter[str] = Counter()
+    notes: Counter[str] = Counter()
     capped: dict[str, int] = {}
     bar = tqdm(total=total, unit="rows", desc=f"tokenising {label}", delay=BAR_DELAY_S, dynamic_ncols=True,
                disable=total < BAR_MIN_ROWS or os.environ.get("TQDM_DISABLE") == "1")
 
-    def take(result: tuple[pa.RecordBatch, dict[str, int], dict[int, int]], piece: Piece) -> None:
-        batch, keys, cut = result
+    def take(result: tuple[pa.RecordBatch, dict[str, int], dict[int, int], dict[str, int]], piece: Piece) -> None:
+        batch, keys, cut, said = result
         unread.update(keys)
+        notes.update(said)
         capped.update({str(counts["rows"] + r): c for r, c in cut.items()})
         write(batch)
         counts["rows"] += batch.num_rows
@@ -410,6 +416,7 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
         bar.close()
     counts["processes"] = processes
     counts["unread_keys"] = dict(sorted(unread.items()))
+    counts["notes"] = dict(sorted(notes.items()))
     if capped:
         counts["capped"] = {"cap": max_tokens, "rows": capped}
     return counts
@@ -590,7 +597,7 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
         if source.stat_signature() != signature:
             raise ToolkitError(f"Data entry {source.name} changed while it was being prepared; start again.")
         meta = {"key": key, "source": source.describe(), "rows": info["rows"], "tokens": info["tokens"],
-                "label_tokens": info["label_tokens"], "unread_keys": info["unread_keys"],
+                "label_tokens": info["label_tokens"], "unread_keys": info["unread_keys"], "notes": info["notes"],
                 "bytes": path.stat().st_size, "sha256": hashing.hexdigest(),
                 "prepared": {"host": host, "pid": os.getpid(), "time": time.time(),
                              "seconds": round(time.monotonic() - start, 2), "processes": info["processes"]}}

@@ -37,6 +37,7 @@ from toolkit.data.encoding import (
     chatml_assistant_spans,
     check_messages,
     check_renderable,
+    empty_answers,
     fit_to_length,
     has_generation_tags,
     is_chatml_family,
@@ -96,8 +97,10 @@ class VLEncoder:
     """Vision-language rows to token ids and loss masks with a processor (see the module docstring)."""
 
     def __init__(self, processor: Any, *, train_on: str, min_pixels: int | None = None,
-                 max_pixels: int | None = None, chat_template: str | None = None) -> None:
+                 max_pixels: int | None = None, chat_template: str | None = None, empty_answers: str = "error"
+                 ) -> None:
         self.processor, self.train_on = processor, train_on
+        self.empty_answers = empty_answers
         self.chat_template = chat_template  # the recipe's override the processor carries, for refusals' advice
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.tokenizer = processor.tokenizer
@@ -109,7 +112,8 @@ class VLEncoder:
         ip = self.processor.image_processor
         return {"kind": "vision", "train_on": self.train_on, "template": self.processor.chat_template,
                 "pixels": _pixel_bounds(ip, self.min_pixels, self.max_pixels), "patch": ip.patch_size,
-                "merge": ip.merge_size}
+                "merge": ip.merge_size, **({"empty_answers": self.empty_answers} if self.empty_answers != "error"
+                                           else {})}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
@@ -155,8 +159,9 @@ class VLEncoder:
         template = processor.chat_template
         generation = has_generation_tags(processor)
         row_shape(row, where, vision=True)
-        messages = check_messages(row.get("messages"), where, train_on, image_parts=True)
-        trains = assistant_trains(row["messages"], where, train_on)
+        given = empty_answers(row.get("messages"), where, self.empty_answers)
+        messages = check_messages(given, where, train_on, image_parts=True)
+        trains = assistant_trains(given, where, train_on)
         n_parts = sum(p["type"] == "image" for m in messages if isinstance(m["content"], list) for p in m["content"])
         images = row.get("images", [])
         if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
