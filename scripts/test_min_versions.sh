@@ -83,7 +83,8 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 if [ "$#" -eq 0 ]; then
   set -- tests/model/test_attention.py tests/data/test_vision.py tests/evals/test_generation.py tests/model/test_loss_head.py \
-    tests/model/test_activation_memory.py tests/train/test_loop.py tests/strategies/test_sequence_parallel.py -m "not slow"
+    tests/model/test_activation_memory.py tests/train/test_loop.py tests/strategies/test_sequence_parallel.py -m "not slow" \
+    -n 2  # on both cores, as scripts/test.sh runs the fast tests
 fi
 started=$SECONDS
 python -m pytest -q -ra -p no:cacheprovider "$@"
