@@ -167,9 +167,11 @@ PRELOAD = ("pandas", "pyarrow", "datasets", "tensorboard", "torch.utils.tensorbo
 
 def preload() -> None:
     import importlib
+    import importlib.util
 
-    for name in PRELOAD:
-        importlib.import_module(name)
+    for name in PRELOAD:  # those installed: DeepSpeed is an extra
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
 
 
 REPLY_MARK = "relaunch-codes: "
