@@ -2,9 +2,9 @@
 # Install (if needed) the toolkit with the test extras (dev, and liger and deepspeed, whose CPU tests run here), ruff,
 # then the whole test suite in two pytest runs: the fast tests (not marked slow) on both cores (pytest-xdist, -n 2),
 # then the slow ones one at a time (each launches 2 processes: two launches at once would oversubscribe 2 cores and
-# run into their timeouts). Arguments go to both runs; a `-m EXPR` of yours is
-# combined with each run's own. Fast subset: scripts/test.sh -m "not slow". The exit code is the failing run's (5
-# when neither selected a test); a last line sums both runs (errors counted as failures).
+# run into their timeouts). Arguments go to both runs; a `-m EXPR` of yours is combined with each run's own. Fast
+# subset: scripts/test.sh -m "not slow". The exit code is the failing run's (5 when neither selected a test); a last
+# line sums both runs (errors counted as failures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,liger,deepspeed
