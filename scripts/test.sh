@@ -1,9 +1,56 @@
 #!/usr/bin/env bash
-# Install (if needed) the toolkit with the test extras (dev, and liger and deepspeed, whose CPU tests run here) and run
-# the whole test suite. Fast subset: scripts/test.sh -m "not slow"
+# Install (if needed) the toolkit with the test extras (dev, and liger and deepspeed, whose CPU tests run here), ruff,
+# then the whole test suite in two pytest runs: the fast tests (not marked slow) on both cores (pytest-xdist, -n 2),
+# then the slow ones one at a time (each launches 2 processes: two launches at once would oversubscribe 2 cores and
+# run into their timeouts). Arguments go to both runs; a `-m EXPR` of yours is combined with each run's own. Fast
+# subset: scripts/test.sh -m "not slow". The exit code is the failing run's (5 when neither selected a test); a last
+# line sums both runs (errors counted as failures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,liger,deepspeed
 . .venv/bin/activate
 ruff check .
-python -m pytest -q -ra --durations=15 "$@"
+
+marker="" args=()
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    -m) marker="$2"; shift 2 ;;
+    -m*) marker="${1#-m}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+within() { if [ -n "$marker" ]; then echo "($marker) and ($1)"; else echo "$1"; fi; }
+reports=$(mktemp -d)
+trap 'rm -rf "$reports"' EXIT
+run() {  # run NAME MARKER [pytest options]: the run's exit code goes to $reports/NAME.rc
+  local name=$1 selected=$2 rc=0
+  shift 2
+  echo "== $name tests: -m \"$selected\""
+  python -m pytest -q -ra --durations=15 -m "$selected" --junitxml="$reports/$name.xml" "$@" ${args[@]+"${args[@]}"} \
+    || rc=$?
+  echo "$rc" > "$reports/$name.rc"
+}
+# -n 2: a worker per core
+echo 5 > "$reports/fast.rc"
+echo 5 > "$reports/slow.rc"
+[ "$marker" = slow ] || run fast "$(within "not slow")" -n 2
+[ "$marker" = "not slow" ] || run slow "$(within "slow")"
+python - "$reports" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+for xml in Path(sys.argv[1]).glob("*.xml"):
+    for suite in ET.parse(xml).getroot().iter("testsuite"):
+        for k in totals:
+            totals[k] += int(suite.get(k, 0))
+passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+print(f"tests: {passed} passed, {totals['failures'] + totals['errors']} failed, {totals['skipped']} skipped")
+PYEOF
+fast=$(cat "$reports/fast.rc") slow=$(cat "$reports/slow.rc")
+for rc in "$fast" "$slow"; do
+  if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then exit "$rc"; fi
+done
+if [ "$fast" = 5 ] && [ "$slow" = 5 ]; then exit 5; fi
+exit 0

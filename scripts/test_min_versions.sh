@@ -5,8 +5,9 @@
 # builds the environment and stops (CI builds it while the main suite runs; a second call finds it done).
 #
 # A representative subset, not the fast suite: the whole CI must stay under 45 minutes on 2 cores, the main suite
-# takes about 35, the install here about 5 (torch, a DeepSpeed build) and the fast suite at these versions another
-# 15. The subset (about 3 minutes) runs the code that touches the APIs the floors were set for:
+# took about 45 of CI's 49 (2026-11-27, before its fast tests ran on both cores), the install here about 5 (torch, a
+# DeepSpeed build; beside the main suite) and the fast suite at these versions another 15 (serial). The subset (about
+# a minute, on both cores) runs the code that touches the APIs the floors were set for:
 #   transformers >= 5.18  the attention and mask interfaces (q_length/q_offset) of the packed kernels
 #                         (test_attention); the Qwen2.5-VL processor, row encoding and labels (test_vision: 5.4-5.17
 #                         fail there); generate with left padding under the toolkit's kernels, the loss head and a
@@ -83,7 +84,8 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 if [ "$#" -eq 0 ]; then
   set -- tests/model/test_attention.py tests/data/test_vision.py tests/evals/test_generation.py tests/model/test_loss_head.py \
-    tests/model/test_activation_memory.py tests/train/test_loop.py tests/strategies/test_sequence_parallel.py -m "not slow"
+    tests/model/test_activation_memory.py tests/train/test_loop.py tests/strategies/test_sequence_parallel.py -m "not slow" \
+    -n 2  # on both cores, as scripts/test.sh runs the fast tests
 fi
 started=$SECONDS
 python -m pytest -q -ra -p no:cacheprovider "$@"

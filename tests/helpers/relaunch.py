@@ -26,6 +26,7 @@ process's environment undone) and forks.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -155,8 +156,27 @@ def warm_deepspeed() -> None:
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
 
+# What every run imports lazily, after `import train_curriculum` (measured 2026-11-27: a forked ZeRO-3 resume imported
+# 790 modules, about 5 s of its 7): pyarrow's numpy conversions import pandas, the trackers TensorBoard, DeepSpeed's
+# comm op torch's extension builder (and setuptools), the model its transformers modeling module; `datasets` comes in
+# through accelerate and pyarrow. Imported once here, each child starts with them, as it starts with torch.
+PRELOAD = ("pandas", "pyarrow", "datasets", "tensorboard", "torch.utils.tensorboard", "torch.utils.cpp_extension",
+           "deepspeed.ops.op_builder.all_ops", "transformers.models.qwen3.modeling_qwen3",
+           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen3_vl.modeling_qwen3_vl")
+
+
+def preload() -> None:
+    import importlib
+    import importlib.util
+
+    for name in PRELOAD:  # those installed: DeepSpeed is an extra
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
+
+
 REPLY_MARK = "relaunch-codes: "
 _warmed: list[bool] = []
+_preloaded: list[bool] = []
 
 
 def run_jobs(path: Path) -> list[int]:
@@ -166,11 +186,19 @@ def run_jobs(path: Path) -> list[int]:
     env.update(jobs.get("env") or {})
     import train_curriculum  # noqa: F401 - loaded once here; every child starts with it imported
 
+    if not _preloaded:
+        preload()
+        _preloaded.append(True)
     if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and not _warmed:
         warm_deepspeed()
         _warmed.append(True)
     if threading.active_count() != 1:  # forking a process with threads would copy locks held by them
         raise RuntimeError(f"{threading.active_count()} threads before fork: {threading.enumerate()}")
+    # The parent's objects (everything imported) out of the children's garbage collections: DeepSpeed's ZeRO-3
+    # calls gc.collect() while it builds its partitions, which walked all of them (2.6 s a resume), and a walk
+    # writes to each object's page, copying it from the parent. Only what the parent holds is frozen; a child's
+    # own objects are collected as in any process.
+    gc.freeze()
     return [run_one(env, world, run["argv"], Path(run["log"]), jobs.get("timeout", 600)) for run in jobs["runs"]]
 
 
