@@ -30,7 +30,7 @@ run() {  # run NAME MARKER [pytest options]: the run's exit code goes to $report
     || rc=$?
   echo "$rc" > "$reports/$name.rc"
 }
-# -n 2: a worker per core
+# -n 2 is one worker per core; xdist's workers each run torch on one thread (tests/conftest.py)
 echo 5 > "$reports/fast.rc"
 echo 5 > "$reports/slow.rc"
 [ "$marker" = slow ] || run fast "$(within "not slow")" -n 2

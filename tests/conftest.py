@@ -24,6 +24,12 @@ import yaml
 if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Under pytest-xdist (scripts/test.sh runs the fast tests with -n 2, a worker per core) each worker's torch computes
+# on one thread, as launched runs do: two workers of two threads each on 2 cores would contend for every op. Read when
+# torch is imported, after this.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of stalling CI
 
