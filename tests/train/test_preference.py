@@ -257,8 +257,8 @@ def test_grad_accumulation_gives_the_global_batch_loss_gradients_and_metrics(mod
     for name, grad in grads_one.items():
         torch.testing.assert_close(grads_two[name], grad, rtol=0, atol=1e-6, msg=name)
     assert set(metrics_one) == set(METRICS)
-    for name in METRICS:
-        assert metrics_two[name] == pytest.approx(metrics_one[name], abs=1e-6)  # float32 log-probs summed in another order
+    for name in METRICS:  # float32 log-probs, summed in another order: to 1e-6, as the gradients
+        assert metrics_two[name] == pytest.approx(metrics_one[name], abs=1e-6)
     assert metrics_one["rewards/margins"] == pytest.approx(
         metrics_one["rewards/chosen"] - metrics_one["rewards/rejected"], abs=1e-12)
     assert metrics_one["rewards/chosen"] != 0
