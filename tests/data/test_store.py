@@ -609,7 +609,7 @@ def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_line(
 # --- the size guard: one enormous row neither exhausts memory nor escapes data.overlength -----------------------------
 
 GUARD_SCRIPT = """
-import json, resource, sys
+import json, resource, sys, tracemalloc
 from pathlib import Path
 from toolkit.data.encoding import TextEncoder
 from toolkit.data.plan import select_rows
@@ -620,46 +620,116 @@ from toolkit.builtin.text_model import build_tokenizer
 
 encoder = TextEncoder(build_tokenizer(), train_on="assistant")
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if sys.argv[2:] == ["trace"]:  # Python's own allocations (the line's bytes, its text, the parsed row), to the byte
+    tracemalloc.start()
 store = open_store(resolve_source(Entry(sys.argv[1]), Path()), encoder, None, num_proc=1, max_tokens=128)
-out = {"added_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024,
-       "lengths": store.lengths.tolist(), "capped": store.capped}
-for policy in ("drop", "truncate"):
-    out[policy] = vars(select_rows(store, max_seq_len=128, overlength=policy).stats)
-try:
-    select_rows(store, max_seq_len=128, overlength="error")
-except ToolkitError as e:
-    out["error"] = str(e)
+peak = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+out = {"added_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, "traced_mb": peak / 2**20,
+       "lengths": store.lengths.tolist(), "capped": store.capped, "oversize": store.oversize}
+for policy in ("drop", "truncate", "error"):
+    try:
+        out[policy] = vars(select_rows(store, max_seq_len=128, overlength=policy).stats)
+    except ToolkitError as e:
+        out[policy] = str(e)
 print(json.dumps(out))
 """
 
 
-def test_one_enormous_row_is_measured_before_it_is_tokenised(tmp_path: Path) -> None:
-    """A 200 MB row under max_seq_len 128 grew to 20.8 GB and was killed by the OOM killer: it was tokenised whole
-    before being dropped. Here a 48 MB chat row adds at most a few hundred MB (text, parse and rendering), and each
-    policy sees it over-length: dropped, truncated to its first tokens, or refused naming its line."""
-    import subprocess
+def _guard_script(path: Path, *, trace: bool = False) -> dict[str, Any]:
+    """GUARD_SCRIPT's findings on `path`, in a fresh process (its peak RSS is the file's alone); `trace`: with
+    Python's allocations traced (slower)."""
     import sys
 
     from tests.conftest import REPO, run_env
 
+    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, str(path), *(["trace"] if trace else [])], cwd=REPO,
+                          env=run_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_one_enormous_row_is_measured_before_it_is_tokenised(tmp_path: Path) -> None:
+    """A 200 MB row under max_seq_len 128 grew to 20.8 GB and was killed by the OOM killer: it was tokenised whole
+    before being dropped. Here a 10 MB chat row (under the row byte cap, so it is read) adds at most a few hundred MB
+    (text, parse and rendering), and each policy sees it over-length: dropped, truncated to its first tokens, or
+    refused naming its line."""
     small = {"messages": CHAT}
-    content = "word " * ((48 << 20) // 5)  # 48 MiB of text
+    content = "word " * ((10 << 20) // 5)  # 10 MiB of text
     big = {"messages": [{"role": "user", "content": content}, CHAT[1]]}
     path = tmp_path / "big.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [small, big, small]) + "\n")
     del big
     characters = len(content) + len(CHAT[1]["content"])
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, str(path)], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
+    out = _guard_script(path)
     assert out["added_mb"] < 400, out["added_mb"]
-    assert out["lengths"][1] == 129 and out["capped"] == {"1": characters}
+    assert out["lengths"][1] == 129 and out["capped"] == {"1": characters} and out["oversize"] == {}
     assert out["drop"]["dropped_overlength"] == 1 and out["drop"]["kept"] == 2
     # Truncated to its first 128 tokens, which are all the user's: nothing to train, so skipped (and counted).
     assert out["truncate"]["truncated"] == 1 and out["truncate"]["no_label_tokens"] == 1
     assert out["error"].startswith(f"{path}:2: at least 129 tokens ({characters} characters), over "
                                    "data.max_seq_len=128")
+
+
+def test_a_row_over_the_byte_cap_costs_no_more_than_the_cap(tmp_path: Path) -> None:
+    """A 35 MB row of a million short messages took +0.8 GB: parsed and rendered whole before the size guard saw
+    its text. Its line is now measured in bytes first: over the row byte cap (12 MiB here) it is skipped unread, so
+    the process grows by less than half the file (Python's allocations peak under 2.5 times the cap: the line is
+    read up to the cap, which readline's joining holds twice, then skipped in megabytes; 24 MiB measured), and it
+    is stored with no tokens: dropped under data.overlength: drop, refused in one line naming its line, its size
+    and the cap under error and truncate."""
+    small = {"messages": CHAT}
+    big = {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(1_000_000)]}
+    path = tmp_path / "many.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [small, big, small]) + "\n")
+    size = len(json.dumps(big)) + 1  # its line, newline included
+    del big
+    assert size > 30_000_000
+    out = _guard_script(path, trace=True)
+    cap = sources_mod.row_byte_cap(encoding_mod.GUARD_MIN_CHARS)
+    assert out["added_mb"] < size / 2 / 2**20, out["added_mb"]
+    assert out["traced_mb"] < 2.5 * cap / 2**20, out["traced_mb"]  # the line up to the cap (readline: twice)
+    assert out["oversize"] == {"1": size} and out["lengths"][1] == 0 and out["capped"] == {}
+    assert out["drop"]["dropped_overlength"] == 1 and out["drop"]["kept"] == 2
+    expected = f"{path}:2: the line is {size:,} bytes, over the {cap:,}-byte cap on one row"
+    assert out["error"].startswith(expected) and out["truncate"].startswith(expected)
+    assert "Split it into smaller rows, remove it, or set data.overlength: drop" in out["error"]
+
+
+def test_the_row_byte_cap_is_exact_and_follows_max_seq_len(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line of exactly the cap's bytes (its newline aside) is read, one byte more is not; an earlier ordinary
+    over-length row is still the one data.overlength: error names; a store that left a row unread is prepared
+    again for a longer max_seq_len, whose cap reads it. (The floors lowered: the same code at small sizes.)"""
+    monkeypatch.setattr(encoding_mod, "GUARD_MIN_CHARS", 100)
+    monkeypatch.setattr(sources_mod, "ROW_BYTES_FLOOR", 1200)
+    encoder = TextEncoder(tok, train_on="assistant")
+    cap = sources_mod.row_byte_cap(encoding_mod.SizeGuard(encoder, 64).limit or 0)
+    assert cap > 1200
+
+    def text(n: int) -> dict[str, Any]:  # a row whose line is n bytes, newline aside
+        return {"text": "w " * ((n - 12) // 2) + "x" * ((n - 12) % 2)}
+
+    path = _write_jsonl(tmp_path / "d.jsonl", [ROWS[3], text(cap + 1), text(cap), ROWS[3]])
+    assert [len(line) for line in path.read_bytes().splitlines()][1:3] == [cap + 1, cap]
+
+    def store(max_tokens: int) -> Any:
+        return open_store(resolve_source(Entry(str(path)), Path()), encoder, tmp_path / "cache", num_proc=1,
+                          max_tokens=max_tokens)
+
+    first = store(64)
+    assert first.oversize == {1: cap + 2} and first.lengths[1] == 0 and first.lengths[2] == 65
+    stats = select_rows(first, max_seq_len=64, overlength="drop").stats
+    assert stats.dropped_overlength == 2 and stats.kept == 2
+    with pytest.raises(ToolkitError, match=rf"^{re.escape(str(path))}:2: the line is {cap + 2:,} bytes, over the "
+                                           rf"{cap:,}-byte cap on one row"):
+        select_rows(first, max_seq_len=64, overlength="truncate")
+    path.write_text("".join(json.dumps(r) + "\n" for r in [text(cap), text(cap + 1)]))
+    with pytest.raises(ToolkitError, match=rf"^{re.escape(str(path))}:1: at least 65 tokens"):
+        select_rows(store(64), max_seq_len=64, overlength="error")
+    again = store(300)
+    assert again.oversize == {} and again.lengths.tolist()[1] > 65
 
 
 def test_a_cut_row_keeps_its_first_tokens(tmp_path: Path, tok: PreTrainedTokenizerFast,

@@ -561,3 +561,29 @@ def test_a_vision_row_cut_by_the_size_guard_is_never_truncated(processor: Any, d
     assert store.lengths[0] < 300 and store.uncuttable[0] > 0
     stats = select_rows(store, max_seq_len=300, overlength="truncate").stats
     assert (stats.kept, stats.dropped_overlength, stats.truncated) == (1, 1, 0)
+
+
+def test_a_vision_row_over_the_byte_cap_is_stored_unread(processor: Any, data: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VL row over the row byte cap is stored with no tokens and no images among the rows around it, which keep
+    theirs; drop drops it (the floors lowered to test it at a small size)."""
+    import toolkit.data.encoding as encoding_mod
+    import toolkit.data.sources as sources_mod
+    from toolkit.data.plan import select_rows
+    from toolkit.data.sources import Entry, resolve_source
+    from toolkit.data.store import open_store
+    from toolkit.data.vision import VLEncoder
+
+    monkeypatch.setattr(encoding_mod, "GUARD_MIN_CHARS", 5000)
+    monkeypatch.setattr(sources_mod, "ROW_BYTES_FLOOR", 1200)
+    encoder = VLEncoder(processor, train_on="assistant")
+    cap = sources_mod.row_byte_cap(encoding_mod.SizeGuard(encoder, 300).limit or 0)
+    row = rows(data["vl_stage1"])[0]
+    huge = dict(row, messages=[*row["messages"][:-1], {"role": "assistant", "content": "red " * (cap // 4)}])
+    path = data["vl_stage1"].parent / "huge.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [row, huge, row]))
+    store = open_store(resolve_source(Entry(str(path)), Path()), encoder, None, num_proc=1, max_tokens=300)
+    assert list(store.oversize) == [1] and store.lengths[1] == 0 and store.uncuttable[1] == 0
+    assert store.lengths[0] == store.lengths[2] > 0 and store.sample(2)["images"] == store.sample(0)["images"]
+    stats = select_rows(store, max_seq_len=300, overlength="drop").stats
+    assert (stats.kept, stats.dropped_overlength) == (2, 1)

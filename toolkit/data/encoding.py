@@ -676,8 +676,10 @@ class SizeGuard:
     see the row as over-length. Tokenising costs a few times max((max_tokens + 1) * L, GUARD_MIN_CHARS) characters
     whatever the row's size; counting characters is len(str), O(1).
 
-    What it does not bound: the row's text itself, parsed and rendered by the chat template (about three times the
-    row's size at the peak, for a chat row)."""
+    What it does not bound: the row's text itself, parsed and rendered by the chat template (a few times the row's
+    size, tens of times for a row of many short messages). That is bounded before parsing, in bytes: a JSON Lines
+    row over ROW_BYTES_PER_CHAR bytes per character of this limit is stored unread, dropped or refused
+    (toolkit/data/sources.py row_byte_cap). JSON arrays and table formats are not bounded so."""
 
     def __init__(self, encoder: Any, max_tokens: int | None) -> None:
         self.encoder, self.max_tokens = encoder, max_tokens

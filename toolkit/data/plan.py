@@ -23,6 +23,7 @@ import numpy as np
 from toolkit.atomic import write_atomic
 from toolkit.data.encoding import DataStats, overlength_message
 from toolkit.data.packing import pack_best_fit_decreasing, pack_row
+from toolkit.data.sources import oversize_message
 from toolkit.data.store import Store
 from toolkit.errors import ToolkitError
 
@@ -42,9 +43,16 @@ class Selection:
 def select_rows(store: Store, *, max_seq_len: int, overlength: str) -> Selection:
     """data.overlength over the store's rows: "error" raises naming the first row over `max_seq_len`, "drop"
     drops those rows, "truncate" cuts them (a vision row whose images reach past the cut is dropped instead);
-    rows left with no trained token are skipped. All counted in the stats."""
+    rows left with no trained token are skipped. All counted in the stats. A row stored unread, over the row byte
+    cap, counts as over-length for "drop"; "error" and "truncate" refuse it (nothing of it was read to keep)."""
     lengths = store.lengths
     over = lengths > max_seq_len
+    if store.oversize and overlength != "drop":  # rows too large to read (toolkit/data/sources.py row_byte_cap)
+        first = min(store.oversize)
+        if overlength == "truncate" or not over[:first].any():
+            raise ToolkitError(oversize_message(store.where(first), store.oversize[first], store.oversize_cap))
+    if store.oversize:
+        over[list(store.oversize)] = True
     if overlength == "error" and over.any():
         first = int(np.flatnonzero(over)[0])
         raise ToolkitError(overlength_message(store.where(first), int(lengths[first]), max_seq_len,

@@ -37,7 +37,7 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from typing import Any
@@ -454,12 +454,15 @@ def _jsonl_piece_bytes(per_row: int, target_rows: int) -> int:
     return max(1 << 16, per_row * target_rows)
 
 
-def read_piece(source: Source, piece: Piece) -> tuple[list[dict[str, Any]], list[int]]:
+def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None
+               ) -> tuple[list[dict[str, Any] | Oversize], list[int]]:
     """The rows of a piece, mapped to the toolkit's shapes (`to_messages`), and their numbers (JSON Lines: line
-    numbers; else 1-based row numbers in the file). A malformed row is an error naming it."""
+    numbers; else 1-based row numbers in the file). A malformed row is an error naming it. `max_chars` (the size
+    guard's limit, asked only of a line over ROW_BYTES_FLOOR) caps a JSON Lines row's bytes: a row over
+    `row_byte_cap` comes as an `Oversize`, unread."""
     raw: list[tuple[int, Any]]
     if source.fmt == "jsonl":
-        raw = list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first))
+        raw = list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
     elif source.fmt == "json":
         array = source.arrays[piece.file_index]
         raw = [(n + 1, array[n]) for n in range(piece.start, piece.end)]
@@ -467,9 +470,14 @@ def read_piece(source: Source, piece: Piece) -> tuple[list[dict[str, Any]], list
         table = source.tables[piece.file_index]
         rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
         raw = list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
-    rows, numbers = [], []
+    rows: list[dict[str, Any] | Oversize] = []
+    numbers = []
     for number, row in raw:
         where = source.where(piece.file_index, number)
+        if isinstance(row, Oversize):
+            rows.append(row)
+            numbers.append(number)
+            continue
         if not isinstance(row, dict):
             raise ToolkitError(f"{where}: each {'line' if source.fmt == 'jsonl' else 'row'} must be a JSON object, "
                                f"got {type(row).__name__}.")
@@ -489,16 +497,85 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield lineno, row
 
 
-def _parse_jsonl(path: Path, start: int, end: int, first: int) -> Iterator[tuple[int, Any]]:
+ROW_BYTES_PER_CHAR = 12
+"""The most bytes JSON takes for one character of text: an astral character escaped as a surrogate pair
+(`\\ud83d\\ude00`, one Python character)."""
+
+
+def row_byte_cap(max_chars: int) -> int:
+    """The most bytes of one JSON Lines row that are parsed, for a size guard limit of `max_chars` characters
+    (toolkit/data/encoding.py SizeGuard.limit, at least GUARD_MIN_CHARS, so the cap is at least ROW_BYTES_FLOOR).
+
+    Parsing a row and rendering it through the chat template costs a few tens of times its bytes in memory (a 35 MB
+    row of a million short messages: +0.8 GB), before the size guard sees any text; so a line is measured in bytes
+    first, and one over the cap is never read whole: its memory is bounded by the cap whatever the row's size. It is
+    stored unread (no tokens, listed in the store's meta.json under `oversize`); data.overlength: drop drops it, and
+    error and truncate (which would keep its first tokens) refuse it in one line. The cap is not a token count:
+    JSON's escapes and structure, whitespace and keys nothing reads make bytes no lower bound on tokens, so such a
+    row is not said to be over max_seq_len, only too large to read. It is set where no ordinary row reaches: every
+    character of text the guard tokenises (a row with more text is surely over max_seq_len) written in JSON's
+    costliest form."""
+    return ROW_BYTES_PER_CHAR * max_chars
+
+
+ROW_BYTES_FLOOR = row_byte_cap(1 << 20)  # = row_byte_cap(GUARD_MIN_CHARS): lines up to it never ask for the limit
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """A JSON Lines row over `row_byte_cap`, in place of the row: not read, only measured."""
+
+    size: int  # its bytes
+    cap: int
+
+
+def oversize_message(where: str, size: int, cap: int) -> str:
+    """The one line for a row over the row byte cap, under data.overlength error or truncate."""
+    return (f"{where}: the line is {size:,} bytes, over the {cap:,}-byte cap on one row ({ROW_BYTES_PER_CHAR} bytes "
+            "of JSON, the most one character takes, per character of text the size guard reads for "
+            "data.max_seq_len); it is not read, as parsing and rendering it would take tens of times its size in "
+            "memory. Split it into smaller rows, remove it, or set data.overlength: drop to drop such rows unread.")
+
+
+def _read_line(f: Any, budget: int, max_chars: Callable[[], int] | None) -> bytes | Oversize:
+    """The next line (at most `budget` bytes); one over the row byte cap is skipped to its end, read in megabytes
+    and never held whole, and measured."""
+    if max_chars is None:
+        return f.readline(budget)
+    raw = f.readline(min(budget, ROW_BYTES_FLOOR + 1))
+    if len(raw) <= ROW_BYTES_FLOOR or raw.endswith(b"\n"):
+        return raw
+    cap = row_byte_cap(max_chars())
+    raw += f.readline(max(0, min(budget, cap + 1) - len(raw)))
+    if len(raw) <= cap or raw.endswith(b"\n"):
+        return raw
+    size = len(raw)
+    del raw
+    while size < budget:
+        chunk = f.readline(min(1 << 20, budget - size))
+        size += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            break
+    return Oversize(size, cap)
+
+
+def _parse_jsonl(path: Path, start: int, end: int, first: int, max_chars: Callable[[], int] | None = None
+                 ) -> Iterator[tuple[int, Any]]:
     """Rows of bytes [start, end) of a JSON Lines file, lines numbered from `first`. Read line by line (cut at
     newlines, as pieces count them) and each line's bytes and text let go as soon as they are used, and a blank line
     found without a stripped copy: an enormous line is held at most as its text and its parsed row at once (the size
-    guard, toolkit/data/encoding.py SizeGuard, takes it from there)."""
+    guard, toolkit/data/encoding.py SizeGuard, takes it from there). With `max_chars`, a line over `row_byte_cap`
+    is not read whole: an `Oversize` stands in its place."""
     with path.open("rb") as f:
         f.seek(start)
         offset, number = start, first
         while offset < end:
-            raw = f.readline(end - offset)
+            raw = _read_line(f, end - offset, max_chars)
+            if isinstance(raw, Oversize):
+                offset += raw.size
+                yield number, raw
+                number += 1
+                continue
             if not raw:
                 break
             try:

@@ -29,7 +29,9 @@ key = sha256 of {STORE_VERSION, the source's content digest, format, split, colu
 fingerprint (chat template included), the encoder's options (train_on, thinking, image settings)}.
 meta.json's `capped` (only when the size guard cut a row: {cap, rows: {row: characters}}) names the rows stored as
 their first cap + 1 tokens (toolkit/data/encoding.py SizeGuard); it is not in the key, so ordinary stores keep
-theirs, and a store cut below what a later run needs is prepared again.
+theirs, and a store cut below what a later run needs is prepared again. `oversize` ({cap, max_tokens, rows: {row:
+bytes}}, only when a JSON Lines row was over the row byte cap, toolkit/data/sources.py row_byte_cap) names the rows
+stored unread, with no tokens; a later run with a longer max_tokens prepares the store again.
 
 No collective wait: a rank that finds no store takes the store's lock and prepares it on every core
 (`data.num_proc`); the other ranks, and other launches sharing the cache dir, poll the store folder (and the
@@ -73,8 +75,17 @@ import transformers
 from tqdm.auto import tqdm
 
 from toolkit.atomic import build_dir, fsync_dir, open_own, read_own_text, refuse_link, write_atomic
-from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, row_notes, unread_message_keys
-from toolkit.data.sources import RACY_WINDOW_NS, Piece, Source, file_stat_signature, open_source, pieces, read_piece
+from toolkit.data.encoding import IGNORE_INDEX, EncodedBatch, SizeGuard, row_notes, unread_message_keys
+from toolkit.data.sources import (
+    RACY_WINDOW_NS,
+    Oversize,
+    Piece,
+    Source,
+    file_stat_signature,
+    open_source,
+    pieces,
+    read_piece,
+)
 from toolkit.errors import ToolkitError
 from toolkit.runtime.process import process_gone
 from toolkit.runtime.signals import Stopped, signal_when_parent_dies
@@ -163,6 +174,10 @@ class Store:
         # Rows the size guard cut (toolkit/data/encoding.py SizeGuard): row -> its characters; their length is a
         # lower bound, over every max_seq_len the store was prepared for.
         self.capped = {int(k): int(v) for k, v in (meta.get("capped") or {}).get("rows", {}).items()}
+        # Rows over the row byte cap (toolkit/data/sources.py row_byte_cap), stored unread with no tokens: row ->
+        # its bytes; the cap is oversize_cap.
+        self.oversize = {int(k): int(v) for k, v in (meta.get("oversize") or {}).get("rows", {}).items()}
+        self.oversize_cap = int((meta.get("oversize") or {}).get("cap", 0))
         self.table = table  # keeps the mapping alive
         self.unread_keys: dict[str, int] = meta.get("unread_keys") or {}  # message key -> rows carrying it
         self.notes: dict[str, int] = meta.get("notes") or {}  # what the stage's log says about rows -> rows
@@ -283,6 +298,11 @@ def _open_ready(folder: Path, key: dict[str, Any], source: Source, *, max_tokens
             log.info("data: %s cut %d over-long row(s) at %d tokens and this run needs %s; preparing it again",
                      folder, len(meta["capped"]["rows"]), cap + 1, max_tokens or "them whole")
             return None
+        unread = meta.get("oversize") or {}
+        if unread and (max_tokens is None or unread["max_tokens"] < max_tokens):  # its byte cap may be higher now
+            log.info("data: %s left %d row(s) over %d bytes unread and this run's data.max_seq_len (%s) may read "
+                     "them; preparing it again", folder, len(unread["rows"]), unread["cap"], max_tokens or "none")
+            return None
         data = folder / "data.arrow"
         if meta["key"] != key or data.stat().st_size != meta["bytes"]:
             raise ValueError("does not match its meta.json")
@@ -326,18 +346,42 @@ def _init_worker(source: Source, encoder: Any, max_tokens: int | None) -> None:
     signal_when_parent_dies(signal.SIGKILL)
 
 
-def _encode_piece(piece: Piece) -> tuple[pa.RecordBatch, dict[str, int], dict[int, int], dict[str, int]]:
+Encoded = tuple[pa.RecordBatch, dict[str, int], dict[int, int], dict[str, int], dict[int, tuple[int, int]]]
+
+
+def _encode_piece(piece: Piece) -> Encoded:
     """The piece's record batch, how many of its rows carry each message key that nothing reads, the rows of it
-    the size guard cut (row in the piece -> characters), and how many rows carry each note (`row_notes`)."""
+    the size guard cut (row in the piece -> characters), how many rows carry each note (`row_notes`), and the rows
+    over the row byte cap, stored unread with no tokens (row in the piece -> (bytes, cap))."""
     assert _WORK is not None
     source, encoder, max_tokens = _WORK
-    rows, numbers = read_piece(source, piece)
+    guard = SizeGuard(encoder, max_tokens)  # its limit also caps a JSON Lines row's bytes (sources.row_byte_cap)
+    got, numbers = read_piece(source, piece, None if max_tokens is None else lambda: guard.limit or 0)
     kw = {} if max_tokens is None else {"max_tokens": max_tokens}
-    batch = encoder.encode(rows, numbers, lambda n: source.where(piece.file_index, n),
-                           base_dir=source.files[piece.file_index].parent if source.files else Path(), **kw)
+
+    def encode(rows: list[dict[str, Any]], numbers: list[int]) -> EncodedBatch:
+        return encoder.encode(rows, numbers, lambda n: source.where(piece.file_index, n),
+                              base_dir=source.files[piece.file_index].parent if source.files else Path(), **kw)
+
+    oversize = {r: (row.size, row.cap) for r, row in enumerate(got) if isinstance(row, Oversize)}
+    rows = [row for row in got if not isinstance(row, Oversize)]
+    if not oversize:
+        batch = encode(rows, numbers)
+    else:  # the runs of rows between unread ones, encoded, and an empty row for each unread one
+        vision = encoder.options()["kind"] == "vision"
+        parts, run = [], 0
+        for r in [*sorted(oversize), len(got)]:
+            if r > run:
+                parts.append(encode(got[run:r], numbers[run:r]))  # type: ignore[arg-type]
+            if r < len(got):
+                parts.append(EncodedBatch(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64),
+                                          np.array([numbers[r]], np.int64), [None],
+                                          *((np.zeros(1, np.int64), [[]], [[]]) if vision else ())))
+            run = r + 1
+        batch = EncodedBatch.join(parts)
     unread = dict(Counter(k for row in rows for k in unread_message_keys(row)))
     notes = dict(Counter(n for row in rows for n in row_notes(row, encoder.empty_answers)))
-    return record_batch(batch, piece.file_index), unread, batch.capped, notes
+    return record_batch(batch, piece.file_index), unread, batch.capped, notes, oversize
 
 
 def record_batch(batch: EncodedBatch, file_index: int) -> pa.RecordBatch:
@@ -388,14 +432,19 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
     unread: Counter[str] = Counter()
     notes: Counter[str] = Counter()
     capped: dict[str, int] = {}
+    oversize: dict[str, int] = {}
+    cap = 0
     bar = tqdm(total=total, unit="rows", desc=f"tokenising {label}", delay=BAR_DELAY_S, dynamic_ncols=True,
                disable=total < BAR_MIN_ROWS or os.environ.get("TQDM_DISABLE") == "1")
 
-    def take(result: tuple[pa.RecordBatch, dict[str, int], dict[int, int], dict[str, int]], piece: Piece) -> None:
-        batch, keys, cut, said = result
+    def take(result: Encoded, piece: Piece) -> None:
+        nonlocal cap
+        batch, keys, cut, said, unread_rows = result
         unread.update(keys)
         notes.update(said)
         capped.update({str(counts["rows"] + r): c for r, c in cut.items()})
+        oversize.update({str(counts["rows"] + r): size for r, (size, _) in unread_rows.items()})
+        cap = max([cap, *(c for _, c in unread_rows.values())])
         write(batch)
         counts["rows"] += batch.num_rows
         counts["tokens"] += int(pc.sum(batch.column("length")).as_py() or 0)
@@ -419,6 +468,8 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
     counts["notes"] = dict(sorted(notes.items()))
     if capped:
         counts["capped"] = {"cap": max_tokens, "rows": capped}
+    if oversize:
+        counts["oversize"] = {"cap": cap, "max_tokens": max_tokens, "rows": oversize}
     return counts
 
 
@@ -601,8 +652,9 @@ def _prepare(source: Source, encoder: Any, key: dict[str, Any], final: Path, fai
                 "bytes": path.stat().st_size, "sha256": hashing.hexdigest(),
                 "prepared": {"host": host, "pid": os.getpid(), "time": time.time(),
                              "seconds": round(time.monotonic() - start, 2), "processes": info["processes"]}}
-        if "capped" in info:
-            meta["capped"] = info["capped"]
+        for name in ("capped", "oversize"):
+            if name in info:
+                meta[name] = info[name]
         write_atomic(folder / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
     try:
