@@ -149,7 +149,7 @@ def test_the_report_page_in_a_browser(reference: Path, tmp_path: Path, monkeypat
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("playwright is not installed: pip install -e '.[dev]' (scripts/setup.sh does)")
+        pytest.fail("playwright is not installed: pip install -e '.[browser]' (scripts/test.sh does)")
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("no chromium on PATH: apt-get install chromium (.ci/run installs it)")
