@@ -388,21 +388,28 @@ def test_export_of_a_builtin_model_run_from_another_folder(tmp_path: Path, monke
 
 # --- the token store ---------------------------------------------------------------------------------------------
 
-def test_a_damaged_token_store_is_prepared_again_and_trains_as_undamaged(
-        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 31: token ids overwritten in place in the store (same size) changed the step-3 loss, exit 0, and a
-    resume would have said "resumed (exact)". The next launch finds the damage, prepares the store again (a warning
-    says so) and trains the undamaged losses; its checkpoints record the store's checksum for resumes to compare."""
+def _reverse_first_rows_ids(root: Path) -> Path:
+    """The one token store under `root`'s cache, its first row's token ids reversed in place (the file keeps its
+    size, so only a checksum can tell); returns the store's folder."""
     import pyarrow as pa
 
-    run = copy_run(trained, tmp_path)
-    (store,) = [p for p in (tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir()
+    (store,) = [p for p in (root / ".toolkit-cache" / "tokenized" / "stores").iterdir()
                 if p.is_dir() and not p.name.startswith(".")]
     data = store / "data.arrow"
     ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
     raw = data.read_bytes()
     at = raw.find(ids.tobytes())
     data.write_bytes(raw[:at] + (ids[::-1].copy()).tobytes() + raw[at + ids.nbytes:])  # same size, other ids
+    return store
+
+
+def test_a_damaged_token_store_is_prepared_again_and_trains_as_undamaged(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: token ids overwritten in place in the store (same size) changed the step-3 loss, exit 0, and a
+    resume would have said "resumed (exact)". The next launch finds the damage, prepares the store again (a warning
+    says so) and trains the undamaged losses; its checkpoints record the store's checksum for resumes to compare."""
+    run = copy_run(trained, tmp_path)
+    store = _reverse_first_rows_ids(tmp_path)
     rc, stderr = invoke(Call(["--config", "recipe.yaml", "output_dir=run2"], tmp_path / "run2"), tmp_path,
                         monkeypatch)
     assert rc == 0, stderr[-3000:]
@@ -729,16 +736,9 @@ def test_a_resume_over_other_tokens_of_the_same_data_is_refused(trained: Path, t
     the store's entry; forced, it resumes and says so."""
     import hashlib
 
-    import pyarrow as pa
-
     copy_run(trained, tmp_path)
-    (store,) = [p for p in (tmp_path / ".toolkit-cache" / "tokenized" / "stores").iterdir()
-                if p.is_dir() and not p.name.startswith(".")]
+    store = _reverse_first_rows_ids(tmp_path)
     data = store / "data.arrow"
-    ids = pa.ipc.open_stream(data.read_bytes()).read_all().column("input_ids")[0].values.to_numpy()
-    raw = data.read_bytes()
-    at = raw.find(ids.tobytes())
-    data.write_bytes(raw[:at] + (ids[::-1].copy()).tobytes() + raw[at + ids.nbytes:])  # same size, other ids
     meta = json.loads((store / "meta.json").read_text())
     (store / "meta.json").write_text(json.dumps(meta | {"sha256": hashlib.sha256(data.read_bytes()).hexdigest()}))
     rc, stderr = invoke(Call(["--config", "recipe.yaml"], tmp_path / "run"), tmp_path, monkeypatch)
