@@ -7,12 +7,14 @@ from dataclasses import dataclass, replace
 
 from toolkit.config.schema import (
     LORA_KEYWORD,
+    PREFERENCE_OBJECTIVES,
     AdvanceWhen,
     DataEntry,
     DifficultyConfig,
     DropConfig,
     GenerationEvalConfig,
     PacingConfig,
+    PreferenceConfig,
     Recipe,
 )
 
@@ -54,6 +56,13 @@ class ResolvedStage:
     advance_when: AdvanceWhen | None = None
     difficulty: DifficultyConfig | None = None  # None: the rows' `difficulty` when every row has one, else length
     drop: DropConfig | None = None
+    objective: str = "sft"  # sft on rows, or dpo | orpo | simpo on preference pairs (PREFERENCE_OBJECTIVES)
+    preference: PreferenceConfig | None = None  # a preference stage's loss and reference (None: the defaults)
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the stage trains on preference pairs (its rows, and its eval rows, are pairs)."""
+        return self.objective in PREFERENCE_OBJECTIVES
 
 
 def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
@@ -81,7 +90,8 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
             trainable_key=f"stages.{i}.trainable" if stage.trainable else "train.trainable",
             patience=stage.patience, patience_min_delta=stage.patience_min_delta,
             generation=tuple(stage.generation if stage.generation is not None else recipe.eval.generation),
-            advance_when=stage.advance_when, difficulty=stage.difficulty, drop=stage.drop))
+            advance_when=stage.advance_when, difficulty=stage.difficulty, drop=stage.drop,
+            objective=stage.objective, preference=stage.preference))
     return resolved
 
 
