@@ -79,10 +79,12 @@ def model_scored(stage: Stage) -> str | None:
     return how.model
 
 
-def _rows_identity(rows: KeptRows) -> list[dict[str, Any]]:
+def rows_identity(parts: Sequence[Any]) -> list[dict[str, Any]]:
+    """What decides which rows a pass scores: per source part (`SourceRows`, or a pair stage's `PairRows`), its
+    store's checksum, length cut and kept rows."""
     return [{"store": part.store.meta.get("sha256"), "limit": part.selection.limit,
              "rows": hashlib.sha256(np.ascontiguousarray(part.selection.index, np.int64).tobytes()).hexdigest()}
-            for part in rows.parts]
+            for part in parts]
 
 
 def scorer_identity(identity: Any, scorer: str, at_step: int) -> dict[str, Any]:
@@ -111,7 +113,7 @@ class ScoringStopped(Exception):
     """A stop signal ended a stage's scoring pass between blocks; a checkpoint at this step resumes it."""
 
 
-def _stop_for_signal(run: Any, step: int) -> Callable[[], bool]:
+def stop_for_signal(run: Any, step: int) -> Callable[[], bool]:
     """After a block: whether a stop signal reached any process (one all-reduce, the same answer everywhere) and a
     checkpoint at `step` exists for the relaunch to resume the pass from (the stage-end checkpoint, or the one this
     launch resumed from). Without one the pass goes on; the signal then ends the run after the next step."""
@@ -141,12 +143,12 @@ def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
     assert how is not None
     at = 0 if scorer == "base" else stage.plan.start_step
     rows = KeptRows(stage.data.samples.parts)
-    ident = {"rows": _rows_identity(rows), "scorer": scorer_identity(run.identity, scorer, at)}
+    ident = {"rows": rows_identity(rows.parts), "scorer": scorer_identity(run.identity, scorer, at)}
     folder = Path(run.recipe.output_dir) / "scores"
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     what = f"stage '{stage.name}' scored by the {scorer} model at step {at}"
     args = (run.accelerator, run.model)
-    stop = _stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
+    stop = stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
     given = stage_entry_scores(*args, rows, run.collate, stage.plan.micro_batch, folder=folder,
                                key=score_key(render="given", **ident), may_score=step == at, what=what,
                                elsewhere=elsewhere, should_stop=stop)
