@@ -520,8 +520,10 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
-    (["stages.0.objective=dpo"], "stages.0 ('warmup_short'): objective dpo does not train yet"),
-    (["stages.0.objective=simpo"], "objective simpo does not train yet"),
+    (["stages.0.objective=dpo", "stages.0.drop={easiest: 0.1}"],
+     "stages.0 ('warmup_short'): drop on an objective dpo stage is not supported"),
+    (["stages.0.objective=simpo", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: loss}"],
+     "difficulty.by loss on an objective simpo stage is not supported"),
     (["stages.0.objective=kto"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo' or 'simpo'"),
     (["stages.0.preference={beta: 0.2}"], "preference is set but the stage's objective is sft"),
     (["stages.0.objective=dpo", "stages.0.preference={beta: 0}"], "'stages.0.preference.beta'"),
@@ -540,9 +542,9 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
     (["lora.enabled=false", "stages.0.objective=dpo", "stages.0.preference={reference: base}"],
      "reference is base (the model with its LoRA adapter off) but lora.enabled is false"),
 ])
-def test_preference_stage_keys_are_validated_then_refused(overrides: list[str], needle: str) -> None:
-    """Every bad value of stages[].objective / stages[].preference gets its one line; a valid preference stage is
-    refused in one line too (not wired into a run yet), never trained as sft."""
+def test_preference_stage_keys_are_validated(overrides: list[str], needle: str) -> None:
+    """Every bad value of stages[].objective / stages[].preference gets its one line, and so does what a pair
+    stage cannot do yet (rank pairs by a field or a model, drop by difficulty)."""
     assert needle in _error(None, overrides)
 
 

@@ -694,9 +694,8 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _preference_stages(self) -> Recipe:
-        """A `reference: base` needs a LoRA adapter to switch off; then every preference objective is refused in
-        one line: the losses, log-probs and pair shapes are built (docs/preference.md), their wiring into the
-        data, the reference pass at stage entry and the step is not."""
+        """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
+        model's scores, a drop by difficulty or an easy_to_hard order by a row field do not rank yet."""
         for i, stage in enumerate(self.stages):
             if stage.objective == "sft":
                 continue
@@ -704,9 +703,12 @@ class Recipe(_Section):
             if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
                 raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
                                  "lora.enabled is false; use reference: precompute")
-            raise ValueError(f"{where}: objective {stage.objective} does not train yet (its losses are built, "
-                             "not wired into a run: docs/preference.md); use objective: sft, or TRL's DPOTrainer "
-                             "for the preference stage")
+            how = stage.difficulty
+            if (how is not None and how.by != "length") or stage.drop is not None:
+                what = "drop" if stage.drop is not None else f"difficulty.by {how.by}"  # type: ignore[union-attr]
+                raise ValueError(f"{where}: {what} on an objective {stage.objective} stage is not supported (its rows "
+                                 "are pairs; a pair's difficulty is not defined yet): order pairs by length "
+                                 "(difficulty: {by: length}) or shuffle them")
         return self
 
     @model_validator(mode="after")

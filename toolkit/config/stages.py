@@ -109,13 +109,17 @@ def difficulty_entries(entries: list[DataEntry], difficulty: DifficultyConfig | 
 
 
 def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) -> list[str]:
-    """The eval metrics a stage's evaluations report, the names its gate may use: `eval_loss` (its eval files),
-    `<eval>.<score>` of its generation evals, and with eval.all_stages every stage's (`<stage>.eval_loss`)."""
+    """The eval metrics a stage's evaluations report, the names its gate may use: `eval_loss` (its eval files; a
+    preference stage's `pref_accuracy` too), `<eval>.<score>` of its generation evals, and with eval.all_stages
+    every stage's (`<stage>.eval_loss`, `<stage>.pref_accuracy`)."""
     own = stages[index]
     names = ["eval_loss"] if own.eval else []
+    if own.eval and own.pairs:  # its eval pairs: the share whose chosen reward beats the rejected one
+        names.append("pref_accuracy")
     evaluated = stages if all_stages else [own]
     if all_stages:
         names += [f"{s.name}.eval_loss" for s in stages if s.eval]
+        names += [f"{s.name}.pref_accuracy" for s in stages if s.eval and s.pairs]
     for stage in evaluated:
         names += [f"{g.name}.{scorer.metric}" for g in stage.generation for scorer in g.scorers]
     return list(dict.fromkeys(names))

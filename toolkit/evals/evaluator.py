@@ -4,7 +4,9 @@ eval.all_stages (the forgetting matrix), reduced to one set of metrics that ever
 `Evaluator.evaluate` is what the loop calls every eval.every_steps and at stage ends. It runs
 
 * the loss evaluation (toolkit.evals.loss) of the stage's eval files: `eval_loss`, `eval_ppl`, `eval_tokens`; with
-  all_stages every stage's files too, as `<stage>.eval_loss`;
+  all_stages every stage's files too, as `<stage>.eval_loss`. A preference stage's eval pairs are scored by the
+  training side's `pair_eval` (toolkit/train/pair_stage.py: its preference loss as `eval_loss`, `pref_accuracy`),
+  once its reference exists;
 * the generation evals (toolkit.evals.generation) of the stage, or of every stage: `<eval>.<score>`, the mean over the
   eval's rows. The weights are gathered once for all of them (toolkit.strategies.full_weights).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +114,8 @@ class Evaluator:
         self.generation = generation or GenerationPlan([[] for _ in curriculum.stages])
         self.all_stages, self.seed = all_stages, seed
         self.matrix = MatrixLog(layout.eval_matrix, enabled=accelerator.is_main_process and all_stages)
+        # A preference stage's eval pairs: (model, stage) -> metrics, or None before the stage's reference exists.
+        self.pair_eval: Callable[[Any, Stage], dict[str, Any] | None] | None = None
 
     def _loss_stages(self, stage: Stage) -> list[Stage]:
         """The stages whose eval files this eval scores (one per distinct set of files and length)."""
@@ -118,7 +123,7 @@ class Evaluator:
             return [stage] if stage.eval_rows else []
         seen, out = set(), []
         for s in self.curriculum.stages:
-            key = (s.resolved.eval, s.resolved.max_seq_len)
+            key = (s.resolved.eval, s.resolved.max_seq_len, s.resolved.pairs)
             if s.eval_rows and key not in seen:
                 seen.add(key)
                 out.append(s)
@@ -139,16 +144,27 @@ class Evaluator:
         metrics: dict[str, Any] = {}
         matrix: list[dict[str, Any]] = []
         for s in self._loss_stages(stage):
-            result = evaluate(acc, model, s.eval_rows, collate, s.resolved.eval_micro_batch_size)
-            key = (s.resolved.eval, s.resolved.max_seq_len)
-            shared = [o.name for o in self.curriculum.stages if (o.resolved.eval, o.resolved.max_seq_len) == key]
+            if s.resolved.pairs:
+                result = self.pair_eval(model, s) if self.pair_eval is not None else None
+                if result is None:  # a preference stage not entered yet: its reference is not taken
+                    continue
+            else:
+                result = evaluate(acc, model, s.eval_rows, collate, s.resolved.eval_micro_batch_size)
+            key = (s.resolved.eval, s.resolved.max_seq_len, s.resolved.pairs)
+            shared = [o.name for o in self.curriculum.stages
+                      if (o.resolved.eval, o.resolved.max_seq_len, o.resolved.pairs) == key]
             if stage.name in shared:
                 metrics.update(result)
             if self.all_stages:
+                owner = shared[0] if len(shared) == 1 else None
                 for name in shared:
                     metrics[f"{name}.eval_loss"] = result["eval_loss"]
-                owner = shared[0] if len(shared) == 1 else None
                 matrix.append(matrix_record(step, stage.name, owner, "loss", "eval_loss", result["eval_loss"]))
+                if "pref_accuracy" in result:
+                    for name in shared:
+                        metrics[f"{name}.pref_accuracy"] = result["pref_accuracy"]
+                    matrix.append(matrix_record(step, stage.name, owner, "pairs", "pref_accuracy",
+                                                result["pref_accuracy"]))
         evals = self._generation_evals(stage)
         records: dict[str, list[dict[str, Any]]] = {}
         if evals:

@@ -57,6 +57,8 @@ from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.optimizer import StageFreezer
+from toolkit.train.pair_stage import METRIC_SUMS, PairState, enter_pair_stage, pair_micro_loss, pair_normalisers
+from toolkit.train.preference import global_normalisers
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
 from toolkit.train.stage_scores import ScoringStopped, order_by_model
 
@@ -85,6 +87,7 @@ class RunState:
     adam_updates: list[int] | None = None  # optimizer updates applied to each parameter group
     metrics: dict[str, Any] = field(default_factory=dict)  # the latest train and eval values (best-checkpoint)
     stage_start_tokens: int | None = None  # `tokens` when the current stage began (its summary counts from it)
+    pending_pairs: list[float] | None = None  # a preference stage's metric sums not yet in a logged record
 
     def to_meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
@@ -93,7 +96,8 @@ class RunState:
                 "curriculum": {"stage_steps": self.stage_steps, "patience": self.patience,
                                **({"gate": self.gate} if self.gate is not None else {})},
                 "adam_updates": self.adam_updates, "metrics": self.metrics,
-                "stage_start_tokens": self.stage_start_tokens}
+                "stage_start_tokens": self.stage_start_tokens,
+                **({"pending_pairs": self.pending_pairs} if self.pending_pairs is not None else {})}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunState:
@@ -104,7 +108,7 @@ class RunState:
                    pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
                    stage_steps=cur.get("stage_steps"), patience=cur.get("patience"), gate=cur.get("gate"),
                    adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})),
-                   stage_start_tokens=meta.get("stage_start_tokens"))
+                   stage_start_tokens=meta.get("stage_start_tokens"), pending_pairs=meta.get("pending_pairs"))
 
 
 @dataclass
@@ -152,6 +156,7 @@ class Run:
     last_save: float = field(default_factory=time.monotonic)  # monotonic: not carried over a resume
     stage_start_tokens: int = 0
     latest: dict[str, Any] = field(default_factory=dict)
+    pairs: PairState = field(default_factory=PairState)  # preference stages: references, pending metric sums
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
@@ -171,6 +176,8 @@ class Run:
         self.freezer.updates = state.adam_updates or [state.step] * len(self.freezer.updates)
         # Checkpoints of earlier versions lack it: their stage summary then counts from the resume.
         self.stage_start_tokens = state.tokens if state.stage_start_tokens is None else state.stage_start_tokens
+        if state.pending_pairs is not None:
+            self.pairs.pending = list(state.pending_pairs)
 
     def tokens_now(self) -> int:
         """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
@@ -184,7 +191,8 @@ class Run:
                         pending_losses=self.meter.losses, pending_skipped=self.meter.skipped,
                         stage_steps=cur["stage_steps"], patience=cur["patience"], gate=cur.get("gate"),
                         adam_updates=self.freezer.updates, metrics=self.latest,
-                        stage_start_tokens=self.stage_start_tokens)
+                        stage_start_tokens=self.stage_start_tokens,
+                        pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None)
 
 
 def record_header(done: int, stage: Stage) -> dict[str, Any]:
@@ -198,11 +206,15 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
     toolkit/train/stage_scores.py). Returns the preempted exit code when a stop signal ended that scoring pass
     (its finished blocks kept; the checkpoint at this step resumes it), else None."""
     plan = stage.plan
+    if run.current_stage >= 0 and run.curriculum.stages[run.current_stage].resolved.objective != \
+            stage.resolved.objective:
+        run.guard.recent.clear()  # another objective's losses: the spike rule's window starts afresh
     run.current_stage = stage.index
     run.freezer.set_stage(stage.index)
     run.curriculum.enter(stage)
     try:
         order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler over them, before its first step
+        enter_pair_stage(run, stage, step)  # a dpo stage's reference log-probs: the policy as it enters the stage
     except ScoringStopped as stopped:
         log.warning("preempted (%s) during the scoring pass (%s): its finished blocks are kept, the checkpoint at "
                     "step %d resumes it; relaunch the same command", run.preemption.signal_name or "signal on "
@@ -303,9 +315,16 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     # counts its slice's tokens (the sum counts each token once) and DeepSpeed may average over replicas only.
     # Counted on the host batches (the loop moves each to the device itself), so the copy never blocks.
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
-    local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device, non_blocking=True)
-    items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (averaged * accum)
-    local_loss, verdict = torch.zeros((), device=acc.device), Verdict(skip=False)
+    pairs = stage.resolved.pairs  # a preference stage: normalised by the global batch's pairs (pair_stage.py)
+    if pairs:
+        norm_pairs, norm_tokens = global_normalisers(acc, *pair_normalisers(batches), averaged * accum)
+        pair_sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=acc.device)
+    else:
+        local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device,
+                                                                                        non_blocking=True)
+        items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (averaged * accum)
+    local_loss = torch.zeros((), dtype=torch.float64 if pairs else torch.float32, device=acc.device)
+    verdict = Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
     for j, (batch, lengths, label_tokens) in enumerate(prefetched(micro, acc.device)):
         logits_for = None if run.recipe.model.loss_head == "standard" else label_tokens  # chunked / Liger heads
@@ -314,7 +333,11 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                                   head_tokens=logits_for) / place.sp_size
         meter.add_batch(batch, flops, len(lengths) if place.sp_rank == 0 else 0, real=real[j])
         with acc.accumulate(model):
-            loss = model(**batch, num_items_in_batch=items_per_micro).loss
+            if pairs:
+                loss, sums = pair_micro_loss(run, stage, model, batch, pairs=norm_pairs, chosen_tokens=norm_tokens)
+                pair_sums += sums
+            else:
+                loss = model(**batch, num_items_in_batch=items_per_micro).loss
             if injected_fault(step + 1, acc.process_index):
                 loss = loss * float("nan")
             local_loss += loss.detach()
@@ -323,10 +346,13 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                 # any rank's is), preemption and timed-save flags. Every rank gets the same verdict.
                 time_due = (saving.save_minutes is not None
                             and time.monotonic() - run.last_save >= 60 * saving.save_minutes)
-                summed = acc.reduce(torch.stack([
-                    local_loss, torch.tensor(float(run.preemption.requested), device=acc.device),
-                    torch.tensor(float(time_due), device=acc.device)]), reduction="sum").tolist()
+                kind = {"device": acc.device, "dtype": local_loss.dtype}
+                flags = torch.stack([local_loss, torch.tensor(float(run.preemption.requested), **kind),
+                                     torch.tensor(float(time_due), **kind)])
+                summed = acc.reduce(torch.cat([flags, pair_sums]) if pairs else flags, reduction="sum").tolist()
                 step_loss, preempted, time_due = summed[0] / (averaged * accum), summed[1] > 0, summed[2] > 0
+                if pairs:  # TRL's metrics of the global batch, in the interval's record
+                    run.pairs.add(summed[3:])
                 verdict = run.guard.judge(step_loss)
                 if verdict.skip:
                     loss = veto_update(loss)
@@ -369,7 +395,7 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
         record = {**record_header(done, stage), "stage_step": step_in_stage + 1,
                   **run.meter.record(acc, peak_flops=run.peak_flops), "lr": result.lr,
                   "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
-                  "samples": run.curriculum.samples_seen(done)}
+                  "samples": run.curriculum.samples_seen(done), **run.pairs.record()}
         run.log_record(record)
         run.latest.update(record)
         if run.bar is not None:

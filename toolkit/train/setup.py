@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ from toolkit.runtime.signals import PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.loop import Run, RunState
 from toolkit.train.optimizer import StageFreezer
+from toolkit.train.pair_stage import evaluate_pairs
 from toolkit.train.stability import StabilityGuard
 
 log = logging.getLogger("toolkit")
@@ -196,7 +198,7 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
     accelerator.register_for_checkpointing(scheduler)  # we step it ourselves, so accelerate does not own it
     batches = StageBatches(accelerator, collate, grad_accum=recipe.train.grad_accum,
                            group_by_length=recipe.data.group_by_length, num_workers=num_workers)
-    return Run(recipe, accelerator, model, optimizer, scheduler,
+    run = Run(recipe, accelerator, model, optimizer, scheduler,
                StageFreezer(accelerator, model, optimizer, trainable.groups),
                StabilityGuard(spike_factor=stab.loss_spike_factor, spike_window=stab.loss_spike_window,
                               max_consecutive_skips=stab.max_consecutive_skips),
@@ -211,6 +213,8 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
+    run.evaluator.pair_eval = partial(evaluate_pairs, run)  # preference stages' eval pairs, against their reference
+    return run
 
 
 def run_identity(recipe: Recipe, accelerator: Accelerator, curriculum: Curriculum, *, run_name: str,
@@ -335,6 +339,11 @@ def check_sequence_parallel(accelerator: Accelerator, resolved: list[ResolvedSta
     sequence_parallel.check_model(place.sp_size, heads=text.num_attention_heads,
                                   kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
                                   vision=vision, max_seq_lens=[s.max_seq_len for s in resolved])
+    paired = [s.name for s in resolved if s.pairs]
+    if paired:
+        raise ToolkitError(f"stage '{paired[0]}' trains on preference pairs, which Ulysses sequence parallelism does "
+                           "not split yet (a pair's log-prob would be summed across the group's slices); launch it "
+                           "with zero3.yaml (or any config without parallelism_config_sp_size).")
     family = accelerator.parallelism_config.sp_handler.sp_attn_implementation
     log.info("sequence parallelism: Ulysses over %d processes per row, %d data-parallel replica(s)", place.sp_size,
              place.dp_size)
