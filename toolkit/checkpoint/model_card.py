@@ -49,6 +49,7 @@ class StageCard:
     tokens: int | None = None  # tokens trained on in this stage (its stage_end record)
     ended_by: str | None = None  # planned_length | patience | gate
     evals: dict[str, float] = field(default_factory=dict)  # its last evaluation: eval_loss, <eval>.<score>, ...
+    objective: str = "sft"  # sft, or a preference stage's objective with its settings ("dpo: sigmoid, beta 0.1, ...")
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,8 @@ def _body(*, title: str, base_model: str, lora: bool, stages: list[StageCard], r
              "<details><summary>Resolved recipe</summary>", "", f"{fence}yaml", recipe_yaml.rstrip("\n"), fence, "",
              "</details>", "",
              "## Curriculum", "",
-             "| # | stage | data | rows | steps | samples | tokens | trainable | peak lr | ended by |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| # | stage | objective | data | rows | steps | samples | tokens | trainable | peak lr | ended by |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, s in enumerate(stages, start=1):
         data = ", ".join(f"`{name}`" + ("" if weight is None else f" (weight {weight:g})") for name, weight in s.data)
         names = ", ".join(f"`{t}`" for t in s.trainable)
@@ -196,8 +197,9 @@ def _body(*, title: str, base_model: str, lora: bool, stages: list[StageCard], r
         else:
             trainable = f"{names} ({s.trainable_params:,} parameters)" if names else \
                 f"all {s.trainable_params:,} parameters"
-        lines.append(f"| {i} | {s.name} | {data} | {s.rows:,} | {s.steps:,} | {s.samples:,} | {_count(s.tokens)} "
-                     f"| {trainable} | {s.lr:.3g} | {ENDED_BY.get(s.ended_by or '', s.ended_by or '-')} |")
+        lines.append(f"| {i} | {s.name} | {s.objective} | {data} | {s.rows:,} | {s.steps:,} | {s.samples:,} "
+                     f"| {_count(s.tokens)} | {trainable} | {s.lr:.3g} "
+                     f"| {ENDED_BY.get(s.ended_by or '', s.ended_by or '-')} |")
     lines += ["", "## Chat template", "",
               f"{chat_template}. Its text is saved with the tokenizer (`chat_template.jinja`).", "",
               "## Results", "",

@@ -69,7 +69,7 @@ from toolkit.runtime.signals import PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.loop import Run, RunState
 from toolkit.train.optimizer import StageFreezer
-from toolkit.train.pair_stage import evaluate_pairs
+from toolkit.train.pair_stage import describe_objective, evaluate_pairs
 from toolkit.train.stability import StabilityGuard
 
 log = logging.getLogger("toolkit")
@@ -394,7 +394,8 @@ def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layou
                                            settings.weights or [None] * len(settings.paths), strict=True)),
             rows=plan.num_samples, steps=plan.steps, samples=plan.steps * plan.global_batch, lr=plan.lr,
             trainable=list(settings.trainable or []), trainable_params=stage.trainable_params,
-            tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("last_eval", {})))
+            tokens=got.get("tokens"), ended_by=got.get("ended_by"), evals=got.get("last_eval", {}),
+            objective=describe_objective(settings)))
     return str(build_model_card(
         title=recipe.run_name or Path(recipe.output_dir).name,
         base_model=portable_tree(recipe.model.name_or_path, here),
