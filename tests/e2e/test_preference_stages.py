@@ -1,0 +1,132 @@
+"""SFT then DPO in one launch, end to end (recipes/sft_then_dpo.yaml: a LoRA SFT stage of 3 steps on dummy rows, then
+a DPO stage of 3 steps on dummy pairs, its reference the policy as it enters the stage; a checkpoint per step).
+
+One single-process run is the reference. Checked against it:
+* the DPO stage's first step: the policy equals its reference, so the sigmoid loss is ln 2 and the rewards are 0,
+  although the SFT stage moved the adapter (its lora_B left zero);
+* grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3
+  offload: the same reference log-probs under the same key, the same per-step losses, TRL's metrics and the same
+  final adapter;
+* exact resume from each of the 6 checkpoints, those inside the DPO stage reading the reference back;
+* a run stopped by SIGTERM inside the reference pass keeps its finished block, and its relaunch finishes the pass
+  and trains exactly as the uninterrupted run;
+* `reference: base` (the adapter switched off) after the LoRA SFT stage starts away from ln 2.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, dummy_run_args, train, train_forked
+from tests.e2e.test_resume import assert_exact_from_every_checkpoint
+from toolkit.checkpoint.portable import portable_lora_file
+from toolkit.metrics.log import read_metrics
+
+pytestmark = pytest.mark.slow
+
+RECIPE = "recipes/sft_then_dpo.yaml"
+EVERY = ("checkpoint.keep_last=6",)
+ROWS = 32
+LN2 = math.log(2)
+TWO_PROCESSES = ("ddp", "fsdp", "zero2", "zero3", "zero3_offload")
+STOPPER = REPO / "tests" / "helpers" / "stop_in_scoring.py"
+TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+
+
+def by_step(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl", "train")}
+
+
+def references(run: Path) -> dict[str, dict[str, np.ndarray]]:
+    """The run's score files (name -> arrays): the DPO stage's train and eval reference log-probs."""
+    out = {}
+    for path in sorted((run / "scores").glob("scores-*.npz")):
+        with np.load(path) as saved:
+            out[path.name] = {k: saved[k] for k in saved.files}
+    return out
+
+
+def final_adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "adapter_model.safetensors")
+
+
+def assert_same_training(run: Path, ref: Path, what: str) -> None:
+    got, want = by_step(run), by_step(ref)
+    assert sorted(got) == sorted(want), what
+    for step, r in want.items():
+        assert got[step]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), (what, step)
+        for key in TRL_METRICS:
+            if key in r:
+                assert got[step][key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), (what, step, key)
+    theirs, mine = references(run), references(ref)
+    assert theirs.keys() == mine.keys(), what  # the same keys: processes, strategy and batch split are not in them
+    for name, arrays in mine.items():
+        assert theirs[name]["done"].all(), (what, name)
+        np.testing.assert_allclose(theirs[name]["loss"], arrays["loss"], rtol=1e-6, err_msg=f"{what} {name}")
+    a, b = final_adapter(run), final_adapter(ref)
+    assert a.keys() == b.keys()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=f"{what}: {k}")
+
+
+@pytest.mark.timeout(1800)
+def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly(tmp_path: Path) -> None:
+    one = tmp_path / "one"
+    first = train_forked("single", 1, one, *EVERY, recipe=RECIPE, dummy_samples=ROWS)
+    assert "stage 'dpo': entry-policy reference log-probs of" in first.stderr
+    steps = by_step(one)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert {steps[s]["stage"] for s in (4, 5, 6)} == {"dpo"}
+    entry = steps[4]
+    assert entry["loss"] == pytest.approx(LN2, abs=1e-6)  # the policy is its own reference at the stage's entry
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert entry[key] == pytest.approx(0.0, abs=1e-6), key
+    assert steps[6]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
+    assert all(k in steps[5] for k in TRL_METRICS) and all(k not in steps[3] for k in TRL_METRICS)
+    evals = [r for r in read_metrics(one / "metrics.jsonl") if "pref_accuracy" in r]
+    assert [r["step"] for r in evals] == [6] and 0.0 <= evals[0]["pref_accuracy"] <= 1.0
+    sft_adapter = load_file(portable_lora_file(one / "checkpoints" / "step-00000003"))
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in sft_adapter.items())  # SFT moved the policy
+    assert "| dpo | dpo (sigmoid; beta 0.1; reference: the policy at the stage's entry) |" in \
+        (one / "final" / "README.md").read_text()
+
+    accum = tmp_path / "accum1"  # 1 micro-batch of 4 pairs per step instead of 2 of 2
+    train_forked("single", 1, accum, "train.micro_batch_size=4", "train.grad_accum=1", recipe=RECIPE,
+                 dummy_samples=ROWS)
+    assert_same_training(accum, one, "grad_accum 1")
+    for strategy in TWO_PROCESSES:  # the pass sharded over 2 ranks; under ZeRO-3 and FSDP2 the model too
+        two = tmp_path / strategy
+        train_forked(strategy, 2, two, "train.grad_accum=1", recipe=RECIPE, dummy_samples=ROWS)
+        assert_same_training(two, one, strategy)
+        assert by_step(two)[4]["loss"] == pytest.approx(LN2, abs=1e-6), strategy
+
+    argv = dummy_run_args(*EVERY, recipe=RECIPE, dummy_samples=ROWS)
+    assert_exact_from_every_checkpoint("single", one, argv, steps=6, mixed_precision="no")
+    for step in (4, 5):  # resumed inside the DPO stage: its reference read back, never scored with a later policy
+        log = (tmp_path / f"one-from-{step}.log").read_text()
+        assert "reference log-probs (the policy at step 3): read from" in log
+        assert "rows/s" not in log.split("resumed (exact)")[1]
+
+    # Stopped by SIGTERM after the reference pass's first block: the block kept, the relaunch goes on from it.
+    stopped = tmp_path / "stopped"
+    proc = train("single", 1, stopped, *EVERY, recipe=RECIPE, dummy_samples=ROWS, script=STOPPER, check=False,
+                 env={"STOP_IN_SCORING": "train reference log-probs"})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "during the scoring pass" in output, output[-3000:]
+    (partial,) = [a for a in references(stopped).values() if not a["done"].all()]  # the train pass, cut
+    assert partial["done"].any()
+    again = train_forked("single", 1, stopped, *EVERY, recipe=RECIPE, dummy_samples=ROWS)
+    assert "resumed (exact)" in again.stderr
+    assert_same_training(stopped, one, "stopped in the pass")
+
+    # reference: base after a LoRA SFT stage: the adapter switched off is the base model, not the policy.
+    base = tmp_path / "base"
+    train_forked("single", 1, base, "stages.1.preference={reference: base}", recipe=RECIPE, dummy_samples=ROWS)
+    assert abs(by_step(base)[4]["loss"] - LN2) > 1e-3
