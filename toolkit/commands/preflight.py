@@ -90,12 +90,13 @@ def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *,
                     grad_ckpt: bool | int | None = None) -> list[dict[str, dict[str, int]]]:
     """Per stage, `estimate_all`'s rows (strategy -> bytes) for one micro-batch of that stage: its own
     micro_batch_size x max_seq_len tokens (with packing a packed row is max_seq_len tokens; without, max_seq_len
-    is the longest row the stage keeps, so the estimate is its worst case). `fused_layers`: Liger's layers counted
+    is the longest row the stage keeps, so the estimate is its worst case); a preference stage's micro-batch of
+    pairs is twice as many sequences (each pair's chosen and rejected sides). `fused_layers`: Liger's layers counted
     (`fused_layers_counted`). `sp_size`: Ulysses sequence parallelism (each GPU holds its slice's activations);
     `grad_ckpt`: checkpointed layers other than the recipe's (preflight's proposal)."""
     lora = recipe.lora.enabled
     return [estimate_all(config, num_gpus=num_gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
-                         micro_batch=stage.micro_batch_size, seq_len=stage.max_seq_len,
+                         micro_batch=stage.micro_batch_size * (2 if stage.pairs else 1), seq_len=stage.max_seq_len,
                          grad_ckpt=recipe.model.gradient_checkpointing if grad_ckpt is None else grad_ckpt,
                          lora_targets=recipe.lora.target_modules, sp_size=sp_size,
                          loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
@@ -161,7 +162,15 @@ def scoring_passes(stages: list[Any]) -> list[str]:
         lines.append(f"  {stage.name}: {how.by} of the {how.model} model, {when}: {passes} over its rows, each "
                      "about 1/3 of an epoch's training compute; peak memory below the stage's training peak above "
                      "(no gradients, no optimizer step, the loss head's chunks)")
-    return ["scoring passes (difficulty by a model's score; toolkit/evals/scoring.py):", *lines] if lines else []
+    for stage in stages:
+        if stage.objective == "dpo":
+            scorer = ("the model with its adapter off" if stage.preference is not None
+                      and stage.preference.reference == "base" else "the policy as it enters the stage")
+            lines.append(f"  {stage.name}: dpo reference of {scorer}, at the stage's first step: one no-grad forward "
+                         "over both sides of its train and eval pairs, about 1/3 of an epoch's training compute; "
+                         "16 bytes per pair kept in <output_dir>/scores/ (float64 chosen and rejected log-probs)")
+    return ["scoring passes (difficulty by a model's score, a dpo stage's reference; toolkit/evals/scoring.py):",
+            *lines] if lines else []
 
 
 def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
@@ -189,8 +198,10 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                  f"; GiB per GPU under {shown}{note}):"]
     for stage, rows in zip(stages, estimates, strict=True):
         est = rows[shown]
-        per_stage.append(f"  {stage.name.ljust(width)}  micro batch {stage.micro_batch_size} x {stage.max_seq_len} "
-                         f"tokens: activations {est['activations'] / GIB:.2f}, peak {est['total'] / GIB:.2f}"
+        unit = f" pairs ({2 * stage.micro_batch_size} sequences)" if stage.pairs else ""
+        per_stage.append(f"  {stage.name.ljust(width)}  micro batch {stage.micro_batch_size}{unit} x "
+                         f"{stage.max_seq_len} tokens: activations {est['activations'] / GIB:.2f}, "
+                         f"peak {est['total'] / GIB:.2f}"
                          + ("  <- worst" if stage.index == worst else ""))
     lines = [f"model {recipe.model.name_or_path}: {'LoRA r=' + str(recipe.lora.r) if lora else 'full fine-tuning'}"
              f", {param_bytes * 8}-bit weights, gradient checkpointing "
