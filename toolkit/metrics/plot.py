@@ -1,9 +1,10 @@
 """Training curves of a run: `<output_dir>/metrics.jsonl` drawn to `<output_dir>/training.png`.
 
 One figure, four panels against the optimizer step (loss with eval loss where logged, learning rate, gradient
-norm, throughput), with a dashed line where each curriculum stage begins, so a jump in loss or lr can be
-read against the stage that caused it. Rendered on matplotlib's Agg canvas without pyplot: no display and no
-global backend switch in the calling process.
+norm, throughput), and a fifth when a preference stage logged TRL's rewards (`rewards/chosen`, `rewards/rejected`,
+`rewards/margins`, with the eval pairs' `pref_accuracy`), with a dashed line where each curriculum stage begins, so
+a jump in loss or lr can be read against the stage that caused it. Rendered on matplotlib's Agg canvas without
+pyplot: no display and no global backend switch in the calling process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens / s"))
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "pref_accuracy")
+"""A preference stage's panel: TRL's reward metrics of its steps, and its eval pairs' accuracy."""
 
 
 def stage_boundaries(records: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -60,12 +63,18 @@ def plot_run(output_dir: str | Path) -> Path:
 
     boundaries = stage_boundaries(records)
     first = next((r for r in records if r.get("stage") is not None), None)
-    fig = Figure(figsize=(9, 2.4 * len(PANELS)))
-    axes = fig.subplots(len(PANELS), 1, sharex=True)
-    for ax, (key, label) in zip(axes, PANELS, strict=True):
+    panels = [*PANELS, *([("rewards", "rewards")] if _series(records, "rewards/chosen")[0] else [])]
+    fig = Figure(figsize=(9, 2.4 * len(panels)))
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for ax, (key, label) in zip(axes, panels, strict=True):
         steps, values = _series(records, key)
         if steps:
             ax.plot(steps, values, label="train" if key == "loss" else None)
+        if key == "rewards":
+            for name in REWARDS:
+                at, got = _series(records, name)
+                ax.plot(at, got, "o-" if name == "pref_accuracy" else "-", label=name)
+            ax.legend(loc="upper left", fontsize="small")
         if key == "loss":
             eval_steps, eval_values = _series(records, "eval_loss")
             if eval_steps:
