@@ -34,14 +34,12 @@ from toolkit.train.preference import (
     METRICS,
     PairLogps,
     PreferenceSettings,
-    ReferenceStore,
     global_normalisers,
     pair_counts,
     pair_metrics,
     policy_logps,
     preference_loss,
     preference_terms,
-    reference_key,
     reference_logps,
 )
 
@@ -262,44 +260,6 @@ def test_grad_accumulation_gives_the_global_batch_loss_gradients_and_metrics(mod
     assert metrics_one["rewards/margins"] == pytest.approx(
         metrics_one["rewards/chosen"] - metrics_one["rewards/rejected"], abs=1e-12)
     assert metrics_one["rewards/chosen"] != 0
-
-
-def test_the_reference_store_keeps_the_entry_policy_and_finishes_a_stopped_pass(models: dict[str, str],
-                                                                               tokenizer: Any, tmp_path: Any) -> None:
-    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
-            for i in range(len(PAIRS))]
-    sequences = pair_sequences(rows)
-    collate = padding_collator(tokenizer)
-    accelerator = distributed.build_accelerator(1, 10)
-    model = lora_model(models)
-    head = install_loss_head(model, "chunked")
-    assert head is not None
-    expected = reference_logps(accelerator, model, sequences, collate, 2)
-    key = reference_key("dpo", {"pairs.jsonl": "sha"}, {"step": 3}, base=False)
-    assert key != reference_key("dpo", {"pairs.jsonl": "other"}, {"step": 3}, base=False)
-    assert key != reference_key("dpo", {"pairs.jsonl": "sha"}, {"step": 4}, base=False)
-    store = ReferenceStore(tmp_path / "run", key)
-    calls = head.calls
-    got = store.logps(accelerator, model, sequences, collate, 2, block_rows=2)
-    assert head.calls - calls == 4 and store.done(len(sequences)) == len(sequences)  # 4 blocks of 2 sequences
-    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
-    nudge(model)  # a later policy: a resume reads what the entry policy gave
-    calls = head.calls
-    again = ReferenceStore(tmp_path / "run", key).logps(accelerator, model, sequences, collate, 2)
-    assert head.calls == calls
-    np.testing.assert_array_equal(np.stack(again), np.stack(expected))
-    with np.load(store.path) as saved:  # a pass stopped after its first 2 blocks
-        loss, tokens, done = saved["loss"], saved["tokens"], saved["done"]
-    done[4:] = False
-    np.savez(store.path.with_suffix(".tmp.npz"), loss=loss, tokens=tokens, done=done)
-    store.path.with_suffix(".tmp.npz").replace(store.path)
-    assert store.done(len(sequences)) == 4
-    calls = head.calls
-    finished = store.logps(accelerator, model, sequences, collate, 2, block_rows=2)
-    assert head.calls - calls == 2  # only the 4 sequences left, under the model that runs now
-    np.testing.assert_array_equal(np.stack(finished)[:, :2], np.stack(expected)[:, :2])
-    with pytest.raises(ToolkitError, match="move it away"):
-        store.logps(accelerator, model, sequences[:4], collate, 2)
 
 
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])

@@ -41,6 +41,7 @@ from toolkit.train.preference import (
     PairLogps,
     PreferenceSettings,
     adapter_disabled,
+    metric_sums,
     pair_counts,
     policy_logps,
     preference_loss,
@@ -209,15 +210,6 @@ def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *
     terms = preference_terms(settings, logps)
     loss = preference_loss(settings, terms, pairs, chosen_tokens)
     return loss, metric_sums(terms, logps)
-
-
-def metric_sums(terms: Any, logps: PairLogps) -> torch.Tensor:
-    """The METRICS sums of a micro-batch's pairs and their count (float64): summed over ranks and micro-steps, then
-    divided by the count, they are TRL's means over the global batch."""
-    chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()
-    return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(), (chosen - rejected).sum(),
-                        logps.chosen.detach().double().sum(), logps.rejected.detach().double().sum(),
-                        torch.tensor(float(len(chosen)), dtype=torch.float64, device=chosen.device)])
 
 
 @torch.no_grad()

@@ -28,19 +28,16 @@ batch's chosen-token count, so neither gradient accumulation nor the process cou
 weighs each named loss (default 1 each). `pair_metrics` gives TRL's step metrics over the global batch.
 
 The reference of `reference: precompute` is the policy as it enters the stage: one scoring pass over the stage's
-pairs at its first step, kept float64 in the run folder (`ReferenceStore`, keyed by `reference_key`: stage, data,
-entry state), resumed block by block after a stop and reused as is by a resume. `base` runs the same pass with the
-LoRA adapter off (`adapter_disabled`; LLaMA-Factory's reference for a LoRA run).
+pairs at its first step (`reference_logps`; in a run, kept float64 in the run folder and resumed block by block:
+toolkit/train/pair_stage.py). `base` runs the same pass with the LoRA adapter off (`adapter_disabled`;
+LLaMA-Factory's reference for a LoRA run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,7 +47,7 @@ from accelerate import Accelerator
 
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
-from toolkit.evals.scoring import ScoreCache, cached_row_sums, forward_sums, row_sums, segment_ids
+from toolkit.evals.scoring import forward_sums, row_sums, segment_ids
 from toolkit.model.loss_head import shifted_labels
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
@@ -251,65 +248,22 @@ def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int,
     return summed[0] / divisor, summed[1] / divisor
 
 
+def metric_sums(terms: PreferenceTerms, logps: PairLogps) -> torch.Tensor:
+    """A micro-batch's METRICS sums over its pairs, then the pair count (float64, detached): summed over the
+    global batch's micro-batches and ranks, then divided by the count, they are TRL's means."""
+    chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()
+    return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(), (chosen - rejected).sum(),
+                        logps.chosen.detach().double().sum(), logps.rejected.detach().double().sum(),
+                        torch.tensor(float(len(chosen)), dtype=torch.float64, device=chosen.device)])
+
+
 def pair_metrics(accelerator: Accelerator, parts: Sequence[tuple[PreferenceTerms, PairLogps]]) -> dict[str, float]:
     """METRICS over every pair of the global batch (this rank's micro-batches `parts`, one all-reduce)."""
-    sums = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
+    sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
     for terms, logps in parts:
-        chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()
-        sums += torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(),
-                             (chosen - rejected).sum(), logps.chosen.detach().double().sum(),
-                             logps.rejected.detach().double().sum(),
-                             torch.tensor(float(len(chosen)), dtype=torch.float64, device=chosen.device)]
-                            ).to(sums.device)
+        sums += metric_sums(terms, logps).to(sums.device)
     if accelerator.num_processes > 1:
         sums = accelerator.reduce(sums, reduction="sum")
     values = sums.tolist()
     n = max(values[-1], 1.0)
     return {name: v / n for name, v in zip(METRICS, values[:-1], strict=True)}
-
-
-def reference_key(stage: str, data_fingerprint: Any, entry_state: Any, base: bool) -> str:
-    """What a stage's reference log-probs are bound to: the stage, its data (the fingerprint of its pairs) and the
-    policy at stage entry (e.g. the checkpoint step and weights digest it entered with; `base`: the adapter off)."""
-    blob = json.dumps({"stage": stage, "data": data_fingerprint, "state": entry_state, "base": base},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-class ReferenceStore:
-    """A stage's reference log-probs in the run folder: the scoring pass's own cache (`ScoreCache`: float64 summed
-    losses, minus the log-probs, of every sequence in pair order, kept by process 0 after each block), under the key
-    `reference_key` names. So a pass stopped by a signal goes on from its last block, a resume finds it whole and
-    never recomputes it from a later policy, and another key (other data, another entry state) is another file."""
-
-    def __init__(self, folder: Path, key: str) -> None:
-        self.folder, self.key = Path(folder), key
-        self.path = self.folder / f"scores-{key}.npz"  # ScoreCache's file of this key
-
-    def done(self, sequences: int) -> int:
-        """How many of the `sequences` are stored already."""
-        return int(ScoreCache(self.folder, self.key, sequences, writer=False).done.sum())
-
-    def logps(self, accelerator: Accelerator, model: torch.nn.Module, sequences: Sequence[dict[str, Any]],
-              collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
-              base: bool = False, block_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Every pair's reference (chosen, rejected) log-probs: those stored, the rest by the scoring pass over the
-        sequences not done (`base`: with the adapter off), stored block by block. Collective."""
-        if len(sequences) % 2:
-            raise ValueError(f"{len(sequences)} sequences are not whole pairs")
-        if self.path.exists():  # the key names the data: another count is another stage's file, not to be rescored
-            with np.load(self.path, allow_pickle=False) as saved:
-                stored = len(saved["done"])
-            if stored != len(sequences):
-                raise ToolkitError(f"{self.path} holds {stored} reference log-probs for {len(sequences)} sequences "
-                                   "of the same key; it is not this stage's: move it away to recompute.")
-        if accelerator.is_main_process:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        cache = ScoreCache(self.folder, self.key, len(sequences), writer=accelerator.is_main_process)
-        with adapter_disabled(model) if base else contextlib.nullcontext():
-            sums = cached_row_sums(accelerator, model, sequences, collate, micro_batch_size, cache=cache,
-                                   what="reference log-probs", block_rows=block_rows)
-        assert sums is not None  # no should_stop: the pass runs to its end
-        accelerator.wait_for_everyone()
-        logps = -sums.loss
-        return logps[0::2].copy(), logps[1::2].copy()
