@@ -1,0 +1,55 @@
+"""A preference stage's settings as a run takes them (toolkit/train/pair_stage.py): the losses an objective trains,
+how the model card names them, and the logging interval's TRL metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from toolkit.config.load import load_recipe
+from toolkit.config.stages import resolve_stages
+from toolkit.train.pair_stage import METRIC_SUMS, PairState, describe_objective, settings_of, takes_reference
+from toolkit.train.preference import METRICS
+
+
+def stage_of(*overrides: str):  # the embedded default's stage 1, made a preference stage by the overrides
+    return resolve_stages(load_recipe(None, list(overrides)))[1]
+
+
+@pytest.mark.parametrize(("overrides", "losses", "reference", "card"), [
+    ([], ("sigmoid",), True, "dpo (sigmoid; beta 0.1; reference: the policy at the stage's entry)"),
+    (["stages.1.preference={loss: [sigmoid, sft], loss_weights: [1, 0.5], beta: 0.2}"], ("sigmoid", "sft"), True,
+     "dpo (sigmoid, sft x0.5; beta 0.2; reference: the policy at the stage's entry)"),
+    (["stages.1.preference={loss: robust, label_smoothing: 0.1, reference: base}"], ("robust",), True,
+     "dpo (robust; beta 0.1; label smoothing 0.1; reference: the base model (adapter off))"),
+    (["stages.1.objective=orpo"], ("orpo",), False, "orpo (orpo; beta 0.1)"),
+    (["stages.1.objective=orpo", "stages.1.preference={loss: [sft]}"], ("orpo", "sft"), False,
+     "orpo (orpo, sft; beta 0.1)"),
+    (["stages.1.objective=simpo", "stages.1.preference={beta: 2.0, simpo_gamma: 1.0}"], ("simpo",), False,
+     "simpo (simpo; beta 2; gamma 1)"),
+])
+def test_an_objective_trains_its_losses_and_the_card_names_them(overrides: list[str], losses: tuple[str, ...],
+                                                                 reference: bool, card: str) -> None:
+    overrides = overrides if any("objective" in o for o in overrides) else ["stages.1.objective=dpo", *overrides]
+    stage = stage_of(*overrides)
+    assert stage.pairs
+    assert settings_of(stage).loss == losses
+    assert takes_reference(stage) is reference
+    assert describe_objective(stage) == card
+
+
+def test_an_sft_stage_is_named_sft() -> None:
+    stage = stage_of()
+    assert not stage.pairs and describe_objective(stage) == "sft"
+
+
+def test_the_interval_metrics_are_means_over_its_pairs_and_start_afresh() -> None:
+    state = PairState()
+    assert state.record() == {}  # an interval without pairs (an sft stage) adds nothing to its record
+    state.add([1.0, -1.0, 2.0, 2.0, -10.0, -12.0, 2.0])  # a step of 2 pairs
+    state.add([3.0, -3.0, 2.0, 6.0, -8.0, -20.0, 2.0])  # and one of 2 more
+    assert len(state.pending) == METRIC_SUMS
+    got = state.record()
+    assert list(got) == list(METRICS)
+    assert got == {"rewards/chosen": 1.0, "rewards/rejected": -1.0, "rewards/accuracies": 1.0,
+                   "rewards/margins": 2.0, "logps/chosen": -4.5, "logps/rejected": -8.0}
+    assert state.record() == {}
