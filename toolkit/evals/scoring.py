@@ -119,10 +119,10 @@ def _full_logit_sums(model: torch.nn.Module, batch: dict[str, Any], seg: torch.T
     return loss, tokens
 
 
-def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's per-segment (loss sum, token count)."""
-    seg, count = segment_ids(batch)
+def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device,
+                  segments: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's per-segment (loss sum, token count); `segments`: its `segment_ids`, when already known."""
+    seg, count = segments if segments is not None else segment_ids(batch)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     head = loss_head_of(model)
     if head is None:
@@ -135,12 +135,14 @@ def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.d
     return sums.loss, sums.tokens
 
 
-def forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device,
+                 segments: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's per-segment (float64 loss sum, label-token count), in segment order (`segment_ids`), by
     the pass's own forward; differentiable under autograd: a preference stage's policy log-probs
-    (toolkit/train/preference.py), the same numbers the pass gives its reference."""
-    return _forward_sums(model, batch, device)
+    (toolkit/train/preference.py), the same numbers the pass gives its reference. `segments`: the batch's
+    `segment_ids` taken on the host copy (the training step's batch is on the device, where reading its
+    boundaries back would wait for the device's queue)."""
+    return _forward_sums(model, batch, device, segments)
 
 
 @torch.no_grad()

@@ -49,6 +49,7 @@ from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator
+from toolkit.evals.scoring import segment_ids
 from toolkit.metrics.log import Meter, MetricsLog
 from toolkit.metrics.report import refresh_report
 from toolkit.model.flops import batch_train_flops
@@ -318,6 +319,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     pairs = stage.resolved.pairs  # a preference stage: normalised by the global batch's pairs (pair_stage.py)
     if pairs:
         norm_pairs, norm_tokens = global_normalisers(acc, *pair_normalisers(batches), averaged * accum)
+        segments = [segment_ids(b) for b in batches]  # on the host: the device copy's boundaries are not read back
         pair_sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=acc.device)
     else:
         local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device,
@@ -334,7 +336,8 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
         meter.add_batch(batch, flops, len(lengths) if place.sp_rank == 0 else 0, real=real[j])
         with acc.accumulate(model):
             if pairs:
-                loss, sums = pair_micro_loss(run, stage, model, batch, pairs=norm_pairs, chosen_tokens=norm_tokens)
+                loss, sums = pair_micro_loss(run, stage, model, batch, pairs=norm_pairs, chosen_tokens=norm_tokens,
+                                             segments=segments[j])
                 pair_sums += sums
             else:
                 loss = model(**batch, num_items_in_batch=items_per_micro).loss

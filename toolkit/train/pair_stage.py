@@ -150,7 +150,7 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     scorer = "the base model, adapter off" if base else "the policy"
     what = f"stage '{stage.name}' {role} reference log-probs ({scorer} at step {at})"
-    stop = stop_for_signal(run, step) if run.preemption.started else None
+    stop = stop_for_signal(run, step) if run.preemption.started and step is not None else None
     sides = PairSides(rows.parts)
     with adapter_disabled(run.model) if base else contextlib.nullcontext():
         sums = stage_entry_scores(run.accelerator, run.model, sides, run.collate, stage.resolved.eval_micro_batch_size
@@ -193,15 +193,16 @@ def pair_normalisers(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
 
 
 def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *, pairs: float,
-                    chosen_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    chosen_tokens: float, segments: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch of pairs: its share of the global batch's preference loss (to backward), and its metric sums
     (METRIC_SUMS float64 values, detached). `pairs` and `chosen_tokens` are the global normalisers divided by the
-    number of gradients the strategy averages (`global_normalisers`)."""
+    number of gradients the strategy averages (`global_normalisers`); `segments` the batch's `segment_ids`, read
+    on its host copy."""
     device = run.accelerator.device
     batch = dict(batch)
     index = batch.pop("pair_index")
     settings = settings_of(stage.resolved)
-    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, len(index), device)
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, len(index), device, segments)
     if takes_reference(stage.resolved):
         ref_chosen, ref_rejected = run.pairs.train[stage.index].of(index, device)
     else:

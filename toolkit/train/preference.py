@@ -187,11 +187,13 @@ def split_pairs(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sums[0::2], sums[1::2]
 
 
-def policy_logps(model: torch.nn.Module, batch: dict[str, Any], pairs: int, device: torch.device
+def policy_logps(model: torch.nn.Module, batch: dict[str, Any], pairs: int, device: torch.device,
+                 segments: tuple[torch.Tensor, int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen log-probs, rejected log-probs, chosen token counts, rejected token counts) of a micro-batch of
-    `pairs` pairs collated in pair order, with gradients: the scoring pass's forward (`forward_sums`)."""
-    loss, tokens = forward_sums(model, batch, device)
+    `pairs` pairs collated in pair order, with gradients: the scoring pass's forward (`forward_sums`; `segments`:
+    its segment ids from the host batch)."""
+    loss, tokens = forward_sums(model, batch, device, segments)
     if len(loss) < 2 * pairs:
         raise ValueError(f"a micro-batch of {pairs} pairs collated into {len(loss)} sequences; expected {2 * pairs}")
     chosen, rejected = split_pairs(-loss[:2 * pairs])
