@@ -15,6 +15,7 @@ One single-process run is the reference. Checked against it:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -97,10 +98,17 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     assert "| dpo | dpo (sigmoid; beta 0.1; reference: the policy at the stage's entry) |" in \
         (one / "final" / "README.md").read_text()
 
-    accum = tmp_path / "accum1"  # 1 micro-batch of 4 pairs per step instead of 2 of 2
-    train_forked("single", 1, accum, "train.micro_batch_size=4", "train.grad_accum=1", recipe=RECIPE,
-                 dummy_samples=ROWS)
+    # 1 micro-batch of 4 pairs per step instead of 2 of 2; and the forgetting matrix over both stages' evals (loss
+    # evaluations leave training as it is).
+    accum = tmp_path / "accum1"
+    train_forked("single", 1, accum, "train.micro_batch_size=4", "train.grad_accum=1", "eval.all_stages=true",
+                 "stages.0.eval=[dummy:stage2]", recipe=RECIPE, dummy_samples=ROWS)
     assert_same_training(accum, one, "grad_accum 1")
+    matrix = [json.loads(line) for line in (accum / "evals" / "matrix.jsonl").read_text().splitlines()]
+    cells = {(r["step"], r["eval_stage"], r["metric"]) for r in matrix}
+    # At step 3 the DPO stage has no reference yet: only the SFT stage's eval; at 6 both, the pairs' accuracy too.
+    assert cells == {(3, "sft", "eval_loss"), (6, "sft", "eval_loss"), (6, "dpo", "eval_loss"),
+                     (6, "dpo", "pref_accuracy")}
     for strategy in TWO_PROCESSES:  # the pass sharded over 2 ranks; under ZeRO-3 and FSDP2 the model too
         two = tmp_path / strategy
         # ZeRO-3 with gradient checkpointing and LoRA: two forwards per step fail there (a CheckpointError, seen
