@@ -79,3 +79,34 @@ def test_arithmetic_answers_are_correct(tmp_path: Path) -> None:
 def test_rejects_non_positive(tmp_path: Path, bad: int) -> None:
     with pytest.raises(ValueError, match="num_samples"):
         write_dummy_data(tmp_path, bad)
+
+
+def test_pairs_are_trl_explicit_conversational_and_plainly_ranked(tmp_path: Path) -> None:
+    """`dummy:pairs`: as many pairs as the other files have rows, deterministic by seed, each a question with its
+    right answer chosen and a wrong one rejected."""
+    from toolkit.builtin.dummy_data import write_dummy_pairs
+
+    path = write_dummy_pairs(tmp_path / "a", 40, seed=3)
+    rows = _rows(path)
+    assert path.name == "pairs.jsonl" and len(rows) == 40
+    assert path.read_text() == write_dummy_pairs(tmp_path / "b", 40, seed=3).read_text()
+    assert path.read_text() != write_dummy_pairs(tmp_path / "c", 40, seed=4).read_text()
+    for row in rows:
+        assert set(row) == {"prompt", "chosen", "rejected", "difficulty"}
+        [user], [chosen], [rejected] = row["prompt"], row["chosen"], row["rejected"]
+        assert (user["role"], chosen["role"], rejected["role"]) == ("user", "assistant", "assistant")
+        a, op, b = user["content"].removeprefix("What is ").rstrip("?").split()
+        right = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert chosen["content"] == f"{a} {op} {b} = {right}."
+        wrong = int(rejected["content"].rsplit("= ", 1)[1].rstrip("."))
+        assert rejected["content"].startswith(f"{a} {op} {b} = ") and wrong != right
+
+
+def test_use_dummy_data_gives_preference_stages_the_pairs() -> None:
+    from toolkit.builtin.dummy_data import use_dummy_data
+    from toolkit.config.schema import StageConfig
+
+    stages = [StageConfig(name="sft", data=["x.jsonl"]), StageConfig(name="dpo", data=["y.jsonl"], objective="dpo"),
+              StageConfig(name="more", data=["z.jsonl"])]
+    use_dummy_data(stages, vision=False)
+    assert [s.paths for s in stages] == [["dummy:stage1"], ["dummy:pairs"], ["dummy:stage2"]]

@@ -235,3 +235,26 @@ def test_inspect_file_no_shape_fits(tmp_path: Path) -> None:
     with pytest.raises(ToolkitError, match=r"q.jsonl: no shape reads it as it is \(keys found: \['category', "
                                            r"'instruction'\]; closest shapes: Alpaca: instruction, input, output\)"):
         inspect_file(str(path), [], rows=2, colour=False)
+
+
+@pytest.mark.parametrize(("name", "pairs", "shape"), [
+    ("ms_swift_dpo.jsonl", 2, "ms-swift: messages, rejected_response"),
+    ("trl_preference.jsonl", 3, "TRL explicit: prompt, chosen, rejected"),
+    ("llamafactory_dpo_en_demo.json", 2, "LLaMA-Factory ranking, sharegpt: conversations, chosen, rejected"),
+])
+def test_inspect_file_shows_a_pair_file_as_pairs(name: str, pairs: int, shape: str, tmp_path: Path) -> None:
+    """A file of preference pairs, given with no recipe, is read as a preference stage's: its line counts pairs,
+    and each pair shows its prompt once, then the chosen and the rejected completion with their trained tokens
+    marked."""
+    from toolkit.commands.inspect_data import inspect_file
+
+    path = wild_copy(tmp_path / "data", name)
+    out = inspect_file(str(path), ["data.num_proc=1"], rows=2, colour=False)
+    stem = Path(name).stem
+    assert f"stage '{stem}' data (dpo): {pairs} pairs, {pairs} kept" in out, out
+    assert "tokens per pair" in out and out.count("(pair: ") == 2
+    first = out.split("(pair: ")[1]
+    assert first.index("\nprompt:\n") < first.index("\nchosen:\n[[") < first.index("\nrejected:\n[[")
+    assert first.split("\nchosen:")[0].count("[[") == 0  # the prompt never trains
+    assert f"\nshape: preference pairs, {shape}" in out
+    assert "the rows are preference pairs: a stage trains them with objective: dpo" in out

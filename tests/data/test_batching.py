@@ -40,7 +40,7 @@ def _stage(n: int = 40) -> Any:
                            lengths=lengths, pacing=None, seed=3, stage_index=0, global_batch=WORLD * ACCUM * MICRO,
                            total_steps=STEPS)
     return SimpleNamespace(index=0, sampler=sampler, data=SimpleNamespace(samples=rows, lengths=lengths),
-                           plan=SimpleNamespace(steps=STEPS, micro_batch=MICRO))
+                           plan=SimpleNamespace(steps=STEPS, micro_batch=MICRO), resolved=SimpleNamespace(pairs=False))
 
 
 def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -517,7 +517,8 @@ def test_turn_flags_that_cannot_be_honoured(tok: PreTrainedTokenizerFast, messag
     ({"text": "t", "weight": 2.0}, r"the row has 'weight': per-row loss weighting is not supported"),
     ({"messages": CHAT, "sample_weight": 0}, r"the row has 'sample_weight': per-row loss weighting"),
     ({"prompt": "p", "completion": "c", "label": False}, r"the row has a true/false 'label' \(KTO preference data\)"),
-    ({"prompt": "p", "chosen": "a", "rejected": "b"}, r"the row has 'chosen': preference pairs \(DPO\)"),
+    ({"prompt": "p", "chosen": "a", "rejected": "b"}, r"the row has 'chosen': preference pairs train in a preference "
+     r"stage: set the stage's objective: dpo"),
     ({"text": "t", "labels": [1, 2]}, r"the row has 'labels': pre-tokenised rows are not supported"),
     ({"messages": CHAT, "train_on": "all"}, r"the row has 'train_on': data.train_on sets it for every row"),
     ({"messages": CHAT, "system": "Be brief."}, r"the row has 'system': put the system prompt as the first message"),

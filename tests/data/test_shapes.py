@@ -329,8 +329,6 @@ def _registry(root: Path) -> Path:
         "hub_only": {"hf_hub_url": "someone/not-cached"},
         "script": {"script_url": "my_script"},
         "ms_only": {"ms_hub_url": "someone/ms-data"},
-        "ranked": {"file_name": "qa.jsonl", "ranking": True, "columns": {"prompt": "question", "chosen": "a",
-                                                                         "rejected": "b"}},
         "kto": {"file_name": "qa.jsonl", "formatting": "sharegpt", "tags": {"kto_tag": "label"}},
         "sampled": {"file_name": "qa.jsonl", "num_samples": 10},
     }
@@ -365,7 +363,6 @@ def test_llama_factory_registry(tmp_path: Path, tok: PreTrainedTokenizerFast, mo
         "script": r"entry 'script' has script_url 'my_script' and no file_name or hf_hub_url, which this toolkit "
                   r"does not read",
         "ms_only": r"entry 'ms_only' has ms_hub_url",
-        "ranked": r"entry 'ranked' is a ranking \(preference\) dataset, which is not supported",
         "kto": r"entry 'kto' is a KTO dataset \(kto_tag\), which is not supported",
         "sampled": r"entry 'sampled' has num_samples, which is not supported",
     }

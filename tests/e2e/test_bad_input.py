@@ -223,6 +223,16 @@ case("data-train-detail")(lambda c: c.train(rows=[{"messages": [USER, dict(ANSWE
     {"begin_offset": 0, "end_offset": 1, "train": False}])]}]))
 case("data-row-weight")(lambda c: c.train(rows=[dict(CHAT, weight=2)]))
 case("data-preference-pair")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "chosen": "4.", "rejected": "5."}]))
+PAIR = {"prompt": "2 + 2?", "chosen": "4.", "rejected": "5."}
+
+
+def inspect_pairs(c: Ctx, rows: list[object]) -> Call:
+    """`toolkit inspect-data` on a file whose first row is a pair: it is read as a preference stage's."""
+    return Call(["inspect-data", str(write_jsonl(c.tmp / "pairs.jsonl", rows))], c.tmp / "run", tool="toolkit")
+
+
+case("data-not-a-pair")(lambda c: inspect_pairs(c, [PAIR, CHAT]))
+case("data-pair-with-images")(lambda c: inspect_pairs(c, [dict(PAIR, images=["images/a.png"])]))
 case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
 case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))
 case("data-row-system")(lambda c: c.train(rows=[dict(CHAT, system="Be brief.")]))
@@ -657,7 +667,15 @@ def _(c: Ctx) -> Call:
 
 
 registry_case("registry-unknown-dataset", "alpaca_dem")
-registry_case("registry-ranking", "pairs", pairs={"file_name": "alpaca.jsonl", "ranking": True})
+
+
+@case("registry-ranking")
+def _(c: Ctx) -> Call:
+    lf_registry(c, pairs={"file_name": "pairs.jsonl", "ranking": True})
+    write_jsonl(c.tmp / "lfdata" / "pairs.jsonl", [{"instruction": "2 + 2?", "chosen": "4.", "rejected": "5."}] * 8)
+    return c.train(change=stage("data", [{"dataset": "pairs", "dataset_dir": "lfdata"}]))
+
+
 registry_case("registry-kto", "kto", kto={"file_name": "alpaca.jsonl", "formatting": "sharegpt",
                                           "tags": {"kto_tag": "label"}})
 registry_case("registry-remote", "scripted", scripted={"script_url": "my_loader"})

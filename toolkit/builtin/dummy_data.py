@@ -5,7 +5,8 @@ Smoke runs need two stages of easy-to-learn chat data without downloads: stage 1
 arithmetic; stage 2 is longer, partly multi-turn, partly system-prompted text with a long tail of
 lengths (to exercise packing/bucketing). Each row carries a ``difficulty`` that grows with problem size
 so difficulty-ordered curricula have something to sort on. The image-text stages ask about small generated
-PNGs (colours and shapes), mixed with text-only rows.
+PNGs (colours and shapes), mixed with text-only rows. A preference stage gets arithmetic pairs: the right answer
+chosen, a wrong one rejected (`write_dummy_pairs`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,30 @@ def write_dummy_data(out_dir: str | Path, num_samples: int, *, seed: int = 0) ->
     return paths
 
 
+def _pair_row(rng: random.Random) -> Row:
+    """A preference pair in TRL's explicit conversational shape: an arithmetic question, its right answer chosen
+    and a wrong one (off by 1 to 9, or the operands swapped for a subtraction) rejected."""
+    question, answer, difficulty = _arith(rng, max_digits=2)
+    head, value = answer.rsplit("= ", 1)
+    right = int(value.rstrip("."))
+    wrong = right + rng.choice([-1, 1]) * rng.randint(1, 9)
+    return {"prompt": [_msg("user", question)], "chosen": [_msg("assistant", answer)],
+            "rejected": [_msg("assistant", f"{head}= {wrong}.")], "difficulty": round(difficulty, 3)}
+
+
+def write_dummy_pairs(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> Path:
+    """Write ``pairs.jsonl``: ``num_samples`` preference pairs (`_pair_row`) for a preference stage (`dummy:pairs`);
+    return its path. Seeded apart from the SFT files, so adding it changes none of their rows."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"pairs-{seed}")
+    path = out / "pairs.jsonl"
+    write_text_atomic(path, "".join(json.dumps(_pair_row(rng)) + "\n" for _ in range(num_samples)))
+    return path
+
+
 # --- facts to memorise, then overwrite (generation evals, gates, forgetting) ----------------------------------------
 
 FACT_SUBJECTS = ("cat", "dog", "tree", "house", "car", "book", "bird", "apple", "fish")
@@ -225,21 +250,26 @@ def write_dummy_vl_data(out_dir: str | Path, num_samples: int, *, seed: int = 0)
 
 DUMMY_PREFIX = "dummy:"
 """A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
+DUMMY_PAIRS = DUMMY_PREFIX + "pairs"
+"""The generated preference pairs (`write_dummy_pairs`), a preference stage's dummy data."""
 
 
 def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
     """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
-    vision-language model), stage 1 on the first file, later stages on the second. Changes the recipe's stages, so
-    the saved recipe.yaml names the files the run read."""
+    vision-language model), stage 1 on the first file, later stages on the second, and a preference stage
+    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`). Changes the recipe's stages, so the saved recipe.yaml
+    names the files the run read."""
     first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
     for i, stage in enumerate(stages):
         if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
-            stage.data = [first if i == 0 else second]  # type: ignore[list-item]
+            pairs = getattr(stage, "objective", "sft") != "sft"
+            stage.data = [DUMMY_PAIRS if pairs else first if i == 0 else second]  # type: ignore[list-item]
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
     """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
     write_dummy_data(dummy_dir, num_samples, seed=seed)
     write_dummy_facts(dummy_dir, num_samples)
+    write_dummy_pairs(dummy_dir, num_samples, seed=seed)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)

@@ -9,7 +9,8 @@ named by its place in its file (`file:line`, `file row N`). The first thing to r
 template; the tiny Qwen2.5-VL when the rows carry images): each refusal that carries its fix (the data entry's
 columns, tags, ignore: toolkit/data/shapes.py ShapeError) is applied and the file read again, as the user would,
 and the report ends with the data entry to paste into a recipe and why each key is there. A file no shape fits is
-refused with the keys found and the closest shapes.
+refused with the keys found and the closest shapes. A file of preference pairs is read as a preference stage's:
+each pair shown as its prompt once, then its chosen and rejected completions, each with its trained tokens marked.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,9 @@ import yaml
 from toolkit.builtin.dummy_data import DUMMY_PREFIX, write_dummy_files
 from toolkit.config.schema import DataEntry, Recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.data.encoding import IGNORE_INDEX
-from toolkit.data.plan import StageRows, TrainingSet
+from toolkit.data.encoding import IGNORE_INDEX, PAIR_IN_SFT
+from toolkit.data.pairs import PAIR_SHAPES, pair_shape
+from toolkit.data.plan import PairRows, StageRows, TrainingSet
 from toolkit.data.stages import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
 from toolkit.errors import ToolkitError
 from toolkit.runtime.run_dir import RunLayout
@@ -69,15 +72,52 @@ def _decode(ids: list[int], tokenizer: Any, special: set[int]) -> str:
 
 
 def stage_statistics(src: TrainingSet) -> str:
-    """Token counts per kept row (after the length policy, before packing) and the share of tokens trained."""
+    """Token counts per kept row (after the length policy, before packing) and the share of tokens trained; per
+    pair (both sides) for a preference stage."""
     parts = src.samples.parts if isinstance(src.samples, StageRows) else []
     lengths = np.concatenate([p.selection.lengths for p in parts] + [np.zeros(0, np.int64)])
     trained = np.concatenate([p.selection.label_tokens for p in parts] + [np.zeros(0, np.int64)])
     lengths, trained = (lengths, trained) if len(lengths) else (np.zeros(1, np.int64), np.zeros(1, np.int64))
     share = trained.sum() / max(lengths.sum(), 1)
-    return (f"tokens per row: p50 {int(np.percentile(lengths, 50))}, p90 {int(np.percentile(lengths, 90))}, "
-            f"max {int(lengths.max())}; trained per row: p50 {int(np.percentile(trained, 50))}, "
+    unit = "pair" if src.stats.pairs else "row"
+    return (f"tokens per {unit}: p50 {int(np.percentile(lengths, 50))}, p90 {int(np.percentile(lengths, 90))}, "
+            f"max {int(lengths.max())}; trained per {unit}: p50 {int(np.percentile(trained, 50))}, "
             f"max {int(trained.max())}; {share:.1%} of tokens trained")
+
+
+def mark_pair(chosen: dict[str, Any], rejected: dict[str, Any], tokenizer: Any, *, colour: bool) -> list[str]:
+    """A pair as lines: its shared prompt once, then the chosen and the rejected completion, trained tokens marked
+    as `mark_trained` marks them."""
+    cut = next((i for i, y in enumerate(chosen["labels"]) if y != IGNORE_INDEX), len(chosen["labels"]))
+    special = set(tokenizer.all_special_ids)
+    lines = ["prompt:", _decode(chosen["input_ids"][:cut], tokenizer, special)]
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        lines += [f"{name}:", mark_trained(side["input_ids"][cut:], side["labels"][cut:], tokenizer, colour=colour)]
+    return lines
+
+
+def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, scored: Any) -> list[str]:
+    """The first `rows` kept rows (pairs, for a preference stage), each named by its place in its file."""
+    lines = []
+    shown = ((p, k) for p in parts for k in range(len(p.selection.index)))
+    for part, k in itertools.islice(shown, rows):
+        i = int(part.selection.index[k])
+        if isinstance(part, PairRows):
+            chosen, rejected = part.sides(k)
+            full = max(int(part.store.lengths[2 * i]), int(part.store.lengths[2 * i + 1]))
+            cut = f", truncated from {full}" if full > part.selection.limit else ""
+            lines += [f"--- {part.store.where(2 * i)} (pair: {len(chosen['input_ids'])} + "
+                      f"{len(rejected['input_ids'])} tokens{cut}) ---",
+                      *mark_pair(chosen, rejected, tokenizer, colour=colour)]
+            continue
+        sample = part.store.sample(i, part.selection.limit)
+        full = int(part.store.lengths[i])
+        cut = f", truncated from {full}" if full > part.selection.limit else ""
+        where = part.store.where(i)
+        score = f", {scored[0]} {scored[1][where]:.4g}" if scored and where in scored[1] else ""
+        lines += [f"--- {where} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
+                  mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
+    return lines
 
 
 def describe_entry(entry: DataEntry, weight: float | None) -> str:
@@ -90,8 +130,11 @@ def describe_entry(entry: DataEntry, weight: float | None) -> str:
     return entry.name + (f" ({'; '.join(extras)})" if extras else "")
 
 
-def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool | None = None) -> str:
-    """The report as text (colour: ANSI colour for trained tokens; default when stdout is a terminal).
+def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool | None = None,
+                 pairs: bool = False) -> str:
+    """The report as text (colour: ANSI colour for trained tokens; default when stdout is a terminal). A
+    preference stage's rows are pairs, shown as their prompt once and each completion marked; `pairs` reads every
+    stage so (a pair file given alone, `inspect_file`).
 
     Each stage is read by training's own `load_stage` over the stores training opens (`run_stores`: the same
     encoder, chat template, entries with their split and columns, length policy and filters), so its counts are
@@ -117,6 +160,8 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                                                chat_template=recipe.data.chat_template)
         dummy_dir = _dummy_dir(recipe, Path(tmp), vision=vision)
         stages = resolve_stages(recipe)
+        if pairs:
+            stages = [replace(st, objective="dpo") if st.objective == "sft" else st for st in stages]
         stores = run_stores(stages, recipe.data, tokenizer, processor if vision else None, dummy_dir,
                             tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
         lines = [f"model {recipe.model.name_or_path}; trained tokens "
@@ -138,16 +183,7 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                 lines += [f"  {describe_entry(e, w)}: {p.selection.stats.summary()}"
                           for e, w, p in zip(st.entries, weights, parts, strict=True)]
             lines.append(stage_statistics(src))
-            scored = _scores(layout, st.name)
-            shown = ((p, int(i)) for p in parts for i in p.selection.index)
-            for part, i in itertools.islice(shown, rows):
-                sample = part.store.sample(i, part.selection.limit)
-                full = int(part.store.lengths[i])
-                cut = f", truncated from {full}" if full > part.selection.limit else ""
-                where = part.store.where(i)
-                score = f", {scored[0]} {scored[1][where]:.4g}" if scored and where in scored[1] else ""
-                lines += [f"--- {where} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
-                          mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
+            lines += _shown_rows(parts, rows, tokenizer, colour, _scores(layout, st.name))
     return "\n".join(lines)
 
 
@@ -227,12 +263,12 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
     no fix reads is refused in one line: the keys found, the closest shapes and training's refusal."""
     from toolkit.data.shapes import ShapeError, closest_shapes, with_fix
 
-    entry, why, vision = DataEntry(path), [], False
+    entry, why, vision, pairs = DataEntry(path), [], False, False
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(MAX_FIXES + 2):
+        for _ in range(MAX_FIXES + 3):
             try:
                 report = inspect_data(file_recipe(entry, overrides, Path(tmp), vision=vision), stage=None,
-                                      rows=rows, colour=colour)
+                                      rows=rows, colour=colour, pairs=pairs)
                 break
             except ShapeError as e:
                 if not e.fix:
@@ -240,6 +276,11 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
                 why.append(str(e))
                 entry = with_fix(entry, e.fix)
             except ToolkitError as e:
+                if not pairs and PAIR_IN_SFT in str(e):  # a pair file: read as a preference stage's
+                    pairs = True
+                    why.append("the rows are preference pairs: a stage trains them with objective: dpo (or orpo / "
+                               "simpo), and reads them as pairs (docs/preference.md)")
+                    continue
                 if vision or not any(w in str(e) for w in VISION_WORDS):
                     raise  # a refusal that is not about the shape (a missing image, bad JSON) says it all
                 vision = True
@@ -252,6 +293,8 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
         theirs = {t: ours for ours, t in entry.columns}
         keys = [theirs.get(k, k) for k in _first_keys(path) if k not in entry.ignore]
     shape = next(iter(closest_shapes(keys)), "none of the named shapes' keys")
+    if pairs and (named := pair_shape(keys)) is not None:
+        shape = f"preference pairs, {named}: {', '.join(PAIR_SHAPES[named])}"
     lines = [report, "", f"shape: {shape}", "data entry to paste into a recipe stage:", entry_lines]
     lines += ["why:"] + [f"  - {w}" for w in why] if why else ["why: the rows train as they are; no key to map."]
     return "\n".join(lines)

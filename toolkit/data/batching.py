@@ -28,6 +28,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Dataset
 
+from toolkit.data.collate import pair_collator
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.metrics.log import sample_lengths
@@ -162,7 +163,9 @@ def stage_loader(accelerator: Any, rows: Sequence[dict[str, Any]], sampler: Step
 class StageBatches:
     """This rank's micro-batches, step after step, from one stage's loader at a time: `take(stage, step)` gives
     the grad_accum micro-batches (`MicroBatch`) of that step, starting a loader at that step whenever the
-    stage or the position changes (a stage's start, a resume, an early advance)."""
+    stage or the position changes (a stage's start, a resume, an early advance). A preference stage's rows are
+    pairs, collated by `toolkit.data.collate.pair_collator` over the run's collator (a micro-batch of m pairs is
+    2m sequences, with `pair_index`)."""
 
     def __init__(self, accelerator: Any, collate: Callable[[list[dict[str, Any]]], dict[str, Any]], *,
                  grad_accum: int, group_by_length: bool, num_workers: int) -> None:
@@ -179,7 +182,8 @@ class StageBatches:
                                        end=stage.plan.steps, micro_batch_size=stage.plan.micro_batch,
                                        world_size=self.place.dp_size, grad_accum=self.accum,
                                        group_by_length=self.group_by_length)
-            self._it = iter(stage_loader(self.accelerator, stage.data.samples, sampler, self.collate,
+            collate = pair_collator(self.collate) if stage.resolved.pairs else self.collate  # pairs: two sides each
+            self._it = iter(stage_loader(self.accelerator, stage.data.samples, sampler, collate,
                                          num_workers=self.num_workers, seed=(stage.index << 32) + step_in_stage,
                                          place=self.place))
         assert self._it is not None

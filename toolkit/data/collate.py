@@ -1,8 +1,9 @@
 """Rows to batches: `batch_collator` picks the collator of a run. Text rows are padded (`padding_collator`,
 transformers' seq2seq collator) or flattened when packed (`toolkit.data.packing.PackedCollator`); vision-language rows
 go through `VLCollator`, which pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe, or when packed
-through `VLPackedCollator` (one flattened row, multimodal rotary ids per sample). Collators run in the DataLoader's
-worker processes (toolkit/data/batching.py), so images are decoded there.
+through `VLPackedCollator` (one flattened row, multimodal rotary ids per sample). A preference stage's pair rows go
+through `pair_collator` over the run's collator: each pair's two sides as two sequences. Collators run in the
+DataLoader's worker processes (toolkit/data/batching.py), so images are decoded there.
 """
 
 from __future__ import annotations
@@ -167,6 +168,34 @@ def _vl_samples(row: dict[str, Any]) -> list[dict[str, Any]]:
                     "image_grid_thw": row.get("image_grid_thw", [])[k:k + n]})
         k += n
     return out
+
+
+class PairCollator:
+    """A preference stage's collator: each pair row (an item of `toolkit.data.plan.StageRows` over `PairRows`, its
+    chosen and rejected sides packed) unpacked into its two samples in order (chosen 0, rejected 0, chosen 1, ...)
+    and collated by `inner`, the run's collator: padding gives 2m padded rows in that order, packing one flattened
+    row whose boundaries (`cu_seq_lens_q`) separate all 2m sequences. `pair_index` is the rows' stage-global pair
+    indices, a list of ints (the loop's device copy leaves it alone). Plain data: it pickles to DataLoader
+    workers."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        samples = []
+        for row in rows:
+            sides = unpack_row(row)
+            if len(sides) != 2 or "pair_index" not in row:
+                raise ValueError("a pair row must pack exactly two sides (chosen, rejected) and carry pair_index")
+            samples += sides
+        batch = dict(self.inner(samples))
+        batch["pair_index"] = [int(row["pair_index"]) for row in rows]
+        return batch
+
+
+def pair_collator(inner: Any) -> PairCollator:
+    """The collator of a preference stage's micro-batches over the run's collator `inner` (`PairCollator`)."""
+    return PairCollator(inner)
 
 
 def padding_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:

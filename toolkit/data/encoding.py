@@ -65,17 +65,26 @@ class DataStats:
     tokens: int = 0
     label_tokens: int = 0
     dropped_by_difficulty: int = 0  # stage.drop
+    pairs: bool = False  # a preference stage's: every count is of pairs (tokens: both sides')
 
     def summary(self) -> str:
-        return (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
-                f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
-                f"{self.no_label_tokens} skipped with no trainable tokens"
-                + (f", {self.dropped_by_difficulty} dropped by difficulty (drop)" if self.dropped_by_difficulty
-                   else ""))
+        if self.pairs:
+            head = (f"{self.rows} pairs, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained, both "
+                    f"sides), {self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
+                    f"{self.no_label_tokens} dropped with no completion token left")
+        else:
+            head = (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
+                    f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
+                    f"{self.no_label_tokens} skipped with no trainable tokens")
+        return head + (f", {self.dropped_by_difficulty} dropped by difficulty (drop)" if self.dropped_by_difficulty
+                       else "")
 
     def add(self, other: DataStats) -> None:
-        for key in vars(self):
-            setattr(self, key, getattr(self, key) + getattr(other, key))
+        for key, value in vars(self).items():
+            if key == "pairs":
+                self.pairs = value or other.pairs
+            else:
+                setattr(self, key, value + getattr(other, key))
 
 
 ASSISTANT_HEADER = IM_START + "assistant"
@@ -418,14 +427,17 @@ def _prefix_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, A
     return spans
 
 
+PAIR_IN_SFT = ("preference pairs train in a preference stage: set the stage's objective: dpo (or orpo / simpo); "
+               "this stage's objective is sft, which trains rows and would learn the rejected answer")
+"""Why a preference pair is refused in a stage that trains rows (docs/preference.md)."""
+
 SHAPES = {"messages": ("messages",), "prompt and completion": ("prompt", "completion"), "text": ("text",)}
 """The row shapes, by the keys that make them; a row has exactly one."""
 
 REFUSED_ROW_KEYS = {
     **dict.fromkeys(("weight", "loss_weight", "sample_weight"), "per-row loss weighting is not supported (a "
                     "message's \"weight\": 0 or 1 leaves a turn out); remove it, or repeat rows to weight them"),
-    **dict.fromkeys(("chosen", "rejected"), "preference pairs (DPO) are not supported: rows train supervised, so "
-                    "a rejected answer would be learned; keep the answer to learn as the row's last assistant turn"),
+    **dict.fromkeys(("chosen", "rejected"), PAIR_IN_SFT),
     "completions": "TRL's stepwise-supervision rows (a prompt, completions and labels per step) train process "
                    "reward models, which is not supported; give chats or prompt/completion rows",
     **dict.fromkeys(("input_ids", "labels", "attention_mask", "loss_mask"), "pre-tokenised rows are not supported: "
@@ -538,11 +550,14 @@ class TextEncoder:
     """Text rows to token ids and loss masks with a tokenizer and its chat template (see the module docstring).
 
     Plain settings only (train_on, thinking, the recipe's data.chat_template that refusals name), so it pickles
-    with the tokenizer for worker processes."""
+    with the tokenizer for worker processes. With `pairs` (a preference stage's) the rows it is given are the two
+    sides of each pair (`toolkit.data.pairs.pair_rows`, read so by `toolkit.data.sources.read_piece`), encoded as
+    any row; the mode is in `options`, so a pair store is another store."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
-                 chat_template: str | None = None, empty_answers: str = "error") -> None:
+                 chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False) -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.pairs = pairs  # a preference stage's: each source row is a pair, stored as its chosen and rejected rows
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
@@ -550,7 +565,8 @@ class TextEncoder:
     def options(self) -> dict[str, Any]:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
-                **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {})}
+                **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {}),
+                **({"pairs": True} if self.pairs else {})}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:

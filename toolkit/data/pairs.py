@@ -24,14 +24,40 @@ is dropped and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.data.encoding import IGNORE_INDEX, overlength_message
-from toolkit.data.shapes import ROLE_NAMES
+from toolkit.data.shapes import PAIR_KEYS, ROLE_NAMES, prepare_row, shape_row
 from toolkit.errors import ToolkitError
 
-PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages")
-"""Keys that make a row a preference pair."""
+if TYPE_CHECKING:
+    from toolkit.data.sources import Source
+
+NOT_A_PAIR = ("the stage trains on preference pairs (objective dpo, orpo or simpo) but this row is no pair: a pair "
+              "has 'chosen' and 'rejected' (TRL, LLaMA-Factory ranking, axolotl) or 'messages' with "
+              "'rejected_response' / 'rejected_messages' (ms-swift); see docs/preference.md for the shapes")
+"""Why a row of a preference stage that is no pair is refused."""
+VISION_PAIRS = ("preference pairs with images are not proven yet (Qwen2.5-VL / Qwen3-VL pairs sharing their images); "
+                "train vision-language models on rows (objective: sft), or give pairs without images")
+"""Why a pair with images, or any pair of a vision-language model, is refused."""
+
+
+PAIR_SHAPES = {
+    "TRL explicit": ("prompt", "chosen", "rejected"),
+    "TRL implicit": ("chosen", "rejected"),
+    "LLaMA-Factory ranking, alpaca": ("instruction", "chosen", "rejected"),
+    "LLaMA-Factory ranking, sharegpt": ("conversations", "chosen", "rejected"),
+    "ms-swift": ("messages", "rejected_response"),
+    "ms-swift, whole rejected chat": ("messages", "rejected_messages"),
+    "axolotl chat_template.default": ("messages", "chosen", "rejected"),
+}
+"""The pair shapes by the keys that make them (the module docstring), for naming a file's shape."""
+
+
+def pair_shape(keys: list[str]) -> str | None:
+    """The pair shape whose keys the row has, the most specific first; None for a row that is no pair."""
+    fits = [name for name, needs in PAIR_SHAPES.items() if set(needs) <= set(keys)]
+    return max(fits, key=lambda name: len(PAIR_SHAPES[name]), default=None)
 
 
 def is_pair(row: dict[str, Any]) -> bool:
@@ -147,6 +173,20 @@ def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, 
     if row.get("instruction") is not None:  # LLaMA-Factory alpaca
         return _sides(_alpaca_prompt(row, where), chosen, rejected, rest)
     return _implicit(row, where, rest)
+
+
+def pair_rows(row: dict[str, Any], source: Source, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A preference stage's source row as its chosen and rejected rows, each mapped as any row is
+    (`toolkit.data.shapes.shape_row`) after the entry's columns and ignore keys (`prepare_row`): what its store
+    encodes, two rows per source row. A row that is no pair, or that carries images, is refused in one line."""
+    row, original = prepare_row(row, source, where)
+    if not is_pair(row):
+        raise ToolkitError(f"{where}: {NOT_A_PAIR}; the row has keys {original}.")
+    if row.get("images") not in (None, []):
+        raise ToolkitError(f"{where}: the row has 'images': {VISION_PAIRS}.")
+    chosen, rejected = to_pair(row, where)
+    return (shape_row(chosen, source, where, original, tags={}),
+            shape_row(rejected, source, where, original, tags={}))
 
 
 @dataclass

@@ -7,6 +7,10 @@ index arrays), and their lengths and difficulty, which the sampler orders by (`t
 is assembled only when a batch asks for it. Results are the same as encoding the rows one by one and applying the policy
 to each (`toolkit.data.encoding.fit_to_length`): row order is the source's, and a packed row holds its samples in that
 order.
+
+A preference stage's pair store holds each pair as two rows (chosen, rejected): `select_pairs` applies the policy
+per pair as `toolkit.data.pairs.fit_pair` does, `PairRows` serves each kept pair as one packed row of its two sides,
+and `PairSides` the stage's sides one by one (for the reference pass).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 from toolkit.atomic import write_atomic
 from toolkit.data.encoding import DataStats, overlength_message
 from toolkit.data.packing import pack_best_fit_decreasing, pack_row
+from toolkit.data.pairs import PairStats, fit_pair
 from toolkit.data.sources import oversize_message
 from toolkit.data.store import Store
 from toolkit.errors import ToolkitError
@@ -70,6 +75,65 @@ def select_rows(store: Store, *, max_seq_len: int, overlength: str) -> Selection
                       no_label_tokens=int(no_label.sum()), tokens=int(kept_lengths.sum()),
                       label_tokens=int(labels[index].sum()))
     return Selection(index, kept_lengths, labels[index], max_seq_len, stats)
+
+
+def select_pairs(store: Store, *, max_seq_len: int, overlength: str) -> Selection:
+    """data.overlength over a pair store's pairs (store rows 2k, chosen, and 2k + 1, rejected), as
+    `toolkit.data.pairs.fit_pair` applies it pair by pair, from the store's columns: a pair with no completion token
+    on a side is dropped (checked first, as fit_pair does); over `max_seq_len` (its longer side), "error" raises
+    naming the pair's row, "drop" drops it, "truncate" cuts the prompt's start first, then the completions' ends,
+    and drops it when a side is left with no completion token. Tokens are read only for the pairs a truncation
+    cuts. `index` holds pair indices k, `lengths` both sides' tokens after the fit, `label_tokens` both sides'
+    trained tokens; the stats count pairs. A side stored unread (over the row byte cap) makes its pair over-length
+    for "drop" and is refused otherwise; a side the size guard cut cannot be truncated (only its start is stored)."""
+    if len(store) % 2:
+        raise ToolkitError(f"{store.source.name}: the token store holds {len(store)} rows, not pairs of rows; "
+                           "delete it from data.cache_dir so it is prepared again.")
+    n = len(store) // 2
+    lengths, labels = store.lengths.reshape(n, 2), store.label_tokens.reshape(n, 2)
+    unread = np.zeros(n, dtype=bool)
+    if store.oversize:
+        unread[[i // 2 for i in store.oversize]] = True
+        if overlength != "drop":
+            first = min(store.oversize)
+            raise ToolkitError(oversize_message(store.where(first), store.oversize[first], store.oversize_cap))
+    no_completion = (labels == 0).any(axis=1) & ~unread
+    longest = lengths.max(axis=1)
+    over = ((longest > max_seq_len) | unread) & ~no_completion
+    if overlength == "error" and over.any():
+        k = int(np.flatnonzero(over)[0])
+        side = 2 * k + int(lengths[k, 1] > lengths[k, 0])
+        raise ToolkitError(overlength_message(store.where(2 * k), int(longest[k]), max_seq_len,
+                                              store.capped.get(side)))
+    drop = over if overlength == "drop" else np.zeros(n, dtype=bool)
+    cut = over & ~drop
+    kept_lengths, kept_labels = lengths.sum(axis=1), labels.sum(axis=1)
+    for k in np.flatnonzero(cut).tolist():
+        capped = [side for side in (2 * k, 2 * k + 1) if side in store.capped]
+        if capped:
+            raise ToolkitError(overlength_message(store.where(2 * k), int(longest[k]), max_seq_len,
+                                                  store.capped[capped[0]])
+                               .replace("set data.overlength to drop or truncate", "set data.overlength: drop"))
+        skip = _pair_skip(store, k, int(longest[k]), max_seq_len)
+        masks = [store.tokens(side)[1][skip:skip + max_seq_len] for side in (2 * k, 2 * k + 1)]
+        kept_lengths[k] = sum(len(m) for m in masks)
+        kept_labels[k] = sum(int(np.count_nonzero(m)) for m in masks)
+        if any(not m.any() for m in masks):
+            no_completion[k] = True
+    keep = ~drop & ~no_completion
+    index = np.flatnonzero(keep)
+    stats = DataStats(rows=n, kept=len(index), dropped_overlength=int(drop.sum()), truncated=int(cut.sum()),
+                      no_label_tokens=int(no_completion.sum()), tokens=int(kept_lengths[index].sum()),
+                      label_tokens=int(kept_labels[index].sum()), pairs=True)
+    return Selection(index, kept_lengths[index].astype(np.int64), kept_labels[index].astype(np.int64), max_seq_len,
+                     stats)
+
+
+def _pair_skip(store: Store, k: int, longest: int, max_seq_len: int) -> int:
+    """The prompt tokens a truncation cuts off the start of pair k (fit_pair: down to one prompt token)."""
+    mask = store.tokens(2 * k)[1]
+    prompt = int(np.argmax(mask != 0)) if mask.any() else len(mask)
+    return min(longest - max_seq_len, max(prompt - 1, 0))
 
 
 def kept_difficulty(store: Store, selection: Selection) -> np.ndarray | None:
@@ -185,6 +249,64 @@ class SourceRows(Sequence[dict[str, Any]]):
         return packed_row([self._sample(j) for j in self.members(k)])
 
 
+class PairRows(Sequence[dict[str, Any]]):
+    """One source's kept pairs for a preference stage (a pair store and its `select_pairs` selection): item k is
+    kept pair k as one packed row of its two sides, chosen then rejected (`packed_row`: `position_ids` restart at 0
+    at the rejected side), each fitted as `toolkit.data.pairs.fit_pair` fits it (recomputed on read). Pairs are
+    never bin-packed together: a micro-batch's pairs are flattened by the collator (`toolkit.data.collate`)."""
+
+    pairs = True
+
+    def __init__(self, store: Store, selection: Selection, *, difficulty: np.ndarray | None = None) -> None:
+        self.store, self.selection = store, selection
+        self.bins: tuple[np.ndarray, np.ndarray] | None = None
+        self.difficulty = difficulty
+        self.lengths = selection.lengths
+
+    def __len__(self) -> int:
+        return len(self.selection.index)
+
+    def sides(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Kept pair k's chosen and rejected samples (`input_ids`, `labels`), fitted under the selection's limit."""
+        j = int(self.selection.index[k])
+        chosen, rejected = self.store.sample(2 * j), self.store.sample(2 * j + 1)
+        fitted = fit_pair(chosen, rejected, max_seq_len=self.selection.limit, overlength="truncate",
+                          where=self.store.where(2 * j), stats=PairStats())
+        if fitted is None:  # select_pairs kept it: the store changed under the selection
+            raise ToolkitError(f"{self.store.where(2 * j)}: a kept pair lost its completion; delete the token "
+                               "store from data.cache_dir so it is prepared again.")
+        return fitted
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        return packed_row(list(self.sides(int(k) % len(self))))
+
+
+class PairSides(Sequence[dict[str, Any]]):
+    """A preference stage's pairs' sides as plain samples (`input_ids`, `labels`), over its sources' `PairRows` in
+    the stage's order: item 2i is the chosen side of the stage's pair i, 2i + 1 its rejected side (what the
+    reference pass scores, one sequence per item)."""
+
+    def __init__(self, parts: Sequence[PairRows]) -> None:
+        self.parts = list(parts)
+        self.starts = np.cumsum([0, *map(len, self.parts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return 2 * int(self.starts[-1])
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        if not -len(self) <= j < len(self):
+            raise IndexError(j)
+        i, side = divmod(int(j) % len(self), 2)
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k].sides(i - int(self.starts[k]))[side]
+
+
 class KeptRows(Sequence[dict[str, Any]]):
     """A stage's kept rows one by one, unpacked, over its sources in order: what a model scores (a packed row's
     samples are scored apart, each given only itself)."""
@@ -228,11 +350,12 @@ def packed_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class StageRows(Sequence[dict[str, Any]]):
-    """A stage's rows: its sources' rows one after another (the sampler's global indices)."""
+    """A stage's rows: its sources' rows one after another (the sampler's global indices). An item of a pair part
+    (`PairRows`) carries `pair_index`, its index here: the stage's pair i (whose sides are `PairSides` 2i, 2i + 1)."""
 
-    def __init__(self, parts: list[SourceRows]) -> None:
-        self.parts = parts
-        self.starts = np.cumsum([0, *map(len, parts)]).astype(np.int64)
+    def __init__(self, parts: Sequence[SourceRows | PairRows]) -> None:
+        self.parts = list(parts)
+        self.starts = np.cumsum([0, *map(len, self.parts)]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -242,9 +365,10 @@ class StageRows(Sequence[dict[str, Any]]):
             return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        i %= len(self)
+        i = int(i) % len(self)
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return self.parts[k][i - int(self.starts[k])]
+        row = self.parts[k][i - int(self.starts[k])]
+        return {**row, "pair_index": i} if getattr(self.parts[k], "pairs", False) else row
 
 
 @dataclass
@@ -259,7 +383,7 @@ class TrainingSet:
     stats: DataStats
 
 
-def training_set(parts: list[SourceRows], *, needs_difficulty: bool) -> TrainingSet:
+def training_set(parts: Sequence[SourceRows | PairRows], *, needs_difficulty: bool) -> TrainingSet:
     """The stage's training set over its sources' rows."""
     stats = DataStats()
     for part in parts:

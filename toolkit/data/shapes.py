@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from toolkit.config.schema import DataEntry
-from toolkit.data.encoding import MESSAGE_KEYS, NOTE_KEY, PROMPT_TURN, READ_ROW_KEYS, REFUSED_ROW_KEYS
+from toolkit.data.encoding import MESSAGE_KEYS, NOTE_KEY, PAIR_IN_SFT, PROMPT_TURN, READ_ROW_KEYS, REFUSED_ROW_KEYS
 from toolkit.errors import ToolkitError
 
 if TYPE_CHECKING:
@@ -79,7 +79,23 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
     peer's chat shape turned into a `messages` row (the one place shapes are mapped): ShareGPT `conversations` and
     OpenAI `messages` (either turn keys, the entry's `tags`, ms-swift's agent roles, content parts, `<image>`
     placeholders), Alpaca, ms-swift's `query`/`response` and `conversation` rows, TRL's conversational `prompt` /
-    `completion`. A text row (`text`, string `prompt` / `completion`) stays as it is."""
+    `completion`. A text row (`text`, string `prompt` / `completion`) stays as it is. A preference pair is refused
+    (a stage of rows would learn its rejected answer): a preference stage reads its rows through
+    `toolkit.data.pairs.pair_rows`."""
+    row, original = prepare_row(row, source, where)
+    pair = next((k for k in PAIR_KEYS if row.get(k) is not None), None)
+    if pair is not None:
+        raise ToolkitError(f"{where}: the row has '{pair}': {PAIR_IN_SFT}.")
+    return shape_row(row, source, where, original)
+
+
+PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages")
+"""Keys that make a row a preference pair (toolkit/data/pairs.py)."""
+
+
+def prepare_row(row: dict[str, Any], source: Source, where: str) -> tuple[dict[str, Any], list[str]]:
+    """The row with the entry's `ignore` keys dropped, its `columns` mapped, JSON text cells decoded and media keys
+    read (`_media`), and the row's keys as stored (for errors)."""
     entry = source.entry
     original = sorted(row)
     if entry.ignore:
@@ -100,10 +116,17 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
     if source.fmt in ("csv", "tsv") and isinstance(row.get("difficulty"), str):  # cells are read as text
         with contextlib.suppress(ValueError):
             row["difficulty"] = float(row["difficulty"])
-    tags = dict(entry.tags)
+    return _media(row, where), original
+
+
+def shape_row(row: dict[str, Any], source: Source, where: str, original: list[str], *,
+              tags: dict[str, str] | None = None) -> dict[str, Any]:
+    """A prepared row (`prepare_row`) as the toolkit's `messages` row, or a text row as it is (`to_messages`).
+    `tags` replaces the entry's (a pair's sides are OpenAI messages already)."""
+    entry = source.entry
+    tags = dict(entry.tags) if tags is None else tags
     mapped = dict(entry.columns)
     notes: list[str] = []
-    row = _media(row, where)
     if row.get("conversations") is not None:
         row = _from_turns(row, "conversations", where, tags, system=True)
     elif row.get("messages") is not None:

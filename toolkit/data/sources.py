@@ -16,7 +16,8 @@ An entry (`stages[].data`, `eval.data`) is a path from the working directory, or
 Per entry, `split` picks a split (hub datasets, DatasetDict folders), `columns` maps the toolkit's field names to
 the source's (`{messages: dialog}`) and `tags` the keys and role names inside its messages (LLaMA-Factory's
 `role_tag`, `content_tag`, `user_tag`, ...). Each row read is handed to `toolkit/data/shapes.py:to_messages`, which
-maps every peer's chat shape to a `messages` row.
+maps every peer's chat shape to a `messages` row; a preference stage's rows go to `toolkit/data/pairs.py:pair_rows`
+instead, which makes each pair its chosen and rejected rows.
 
 JSON Lines and JSON arrays are parsed by Python's json, not through `datasets`: Arrow's schema inference unifies the
 rows of a file into one type, which turns a tool call's `arguments` into a struct with a null for every key another
@@ -46,6 +47,7 @@ from toolkit.atomic import read_own_text, write_atomic
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
+from toolkit.data.pairs import pair_rows
 from toolkit.data.shapes import to_messages
 from toolkit.errors import ToolkitError
 
@@ -157,6 +159,9 @@ REGISTRY_COLUMNS = {
                "audios": "audios"},
 }
 """A registry entry's `columns` (LLaMA-Factory's names, by formatting) -> the toolkit's row fields."""
+RANKING_COLUMNS = {"chosen": "chosen", "rejected": "rejected"}
+"""A `ranking: true` entry's pair columns (either formatting): its rows are preference pairs, read by a preference
+stage (toolkit/data/pairs.py) and refused, as any pair row, by a stage of rows."""
 
 
 def registry_names(path: Path) -> list[str]:
@@ -208,9 +213,6 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     columns, tags = info.get("columns") or {}, info.get("tags") or {}
     if not isinstance(columns, dict) or not isinstance(tags, dict):
         raise ToolkitError(f"{here}: columns and tags must be objects.")
-    if info.get("ranking") or {"chosen", "rejected"} & set(columns):
-        raise ToolkitError(f"{here} is a ranking (preference) dataset, which is not supported: rows train "
-                           "supervised, so a rejected answer would be learned; use an SFT dataset.")
     if "kto_tag" in columns or "kto_tag" in tags:
         raise ToolkitError(f"{here} is a KTO dataset (kto_tag), which is not supported: rows train supervised, so "
                            "an undesirable answer would be learned; train KTO with LLaMA-Factory's stage: kto or TRL's "
@@ -221,7 +223,9 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     formatting = info.get("formatting", "alpaca")
     if formatting not in REGISTRY_COLUMNS:
         raise ToolkitError(f"{here} has formatting '{formatting}'; it must be alpaca, sharegpt or openai.")
-    fields = REGISTRY_COLUMNS[formatting]
+    fields = {**REGISTRY_COLUMNS[formatting], **RANKING_COLUMNS}
+    if info.get("ranking"):  # LLaMA-Factory names its pairs' columns; a ranking entry without them reads these
+        columns = {**{k: k for k in RANKING_COLUMNS}, **columns}
     bad = sorted(set(columns) - set(fields))
     if bad:
         raise ToolkitError(f"{here}: columns {', '.join(bad)} are not {formatting} columns; those are "
@@ -454,12 +458,14 @@ def _jsonl_piece_bytes(per_row: int, target_rows: int) -> int:
     return max(1 << 16, per_row * target_rows)
 
 
-def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None
+def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None, *, pairs: bool = False
                ) -> tuple[list[dict[str, Any] | Oversize], list[int]]:
     """The rows of a piece, mapped to the toolkit's shapes (`to_messages`), and their numbers (JSON Lines: line
     numbers; else 1-based row numbers in the file). A malformed row is an error naming it. `max_chars` (the size
     guard's limit, asked only of a line over ROW_BYTES_FLOOR) caps a JSON Lines row's bytes: a row over
-    `row_byte_cap` comes as an `Oversize`, unread."""
+    `row_byte_cap` comes as an `Oversize`, unread. With `pairs` (a preference stage) each row is a pair and comes
+    as two rows, its chosen and its rejected one (`toolkit.data.pairs.pair_rows`), both with the row's number (an
+    Oversize twice)."""
     raw: list[tuple[int, Any]]
     if source.fmt == "jsonl":
         raw = list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
@@ -475,14 +481,14 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
     for number, row in raw:
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
-            rows.append(row)
-            numbers.append(number)
-            continue
-        if not isinstance(row, dict):
+            got: list[dict[str, Any] | Oversize] = [row, row] if pairs else [row]
+        elif not isinstance(row, dict):
             raise ToolkitError(f"{where}: each {'line' if source.fmt == 'jsonl' else 'row'} must be a JSON object, "
                                f"got {type(row).__name__}.")
-        rows.append(to_messages(row, source, where))
-        numbers.append(number)
+        else:
+            got = list(pair_rows(row, source, where)) if pairs else [to_messages(row, source, where)]
+        rows += got
+        numbers += [number] * len(got)
     return rows, numbers
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,17 @@ from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import MODEL_MEASURES, ORDERED, DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import NOT_READ, TextEncoder
+from toolkit.data.pairs import VISION_PAIRS
 from toolkit.data.plan import (
+    PairRows,
+    Selection,
     SourceRows,
     StageRows,
     TrainingSet,
     drop_by_difficulty,
     kept_difficulty,
     kept_subset,
+    select_pairs,
     select_rows,
     training_set,
 )
@@ -88,16 +93,19 @@ def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> d
     return dict(sorted(out.items()))
 
 
-def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None) -> Any:
+def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pairs: bool = False) -> Any:
     """What turns the run's rows into tokens: the text encoder, or for a vision-language model (`processor`
-    given) the processor's encoder."""
+    given) the processor's encoder. With `pairs`, a preference stage's: each source row a pair, stored as its
+    chosen and rejected rows (`TextEncoder`; vision pairs are refused in one line, not proven yet)."""
+    if pairs and processor is not None:
+        raise ToolkitError(f"A preference stage on a vision-language model: {VISION_PAIRS}.")
     if processor is not None:
         from toolkit.data.vision import VLEncoder  # image rows only
 
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
                          chat_template=data.chat_template, empty_answers=data.empty_answers)
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
-                       empty_answers=data.empty_answers)
+                       empty_answers=data.empty_answers, pairs=pairs)
 
 
 def num_proc(data: DataConfig) -> int:
@@ -116,30 +124,37 @@ def loader_workers(data: DataConfig, *, vision: bool) -> int:
 
 
 class Stores:
-    """The run's token stores, one per source, opened (or prepared) once each however many stages use them.
-    `max_tokens` is the longest max_seq_len of the run: a row far longer than it is stored cut (see
+    """The run's token stores, one per source and mode, opened (or prepared) once each however many stages use
+    them: a stage of rows reads a source's row store (`encoder`), a preference stage its pair store (`pair_encoder`,
+    each source row stored as its chosen and rejected rows; None: refused when asked for, as for a vision-language
+    model). `max_tokens` is the longest max_seq_len of the run: a row far longer than it is stored cut (see
     toolkit/data/store.py, the size guard)."""
 
     def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, pair_encoder: Any | None = None) -> None:
         self.encoder, self.dummy_dir, self.cache, self.processes = encoder, dummy_dir, cache, processes
         self.max_tokens = max_tokens
-        self._open: dict[DataEntry, Store] = {}
+        self.pair_encoder = pair_encoder
+        self._open: dict[tuple[DataEntry, bool], Store] = {}
 
-    def __call__(self, entry: DataEntry) -> Store:
-        if entry not in self._open:
+    def __call__(self, entry: DataEntry, *, pairs: bool = False) -> Store:
+        if (entry, pairs) not in self._open:
+            encoder = self.encoder if not pairs else self.pair_encoder
+            if encoder is None:
+                raise ToolkitError(f"{entry.name}: preference pairs on a vision-language model: {VISION_PAIRS}.")
             source = resolve_source(entry, self.dummy_dir)
-            self._open[entry] = open_store(source, self.encoder, self.cache, num_proc=self.processes,
-                                           max_tokens=self.max_tokens)
-        return self._open[entry]
+            self._open[entry, pairs] = open_store(source, encoder, self.cache, num_proc=self.processes,
+                                                  max_tokens=self.max_tokens)
+        return self._open[entry, pairs]
 
 
 def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
                dummy_dir: Path, cache: Path | None) -> Stores:
     """The stores of a run's stages: its encoder (`row_encoder`), cache and processes, and the size guard's cap (the
     longest max_seq_len of the stages)."""
+    pair_encoder = None if processor is not None else row_encoder(data, tokenizer, None, pairs=True)
     return Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data),
-                  max_tokens=max((s.max_seq_len for s in stages), default=None))
+                  max_tokens=max((s.max_seq_len for s in stages), default=None), pair_encoder=pair_encoder)
 
 
 def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> TrainingSet:
@@ -147,16 +162,26 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     (data.max_seq_len, data.overlength), rows with nothing to train skipped, the stage's `drop` shares left out,
     packed with data.packing, and the difficulty easy_to_hard / hard_to_easy order by (`stage.difficulty`: the
     rows' field, or token length; by default the `difficulty` key when every row has one; a model's scores are
-    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then). Training and
-    `toolkit inspect-data` both read a stage through this."""
+    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then). A preference
+    stage (`stage.pairs`) reads its entries' pair stores: its rows are pairs (`select_pairs`, `PairRows`), ordered
+    by their length or difficulty field, never bin-packed. Training and `toolkit inspect-data` both read a stage
+    through this."""
     ordered = stage.order in ORDERED
     by = stage.difficulty.by if stage.difficulty is not None else None
     needs = (ordered or stage.drop is not None) and by not in ("length", *MODEL_MEASURES)  # scores: at training
+    if stage.pairs and by in MODEL_MEASURES:
+        raise ToolkitError(f"Stage '{stage.name}' (objective {stage.objective}) has difficulty.by {by}, a model's "
+                           "score of rows, which preference pairs do not have yet; use difficulty.by: length or "
+                           "field.")
     picked = []
     for entry in stage.entries:
-        store = stores(entry)
-        selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
-        values = kept_difficulty(store, selection) if needs else None
+        store = stores(entry, pairs=stage.pairs)
+        if stage.pairs:
+            selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
+            values = kept_difficulty(store, pair_rows(selection)) if needs else None
+        else:
+            selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
+            values = kept_difficulty(store, selection) if needs else None
         if by == "field" and values is None:
             field = stage.difficulty.field if stage.difficulty is not None else "difficulty"
             raise ToolkitError(f"{entry.name}: stage '{stage.name}' has difficulty.by field but no row has the key "
@@ -168,13 +193,40 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
         masks = drop_by_difficulty(keys, easiest=stage.drop.easiest, hardest=stage.drop.hardest)
         picked = [(store, kept_subset(sel, keep), None if v is None else v[keep])
                   for (store, sel, v), keep in zip(picked, masks, strict=True)]
-    parts = [SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
-             for store, selection, values in picked]
+    parts: list[SourceRows | PairRows] = [
+        PairRows(store, selection, difficulty=values if ordered else None) if stage.pairs else
+        SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
+        for store, selection, values in picked]
     return training_set(parts, needs_difficulty=ordered)
 
 
+def pair_rows(selection: Selection) -> Selection:
+    """A pair selection as one of its pairs' chosen rows in the store (2k): what a pair's `difficulty` is read from
+    (both sides carry the source row's)."""
+    return replace(selection, index=2 * selection.index)
+
+
+def stage_rows(stage: ResolvedStage, paths: list[str], data: DataConfig, stores: Stores) -> StageRows:
+    """Rows of some files under a stage's length policy, unpacked: the stage's eval rows (pairs for a preference
+    stage)."""
+    parts: list[SourceRows | PairRows] = []
+    for path in paths:
+        store = stores(DataEntry(path), pairs=stage.pairs)
+        if stage.pairs:
+            parts.append(PairRows(store, select_pairs(store, max_seq_len=stage.max_seq_len,
+                                                      overlength=data.overlength)))
+        else:
+            parts.append(SourceRows(store, select_rows(store, max_seq_len=stage.max_seq_len,
+                                                       overlength=data.overlength), packing=False))
+    return StageRows(parts)
+
+
 def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> str:
-    """The stage's data line, as training logs it at the stage's start (inspect-data prints the same line)."""
+    """The stage's data line, as training logs it at the stage's start (inspect-data prints the same line). A
+    preference stage counts pairs; with packing, each micro-batch's pairs are flattened into one row."""
+    if stage.pairs:
+        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
+                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}")
     return (f"stage '{stage.name}' data: {src.stats.summary()}"
             f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}")
 
@@ -187,8 +239,8 @@ def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:
     unread: Counter[str] = Counter()
     notes: Counter[str] = Counter()
     for entry in stage.entries:
-        unread.update(stores(entry).unread_keys)
-        notes.update(stores(entry).notes)
+        unread.update(stores(entry, pairs=stage.pairs).unread_keys)
+        notes.update(stores(entry, pairs=stage.pairs).notes)
     lines = []
     if unread:
         lines.append(f"stage '{stage.name}' data: messages carry keys not read: "
@@ -226,12 +278,5 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
         if (unread := unread_keys_summary(stage, stores)) is not None:
             log.info("%s", unread)
         training_sets.append(src)
-    evals = []
-    for stage in stages:  # the same stores for every stage when from eval.data
-        parts = []
-        for path in stage.eval:
-            store = stores(DataEntry(path))
-            parts.append(SourceRows(store, select_rows(store, max_seq_len=stage.max_seq_len,
-                                                       overlength=data.overlength), packing=False))
-        evals.append(StageRows(parts))
+    evals = [stage_rows(stage, stage.eval, data, stores) for stage in stages]  # the same stores: from eval.data
     return training_sets, evals

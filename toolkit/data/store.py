@@ -356,7 +356,8 @@ def _encode_piece(piece: Piece) -> Encoded:
     assert _WORK is not None
     source, encoder, max_tokens = _WORK
     guard = SizeGuard(encoder, max_tokens)  # its limit also caps a JSON Lines row's bytes (sources.row_byte_cap)
-    got, numbers = read_piece(source, piece, None if max_tokens is None else lambda: guard.limit or 0)
+    pairs = bool(getattr(encoder, "pairs", False))  # two rows per source row: its chosen and rejected sides
+    got, numbers = read_piece(source, piece, None if max_tokens is None else lambda: guard.limit or 0, pairs=pairs)
     kw = {} if max_tokens is None else {"max_tokens": max_tokens}
 
     def encode(rows: list[dict[str, Any]], numbers: list[int]) -> EncodedBatch:
@@ -379,8 +380,9 @@ def _encode_piece(piece: Piece) -> Encoded:
                                           *((np.zeros(1, np.int64), [[]], [[]]) if vision else ())))
             run = r + 1
         batch = EncodedBatch.join(parts)
-    unread = dict(Counter(k for row in rows for k in unread_message_keys(row)))
-    notes = dict(Counter(n for row in rows for n in row_notes(row, encoder.empty_answers)))
+    counted = rows[::2] if pairs else rows  # a pair's notes once, from its chosen side
+    unread = dict(Counter(k for row in counted for k in unread_message_keys(row)))
+    notes = dict(Counter(n for row in counted for n in row_notes(row, encoder.empty_answers)))
     return record_batch(batch, piece.file_index), unread, batch.capped, notes, oversize
 
 

@@ -1,0 +1,360 @@
+"""Preference pairs through the data layer: a preference stage's rows become pair stores (two rows a pair, chosen
+then rejected, encoded by the run's own encoder and chat template), `select_pairs` applies `fit_pair`'s policy
+from the store's columns, `PairRows` / `StageRows` / `PairSides` serve the same sides, `pair_collator` gives each
+micro-batch's pairs as separate sequences (padded or packed), and what is no pair where pairs train, or a pair
+where rows train, is refused in one line.
+
+Real rows (tests/assets/wild/, origins in its README): LLaMA-Factory's data/dpo_en_demo.json, ms-swift's DPO
+example, TRL's preference formats."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer
+
+from tests.data.test_batching import Process
+from tests.data.test_pairs import BAD, CONVERSATIONAL, GOOD, USER, Q
+from toolkit.config.load import load_recipe
+from toolkit.config.schema import DataEntry
+from toolkit.config.stages import ResolvedStage, resolve_stages
+from toolkit.curriculum.sampling import StageSampler
+from toolkit.data.batching import StageBatches
+from toolkit.data.collate import padding_collator, pair_collator
+from toolkit.data.encoding import IGNORE_INDEX, TextEncoder
+from toolkit.data.packing import PackedCollator, unpack_row
+from toolkit.data.pairs import PairStats, fit_pair
+from toolkit.data.plan import PairRows, PairSides, StageRows, packed_row, select_pairs
+from toolkit.data.sources import resolve_source
+from toolkit.data.stages import Stores, load_curriculum_data, load_stage, row_encoder, run_stores, stage_summary
+from toolkit.data.store import open_store, store_key
+from toolkit.errors import ToolkitError
+
+WILD = Path(__file__).parents[1] / "assets" / "wild"
+
+
+@pytest.fixture(scope="module")
+def tok(models: dict[str, str]) -> Any:
+    return AutoTokenizer.from_pretrained(models["text"])
+
+
+def write(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def pair_store(path: Path, tok: Any) -> Any:
+    return open_store(resolve_source(DataEntry(str(path)), Path()), TextEncoder(tok, train_on="assistant", pairs=True),
+                      None, num_proc=1)
+
+
+def stage_of(tmp: Path, model: str, paths: list[Path], *, objective: str = "dpo", eval_paths: tuple[Path, ...] = (),
+             **data: Any) -> tuple[ResolvedStage, Any]:
+    """One stage on `paths` as a recipe gives it, made a preference stage (the schema does not train one yet)."""
+    tree = {"output_dir": str(tmp / "run"), "model": {"name_or_path": model},
+            "data": {"max_seq_len": 512, "num_proc": 1, "cache_dir": "none", **data},
+            "stages": [{"name": "prefs", "data": [str(p) for p in paths], "max_steps": 1,
+                        "eval": [str(p) for p in eval_paths]}]}
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(tree))
+    recipe = load_recipe(tmp / "recipe.yaml")
+    [stage] = resolve_stages(recipe)
+    return dataclasses.replace(stage, objective=objective), recipe
+
+
+def completion(side: dict[str, list[int]], tok: Any) -> str:
+    return tok.decode([t for t, y in zip(side["input_ids"], side["labels"], strict=True) if y != IGNORE_INDEX])
+
+
+def prompt_length(side: dict[str, list[int]]) -> int:
+    return next(i for i, y in enumerate(side["labels"]) if y != IGNORE_INDEX)
+
+
+# --- encoding: each shape, two store rows ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", list(CONVERSATIONAL))
+def test_each_pair_shape_is_two_store_rows_sharing_the_prompt(shape: str, tmp_path: Path, tok: Any) -> None:
+    """Through the tiny Qwen3's own chat template: pair k is store rows 2k (chosen) and 2k + 1 (rejected), both
+    numbered by the source line, the prompt tokens shared and the labels on the completion only; every shape gives
+    the tokens of TRL's explicit shape."""
+    store = pair_store(write(tmp_path / "p.jsonl", [CONVERSATIONAL["trl explicit"], CONVERSATIONAL[shape]]), tok)
+    assert len(store) == 4 and store.numbers.tolist() == [1, 1, 2, 2] and store.where(3).endswith("p.jsonl:2")
+    expected = [store.sample(0), store.sample(1)]
+    chosen, rejected = store.sample(2), store.sample(3)
+    assert [chosen, rejected] == expected
+    cut = prompt_length(chosen)
+    assert cut == prompt_length(rejected) and chosen["input_ids"][:cut] == rejected["input_ids"][:cut]
+    assert Q in tok.decode(chosen["input_ids"][:cut])
+    assert GOOD in completion(chosen, tok) and BAD in completion(rejected, tok) and Q not in completion(chosen, tok)
+
+
+def test_real_pair_files_store_their_pairs(tmp_path: Path, tok: Any) -> None:
+    """TRL's three preference rows (standard text stays text), ms-swift's DPO rows (a multi-turn prompt whose
+    earlier answer is context) and LLaMA-Factory's dpo_en_demo rows as pairs."""
+    for name, pairs in (("trl_preference.jsonl", 3), ("ms_swift_dpo.jsonl", 2), ("llamafactory_dpo_en_demo.json", 2)):
+        shutil.copy(WILD / name, tmp_path / name)
+        store = pair_store(tmp_path / name, tok)
+        assert len(store) == 2 * pairs and (store.label_tokens > 0).all()
+    store = pair_store(tmp_path / "trl_preference.jsonl", tok)
+    assert tok.decode(store.sample(0)["input_ids"]).startswith("The sky is blue.")  # standard: plain text
+    assert completion(store.sample(1), tok) == " green.<|im_end|>"  # the text completion ends with EOS
+    assert completion(store.sample(3), tok).endswith("It is green.<|im_end|>")
+    assert store.sample(2) == store.sample(4) and store.sample(3) == store.sample(5)  # implicit == explicit
+    store = pair_store(tmp_path / "ms_swift_dpo.jsonl", tok)
+    assert completion(store.sample(2), tok).endswith("It equals 3<|im_end|>")
+    assert completion(store.sample(3), tok).endswith("I don't know<|im_end|>")
+    assert "It equals 2" not in completion(store.sample(2), tok)  # the prompt's answer is context
+
+
+def test_the_store_key_differs_between_pair_and_row_mode(tmp_path: Path, tok: Any) -> None:
+    source = resolve_source(DataEntry(str(write(tmp_path / "p.jsonl", [CONVERSATIONAL["trl explicit"]]))), Path())
+    rows, pairs = TextEncoder(tok, train_on="assistant"), TextEncoder(tok, train_on="assistant", pairs=True)
+    assert pairs.options() == {**rows.options(), "pairs": True}
+    assert store_key(source, "d", rows) != store_key(source, "d", pairs)
+    store = open_store(source, pairs, tmp_path / "cache", num_proc=1)
+    assert store.path is not None and store.path.name in {p.name for p in (tmp_path / "cache" / "stores").iterdir()}
+
+
+# --- selection: fit_pair pair by pair -------------------------------------------------------------------------------
+
+def long_pairs() -> list[dict[str, Any]]:
+    """Pairs of every fit: short, a prompt longer than the limits below, long completions, one side much longer."""
+    def pair(prompt: str, good: str, bad: str) -> dict[str, Any]:
+        return {"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": good}],
+                "rejected": [{"role": "assistant", "content": bad}]}
+
+    return [pair(Q, GOOD, BAD), pair("word " * 60 + Q, GOOD, BAD), pair(Q, "long " * 40, BAD),
+            pair("a b c " * 8, "x " * 5, "y " * 30), pair("word " * 30, "p " * 30, "q " * 30), pair("Hi", "4", "5")]
+
+
+@pytest.mark.parametrize("overlength", ["drop", "truncate"])
+@pytest.mark.parametrize("limit", [512, 60, 40, 25, 12, 2, 1])
+def test_select_pairs_equals_fit_pair_pair_by_pair(overlength: str, limit: int, tmp_path: Path, tok: Any) -> None:
+    store = pair_store(write(tmp_path / "p.jsonl", long_pairs()), tok)
+    stats, expected = PairStats(), []
+    for k in range(len(store) // 2):
+        fitted = fit_pair(store.sample(2 * k), store.sample(2 * k + 1), max_seq_len=limit, overlength=overlength,
+                          where=store.where(2 * k), stats=stats)
+        if fitted is not None:
+            expected.append((k, fitted))
+    selection = select_pairs(store, max_seq_len=limit, overlength=overlength)
+    assert selection.index.tolist() == [k for k, _ in expected]
+    assert selection.lengths.tolist() == [sum(len(s["input_ids"]) for s in f) for _, f in expected]
+    assert selection.label_tokens.tolist() == [sum(sum(y != IGNORE_INDEX for y in s["labels"]) for s in f)
+                                               for _, f in expected]
+    got = selection.stats
+    assert (got.rows, got.kept, got.dropped_overlength, got.truncated, got.no_label_tokens) == (
+        stats.pairs, stats.kept, stats.dropped_overlength, stats.truncated, stats.no_completion)
+    assert got.pairs and got.summary().startswith(f"{stats.pairs} pairs, {stats.kept} kept")
+    rows = PairRows(store, selection)
+    assert [rows[k] for k in range(len(rows))] == [packed_row(list(f)) for _, f in expected]
+    if overlength == "truncate" and limit <= 12:  # prompts cut down to their last token first
+        assert stats.truncated == stats.pairs and all(s["labels"][0] == IGNORE_INDEX for _, f in expected for s in f)
+    if overlength == "truncate" and limit == 1:  # the completions cut away entirely: dropped, counted
+        assert stats.no_completion == stats.pairs and not len(rows)
+
+
+def test_select_pairs_refuses_an_over_length_pair_naming_its_line(tmp_path: Path, tok: Any) -> None:
+    store = pair_store(write(tmp_path / "p.jsonl", long_pairs()), tok)
+    with pytest.raises(ToolkitError, match=r"p\.jsonl:2: \d+ tokens, over data\.max_seq_len=40"):
+        select_pairs(store, max_seq_len=40, overlength="error")
+    assert len(select_pairs(store, max_seq_len=4096, overlength="error").index) == 6
+
+
+# --- rows, sides, collation, batches --------------------------------------------------------------------------------
+
+def test_pair_rows_stage_rows_and_pair_sides_agree(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    a = write(tmp_path / "a.jsonl", long_pairs())
+    b = write(tmp_path / "b.jsonl", [CONVERSATIONAL[s] for s in CONVERSATIONAL])
+    stage, recipe = stage_of(tmp_path, models["text"], [a, b], overlength="truncate", max_seq_len=40,
+                             packing=True)
+    stores = run_stores([stage], recipe.data, tok, None, tmp_path, None)
+    src = load_stage(stage, recipe.data, stores)
+    rows, sides = src.samples, PairSides(src.samples.parts)
+    assert isinstance(rows, StageRows) and all(isinstance(p, PairRows) for p in rows.parts)
+    assert src.sizes == [len(p) for p in rows.parts] and len(sides) == 2 * len(rows) == 2 * src.stats.kept
+    assert src.lengths.tolist() == [len(rows[i]["input_ids"]) for i in range(len(rows))]
+    for i in range(len(rows)):
+        row = rows[i]
+        assert row["pair_index"] == i and row["position_ids"].count(0) == 2
+        assert unpack_row(row) == [sides[2 * i], sides[2 * i + 1]]
+        assert sides[2 * i]["labels"][0] == IGNORE_INDEX == sides[2 * i + 1]["labels"][0]
+    line = stage_summary(stage, src, recipe.data)
+    assert line.startswith(f"stage 'prefs' data (dpo): {len(long_pairs()) + len(CONVERSATIONAL)} pairs, ")
+    assert "flattened into one row" in line and "packed into" not in line
+
+
+def test_a_preference_stage_reads_its_eval_files_as_pairs(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    a = write(tmp_path / "a.jsonl", long_pairs())
+    stage, recipe = stage_of(tmp_path, models["text"], [a], eval_paths=(a,))
+    [src], [evals] = load_curriculum_data([stage], recipe.data, tok, None, tmp_path, None)
+    assert len(evals) == len(src.samples) == len(long_pairs())
+    assert [evals[i] for i in range(len(evals))] == [src.samples[i] for i in range(len(evals))]
+
+
+def test_pairs_order_by_length_or_difficulty(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    rows = [dict(r, difficulty=float(-i)) for i, r in enumerate(long_pairs())]
+    a = write(tmp_path / "a.jsonl", rows)
+    stage, recipe = stage_of(tmp_path, models["text"], [a])
+    src = load_stage(dataclasses.replace(stage, order="easy_to_hard"), recipe.data, run_stores(
+        [stage], recipe.data, tok, None, tmp_path, None))
+    assert src.difficulty.tolist() == [r["difficulty"] for r in rows]  # each pair's own, from its chosen row
+    drop = SimpleNamespace(easiest=0.0, hardest=0.5)
+    dropped = load_stage(dataclasses.replace(stage, drop=drop), recipe.data, run_stores(
+        [stage], recipe.data, tok, None, tmp_path, None))
+    assert dropped.stats.dropped_by_difficulty == 3 and len(dropped.samples) == 3
+    assert "3 dropped by difficulty" in dropped.stats.summary()
+
+
+def _pair_batch(rows: list[dict[str, Any]], tok: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    return pair_collator(padding_collator(tok))(rows), pair_collator(PackedCollator())(rows)
+
+
+def test_pair_collator_gives_each_side_its_own_sequence_padded_or_packed(tmp_path: Path, models: dict[str, str],
+                                                                         tok: Any) -> None:
+    stage, recipe = stage_of(tmp_path, models["text"], [write(tmp_path / "a.jsonl", long_pairs())])
+    src = load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
+    rows = [src.samples[i] for i in (4, 0, 2)]
+    sides = PairSides(src.samples.parts)
+    expected = [sides[j] for i in (4, 0, 2) for j in (2 * i, 2 * i + 1)]  # chosen 4, rejected 4, chosen 0, ...
+    padded, packed = _pair_batch(rows, tok)
+    assert padded["pair_index"] == packed["pair_index"] == [4, 0, 2]
+    assert padded["input_ids"].shape[0] == 6
+    for j, side in enumerate(expected):
+        n = int(padded["attention_mask"][j].sum())
+        assert padded["input_ids"][j, :n].tolist() == side["input_ids"]
+        assert padded["labels"][j, :n].tolist() == side["labels"]
+        assert (padded["labels"][j, n:] == IGNORE_INDEX).all()
+    cu = packed["cu_seq_lens_q"].tolist()
+    assert len(cu) == 7 and "attention_mask" not in packed  # every sequence its own span: none attends to another
+    for j, side in enumerate(expected):
+        assert packed["input_ids"][0, cu[j]:cu[j + 1]].tolist() == side["input_ids"]
+        assert packed["labels"][0, cu[j]:cu[j + 1]].tolist() == side["labels"]
+        assert packed["position_ids"][0, cu[j]:cu[j + 1]].tolist() == list(range(len(side["input_ids"])))
+    assert pickle.loads(pickle.dumps(pair_collator(PackedCollator())))(rows)["pair_index"] == [4, 0, 2]
+    with pytest.raises(ValueError, match="exactly two sides"):
+        pair_collator(PackedCollator())([sides[0]])
+
+
+def test_stage_batches_of_a_preference_stage_carry_pair_index(tmp_path: Path, models: dict[str, str],
+                                                              tok: Any) -> None:
+    """Through the real DataLoader (in-process): a micro-batch of m pairs is 2m sequences, its counts two samples
+    a pair, and `pair_index` names the pairs of the step's slots."""
+    stage, recipe = stage_of(tmp_path, models["text"], [write(tmp_path / "a.jsonl", long_pairs() * 2)])
+    src = load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
+    sampler = StageSampler(sizes=src.sizes, weights=None, replacement=False, order="shuffle", difficulty=None,
+                           lengths=src.lengths, pacing=None, seed=3, stage_index=0, global_batch=8, total_steps=3)
+    fake = SimpleNamespace(index=0, sampler=sampler, data=src, resolved=stage,
+                           plan=SimpleNamespace(steps=3, micro_batch=2))
+    batches = StageBatches(Process(0), padding_collator(tok), grad_accum=2, group_by_length=False, num_workers=0)
+    seen = []
+    for step in range(3):
+        for micro in batches.take(fake, step):
+            pairs = micro.batch["pair_index"]
+            assert micro.batch["input_ids"].shape[0] == 2 * len(pairs) and len(micro.lengths) == 2 * len(pairs)
+            assert micro.label_tokens == int((micro.batch["labels"] != IGNORE_INDEX).sum())
+            seen += pairs
+    assert len(seen) == 3 * 4 and set(seen) <= set(range(len(src.samples)))  # this rank's half of each step
+
+
+# --- refusals -------------------------------------------------------------------------------------------------------
+
+def test_what_is_no_pair_where_pairs_train_and_a_pair_where_rows_train_are_refused(
+        tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    chat = {"messages": [USER, {"role": "assistant", "content": GOOD}]}
+    path = write(tmp_path / "mixed.jsonl", [CONVERSATIONAL["trl explicit"], chat])
+    stage, recipe = stage_of(tmp_path, models["text"], [path])
+    stores = run_stores([stage], recipe.data, tok, None, tmp_path, None)
+    with pytest.raises(ToolkitError, match=r"mixed\.jsonl:2: the stage trains on preference pairs \(objective dpo, "
+                                           r"orpo or simpo\) but this row is no pair: a pair has 'chosen' and "
+                                           r"'rejected' .*docs/preference\.md for the shapes; the row has keys "
+                                           r"\['messages'\]\.$"):
+        load_stage(stage, recipe.data, stores)
+    with pytest.raises(ToolkitError, match=r"mixed\.jsonl:1: the row has 'chosen': preference pairs train in a "
+                                           r"preference stage: set the stage's objective: dpo \(or orpo / simpo\)"):
+        load_stage(dataclasses.replace(stage, objective="sft"), recipe.data, stores)
+    swift = write(tmp_path / "swift.jsonl", [{"messages": chat["messages"], "rejected_response": BAD}])
+    with pytest.raises(ToolkitError, match=r"swift\.jsonl:1: the row has 'rejected_response': preference pairs"):
+        load_stage(dataclasses.replace(stage, objective="sft", entries=(DataEntry(str(swift)),)), recipe.data, stores)
+
+
+def test_vision_pairs_are_refused_until_proven(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    path = write(tmp_path / "img.jsonl", [dict(CONVERSATIONAL["trl explicit"], images=["a.png"])])
+    stage, recipe = stage_of(tmp_path, models["text"], [path])
+    with pytest.raises(ToolkitError, match=r"img\.jsonl:1: the row has 'images': preference pairs with images are "
+                                           r"not proven yet"):
+        load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
+    with pytest.raises(ToolkitError, match=r"A preference stage on a vision-language model: preference pairs with "
+                                           r"images are not proven yet"):
+        row_encoder(recipe.data, tok, object(), pairs=True)
+    vl_stores = Stores(row_encoder(recipe.data, tok, None), tmp_path, None, 1, pair_encoder=None)  # as for a VL model
+    with pytest.raises(ToolkitError, match=r"preference pairs on a vision-language model: .*not proven yet"):
+        vl_stores(DataEntry(str(path)), pairs=True)
+
+
+# --- LLaMA-Factory's registry --------------------------------------------------------------------------------------
+
+def registry(tmp: Path) -> Path:
+    folder = tmp / "lf"
+    folder.mkdir()
+    shutil.copy(WILD / "llamafactory_dpo_en_demo.json", folder / "dpo_en_demo.json")
+    write(folder / "alpaca_pairs.jsonl", [{"instruction": "Add", "input": "2 and 2", "chosen": "4", "rejected": "5"}])
+    (folder / "dataset_info.json").write_text(json.dumps({
+        # LLaMA-Factory data/dataset_info.json's own entry for its demo
+        "dpo_en_demo": {"file_name": "dpo_en_demo.json", "ranking": True, "formatting": "sharegpt",
+                        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+        "alpaca_pairs": {"file_name": "alpaca_pairs.jsonl", "ranking": True,
+                         "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
+                                     "rejected": "rejected"}},
+        "bare_ranking": {"file_name": "alpaca_pairs.jsonl", "ranking": True},
+        "kto": {"file_name": "alpaca_pairs.jsonl", "formatting": "sharegpt", "tags": {"kto_tag": "label"}}}))
+    return folder
+
+
+def test_registry_ranking_entries_load_as_pairs(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    folder = registry(tmp_path)
+    stage, recipe = stage_of(tmp_path, models["text"], [folder / "alpaca_pairs.jsonl"], max_seq_len=4096)
+    stores = run_stores([stage], recipe.data, tok, None, tmp_path, None)
+
+    def entry(name: str) -> DataEntry:
+        return DataEntry(None, dataset=name, dataset_dir=str(folder))
+
+    demo = load_stage(dataclasses.replace(stage, entries=(entry("dpo_en_demo"),)), recipe.data, stores)
+    chosen, rejected = PairSides(demo.samples.parts)[2:4]
+    assert demo.stats.kept == 2 and "How can I best prepare for a job interview?" in tok.decode(chosen["input_ids"])
+    assert completion(chosen, tok).startswith("<think>\n\n</think>\n\nPreparing for a job interview")
+    assert completion(rejected, tok).startswith("<think>\n\n</think>\n\nHere are some tips")
+    for name in ("alpaca_pairs", "bare_ranking"):  # a ranking entry without pair columns reads chosen / rejected
+        pairs = load_stage(dataclasses.replace(stage, entries=(entry(name),)), recipe.data, stores)
+        chosen, rejected = PairSides(pairs.samples.parts)[0:2]
+        assert "Add\n2 and 2" in tok.decode(chosen["input_ids"]) and completion(rejected, tok).endswith("5<|im_end|>")
+    with pytest.raises(ToolkitError, match=r"dpo_en_demo\.json row 1: the row has 'chosen': preference pairs train "
+                                           r"in a preference stage: set the stage's objective: dpo"):
+        load_stage(dataclasses.replace(stage, objective="sft", entries=(entry("dpo_en_demo"),)), recipe.data, stores)
+    with pytest.raises(ToolkitError, match=r"entry 'kto' is a KTO dataset \(kto_tag\), which is not supported"):
+        load_stage(dataclasses.replace(stage, entries=(entry("kto"),)), recipe.data, stores)
+
+
+def test_model_scores_of_pairs_are_refused(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    stage, recipe = stage_of(tmp_path, models["text"], [write(tmp_path / "a.jsonl", long_pairs())])
+    scored = dataclasses.replace(stage, order="easy_to_hard", difficulty=SimpleNamespace(by="loss", field=None))
+    with pytest.raises(ToolkitError, match=r"Stage 'prefs' \(objective dpo\) has difficulty.by loss, a model's score "
+                                           r"of rows, which preference pairs do not have yet"):
+        load_stage(scored, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
+
+
+def test_pair_rows_lengths_match_their_rows(tmp_path: Path, tok: Any) -> None:
+    store = pair_store(write(tmp_path / "p.jsonl", long_pairs()), tok)
+    rows = PairRows(store, select_pairs(store, max_seq_len=30, overlength="truncate"))
+    assert np.array_equal(rows.lengths, [len(rows[k]["input_ids"]) for k in range(len(rows))])
+    assert rows.difficulty is None and rows.bins is None and rows.pairs
+    assert torch.tensor(rows[0]["labels"]).ne(IGNORE_INDEX).sum() == rows.selection.label_tokens[0]
