@@ -36,6 +36,7 @@ from toolkit.curriculum.stages import Stage
 from toolkit.data.plan import KeptRows
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import RowSums, ScoreCache, cached_row_sums, measure, response_alone, score_key
+from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[d
         theirs = ScoreCache(elsewhere, key, len(samples), writer=False)
         if theirs.complete:
             cache.record(np.arange(len(samples)), theirs.sums)
+    # Every process takes process 0's reading of the file: another process may read it while process 0 still
+    # writes a pass's last block (a second pass of the same key right after), or not see it at all (another node).
+    cache.sums, cache.done = distributed.broadcast_from_main(accelerator, (cache.sums, cache.done))
     if not cache.complete and not may_score:
         assert cache.path is not None
         raise ToolkitError(f"{what}: {cache.path} is missing or incomplete, and this launch resumes past the point "
