@@ -128,10 +128,15 @@ def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.d
     if head is None:
         return _full_logit_sums(model, batch, seg.to(device), count)
     with head.per_segment(seg.to(device), count) as sums:
-        model(**batch, num_items_in_batch=torch.ones((), device=device))
+        out = model(**batch, num_items_in_batch=torch.ones((), device=device))
     if sums.loss is None or sums.tokens is None:  # no label token in the micro-batch
         return (torch.zeros(count, dtype=torch.float64, device=device),
                 torch.zeros(count, dtype=torch.int64, device=device))
+    if torch.is_grad_enabled() and out.loss is not None and out.loss.requires_grad:
+        # The sums' gradient must pass through the model's own output: ZeRO-3 opens its backward (the module
+        # hooks that gather each layer's shards) on the wrapped model's outputs, and a backward that reaches the
+        # layers by another path fails ("active_backward_submodules is empty"). A zero-weighted term adds nothing.
+        return sums.loss + 0.0 * out.loss.double(), sums.tokens
     return sums.loss, sums.tokens
 
 
