@@ -245,17 +245,19 @@ def test_pair_collator_gives_each_side_its_own_sequence_padded_or_packed(tmp_pat
         pair_collator(PackedCollator())([sides[0]])
 
 
-def test_stage_batches_of_a_preference_stage_carry_pair_index(tmp_path: Path, models: dict[str, str],
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stage_batches_of_a_preference_stage_carry_pair_index(workers: int, tmp_path: Path, models: dict[str, str],
                                                               tok: Any) -> None:
-    """Through the real DataLoader (in-process): a micro-batch of m pairs is 2m sequences, its counts two samples
-    a pair, and `pair_index` names the pairs of the step's slots."""
+    """Through the real DataLoader (in-process, and from a worker process): a micro-batch of m pairs is 2m
+    sequences, its counts two samples a pair, and `pair_index` names the pairs of the step's slots."""
     stage, recipe = stage_of(tmp_path, models["text"], [write(tmp_path / "a.jsonl", long_pairs() * 2)])
     src = load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
     sampler = StageSampler(sizes=src.sizes, weights=None, replacement=False, order="shuffle", difficulty=None,
                            lengths=src.lengths, pacing=None, seed=3, stage_index=0, global_batch=8, total_steps=3)
     fake = SimpleNamespace(index=0, sampler=sampler, data=src, resolved=stage,
                            plan=SimpleNamespace(steps=3, micro_batch=2))
-    batches = StageBatches(Process(0), padding_collator(tok), grad_accum=2, group_by_length=False, num_workers=0)
+    batches = StageBatches(Process(0), padding_collator(tok), grad_accum=2, group_by_length=False,
+                           num_workers=workers)
     seen = []
     for step in range(3):
         for micro in batches.take(fake, step):
