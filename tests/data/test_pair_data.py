@@ -360,3 +360,16 @@ def test_pair_rows_lengths_match_their_rows(tmp_path: Path, tok: Any) -> None:
     assert np.array_equal(rows.lengths, [len(rows[k]["input_ids"]) for k in range(len(rows))])
     assert rows.difficulty is None and rows.bins is None and rows.pairs
     assert torch.tensor(rows[0]["labels"]).ne(IGNORE_INDEX).sum() == rows.selection.label_tokens[0]
+
+
+def test_a_text_prompt_beside_whole_conversations_is_read_off_them(tmp_path: Path, tok: Any) -> None:
+    """HuggingFaceH4/ultrafeedback_binarized's shape (its card's features: `prompt` a string, `chosen` and
+    `rejected` whole conversations starting with that prompt, `messages` the chosen one again): the prompt is the
+    conversations' shared start (TRL's maybe_extract_prompt), never rendered twice."""
+    explicit = CONVERSATIONAL["trl explicit"]
+    h4 = {"prompt": Q, "prompt_id": "d938b65d", "chosen": CONVERSATIONAL["trl implicit"]["chosen"],
+          "rejected": CONVERSATIONAL["trl implicit"]["rejected"], "messages": CONVERSATIONAL["trl implicit"]["chosen"],
+          "score_chosen": 8.0, "score_rejected": 5.0}
+    store = pair_store(write(tmp_path / "h4.jsonl", [explicit, h4]), tok)
+    assert [store.sample(2), store.sample(3)] == [store.sample(0), store.sample(1)]
+    assert tok.decode(store.sample(2)["input_ids"]).count(Q) == 1
