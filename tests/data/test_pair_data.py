@@ -59,12 +59,13 @@ def pair_store(path: Path, tok: Any) -> Any:
 
 
 def stage_of(tmp: Path, model: str, paths: list[Path], *, objective: str = "dpo", eval_paths: tuple[Path, ...] = (),
-             **data: Any) -> tuple[ResolvedStage, Any]:
-    """One stage on `paths` as a recipe gives it, made a preference stage (the schema does not train one yet)."""
+             stage: dict[str, Any] | None = None, **data: Any) -> tuple[ResolvedStage, Any]:
+    """One stage on `paths` as a recipe gives it (`stage`: more of its keys), made a preference stage (the schema
+    does not train one yet)."""
     tree = {"output_dir": str(tmp / "run"), "model": {"name_or_path": model},
             "data": {"max_seq_len": 512, "num_proc": 1, "cache_dir": "none", **data},
             "stages": [{"name": "prefs", "data": [str(p) for p in paths], "max_steps": 1,
-                        "eval": [str(p) for p in eval_paths]}]}
+                        "eval": [str(p) for p in eval_paths], **(stage or {})}]}
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(tree))
     recipe = load_recipe(tmp / "recipe.yaml")
     [stage] = resolve_stages(recipe)
@@ -213,6 +214,11 @@ def test_pairs_order_by_length_or_difficulty(tmp_path: Path, models: dict[str, s
         [stage], recipe.data, tok, None, tmp_path, None))
     assert dropped.stats.dropped_by_difficulty == 3 and len(dropped.samples) == 3
     assert "3 dropped by difficulty" in dropped.stats.summary()
+    scored = write(tmp_path / "s.jsonl", [dict(r, score=float(i % 3)) for i, r in enumerate(long_pairs())])
+    by_field, recipe = stage_of(tmp_path, models["text"], [scored], stage={
+        "order": "hard_to_easy", "difficulty": {"by": "field", "field": "score"}})
+    src = load_stage(by_field, recipe.data, run_stores([by_field], recipe.data, tok, None, tmp_path, None))
+    assert src.difficulty.tolist() == [float(i % 3) for i in range(len(long_pairs()))]
 
 
 def _pair_batch(rows: list[dict[str, Any]], tok: Any) -> tuple[dict[str, Any], dict[str, Any]]:
