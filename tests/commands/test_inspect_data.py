@@ -258,3 +258,17 @@ def test_inspect_file_shows_a_pair_file_as_pairs(name: str, pairs: int, shape: s
     assert first.split("\nchosen:")[0].count("[[") == 0  # the prompt never trains
     assert f"\nshape: preference pairs, {shape}" in out
     assert "the rows are preference pairs: a stage trains them with objective: dpo" in out
+
+
+def test_inspect_data_on_an_sft_then_dpo_recipe(tmp_path: Path, models: dict[str, str],
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A recipe's preference stage is shown as training loads it: its line counts pairs (training's own line),
+    and its first pairs show the prompt once and each completion marked; the SFT stage beside it shows rows."""
+    recipe = _recipe(tmp_path, models["text"], [{"name": "sft", "data": ["dummy:stage1"]},
+                                                {"name": "dpo", "data": ["dummy:pairs"], "objective": "dpo"}])
+    write_dummy_files(RunLayout(recipe.output_dir).dummy_data, 16, seed=recipe.train.seed, vision=False)
+    shown = _agree(recipe, caplog)
+    assert "stage 'sft' data: 16 rows, 16 kept" in shown and "stage 'dpo' data (dpo): 16 pairs, 16 kept" in shown
+    dpo = shown.split("=== stage 'dpo'")[1]
+    assert "tokens per pair" in dpo and dpo.count("(pair: ") == 2
+    assert dpo.index("\nprompt:\n") < dpo.index("\nchosen:\n[[") < dpo.index("\nrejected:\n[[")

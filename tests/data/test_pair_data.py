@@ -59,12 +59,13 @@ def pair_store(path: Path, tok: Any) -> Any:
 
 
 def stage_of(tmp: Path, model: str, paths: list[Path], *, objective: str = "dpo", eval_paths: tuple[Path, ...] = (),
-             **data: Any) -> tuple[ResolvedStage, Any]:
-    """One stage on `paths` as a recipe gives it, made a preference stage (the schema does not train one yet)."""
+             stage: dict[str, Any] | None = None, **data: Any) -> tuple[ResolvedStage, Any]:
+    """One stage on `paths` as a recipe gives it (`stage`: more of its keys), made a preference stage (the schema
+    does not train one yet)."""
     tree = {"output_dir": str(tmp / "run"), "model": {"name_or_path": model},
             "data": {"max_seq_len": 512, "num_proc": 1, "cache_dir": "none", **data},
             "stages": [{"name": "prefs", "data": [str(p) for p in paths], "max_steps": 1,
-                        "eval": [str(p) for p in eval_paths]}]}
+                        "eval": [str(p) for p in eval_paths], **(stage or {})}]}
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(tree))
     recipe = load_recipe(tmp / "recipe.yaml")
     [stage] = resolve_stages(recipe)
@@ -213,6 +214,11 @@ def test_pairs_order_by_length_or_difficulty(tmp_path: Path, models: dict[str, s
         [stage], recipe.data, tok, None, tmp_path, None))
     assert dropped.stats.dropped_by_difficulty == 3 and len(dropped.samples) == 3
     assert "3 dropped by difficulty" in dropped.stats.summary()
+    scored = write(tmp_path / "s.jsonl", [dict(r, score=float(i % 3)) for i, r in enumerate(long_pairs())])
+    by_field, recipe = stage_of(tmp_path, models["text"], [scored], stage={
+        "order": "hard_to_easy", "difficulty": {"by": "field", "field": "score"}})
+    src = load_stage(by_field, recipe.data, run_stores([by_field], recipe.data, tok, None, tmp_path, None))
+    assert src.difficulty.tolist() == [float(i % 3) for i in range(len(long_pairs()))]
 
 
 def _pair_batch(rows: list[dict[str, Any]], tok: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -245,17 +251,19 @@ def test_pair_collator_gives_each_side_its_own_sequence_padded_or_packed(tmp_pat
         pair_collator(PackedCollator())([sides[0]])
 
 
-def test_stage_batches_of_a_preference_stage_carry_pair_index(tmp_path: Path, models: dict[str, str],
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stage_batches_of_a_preference_stage_carry_pair_index(workers: int, tmp_path: Path, models: dict[str, str],
                                                               tok: Any) -> None:
-    """Through the real DataLoader (in-process): a micro-batch of m pairs is 2m sequences, its counts two samples
-    a pair, and `pair_index` names the pairs of the step's slots."""
+    """Through the real DataLoader (in-process, and from a worker process): a micro-batch of m pairs is 2m
+    sequences, its counts two samples a pair, and `pair_index` names the pairs of the step's slots."""
     stage, recipe = stage_of(tmp_path, models["text"], [write(tmp_path / "a.jsonl", long_pairs() * 2)])
     src = load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
     sampler = StageSampler(sizes=src.sizes, weights=None, replacement=False, order="shuffle", difficulty=None,
                            lengths=src.lengths, pacing=None, seed=3, stage_index=0, global_batch=8, total_steps=3)
     fake = SimpleNamespace(index=0, sampler=sampler, data=src, resolved=stage,
                            plan=SimpleNamespace(steps=3, micro_batch=2))
-    batches = StageBatches(Process(0), padding_collator(tok), grad_accum=2, group_by_length=False, num_workers=0)
+    batches = StageBatches(Process(0), padding_collator(tok), grad_accum=2, group_by_length=False,
+                           num_workers=workers)
     seen = []
     for step in range(3):
         for micro in batches.take(fake, step):
@@ -358,3 +366,16 @@ def test_pair_rows_lengths_match_their_rows(tmp_path: Path, tok: Any) -> None:
     assert np.array_equal(rows.lengths, [len(rows[k]["input_ids"]) for k in range(len(rows))])
     assert rows.difficulty is None and rows.bins is None and rows.pairs
     assert torch.tensor(rows[0]["labels"]).ne(IGNORE_INDEX).sum() == rows.selection.label_tokens[0]
+
+
+def test_a_text_prompt_beside_whole_conversations_is_read_off_them(tmp_path: Path, tok: Any) -> None:
+    """HuggingFaceH4/ultrafeedback_binarized's shape (its card's features: `prompt` a string, `chosen` and
+    `rejected` whole conversations starting with that prompt, `messages` the chosen one again): the prompt is the
+    conversations' shared start (TRL's maybe_extract_prompt), never rendered twice."""
+    explicit = CONVERSATIONAL["trl explicit"]
+    h4 = {"prompt": Q, "prompt_id": "d938b65d", "chosen": CONVERSATIONAL["trl implicit"]["chosen"],
+          "rejected": CONVERSATIONAL["trl implicit"]["rejected"], "messages": CONVERSATIONAL["trl implicit"]["chosen"],
+          "score_chosen": 8.0, "score_rejected": 5.0}
+    store = pair_store(write(tmp_path / "h4.jsonl", [explicit, h4]), tok)
+    assert [store.sample(2), store.sample(3)] == [store.sample(0), store.sample(1)]
+    assert tok.decode(store.sample(2)["input_ids"]).count(Q) == 1

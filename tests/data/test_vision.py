@@ -536,7 +536,8 @@ def test_packed_vl_run_in_one_process(tmp_path: Path, monkeypatch: pytest.Monkey
     card = ModelCard.load(out / "final" / MODEL_CARD)
     assert (card.data.library_name, card.data.pipeline_tag, card.data.base_model) == ("peft", "image-text-to-text",
                                                                                         None)
-    assert "| 1 | align | `dummy:vl_stage1` |" in card.text and "| 2 | instruct | `dummy:vl_stage2` |" in card.text
+    assert "| 1 | align | sft | `dummy:vl_stage1` |" in card.text
+    assert "| 2 | instruct | sft | `dummy:vl_stage2` |" in card.text
     assert "`visual.merger`" in card.text and "A LoRA adapter (PEFT) for `builtin:tiny-qwen2.5-vl`" in card.text
 
 

@@ -231,8 +231,9 @@ def inspect_pairs(c: Ctx, rows: list[object]) -> Call:
     return Call(["inspect-data", str(write_jsonl(c.tmp / "pairs.jsonl", rows))], c.tmp / "run", tool="toolkit")
 
 
-case("data-not-a-pair")(lambda c: inspect_pairs(c, [PAIR, CHAT]))
-case("data-pair-with-images")(lambda c: inspect_pairs(c, [dict(PAIR, images=["images/a.png"])]))
+case("data-not-a-pair")(lambda c: c.train("stages.0.objective=dpo", rows=[PAIR, CHAT]))
+case("data-not-a-pair-inspected")(lambda c: inspect_pairs(c, [PAIR, CHAT]))
+case("data-pair-with-images")(lambda c: c.train("stages.0.objective=dpo", rows=[dict(PAIR, images=["images/a.png"])]))
 case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
 case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))
 case("data-row-system")(lambda c: c.train(rows=[dict(CHAT, system="Be brief.")]))

@@ -41,15 +41,19 @@ def _write_out(out: Path, marker: str, what: str, write: Callable[[Path], object
 
 
 def _dummy_data(args: argparse.Namespace) -> None:
-    from toolkit.builtin.dummy_data import write_dummy_data
+    from toolkit.builtin.dummy_data import write_dummy_data, write_dummy_pairs
 
     if args.num_samples < 1:
         raise ToolkitError(f"--num-samples must be at least 1, got {args.num_samples}.")
     out = Path(args.out)
-    _write_out(out, DUMMY_DATA_MARKER, "an earlier dummy-data output",
-               lambda tmp: write_dummy_data(tmp, args.num_samples, seed=args.seed), files="dummy data files",
+
+    def write(tmp: Path) -> None:
+        write_dummy_data(tmp, args.num_samples, seed=args.seed)
+        write_dummy_pairs(tmp, args.num_samples, seed=args.seed)  # a preference stage's (objective: dpo)
+
+    _write_out(out, DUMMY_DATA_MARKER, "an earlier dummy-data output", write, files="dummy data files",
                overwrite=args.overwrite)
-    for name in ("stage1", "stage2"):
+    for name in ("stage1", "stage2", "pairs"):
         print(f"{name}: {out / f'{name}.jsonl'}")
 
 

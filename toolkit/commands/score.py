@@ -62,6 +62,9 @@ def score(recipe: Recipe, *, stage: str | None, out: Path | None) -> str:
         raise ToolkitError(f"--stage {stage!r} is not a stage of the recipe; its stages are {names}.")
     scored = [s for s in resolved if s.difficulty is not None and s.difficulty.by in MODEL_MEASURES]
     st = next(s for s in resolved if s.name == stage) if stage is not None else (scored or resolved)[0]
+    if st.pairs:
+        raise ToolkitError(f"Stage '{st.name}' trains on preference pairs (objective {st.objective}); toolkit score "
+                           "scores a stage's rows: name a stage of rows with --stage.")
     how = st.difficulty if st.difficulty is not None and st.difficulty.by in MODEL_MEASURES else None
     name = how.by if how is not None else "loss"
     target = out if out is not None else RunLayout(recipe.output_dir).scores / f"{st.name}.parquet"

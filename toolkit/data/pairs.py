@@ -4,7 +4,9 @@ A pair becomes a chosen row and a rejected row in TRL's prompt/completion shape 
 already reads: a string prompt and completion, or lists of messages where only the completion trains), so each side
 is rendered and masked by the encoder like any other row. The shapes (docs/data.md):
 
-* TRL explicit: `prompt`, `chosen`, `rejected`; strings (standard) or lists of messages (conversational).
+* TRL explicit: `prompt`, `chosen`, `rejected`; strings (standard) or lists of messages (conversational). A text
+  `prompt` beside whole conversations (HuggingFaceH4/ultrafeedback_binarized: `chosen` and `rejected` start with
+  the user turn) is read as TRL's `maybe_extract_prompt` reads it: the prompt is the conversations' shared start.
 * TRL implicit: `chosen` and `rejected` only, whole conversations (or texts) sharing a prefix, which is the prompt
   (TRL's `extract_prompt`: messages up to the first that differs; for texts, characters up to the first that
   differs, a space before it going to the completion).
@@ -162,6 +164,11 @@ def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, 
     chosen = _completion(row["chosen"], "chosen", where)
     rejected = _completion(row["rejected"], "rejected", where)
     if row.get("prompt") is not None:  # TRL explicit
+        if isinstance(row["prompt"], str) and all(isinstance(c, list) and c[0]["role"] != "assistant"
+                                                  for c in (chosen, rejected)):
+            # whole conversations beside a text prompt (HuggingFaceH4/ultrafeedback_binarized): TRL's
+            # maybe_extract_prompt reads the prompt off the conversations, as for the implicit shape
+            return _implicit(row, where, rest)
         prompt = row["prompt"] if isinstance(row["prompt"], str) else _messages(row["prompt"], "prompt", where)
         return _sides(prompt, chosen, rejected, rest)
     for key in ("messages", "conversations"):  # axolotl chat_template.default, LLaMA-Factory sharegpt

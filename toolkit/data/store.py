@@ -6,7 +6,9 @@ A store holds, per row of the source: `input_ids` (int32) and `mask` (uint8, 1 w
 language rows the image paths, their grids and how many leading tokens may not be cut. It is the full encoding,
 before any length policy: `max_seq_len`, `overlength`, packing and ordering are index arrays computed from its
 columns (toolkit/data/plan.py), so stages with other lengths share it. Ranks share its pages; what a rank keeps
-privately grows with the number of rows (the per-row columns, offsets, packing plan), never with tokens.
+privately grows with the number of rows (the per-row columns, offsets, packing plan), never with tokens. A
+preference stage's pair store (its encoder's `pairs` option, in the key) holds each source row, a pair, as two rows:
+2k its chosen side and 2k + 1 its rejected side, both with the row's number (toolkit/data/pairs.py `pair_rows`).
 
 Format: datasets' own cache-file format, an Arrow IPC stream (`datasets.Dataset.from_file` opens it), written and
 memory-mapped with pyarrow, the library under datasets. Not through datasets' API: importing datasets costs ~2 s in
