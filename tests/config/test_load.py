@@ -520,8 +520,8 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
-    (["stages.0.objective=dpo", "stages.0.drop={easiest: 0.1}"],
-     "stages.0 ('warmup_short'): drop on an objective dpo stage is not supported"),
+    (["stages.0.objective=dpo", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: ifd, model: current}"],
+     "stages.0 ('warmup_short'): difficulty.by ifd on an objective dpo stage is not supported"),
     (["stages.0.objective=simpo", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: loss, model: base}"],
      "difficulty.by loss on an objective simpo stage is not supported"),
     (["stages.0.objective=kto"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo' or 'simpo'"),

@@ -117,7 +117,8 @@ case("zero-mixture-weight")(lambda c: c.train(change=stage("data", [{"path": "da
 case("partial-mixture-weights")(lambda c: c.train(change=stage("data", [{"path": "data.jsonl", "weight": 1},
                                                                         "data.jsonl"])))
 case("pacing-without-easy-to-hard")(lambda c: c.train(change=stage("pacing", {"kind": "linear"})))
-case("preference-stage-drop")(lambda c: c.train("stages.0.objective=dpo", "stages.0.drop={easiest: 0.1}"))
+case("preference-stage-model-scores")(lambda c: c.train(
+    "stages.0.objective=dpo", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: loss, model: current}"))
 case("preference-on-sft-stage")(lambda c: c.train(change=stage("preference", {"beta": 0.2})))
 case("preference-base-without-lora")(lambda c: c.train(
     "lora.enabled=false", "stages.0.objective=dpo", "stages.0.preference={reference: base}"))

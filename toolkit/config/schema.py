@@ -695,7 +695,7 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _preference_stages(self) -> Recipe:
         """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
-        model's scores, a drop by difficulty or an easy_to_hard order by a row field do not rank yet."""
+        model's scores do not rank yet (length and a row field do: each pair takes its source row's value)."""
         for i, stage in enumerate(self.stages):
             if stage.objective == "sft":
                 continue
@@ -704,11 +704,10 @@ class Recipe(_Section):
                 raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
                                  "lora.enabled is false; use reference: precompute")
             how = stage.difficulty
-            if (how is not None and how.by != "length") or stage.drop is not None:
-                what = "drop" if stage.drop is not None else f"difficulty.by {how.by}"  # type: ignore[union-attr]
-                raise ValueError(f"{where}: {what} on an objective {stage.objective} stage is not supported (its rows "
-                                 "are pairs; a pair's difficulty is not defined yet): order pairs by length "
-                                 "(difficulty: {by: length}) or shuffle them")
+            if how is not None and how.by in MODEL_MEASURES:
+                raise ValueError(f"{where}: difficulty.by {how.by} on an objective {stage.objective} stage is not "
+                                 "supported (its rows are pairs; a model's score of a pair is not defined yet): "
+                                 "order pairs by length or by a row field (difficulty: {by: field, field: NAME})")
         return self
 
     @model_validator(mode="after")
