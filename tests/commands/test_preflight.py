@@ -155,3 +155,36 @@ def test_a_stage_ordered_by_a_model_has_its_scoring_pass_estimated(tmp_path: Pat
     lines = report.split("scoring passes (difficulty by a model's score")[1].splitlines()
     assert lines[1].startswith("  scored: ifd of the current model, at the stage's first step: two no-grad forwards")
     assert not any(x.startswith("  sft:") for x in lines)  # not ordered by a model: no pass
+
+
+def test_a_dpo_stage_counts_two_sequences_a_pair_and_its_reference_pass(tmp_path: Path) -> None:
+    """A preference stage's micro-batch of pairs holds twice as many sequences, and its reference pass is costed
+    with the other scoring passes; its pairs are scanned as pairs."""
+    recipe = load_recipe(REPO / "recipes" / "qwen3_8b_sft_then_dpo.yaml", [f"output_dir={tmp_path / 'run'}"])
+    report = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=4, gpu_memory_gb=80,
+                       scan_data=False)
+    assert "  dpo  micro batch 2 pairs (4 sequences) x 2048 tokens: activations" in report
+    sft_only = load_recipe(REPO / "recipes" / "qwen3_8b_sft_then_dpo.yaml",
+                           [f"output_dir={tmp_path / 'run'}", "stages.1.objective=sft", "stages.1.preference=null",
+                            "stages.1.micro_batch_size=4"])
+    as_rows = preflight(sft_only, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=4, gpu_memory_gb=80,
+                        scan_data=False)
+    activations = [float(line.split("activations ")[1].split(",")[0]) for text in (report, as_rows)
+                   for line in text.splitlines() if line.startswith("  dpo  micro batch")]
+    assert activations[0] == activations[1]  # 2 pairs: the 4 rows of an sft stage
+    lines = report.split("scoring passes (difficulty by a model's score, a dpo stage's reference")[1].splitlines()
+    assert lines[1].startswith("  dpo: dpo reference of the policy as it enters the stage, at the stage's first step")
+    assert "16 bytes per pair" in lines[1]
+
+
+def test_a_dpo_stage_s_pairs_are_scanned_as_pairs(tmp_path: Path) -> None:
+    from toolkit.builtin.dummy_data import write_dummy_files
+
+    run = tmp_path / "run"
+    write_dummy_files(run / "dummy_data", 16, seed=0, vision=False)
+    recipe = load_recipe(REPO / "recipes" / "sft_then_dpo.yaml", [f"output_dir={run}"])
+    report = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=2, gpu_memory_gb=80)
+    lines = report.split("stage data (tokens per row):")[1].splitlines()
+    assert lines[1].startswith("  sft: 16 rows, p50")
+    assert lines[2].startswith("  dpo: 16 pairs, each two sequences (below, the sides'); its reference pass runs")
+    assert lines[3].startswith("  dpo: 32 sequences, p50")

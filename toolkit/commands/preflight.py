@@ -37,15 +37,17 @@ def _model_config(name_or_path: str) -> Any:
 
 
 def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_len: int, train_on: str,
-               thinking: str = "auto", chat_template: str | None = None) -> dict[str, Any]:
+               thinking: str = "auto", chat_template: str | None = None, pairs: bool = False) -> dict[str, Any]:
     """Length statistics of a stage's rows, before any over-length policy (tokenised in memory, on every core).
-    `chat_template`: the recipe's data.chat_template that `tokenizer` carries (named by refusals)."""
+    `chat_template`: the recipe's data.chat_template that `tokenizer` carries (named by refusals). `pairs`: a
+    preference stage's, whose rows are pairs: each side is a sequence (counted as rows here), and `pairs` counts
+    them."""
     from toolkit.data.encoding import TextEncoder
     from toolkit.data.sources import resolve_source
     from toolkit.data.stages import num_proc
     from toolkit.data.store import open_store
 
-    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template)
+    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template, pairs=pairs)
     processes = num_proc(DataConfig())
     stores = [open_store(resolve_source(e, dummy_dir), encoder, None, num_proc=processes, max_tokens=max_seq_len)
               for e in entries]  # the size guard: a row far over max_seq_len is counted over it, not tokenised whole
@@ -56,7 +58,8 @@ def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_l
     tokens = int(np.minimum(arr, max_seq_len).sum()) if rows else 0
     return {"rows": rows, "tokens": tokens, "p50": int(np.percentile(arr, 50)), "p90": int(np.percentile(arr, 90)),
             "p99": int(np.percentile(arr, 99)), "max": int(arr.max()),
-            "over_max_seq_len": int((arr > max_seq_len).sum()), "no_trainable_tokens": no_loss}
+            "over_max_seq_len": int((arr > max_seq_len).sum()), "no_trainable_tokens": no_loss,
+            **({"pairs": rows // 2} if pairs else {})}
 
 
 def weight_bytes(recipe: Recipe, mixed_precision: str) -> int:
@@ -243,12 +246,16 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                     continue
                 st = scan_stage(list(stage.entries), tokenizer, dummy_dir, max_seq_len=stage.max_seq_len,
                                 train_on=recipe.data.train_on, thinking=recipe.data.thinking,
-                                chat_template=recipe.data.chat_template)
+                                chat_template=recipe.data.chat_template, pairs=stage.pairs)
                 if stage.difficulty is not None and stage.difficulty.by in MODEL_MEASURES:
                     passes = 2 if stage.difficulty.by == "ifd" else 1
                     lines.append(f"  {stage.name}: its scoring pass runs {passes * st['tokens']} tokens forward "
                                  f"({passes} x the {st['tokens']} of its rows within max_seq_len)")
-                lines.append(f"  {stage.name}: {st['rows']} rows, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
+                if stage.pairs:
+                    lines.append(f"  {stage.name}: {st['pairs']} pairs, each two sequences (below, the sides'); its "
+                                 f"reference pass runs their {st['tokens']} tokens forward")
+                unit = "sequences" if stage.pairs else "rows"
+                lines.append(f"  {stage.name}: {st['rows']} {unit}, p50 {st['p50']} p90 {st['p90']} p99 {st['p99']} "
                              f"max {st['max']}; {st['over_max_seq_len']} over max_seq_len, "
                              f"{st['no_trainable_tokens']} without trainable tokens")
     return "\n".join(lines)
