@@ -58,3 +58,25 @@ def test_missing_or_empty_metrics(tmp_path: Path) -> None:
     with pytest.raises(ToolkitError, match="empty"):
         plot_run(tmp_path)
     assert not (tmp_path / "training.png").exists()
+
+
+def _size(png: bytes) -> tuple[int, int]:
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # IHDR's width and height
+
+
+def test_a_preference_stage_adds_a_rewards_panel(tmp_path: Path) -> None:
+    """TRL's rewards of a DPO stage's steps, and its eval pairs' accuracy, get a fifth panel; a run without them
+    keeps four."""
+    plain = tmp_path / "sft"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    records = _records()
+    for r in records[8:]:  # the last stage trains on pairs
+        r.update({"rewards/chosen": 0.01 * r["step"], "rewards/rejected": -0.01 * r["step"],
+                  "rewards/margins": 0.02 * r["step"], "rewards/accuracies": 0.5})
+    records.append({"step": 12, "stage": "polish", "stage_index": 2, "eval_loss": 0.6, "pref_accuracy": 0.75})
+    paired = tmp_path / "dpo"
+    paired.mkdir()
+    (paired / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    four, five = _size(plot_run(plain).read_bytes()), _size(plot_run(paired).read_bytes())
+    assert four == (900, 960) and five == (900, 1200)  # 2.4 inches a panel at 100 dpi
