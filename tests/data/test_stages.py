@@ -100,7 +100,7 @@ def test_the_new_keys_bind_a_checkpoint_only_when_set(tmp_path: Path, models: di
 
 @pytest.mark.parametrize("stage, message", [
     ({"order": "easy_to_hard", "difficulty": {"by": "loss"}}, "name the scorer with difficulty.model"),
-    ({"order": "easy_to_hard", "difficulty": {"by": "loss", "model": "org/small"}}, "not supported yet"),
+    ({"order": "easy_to_hard", "difficulty": {"by": "loss", "model": "Base"}}, "Did you mean: base"),
     ({"order": "easy_to_hard", "difficulty": {"by": "field", "field": "x", "model": "base"}},
      "difficulty.model scores rows only with"),
     ({"order": "easy_to_hard", "difficulty": {"by": "length", "field": "x"}}, "read only with by: field"),
