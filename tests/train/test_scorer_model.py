@@ -34,7 +34,7 @@ from toolkit.data.plan import KeptRows
 from toolkit.errors import ToolkitError
 from toolkit.model.load import load_processing
 from toolkit.runtime import process as distributed
-from toolkit.train.scorer_model import check_scorers, scorer_identity
+from toolkit.train.scorer_model import check_scorers, weights_identity
 from toolkit.train.setup import build_collator, build_stages
 from toolkit.train.stage_scores import order_by_model
 
@@ -66,9 +66,19 @@ def _recipe(tmp: Path, model: str, scorer: Path, **data: Any) -> Recipe:
     return load_recipe(tmp / "recipe.yaml")
 
 
+@pytest.fixture(autouse=True)
+def full_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp32 launch (no autocast), whatever an earlier test of the session left in accelerate's state."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    AcceleratorState._reset_state()
+
+
 def _launch(recipe: Recipe, model: str) -> tuple[Any, Any]:
     """(run, stage) as a launch holds them before its first step: the stage built, planned and not yet scored."""
     accelerator = distributed.build_accelerator(recipe.train.grad_accum, 10)
+    assert accelerator.mixed_precision == "no"
     resolved = resolve_stages(recipe)
     _, tokenizer = load_processing(model, vision=False, trust_remote_code=False, chat_template=None)
     check_scorers(recipe, resolved, tokenizer, vision=False)
@@ -139,7 +149,7 @@ def test_a_scorer_orders_and_drops_a_stage_by_its_own_scores_and_a_resume_reads_
     shutil.copytree(scorer, changed)
     write_tiny_qwen3(changed, tokenizer=AutoTokenizer.from_pretrained(models["text"]), hidden_size=32, num_heads=2,
                      num_kv_heads=1, intermediate_size=64, seed=12)
-    assert scorer_identity(changed, recipe) != scorer_identity(scorer, recipe)
+    assert weights_identity(changed, recipe) != weights_identity(scorer, recipe)
     other = _recipe(tmp_path, models["text"], changed, packing=packing)
     late, late_stage = _launch(other, models["text"])
     with pytest.raises(ToolkitError, match="resumes past the point those scores were taken"):

@@ -8,7 +8,7 @@ the run's tokenizer's fingerprint (`toolkit.data.store.tokenizer_fingerprint`: v
 tokens, chat template): the rows are tokenised once, by the run, so a scorer of another vocabulary would score
 other tokens. Each refusal is one line naming the stage, the scorer and what differs.
 
-Its identity (`scorer_identity`) is the sha256 of each weights file (`*.safetensors`, `*.bin`, streamed) and of
+Its identity (`weights_identity`) is the sha256 of each weights file (`*.safetensors`, `*.bin`, streamed) and of
 its config, with the dtype it runs in: part of the scores' key, so a changed scorer rescores and nothing else does.
 
 Loaded (`load_scorer`) only when scores are missing: with `from_pretrained`, whole on every process (never
@@ -150,7 +150,7 @@ def _file_sha256(path: Path) -> str:
     return _HASHED[key]
 
 
-def scorer_identity(path: Path, recipe: Recipe) -> dict[str, Any]:
+def weights_identity(path: Path, recipe: Recipe) -> dict[str, Any]:
     """What decides a separate scorer's scores: the sha256 of each of its weights files and of its config, and the
     dtype it runs in (the run's)."""
     weights = {p.name: _file_sha256(p) for p in sorted(path.iterdir())

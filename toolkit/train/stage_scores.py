@@ -44,8 +44,7 @@ from toolkit.data.plan import KeptRows, kept_by_rank
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import RowSums, ScoreCache, cached_row_sums, measure, response_alone, score_key
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
-from toolkit.train.scorer_model import free_memory, load_scorer, resolve_scorer
-from toolkit.train.scorer_model import scorer_identity as scorer_model_identity
+from toolkit.train.scorer_model import free_memory, load_scorer, resolve_scorer, weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,7 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
     assert how is not None
     separate = scorer not in SCORERS
     path = resolve_scorer(scorer, run.recipe.output_dir) if separate else None
-    scorer_ident = scorer_model_identity(path, run.recipe) if path is not None else scorer_identity(
+    scorer_ident = weights_identity(path, run.recipe) if path is not None else scorer_identity(
         run.identity, scorer, at)
     ident = {"rows": _rows_identity(rows), "scorer": scorer_ident}
     folder = Path(run.recipe.output_dir) / "scores"
@@ -164,6 +163,8 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
     renders = [("given", rows, "")] + ([("alone", _Alone(rows), " (responses alone, for ifd)")]
                                       if how.by == "ifd" else [])
     keys = [score_key(render=render, **ident) for render, _, _ in renders]
+    if run.accelerator.num_processes > 1:  # the main process's last write of these keys is done: all read alike
+        run.accelerator.wait_for_everyone()
     model: Any = run.model
     if path is not None:
         missing = not all(_complete(folder, elsewhere, key, len(rows)) for key in keys)
