@@ -76,8 +76,9 @@ def resolve_scorer(name: str, output_dir: str | Path) -> Path:
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise ToolkitError(f"difficulty.model '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
                            f"set: download it where there is network (hf download {name}), or give a local folder.")
-    try:
-        return Path(snapshot_download(name))
+    try:  # the config, tokenizer and weights; not other formats' copies of them
+        return Path(snapshot_download(name, ignore_patterns=["*.onnx", "*.gguf", "*.h5", "*.msgpack", "*.ot",
+                                                             "*.pt", "*.pth", "original/*", "onnx/*"]))
     except Exception as e:  # network and hub errors come from several libraries; the message is what matters
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise ToolkitError(f"difficulty.model '{name}' is not in the local Hugging Face cache and the hub cannot "
