@@ -153,8 +153,9 @@ def test_a_stage_ordered_by_a_model_has_its_scoring_pass_estimated(tmp_path: Pat
     report = preflight(recipe, REPO / "accelerate_configs" / "ddp.yaml", num_gpus=2, gpu_memory_gb=80,
                        scan_data=False)
     lines = report.split("scoring passes (difficulty by a model's score")[1].splitlines()
-    assert lines[1].startswith("  scored: ifd of the current model, at the stage's first step: two no-grad forwards")
-    assert not any(x.startswith("  sft:") for x in lines)  # not ordered by a model: no pass
+    assert lines[2].startswith("  scored: ifd of the current model, at the stage's first step: two no-grad forwards")
+    assert lines[1].startswith("  sft: loss of the scorer builtin:tiny-qwen3, before the first step: one no-grad "
+                               "forward of the scorer")  # a separate scorer, loaded whole
 
 
 def test_a_dpo_stage_counts_two_sequences_a_pair_and_its_reference_pass(tmp_path: Path) -> None:

@@ -128,6 +128,30 @@ def test_with_difficulty_is_the_same_stage_sampled_over_new_scores() -> None:
         _sampler(order="easy_to_hard", difficulty=None).with_difficulty(np.full(100, np.nan))
 
 
+def test_a_kept_mask_is_the_stage_sampled_over_its_kept_samples_alone() -> None:
+    """A drop by a model's scores: the sampler given `keep` draws only kept samples, exactly as a sampler built
+    over the kept samples alone (each dataset's size its kept count) with its indices mapped back; `with_difficulty`
+    keeps the mask unless given another."""
+    rng = np.random.default_rng(5)
+    scores = rng.random(100)
+    keep = rng.random(100) > 0.2
+    kept = np.flatnonzero(keep)
+    sizes = [int(keep[0:30].sum()), int(keep[30:80].sum()), int(keep[80:100].sum())]
+    for settings in ({}, {"order": "sequential"}, {"order": "easy_to_hard", "difficulty": scores},
+                     {"order": "hard_to_easy", "difficulty": scores, "pacing": Pacing("linear", 0.5)},
+                     {"weights": [1.0, 2.0, 0.5]}, {"weights": [1.0, 2.0, 0.5], "replacement": True}):
+        masked = _sampler(keep=keep, **settings)
+        sub = dict(settings)
+        if "difficulty" in sub:
+            sub["difficulty"] = scores[keep]
+        alone = _sampler(sizes, **sub, lengths=_LENGTHS[keep])
+        assert masked.num_samples == len(kept) == alone.num_samples
+        assert [masked.batch(k) for k in range(12)] == [kept[alone.batch(k)].tolist() for k in range(12)], settings
+    later = _sampler(order="easy_to_hard", keep=keep).with_difficulty(scores)
+    assert set(i for k in range(later.steps_per_epoch) for i in later.batch(k)) <= set(kept.tolist())
+    assert later.batch(0) == kept[np.argsort(scores[keep], kind="stable")][:8].tolist()
+
+
 def test_easy_to_hard_without_difficulty_sorts_by_length() -> None:
     lengths = np.random.default_rng(2).integers(1, 500, size=100)
     s = _sampler(order="easy_to_hard", lengths=lengths)

@@ -65,6 +65,18 @@ def test_drop_ranks_all_sources_together_and_says_how_many(tmp_path: Path, model
     assert "10 rows, 7 kept" in line and "3 dropped by difficulty (drop)" in line
 
 
+def test_a_drop_by_a_models_score_keeps_every_row_and_plans_its_counts(tmp_path: Path,
+                                                                      models: dict[str, str]) -> None:
+    """The scores exist only at training: the stage keeps all its rows (the model ranks them all) and carries
+    how many the drop will leave out at each end, which the data line says."""
+    recipe = _recipe(tmp_path, models["text"], difficulty={"by": "ifd", "model": "current"},
+                     drop={"easiest": 0.2, "hardest": 0.15})
+    src, line = _load(recipe, models["text"])
+    assert _questions(src) == list(range(10)) and src.difficulty is None
+    assert src.dropped_by_score == (2, 1) and src.planned_rows == 7
+    assert "drop by ifd of the current model: 2 easiest and 1 hardest of 10 rows once scored, 7 kept" in line
+
+
 def test_by_length_ignores_the_rows_difficulty_and_hard_to_easy_keeps_it_descending(
         tmp_path: Path, models: dict[str, str]) -> None:
     recipe = _recipe(tmp_path, models["text"], order="hard_to_easy", difficulty={"by": "length"},
@@ -100,7 +112,7 @@ def test_the_new_keys_bind_a_checkpoint_only_when_set(tmp_path: Path, models: di
 
 @pytest.mark.parametrize("stage, message", [
     ({"order": "easy_to_hard", "difficulty": {"by": "loss"}}, "name the scorer with difficulty.model"),
-    ({"order": "easy_to_hard", "difficulty": {"by": "loss", "model": "org/small"}}, "not supported yet"),
+    ({"order": "easy_to_hard", "difficulty": {"by": "loss", "model": "Base"}}, "Did you mean: base"),
     ({"order": "easy_to_hard", "difficulty": {"by": "field", "field": "x", "model": "base"}},
      "difficulty.model scores rows only with"),
     ({"order": "easy_to_hard", "difficulty": {"by": "length", "field": "x"}}, "read only with by: field"),

@@ -133,8 +133,40 @@ case("difficulty-model-missing")(lambda c: c.train(change=lambda t: t["stages"][
     order="easy_to_hard", difficulty={"by": "loss"})))
 case("difficulty-scorer-path")(lambda c: c.train(change=lambda t: t["stages"][0].update(
     order="easy_to_hard", difficulty={"by": "loss", "model": "./small-model"})))
-case("drop-by-model-score")(lambda c: c.train(change=lambda t: t["stages"][0].update(
-    order="easy_to_hard", difficulty={"by": "loss", "model": "current"}, drop={"easiest": 0.1})))
+case("difficulty-scorer-misspelt")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss", "model": "Base"})))
+case("difficulty-scorer-offline")(lambda c: replace(c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "loss", "model": "curriculum-toolkit-tests/no-such-scorer"})),
+    env={"HF_HUB_OFFLINE": "1"}))
+
+
+def scorer_copy(c: Ctx) -> Path:
+    """A copy of the tiny text model, as a separate scorer to spoil."""
+    scorer = c.tmp / "scorer"
+    shutil.copytree(c.models["text"], scorer)
+    return scorer
+
+
+@case("difficulty-scorer-tokenizer")
+def _(c: Ctx) -> Call:
+    from transformers import AutoTokenizer
+
+    scorer = scorer_copy(c)
+    tokenizer = AutoTokenizer.from_pretrained(scorer)
+    tokenizer.add_tokens(["<|extra|>"])
+    tokenizer.save_pretrained(scorer)
+    return c.train(change=lambda t: t["stages"][0].update(order="easy_to_hard",
+                                                           difficulty={"by": "loss", "model": str(scorer)}))
+
+
+@case("difficulty-scorer-config")
+def _(c: Ctx) -> Call:
+    scorer = scorer_copy(c)
+    (scorer / "config.json").write_text("{")
+    return c.train(change=lambda t: t["stages"][0].update(order="easy_to_hard",
+                                                           difficulty={"by": "loss", "model": str(scorer)}))
+
+
 case("drop-everything")(lambda c: c.train(change=lambda t: t["stages"][0].update(
     order="easy_to_hard", drop={"easiest": 0.5, "hardest": 0.5})))
 case("difficulty-field-missing")(lambda c: c.train(change=lambda t: t["stages"][0].update(

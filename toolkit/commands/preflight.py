@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from toolkit.builtin.models import TINY_MODEL, TINY_QWEN3_VL_MODEL, TINY_VL_MODEL
-from toolkit.config.schema import MODEL_MEASURES, DataConfig, Recipe
+from toolkit.config.schema import MODEL_MEASURES, SCORERS, DataConfig, Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
 from toolkit.model.fused_layers import resolve_fused_layers
@@ -159,12 +159,17 @@ def scoring_passes(stages: list[Any]) -> list[str]:
         how = stage.difficulty
         if how is None or how.by not in MODEL_MEASURES:
             continue
-        when = "before the first step" if how.model == "base" else "at the stage's first step"
+        when = "at the stage's first step" if how.model == "current" else "before the first step"
         passes = "two no-grad forwards (the rows, then their responses alone)" if how.by == "ifd" else \
             "one no-grad forward"
-        lines.append(f"  {stage.name}: {how.by} of the {how.model} model, {when}: {passes} over its rows, each "
-                     "about 1/3 of an epoch's training compute; peak memory below the stage's training peak above "
-                     "(no gradients, no optimizer step, the loss head's chunks)")
+        if how.model in SCORERS:
+            lines.append(f"  {stage.name}: {how.by} of the {how.model} model, {when}: {passes} over its rows, each "
+                         "about 1/3 of an epoch's training compute; peak memory below the stage's training peak "
+                         "above (no gradients, no optimizer step, the loss head's chunks)")
+        else:
+            lines.append(f"  {stage.name}: {how.by} of the scorer {how.model}, {when}: {passes} of the scorer over "
+                         "its rows; the scorer loaded whole on each process (its weights in the run's dtype, beside "
+                         "the policy's) for the pass, then freed")
     for stage in stages:
         if stage.objective == "dpo":
             scorer = ("the model with its adapter off" if stage.preference is not None

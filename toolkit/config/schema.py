@@ -405,6 +405,25 @@ MODEL_MEASURES = ("loss", "perplexity", "ifd")
 """Difficulty scored by a model's forward pass (toolkit/evals/scoring.py, toolkit/train/stage_scores.py)."""
 
 
+SCORERS = ("base", "current")
+"""The `difficulty.model` values naming the run's own model; any other value names a separate scorer model."""
+
+
+def scorer_path_problem(model: str) -> str | None:
+    """What is wrong with `difficulty.model` as a separate scorer's folder or hub id, as far as the recipe alone
+    tells (None: nothing yet; whether it holds a model is checked before the model loads,
+    toolkit/train/scorer_model.py): a bare word that is not a folder here is a misspelt base / current, not a hub
+    id (owner/name)."""
+    if model.strip() != model or not model:
+        return f"difficulty.model {model!r} has leading or trailing spaces"
+    if model.startswith(("builtin:", ".", "/", "~")) or "/" in model or Path(model).exists():
+        return None
+    close = difflib.get_close_matches(model.lower(), SCORERS, n=1, cutoff=0.5)
+    hint = f"Did you mean: {close[0]}? " if close else ""
+    return (f"difficulty.model {model!r} is neither base, current, a model folder nor a hub id (owner/name). {hint}"
+            "Use base, current, or the scorer model's folder or hub id")
+
+
 class DifficultyConfig(_Section):
     by: Literal["length", "field", "loss", "perplexity", "ifd"] = Field(
         ..., description="What a row's difficulty is: its token length, a number in the row's key `field`, or a "
@@ -412,7 +431,9 @@ class DifficultyConfig(_Section):
         "the response's loss alone).")
     field: str | None = Field(None, min_length=1, description="The row key holding the difficulty (by: field).")
     model: str | None = Field(None, min_length=1, description="The scorer of by: loss | perplexity | ifd: base "
-                              "(the run's model before training) or current (the policy as it enters the stage).")
+                              "(the run's model before training), current (the policy as it enters the stage), or "
+                              "a separate scorer: a local model folder or a hub id (owner/name) with the run's "
+                              "tokenizer, loaded whole on every process for the scoring pass at step 0 and freed.")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -421,12 +442,12 @@ class DifficultyConfig(_Section):
         if self.by != "field" and self.field is not None:
             raise ValueError(f"difficulty.field is read only with by: field, not by: {self.by}")
         if self.by in MODEL_MEASURES and self.model is None:
-            raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model (base or current)")
+            raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model (base, current, or "
+                             "a scorer model's folder or hub id)")
         if self.by not in MODEL_MEASURES and self.model is not None:
             raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
-        if self.model is not None and self.model not in ("base", "current"):
-            raise ValueError(f"difficulty.model {self.model!r}: a separate scorer model (a path or hub id) is not "
-                             "supported yet; use base (the run's model before training) or current")
+        if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
+            raise ValueError(scorer_path_problem(self.model))
         return self
 
 
@@ -456,9 +477,12 @@ class StageConfig(_Section):
         "difficulty; by default the rows' `difficulty` key when every row has one, else token length).")
     difficulty: DifficultyConfig | None = Field(None, description="What orders the rows (order easy_to_hard / "
                                                 "hard_to_easy) and what drop ranks by: {by: length | field | "
-                                                "loss | perplexity | ifd, field: NAME, model: base | current}.")
+                                                "loss | perplexity | ifd, field: NAME, model: base | current | "
+                                                "a scorer's folder or hub id}.")
     drop: DropConfig | None = Field(None, description="Drop the easiest / hardest shares of the stage's rows by "
-                                    "difficulty before training: {easiest: f, hardest: f}.")
+                                    "difficulty before training: {easiest: f, hardest: f}; by a model's score, the "
+                                    "shares of the stage's rows (packed rows with packing, ranked by their hardest "
+                                    "sample) once the scores exist.")
     pacing: PacingConfig | None = Field(None, description="Competence pacing for easy_to_hard / hard_to_easy.")
     schedule: Literal["cosine", "linear", "constant", "wsd", "continue"] | None = Field(
         None, description="LR schedule of this stage (default schedule.kind); continue = carry the previous one.")
@@ -520,10 +544,6 @@ class StageConfig(_Section):
                     and mapped != self.difficulty.field:
                 raise ValueError(f"difficulty.field is {self.difficulty.field} but data entry {d.entry().name} maps "
                                  f"difficulty to column {mapped}: keep one of them")
-        if self.difficulty is not None and self.difficulty.by in MODEL_MEASURES and self.drop is not None:
-            raise ValueError(f"drop with difficulty.by {self.difficulty.by} is not supported yet (the scores exist "
-                             "only once the model is built, after the stage's rows are planned): drop by length "
-                             "or a field, or remove drop")
         if self.difficulty is not None and self.order not in ORDERED and self.drop is None:
             raise ValueError(f"difficulty orders rows only with order easy_to_hard or hard_to_easy (or ranks them "
                              f"for drop); with order {self.order} it would change nothing: remove it or set order")

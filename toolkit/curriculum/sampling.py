@@ -40,6 +40,10 @@ Modes:
   Note that the last step (t = 1 - 1 / total_steps) has c slightly below 1 unless the curve saturates earlier.
 
 `replacement=True` needs weights: a stage without weights iterates in epochs. Invalid input raises ToolkitError.
+
+`keep` (a stage `drop` by a model's scores, known only once the model has scored the rows): a mask over the
+samples; the sampler is then the one above over the kept samples alone (each dataset's size its kept count), its
+indices mapped back to the samples' own. The stage's length depends only on how many are kept.
 """
 
 from __future__ import annotations
@@ -105,7 +109,20 @@ class StageSampler:
 
     def __init__(self, *, sizes: list[int], weights: list[float] | None, replacement: bool, order: Order,
                  difficulty: np.ndarray | None, lengths: np.ndarray, pacing: Pacing | None, seed: int,
-                 stage_index: int, global_batch: int, total_steps: int) -> None:
+                 stage_index: int, global_batch: int, total_steps: int, keep: np.ndarray | None = None) -> None:
+        self._kept: np.ndarray | None = None  # with keep: the kept samples' indices, what batches map through
+        self._settings = dict(sizes=sizes, weights=weights, replacement=replacement, order=order, lengths=lengths,
+                              pacing=pacing, seed=seed, stage_index=stage_index, global_batch=global_batch,
+                              total_steps=total_steps)
+        if keep is not None:
+            keep = np.asarray(keep, dtype=bool)
+            if keep.shape != (sum(sizes),):
+                raise ToolkitError(f"Stage {stage_index}: keep has shape {keep.shape}, expected ({sum(sizes)},).")
+            self._kept = np.flatnonzero(keep)
+            starts = np.cumsum([0, *sizes]).astype(np.int64)
+            sizes = [int(keep[a:b].sum()) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
+            lengths = np.asarray(lengths)[keep]
+            difficulty = None if difficulty is None else np.asarray(difficulty)[keep]
         _validate(sizes=sizes, weights=weights, replacement=replacement, order=order, difficulty=difficulty,
                   lengths=lengths, pacing=pacing, seed=seed, stage_index=stage_index, global_batch=global_batch,
                   total_steps=total_steps)
@@ -116,9 +133,6 @@ class StageSampler:
         self._replacement = replacement
         self._pacing = pacing
         self._seed, self._stage = int(seed), int(stage_index)
-        self._settings = dict(sizes=sizes, weights=weights, replacement=replacement, order=order, lengths=lengths,
-                              pacing=pacing, seed=seed, stage_index=stage_index, global_batch=global_batch,
-                              total_steps=total_steps)
         self._g, self._total_steps = int(global_batch), int(total_steps)
         self._steps_per_epoch = self._n // self._g
         self._probs = None if weights is None else np.asarray(weights, dtype=np.float64) / float(sum(weights))
@@ -136,10 +150,14 @@ class StageSampler:
         self._passes: _Lru[np.ndarray] = _Lru(_CACHE * len(sizes))        # mixture (dataset, pass) -> perm
         self._cum_counts: list[np.ndarray] = [np.zeros(len(sizes), dtype=np.int64)]  # draws before block b
 
-    def with_difficulty(self, difficulty: np.ndarray) -> StageSampler:
+    def with_difficulty(self, difficulty: np.ndarray, keep: np.ndarray | None = None) -> StageSampler:
         """The same stage's sampler ordered by `difficulty` (one per sample): a model's scores, known only once
-        the model has scored the stage's rows at its entry (toolkit/train/stage_scores.py)."""
-        return StageSampler(difficulty=difficulty, **self._settings)
+        the model has scored the stage's rows at its entry (toolkit/train/stage_scores.py); `keep`: the samples
+        a drop by those scores leaves (a mask over all of them), else this sampler's own."""
+        if keep is None and self._kept is not None:
+            keep = np.zeros(sum(self._settings["sizes"]), dtype=bool)
+            keep[self._kept] = True
+        return StageSampler(difficulty=difficulty, keep=keep, **self._settings)
 
     @property
     def num_samples(self) -> int:
@@ -164,6 +182,10 @@ class StageSampler:
 
     def batch(self, step_in_stage: int) -> list[int]:
         """Global indices (into the concatenated datasets) of the global batch at a step of this stage."""
+        chosen = self._batch(step_in_stage)
+        return chosen if self._kept is None else self._kept[chosen].tolist()
+
+    def _batch(self, step_in_stage: int) -> list[int]:
         k = int(step_in_stage)
         if k < 0:
             raise ValueError(f"step_in_stage must be >= 0, got {k}")

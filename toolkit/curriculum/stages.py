@@ -31,7 +31,7 @@ from transformers import get_scheduler
 from toolkit.config.schema import AdvanceWhen
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.sampling import Pacing, StageSampler
-from toolkit.data.plan import TrainingSet
+from toolkit.data.plan import TrainingSet, kept_by_rank
 from toolkit.errors import ToolkitError
 
 
@@ -394,7 +394,10 @@ def build_curriculum(stages: list[ResolvedStage], training_sets: list[TrainingSe
                      default_schedule: str, lr_scaling: str = "none",
                      reference_batch_size: int | None = None) -> Curriculum:
     """Each stage placed on the step axis (steps, lr schedule, batch) with its sampler (mixture, order, pacing).
-    With lr_scaling ('linear' or 'sqrt') each stage's lr scales with its own global batch over the reference."""
+    A stage dropped by a model's scores is planned over the rows it will keep; until the scores exist its sampler
+    keeps a stand-in (the rows by length), never drawn from: the scores replace it before the stage's first step
+    (toolkit/train/stage_scores.py). With lr_scaling ('linear' or 'sqrt') each stage's lr scales with its own
+    global batch over the reference."""
 
     def scaled_lr(stage: ResolvedStage) -> float:
         if lr_scaling == "none" or reference_batch_size is None:
@@ -403,7 +406,7 @@ def build_curriculum(stages: list[ResolvedStage], training_sets: list[TrainingSe
         return stage.lr * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
 
     plans = plan_stages(
-        [s.name for s in stages], [len(src.samples) for src in training_sets],
+        [s.name for s in stages], [src.planned_rows for src in training_sets],
         micro_batches=[s.micro_batch_size for s in stages], grad_accum=grad_accum, world_size=world_size,
         epochs=[s.epochs for s in stages], max_steps=[s.max_steps for s in stages],
         lrs=[scaled_lr(s) for s in stages], warmup_ratios=[s.warmup_ratio for s in stages],
@@ -416,6 +419,8 @@ def build_curriculum(stages: list[ResolvedStage], training_sets: list[TrainingSe
                                difficulty=None if src.difficulty is None else np.array(src.difficulty),
                                lengths=np.array(src.lengths), seed=seed, stage_index=plan.index,
                                pacing=Pacing(stage.pacing.kind, stage.pacing.start_fraction) if stage.pacing else None,
-                               global_batch=plan.global_batch, total_steps=plan.steps)
+                               global_batch=plan.global_batch, total_steps=plan.steps,
+                               keep=None if src.dropped_by_score is None else kept_by_rank(
+                                   np.asarray(src.lengths, np.float64), *src.dropped_by_score))
         records.append(Stage(stage, plan, src, sampler, rows))
     return Curriculum(records, default_schedule)

@@ -156,15 +156,26 @@ def drop_by_difficulty(keys: list[np.ndarray], *, easiest: float, hardest: float
     the rows of all the stage's sources ranked together by `keys` (each source's kept rows' difficulty), ties by
     position, floor(share x rows) dropped from each end."""
     flat = np.concatenate(keys) if keys else np.zeros(0, np.float64)
-    n = len(flat)
-    order = np.argsort(flat, kind="stable")
+    keep = kept_by_rank(flat, *drop_counts(len(flat), easiest=easiest, hardest=hardest))
+    return np.split(keep, np.cumsum([len(k) for k in keys])[:-1].astype(np.int64)) if keys else []
+
+
+def drop_counts(rows: int, *, easiest: float, hardest: float) -> tuple[int, int]:
+    """How many of `rows` stage.drop leaves out at the easy and the hard end: floor(share x rows) each, known
+    before any row is ranked (a stage dropped by a model's scores is planned with them before the scores exist)."""
+    return math.floor(round(easiest * rows, 9)), math.floor(round(hardest * rows, 9))  # 0.1 * 1000: 100.00000000000001
+
+
+def kept_by_rank(keys: np.ndarray, n_easy: int, n_hard: int) -> np.ndarray:
+    """The mask of the rows kept once the `n_easy` lowest and the `n_hard` highest `keys` are left out (ties by
+    position: of equal keys the earlier row counts as the easier)."""
+    n = len(keys)
+    order = np.argsort(np.asarray(keys, dtype=np.float64), kind="stable")
     keep = np.ones(n, dtype=bool)
-    n_easy = math.floor(round(easiest * n, 9))  # round: 0.1 * 1000 is 100.00000000000001
-    n_hard = math.floor(round(hardest * n, 9))
     keep[order[:n_easy]] = False
     if n_hard:
         keep[order[n - n_hard:]] = False
-    return np.split(keep, np.cumsum([len(k) for k in keys])[:-1].astype(np.int64)) if keys else []
+    return keep
 
 
 def kept_subset(selection: Selection, keep: np.ndarray) -> Selection:
@@ -381,6 +392,15 @@ class TrainingSet:
     difficulty: Any  # np.ndarray | list[float] | None
     lengths: Any  # np.ndarray | list[int]
     stats: DataStats
+    dropped_by_score: tuple[int, int] | None = None
+    """A drop by a model's scores (stage.drop with difficulty by loss | perplexity | ifd): how many of `samples`
+    it leaves out at the easy and the hard end, once the scores exist (toolkit/train/stage_scores.py); the stage
+    is planned over the rest."""
+
+    @property
+    def planned_rows(self) -> int:
+        """The rows the stage samples from: `samples`, less those a drop by scores will leave out."""
+        return len(self.samples) - sum(self.dropped_by_score or (0, 0))
 
 
 def training_set(parts: Sequence[SourceRows | PairRows], *, needs_difficulty: bool) -> TrainingSet:

@@ -25,6 +25,7 @@ from toolkit.data.plan import (
     StageRows,
     TrainingSet,
     drop_by_difficulty,
+    drop_counts,
     kept_difficulty,
     kept_subset,
     select_pairs,
@@ -162,10 +163,11 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     (data.max_seq_len, data.overlength), rows with nothing to train skipped, the stage's `drop` shares left out,
     packed with data.packing, and the difficulty easy_to_hard / hard_to_easy order by (`stage.difficulty`: the
     rows' field, or token length; by default the `difficulty` key when every row has one; a model's scores are
-    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then). A preference
-    stage (`stage.pairs`) reads its entries' pair stores: its rows are pairs (`select_pairs`, `PairRows`), ordered
-    by their length or difficulty field, never bin-packed. Training and `toolkit inspect-data` both read a stage
-    through this."""
+    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then; so does a drop
+    by them: its counts are set here, `TrainingSet.dropped_by_score`, the rows left out once the scores exist). A
+    preference stage (`stage.pairs`) reads its entries' pair stores: its rows are pairs (`select_pairs`,
+    `PairRows`), ordered by their length or difficulty field, never bin-packed. Training and `toolkit inspect-data`
+    both read a stage through this."""
     ordered = stage.order in ORDERED
     by = stage.difficulty.by if stage.difficulty is not None else None
     needs = (ordered or stage.drop is not None) and by not in ("length", *MODEL_MEASURES)  # scores: at training
@@ -187,7 +189,8 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
             raise ToolkitError(f"{entry.name}: stage '{stage.name}' has difficulty.by field but no row has the key "
                                f"'{field}'; add it to every row or use difficulty.by: length.")
         picked.append((store, selection, values))
-    if stage.drop is not None:
+    scored_drop = stage.drop is not None and by in MODEL_MEASURES  # by the scores: at training, over the rows
+    if stage.drop is not None and not scored_drop:
         every = all(v is not None for _, _, v in picked)
         keys = [v if every and v is not None else sel.lengths.astype(np.float64) for _, sel, v in picked]
         masks = drop_by_difficulty(keys, easiest=stage.drop.easiest, hardest=stage.drop.hardest)
@@ -197,7 +200,10 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
         PairRows(store, selection, difficulty=values if ordered else None) if stage.pairs else
         SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
         for store, selection, values in picked]
-    return training_set(parts, needs_difficulty=ordered)
+    rows = training_set(parts, needs_difficulty=ordered)
+    if scored_drop and stage.drop is not None:
+        rows.dropped_by_score = drop_counts(len(rows.samples), easiest=stage.drop.easiest, hardest=stage.drop.hardest)
+    return rows
 
 
 def pair_rows(selection: Selection) -> Selection:
@@ -227,8 +233,13 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
     if stage.pairs:
         return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
                 f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}")
+    by_score = ""
+    if src.dropped_by_score is not None and stage.difficulty is not None:
+        easy, hard = src.dropped_by_score
+        by_score = (f"; drop by {stage.difficulty.by} of the {stage.difficulty.model} model: {easy} easiest and "
+                    f"{hard} hardest of {len(src.samples)} rows once scored, {src.planned_rows} kept")
     return (f"stage '{stage.name}' data: {src.stats.summary()}"
-            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}")
+            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}{by_score}")
 
 
 def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:

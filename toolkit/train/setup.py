@@ -70,6 +70,7 @@ from toolkit.strategies import sequence_parallel
 from toolkit.train.loop import Run, RunState
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.pair_stage import describe_objective, evaluate_pairs
+from toolkit.train.scorer_model import check_scorers
 from toolkit.train.stability import StabilityGuard
 
 log = logging.getLogger("toolkit")
@@ -142,9 +143,11 @@ def start_afresh(layout: RunLayout, recipe: Recipe, accelerator: Accelerator) ->
 def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, model_path: str,
                    dummy_dir: Path, *, vision: bool, dummy_samples: int) -> tuple[Any, Any]:
     """(processor, tokenizer): the model's processor (vision-language; its tokenizer is saved with the model) or
-    tokenizer; and the generated dummy data files the stages use, written to `dummy_dir` once per machine."""
+    tokenizer; and the generated dummy data files the stages use, written to `dummy_dir` once per machine. A stage's
+    separate scorer model that cannot score the run's rows (another tokenizer) is refused here, before the data."""
     processor, tokenizer = load_processing(model_path, vision=vision, trust_remote_code=recipe.model.trust_remote_code,
                                            chat_template=recipe.data.chat_template)
+    check_scorers(recipe, resolved, tokenizer, vision=vision)
     if uses_dummy_data(resolved) and accelerator.is_local_main_process:
         write_dummy_files(dummy_dir, dummy_samples, seed=recipe.train.seed, vision=vision)
     accelerator.wait_for_everyone()

@@ -1,19 +1,25 @@
 """Scores a model gives a stage's rows at a point of the run, kept in the run folder, read back on every later
-launch: a stage's difficulty `by: loss | perplexity | ifd` (`model: base`, the run's model before training, or
-`current`, the policy as it enters the stage), and any other "score these rows at this stage's entry" (a preference
+launch: a stage's difficulty `by: loss | perplexity | ifd` (`model: base`, the run's model before training,
+`current`, the policy as it enters the stage, or a separate scorer model: toolkit/train/scorer_model.py), what
+orders the stage and what its `drop` ranks by, and any other "score these rows at this stage's entry" (a preference
 stage's reference log-probs take `stage_entry_scores`).
 
 When. `base` scores at step 0, before the first step (with LoRA the prepared model then equals the base: the
-adapters start at zero effect); `current` at the stage's first step, before it runs, with the prepared policy (its
-sharded form under ZeRO-3 / FSDP2: toolkit/evals/scoring.py `row_sums`). The stage's sampler is then rebuilt over
-the scores (`StageSampler.with_difficulty`): the stage's length in steps does not depend on them.
+adapters start at zero effect); a separate scorer at step 0 too, loaded whole for its pass and freed after it;
+`current` at the stage's first step, before it runs, with the prepared policy (its sharded form under ZeRO-3 /
+FSDP2: toolkit/evals/scoring.py `row_sums`). The stage's sampler is then rebuilt over the scores
+(`StageSampler.with_difficulty`): the stage's length in steps does not depend on them. A `drop` by the scores
+leaves out the lowest and highest scored of the stage's rows (packed rows with packing, each ranked by its hardest
+sample), as many as the recipe's shares of them (`TrainingSet.dropped_by_score`, known at launch: the stage is
+planned over the rest), and the sampler draws from the rows kept.
 
 Kept and reused. The row sums go to `<output_dir>/scores/scores-<key>.npz` (toolkit/evals/scoring.py `ScoreCache`),
 written after every block, so a pass stopped part-way goes on at the relaunch. The key hashes what decides the
 scores: the rows (each source's store checksum, kept rows and length cut), the rendering (the rows as trained, or
 their responses alone for IFD), and the scorer (`base`: the base model and the model settings; `current`: the run's
 resume identity, the recipe hash, data checksums, stage batches and trainable state, with the step it scores at, a
-function of which is the policy's state then). A resume inside the stage reads the file and never scores with its
+function of which is the policy's state then; a separate scorer: the sha256 of its weights files and config, and
+its dtype). A resume inside the stage reads the file and never scores with its
 later policy; one whose file is gone is refused in one line. A checkpoint references its scores through its run
 folder: a resume into a new output_dir takes them from the checkpoint's run (`<run>/checkpoints/step-N`). A resume
 from a checkpoint at or before the stage entry scores again from the same state: the same scores (the file, when
@@ -22,6 +28,7 @@ there, is simply read).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -31,13 +38,14 @@ from typing import Any
 import numpy as np
 from accelerate import Accelerator
 
-from toolkit.config.schema import MODEL_MEASURES, ORDERED
+from toolkit.config.schema import MODEL_MEASURES, ORDERED, SCORERS
 from toolkit.curriculum.stages import Stage
-from toolkit.data.plan import KeptRows
+from toolkit.data.plan import KeptRows, kept_by_rank
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import RowSums, ScoreCache, cached_row_sums, measure, response_alone, score_key
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
+from toolkit.train.scorer_model import free_memory, load_scorer, resolve_scorer, weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +84,12 @@ def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[d
 
 
 def model_scored(stage: Stage) -> str | None:
-    """The stage's scorer (`base` | `current`) when a model orders it, else None."""
+    """The stage's scorer (`base` | `current` | a separate scorer's folder or hub id) when a model orders it or
+    ranks it for `drop`, else None."""
     how = stage.resolved.difficulty
-    if how is None or how.by not in MODEL_MEASURES or stage.resolved.order not in ORDERED:
+    if how is None or how.by not in MODEL_MEASURES:
+        return None
+    if stage.resolved.order not in ORDERED and stage.resolved.drop is None:
         return None
     return how.model
 
@@ -135,52 +146,102 @@ def stop_for_signal(run: Any, step: int) -> Callable[[], bool]:
     return ask
 
 
+def _complete(folder: Path, elsewhere: Path | None, key: str, rows: int) -> bool:
+    """Whether the scores of `key` are kept whole here or in `elsewhere` (no model need load for them)."""
+    return any(where is not None and ScoreCache(where, key, rows, writer=False).complete
+               for where in (folder, elsewhere))
+
+
+def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: int
+            ) -> tuple[RowSums | None, RowSums | None]:
+    """The stage's kept rows' sums (and for ifd the responses alone) by `scorer` at step `at`, read back or taken
+    now; (None, None) when a stop signal ended the pass. A separate scorer is loaded only when some are missing and
+    may be taken now, and freed after the pass."""
+    how = stage.resolved.difficulty
+    assert how is not None
+    separate = scorer not in SCORERS
+    path = resolve_scorer(scorer, run.recipe.output_dir) if separate else None
+    scorer_ident = weights_identity(path, run.recipe) if path is not None else scorer_identity(
+        run.identity, scorer, at)
+    ident = {"rows": rows_identity(rows.parts), "scorer": scorer_ident}
+    folder = Path(run.recipe.output_dir) / "scores"
+    elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
+    renders = [("given", rows, "")] + ([("alone", _Alone(rows), " (responses alone, for ifd)")]
+                                      if how.by == "ifd" else [])
+    keys = [score_key(render=render, **ident) for render, _, _ in renders]
+    if run.accelerator.num_processes > 1:  # the main process's last write of these keys is done: all read alike
+        run.accelerator.wait_for_everyone()
+    model: Any = run.model
+    if path is not None:
+        missing = not all(_complete(folder, elsewhere, key, len(rows)) for key in keys)
+        model = None
+        if missing and step == at:  # else stage_entry_scores reads them, or refuses: no model needed
+            attn = run.accelerator.unwrap_model(run.model).config._attn_implementation
+            model = load_scorer(path, run.recipe, run.accelerator.device, attn)
+    name = f"the scorer {scorer}" if separate else f"the {scorer} model"
+    what = f"stage '{stage.name}' scored by {name} at step {at}"
+    stop = stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
+    out: list[RowSums | None] = []
+    try:
+        with run.accelerator.autocast() if separate else contextlib.nullcontext():
+            for (_, samples, said), key in zip(renders, keys, strict=True):
+                out.append(stage_entry_scores(run.accelerator, model, samples, run.collate, stage.plan.micro_batch,
+                                              folder=folder, key=key, may_score=step == at, what=what + said,
+                                              elsewhere=elsewhere, should_stop=stop))
+                if out[-1] is None:
+                    return None, None
+    finally:
+        if path is not None and model is not None:
+            del model
+            free_memory(run.accelerator.device)
+    return out[0], out[1] if len(out) > 1 else None
+
+
 def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
-    """Order `stage` by its model scores (difficulty by loss | perplexity | ifd): score its kept rows (or read
-    them), set the stage's difficulty and sampler from them, and return the per-row scores. `run` is the
-    train loop's `Run`; `step` the global step the run stands at. None for a stage no model orders. Raises
-    `ScoringStopped` when a stop signal ends the pass (`current` scores, from a checkpoint at this step)."""
+    """Order `stage` by its model scores (difficulty by loss | perplexity | ifd), or drop its easiest / hardest
+    rows by them: score its kept rows (or read them), set the stage's difficulty and sampler from them (over the
+    rows a drop keeps), and return the per-row scores of the kept rows. `run` is the train loop's `Run`; `step` the
+    global step the run stands at. None for a stage no model scores. Raises `ScoringStopped` when a stop signal
+    ends the pass (`current` scores, from a checkpoint at this step)."""
     scorer = model_scored(stage)
     if scorer is None:
         return None
     how = stage.resolved.difficulty
     assert how is not None
-    at = 0 if scorer == "base" else stage.plan.start_step
+    at = stage.plan.start_step if scorer == "current" else 0
     rows = KeptRows(stage.data.samples.parts)
-    ident = {"rows": rows_identity(rows.parts), "scorer": scorer_identity(run.identity, scorer, at)}
-    folder = Path(run.recipe.output_dir) / "scores"
-    elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
-    what = f"stage '{stage.name}' scored by the {scorer} model at step {at}"
-    args = (run.accelerator, run.model)
-    stop = stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
-    given = stage_entry_scores(*args, rows, run.collate, stage.plan.micro_batch, folder=folder,
-                               key=score_key(render="given", **ident), may_score=step == at, what=what,
-                               elsewhere=elsewhere, should_stop=stop)
-    alone = None
-    if given is not None and how.by == "ifd":
-        alone = stage_entry_scores(*args, _Alone(rows), run.collate, stage.plan.micro_batch, folder=folder,
-                                   key=score_key(render="alone", **ident), may_score=step == at,
-                                   what=f"{what} (responses alone, for ifd)", elsewhere=elsewhere, should_stop=stop)
-        if alone is None:
-            raise ScoringStopped(what)
+    given, alone = _scores(run, stage, scorer, rows, at, step)
     if given is None:
-        raise ScoringStopped(what)
+        raise ScoringStopped(f"stage '{stage.name}' scored by {scorer} at step {at}")
     scores = measure(how.by, given, alone)
     finite = scores[np.isfinite(scores)]
     hardest = float(finite.max()) + 1.0 if len(finite) else 0.0
     per_row = rows.per_row(np.where(np.isfinite(scores), scores, hardest))  # not finite (ifd over 0): hardest
+    keep = None
+    if stage.data.dropped_by_score is not None:
+        keep = kept_by_rank(per_row, *stage.data.dropped_by_score)
+        easy, hard = stage.data.dropped_by_score
+        log.info("stage '%s': dropped the %d easiest and the %d hardest of its %d rows by %s of %s (%d kept)",
+                 stage.name, easy, hard, len(per_row), how.by, _named(scorer), int(keep.sum()))
     stage.data.difficulty = per_row
-    stage.sampler = stage.sampler.with_difficulty(per_row)
-    log.info("stage '%s': ordered %s by %s of the %s model (%d rows; %s %.4g to %.4g, median %.4g)",
-             stage.name, stage.resolved.order, how.by, scorer, len(scores), how.by,
-             float(finite.min()) if len(finite) else float("nan"), float(finite.max()) if len(finite) else float("nan"),
-             float(np.median(finite)) if len(finite) else float("nan"))
+    stage.sampler = stage.sampler.with_difficulty(per_row, keep)
+    if stage.resolved.order in ORDERED:
+        log.info("stage '%s': ordered %s by %s of %s (%d rows; %s %.4g to %.4g, median %.4g)",
+                 stage.name, stage.resolved.order, how.by, _named(scorer), len(scores), how.by,
+                 float(finite.min()) if len(finite) else float("nan"),
+                 float(finite.max()) if len(finite) else float("nan"),
+                 float(np.median(finite)) if len(finite) else float("nan"))
     return scores
 
 
+def _named(scorer: str) -> str:
+    return f"the {scorer} model" if scorer in SCORERS else f"the scorer {scorer}"
+
+
 def score_before_training(run: Any, step: int) -> None:
-    """The `base` scores of every stage that takes them, at step 0 before the first step (read back when the run
-    resumes later), so that a later stage's `base` is the model before any training."""
+    """The `base` and separate scorers' scores of every stage that takes them, at step 0 before the first step
+    (read back when the run resumes later), so that a later stage's `base` is the model before any training."""
     for stage in run.curriculum.stages:
-        if model_scored(stage) == "base":
+        scorer = model_scored(stage)
+        if scorer is not None and scorer != "current":
             order_by_model(run, stage, step)
