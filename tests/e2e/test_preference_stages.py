@@ -7,7 +7,8 @@ One single-process run is the reference. Checked against it:
 * grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3
   offload: the same reference log-probs under the same key, the same per-step losses, TRL's metrics and the same
   final adapter;
-* exact resume from each of the 6 checkpoints, those inside the DPO stage reading the reference back;
+* exact resume from each of the 6 checkpoints, under every strategy above, those inside the DPO stage reading the
+  reference back;
 * a run stopped by SIGTERM inside the reference pass keeps its finished block, and its relaunch finishes the pass
   and trains exactly as the uninterrupted run;
 * `reference: base` (the adapter switched off) after the LoRA SFT stage starts away from ln 2.
@@ -119,9 +120,13 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         # ZeRO-3 with gradient checkpointing and LoRA: two forwards per step fail there (a CheckpointError, seen
         # with TRL); a step here is one forward of both sides, the reference taken by the pass before the stage.
         checkpointed = ("model.gradient_checkpointing=true",) if strategy == "zero3" else ()
-        train_forked(strategy, 2, two, "train.grad_accum=1", *checkpointed, recipe=RECIPE, dummy_samples=ROWS)
+        overrides = (*EVERY, "train.grad_accum=1", *checkpointed)
+        train_forked(strategy, 2, two, *overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_same_training(two, one, strategy, same_recipe=not checkpointed)
         assert by_step(two)[4]["loss"] == pytest.approx(LN2, abs=1e-6), strategy
+        # Exact resume from each of its 6 checkpoints, under this strategy too.
+        argv = dummy_run_args(*overrides, recipe=RECIPE, dummy_samples=ROWS)
+        assert_exact_from_every_checkpoint(strategy, two, argv, steps=6, mixed_precision="no")
     ulysses = train_forked("zero3_sp2", 2, tmp_path / "sp2", recipe=RECIPE, dummy_samples=ROWS, check=False)
     assert ulysses.returncode == 2 and "which Ulysses sequence parallelism does not split yet" in ulysses.stderr
 
