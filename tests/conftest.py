@@ -338,12 +338,12 @@ def _end_the_relauncher() -> Iterator[None]:
 
 
 def relaunch(strategy: str | Path, runs: list[tuple[list[str], Path]], *, mixed_precision: str | None = "no",
-             num_processes: int | None = None, env: dict[str, str] | None = None) -> list[int]:
+             num_processes: int | None = None, env: dict[str, str] | None = None, entry: str = "train") -> list[int]:
     """Run `train_curriculum.py ARGV` once per (argv, log) as `accelerate launch` of `strategy`'s config would
     (`num_processes`: processes_for's by default), each run in fresh processes forked from one parent that
     imported everything once, kept for the session (tests/helpers/relaunch.py says why); returns the exit codes. Each
     run's output (all ranks) is in its log. `mixed_precision` None: the config file's. `env`: added to the ranks'
-    environment."""
+    environment. `entry` "toolkit": `toolkit ARGV` instead (as `accelerate launch -m toolkit ARGV` runs it)."""
     jobs = runs[0][1].parent / f"jobs-{os.getpid()}-{time.monotonic_ns()}.json"
     jobs.write_text(json.dumps({
         "launch": ["--config_file", str(strategy if isinstance(strategy, Path) else
@@ -351,7 +351,7 @@ def relaunch(strategy: str | Path, runs: list[tuple[list[str], Path]], *, mixed_
                    "--num_processes", str(num_processes or processes_for(str(strategy))),
                    *(["--mixed_precision", mixed_precision] if mixed_precision is not None else [])],
         "runs": [{"argv": argv, "log": str(log)} for argv, log in runs], "env": env or {},
-        "timeout": LAUNCH_TIMEOUT_S}))
+        "timeout": LAUNCH_TIMEOUT_S, "entry": entry}))
     return _Relauncher.ask(jobs, timeout=LAUNCH_TIMEOUT_S + 60 * len(runs))
 
 

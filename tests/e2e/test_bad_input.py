@@ -11,6 +11,7 @@ cases marked `subprocess` (and the tests below the table) launch real processes,
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 import shutil
@@ -24,8 +25,9 @@ from typing import Any
 import pytest
 import yaml
 
+import train_curriculum
 from tests.conftest import CHAT, REPO, base_recipe, launch_cmd, run_env, run_launch, write_jsonl
-from tests.helpers.inprocess import Call, invoke, snapshot
+from tests.helpers.inprocess import Call, invoke, process_state_kept, snapshot
 from toolkit.builtin.models import TINY_MODEL
 from toolkit.runtime.run_dir import RunLayout, RunLock
 
@@ -658,6 +660,39 @@ def _(c: Ctx) -> Call:
 @case("score-unknown-stage")
 def _(c: Ctx) -> Call:
     return Call(["score", "--config", str(c.recipe()), "--stage", "nope"], c.tmp / "run", tool="toolkit")
+
+
+@case("score-dummy-samples-zero")
+def _(c: Ctx) -> Call:
+    recipe = c.recipe(stage("data", ["dummy:stage1"]))
+    return Call(["score", "--config", str(recipe), "--num-dummy-samples", "0"], c.tmp / "run", tool="toolkit")
+
+
+@case("score-vision-language")
+def _(c: Ctx) -> Call:
+    return Call(["score", "--config", str(c.recipe()), f"model.name_or_path={c.models['vl']}"], c.tmp / "run",
+                tool="toolkit")
+
+
+@case("score-output-dir-in-use")
+def _(c: Ctx) -> Call:
+    call = Call(["score", "--config", str(c.recipe())], c.tmp / "run", tool="toolkit")
+    lock = RunLock(RunLayout(c.tmp / "run"))  # a live run's lock
+    assert lock.acquire() is None
+    c.keep.append(lock)
+    return call
+
+
+@case("scores-missing-on-resume")
+def _(c: Ctx) -> Call:
+    """A run ordered by the base model's loss, trained here for 1 step (a checkpoint at 1), whose scores
+    were then deleted: the relaunch resumes at step 1, past step 0 where they were taken."""
+    call = c.train(change=lambda t: t["stages"][0].update(order="easy_to_hard", max_steps=1,
+                                                          difficulty={"by": "loss", "model": "base"}))
+    with contextlib.chdir(c.tmp), contextlib.redirect_stderr(io.StringIO()) as err, process_state_kept():
+        assert train_curriculum.main(call.argv) == 0, err.getvalue()[-3000:]
+    shutil.rmtree(c.tmp / "run" / "scores")
+    return call
 
 
 @case("preflight-accelerate-config-missing")

@@ -5,7 +5,8 @@
 
 JOBS.json: {"launch": [accelerate launch options, e.g. "--config_file", F, "--num_processes", "2"],
             "runs": [{"argv": [train_curriculum.py arguments], "log": "path/for/output"}, ...],
-            "env": {extra environment of the ranks (optional)}, "timeout": seconds per run}
+            "env": {extra environment of the ranks (optional)}, "timeout": seconds per run,
+            "entry": "train" (default) or "toolkit": the `toolkit` command's main, as `accelerate launch -m toolkit`}
 Prints one JSON line per jobs file, after REPLY_MARK: the exit code of each run (the first non-zero rank's, else 0),
 and when serving the jobs file's path (a test stopped by its timeout leaves its reply to come, for no one).
 
@@ -80,8 +81,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child(env: dict[str, str], rank: int, world: int, port: int, argv: list[str], log: Path) -> None:
-    """One rank: the launched environment, output to `log`, then the script's own main and exit."""
+def child(env: dict[str, str], rank: int, world: int, port: int, argv: list[str], log: Path,
+          entry: str = "train") -> None:
+    """One rank: the launched environment, output to `log`, then the script's own main (`entry` "toolkit": the
+    `toolkit` command's, as `python -m toolkit` runs it) and exit."""
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
@@ -99,9 +102,10 @@ def child(env: dict[str, str], rank: int, world: int, port: int, argv: list[str]
     code = 1
     try:
         import train_curriculum
+        from toolkit.commands import cli
         from toolkit.runtime import process as distributed
 
-        distributed.exit_without_teardown(train_curriculum.main(argv))
+        distributed.exit_without_teardown((cli.main if entry == "toolkit" else train_curriculum.main)(argv))
     except BaseException:  # a child must never return into the parent's loop
         import traceback
 
@@ -110,13 +114,13 @@ def child(env: dict[str, str], rank: int, world: int, port: int, argv: list[str]
         os._exit(code)
 
 
-def run_one(env: dict[str, str], world: int, argv: list[str], log: Path, timeout: float) -> int:
+def run_one(env: dict[str, str], world: int, argv: list[str], log: Path, timeout: float, entry: str = "train") -> int:
     """Fork the ranks of one run, wait for all of them; a rank that fails ends the others (as torchrun does)."""
     port, pids = free_port(), []
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            child(env, rank, world, port, argv, log)
+            child(env, rank, world, port, argv, log, entry)
         pids.append(pid)
     codes: dict[int, int] = {}
     deadline = time.monotonic() + timeout
@@ -199,7 +203,8 @@ def run_jobs(path: Path) -> list[int]:
     # writes to each object's page, copying it from the parent. Only what the parent holds is frozen; a child's
     # own objects are collected as in any process.
     gc.freeze()
-    return [run_one(env, world, run["argv"], Path(run["log"]), jobs.get("timeout", 600)) for run in jobs["runs"]]
+    return [run_one(env, world, run["argv"], Path(run["log"]), jobs.get("timeout", 600), jobs.get("entry", "train"))
+            for run in jobs["runs"]]
 
 
 def main() -> None:

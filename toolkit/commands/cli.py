@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -104,11 +105,18 @@ def _inspect_data(args: argparse.Namespace) -> None:
 
 
 def _score(args: argparse.Namespace) -> None:
+    import logging
+
     from toolkit.commands.score import score
     from toolkit.config.load import load_recipe
 
-    print(score(load_recipe(args.config, args.overrides), stage=args.stage,
-                out=None if args.out is None else Path(args.out)))
+    # The pass's progress (rows/s, ETA) and what it builds, on stderr as training logs them: rank 0's, under a launch.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.WARNING)
+    logging.getLogger("toolkit").setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    report = score(load_recipe(args.config, args.overrides), stage=args.stage,
+                   out=None if args.out is None else Path(args.out), dummy_samples=args.num_dummy_samples)
+    if report is not None:  # rank 0's, under a launch
+        print(report)
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -195,10 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_inspect_data)
 
     p = sub.add_parser("score", help="Score a stage's rows with the recipe's model before training (loss, "
-                       "perplexity or ifd): a histogram, the easiest and hardest rows, every row's score in parquet.")
+                       "perplexity or ifd): a histogram, the easiest and hardest rows, every row's score in parquet; "
+                       "the scores training takes are kept for it. Under `accelerate launch --config_file C -m "
+                       "toolkit score ...` the pass runs under that config's strategy, the rows shared by the ranks.")
     p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
     p.add_argument("--stage", help="The stage (default: the first one a model orders, else the first).")
     p.add_argument("--out", help="The parquet file to write (default <output_dir>/scores/<stage>.parquet).")
+    p.add_argument("--num-dummy-samples", type=int, default=256, help="Rows per generated file of a recipe on "
+                   "dummy: data (train_curriculum.py's --num_dummy_samples: the same rows, the scores it reads).")
     p.add_argument("overrides", nargs="*", help="Recipe overrides, key.sub=value.")
     p.set_defaults(func=_score)
 
@@ -221,9 +233,35 @@ def _stop(signum: int, frame: object) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
+def _error_line(message: str) -> str | None:
+    """The `error:` line of bad input, or None where rank 0 of a launch says the same line (`toolkit score` under
+    `accelerate launch`: one line in all, toolkit/runtime/exit_lines.py)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from toolkit.runtime.exit_lines import LastWords
+
+        return LastWords().stopped_on_error(message)
+    return f"error: {message}"
+
+
+def _launched_end(code: int) -> int:
+    """A process of a launch (`accelerate launch -m toolkit ...`: LOCAL_RANK set, its process group up) ends here,
+    without the interpreter's teardown that DeepSpeed's ZeRO-3 on gloo now and then aborts in
+    (toolkit/runtime/process.py `exit_without_teardown`); any other returns `code`."""
+    dist = sys.modules.get("torch.distributed")
+    if "LOCAL_RANK" in os.environ and dist is not None and dist.is_available() and dist.is_initialized():
+        from toolkit.runtime.process import exit_without_teardown
+
+        exit_without_teardown(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every command ends with one line on bad input (exit 2), Ctrl-C (130) or SIGTERM (75): what the commands
     write (token stores, exports, plots) is built aside and renamed in, so a stop keeps nothing half-written."""
+    return _launched_end(_main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # its unknown arguments are train_curriculum.py's, those after `--` accelerate's
         from toolkit.commands.train import parse_args, train
@@ -236,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except ToolkitError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if (line := _error_line(str(e))) is not None:
+            print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; nothing half-written was kept.", file=sys.stderr)

@@ -29,6 +29,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -255,6 +257,18 @@ class Progress:
                 f"{rate:.1f} rows/s, ETA {left:.0f} s")
 
 
+STOP_FAULT_ENV = "TOOLKIT_FAULT_STOP_SCORING"
+"""Fault injection for tests: 'ROWS[:TEXT]' makes a pass (one whose name holds TEXT, if given) go in blocks of ROWS
+rows, and rank 0 send itself SIGTERM once its first block is kept: a scheduler's stop that lands inside the pass, at
+a known row."""
+
+
+def _stop_fault(what: str) -> int:
+    """The block size STOP_FAULT_ENV asks of the pass named `what` (0: none)."""
+    rows, _, text = os.environ.get(STOP_FAULT_ENV, "").partition(":")
+    return int(rows) if rows and text in what else 0
+
+
 def cached_row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence[dict[str, Any]],
                     collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
                     cache: ScoreCache | None, what: str = "scoring", block_rows: int | None = None,
@@ -267,13 +281,18 @@ def cached_row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: S
     cache = cache if cache is not None else ScoreCache(None, "", len(samples), writer=False)
     todo = np.flatnonzero(~cache.done)
     if len(todo):
-        block = block_rows or max(micro_batch_size * accelerator.num_processes * 16, 1)
+        fault = _stop_fault(what)
+        block = fault or block_rows or max(micro_batch_size * accelerator.num_processes * 16, 1)
         progress = Progress(what, len(samples), len(samples) - len(todo))
+        first = [True]  # the fault's one signal
 
         def keep(indices: np.ndarray, part: RowSums) -> None:
             cache.record(indices, part)
             if accelerator.is_main_process:
                 log.info("%s", progress.line(len(indices)))
+                if fault and first:  # STOP_FAULT_ENV: the stop lands after this block, on rank 0 alone
+                    first.clear()
+                    os.kill(os.getpid(), signal.SIGTERM)
             if should_stop is not None and not cache.complete and should_stop():
                 raise _StopPass
 

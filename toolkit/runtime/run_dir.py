@@ -336,7 +336,7 @@ def not_a_run(layout: RunLayout) -> list[str]:
     folder whole, marker included): a save of that step would replace it."""
     names = {p.name for p in (layout.checkpoints, layout.final, layout.metrics, layout.run_json, layout.trackers,
                               layout.dummy_data, layout.plot, layout.evals, layout.matrix_plot, layout.logs,
-                              layout.earlier_attempts)} | {f"{layout.final.name}.tmp", CACHE}
+                              layout.earlier_attempts, layout.scores)} | {f"{layout.final.name}.tmp", CACHE}
 
     def ours(path: Path) -> bool:
         if path.name == layout.recipe.name:

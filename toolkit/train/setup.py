@@ -72,6 +72,7 @@ from toolkit.train.optimizer import StageFreezer
 from toolkit.train.pair_stage import describe_objective, evaluate_pairs
 from toolkit.train.scorer_model import check_scorers
 from toolkit.train.stability import StabilityGuard
+from toolkit.train.stage_scores import check_kept_scores
 
 log = logging.getLogger("toolkit")
 
@@ -108,6 +109,7 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
                                                  run.resumed.step, run.curriculum.end_step, meta["stage"])
     for difference in forced:
         log.warning("checkpoint.resume_force: resumed despite %s", difference)
+    check_kept_scores(run, run.resumed.step)  # scores taken before this step: there, or refused before any write
 
 
 def claim_output_dir(layout: RunLayout, resume: str, accelerator: Accelerator) -> tuple[RunLock, Path | None]:

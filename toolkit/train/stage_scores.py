@@ -197,6 +197,26 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
     return out[0], out[1] if len(out) > 1 else None
 
 
+def scoring_step(stage: Stage) -> int | None:
+    """The step at which the model that scores `stage` takes its scores: the stage's first step for `current`,
+    0 for `base` and a separate scorer (before any training); None for a stage no model scores."""
+    scorer = model_scored(stage)
+    return None if scorer is None else stage.plan.start_step if scorer == "current" else 0
+
+
+def entry_sums(run: Any, stage: Stage, step: int) -> tuple[RowSums, RowSums | None]:
+    """The row sums a model-scored `stage` is ordered (or dropped) by, from the run standing at `step`: taken now
+    when `step` is its `scoring_step`, else read back (or refused, `stage_entry_scores`). `run` is the train loop's
+    `Run`, or `toolkit score`'s stand-in for one (recipe, identity, accelerator, model, collate, resumed_from,
+    preemption). Collective. Raises `ScoringStopped` when a stop signal ends the pass."""
+    scorer, at = model_scored(stage), scoring_step(stage)
+    assert scorer is not None and at is not None
+    given, alone = _scores(run, stage, scorer, KeptRows(stage.data.samples.parts), at, step)
+    if given is None:
+        raise ScoringStopped(f"stage '{stage.name}' scored by {scorer} at step {at}")
+    return given, alone
+
+
 def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
     """Order `stage` by its model scores (difficulty by loss | perplexity | ifd), or drop its easiest / hardest
     rows by them: score its kept rows (or read them), set the stage's difficulty and sampler from them (over the
@@ -236,6 +256,18 @@ def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
 
 def _named(scorer: str) -> str:
     return f"the {scorer} model" if scorer in SCORERS else f"the scorer {scorer}"
+
+
+def check_kept_scores(run: Any, step: int) -> None:
+    """A launch resumed at `step` reads the scores taken before it (every stage's scored at step 0, and those of
+    the stage it resumes inside when they were taken at its entry): read them now, before the launch writes anything
+    into its run folder, so that one missing or incomplete is refused in one line while the folder is as it was
+    (`stage_entry_scores`). Nothing is scored, and no separate scorer loaded: these scores were taken earlier."""
+    here = run.curriculum.locate(step)[0] if step < run.curriculum.end_step else None
+    for stage in run.curriculum.stages:
+        at = scoring_step(stage)
+        if at is not None and at < step and (model_scored(stage) != "current" or stage is here):
+            entry_sums(run, stage, step)
 
 
 def score_before_training(run: Any, step: int) -> None:
