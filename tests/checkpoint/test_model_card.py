@@ -61,9 +61,9 @@ def test_a_lora_card_loads_with_the_hubs_front_matter_and_names_every_stage(tmp_
     assert body.lstrip().startswith("# my-run\n") and "A LoRA adapter (PEFT) for `Qwen/Qwen3-0.6B`" in body
     # the stages in order, each with its data (and mixture weights), rows, steps, tokens, what trained, lr
     assert body.index("| 1 | warmup_short |") < body.index("| 2 | long_reasoning |")
-    assert ("| 1 | warmup_short | `data/easy.jsonl` (weight 0.7), `org/hub-chat` (weight 0.3) | 1,200 | 40 | 640 "
+    assert ("| 1 | warmup_short | sft | `data/easy.jsonl` (weight 0.7), `org/hub-chat` (weight 0.3) | 1,200 | 40 | 640 "
             "| 81,920 | `lora` (1,081,344 parameters) | 0.0001 | its length |") in body
-    assert ("| 2 | long_reasoning | `data/hard.parquet` | 300 | 12 | 192 | 40,000 | `lora`, `model.embed_tokens` "
+    assert ("| 2 | long_reasoning | sft | `data/hard.parquet` | 300 | 12 | 192 | 40,000 | `lora`, `model.embed_tokens` "
             "(2,000,000 parameters) | 5e-05 | advance_when |") in body
     # the recipe: its path, and the resolved recipe in a details block
     assert "Trained with the recipe `recipes/my.yaml`." in body
@@ -93,8 +93,8 @@ def test_a_full_vision_language_fine_tune_from_a_local_folder(tmp_path: Path) ->
         assert card.data.tags == ["curriculum-toolkit", "curriculum-learning"]
         assert f"A full fine-tune of `{base}`" in card.text and f"## Base model\n\n`{base}`" in card.text
         assert "Trained with the toolkit's embedded default recipe." in card.text
-        assert "| 1 | s | `dummy:stage1` | 8 | 2 | 8 | - | all parameters | 0.001 | - |" in card.text
-        assert "| 2 | t | `dummy:stage2` | 8 | 1 | 4 | - | all 5,000 parameters | 0.001 | - |" in card.text
+        assert "| 1 | s | sft | `dummy:stage1` | 8 | 2 | 8 | - | all parameters | 0.001 | - |" in card.text
+        assert "| 2 | t | sft | `dummy:stage2` | 8 | 1 | 4 | - | all 5,000 parameters | 0.001 | - |" in card.text
         assert "- Final training loss: -" in card.text and "Evaluations" not in card.text
 
 
@@ -214,7 +214,8 @@ def test_the_card_records_paths_relative_to_the_recipe_not_this_machines(tmp_pat
     layout = RunLayout(project / "runs" / "r")
     layout.root.mkdir(parents=True)
     layout.metrics.write_text('{"step": 1, "loss": 1.0}\n')
-    resolved = SimpleNamespace(paths=[str(project / "data/a.jsonl"), "org/hub-chat"], weights=None, trainable=None)
+    resolved = SimpleNamespace(paths=[str(project / "data/a.jsonl"), "org/hub-chat"], weights=None, trainable=None,
+                               pairs=False)
     plan = SimpleNamespace(num_samples=4, steps=1, global_batch=4, lr=1e-4)
     curriculum = SimpleNamespace(stages=[SimpleNamespace(name="only", resolved=resolved, plan=plan,
                                                          trainable_params=None)])

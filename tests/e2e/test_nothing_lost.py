@@ -333,7 +333,7 @@ def test_final_holds_a_model_card_that_loads(trained: Path, tmp_path: Path) -> N
     base = os.path.relpath(base, trained)  # the card's paths are relative to the recipe's folder (issue 39)
     assert str(trained) not in card.text and not base.startswith("/")
     assert f"A LoRA adapter (PEFT) for `{base}`" in card.text and "Trained with the recipe `recipe.yaml`." in card.text
-    assert "| 1 | only | `data.jsonl` | 16 | 3 | 12 |" in card.text and "| `lora` (" in card.text
+    assert "| 1 | only | sft | `data.jsonl` | 16 | 3 | 12 |" in card.text and "| `lora` (" in card.text
     assert "## Chat template\n\nqwen3 (the base model's own)." in card.text
     losses = read_metrics(run / "metrics.jsonl", "train")
     assert (f"- Steps: 3 (0 skipped)\n- Tokens trained: {losses[-1]['tokens']:,}\n- Final training loss: "
