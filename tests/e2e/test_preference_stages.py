@@ -9,7 +9,8 @@ One single-process run is the reference. Checked against it:
   final adapter;
 * exact resume from each of the 6 checkpoints, under every strategy above, those inside the DPO stage reading the
   reference back;
-* a run stopped by SIGTERM inside the reference pass keeps its finished block, and its relaunch finishes the pass
+* a run stopped by SIGTERM inside the reference pass (TOOLKIT_FAULT_STOP_SCORING) keeps its finished block, and its
+  relaunch finishes the pass
   and trains exactly as the uninterrupted run;
 * `reference: base` (the adapter switched off) after the LoRA SFT stage starts away from ln 2.
 """
@@ -25,10 +26,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, dummy_run_args, train, train_forked
+from tests.conftest import dummy_run_args, train_forked
 from tests.e2e.test_resume import assert_exact_from_every_checkpoint
 from toolkit.checkpoint.portable import portable_lora_file
+from toolkit.evals.scoring import STOP_FAULT_ENV
 from toolkit.metrics.log import read_metrics
+from toolkit.runtime.signals import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +40,6 @@ EVERY = ("checkpoint.keep_last=6",)
 ROWS = 32
 LN2 = math.log(2)
 TWO_PROCESSES = ("ddp", "fsdp", "zero2", "zero3", "zero3_offload")
-STOPPER = REPO / "tests" / "helpers" / "stop_in_scoring.py"
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
 
@@ -139,12 +141,11 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
 
     # Stopped by SIGTERM after the reference pass's first block: the block kept, the relaunch goes on from it.
     stopped = tmp_path / "stopped"
-    proc = train("single", 1, stopped, *EVERY, recipe=RECIPE, dummy_samples=ROWS, script=STOPPER, check=False,
-                 env={"STOP_IN_SCORING": "train reference log-probs"})
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "during the scoring pass" in output, output[-3000:]
+    proc = train_forked("single", 1, stopped, *EVERY, recipe=RECIPE, dummy_samples=ROWS, check=False,
+                        env={STOP_FAULT_ENV: "16:train reference log-probs"})  # blocks of 16 sides, stopped after one
+    assert proc.returncode == PREEMPTED_EXIT_CODE and "during the scoring pass" in proc.stderr, proc.stderr[-3000:]
     (partial,) = [a for a in references(stopped).values() if not a["done"].all()]  # the train pass, cut
-    assert partial["done"].any()
+    assert partial["done"].sum() == 16
     again = train_forked("single", 1, stopped, *EVERY, recipe=RECIPE, dummy_samples=ROWS)
     assert "resumed (exact)" in again.stderr
     assert_same_training(stopped, one, "stopped in the pass")
