@@ -4,14 +4,14 @@ a DPO stage of 3 steps on dummy pairs, its reference the policy as it enters the
 One single-process run is the reference. Checked against it:
 * the DPO stage's first step: the policy equals its reference, so the sigmoid loss is ln 2 and the rewards are 0,
   although the SFT stage moved the adapter (its lora_B left zero);
-* grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3
-  offload: the same reference log-probs under the same key, the same per-step losses, TRL's metrics and the same
-  final adapter;
+* grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 (with gradient
+  checkpointing) and ZeRO-3 offload: the same reference log-probs, per-step losses, TRL's metrics and final adapter;
+  Ulysses (zero3_sp2) refused in one line;
+* the forgetting matrix over both stages' evals: the DPO stage's eval pairs from its entry on;
 * exact resume from each of the 6 checkpoints, under every strategy above, those inside the DPO stage reading the
   reference back;
 * a run stopped by SIGTERM inside the reference pass (TOOLKIT_FAULT_STOP_SCORING) keeps its finished block, and its
-  relaunch finishes the pass
-  and trains exactly as the uninterrupted run;
+  relaunch finishes the pass and trains exactly as the uninterrupted run;
 * `reference: base` (the adapter switched off) after the LoRA SFT stage starts away from ln 2.
 """
 
