@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +28,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import dummy_run_args, train_forked
+from tests.conftest import REPO, dummy_run_args, free_port, run_launch, train_forked
 from tests.e2e.test_resume import assert_exact_from_every_checkpoint
+from tests.e2e.test_strategies import two_machines_on_loopback
 from toolkit.checkpoint.portable import portable_lora_file
 from toolkit.evals.scoring import STOP_FAULT_ENV
 from toolkit.metrics.log import read_metrics
@@ -154,3 +157,41 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     base = tmp_path / "base"
     train_forked("single", 1, base, "stages.1.preference={reference: base}", recipe=RECIPE, dummy_samples=ROWS)
     assert abs(by_step(base)[4]["loss"] - LN2) > 1e-3
+
+
+def header_launch_line(recipe: str) -> list[str]:
+    """The `accelerate launch ...` line a recipe's header gives, as its words."""
+    lines = [line.lstrip("#").strip() for line in (REPO / recipe).read_text().splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("accelerate launch"))
+    words = []
+    for line in lines[start:]:
+        words += shlex.split(line.rstrip("\\"))
+        if not line.endswith("\\"):
+            return words
+    raise AssertionError(f"{recipe}: the launch line does not end")
+
+
+@pytest.mark.timeout(900)
+def test_the_recipe_s_launch_line_trains_both_stages_and_so_does_multinode_zero3(tmp_path: Path) -> None:
+    """recipes/sft_then_dpo.yaml's header line as written (only a free port added: tests run side by side), from a
+    folder holding the repository's recipes, configs and entry, so its relative paths and output_dir resolve as
+    a user's would; then multinode_zero3.yaml as its header says (2 machines on loopback, the file's bf16)."""
+    words = header_launch_line(RECIPE)
+    assert words[:2] == ["accelerate", "launch"] and "accelerate_configs/zero3.yaml" in words
+    for name in ("recipes", "accelerate_configs", "ds_configs", "train_curriculum.py"):
+        (tmp_path / name).symlink_to(REPO / name)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *words[2:]]
+    proc = run_launch(cmd, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    steps = by_step(tmp_path / "outputs" / "sft_then_dpo")
+    assert [steps[s]["stage"] for s in sorted(steps)] == ["sft"] * 3 + ["dpo"] * 3
+    assert steps[4]["loss"] == pytest.approx(LN2, abs=1e-6)  # the recipe's fp32 (--mixed_precision no)
+
+    out = tmp_path / "multinode"
+    two_machines_on_loopback("multinode_zero3", out, mixed_precision=None, recipe=RECIPE,
+                             overrides=("stages.0.max_steps=1", "stages.1.max_steps=2"))
+    steps = by_step(out)
+    assert [steps[s]["stage"] for s in sorted(steps)] == ["sft", "dpo", "dpo"]
+    assert json.loads((out / "run.json").read_text())["mixed_precision"] == "bf16"
+    assert steps[2]["loss"] == pytest.approx(LN2, abs=2e-2)  # bf16: the reference pass and the step round apart
+    assert (out / "final" / "adapter_model.safetensors").is_file()
