@@ -539,6 +539,8 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
     (["stages.0.objective=dpo", "stages.0.preference={simpo_gamma: 1}"], "only simpo stages use it"),
     (["stages.0.objective=orpo", "stages.0.preference={loss: [hinge]}"], "pair loss is orpo itself"),
     (["stages.0.objective=simpo", "stages.0.preference={reference: base}"], "simpo takes no reference"),
+    (["stages.0.objective=orpo", "stages.0.preference={loss_weights: [0.5]}"],
+     "an orpo stage weighs only its sft term"),
     (["lora.enabled=false", "stages.0.objective=dpo", "stages.0.preference={reference: base}"],
      "reference is base (the model with its LoRA adapter off) but lora.enabled is false"),
 ])

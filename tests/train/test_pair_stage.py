@@ -24,6 +24,8 @@ def stage_of(*overrides: str):  # the embedded default's stage 1, made a prefere
     (["stages.1.objective=orpo"], ("orpo",), False, "orpo (orpo; beta 0.1)"),
     (["stages.1.objective=orpo", "stages.1.preference={loss: [sft]}"], ("orpo", "sft"), False,
      "orpo (orpo, sft; beta 0.1)"),
+    (["stages.1.objective=orpo", "stages.1.preference={loss: [sft], loss_weights: [0.25]}"], ("orpo", "sft"),
+     False, "orpo (orpo, sft x0.25; beta 0.1)"),
     (["stages.1.objective=simpo", "stages.1.preference={beta: 2.0, simpo_gamma: 1.0}"], ("simpo",), False,
      "simpo (simpo; beta 2; gamma 1)"),
 ])

@@ -530,6 +530,9 @@ class StageConfig(_Section):
             if pref.reference is not None:
                 raise ValueError(f"preference.reference is {pref.reference} but {self.objective} takes no "
                                  "reference; remove it")
+            if pref.loss_weights is not None and not ("loss" in pref.model_fields_set and "sft" in pref.loss):
+                raise ValueError(f"preference.loss_weights is set but an {self.objective} stage weighs only its sft "
+                                 "term: name it (loss: [sft], loss_weights: [w]) or remove loss_weights")
         if self.objective == "dpo" and pref is not None and pref.loss == ["sft"]:
             raise ValueError("preference.loss is only sft; add a pair loss (sigmoid, ipo, hinge, robust) or make the "
                              "stage's objective sft")

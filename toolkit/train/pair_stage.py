@@ -64,17 +64,16 @@ METRIC_SUMS = len(METRICS) + 1
 
 def settings_of(stage: ResolvedStage) -> PreferenceSettings:
     """The stage's loss settings: `preference` as given (TRL's defaults where absent); an orpo / simpo stage's pair
-    loss is its objective, with the sft term when `preference.loss` names it."""
+    loss is its objective (weight 1), with the sft term when `preference.loss` names it (its `loss_weights`, one
+    weight, is the sft term's: the schema refuses it otherwise)."""
     pref = stage.preference
-    names = ["sigmoid"] if pref is None else list(pref.loss)
-    if stage.objective in ("orpo", "simpo"):
-        names = [stage.objective, *(["sft"] if "sft" in names and pref is not None and
-                                    "loss" in pref.model_fields_set else [])]
-    weights = None
-    if pref is not None and pref.loss_weights is not None:
-        weights = tuple(pref.loss_weights) if stage.objective == "dpo" else None
     if pref is None:
-        return PreferenceSettings(loss=tuple(names))
+        return PreferenceSettings(loss=(stage.objective,) if stage.objective in ("orpo", "simpo") else ("sigmoid",))
+    names, weights = list(pref.loss), None if pref.loss_weights is None else tuple(pref.loss_weights)
+    if stage.objective in ("orpo", "simpo"):
+        sft = "loss" in pref.model_fields_set and "sft" in pref.loss
+        names = [stage.objective, *(["sft"] if sft else [])]
+        weights = None if weights is None or not sft else (1.0, *weights)
     return PreferenceSettings(loss=tuple(names), loss_weights=weights, beta=pref.beta,
                               label_smoothing=pref.label_smoothing, simpo_gamma=pref.simpo_gamma)
 
