@@ -6,7 +6,7 @@ One single-process run is the reference. Checked against it:
   although the SFT stage moved the adapter (its lora_B left zero);
 * grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 (with gradient
   checkpointing) and ZeRO-3 offload: the same reference log-probs, per-step losses, TRL's metrics and final adapter;
-  Ulysses (zero3_sp2) refused in one line;
+  Ulysses (zero3_sp2, each side's tokens split over the 2 processes) too;
 * the forgetting matrix over both stages' evals: the DPO stage's eval pairs from its entry on;
 * exact resume from each of the 6 checkpoints, under every strategy above, those inside the DPO stage reading the
   reference back;
@@ -132,8 +132,12 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         # Exact resume from each of its 6 checkpoints, under this strategy too.
         argv = dummy_run_args(*overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_exact_from_every_checkpoint(strategy, two, argv, steps=6, mixed_precision="no")
-    ulysses = train_forked("zero3_sp2", 2, tmp_path / "sp2", recipe=RECIPE, dummy_samples=ROWS, check=False)
-    assert ulysses.returncode == 2 and "which Ulysses sequence parallelism does not split yet" in ulysses.stderr
+    # Ulysses: each process trains half of every side's tokens; the group's per-segment sums are added by a
+    # differentiable all-reduce. One replica of 2 processes: the same batches as the single process.
+    ulysses = tmp_path / "sp2"
+    proc = train_forked("zero3_sp2", 2, ulysses, recipe=RECIPE, dummy_samples=ROWS)
+    assert "sequence parallelism: Ulysses over 2 processes per row" in proc.stderr
+    assert_same_training(ulysses, one, "zero3_sp2")
 
     argv = dummy_run_args(*EVERY, recipe=RECIPE, dummy_samples=ROWS)
     assert_exact_from_every_checkpoint("single", one, argv, steps=6, mixed_precision="no")

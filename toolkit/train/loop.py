@@ -306,6 +306,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     # Under Ulysses each process of a sequence-parallel group trains its slice of the same micro-batches.
     place = sequence_parallel.layout(acc)
     real: list[int | None] = [None] * len(micro)
+    whole = [m.batch for m in micro]  # before slicing: a pair batch's counts and segments are over whole rows
     if place.sequence_parallel:
         sliced = [sequence_parallel.shard_batch(m.batch, place, ignore_index=IGNORE_INDEX) for m in micro]
         micro = [m._replace(batch=b) for m, (b, _) in zip(micro, sliced, strict=True)]
@@ -320,8 +321,12 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
     pairs = stage.resolved.pairs  # a preference stage: normalised by the global batch's pairs (pair_stage.py)
     if pairs:
-        norm_pairs, norm_tokens = global_normalisers(acc, *pair_normalisers(batches), averaged * accum)
-        segments = [segment_ids(b) for b in batches]  # on the host: the device copy's boundaries are not read back
+        # Under Ulysses every process of a group counts its whole rows, so the counts hold each pair sp_size
+        # times: the group's summed gradient of its one loss (`group_sum`) holds it sp_size times too.
+        norm_pairs, norm_tokens = global_normalisers(acc, *pair_normalisers(whole), averaged * accum)
+        segments = [segment_ids(b) for b in whole]  # on the host: the device copy's boundaries are not read back
+        if place.sequence_parallel:
+            segments = [(sequence_parallel.shard_segments(seg, place), n) for seg, n in segments]
         pair_sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=acc.device)
     else:
         local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device,
@@ -339,7 +344,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
         with acc.accumulate(model):
             if pairs:
                 loss, sums = pair_micro_loss(run, stage, model, batch, pairs=norm_pairs, chosen_tokens=norm_tokens,
-                                             segments=segments[j])
+                                             segments=segments[j], place=place)
                 pair_sums += sums
             else:
                 loss = model(**batch, num_items_in_batch=items_per_micro).loss

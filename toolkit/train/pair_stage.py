@@ -36,6 +36,7 @@ from toolkit.curriculum.stages import Stage
 from toolkit.data.plan import PairSides
 from toolkit.evals.scoring import row_sums, score_key
 from toolkit.runtime.run_dir import RunLayout
+from toolkit.strategies.sequence_parallel import Layout
 from toolkit.train.preference import (
     METRICS,
     PairLogps,
@@ -192,16 +193,18 @@ def pair_normalisers(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
 
 
 def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *, pairs: float,
-                    chosen_tokens: float, segments: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                    chosen_tokens: float, segments: tuple[torch.Tensor, int], place: Layout | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch of pairs: its share of the global batch's preference loss (to backward), and its metric sums
     (METRIC_SUMS float64 values, detached). `pairs` and `chosen_tokens` are the global normalisers divided by the
     number of gradients the strategy averages (`global_normalisers`); `segments` the batch's `segment_ids`, read
-    on its host copy."""
+    on its host copy (under Ulysses, `place`: this process's slice of the whole rows', `shard_segments`; the
+    log-probs are then summed over the group)."""
     device = run.accelerator.device
     batch = dict(batch)
     index = batch.pop("pair_index")
     settings = settings_of(stage.resolved)
-    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, len(index), device, segments)
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, len(index), device, segments, place)
     if takes_reference(stage.resolved):
         ref_chosen, ref_rejected = run.pairs.train[stage.index].of(index, device)
     else:

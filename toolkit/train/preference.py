@@ -49,6 +49,7 @@ from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import forward_sums, row_sums, segment_ids
 from toolkit.model.loss_head import shifted_labels
+from toolkit.strategies.sequence_parallel import Layout, group_sum
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_FREE = ("orpo", "simpo")
@@ -188,12 +189,15 @@ def split_pairs(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def policy_logps(model: torch.nn.Module, batch: dict[str, Any], pairs: int, device: torch.device,
-                 segments: tuple[torch.Tensor, int] | None = None
+                 segments: tuple[torch.Tensor, int] | None = None, place: Layout | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen log-probs, rejected log-probs, chosen token counts, rejected token counts) of a micro-batch of
     `pairs` pairs collated in pair order, with gradients: the scoring pass's forward (`forward_sums`; `segments`:
-    its segment ids from the host batch)."""
+    its segment ids from the host batch). Under Ulysses (`place`) the batch is this process's slice, `segments` its
+    slice of the whole rows' (`shard_segments`), and the slices' sums are added over the group (`group_sum`)."""
     loss, tokens = forward_sums(model, batch, device, segments)
+    if place is not None and place.sequence_parallel:
+        loss, tokens = group_sum(loss, place), group_sum(tokens, place)
     if len(loss) < 2 * pairs:
         raise ValueError(f"a micro-batch of {pairs} pairs collated into {len(loss)} sequences; expected {2 * pairs}")
     chosen, rejected = split_pairs(-loss[:2 * pairs])
