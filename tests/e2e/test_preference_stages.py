@@ -98,9 +98,10 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     assert {steps[s]["stage"] for s in (4, 5, 6)} == {"dpo"}
     entry = steps[4]
     assert entry["loss"] == pytest.approx(LN2, abs=1e-6)  # the policy is its own reference at the stage's entry
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-        assert entry[key] == pytest.approx(0.0, abs=1e-6), key
-    assert steps[6]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert entry[key] == 0.0, key  # exactly, as TRL's: the step and its reference pass pad sides alike
+    assert entry["lr"] > 0  # the recipe's first DPO step trains (no warmup step at lr 0)
+    assert steps[5]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
     assert all(k in steps[5] for k in TRL_METRICS) and all(k not in steps[3] for k in TRL_METRICS)
     evals = [r for r in read_metrics(one / "metrics.jsonl") if "pref_accuracy" in r]
     assert [r["step"] for r in evals] == [6] and 0.0 <= evals[0]["pref_accuracy"] <= 1.0
@@ -129,6 +130,7 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         train_forked(strategy, 2, two, *overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_same_training(two, one, strategy, same_recipe=not checkpointed)
         assert by_step(two)[4]["loss"] == pytest.approx(LN2, abs=1e-6), strategy
+        assert by_step(two)[4]["rewards/accuracies"] == 0.0, strategy
         # Exact resume from each of its 6 checkpoints, under this strategy too.
         argv = dummy_run_args(*overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_exact_from_every_checkpoint(strategy, two, argv, steps=6, mixed_precision="no")

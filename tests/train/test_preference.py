@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import DPOConfig, DPOTrainer
 
-from toolkit.data.collate import padding_collator
+from toolkit.data.collate import padding_collator, pair_collator, sides_collator
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
 from toolkit.errors import ToolkitError
@@ -35,6 +35,7 @@ from toolkit.train.preference import (
     PairLogps,
     PreferenceSettings,
     global_normalisers,
+    metric_sums,
     pair_counts,
     pair_metrics,
     policy_logps,
@@ -185,6 +186,32 @@ def test_at_the_reference_the_sigmoid_loss_is_ln2_and_rewards_are_zero() -> None
     terms = preference_terms(PreferenceSettings(), PairLogps(logps, logps - 1, logps, logps - 1, tokens, tokens))
     assert float(preference_loss(PreferenceSettings(), terms, 2, 6)) == pytest.approx(math.log(2), abs=1e-12)
     assert terms.chosen_rewards.abs().max() == 0 and terms.rejected_rewards.abs().max() == 0
+
+
+def test_at_a_stage_s_entry_the_step_gives_its_reference_exactly(models: dict[str, str], tokenizer: Any,
+                                                                  tmp_path: Any) -> None:
+    """The step's collator (`pair_collator`'s sides) and the reference pass's, in micro-batches of 1 to 3 sides
+    (other companions, other longest sides: 9 to 30 tokens), give every side bitwise the same log-prob, so at the
+    entry the rewards are exactly 0 and `rewards/accuracies` is 0, as TRL's (which scores both in one batch).
+    Padded to the longest side only, sides 0 and 2 differ by 4.8e-7 and the accuracy is 0.25."""
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    model = lora_model(models)
+    install_loss_head(model, "chunked")
+    sequences = pair_sequences(rows)
+    collate = pair_collator(padding_collator(tokenizer)).inner  # what the step's micro-batches are padded by
+    accelerator = distributed.build_accelerator(1, 10)
+    model.train()
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, collate(sequences), len(PAIRS), torch.device("cpu"))
+    for micro in (1, 2, 3):
+        ref_chosen, ref_rejected = reference_logps(accelerator, model, sequences, sides_collator(padding_collator(
+            tokenizer)), micro)
+        assert chosen.detach().numpy().tolist() == ref_chosen.tolist(), micro
+        assert rejected.detach().numpy().tolist() == ref_rejected.tolist(), micro
+        logps = PairLogps(chosen, rejected, torch.from_numpy(ref_chosen), torch.from_numpy(ref_rejected), c_tokens,
+                          r_tokens)
+        sums = metric_sums(preference_terms(PreferenceSettings(), logps), logps).tolist()
+        assert sums[:4] == [0.0, 0.0, 0.0, 0.0], micro  # rewards, accuracies (a count), margins
 
 
 @pytest.mark.parametrize("kwargs, message", [

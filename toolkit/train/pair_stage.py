@@ -33,6 +33,7 @@ import torch
 
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Stage
+from toolkit.data.collate import PAIR_PAD_MULTIPLE, sides_collator
 from toolkit.data.plan import PairSides
 from toolkit.evals.scoring import row_sums, score_key
 from toolkit.runtime.run_dir import RunLayout
@@ -145,7 +146,7 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     at = stage.plan.start_step
     base = reference_is_base(stage.resolved)
     ident = {"rows": rows_identity(rows.parts), "scorer": scorer_identity(run.identity, "current", at),
-             "render": "pairs", "base": base}
+             "render": "pairs", "base": base, "pad_to": PAIR_PAD_MULTIPLE}
     folder = Path(run.recipe.output_dir) / "scores"
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     scorer = "the base model, adapter off" if base else "the policy"
@@ -153,7 +154,8 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     stop = stop_for_signal(run, step) if run.preemption.started and step is not None else None
     sides = PairSides(rows.parts)
     with adapter_disabled(run.model) if base else contextlib.nullcontext():
-        sums = stage_entry_scores(run.accelerator, run.model, sides, run.collate, stage.resolved.eval_micro_batch_size
+        sums = stage_entry_scores(run.accelerator, run.model, sides, sides_collator(run.collate),
+                                  stage.resolved.eval_micro_batch_size
                                   if role == "eval" else stage.plan.micro_batch, folder=folder, key=score_key(**ident),
                                   may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop)
     if sums is None:
@@ -227,7 +229,8 @@ def evaluate_pairs(run: Any, model: Any, stage: Stage) -> dict[str, float] | Non
         assert ref is not None
         run.pairs.evals[stage.index] = ref
     acc = run.accelerator
-    sums = row_sums(acc, model, PairSides(stage.eval_rows.parts), run.collate, stage.resolved.eval_micro_batch_size)
+    sums = row_sums(acc, model, PairSides(stage.eval_rows.parts), sides_collator(run.collate),
+                    stage.resolved.eval_micro_batch_size)
     chosen, rejected = (torch.as_tensor(x) for x in split_pairs(-torch.as_tensor(sums.loss)))
     c_tokens, r_tokens = (torch.as_tensor(x) for x in split_pairs(torch.as_tensor(sums.tokens)))
     if takes_reference(stage.resolved):
