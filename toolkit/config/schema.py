@@ -118,6 +118,10 @@ class DataConfig(_Section):
         "renders (Qwen3: an empty <think></think> block before the last answer, its non-thinking format; Qwen2.5: "
         "none); 'empty' gives the last answer an empty think block; 'none' trains answers with no think block."
     )
+    completion_newline: bool = Field(
+        False, description="Preference pairs in chat form: also train the newline the chat template writes after "
+        "each completion's end token (<|im_end|>), as TRL's conversational DPO does. Default false: a completion "
+        "ends at <|im_end|>, as an SFT turn does and as the model generates (docs/preference.md).")
     empty_answers: Literal["error", "skip"] = Field(
         "error", description="An assistant turn with no content (it would train a bare end-of-turn token): "
         "'error' refuses the row, naming it; 'skip' keeps the turn in the context untrained (a row left with nothing "
@@ -718,7 +722,11 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _preference_stages(self) -> Recipe:
         """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
-        model's scores do not rank yet (length and a row field do: each pair takes its source row's value)."""
+        model's scores do not rank yet (length and a row field do: each pair takes its source row's value);
+        data.completion_newline shapes pairs only, so a recipe without a preference stage refuses it."""
+        if self.data.completion_newline and all(stage.objective == "sft" for stage in self.stages):
+            raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
+                             "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
         for i, stage in enumerate(self.stages):
             if stage.objective == "sft":
                 continue
