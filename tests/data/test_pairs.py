@@ -102,7 +102,7 @@ def test_a_completion_ends_at_im_end_or_with_trl_s_newline(newline: bool, source
 
 
 def test_completion_newline_without_a_pair_stage_is_refused() -> None:
-    with pytest.raises(ValueError, match="data.completion_newline is true but no stage trains on preference pairs"):
+    with pytest.raises(ValueError, match=r"data\.completion_newline is true but no stage trains on preference pairs"):
         Recipe.model_validate({"data": {"completion_newline": True}, "stages": [{"name": "sft", "data": ["x"]}]})
 
 
