@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from toolkit.config.load import load_recipe
+from toolkit.config.schema import pair_losses
 from toolkit.config.stages import resolve_stages
 from toolkit.train.pair_stage import METRIC_SUMS, PairState, describe_objective, settings_of, takes_reference
 from toolkit.train.preference import METRICS
@@ -34,7 +35,10 @@ def test_an_objective_trains_its_losses_and_the_card_names_them(overrides: list[
     overrides = overrides if any("objective" in o for o in overrides) else ["stages.1.objective=dpo", *overrides]
     stage = stage_of(*overrides)
     assert stage.pairs
-    assert settings_of(stage).loss == losses
+    settings = settings_of(stage)
+    assert settings.loss == losses
+    # One owner of each objective's loss rules: the recipe's check and the run's settings read the same function.
+    assert (settings.loss, settings.loss_weights) == pair_losses(stage.objective, stage.preference)
     assert takes_reference(stage) is reference
     assert describe_objective(stage) == card
 

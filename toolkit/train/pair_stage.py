@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolkit.config.schema import pair_losses
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Stage
 from toolkit.data.collate import PAIR_PAD_MULTIPLE, sides_collator
@@ -65,18 +66,14 @@ METRIC_SUMS = len(METRICS) + 1
 
 
 def settings_of(stage: ResolvedStage) -> PreferenceSettings:
-    """The stage's loss settings: `preference` as given (TRL's defaults where absent); an orpo / simpo stage's pair
-    loss is its objective (weight 1), with the sft term when `preference.loss` names it (its `loss_weights`, one
-    weight, is the sft term's: the schema refuses it otherwise)."""
+    """The stage's loss settings: its losses and weights as the recipe's one rule gives them
+    (toolkit/config/schema.py `pair_losses`), with `preference`'s beta, label smoothing and gamma (TRL's defaults
+    where absent)."""
+    names, weights = pair_losses(stage.objective, stage.preference)
     pref = stage.preference
     if pref is None:
-        return PreferenceSettings(loss=(stage.objective,) if stage.objective in ("orpo", "simpo") else ("sigmoid",))
-    names, weights = list(pref.loss), None if pref.loss_weights is None else tuple(pref.loss_weights)
-    if stage.objective in ("orpo", "simpo"):
-        sft = "loss" in pref.model_fields_set and "sft" in pref.loss
-        names = [stage.objective, *(["sft"] if sft else [])]
-        weights = None if weights is None or not sft else (1.0, *weights)
-    return PreferenceSettings(loss=tuple(names), loss_weights=weights, beta=pref.beta,
+        return PreferenceSettings(loss=names, loss_weights=weights)
+    return PreferenceSettings(loss=names, loss_weights=weights, beta=pref.beta,
                               label_smoothing=pref.label_smoothing, simpo_gamma=pref.simpo_gamma)
 
 
