@@ -14,9 +14,9 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 
 Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
-  flags; every rank needs the verdict before the update is committed). A preference stage's step reads one more,
-  before its first forward: the global batch's pair and chosen-token counts (`global_normalisers`), which its
-  micro-batches' losses divide by; TRL's metrics ride in the guard's all-reduce.
+  flags; every rank needs the verdict before the update is committed). A preference stage's step reads none more:
+  the global batch's pair and chosen-token counts (`global_normalisers`), which its micro-batches' losses divide by,
+  stay on the device, and TRL's metrics ride in the guard's all-reduce.
 * inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
   position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
   selects the label positions (`nonzero`: it skips the head's matmul for every other token). None per layer: the

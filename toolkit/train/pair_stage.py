@@ -15,8 +15,9 @@ Step. A micro-batch holds its pairs' sides in pair order (chosen 0, rejected 0, 
 spans of one packed row; toolkit/data/collate.py `pair_collator`) and the stage-global index of each pair
 (`pair_index`), which finds its reference. One forward gives every side's summed log-prob through the loss head
 (`policy_logps`); the pair losses are normalised by the global batch's pair count and the sft term by its chosen-token
-count (`global_normalisers`, one all-reduce, as the sft step's token count), so neither gradient accumulation nor the
-process count changes the loss. The metrics' sums ride in the step's own all-reduce (toolkit/train/loop.py).
+count (`global_normalisers`, one all-reduce, kept on the device as the sft step's token count), so neither gradient
+accumulation nor the process count changes the loss. The metrics' sums ride in the step's own all-reduce
+(toolkit/train/loop.py). Under Ulysses each side's log-prob is summed over the group's slices (`policy_logps`).
 """
 
 from __future__ import annotations
@@ -191,8 +192,8 @@ def pair_normalisers(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
     return pairs, tokens
 
 
-def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *, pairs: float,
-                    chosen_tokens: float, segments: tuple[torch.Tensor, int], place: Layout | None = None
+def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *, pairs: torch.Tensor,
+                    chosen_tokens: torch.Tensor, segments: tuple[torch.Tensor, int], place: Layout | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch of pairs: its share of the global batch's preference loss (to backward), and its metric sums
     (METRIC_SUMS float64 values, detached). `pairs` and `chosen_tokens` are the global normalisers divided by the

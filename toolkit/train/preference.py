@@ -172,14 +172,16 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def preference_loss(settings: PreferenceSettings, terms: PreferenceTerms, pairs: float, chosen_tokens: float
-                    ) -> torch.Tensor:
+def preference_loss(settings: PreferenceSettings, terms: PreferenceTerms, pairs: float | torch.Tensor,
+                    chosen_tokens: float | torch.Tensor) -> torch.Tensor:
     """A micro-batch's share of the global batch's loss: its pair losses over the global pair count plus the sft
-    weight times its chosen NLL over the global chosen-token count. Summed over the global batch's micro-batches
-    (and ranks) this is the batch's mean pair loss plus its per-token sft loss."""
+    weight times its chosen NLL over the global chosen-token count (numbers, or `global_normalisers`' device
+    tensors). Summed over the global batch's micro-batches (and ranks) this is the batch's mean pair loss plus its
+    per-token sft loss."""
     loss = terms.pairs_loss / pairs
     if "sft" in settings.weights:
-        loss = loss + settings.weights["sft"] * terms.sft_nll / max(chosen_tokens, 1)
+        tokens = chosen_tokens.clamp(min=1) if torch.is_tensor(chosen_tokens) else max(chosen_tokens, 1)
+        loss = loss + settings.weights["sft"] * terms.sft_nll / tokens
     return loss
 
 
@@ -243,15 +245,19 @@ def pair_counts(batch: dict[str, Any]) -> tuple[int, int]:
     return count // 2, int(per_sequence[0:count - count % 2:2].sum())
 
 
-def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int, divisor: int) -> tuple[float, float]:
+def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int, divisor: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch's pair count and chosen-token count (this rank's micro-batches' `pair_counts` summed,
     all-reduced) divided by `divisor`, the number of gradients the strategy averages (processes x accumulation
-    steps). Every micro-batch's `preference_loss` divides by them, so the averaged gradients are those of the
-    global batch's loss: neither the process count nor gradient accumulation changes it. Collective."""
-    local = torch.tensor([float(pairs), float(chosen_tokens)], dtype=torch.float64, device=accelerator.device)
+    steps), as 0-d float64 tensors on the device: never read back on the host, so the step waits for no queue here
+    (the guard's all-reduce is its one host read). Every micro-batch's `preference_loss` divides by them, so the
+    averaged gradients are those of the global batch's loss: neither the process count nor gradient accumulation
+    changes it. Collective."""
+    local = torch.tensor([float(pairs), float(chosen_tokens)], dtype=torch.float64).to(accelerator.device,
+                                                                                       non_blocking=True)
     total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
-    summed = total.tolist()
-    return summed[0] / divisor, summed[1] / divisor
+    scaled = total / divisor
+    return scaled[0], scaled[1]
 
 
 def metric_sums(terms: PreferenceTerms, logps: PairLogps) -> torch.Tensor:
