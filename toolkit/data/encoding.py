@@ -464,8 +464,8 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
     if isinstance(row.get("label"), bool):  # KTO's desirable / undesirable mark (another 'label' is an extra)
         raise ToolkitError(f"{where}: the row has a true/false 'label' (KTO preference data), which is not "
                            "supported: rows train supervised, so an undesirable answer would be learned; train "
-                           "unpaired KTO with TRL's KTOTrainer (trl.experimental.kto) or LLaMA-Factory's stage: kto, "
-                           "or keep only rows to learn, without the label.")
+                           "unpaired KTO with TRL's KTOTrainer (from trl import KTOTrainer) or LLaMA-Factory's "
+                           "stage: kto, or keep only rows to learn, without the label.")
     shapes = [name for name, keys in SHAPES.items() if any(_present(row, k) for k in keys)]
     if len(shapes) > 1:
         keys = [k for name in shapes for k in SHAPES[name] if _present(row, k)]
