@@ -14,9 +14,10 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 
 Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
-  flags; every rank needs the verdict before the update is committed). A preference stage's step reads none more:
-  the global batch's pair and chosen-token counts (`global_normalisers`), which its micro-batches' losses divide by,
-  stay on the device, and TRL's metrics ride in the guard's all-reduce.
+  flags; every rank needs the verdict before the update is committed). The stage's objective
+  (toolkit/train/objectives.py) reads no more: a preference stage's global pair and chosen-token counts
+  (`global_normalisers`), which its micro-batches' losses divide by, stay on the device; an objective's metric sums
+  (TRL's metrics) ride in the guard's all-reduce.
 * inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
   position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
   selects the label positions (`nonzero`: it skips the head's matmul for every other token). None per layer: the
@@ -51,7 +52,6 @@ from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator
-from toolkit.evals.scoring import segment_ids
 from toolkit.metrics.log import Meter, MetricsLog
 from toolkit.metrics.report import refresh_report
 from toolkit.model.flops import batch_train_flops
@@ -59,9 +59,9 @@ from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.strategies import sequence_parallel
+from toolkit.train.objectives import OBJECTIVES, objective_of
 from toolkit.train.optimizer import StageFreezer
-from toolkit.train.pair_stage import METRIC_SUMS, PairState, enter_pair_stage, pair_micro_loss, pair_normalisers
-from toolkit.train.preference import global_normalisers
+from toolkit.train.pair_stage import PairState
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
 from toolkit.train.stage_scores import ScoringStopped, order_by_model
 
@@ -198,6 +198,14 @@ class Run:
                         pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None)
 
 
+def objective_records(run: Run) -> dict[str, float]:
+    """Every objective's metrics of the logging interval (a stage's last sums may land in the next stage's record)."""
+    out: dict[str, float] = {}
+    for objective in OBJECTIVES:
+        out.update(objective.record(run))
+    return out
+
+
 def record_header(done: int, stage: Stage) -> dict[str, Any]:
     """The keys that open every metrics.jsonl record: the step and its stage."""
     return {"step": done, "stage": stage.name, "stage_index": stage.index}
@@ -217,7 +225,7 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
     run.curriculum.enter(stage)
     try:
         order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler over them, before its first step
-        enter_pair_stage(run, stage, step)  # a dpo stage's reference log-probs: the policy as it enters the stage
+        objective_of(stage).enter(run, stage, step)  # e.g. a dpo stage's reference: the policy as it enters
     except ScoringStopped as stopped:
         log.warning("preempted (%s) during the scoring pass (%s): its finished blocks are kept, the checkpoint at "
                     "step %d resumes it; relaunch the same command", run.preemption.signal_name or "signal on "
@@ -313,26 +321,14 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
         real = [n for _, n in sliced]
     batches = [m.batch for m in micro]
 
-    # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
-    # is then independent of how the batch is split. Strategies average gradients over ranks and
-    # accumulation steps, hence the world x accum factor in num_items_in_batch. Under Ulysses every process
-    # counts its slice's tokens (the sum counts each token once) and DeepSpeed may average over replicas only.
-    # Counted on the host batches (the loop moves each to the device itself), so the copy never blocks.
+    # The stage's objective (toolkit/train/objectives.py) takes the step's global normalisers: over every rank and
+    # micro-step, so the gradient does not depend on how the batch is split. Strategies average gradients over
+    # ranks and accumulation steps, hence the divisor. Under Ulysses every process counts its slice's tokens (the
+    # sum counts each token once) and DeepSpeed may average over replicas only.
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
-    pairs = stage.resolved.pairs  # a preference stage: normalised by the global batch's pairs (pair_stage.py)
-    if pairs:
-        # Under Ulysses every process of a group counts its whole rows, so the counts hold each pair sp_size
-        # times: the group's summed gradient of its one loss (`group_sum`) holds it sp_size times too.
-        norm_pairs, norm_tokens = global_normalisers(acc, *pair_normalisers(whole), averaged * accum)
-        segments = [segment_ids(b) for b in whole]  # on the host: the device copy's boundaries are not read back
-        if place.sequence_parallel:
-            segments = [(sequence_parallel.shard_segments(seg, place), n) for seg, n in segments]
-        pair_sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=acc.device)
-    else:
-        local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device,
-                                                                                        non_blocking=True)
-        items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (averaged * accum)
-    local_loss = torch.zeros((), dtype=torch.float64 if pairs else torch.float32, device=acc.device)
+    objective = objective_of(stage)
+    losses = objective.begin(run, stage, batches, averaged * accum, whole=whole)
+    local_loss = torch.zeros((), dtype=losses.dtype, device=acc.device)
     verdict = Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
     for j, (batch, lengths, label_tokens) in enumerate(prefetched(micro, acc.device)):
@@ -342,12 +338,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                                   head_tokens=logits_for) / place.sp_size
         meter.add_batch(batch, flops, len(lengths) if place.sp_rank == 0 else 0, real=real[j])
         with acc.accumulate(model):
-            if pairs:
-                loss, sums = pair_micro_loss(run, stage, model, batch, pairs=norm_pairs, chosen_tokens=norm_tokens,
-                                             segments=segments[j], place=place)
-                pair_sums += sums
-            else:
-                loss = model(**batch, num_items_in_batch=items_per_micro).loss
+            loss = losses.micro(model, j, batch)
             if injected_fault(step + 1, acc.process_index):
                 loss = loss * float("nan")
             local_loss += loss.detach()
@@ -359,10 +350,11 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                 kind = {"device": acc.device, "dtype": local_loss.dtype}
                 flags = torch.stack([local_loss, torch.tensor(float(run.preemption.requested), **kind),
                                      torch.tensor(float(time_due), **kind)])
-                summed = acc.reduce(torch.cat([flags, pair_sums]) if pairs else flags, reduction="sum").tolist()
+                sums = losses.sums  # the objective's metric sums ride in the same all-reduce
+                summed = acc.reduce(flags if sums is None else torch.cat([flags, sums]), reduction="sum").tolist()
                 step_loss, preempted, time_due = summed[0] / (averaged * accum), summed[1] > 0, summed[2] > 0
-                if pairs:  # TRL's metrics of the global batch, in the interval's record
-                    run.pairs.add(summed[3:])
+                if sums is not None:  # TRL's metrics of the global batch, in the interval's record
+                    objective.add_sums(run, summed[3:])
                 verdict = run.guard.judge(step_loss)
                 if verdict.skip:
                     loss = veto_update(loss)
@@ -405,7 +397,7 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
         record = {**record_header(done, stage), "stage_step": step_in_stage + 1,
                   **run.meter.record(acc, peak_flops=run.peak_flops), "lr": result.lr,
                   "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
-                  "samples": run.curriculum.samples_seen(done), **run.pairs.record()}
+                  "samples": run.curriculum.samples_seen(done), **objective_records(run)}
         run.log_record(record)
         run.latest.update(record)
         if run.bar is not None:

@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +67,9 @@ from toolkit.runtime.run_dir import RunLayout, RunLock, committed_checkpoints, s
 from toolkit.runtime.signals import PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.loop import Run, RunState
+from toolkit.train.objectives import objective_of
 from toolkit.train.optimizer import StageFreezer
-from toolkit.train.pair_stage import describe_objective, evaluate_pairs
+from toolkit.train.pair_stage import describe_objective
 from toolkit.train.scorer_model import check_scorers
 from toolkit.train.stability import StabilityGuard
 from toolkit.train.stage_scores import check_kept_scores
@@ -218,7 +218,8 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
-    run.evaluator.pair_eval = partial(evaluate_pairs, run)  # preference stages' eval pairs, against their reference
+    # A stage's own eval rows under its objective (preference stages' eval pairs, against their reference).
+    run.evaluator.pair_eval = lambda model, stage: objective_of(stage).evaluate(run, model, stage)
     return run
 
 
