@@ -201,3 +201,60 @@ def test_the_recipe_s_launch_line_trains_both_stages_and_so_does_multinode_zero3
     assert json.loads((out / "run.json").read_text())["mixed_precision"] == "bf16"
     assert steps[2]["loss"] == pytest.approx(LN2, abs=2e-2)  # bf16: the reference pass and the step round apart
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_the_run_page_reads_a_dpo_stage_right(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """report.html of recipes/sft_then_dpo.yaml in headless Chromium (as tests/e2e/test_steering.py): each objective's
+    loss on its own axis (SFT's ~7 and DPO's ln 2 in two charts, each over its own stage's steps), TRL's rewards in one
+    panel as `toolkit plot` draws them, the pair evals in a chart of their own with no `eval_pairs` count charted, the
+    stage table naming each stage's objective with its beta and reference, no dashed planned outline over the next
+    stage, and no axis tick labelled with float noise (+-1e-20) instead of 0. The screenshot is kept in
+    test-artifacts/report-dpo.png."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    from tests.e2e.test_steering import ARTIFACTS
+    from tests.helpers.inprocess import Call, invoke
+
+    chromium = shutil.which("chromium")
+    assert chromium is not None, "no chromium on PATH: apt-get install chromium"
+    run = tmp_path / "run"
+    train_forked("single", 1, run, recipe=RECIPE, dummy_samples=ROWS)
+    page_file = tmp_path / "page.html"
+    rc, stderr = invoke(Call(["report", str(run), "--out", str(page_file)], page_file, tool="toolkit"), tmp_path,
+                        monkeypatch)
+    assert rc == 0, stderr
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(page_file.as_uri())
+            page.wait_for_selector("body[data-drawn=true]", timeout=30_000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=ARTIFACTS / "report-dpo.png", full_page=True)
+            assert errors == []
+            rows = page.locator("table.stages tbody tr").all_inner_texts()
+            assert "\tsft\t" in rows[0]
+            assert "dpo (sigmoid; beta 0.1; reference: the policy at the stage's entry)" in rows[1]
+            for panel, steps in (("loss", 3), ("loss-dpo", 3)):  # each objective's train loss over its own steps
+                d = page.locator(f"[data-panel={panel}] path[data-series='train loss']").get_attribute("d")
+                assert d is not None and d.count("L") == steps - 1, (panel, d)
+            sft_ticks = page.eval_on_selector_all("[data-panel=loss] text.tick", "ts => ts.map(t => t.textContent)")
+            assert sft_ticks and not any(t.startswith("0.69") for t in sft_ticks)  # ln 2 is not on SFT's axis
+            rewards = page.locator("[data-panel=rewards] path.series")
+            assert sorted(rewards.nth(i).get_attribute("data-series") for i in range(rewards.count())) == [
+                "rewards/chosen", "rewards/margins", "rewards/rejected"]
+            pair_evals = page.locator("[data-panel=pair-evals] path.series, [data-panel=pair-evals] circle")
+            assert pair_evals.count() >= 1
+            assert page.locator("[data-series*='eval_pairs']").count() == 0
+            assert page.locator("[data-panel=scores]").count() == 0  # no generation evals in this run
+            ticks = page.eval_on_selector_all("svg.chart text.tick", "ts => ts.map(t => t.textContent)")
+            assert not [t for t in ticks if "e-1" in t or "e-2" in t], ticks  # float noise is labelled 0
+            assert page.locator("svg.timeline rect[stroke-dasharray]").count() == 0  # both stages ran their plan
+        finally:
+            browser.close()

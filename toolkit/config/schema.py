@@ -498,6 +498,27 @@ def pair_losses(objective: str, pref: PreferenceConfig | None) -> tuple[tuple[st
     return names, None if pref.loss_weights is None else (1.0, *pref.loss_weights)
 
 
+def describe_objective(objective: str, pref: PreferenceConfig | None) -> str:
+    """A stage's objective as the model card and the run page name it: `sft`, or e.g. `dpo (sigmoid; beta 0.1;
+    reference: the policy at the stage's entry)` (its losses and weights by `pair_losses`, beta, label smoothing,
+    gamma and reference)."""
+    if objective == "sft":
+        return "sft"
+    names, weights = pair_losses(objective, pref)
+    losses = ", ".join(f"{name} x{w:g}" if w != 1 else name
+                       for name, w in zip(names, weights or (1.0,) * len(names), strict=True))
+    beta = pref.beta if pref is not None else 0.1
+    parts = [losses, f"beta {beta:g}"]
+    if pref is not None and pref.label_smoothing:
+        parts.append(f"label smoothing {pref.label_smoothing:g}")
+    if objective == "simpo":
+        parts.append(f"gamma {pref.simpo_gamma if pref is not None else 0.5:g}")
+    if objective == "dpo":
+        parts.append("reference: the base model (adapter off)" if pref is not None and pref.reference == "base"
+                     else "reference: the policy at the stage's entry")
+    return f"{objective} ({'; '.join(parts)})"
+
+
 class StageConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from toolkit.atomic import write_text_atomic
+from toolkit.config.schema import PreferenceConfig, describe_objective
 from toolkit.errors import ToolkitError
 from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout
@@ -90,6 +91,17 @@ def _source_name(entry: Any) -> tuple[str, float | None]:
     return str(entry), None
 
 
+def _objective(cfg: dict[str, Any]) -> str:
+    """A stage's objective as the model card names it (`describe_objective`: dpo's losses, beta and reference), from
+    the recipe as the run folder keeps it; a stage the schema no longer reads is named by its objective alone."""
+    objective = str(cfg.get("objective") or "sft")
+    try:
+        pref = PreferenceConfig.model_validate(cfg["preference"]) if cfg.get("preference") else None
+        return describe_objective(objective, pref)
+    except (ValueError, TypeError):
+        return objective
+
+
 def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[dict[str, Any]]) -> list[dict]:
     """Each stage as planned (run.json), as it ran (its stage_end / early_advance records) and as the recipe sets
     it (mixture, order, trainable)."""
@@ -116,6 +128,7 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
         else:
             steps, state = 0, "waiting"
         mixture = [_source_name(d) for d in cfg.get("data") or []]
+        objective = _objective(cfg)
         out.append({
             "index": i, "name": plan.get("name") or cfg.get("name") or f"stage {i}", "state": state,
             "start": start, "steps": steps, "planned": planned,
@@ -124,7 +137,7 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
             "tokens": end.get("stage_tokens") if end else None,
             "trainable_params": end.get("trainable_params") if end else
             next(iter((run_json.get("trainable_params") or [])[i:i + 1]), None),
-            "mixture": [{"source": s, "weight": w} for s, w in mixture],
+            "mixture": [{"source": s, "weight": w} for s, w in mixture], "objective": objective,
             "order": cfg.get("order"), "pacing": cfg.get("pacing"),
             "trainable": cfg.get("trainable") or default_trainable,
             "lr": plan.get("lr", cfg.get("lr")), "schedule": plan.get("schedule", cfg.get("schedule")),

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolkit.config.schema import describe_objective as describe
 from toolkit.config.schema import pair_losses
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Stage
@@ -79,21 +80,9 @@ def settings_of(stage: ResolvedStage) -> PreferenceSettings:
 
 
 def describe_objective(stage: ResolvedStage) -> str:
-    """The stage's objective as the model card names it: `sft`, or e.g. `dpo (sigmoid, beta 0.1, reference: the
-    policy at the stage's entry)`."""
-    if not stage.pairs:
-        return "sft"
-    settings = settings_of(stage)
-    losses = ", ".join(f"{name} x{w:g}" if w != 1 else name for name, w in settings.weights.items())
-    parts = [losses, f"beta {settings.beta:g}"]
-    if settings.label_smoothing:
-        parts.append(f"label smoothing {settings.label_smoothing:g}")
-    if stage.objective == "simpo":
-        parts.append(f"gamma {settings.simpo_gamma:g}")
-    if takes_reference(stage):
-        parts.append("reference: the base model (adapter off)" if reference_is_base(stage)
-                     else "reference: the policy at the stage's entry")
-    return f"{stage.objective} ({'; '.join(parts)})"
+    """The stage's objective as the model card names it: `sft`, or e.g. `dpo (sigmoid; beta 0.1; reference: the
+    policy at the stage's entry)` (toolkit/config/schema.py `describe_objective`, which the run page reads too)."""
+    return describe(stage.objective if stage.pairs else "sft", stage.preference)
 
 
 def takes_reference(stage: ResolvedStage) -> bool:

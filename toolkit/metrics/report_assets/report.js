@@ -88,8 +88,8 @@
 
   // --- stage timeline ------------------------------------------------------------------------------------------
   const tl = section("timeline", "Stage timeline",
-    "Each stage as it ran against its plan: the solid bar is the steps it trained, a dashed outline the rest of its " +
-    "planned length when a gate or patience ended it early.");
+    "Each stage as it ran against its plan: the solid bar is the steps it trained (ran / planned when a gate or " +
+    "patience ended it early), a dashed outline the rest of a running stage's planned length.");
   RUNS.forEach((run, ri) => {
     if (MULTI) el("h3", {}, tl, run.name);
     const end = Math.max(1, ...run.stages.map((s) => s.start + Math.max(s.steps, s.planned || 0)));
@@ -97,7 +97,7 @@
     const x = (s) => PAD.l + (s / end) * (W - PAD.l - PAD.r);
     run.stages.forEach((s, i) => {
       const g = svg("g", { "data-stage": s.name }, bar);
-      if (s.planned && s.planned > s.steps) {
+      if (s.planned && s.planned > s.steps && s.state !== "done") {  // ended early (a gate): the next stage is there
         svg("rect", { x: x(s.start), y: 8, width: Math.max(1, x(s.start + s.planned) - x(s.start)), height: 26,
           fill: "none", stroke: BAND_TEXT[i % BANDS.length], "stroke-dasharray": "4 3", rx: 3 }, g);
       }
@@ -110,7 +110,7 @@
     svg("text", { x: x(end), y: 50, class: "tick", "text-anchor": "end" }, bar, end);
     const table = el("table", { class: "stages" }, tl);
     const hr = el("tr", {}, el("thead", {}, table));
-    for (const h of ["stage", "steps (ran / planned)", "steps", "ended by", "mixture", "order", "trainable",
+    for (const h of ["stage", "objective", "steps (ran / planned)", "steps", "ended by", "mixture", "order", "trainable",
       "lr · schedule", "batch", "tokens", "trainable params"]) el("th", {}, hr, h);
     const body = el("tbody", {}, table);
     run.stages.forEach((s, i) => {
@@ -118,6 +118,7 @@
       const name = el("td", {}, tr);
       swatch(BANDS[i % BANDS.length], name).style.border = `1px solid ${BAND_TEXT[i % BANDS.length]}`;
       el("strong", {}, name, s.name);
+      el("td", { class: "objective" }, tr, s.objective || "sft");
       el("td", { class: "num" }, tr, `${s.steps} / ${s.planned ?? "?"}`);
       el("td", { class: "num" }, tr, s.state === "waiting" ? "not reached" : `${s.start + 1}–${s.start + s.steps}`);
       el("td", {}, tr, endedBy(s));
@@ -160,15 +161,49 @@
   RUNS.forEach((run) => Object.keys(run.eval.values).forEach((k) => { if (!evalKeys.includes(k)) evalKeys.push(k); }));
   const perSetLoss = evalKeys.filter((k) => k.endsWith(".eval_loss"));
   const lossKeys = perSetLoss.length ? perSetLoss : evalKeys.filter((k) => k === "eval_loss");
-  const scoreKeys = evalKeys.filter((k) => !k.endsWith("eval_loss"));
+  // A preference stage's evals (pref_accuracy, eval_rewards/...) have a chart of their own; eval_pairs is a count
+  // of pairs, not a score, and is charted nowhere (it would squash the accuracy's axis).
+  const isPairEval = (k) => /(^|\.)(pref_accuracy|eval_rewards\/.*)$/.test(k);
+  const isCount = (k) => /(^|\.)eval_pairs$/.test(k);
+  const scoreKeys = evalKeys.filter((k) => !k.endsWith("eval_loss") && !isPairEval(k) && !isCount(k));
+  const pairEvalKeys = evalKeys.filter(isPairEval);
+  // Each objective's loss on its own axis (sft's cross-entropy near 6, dpo's near ln 2 = 0.69): one loss chart per
+  // objective, each over its stages' steps only (the first objective's keeps the key "loss").
+  const kinds = [];
+  RUNS[0].stages.forEach((s) => { const k = (s.objective || "sft").split(" ")[0]; if (!kinds.includes(k)) kinds.push(k); });
+  const rangesOf = (kind) => RUNS[0].stages.filter((s) => (s.objective || "sft").split(" ")[0] === kind)
+    .map((s) => [s.start, s.start + Math.max(s.steps, s.state === "done" ? 0 : s.planned || 0)]);
+  const GROUPS = { "rewards/chosen": "rewards", "rewards/rejected": "rewards", "rewards/margins": "rewards",
+    "logps/chosen": "logps", "logps/rejected": "logps" };  // as `toolkit plot` draws them: one panel each
+  const GROUP_TITLES = { rewards: "rewards (chosen, rejected, margins)", logps: "log-probs (chosen, rejected)" };
   for (const key of trainKeys) {
-    const series = [{ source: "train", key: key, label: key === "loss" ? "train loss" : (LABELS[key] || key) }];
-    if (key === "loss") lossKeys.forEach((k) => series.push({ source: "eval", key: k, label: k, dots: true }));
-    panels.push({ title: LABELS[key] || key, series: series, key: key });
+    if (key === "loss") {
+      kinds.forEach((kind, ki) => {
+        const ranges = kinds.length > 1 ? rangesOf(kind) : null;
+        const series = [{ source: "train", key: "loss", label: "train loss", ranges: ranges }];
+        lossKeys.forEach((k) => series.push({ source: "eval", key: k, label: k, dots: true, ranges: ranges }));
+        panels.push({ title: kinds.length > 1 ? `loss · ${kind}` : "loss", series: series,
+          key: ki === 0 ? "loss" : `loss-${kind}`, wide: true });
+      });
+      continue;
+    }
+    const group = GROUPS[key];
+    if (group) {
+      let panel = panels.find((p) => p.key === group);
+      if (!panel) { panel = { title: GROUP_TITLES[group], series: [], key: group }; panels.push(panel); }
+      panel.series.push({ source: "train", key: key, label: key });
+      continue;
+    }
+    panels.push({ title: LABELS[key] || key, series: [{ source: "train", key: key, label: LABELS[key] || key }],
+      key: key });
   }
   if (scoreKeys.length) {
     panels.push({ title: "generation evals", key: "scores",
       series: scoreKeys.map((k) => ({ source: "eval", key: k, label: k, dots: true })) });
+  }
+  if (pairEvalKeys.length) {
+    panels.push({ title: "pair evals", key: "pair-evals",
+      series: pairEvalKeys.map((k) => ({ source: "eval", key: k, label: k, dots: true })) });
   }
   const missing = [];
   const grid = el("div", { class: "panels" }, cv);
@@ -179,7 +214,8 @@
       const vals = src.values[s.key];
       if (!vals) return;
       const pts = [];
-      for (let i = 0; i < vals.length; i++) if (vals[i] !== null) pts.push([src.steps[i], vals[i]]);
+      const inside = (step) => !s.ranges || s.ranges.some(([a, b]) => step > a && step <= b);
+      for (let i = 0; i < vals.length; i++) if (vals[i] !== null && inside(src.steps[i])) pts.push([src.steps[i], vals[i]]);
       if (!pts.length) return;
       lines.push({ run: ri, label: MULTI ? `${run.name}: ${s.label}` : s.label, pts: pts, dots: s.dots,
         color: MULTI ? RUN_COLORS[ri % RUN_COLORS.length] : SERIES_COLORS[si % SERIES_COLORS.length],
@@ -196,7 +232,10 @@
     const err = (n * step0) / span;
     const step = step0 * (err <= 0.15 ? 10 : err <= 0.35 ? 5 : err <= 0.75 ? 2 : 1);
     const out = [];
-    for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Number(v.toPrecision(12)));
+    // a tick summed to within float noise of zero (+-1e-20 after steps of 0.1) is zero, and labelled 0
+    for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) {
+      out.push(Math.abs(v) < step * 1e-9 ? 0 : Number(v.toPrecision(12)));
+    }
     return out;
   }
   function decimate(pts, x0, x1, columns) {
@@ -228,7 +267,7 @@
 
   function drawPanel(parent, panel, lines) {
     // the loss and the evals' scores across the page, the others two to a row
-    const wide = panel.key === "loss" || panel.key === "scores";
+    const wide = panel.wide || panel.key === "loss" || panel.key === "scores";
     const W = wide ? 1000 : 560, H = wide ? 240 : 190;
     const box = el("div", { class: wide ? "panel wide" : "panel", "data-panel": panel.key }, parent);
     const bar = el("div", { class: "panelhead" }, box);
