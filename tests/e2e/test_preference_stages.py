@@ -209,7 +209,8 @@ def test_the_run_page_reads_a_dpo_stage_right(tmp_path: Path, monkeypatch: pytes
     loss on its own axis (SFT's ~7 and DPO's ln 2 in two charts, each over its own stage's steps), TRL's rewards in one
     panel as `toolkit plot` draws them, the pair evals in a chart of their own with no `eval_pairs` count charted, the
     stage table naming each stage's objective with its beta and reference, no dashed planned outline over the next
-    stage, and no axis tick labelled with float noise (+-1e-20) instead of 0. The screenshot is kept in
+    stage, the entry's reference pass timed apart from the first step (its own record), and no axis tick labelled
+    with float noise (+-1e-20) instead of 0. The screenshot is kept in
     test-artifacts/report-dpo.png."""
     import shutil
 
@@ -240,7 +241,9 @@ def test_the_run_page_reads_a_dpo_stage_right(tmp_path: Path, monkeypatch: pytes
             assert errors == []
             rows = page.locator("table.stages tbody tr").all_inner_texts()
             assert "\tsft\t" in rows[0]
-            assert "dpo (sigmoid; beta 0.1; reference: the policy at the stage's entry)" in rows[1]
+            assert "dpo (sigmoid; beta 0.1; reference: the policy at the stage's entry) · entry scoring pass" in rows[1]
+            (entry,) = [r for r in read_metrics(run / "metrics.jsonl") if r.get("event") == "stage_entry_pass"]
+            assert entry["step"] == 3 and entry["stage"] == "dpo" and entry["seconds"] > 0
             for panel, steps in (("loss", 3), ("loss-dpo", 3)):  # each objective's train loss over its own steps
                 d = page.locator(f"[data-panel={panel}] path[data-series='train loss']").get_attribute("d")
                 assert d is not None and d.count("L") == steps - 1, (panel, d)

@@ -109,6 +109,7 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
     stages_cfg = recipe.get("stages") or []
     ends = {r["stage_index"]: r for r in records if r.get("event") == "stage_end"}
     advances = {r["stage_index"]: r for r in records if r.get("event") == "early_advance"}
+    entry_pass = {r["stage_index"]: r.get("seconds") for r in records if r.get("event") == "stage_entry_pass"}
     trained = [r for r in records if "loss" in r]
     last_step = max((int(r["step"]) for r in records), default=0)
     default_trainable = (recipe.get("train") or {}).get("trainable") or (
@@ -138,6 +139,7 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
             "trainable_params": end.get("trainable_params") if end else
             next(iter((run_json.get("trainable_params") or [])[i:i + 1]), None),
             "mixture": [{"source": s, "weight": w} for s, w in mixture], "objective": objective,
+            "entry_pass_seconds": entry_pass.get(i),
             "order": cfg.get("order"), "pacing": cfg.get("pacing"),
             "trainable": cfg.get("trainable") or default_trainable,
             "lr": plan.get("lr", cfg.get("lr")), "schedule": plan.get("schedule", cfg.get("schedule")),

@@ -223,8 +223,9 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
     run.current_stage = stage.index
     run.freezer.set_stage(stage.index)
     run.curriculum.enter(stage)
+    started = time.perf_counter()
     try:
-        order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler over them, before its first step
+        scored = order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler, before its first step
         objective_of(stage).enter(run, stage, step)  # e.g. a dpo stage's reference: the policy as it enters
     except ScoringStopped as stopped:
         log.warning("preempted (%s) during the scoring pass (%s): its finished blocks are kept, the checkpoint at "
@@ -232,6 +233,12 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
                     "another rank", stopped, step)
         distributed.finish_trackers(run.accelerator)
         return PREEMPTED_EXIT_CODE
+    if scored is not None or stage.resolved.objective == "dpo":
+        # The entry's scoring pass (a dpo stage's reference, a model's difficulty scores; read back on a resume) is
+        # not training: left out of the first step's tokens/s and step time, and recorded apart for the run page.
+        seconds = time.perf_counter() - started
+        run.meter.exclude(seconds)
+        run.log_record({**record_header(step, stage), "event": "stage_entry_pass", "seconds": round(seconds, 3)})
     log.info("stage %d/%d '%s': steps %d-%d, %d samples, global batch %d, lr %.3g at its start%s",
              plan.index + 1, len(run.curriculum.stages), plan.name, plan.start_step + 1, plan.end_step,
              plan.num_samples, plan.global_batch, run.curriculum.lr_at(step),

@@ -118,7 +118,9 @@
       const name = el("td", {}, tr);
       swatch(BANDS[i % BANDS.length], name).style.border = `1px solid ${BAND_TEXT[i % BANDS.length]}`;
       el("strong", {}, name, s.name);
-      el("td", { class: "objective" }, tr, s.objective || "sft");
+      // the entry's scoring pass (a dpo stage's reference), apart from the first step's tokens/s and step time
+      const entryPass = s.entry_pass_seconds != null ? ` · entry scoring pass ${fmt(s.entry_pass_seconds)} s` : "";
+      el("td", { class: "objective" }, tr, (s.objective || "sft") + entryPass);
       el("td", { class: "num" }, tr, `${s.steps} / ${s.planned ?? "?"}`);
       el("td", { class: "num" }, tr, s.state === "waiting" ? "not reached" : `${s.start + 1}–${s.start + s.steps}`);
       el("td", {}, tr, endedBy(s));
