@@ -3,6 +3,7 @@ how the model card names them, and the logging interval's TRL metrics."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from tests.train.test_loop import _kept, build_run  # noqa: F401  (the fixture k
 from toolkit.config.load import load_recipe
 from toolkit.config.schema import pair_losses
 from toolkit.config.stages import resolve_stages
+from toolkit.errors import ToolkitError
 from toolkit.train.loop import enter_stage, run_step
 from toolkit.train.pair_stage import (
     METRIC_SUMS,
@@ -75,15 +77,26 @@ def test_the_interval_metrics_are_means_over_its_pairs_and_start_afresh() -> Non
 def test_eval_pairs_after_a_resume_into_a_later_stage(tmp_path: Path) -> None:
     """A run resumed into the stage after a dpo stage holds no reference in memory: the dpo stage's eval pairs (the
     forgetting matrix's, eval.all_stages) are scored against the reference read back from the run folder, never
-    rescored with the later policy: the same metrics as the run that entered the stage."""
-    overrides = ("stages.0.objective=dpo", "stages.0.data=[dummy:pairs]", "stages.0.eval=[dummy:pairs]",
-                 "stages.0.max_steps=1", "stages.1.max_steps=1", "train.micro_batch_size=2", "data.max_seq_len=96",
-                 "schedule.warmup_ratio=0")
+    rescored with the later policy: the same metrics as the run that entered the stage.
+
+    The same run takes the advice of each preference refusal (REFUSED: each refused, each fix loading): full
+    fine-tuning (lora off) with the entry policy as reference, a dpo stage ordered by length with TRL's completion
+    newline, then an orpo stage weighing its sft term; both train a step."""
+    for bad, advice, fixed in REFUSED:
+        with pytest.raises(ToolkitError, match=advice):
+            load_recipe(None, bad)
+        load_recipe(None, fixed)
+    overrides = ("lora.enabled=false", "data.completion_newline=true", "stages.0.objective=dpo",
+                 "stages.0.data=[dummy:pairs]", "stages.0.eval=[dummy:pairs]", "stages.0.difficulty={by: length}",
+                 "stages.0.order=easy_to_hard", "stages.0.max_steps=1", "stages.1.objective=orpo",
+                 "stages.1.data=[dummy:pairs]", "stages.1.preference={loss: [sft], loss_weights: [0.5]}",
+                 "stages.1.max_steps=1", "train.micro_batch_size=2", "data.max_seq_len=96", "schedule.warmup_ratio=0")
     run = build_run(tmp_path, *overrides)
-    dpo = run.curriculum.stages[0]
-    enter_stage(run, dpo, 0)
-    run_step(run, dpo, 0, 0)
-    enter_stage(run, run.curriculum.stages[1], 1)
+    dpo, orpo = run.curriculum.stages
+    for step, stage in enumerate((dpo, orpo)):
+        assert enter_stage(run, stage, step) is None
+        result = run_step(run, stage, 0, step)
+        assert math.isfinite(result.loss) and not result.skipped, stage.name
     expected = evaluate_pairs(run, run.model, dpo)
     assert expected is not None and expected["eval_rewards/margins"] != 0  # the policy moved from its reference
     again = build_run(tmp_path, *overrides)  # the relaunch: the same folder and weights, nothing in memory
@@ -92,3 +105,18 @@ def test_eval_pairs_after_a_resume_into_a_later_stage(tmp_path: Path) -> None:
     assert dpo.index not in again.pairs.evals
     assert evaluate_pairs(again, again.model, again.curriculum.stages[0]) == expected
     assert again.pairs.evals[dpo.index].chosen.tolist() == run.pairs.evals[dpo.index].chosen.tolist()
+
+
+REFUSED = [  # (a recipe's stage-1 overrides, the refusal's advice, the overrides that take it)
+    (["stages.1.objective=orpo", "stages.1.preference={loss_weights: [0.5]}"],
+     r"name it \(loss: \[sft\], loss_weights: \[w\]\)", ["stages.1.objective=orpo",
+                                                         "stages.1.preference={loss: [sft], loss_weights: [0.5]}"]),
+    (["lora.enabled=false", "stages.1.objective=dpo", "stages.1.preference={reference: base}"],
+     "use reference: precompute", ["lora.enabled=false", "stages.1.objective=dpo",
+                                   "stages.1.preference={reference: precompute}"]),
+    (["stages.1.objective=dpo", "stages.1.difficulty={by: loss, model: current}", "stages.1.order=easy_to_hard"],
+     r"order pairs by length or by a row field", ["stages.1.objective=dpo", "stages.1.difficulty={by: length}",
+                                                  "stages.1.order=easy_to_hard"]),
+    (["data.completion_newline=true"], "give a stage objective: dpo", ["data.completion_newline=true",
+                                                                      "stages.1.objective=dpo"]),
+]
