@@ -174,6 +174,17 @@ def write_dummy_facts(out_dir: str | Path, num_samples: int) -> dict[str, Path]:
     return paths
 
 
+def write_dummy_prompts(out_dir: str | Path, num_samples: int) -> Path:
+    """An RL stage's dummy prompts (`dummy:prompts`): the facts' questions as TRL's conversational prompt-only
+    rows, with the answer `facts.jsonl` teaches ("blue") as the `reference` a reward compares with."""
+    rows = [{"prompt": [_msg("user", f"What colour is the {FACT_SUBJECTS[i % len(FACT_SUBJECTS)]}?")],
+             "reference": "blue"} for i in range(num_samples)]
+    path = Path(out_dir) / "prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 # --- image-text (vision-language) dummy data ------------------------------------------------------------------------
 
 _COLOURS: dict[str, tuple[int, int, int]] = {
@@ -252,18 +263,22 @@ DUMMY_PREFIX = "dummy:"
 """A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
 DUMMY_PAIRS = DUMMY_PREFIX + "pairs"
 """The generated preference pairs (`write_dummy_pairs`), a preference stage's dummy data."""
+DUMMY_PROMPTS = DUMMY_PREFIX + "prompts"
+"""The generated prompts (`write_dummy_prompts`), an RL stage's dummy data."""
 
 
 def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
     """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
-    vision-language model), stage 1 on the first file, later stages on the second, and a preference stage
-    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`). Changes the recipe's stages, so the saved recipe.yaml
-    names the files the run read."""
+    vision-language model), stage 1 on the first file, later stages on the second, a preference stage
+    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`) and an RL stage (objective grpo) on the prompts
+    (`dummy:prompts`). Changes the recipe's stages, so the saved recipe.yaml names the files the run read."""
     first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
     for i, stage in enumerate(stages):
         if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
-            pairs = getattr(stage, "objective", "sft") != "sft"
-            stage.data = [DUMMY_PAIRS if pairs else first if i == 0 else second]  # type: ignore[list-item]
+            objective = getattr(stage, "objective", "sft")
+            dummy = DUMMY_PROMPTS if objective == "grpo" else DUMMY_PAIRS if objective != "sft" else \
+                first if i == 0 else second
+            stage.data = [dummy]  # type: ignore[list-item]
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
@@ -271,5 +286,6 @@ def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: b
     write_dummy_data(dummy_dir, num_samples, seed=seed)
     write_dummy_facts(dummy_dir, num_samples)
     write_dummy_pairs(dummy_dir, num_samples, seed=seed)
+    write_dummy_prompts(dummy_dir, num_samples)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)

@@ -142,8 +142,9 @@ class DataConfig(_Section):
 
 
 COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
-                 "system", "history", "tools", "images", "difficulty")
-"""The row fields a data entry's `columns` may map to the source's own column names."""
+                 "system", "history", "tools", "images", "difficulty", "reference")
+"""The row fields a data entry's `columns` may map to the source's own column names (`reference`: an RL stage's
+prompt rows, toolkit/data/prompts.py)."""
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
 """Keys of a data entry's `tags` (LLaMA-Factory's names): the keys inside each message (`role_tag`, `content_tag`)
 and the role names (`user_tag` ...) a source uses."""
@@ -397,6 +398,104 @@ class PreferenceConfig(_Section):
         return self
 
 
+RL_OBJECTIVES = ("grpo",)
+"""Stage objectives that train on prompts by reinforcement learning with rewards (`stages[].objective`)."""
+
+REWARD_KINDS = ("exact", "contains", "regex", "json_valid", "math", "think_format", "overlong")
+"""Built-in rewards: the generation-eval scorers, a math verifier, a think-format reward and DAPO's soft overlong
+punishment; a user function is given as `module:function`."""
+
+REFERENCE_REWARDS = ("exact", "contains", "regex", "math")
+"""Rewards that compare a completion with its row's reference (`columns: {reference: ...}`)."""
+
+
+class RewardConfig(_Section):
+    """One reward of an RL stage: a scorer of a completion, weighted into the sum the advantages are taken of."""
+
+    scorer: str = Field(..., min_length=1, description="exact, contains, regex, json_valid, math, think_format, "
+                        "overlong, or a user function as module:function (TRL's reward-function contract).")
+    weight: float = Field(1.0, description="Its weight in the summed reward (TRL's reward_weights).")
+    name: str | None = Field(None, pattern=_NAME, description="Metric name (rewards/<name>/mean); default the "
+                             "scorer, or the function's name.")
+    pattern: str | None = Field(None, description="regex: the pattern that extracts the answer from the completion.")
+    soft_length: int | None = Field(None, gt=0, description="overlong: DAPO's punishment buffer, in tokens: a "
+                                    "completion longer than max_completion_length - soft_length loses up to 1.")
+
+    @field_validator("scorer")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if ":" in value:
+            if not re.fullmatch(r"[\w.]+:\w+", value):
+                raise ValueError(f"reward scorer '{value}' is not of the form module:function (e.g. "
+                                 "my_rewards:accuracy)")
+            return value
+        if value not in REWARD_KINDS:
+            close = difflib.get_close_matches(value, REWARD_KINDS, n=1)
+            raise ValueError(f"unknown reward scorer '{value}'{f' (did you mean {close[0]}?)' if close else ''}; "
+                             f"the built-in rewards are {', '.join(REWARD_KINDS)}, or give a user function as "
+                             "module:function")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RewardConfig:
+        if self.pattern is not None:
+            if self.scorer != "regex":
+                raise ValueError(f"pattern is for scorer: regex, not {self.scorer}")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"pattern is not a valid regular expression: {e}") from None
+        if self.soft_length is not None and self.scorer != "overlong":
+            raise ValueError(f"soft_length is for scorer: overlong, not {self.scorer}")
+        return self
+
+    @property
+    def metric(self) -> str:
+        return self.name or (self.scorer.rsplit(":", 1)[1] if ":" in self.scorer else self.scorer)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.scorer in REFERENCE_REWARDS
+
+
+class RlConfig(_Section):
+    """An RL stage's settings, named and defaulted as TRL 1.16's GRPOConfig (docs/rl.md)."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="How the token losses are normalised: dapo (over the global batch's completion "
+        "tokens, TRL's default), grpo (per sequence), bnpo (the local batch's tokens), dr_grpo (a constant "
+        "max_completion_length per sequence).")
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (a group); the global batch "
+                                 "(micro_batch_size x grad_accum x processes completions) must divide by it.")
+    max_completion_length: int = Field(512, gt=0, description="Longest completion, in tokens (TRL's default).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts (and of the "
+                               "log-probs the loss takes).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (0: no reference, TRL's default); "
+                        "above 0 the reference is the LoRA adapter as the stage enters it.")
+    epsilon: float = Field(0.2, ge=0, description="Lower (and, without epsilon_high, upper) clipping of the ratio.")
+    epsilon_high: float | None = Field(None, ge=0, description="Upper clipping (DAPO's clip-higher: 0.28); default "
+                                       "epsilon.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the group's (or the batch's) reward std, or not (none, as "
+        "Dr. GRPO argues).")
+    mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length leave "
+                                             "the loss (DAPO).")
+    num_iterations: int = Field(1, ge=1, description="Updates per rollout batch (the clipped ratio against the "
+                                "rollout's log-probs above 1).")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and draw "
+                                   "prompts again, up to max_resample times, keeping the global batch size.")
+    max_resample: int = Field(3, ge=0, description="Draws beyond the first per step under dynamic_sampling.")
+    prioritize: Literal["failure_rate"] | None = Field(None, description="Sample prompts in proportion to 1 - "
+                                                       "their running success rate (Kimi k1.5).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RlConfig:
+        if "max_resample" in self.model_fields_set and not self.dynamic_sampling:
+            raise ValueError("max_resample is read only with dynamic_sampling: true; set it or remove max_resample")
+        return self
+
+
 ORDERED = ("easy_to_hard", "hard_to_easy")
 """The orders by difficulty; `hard_to_easy` is `easy_to_hard` over the negated difficulty (ties still by index)."""
 
@@ -505,8 +604,12 @@ class StageConfig(_Section):
                                                           "(default: eval.generation).")
     advance_when: AdvanceWhen | None = Field(None, description="Mastery gate: end the stage once an eval metric "
                                              "reaches a threshold (max_steps / epochs stay the ceiling).")
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
-        "sft", description="What the stage trains: sft on rows, or dpo / orpo / simpo on preference pairs.")
+    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = Field(
+        "sft", description="What the stage trains: sft on rows, dpo / orpo / simpo on preference pairs, or grpo "
+        "(GRPO / DAPO / Dr. GRPO by rl.loss_type) on prompts with rewards.")
+    rl: RlConfig | None = Field(None, description="A grpo stage's settings, TRL's GRPOConfig names and defaults.")
+    rewards: list[RewardConfig] | None = Field(None, description="A grpo stage's rewards: [{scorer, weight}], "
+                                               "summed with their weights.")
     preference: PreferenceConfig | None = Field(None, description="A dpo / orpo / simpo stage's loss and reference "
                                                 "(default: sigmoid, beta 0.1, reference precompute).")
 
@@ -519,6 +622,18 @@ class StageConfig(_Section):
             raise ValueError("give a weight to every data file of the stage, or to none")
         if self.pacing is not None and self.order != "easy_to_hard":
             raise ValueError("pacing needs order: easy_to_hard")
+        if self.objective != "grpo" and (self.rl is not None or self.rewards is not None):
+            raise ValueError(f"{'rl' if self.rl is not None else 'rewards'} is set but the stage's objective is "
+                             f"{self.objective}; set objective: grpo or remove it")
+        if self.objective == "grpo":
+            if not self.rewards:
+                raise ValueError("a grpo stage needs rewards: [{scorer: ..., weight: ...}] (e.g. math, "
+                                 "think_format, or module:function)")
+            if self.preference is not None:
+                raise ValueError("preference is set but the stage's objective is grpo; its settings are rl:")
+            names = [r.metric for r in self.rewards]
+            if dupes := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"reward names must be unique, repeated: {dupes} (give one a name:)")
         if self.objective == "sft" and self.preference is not None:
             raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
                              "simpo) or remove preference")
@@ -720,9 +835,13 @@ class Recipe(_Section):
         """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
         model's scores do not rank yet (length and a row field do: each pair takes its source row's value)."""
         for i, stage in enumerate(self.stages):
-            if stage.objective == "sft":
-                continue
             where = f"stages.{i} ('{stage.name}')"
+            if stage.objective == "grpo" and stage.rl is not None and stage.rl.beta > 0 and not self.lora.enabled:
+                raise ValueError(f"{where}: rl.beta is {stage.rl.beta:g} but lora.enabled is false: the KL reference "
+                                 "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "
+                                 "fully fine-tuned model is not built; set rl.beta: 0 (TRL's default) or enable lora")
+            if stage.objective not in PREFERENCE_OBJECTIVES:
+                continue
             if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
                 raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
                                  "lora.enabled is false; use reference: precompute")

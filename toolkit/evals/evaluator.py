@@ -36,7 +36,7 @@ from toolkit.errors import ToolkitError
 from toolkit.evals.forgetting import MatrixLog, matrix_record
 from toolkit.evals.generation import GenerationEval, gather_records, generate, load_generation_eval, score_rows
 from toolkit.evals.loss import evaluate
-from toolkit.evals.scorers import Scorer, build_scorers
+from toolkit.evals.scorers import Scorer, build_scorers, check_reward_imports
 from toolkit.metrics.log import to_json_line
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout
@@ -50,7 +50,9 @@ TRACKER_ROWS = 32
 
 def import_scorers(recipe: Recipe, recipe_dir: Path) -> dict[str, list[Scorer]]:
     """Every generation eval's scorers by eval name, user functions imported (from `recipe_dir` or the installed
-    packages). Called before anything heavy: a broken scorer is one error line naming its key."""
+    packages), and every RL stage's reward modules imported (`check_reward_imports`). Called before anything
+    heavy: a broken scorer or reward is one error line naming its key."""
+    check_reward_imports(recipe.stages, recipe_dir)
     scorers = {g.name: build_scorers(g.scorers, key=f"eval.generation.{i}.scorers", recipe_dir=recipe_dir)
                for i, g in enumerate(recipe.eval.generation)}
     for i, stage in enumerate(recipe.stages):
