@@ -412,13 +412,17 @@ class GrpoObjective:
         return None
 
 
+ROLLOUTS = "rollouts"
+"""The run folder's subfolder of RL stages' completions, `<stage>.jsonl` each (cut back to the step on a resume)."""
+
+
 def write_rollouts(run: Any, stage: Stage, records: list[dict[str, Any]]) -> None:
     """The step's completions with their rewards and advantages, gathered to rank 0 and appended to
     `<output_dir>/rollouts/<stage>.jsonl` (one line per completion, in slot order). Collective."""
     everything = gather_object(records)
     if not run.accelerator.is_main_process:
         return
-    path = Path(run.recipe.output_dir) / "rollouts" / f"{stage.name}.jsonl"
+    path = Path(run.recipe.output_dir) / ROLLOUTS / f"{stage.name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = sorted(everything, key=lambda r: r["slot"])
     with path.open("a", encoding="utf-8") as f:

@@ -70,7 +70,7 @@ from toolkit.train.loop import Run, RunState
 from toolkit.train.objectives import objective_of
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.pair_stage import describe_objective
-from toolkit.train.rl_stage import check_rl_stages
+from toolkit.train.rl_stage import ROLLOUTS, check_rl_stages
 from toolkit.train.scorer_model import check_scorers
 from toolkit.train.stability import StabilityGuard
 from toolkit.train.stage_scores import check_kept_scores
@@ -188,11 +188,16 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
         "trainable_params": trainable_params,
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
         | {"toolkit": __version__}}, indent=2))
+    rollouts = sorted((layout.root / ROLLOUTS).glob("*.jsonl"))  # RL stages' completions (toolkit/train/rl_stage.py)
     if resumed_at is None:
         layout.metrics.unlink(missing_ok=True)
+        for path in rollouts:
+            path.unlink()
     else:
         truncate_after(layout.metrics, resumed_at)
         prune_after(layout, resumed_at)  # completions and matrix records of the evals that are redone
+        for path in rollouts:  # the steps after the resumed one are drawn again
+            truncate_after(path, resumed_at)
 
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
