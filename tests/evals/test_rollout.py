@@ -4,12 +4,17 @@ loss head's per-token mode); truncation at the length limit; top-p."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import REPO, launch_cmd, run_env
 from toolkit.evals.rollout import Rollout, rollout, sample_seed
 from toolkit.model.loss_head import install_loss_head, loss_head_of
 from toolkit.train.grpo import policy_batch, tokens_to_grid
@@ -76,3 +81,24 @@ def test_a_small_top_p_keeps_only_the_most_likely_token(tiny: tuple[Any, Any]) -
                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
     end = greedy.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in greedy else len(greedy)
     assert out.completion_ids == [greedy[:end]] * G
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_draw_the_same_completions_and_step_alike(models: dict[str, str],
+                                                                         tmp_path: Path) -> None:
+    """tests/helpers/rl_step.py in one process, then in two under DDP (gloo): the same completions and rewards, and
+    the loss normalised over the global batch gives the same loss and LoRA gradients."""
+    helper = str(REPO / "tests" / "helpers" / "rl_step.py")
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    for cmd, out in (([sys.executable, helper], one), ([*launch_cmd("ddp", 2), helper], two)):
+        proc = subprocess.run([*cmd, models["text"], str(out)], env=run_env(), capture_output=True, text=True,
+                              timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert a["completions"] == b["completions"] and len(a["completions"]) == 16
+    assert a["rewards"] == b["rewards"] and 0 < sum(r[0] for r in a["rewards"]) < 16  # mixed groups
+    assert any(abs(x) > 0.1 for x in a["advantages"])
+    assert abs(a["loss"] - b["loss"]) <= 1e-6
+    assert a["grads"].keys() == b["grads"].keys() and a["grads"]
+    for name, grad in a["grads"].items():
+        torch.testing.assert_close(torch.tensor(b["grads"][name]), torch.tensor(grad), rtol=0, atol=1e-6, msg=name)
