@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import REPO, launch_cmd, run_env
-from toolkit.evals.rollout import Rollout, rollout, sample_seed
+from toolkit.evals.rollout import Rollout, SeededSampler, rollout, sample_seed
 from toolkit.model.loss_head import install_loss_head, loss_head_of
 from toolkit.train.grpo import policy_batch, tokens_to_grid
 
@@ -102,3 +102,20 @@ def test_one_and_two_processes_draw_the_same_completions_and_step_alike(models: 
     assert a["grads"].keys() == b["grads"].keys() and a["grads"]
     for name, grad in a["grads"].items():
         torch.testing.assert_close(torch.tensor(b["grads"][name]), torch.tensor(grad), rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_seeded_draw_follows_the_distribution() -> None:
+    """The counter-based exponential race draws each token with its probability (4000 rows, and one row over 1000
+    positions), and a row's draws depend only on its own seed."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = SeededSampler(range(4000), 1.0, 1.0, torch.device("cpu"))
+    chosen = rows(torch.zeros(4000, 1, dtype=torch.long), probs.log().repeat(4000, 1)).argmax(-1)
+    torch.testing.assert_close(torch.bincount(chosen, minlength=4) / 4000, probs, rtol=0, atol=0.025)
+    one = SeededSampler([12], 1.0, 1.0, torch.device("cpu"))
+    alone = torch.stack([one(torch.zeros(1, 1, dtype=torch.long), probs.log().unsqueeze(0)).argmax(-1)[0]
+                         for _ in range(1000)])
+    torch.testing.assert_close(torch.bincount(alone, minlength=4) / 1000, probs, rtol=0, atol=0.05)
+    paired = SeededSampler([99, 12], 1.0, 1.0, torch.device("cpu"))
+    second = [int(paired(torch.zeros(2, 1, dtype=torch.long), probs.log().repeat(2, 1)).argmax(-1)[1])
+              for _ in range(50)]
+    assert alone[:50].tolist() == second

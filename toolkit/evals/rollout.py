@@ -5,9 +5,11 @@ completion does not depend on which other prompts share its batch, nor on which 
 random state (untouched). transformers' `generate` runs the model with its KV cache, left-padded prompts, end tokens
 and `synced_gpus`; its sampling draws one multinomial for the whole batch from the global generator, so here the
 draw is made by a logits processor (`SeededSampler`) and `generate` decodes greedily over what it returns: per row,
-temperature, then top-p, then the exponential-race draw `argmax(p / E)` with `E ~ Exp(1)` from the row's generator
-(the same distribution as a multinomial draw). The processor also keeps each chosen token's log-probability at
-the temperature (before top-p, as TRL scores completions): the rollout's "old" per-token log-probs.
+temperature, then top-p, then the exponential-race draw `argmax(p / E)` with `E ~ Exp(1)` (the same distribution as
+a multinomial draw), whose noise is counter-based: a hash (SplitMix64) of the row's seed, the token position and
+the token, so every row is drawn in one vectorised pass and none depends on another. The processor also keeps each
+chosen token's log-probability at the temperature (before top-p, as TRL scores completions): the rollout's "old"
+per-token log-probs.
 
 Batches hold whole groups (`prompts_per_batch` prompts, each with its `num_generations` rows) in the order given:
 a process whose share of the global batch is whole batches of the same prompts draws exactly what one process
@@ -37,13 +39,47 @@ def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     return value
 
 
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch holds (the same bits)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+GOLDEN, MIX1, MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's `>>` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: a bijection of 64-bit words whose outputs pass BigCrush for consecutive inputs
+    (int64 products wrap, as the algorithm's unsigned ones do)."""
+    x = x ^ _shift(x, 30)
+    x = x * MIX1
+    x = x ^ _shift(x, 27)
+    x = x * MIX2
+    return x ^ _shift(x, 31)
+
+
+def exponential_noise(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` Exp(1) draws, each a pure function of (its row's seed, the token position, the token):
+    counter-based, so a row's draws never depend on the other rows, and all rows are drawn in one vectorised pass
+    (a generator per row would cost a call per row and token)."""
+    key = _mix(seeds * GOLDEN + position)
+    bits = _mix(key.unsqueeze(1) + (torch.arange(1, vocab + 1, device=seeds.device) * GOLDEN).unsqueeze(0))
+    uniform = (_shift(bits, 11).to(torch.float64) + 0.5) / 2**53  # 53 random bits in (0, 1)
+    return (-torch.log(uniform)).to(torch.float32)
+
+
 class SeededSampler(LogitsProcessor):
-    """Draws each row's next token from the row's own generator (temperature, top-p) and returns scores that make
+    """Draws each row's next token from the row's own stream (temperature, top-p) and returns scores that make
     it the greedy choice; keeps the chosen tokens' log-probabilities at the temperature."""
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device) -> None:
         self.temperature, self.top_p = temperature, top_p
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.seeds = torch.tensor(list(seeds), dtype=torch.int64, device=device)
+        self.position = 0
         self.logps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -53,8 +89,8 @@ class SeededSampler(LogitsProcessor):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        race = torch.stack([torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
-                            for g in self.generators])
+        race = exponential_noise(self.seeds.to(scores.device), self.position, scores.shape[-1])
+        self.position += 1
         chosen = (probs / race).argmax(dim=-1)
         self.logps.append(logps.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
         out = torch.full_like(scores, -math.inf)
