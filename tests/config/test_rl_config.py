@@ -40,12 +40,13 @@ def test_rl_keys_are_trl_s_names_with_trl_s_defaults() -> None:
 
 def test_a_grpo_stage_resolves_its_settings_and_binds_a_checkpoint(tmp_path: Path) -> None:
     path = recipe(tmp_path, {"objective": "grpo", "rl": {"num_generations": 4, "loss_type": "dr_grpo"},
-                             "rewards": [{"scorer": "contains"}, {"scorer": "my_rewards:fmt", "weight": 0.5}]})
+                             "rewards": [{"scorer": "contains"}, {"scorer": "my_rewards:fmt", "weight": 0.5},
+                                         {"scorer": {"kind": "regex", "pattern": "(\\d+)", "name": "number"}}]})
     sft, rl = resolve_stages(load_recipe(path))
     assert sft.rl is None and not sft.prompts and rl.prompts and not rl.pairs
     assert (rl.rl.num_generations, rl.rl.loss_type, rl.rl.beta) == (4, "dr_grpo", 0.0)
-    assert [(r.metric, r.weight, r.needs_reference) for r in rl.rewards] == [("contains", 1.0, True),
-                                                                           ("fmt", 0.5, False)]
+    assert [(r.metric, r.weight, r.needs_reference) for r in rl.rewards] == [
+        ("contains", 1.0, True), ("fmt", 0.5, False), ("number", 1.0, True)]
     bound = resume_invariants(load_recipe(path))
     assert "rl" not in bound["stages"][0] and bound["stages"][1]["rl"]["num_generations"] == 4  # sft stages as before
     other = recipe(tmp_path, {"objective": "grpo", "rl": {"num_generations": 2}, "rewards": [{"scorer": "contains"}]})
@@ -56,7 +57,7 @@ def test_a_grpo_stage_resolves_its_settings_and_binds_a_checkpoint(tmp_path: Pat
     ({"rl": {"beta": 0.1}}, True, "rl is set but the stage's objective is sft"),
     ({"objective": "grpo"}, True, "a grpo stage needs rewards"),
     ({"objective": "grpo", "rewards": [{"scorer": "maths"}]}, True, "unknown reward scorer 'maths' (did you mean"),
-    ({"objective": "grpo", "rewards": [{"scorer": "exact", "pattern": "x"}]}, True, "pattern is for scorer: regex"),
+    ({"objective": "grpo", "rewards": [{"scorer": {"pattern": "x"}}]}, True, "names its kind"),
     ({"objective": "grpo", "rewards": [{"scorer": "exact"}, {"scorer": "exact"}]}, True, "reward names must be unique"),
     ({"objective": "grpo", "rewards": [{"scorer": "exact"}], "rl": {"max_resample": 2}}, True,
      "max_resample is read only with dynamic_sampling: true"),

@@ -5,8 +5,9 @@ One single-process run (micro-batches of 2 completions, grad_accum 2: 2 prompts 
 reference. Checked against it, in one launch set:
 * the GRPO stage trains: its groups' rewards differ and give a gradient, TRL's metric names are logged with the
   step's generation and scoring time, and every completion is written with its rewards;
-* 2 processes under DDP (grad_accum 1): the same completions and rewards (each seeded per step, prompt and sample,
-  drawn on whichever rank), the same per-step losses, gradient norms and final adapter;
+* 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 offload (grad_accum 1): the same completions and rewards
+  (each seeded per step, prompt and sample, drawn on whichever rank), the same per-step losses, gradient norms and
+  final adapter;
 * an exact resume from the checkpoint inside the GRPO stage: every later step and the final adapter to the bit.
 """
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 RECIPE = "recipes/sft_then_grpo.yaml"
 SETTINGS = ("stages.1.rewards=[{scorer: 'tests.helpers.user_rewards:vowel_share'}]",
             "stages.1.rl={num_generations: 2, max_completion_length: 8}", "checkpoint.keep_last=10")
+TWO_PROCESSES = ("ddp", "fsdp", "zero2", "zero3", "zero3_offload")
 TRL_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/vowel_share/mean", "completions/mean_length",
                "completions/clipped_ratio", "entropy", "clip_ratio/region_mean")
 
@@ -58,19 +60,22 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
     mean = sum(r["rewards"][0] for r in drawn if r["step"] == 5) / 4
     assert steps[5]["reward"] == pytest.approx(mean, abs=1e-9)
 
-    two = tmp_path / "ddp"
-    train_forked("ddp", 2, two, *SETTINGS, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
-    assert [(r["completion"], r["rewards"]) for r in rollouts(two)] == [(r["completion"], r["rewards"]) for r in drawn]
-    theirs = by_step(two)
-    for s, r in steps.items():
-        assert theirs[s]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), s
-        assert theirs[s]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), s
-        for key in TRL_METRICS:
-            if key in r:
-                assert theirs[s][key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), (s, key)
-    a, b = (load_file(run / "final" / "adapter_model.safetensors") for run in (two, one))
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+    b = load_file(one / "final" / "adapter_model.safetensors")
+    for strategy in TWO_PROCESSES:  # generation with the full weights gathered once; under ZeRO-3 / FSDP in lockstep
+        two = tmp_path / strategy
+        train_forked(strategy, 2, two, *SETTINGS, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
+        assert [(r["completion"], r["rewards"]) for r in rollouts(two)] == \
+            [(r["completion"], r["rewards"]) for r in drawn], strategy
+        theirs = by_step(two)
+        for s, r in steps.items():
+            assert theirs[s]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), (strategy, s)
+            assert theirs[s]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), (strategy, s)
+            for key in TRL_METRICS:
+                if key in r:
+                    assert theirs[s][key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), (strategy, s, key)
+        a = load_file(two / "final" / "adapter_model.safetensors")
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=f"{strategy}: {k}")
 
     resumed = tmp_path / "from-5"
     checkpoint = one / "checkpoints" / "step-00000005"

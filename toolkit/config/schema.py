@@ -410,52 +410,48 @@ REFERENCE_REWARDS = ("exact", "contains", "regex", "math")
 
 
 class RewardConfig(_Section):
-    """One reward of an RL stage: a scorer of a completion, weighted into the sum the advantages are taken of."""
+    """One reward of an RL stage: a scorer of a completion, weighted into the sum the advantages are taken of
+    (built by toolkit/evals/rewards.py, which checks a scorer's options)."""
 
-    scorer: str = Field(..., min_length=1, description="exact, contains, regex, json_valid, math, think_format, "
-                        "overlong, or a user function as module:function (TRL's reward-function contract).")
+    scorer: str | dict[str, Any] = Field(..., description="exact, contains, regex, json_valid, math, think_format, "
+                                         "overlong, a user function as module:function (TRL's reward-function "
+                                         "contract), or {kind: ..., options} (e.g. {kind: regex, pattern: ...}).")
     weight: float = Field(1.0, description="Its weight in the summed reward (TRL's reward_weights).")
-    name: str | None = Field(None, pattern=_NAME, description="Metric name (rewards/<name>/mean); default the "
-                             "scorer, or the function's name.")
-    pattern: str | None = Field(None, description="regex: the pattern that extracts the answer from the completion.")
-    soft_length: int | None = Field(None, gt=0, description="overlong: DAPO's punishment buffer, in tokens: a "
-                                    "completion longer than max_completion_length - soft_length loses up to 1.")
 
     @field_validator("scorer")
     @classmethod
-    def _known(cls, value: str) -> str:
-        if ":" in value:
-            if not re.fullmatch(r"[\w.]+:\w+", value):
-                raise ValueError(f"reward scorer '{value}' is not of the form module:function (e.g. "
+    def _known(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        kind = value.get("kind") if isinstance(value, dict) else value
+        if not isinstance(kind, str):
+            raise ValueError("a reward scorer given as a mapping names its kind: {kind: regex, pattern: ...}")
+        if ":" in kind:
+            if not re.fullmatch(r"[\w.]+:\w+", kind):
+                raise ValueError(f"reward scorer '{kind}' is not of the form module:function (e.g. "
                                  "my_rewards:accuracy)")
             return value
-        if value not in REWARD_KINDS:
-            close = difflib.get_close_matches(value, REWARD_KINDS, n=1)
-            raise ValueError(f"unknown reward scorer '{value}'{f' (did you mean {close[0]}?)' if close else ''}; "
+        if kind not in (*REWARD_KINDS, "function"):
+            close = difflib.get_close_matches(kind, REWARD_KINDS, n=1)
+            raise ValueError(f"unknown reward scorer '{kind}'{f' (did you mean {close[0]}?)' if close else ''}; "
                              f"the built-in rewards are {', '.join(REWARD_KINDS)}, or give a user function as "
                              "module:function")
         return value
 
-    @model_validator(mode="after")
-    def _consistent(self) -> RewardConfig:
-        if self.pattern is not None:
-            if self.scorer != "regex":
-                raise ValueError(f"pattern is for scorer: regex, not {self.scorer}")
-            try:
-                re.compile(self.pattern)
-            except re.error as e:
-                raise ValueError(f"pattern is not a valid regular expression: {e}") from None
-        if self.soft_length is not None and self.scorer != "overlong":
-            raise ValueError(f"soft_length is for scorer: overlong, not {self.scorer}")
-        return self
+    @property
+    def kind(self) -> str:
+        return str(self.scorer.get("kind") if isinstance(self.scorer, dict) else self.scorer)
 
     @property
     def metric(self) -> str:
-        return self.name or (self.scorer.rsplit(":", 1)[1] if ":" in self.scorer else self.scorer)
+        """Its metric's name (rewards/<name>/mean): the mapping's `name`, the function's name, or the kind."""
+        if isinstance(self.scorer, dict) and self.scorer.get("name"):
+            return str(self.scorer["name"])
+        function = self.scorer.get("function") if isinstance(self.scorer, dict) else None
+        ref = function if isinstance(function, str) else self.kind
+        return ref.rsplit(":", 1)[1] if ":" in ref else ref
 
     @property
     def needs_reference(self) -> bool:
-        return self.scorer in REFERENCE_REWARDS
+        return self.kind in REFERENCE_REWARDS
 
 
 class RlConfig(_Section):

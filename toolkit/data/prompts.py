@@ -135,7 +135,7 @@ def prompt_set(stage: Any, sources: list[Source], tokenizer: Any, *, thinking: s
     rl = stage.rl
     enable_thinking = None if thinking == "none" else False
     room = stage.max_seq_len - rl.max_completion_length
-    comparing = [(f"stages.{stage.index}.rewards.{j}", r.scorer) for j, r in enumerate(stage.rewards)
+    comparing = [(f"stages.{stage.index}.rewards.{j}", r.kind) for j, r in enumerate(stage.rewards)
                  if r.needs_reference]
     stats, samples, sizes = DataStats(), [], []
     for source in sources:

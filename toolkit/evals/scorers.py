@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.config.schema import ScorerConfig, StageConfig
+from toolkit.config.schema import ScorerConfig
 from toolkit.errors import ToolkitError
 
 ScoreFn = Callable[[str, Any, dict[str, Any]], float]
@@ -120,7 +120,7 @@ def build_scorer(spec: ScorerConfig, *, key: str, recipe_dir: Path) -> Scorer:
 
 
 @contextlib.contextmanager
-def importable_from(folder: Path) -> Iterator[None]:
+def _importable_from(folder: Path) -> Iterator[None]:
     """`folder` first on the import path while importing (the recipe's own modules), then as before."""
     entry = str(folder.resolve())
     sys.path.insert(0, entry)
@@ -137,7 +137,7 @@ def import_function(ref: str, *, key: str, recipe_dir: Path) -> ScoreFn:
     module_name, _, name = ref.partition(":")
     where = f"scorer {key} ('{ref}')"
     try:
-        with importable_from(recipe_dir):
+        with _importable_from(recipe_dir):
             module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or anything the user's module raises at import
         detail = str(e).splitlines()[0] if str(e) else ""
@@ -160,33 +160,3 @@ def import_function(ref: str, *, key: str, recipe_dir: Path) -> ScoreFn:
 def build_scorers(specs: list[ScorerConfig], *, key: str, recipe_dir: Path) -> list[Scorer]:
     """An eval's scorers; `key` is the recipe key of its scorer list (`eval.generation.0.scorers`)."""
     return [build_scorer(spec, key=f"{key}.{i}", recipe_dir=recipe_dir) for i, spec in enumerate(specs)]
-
-
-UNBUILT_REWARDS = ("math", "think_format", "overlong")
-"""Built-in rewards the schema names whose scorers this build does not hold yet (refused before anything loads)."""
-
-
-def check_reward_imports(stages: list[StageConfig], recipe_dir: Path) -> None:
-    """Every grpo stage's `module:function` reward imported from `recipe_dir` or the installed packages (the
-    stage's rewards are built from them at its entry: toolkit/train/rl_stage.py); any failure is one ToolkitError
-    naming `stages.N.rewards.M`, before anything heavy loads."""
-    for i, stage in enumerate(stages):
-        for j, reward in enumerate(stage.rewards or []):
-            if reward.scorer in UNBUILT_REWARDS:
-                raise ToolkitError(f"reward stages.{i}.rewards.{j}: scorer {reward.scorer} is not available in this "
-                                   "build yet; use exact, contains, regex, json_valid or a module:function reward.")
-            if ":" not in reward.scorer:
-                continue
-            module_name, _, name = reward.scorer.partition(":")
-            where = f"reward stages.{i}.rewards.{j} ('{reward.scorer}')"
-            try:
-                with importable_from(recipe_dir):
-                    module = importlib.import_module(module_name)
-            except Exception as e:  # ImportError, or anything the user's module raises at import
-                detail = str(e).splitlines()[0] if str(e) else ""
-                raise ToolkitError(f"{where}: module '{module_name}' could not be imported from {recipe_dir} or the "
-                                   f"installed packages ({type(e).__name__}: {detail}); put {module_name}.py next to "
-                                   "the recipe or install it.") from None
-            if not callable(getattr(module, name, None)):
-                raise ToolkitError(f"{where}: module '{module_name}' ({getattr(module, '__file__', '?')}) has no "
-                                   f"function '{name}'.")

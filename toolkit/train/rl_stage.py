@@ -1,32 +1,35 @@
-"""An RL stage (objective grpo) inside the run: what it refuses before anything heavy loads.
+"""An RL stage (objective grpo) inside the run: the grpo objective of the loop (toolkit/train/objectives.py).
 
-A grpo stage's global batch is `micro_batch_size x grad_accum x data-parallel replicas` completions, whole groups of
-`rl.num_generations` completions of one prompt (TRL's rule: the global batch divides by num_generations). Its
-rewards' user functions are imported before the data and the model load, so a module that does not import stops the
-run in one line naming the reward's key.
+Before anything heavy loads, `check_rl_stages` refuses what a grpo stage cannot train (a global batch of
+`micro_batch_size x grad_accum x data-parallel replicas` completions that is not whole groups of
+`rl.num_generations`, TRL's rule; vision prompts; Ulysses; settings this build does not train yet); the rewards are
+built, and user modules imported, with the generation evals' scorers (toolkit/evals/evaluator.py `import_scorers`).
+
+Each step (`rollout_step`): the stage sampler's prompts are completed by whole groups, prompt p by rank p mod world,
+under the run's strategy with the full weights gathered once (toolkit/evals/rollout.py), and scored on the rank that
+drew them (toolkit/evals/rewards.py); one gather gives every rank the global batch, its group advantages
+(toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token log-probs,
+normalised over the global batch (`_GrpoLoss`); TRL's metrics and the step's generation and scoring time go to the
+step record, the completions with their rewards to `<output_dir>/rollouts/<stage>.jsonl`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
-from transformers import GenerationConfig
 
-from toolkit.config.schema import RlConfig, ScorerConfig
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Stage
 from toolkit.data.batching import MicroBatch
 from toolkit.errors import ToolkitError
-from toolkit.evals.scorers import Scorer, build_scorer, importable_from
+from toolkit.evals.rewards import Reward, build_rewards, score_completions
+from toolkit.evals.rollout import rollout
 from toolkit.model.loss_head import loss_head_of
 from toolkit.strategies.full_weights import full_weights_for_generation, shards_parameters
 from toolkit.train import grpo
@@ -67,80 +70,6 @@ def check_rl_stages(stages: list[ResolvedStage], *, grad_accum: int, place: Any,
                                f"{replicas} process(es)); {hint}choose num_generations dividing {batch}.")
 
 
-# ------------------------------------------------------------------------------------------------- rewards
-
-
-@dataclass
-class Reward:
-    """One reward of a stage: its metric name, weight and function, called as TRL calls a reward function:
-    fn(prompts=..., completions=..., completion_ids=..., reference=..., **columns) -> a list of floats (None: the
-    sample is not scored by it)."""
-
-    name: str
-    weight: float
-    key: str  # the recipe key (stages.N.rewards.M), for error lines
-    fn: Callable[..., list[float | None]]
-
-
-def _scorer_reward(scorer: Scorer) -> Callable[..., list[float | None]]:
-    """A generation-eval scorer (fn(output, reference, row)) under TRL's reward contract."""
-    def reward(*, completions: list[Any], reference: list[Any], **columns: list[Any]) -> list[float | None]:
-        out: list[float | None] = []
-        for i, completion in enumerate(completions):
-            text = completion if isinstance(completion, str) else completion[-1]["content"]
-            row = {k: v[i] for k, v in columns.items() if k not in ("prompts", "completion_ids")}
-            out.append(scorer.fn(text, reference[i], row))
-        return out
-
-    return reward
-
-
-def build_rewards(stage: ResolvedStage, recipe_dir: Path) -> list[Reward]:
-    """The stage's rewards: the generation-eval scorers (exact, contains, regex, json_valid) and user functions
-    (`module:function`, TRL's contract), imported before anything heavy from the recipe's folder
-    (toolkit/evals/scorers.py `check_reward_imports`, so found here among the imported modules; `recipe_dir` is
-    searched for one that is not). math, think_format and overlong are not available in this build."""
-    out = []
-    for j, spec in enumerate(stage.rewards):
-        key = f"stages.{stage.index}.rewards.{j}"
-        if ":" in spec.scorer:
-            module_name, _, name = spec.scorer.partition(":")
-            with importable_from(recipe_dir):
-                fn = getattr(importlib.import_module(module_name), name)
-        elif spec.scorer in ("exact", "contains", "regex", "json_valid"):
-            fn = _scorer_reward(build_scorer(ScorerConfig(kind=spec.scorer, pattern=spec.pattern), key=key,
-                                             recipe_dir=recipe_dir))
-        else:
-            raise ToolkitError(f"{key}: reward scorer {spec.scorer} is not available in this build yet; use exact, "
-                               "contains, regex, json_valid or a module:function reward.")
-        out.append(Reward(spec.metric, spec.weight, key, fn))
-    return out
-
-
-def score(rewards: list[Reward], samples: list[dict[str, Any]], completions: list[Any],
-          completion_ids: list[list[int]]) -> tuple[np.ndarray, str | None]:
-    """``[N, R]`` float64 rewards of this rank's completions (NaN where a reward returned None), and the first error
-    (a reward that raised or returned the wrong number of values), carried to every rank rather than raised here."""
-    out = np.full((len(completions), len(rewards)), np.nan)
-    columns: dict[str, list[Any]] = {}
-    for key in sorted({k for s in samples for k in s["columns"]}):
-        columns[key] = [s["columns"].get(key) for s in samples]
-    for r, reward in enumerate(rewards):
-        try:
-            values = reward.fn(prompts=[s["prompt"] for s in samples], completions=completions,
-                               completion_ids=completion_ids, reference=[s["reference"] for s in samples], **columns)
-            values = list(values)
-            if len(values) != len(completions):
-                raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
-            for i, v in enumerate(values):
-                out[i, r] = np.nan if v is None else float(v)
-        except Exception as e:  # a user's function: its error becomes one line naming it and the rows
-            where = ", ".join(dict.fromkeys(s["where"] for s in samples))
-            return out, (f"reward {reward.key} ('{reward.name}') raised {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''} (on the completions of {where}).")
-    return out, None
-
-
 # ------------------------------------------------------------------------------------------------- rollouts
 
 
@@ -151,81 +80,27 @@ def slots_of(rank: int, world: int, accum: int, micro: int) -> list[list[int]]:
     return [list(range((j * world + rank) * micro, (j * world + rank + 1) * micro)) for j in range(accum)]
 
 
-def sample_seed(seed: int, stage: int, step: int, prompt: int, sample: int) -> int:
-    """The sampling seed of one completion: a function of the run's seed and (stage, step in stage, prompt's row,
-    sample index) alone, so a completion is the same whichever rank draws it and however the batch is split."""
-    return ((((seed * 1_000_003 + stage) * 1_000_003 + step) * 1_000_003 + prompt) * 1_000_003 + sample) % 2**63
+def stage_rewards(stage: ResolvedStage, recipe_dir: Path) -> list[Reward]:
+    """The stage's rewards, built by toolkit/evals/rewards.py from its `rewards:` entries."""
+    assert stage.rl is not None
+    return build_rewards([r.model_dump() for r in stage.rewards], key=f"stages.{stage.index}.rewards",
+                         recipe_dir=recipe_dir, max_completion_length=stage.rl.max_completion_length)
 
 
-def rollout_config(model: Any, tokenizer: Any, rl: RlConfig) -> GenerationConfig:
-    """Sampling at rl.temperature and rl.top_p alone (no top-k, min-p or repetition penalty inherited from the
-    model's generation_config: TRL's defaults), up to rl.max_completion_length tokens, stopping at the end tokens."""
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The end tokens a completion stops at: the model's generation config's and the tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
-        eos_ids.append(tokenizer.eos_token_id)
-    return GenerationConfig(max_new_tokens=rl.max_completion_length, do_sample=True, num_beams=1,
-                            temperature=rl.temperature, top_p=rl.top_p, top_k=0, min_p=0.0, typical_p=1.0,
-                            repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_id=eos_ids, use_cache=True)
-
-
-@torch.no_grad()
-def generate_completions(accelerator: Any, model: Any, tokenizer: Any, rl: RlConfig,
-                         jobs: list[tuple[list[int], int]]) -> list[list[int]]:
-    """The completion token ids (up to and including the first end token) of `jobs` ((prompt ids, seed) pairs),
-    with the policy's full weights gathered once for all of them (toolkit/strategies/full_weights.py). Each
-    completion is drawn alone from its own seed (a batch of one: no padding, no other row's draws), so it does not
-    depend on which rank draws it or beside what. Every rank runs as many generate calls (the same number of jobs)
-    and, with sharded weights, each call steps until every rank's is done (`synced_gpus`)."""
-    lockstep = shards_parameters(accelerator) and accelerator.num_processes > 1
-    was_training = model.training
-    model.eval()
-    out = []
-    try:
-        with full_weights_for_generation(accelerator, model) as unwrapped:
-            settings = rollout_config(unwrapped, tokenizer, rl)
-            stops = set(settings.eos_token_id)
-            for ids, seed in jobs:
-                devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-                with torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(seed)
-                    prompt = torch.tensor([ids], device=accelerator.device)
-                    sequences = unwrapped.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                                   generation_config=settings, synced_gpus=lockstep)
-                new = sequences[0, len(ids):].tolist()
-                end = next((i for i, t in enumerate(new) if t in stops), None)
-                out.append(new if end is None else new[:end + 1])
-    finally:
-        model.train(was_training)
-    return out
-
-
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def _right_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
-    return ids, mask
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
 
 
 # ------------------------------------------------------------------------------------------------- the objective
 
 
 @dataclass
-class Rollout:
+class StepRollout:
     """One step's rollouts on this rank: its micro-batches (the forward's inputs) with each row's advantage and
     completion mask, the step's global metrics (rank 0 adds them to the all-reduce) and the completions' records
     (rank 0 writes them)."""
@@ -246,7 +121,7 @@ class RlState:
     steps' values, steps]."""
 
     rewards: dict[int, list[Reward]] = field(default_factory=dict)
-    current: Rollout | None = None
+    current: StepRollout | None = None
     names: list[str] = field(default_factory=list)  # the current step's sums, in order
     pending: dict[str, list[float]] = field(default_factory=dict)
     recipe_dir: Path = field(default_factory=Path.cwd)  # where `module:function` rewards not yet imported are
@@ -267,72 +142,103 @@ class RlState:
 TOKEN_METRICS = grpo.METRICS
 
 
-def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> Rollout:
-    """The step's rollouts on this rank: its prompts (the stage sampler's global batch, each completed
-    rl.num_generations times), its completions drawn (`generate_completions`), scored by the stage's rewards, the
-    global batch's rewards gathered to every rank (one all-gather) for the group advantages (TRL's
-    `group_advantages`), and its micro-batches built (`grpo.policy_batch`)."""
-    acc, rl = run.accelerator, stage.resolved.rl
-    tokenizer = run.rl.tokenizer
-    g, world, accum, micro = rl.num_generations, acc.num_processes, run.recipe.train.grad_accum, stage.plan.micro_batch
-    prompts = stage.sampler.batch(step_in_stage)
-    slots = slots_of(acc.process_index, world, accum, micro)
-    mine = [c for js in slots for c in js]
-    samples = [stage.data.samples[prompts[c // g]] for c in mine]
-    jobs = [(s["prompt_ids"], sample_seed(run.recipe.train.seed, stage.index, step_in_stage, prompts[c // g], c % g))
-            for s, c in zip(samples, mine, strict=True)]
+def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepRollout:
+    """The step's rollouts. Its prompts (the stage sampler's global batch) are drawn by whole groups, prompt p by
+    rank p mod world (toolkit/evals/rollout.py: batched with the KV cache, one prompt's rl.num_generations rows a
+    batch, each completion seeded by (run seed, step, p, sample index), so it is the same on any number of
+    processes), and scored there (toolkit/evals/rewards.py); the global batch's completions and rewards are then
+    gathered to every rank (one object gather), which takes the group advantages (`grpo.group_advantages`) and
+    builds its own micro-batches (`grpo.policy_batch`: slots as the data loader places rows, `slots_of`)."""
+    acc, rl, tokenizer = run.accelerator, stage.resolved.rl, run.rl.tokenizer
+    g, world, rank = rl.num_generations, acc.num_processes, acc.process_index
+    accum, micro = run.recipe.train.grad_accum, stage.plan.micro_batch
+    chosen = stage.sampler.batch(step_in_stage)
+    rows = [stage.data.samples[i] for i in chosen]
+    mine = list(range(rank, len(rows), world))
+    lockstep = shards_parameters(acc) and world > 1
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rewards = run.rl.rewards[stage.index]
     started = time.perf_counter()
-    completion_ids = generate_completions(acc, run.model, tokenizer, rl, jobs)
+    drawn, scored, error = None, None, None
+    if mine or lockstep:  # a rank with no prompt keeps the others company under sharded weights
+        with full_weights_for_generation(acc, run.model) as policy:
+            stops = eos_ids(policy, tokenizer)
+            asked = mine or [0]
+            drawn = rollout(policy, [rows[p]["prompt_ids"] for p in asked], asked, num_generations=g,
+                            max_completion_length=rl.max_completion_length, temperature=rl.temperature,
+                            top_p=rl.top_p, seed=run.recipe.train.seed, step=step, eos_ids=stops, pad_id=pad,
+                            prompts_per_batch=1, rounds=-(-len(rows) // world), lockstep=lockstep)
     generated = time.perf_counter()
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    completions: list[Any] = [t if isinstance(s["prompt"], str) else [{"role": "assistant", "content": t}]
-                              for s, t in zip(samples, texts, strict=True)]
-    per_reward, error = score(run.rl.rewards[stage.index], samples, completions, completion_ids)
-    stops = set(rollout_config(acc.unwrap_model(run.model), tokenizer, rl).eos_token_id)
-    cut = grpo.truncated(completion_ids, sorted(stops))
-    local = np.concatenate([per_reward, np.array([[len(ids), float(t), float(error is not None)]
-                                                  for ids, t in zip(completion_ids, cut, strict=True)])], axis=1)
-    gathered = acc.gather(torch.as_tensor(local, dtype=torch.float64, device=acc.device)).cpu().numpy()
-    if gathered[:, -1].any():
-        messages = gather_object([error])
-        raise ToolkitError(next(m for m in messages if m is not None))
-    # Rank r's rows of the gather are its slots in order: put the global batch in slot order.
-    order = np.concatenate([np.concatenate(slots_of(r, world, accum, micro)) for r in range(world)])
-    table = np.empty_like(gathered)
-    table[order] = gathered
-    rewards_all = torch.as_tensor(table[:, :-3])
-    lengths, truncated = table[:, -3], table[:, -2].astype(bool)
-    weights = [r.weight for r in run.rl.rewards[stage.index]]
-    combined = grpo.combined_rewards(rewards_all, weights)
+    texts: list[str] = []
+    if mine and drawn is not None:
+        texts = tokenizer.batch_decode(drawn.completion_ids, skip_special_tokens=True)
+        owners = [rows[p] for p in mine for _ in range(g)]
+        completions = [t if isinstance(o["prompt"], str) else [{"role": "assistant", "content": t}]
+                       for o, t in zip(owners, texts, strict=True)]
+        columns = {k: [o["columns"].get(k) for o in owners] for k in sorted({k for o in owners for k in o["columns"]})}
+        columns["reference"] = [o["reference"] for o in owners]
+        scored, error = score_completions(rewards, [o["prompt"] for o in owners], completions, drawn.completion_ids,
+                                          columns, [o["where"] for o in owners])
+    done = time.perf_counter()
+    local = {"prompts": mine, "error": error,
+             "completion_ids": drawn.completion_ids if mine and drawn else [], "texts": texts,
+             "truncated": drawn.truncated if mine and drawn else [],
+             "rewards": scored.tolist() if scored is not None else []}
+    parts = gather_object([local])
+    failed = next((part["error"] for part in parts if part["error"] is not None), None)
+    if failed is not None:
+        raise ToolkitError(failed)  # on every rank: the error was gathered to all
+    completion_ids: list[list[int]] = [[] for _ in range(len(rows) * g)]
+    texts_all, truncated = [""] * len(completion_ids), [False] * len(completion_ids)
+    table = torch.full((len(completion_ids), len(rewards)), float("nan"), dtype=torch.float64)
+    for part in parts:
+        for n, p in enumerate(part["prompts"]):
+            for j in range(g):
+                c, k = p * g + j, n * g + j
+                completion_ids[c], texts_all[c] = part["completion_ids"][k], part["texts"][k]
+                truncated[c] = part["truncated"][k]
+                table[c] = torch.tensor(part["rewards"][k], dtype=torch.float64)
+    combined = grpo.combined_rewards(table, [r.weight for r in rewards])
     advantages, zero_std = grpo.group_advantages(combined, g, rl.scale_rewards)
-    scored = time.perf_counter()
-    kept = np.where(truncated, 0, lengths) if rl.mask_truncated_completions else lengths
-    grouped = combined.view(-1, g)
-    std = grpo.nanstd(grouped, dim=1) if rl.scale_rewards != "batch" else grpo.nanstd(combined).expand(len(grouped))
+    lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
+    cut = torch.tensor(truncated)
+    kept = lengths.masked_fill(cut, 0.0) if rl.mask_truncated_completions else lengths
+    std = (grpo.nanstd(combined.view(-1, g), dim=1) if rl.scale_rewards != "batch"
+           else grpo.nanstd(combined).expand(len(rows)))
     metrics = {"reward": float(torch.nanmean(combined)), "reward_std": float(torch.nanmean(std)),
                "frac_reward_zero_std": float(zero_std.double().mean()),
-               **{f"rewards/{r.name}/mean": float(torch.nanmean(rewards_all[:, i]))
-                  for i, r in enumerate(run.rl.rewards[stage.index])},
+               **{f"rewards/{r.name}/mean": float(torch.nanmean(table[:, i])) for i, r in enumerate(rewards)},
                "completions/mean_length": float(lengths.mean()),
-               "completions/clipped_ratio": float(truncated.mean()),
-               "time/generation": generated - started, "time/scoring": scored - generated}
+               "completions/clipped_ratio": float(cut.double().mean()),
+               "time/generation": generated - started, "time/scoring": done - generated}
     micro_batches, advs, masks = [], [], []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for js in slots:
-        rows = [mine.index(c) for c in js]
-        p_ids, p_mask = _left_pad([samples[i]["prompt_ids"] for i in rows], pad)
-        c_ids, c_mask = _right_pad([completion_ids[i] for i in rows], pad)
+    for js in slots_of(rank, world, accum, micro):
+        p_ids, p_mask = _pad([rows[c // g]["prompt_ids"] for c in js], pad, left=True)
+        c_ids, c_mask = _pad([completion_ids[c] for c in js], pad, left=False)
         if rl.mask_truncated_completions:
-            c_mask = grpo.mask_truncated(c_mask, torch.as_tensor(truncated[js]))
+            c_mask = grpo.mask_truncated(c_mask, cut[js])
         batch = grpo.policy_batch(p_ids, p_mask, c_ids, c_mask)
-        lengths_j = [int(p_mask[i].sum() + c_mask[i].sum()) for i in range(len(rows))]
-        micro_batches.append(MicroBatch(batch, lengths_j, int(c_mask.sum())))
+        micro_batches.append(MicroBatch(batch, [int(p_mask[i].sum() + c_mask[i].sum()) for i in range(len(js))],
+                                        int(c_mask.sum())))
         advs.append(advantages[js].to(torch.float32))
         masks.append(c_mask)
-    records = [{"step": step + 1, "stage": stage.name, "slot": c, "prompt": int(prompts[c // g]), "sample": c % g,
-                "where": samples[i]["where"], "completion": texts[i], "rewards": per_reward[i].tolist(),
-                "advantage": float(advantages[c]), "truncated": bool(cut[i])} for i, c in enumerate(mine)]
-    return Rollout(micro_batches, advs, masks, float(kept.sum()), len(table), metrics, records)
+    records = [{"step": step + 1, "stage": stage.name, "slot": p * g + j, "prompt": int(chosen[p]), "sample": j,
+                "where": rows[p]["where"], "completion": texts_all[p * g + j], "rewards": table[p * g + j].tolist(),
+                "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j]}
+               for p in mine for j in range(g)]
+    return StepRollout(micro_batches, advs, masks, float(kept.sum()), len(completion_ids), metrics, records)
+
+
+def _pad(rows: list[list[int]], pad: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded to one width (left: prompts, right: completions), with their masks."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            span = slice(width - len(r), width) if left else slice(0, len(r))
+            ids[i, span], mask[i, span] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask
 
 
 class _GrpoLoss:
@@ -386,7 +292,7 @@ class GrpoObjective:
 
     def enter(self, run: Any, stage: Stage, step: int) -> None:
         if stage.resolved.prompts and stage.index not in run.rl.rewards:
-            run.rl.rewards[stage.index] = build_rewards(stage.resolved, run.rl.recipe_dir)
+            run.rl.rewards[stage.index] = stage_rewards(stage.resolved, run.rl.recipe_dir)
 
     def micro_batches(self, run: Any, stage: Stage, step_in_stage: int, step: int) -> list[MicroBatch]:
         run.rl.current = rollout_step(run, stage, step_in_stage, step)
