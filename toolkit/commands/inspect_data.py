@@ -192,7 +192,7 @@ def _scores(layout: RunLayout, stage: str) -> tuple[str, dict[str, float]] | Non
     None when there is none."""
     import pyarrow.parquet as pq
 
-    path = layout.scores / f"{stage}.parquet"
+    path = layout.stage_scores(stage)
     if not path.is_file():
         return None
     table = pq.read_table(path).to_pydict()
