@@ -434,6 +434,9 @@ class DifficultyConfig(_Section):
                               "(the run's model before training), current (the policy as it enters the stage), or "
                               "a separate scorer: a local model folder or a hub id (owner/name) with the run's "
                               "tokenizer, loaded whole on every process for the scoring pass at step 0 and freed.")
+    trust_remote_code: bool = Field(False, description="Allow a separate scorer's own Python code (its config's "
+                                    "auto_map) to run. The scorer's own consent: model.trust_remote_code covers the "
+                                    "policy only.")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -448,6 +451,9 @@ class DifficultyConfig(_Section):
             raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
         if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
             raise ValueError(scorer_path_problem(self.model))
+        if self.trust_remote_code and (self.model is None or self.model in SCORERS):
+            raise ValueError("difficulty.trust_remote_code is a separate scorer's own consent: the run's model (base, "
+                             "current) runs its code under model.trust_remote_code")
         return self
 
 

@@ -177,7 +177,8 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
         model = None
         if missing and step == at:  # else stage_entry_scores reads them, or refuses: no model needed
             attn = run.accelerator.unwrap_model(run.model).config._attn_implementation
-            model = load_scorer(path, run.recipe, run.accelerator.device, attn)
+            model = load_scorer(path, run.recipe, run.accelerator.device, attn,
+                                trust_remote_code=how.trust_remote_code)
     name = f"the scorer {scorer}" if separate else f"the {scorer} model"
     what = f"stage '{stage.name}' scored by {name} at step {at}"
     stop = stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
