@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.atomic import build_dir, not_ours, refuse_not_ours
-from toolkit.errors import ToolkitError, out_of_space
+from toolkit.errors import ToolkitError, as_terminal_text, out_of_space
 from toolkit.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
 
 TINY_MODEL_MARKER = ".toolkit-tiny-model.json"
@@ -280,7 +280,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         args.func(args)
     except ToolkitError as e:
-        if (line := _error_line(str(e))) is not None:
+        if (line := _error_line(as_terminal_text(str(e)))) is not None:  # it may quote a row or a file name
             print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
