@@ -98,6 +98,10 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
+    identical_pairs: Literal["error", "skip"] = Field(
+        "error", description="A preference pair whose chosen and rejected sides render to the same tokens cannot "
+        "teach (its loss is ln 2 with no gradient): error refuses it naming its row, skip drops such pairs and counts "
+        "them in the stage's data line.")
     cache_dir: str | None = Field(None, description="Token stores, shared by runs and ranks (default <output_dir>/../"
                                   ".toolkit-cache/tokenized); 'none': every process tokenises into its own memory.")
     num_proc: int | None = Field(None, gt=0, description="Processes that tokenise a source (default: every core).")

@@ -65,13 +65,16 @@ class DataStats:
     tokens: int = 0
     label_tokens: int = 0
     dropped_by_difficulty: int = 0  # stage.drop
+    identical: int = 0  # pairs whose two sides render alike (data.identical_pairs: skip)
     pairs: bool = False  # a preference stage's: every count is of pairs (tokens: both sides')
 
     def summary(self) -> str:
         if self.pairs:
             head = (f"{self.rows} pairs, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained, both "
                     f"sides), {self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
-                    f"{self.no_label_tokens} dropped with no completion token left")
+                    f"{self.no_label_tokens} dropped with no completion token left"
+                    + (f", {self.identical} dropped with chosen = rejected (data.identical_pairs: skip)"
+                       if self.identical else ""))
         else:
             head = (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
                     f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
