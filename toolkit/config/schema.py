@@ -98,6 +98,10 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
+    identical_pairs: Literal["error", "skip"] = Field(
+        "error", description="A preference pair whose chosen and rejected sides render to the same tokens cannot "
+        "teach (its loss is ln 2 with no gradient): error refuses it naming its row, skip drops such pairs and counts "
+        "them in the stage's data line.")
     cache_dir: str | None = Field(None, description="Token stores, shared by runs and ranks (default <output_dir>/../"
                                   ".toolkit-cache/tokenized); 'none': every process tokenises into its own memory.")
     num_proc: int | None = Field(None, gt=0, description="Processes that tokenise a source (default: every core).")
@@ -529,6 +533,9 @@ class DifficultyConfig(_Section):
                               "(the run's model before training), current (the policy as it enters the stage), or "
                               "a separate scorer: a local model folder or a hub id (owner/name) with the run's "
                               "tokenizer, loaded whole on every process for the scoring pass at step 0 and freed.")
+    trust_remote_code: bool = Field(False, description="Allow a separate scorer's own Python code (its config's "
+                                    "auto_map) to run. The scorer's own consent: model.trust_remote_code covers the "
+                                    "policy only.")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -543,6 +550,9 @@ class DifficultyConfig(_Section):
             raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
         if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
             raise ValueError(scorer_path_problem(self.model))
+        if self.trust_remote_code and (self.model is None or self.model in SCORERS):
+            raise ValueError("difficulty.trust_remote_code is a separate scorer's own consent: the run's model (base, "
+                             "current) runs its code under model.trust_remote_code")
         return self
 
 

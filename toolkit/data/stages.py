@@ -180,7 +180,8 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     for entry in stage.entries:
         store = stores(entry, pairs=stage.pairs)
         if stage.pairs:
-            selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
+            selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength,
+                                     identical=data.identical_pairs)
             values = kept_difficulty(store, pair_rows(selection)) if needs else None
         else:
             selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
@@ -221,7 +222,7 @@ def stage_rows(stage: ResolvedStage, paths: list[str], data: DataConfig, stores:
         store = stores(DataEntry(path), pairs=stage.pairs)
         if stage.pairs:
             parts.append(PairRows(store, select_pairs(store, max_seq_len=stage.max_seq_len,
-                                                      overlength=data.overlength)))
+                                                      overlength=data.overlength, identical=data.identical_pairs)))
         else:
             parts.append(SourceRows(store, select_rows(store, max_seq_len=stage.max_seq_len,
                                                        overlength=data.overlength), packing=False))

@@ -165,6 +165,8 @@ class Run:
     latest: dict[str, Any] = field(default_factory=dict)
     pairs: PairState = field(default_factory=PairState)  # preference stages: references, pending metric sums
     rl: RlState = field(default_factory=RlState)  # RL stages: rewards, the step's rollout, pending metrics
+    score_digests: dict[str, str] = field(default_factory=dict)  # scores the run took or read, by key (checkpointed)
+    recorded_digests: dict[str, str] | None = None  # those the checkpoint resumed from records (checked on reading)
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
@@ -502,7 +504,8 @@ def save_checkpoint(run: Run, state: RunState) -> None:
     """Commit a checkpoint of the run at `state.step`: the state files and meta.json (`state` plus the run's
     identity, which a resume checks)."""
     recipe = run.recipe
-    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta()}
+    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta(),
+            "scores": dict(run.score_digests)}  # the scores it depends on: a resume refuses other ones
     portable = recipe.lora.enabled and recipe.checkpoint.portable
     write = partial(checkpoint.write_state, run.accelerator, run.model, run.optimizer,
                     adam_steps=run.freezer.adam_steps() if portable else None)

@@ -50,6 +50,7 @@ from toolkit.train.preference import (
 )
 from toolkit.train.stage_scores import (
     ScoringStopped,
+    kept_digests,
     rows_identity,
     scorer_identity,
     stage_entry_scores,
@@ -154,7 +155,8 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     with adapter_disabled(run.model) if base else contextlib.nullcontext():
         sums = stage_entry_scores(run.accelerator, run.model, sides, run.collate, stage.resolved.eval_micro_batch_size
                                   if role == "eval" else stage.plan.micro_batch, folder=folder, key=score_key(**ident),
-                                  may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop)
+                                  may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop,
+                                  **kept_digests(run))
     if sums is None:
         return None
     chosen, rejected = split_pairs(-sums.loss)

@@ -99,6 +99,8 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
                                   strategy=run.identity.strategy, seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
     run.resumed_from = ckpt
+    run.recorded_digests = dict(meta.get("scores") or {})  # kept scores are checked against these when read
+    run.score_digests.update(run.recorded_digests)
     if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
         opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
         for group, base, lr_at in zip(run.optimizer.param_groups, run.scheduler.base_lrs, run.scheduler.lr_lambdas,
