@@ -122,6 +122,10 @@ class DataConfig(_Section):
         "renders (Qwen3: an empty <think></think> block before the last answer, its non-thinking format; Qwen2.5: "
         "none); 'empty' gives the last answer an empty think block; 'none' trains answers with no think block."
     )
+    completion_newline: bool = Field(
+        False, description="Preference pairs in chat form: also train the newline the chat template writes after "
+        "each completion's end token (<|im_end|>), as TRL's conversational DPO does. Default false: a completion "
+        "ends at <|im_end|>, as an SFT turn does and as the model generates (docs/preference.md).")
     empty_answers: Literal["error", "skip"] = Field(
         "error", description="An assistant turn with no content (it would train a bare end-of-turn token): "
         "'error' refuses the row, naming it; 'skip' keeps the turn in the context untrained (a row left with nothing "
@@ -568,6 +572,37 @@ class DropConfig(_Section):
         return self
 
 
+def pair_losses(objective: str, pref: PreferenceConfig | None) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+    """The losses a preference stage trains and their weights (None: 1 each): the one owner of the rules of each
+    objective's `preference.loss`, which both the recipe's check (raising ValueError) and the stage's loss
+    settings (toolkit/train/pair_stage.py `settings_of`) read.
+
+    dpo: `preference.loss` as given (TRL's default, sigmoid), not sft alone. orpo / simpo: the pair loss is the
+    objective itself, at weight 1; `preference.loss` may name sft only (the chosen NLL, TRL's ORPO / CPO term), and
+    `loss_weights` (one weight) then weighs that sft term; no reference."""
+    if objective not in ("orpo", "simpo"):
+        if pref is None:
+            return ("sigmoid",), None
+        if pref.loss == ["sft"]:
+            raise ValueError("preference.loss is only sft; add a pair loss (sigmoid, ipo, hinge, robust) or make the "
+                             "stage's objective sft")
+        return tuple(pref.loss), None if pref.loss_weights is None else tuple(pref.loss_weights)
+    if pref is None:
+        return (objective,), None
+    named = "loss" in pref.model_fields_set
+    if named and [name for name in pref.loss if name != "sft"]:
+        raise ValueError(f"preference.loss names {pref.loss} but an {objective} stage's pair loss is {objective} "
+                         "itself; name at most sft (the chosen NLL)")
+    if pref.reference is not None:
+        raise ValueError(f"preference.reference is {pref.reference} but {objective} takes no reference; remove it")
+    sft = named and "sft" in pref.loss
+    if pref.loss_weights is not None and not sft:
+        raise ValueError(f"preference.loss_weights is set but an {objective} stage weighs only its sft term: name it "
+                         "(loss: [sft], loss_weights: [w]) or remove loss_weights")
+    names = (objective, "sft") if sft else (objective,)
+    return names, None if pref.loss_weights is None else (1.0, *pref.loss_weights)
+
+
 class StageConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -644,19 +679,8 @@ class StageConfig(_Section):
             raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
                              "simpo) or remove preference")
         pref = self.preference
-        if self.objective in ("orpo", "simpo") and pref is not None:
-            if [name for name in pref.loss if name != "sft"] and "loss" in pref.model_fields_set:
-                raise ValueError(f"preference.loss names {pref.loss} but an {self.objective} stage's pair loss is "
-                                 f"{self.objective} itself; name at most sft (the chosen NLL)")
-            if pref.reference is not None:
-                raise ValueError(f"preference.reference is {pref.reference} but {self.objective} takes no "
-                                 "reference; remove it")
-            if pref.loss_weights is not None and not ("loss" in pref.model_fields_set and "sft" in pref.loss):
-                raise ValueError(f"preference.loss_weights is set but an {self.objective} stage weighs only its sft "
-                                 "term: name it (loss: [sft], loss_weights: [w]) or remove loss_weights")
-        if self.objective == "dpo" and pref is not None and pref.loss == ["sft"]:
-            raise ValueError("preference.loss is only sft; add a pair loss (sigmoid, ipo, hinge, robust) or make the "
-                             "stage's objective sft")
+        if self.objective != "sft":
+            pair_losses(self.objective, pref)  # raises on a loss list the objective does not take
         if pref is not None and "simpo_gamma" in pref.model_fields_set and self.objective != "simpo":
             raise ValueError(f"preference.simpo_gamma is set but the stage's objective is {self.objective}; only "
                              "simpo stages use it")
@@ -839,7 +863,11 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _preference_stages(self) -> Recipe:
         """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
-        model's scores do not rank yet (length and a row field do: each pair takes its source row's value)."""
+        model's scores do not rank yet (length and a row field do: each pair takes its source row's value);
+        data.completion_newline shapes pairs only, so a recipe without a preference stage refuses it."""
+        if self.data.completion_newline and all(stage.objective == "sft" for stage in self.stages):
+            raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
+                             "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
         for i, stage in enumerate(self.stages):
             where = f"stages.{i} ('{stage.name}')"
             if stage.objective == "grpo" and stage.rl is not None and stage.rl.beta > 0 and not self.lora.enabled:

@@ -216,7 +216,7 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     if "kto_tag" in columns or "kto_tag" in tags:
         raise ToolkitError(f"{here} is a KTO dataset (kto_tag), which is not supported: rows train supervised, so "
                            "an undesirable answer would be learned; train KTO with LLaMA-Factory's stage: kto or TRL's "
-                           "KTOTrainer (trl.experimental.kto), or use an SFT dataset.")
+                           "KTOTrainer (from trl import KTOTrainer), or use an SFT dataset.")
     if info.get("num_samples") is not None:
         raise ToolkitError(f"{here} has num_samples, which is not supported (it samples the dataset); cut the file "
                            "to the rows to train.")

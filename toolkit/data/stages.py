@@ -107,7 +107,7 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
                          chat_template=data.chat_template, empty_answers=data.empty_answers)
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
-                       empty_answers=data.empty_answers, pairs=pairs)
+                       empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline)
 
 
 def num_proc(data: DataConfig) -> int:

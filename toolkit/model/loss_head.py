@@ -102,16 +102,18 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
 class SegmentSums:
     """Per-segment token-loss sums (float64) and label-token counts of one forward call. ``ids`` gives each
     position of the batch its segment (``[B, T]``, -1 for none); a position's loss counts for the segment of the
-    label it predicts, so ids are shifted like the labels."""
+    label it predicts, so ids are shifted like the labels (``preshifted``: they already are, as a Ulysses slice's
+    ``shift_labels`` are: shifted over the whole row before slicing)."""
 
     ids: torch.Tensor
     count: int
     loss: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    preshifted: bool = False
 
     @property
     def shifted(self) -> torch.Tensor:
-        return shifted_labels(self.ids, -1)
+        return self.ids if self.preshifted else shifted_labels(self.ids, -1)
 
     def add(self, owners: torch.Tensor, losses: torch.Tensor) -> None:
         if self.loss is None or self.tokens is None:
@@ -323,11 +325,12 @@ class LossHead:
         return logits.reshape(())  # the head returned the loss (possibly re-wrapped by DeepSpeed's hooks)
 
     @contextlib.contextmanager
-    def per_segment(self, ids: torch.Tensor, count: int) -> Iterator[SegmentSums]:
+    def per_segment(self, ids: torch.Tensor, count: int, *, preshifted: bool = False) -> Iterator[SegmentSums]:
         """Forward calls inside also sum each segment's token losses (``ids``: ``[B, T]`` segment of each position,
-        -1 for none, ``count`` segments): the per-row (per-sample of a packed row) sums of the scoring pass,
-        computed by the chunked head (Liger's kernel sums over the whole batch only), still without full logits."""
-        self.segments = SegmentSums(ids, count)
+        -1 for none, ``count`` segments; ``preshifted``: ids already shifted like ``shift_labels``): the per-row
+        (per-sample of a packed row) sums of the scoring pass, computed by the chunked head (Liger's kernel sums
+        over the whole batch only), still without full logits."""
+        self.segments = SegmentSums(ids, count, preshifted=preshifted)
         try:
             yield self.segments
         finally:

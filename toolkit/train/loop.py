@@ -15,8 +15,8 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
   flags; every rank needs the verdict before the update is committed). The stage's objective
-  (toolkit/train/objectives.py) may read one more before its first forward: a preference stage's global pair and
-  chosen-token counts (`global_normalisers`), which its micro-batches' losses divide by; an objective's metric
+  (toolkit/train/objectives.py) reads none more: a preference stage's global pair and chosen-token counts
+  (`global_normalisers`), which its micro-batches' losses divide by, stay on the device, and an objective's metric
   sums (TRL's metrics) ride in the guard's all-reduce.
 * inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
   position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
@@ -325,6 +325,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     # Under Ulysses each process of a sequence-parallel group trains its slice of the same micro-batches.
     place = sequence_parallel.layout(acc)
     real: list[int | None] = [None] * len(micro)
+    whole = [m.batch for m in micro]  # before slicing: a pair batch's counts and segments are over whole rows
     if place.sequence_parallel:
         sliced = [sequence_parallel.shard_batch(m.batch, place, ignore_index=IGNORE_INDEX) for m in micro]
         micro = [m._replace(batch=b) for m, (b, _) in zip(micro, sliced, strict=True)]
@@ -336,7 +337,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     # ranks and accumulation steps, hence the divisor. Under Ulysses every process counts its slice's tokens (the
     # sum counts each token once) and DeepSpeed may average over replicas only.
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
-    losses = objective.begin(run, stage, batches, averaged * accum)
+    losses = objective.begin(run, stage, batches, averaged * accum, whole=whole)
     local_loss = torch.zeros((), dtype=losses.dtype, device=acc.device)
     verdict = Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None

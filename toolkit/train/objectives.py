@@ -29,6 +29,7 @@ from toolkit.curriculum.stages import Stage
 from toolkit.data.batching import MicroBatch
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.evals.scoring import segment_ids
+from toolkit.strategies import sequence_parallel
 from toolkit.train.pair_stage import METRIC_SUMS, enter_pair_stage, evaluate_pairs, pair_micro_loss, pair_normalisers
 from toolkit.train.preference import global_normalisers
 from toolkit.train.rl_stage import GrpoObjective
@@ -58,9 +59,11 @@ class Objective(Protocol):
         """This rank's micro-batches of the step (host tensors; the loop copies them to the device)."""
         ...
 
-    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int) -> StepLoss:
+    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int, *,
+              whole: Sequence[dict[str, Any]]) -> StepLoss:
         """The step's global normalisers over this rank's host `batches`, divided by `divisor` (the gradients the
-        strategy averages: processes x accumulation steps). Collective: one all-reduce."""
+        strategy averages: processes x accumulation steps). `whole`: the same micro-batches before a Ulysses group
+        sliced them (they are `batches` without sequence parallelism). Collective: one all-reduce."""
         ...
 
     def add_sums(self, run: Any, summed: Sequence[float]) -> None:
@@ -105,7 +108,8 @@ class SftObjective(_StageRows):
     def enter(self, run: Any, stage: Stage, step: int) -> None:
         return None
 
-    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int) -> StepLoss:
+    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int, *,
+              whole: Sequence[dict[str, Any]]) -> StepLoss:
         # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient is then
         # independent of how the batch is split. Strategies average gradients over ranks and accumulation steps,
         # hence the divisor in num_items_in_batch. Counted on the host batches (the loop moves each to the device
@@ -129,15 +133,21 @@ class _PairLoss:
 
     dtype = torch.float64
 
-    def __init__(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int) -> None:
+    def __init__(self, run: Any, stage: Stage, whole: Sequence[dict[str, Any]], divisor: int) -> None:
         self.run, self.stage = run, stage
-        self.pairs, self.chosen_tokens = global_normalisers(run.accelerator, *pair_normalisers(batches), divisor)
-        self.segments = [segment_ids(b) for b in batches]  # on the host: the device copy's boundaries are not read back
+        self.place = sequence_parallel.layout(run.accelerator)
+        # Counted over whole rows: under Ulysses every process of a group counts its whole rows, so the counts hold
+        # each pair sp_size times, and the group's summed gradient of its one loss (`group_sum`) holds it sp_size
+        # times too.
+        self.pairs, self.chosen_tokens = global_normalisers(run.accelerator, *pair_normalisers(whole), divisor)
+        self.segments = [segment_ids(b) for b in whole]  # on the host: the device copy's boundaries are not read back
+        if self.place.sequence_parallel:  # this process's slice of each whole row's segments
+            self.segments = [(sequence_parallel.shard_segments(seg, self.place), n) for seg, n in self.segments]
         self.sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=run.accelerator.device)
 
     def micro(self, model: Any, j: int, batch: dict[str, Any]) -> torch.Tensor:
         loss, sums = pair_micro_loss(self.run, self.stage, model, batch, pairs=self.pairs,
-                                     chosen_tokens=self.chosen_tokens, segments=self.segments[j])
+                                     chosen_tokens=self.chosen_tokens, segments=self.segments[j], place=self.place)
         self.sums += sums
         return loss
 
@@ -150,8 +160,9 @@ class PairObjective(_StageRows):
     def enter(self, run: Any, stage: Stage, step: int) -> None:
         enter_pair_stage(run, stage, step)  # a dpo stage's reference log-probs: the policy as it enters the stage
 
-    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int) -> StepLoss:
-        return _PairLoss(run, stage, batches, divisor)
+    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int, *,
+              whole: Sequence[dict[str, Any]]) -> StepLoss:
+        return _PairLoss(run, stage, whole, divisor)
 
     def add_sums(self, run: Any, summed: Sequence[float]) -> None:
         run.pairs.add(summed)

@@ -299,7 +299,7 @@ class GrpoObjective:
         write_rollouts(run, stage, run.rl.current.records)
         return run.rl.current.micro
 
-    def begin(self, run: Any, stage: Stage, batches: Any, divisor: int) -> _GrpoLoss:
+    def begin(self, run: Any, stage: Stage, batches: Any, divisor: int, *, whole: Any) -> _GrpoLoss:
         return _GrpoLoss(run, stage, divisor)
 
     def add_sums(self, run: Any, summed: Any) -> None:

@@ -357,11 +357,6 @@ def check_sequence_parallel(accelerator: Accelerator, resolved: list[ResolvedSta
     sequence_parallel.check_model(place.sp_size, heads=text.num_attention_heads,
                                   kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
                                   vision=vision, max_seq_lens=[s.max_seq_len for s in resolved])
-    paired = [s.name for s in resolved if s.pairs]
-    if paired:
-        raise ToolkitError(f"stage '{paired[0]}' trains on preference pairs, which Ulysses sequence parallelism does "
-                           "not split yet (a pair's log-prob would be summed across the group's slices); launch it "
-                           "with zero3.yaml (or any config without parallelism_config_sp_size).")
     family = accelerator.parallelism_config.sp_handler.sp_attn_implementation
     log.info("sequence parallelism: Ulysses over %d processes per row, %d data-parallel replica(s)", place.sp_size,
              place.dp_size)
