@@ -24,10 +24,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import GRPOConfig, GRPOTrainer
 
 from toolkit.errors import ToolkitError
-from toolkit.model.loss_head import install_loss_head, loss_head_of
+from toolkit.model.loss_head import install_loss_head
 from toolkit.train.grpo import (
     GrpoSettings,
     combined_rewards,
+    completion_logps,
     group_advantages,
     grpo_loss,
     informative_groups,
@@ -142,19 +143,6 @@ def padded(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, t
     return torch.tensor(ids), torch.tensor(mask)
 
 
-def token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], mask: torch.Tensor, *,
-                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs on the completion grid through the chunked head's per-token mode (and entropies)."""
-    head = loss_head_of(model)
-    assert head is not None
-    with head.per_token(TEMPERATURE, entropy=entropy) as kept:
-        out = model(**batch, num_items_in_batch=torch.ones(()))
-    logps = tokens_to_grid(kept.logps, mask)
-    if torch.is_grad_enabled():
-        logps = logps + 0.0 * out.loss  # the backward passes through the model's output (ZeRO-3)
-    return logps, (tokens_to_grid(kept.entropies, mask) if entropy else None)
-
-
 @pytest.fixture(scope="module")
 def ours(models: dict[str, str]) -> tuple[PreTrainedModel, dict[str, torch.Tensor]]:
     """Our policy (the same tiny Qwen3 and adapter) with the chunked loss head, and its adapter as it entered."""
@@ -182,9 +170,9 @@ def our_run(ours: tuple[PreTrainedModel, dict[str, torch.Tensor]], saved: dict[s
     advantages, _ = group_advantages(combined_rewards(per_reward, WEIGHTS), G, settings.scale_rewards)
     model.train()
     with torch.no_grad():  # the policy at the stage's entry is the reference, and the rollout's policy
-        entry, _ = token_logps(model, batch, completion_mask)
+        entry, _ = completion_logps(model, batch, completion_mask, TEMPERATURE)
     nudge(model)
-    logps, entropies = token_logps(model, batch, completion_mask, entropy=True)
+    logps, entropies = completion_logps(model, batch, completion_mask, TEMPERATURE, entropy=True)
     divisor = normaliser(settings.loss_type, tokens=float(completion_mask.sum()), sequences=len(COMPLETIONS),
                          max_completion_length=settings.max_completion_length)
     loss, terms = grpo_loss(logps, completion_mask, advantages, settings, divisor=divisor,
@@ -265,3 +253,25 @@ def test_truncation_and_the_token_grid() -> None:
 def test_bad_settings_are_refused_in_one_line(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ToolkitError, match=message):
         GrpoSettings(**kwargs)
+
+
+def test_completion_logps_of_the_chunked_head_equal_full_logits(models: dict[str, str],
+                                                                ours: tuple[PreTrainedModel, Any]) -> None:
+    """`completion_logps` through the chunked head (the `ours` model) and from full logits (no loss head, the
+    user's `model.loss_head: standard`) agree, on left-padded prompts and masked completions."""
+    tokenizer = AutoTokenizer.from_pretrained(models["text"])
+    prompt_ids, prompt_mask = padded([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id, left=True)
+    completion_ids, completion_mask = padded(COMPLETIONS[:2], tokenizer.pad_token_id, left=False)
+    batch = policy_batch(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    plain = lora_model(models["text"])
+    model, entry = ours
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in entry:
+                param.copy_(entry[name])
+        chunked, chunked_entropy = completion_logps(model, batch, completion_mask, 0.7, entropy=True)
+        full, full_entropy = completion_logps(plain, batch, completion_mask, 0.7, entropy=True)
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-5)
+    assert full_entropy is not None and chunked_entropy is not None
+    torch.testing.assert_close(chunked_entropy, full_entropy, rtol=0, atol=1e-5)
+    assert bool((chunked[completion_mask == 0] == 0).all()) and float(chunked.min()) < -1
