@@ -142,7 +142,7 @@ class DataConfig(_Section):
 
 
 COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
-                 "system", "history", "tools", "images", "difficulty")
+                 "reasoning", "system", "history", "tools", "images", "difficulty")
 """The row fields a data entry's `columns` may map to the source's own column names."""
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
 """Keys of a data entry's `tags` (LLaMA-Factory's names): the keys inside each message (`role_tag`, `content_tag`)
