@@ -461,7 +461,9 @@ def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrained
 # --- data from the wild (issue 38): real rows of tests/assets/wild/ (origins in its README) ----------------------
 
 WILD = Path(__file__).parents[1] / "assets" / "wild"
-IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png")
+IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png",
+          "000000033471.jpg", "coco/train2017/000000000009.jpg", "path/to/image_0.jpg", "path/to/image_1.jpg",
+          "mllm_demo_data/1.jpg")
 """The image files the corpus's rows name, written as small pictures beside a copy of the file."""
 TRAINS = {  # file -> (model, the data entry keys its refusals give, applied in turn)
     "tatsu_alpaca.jsonl": ("text", {}),

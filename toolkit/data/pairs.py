@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolkit.data.encoding import IGNORE_INDEX, overlength_message
+from toolkit.data.roles import split_dialog
 from toolkit.data.shapes import PAIR_KEYS, ROLE_NAMES, prepare_row, shape_row
 from toolkit.errors import ToolkitError
 
@@ -201,6 +202,9 @@ def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, 
     if row.get("chosen") is None or row.get("rejected") is None:
         missing = "chosen" if row.get("chosen") is None else "rejected"
         raise ToolkitError(f"{where}: a preference pair needs 'chosen' and 'rejected'; '{missing}' is missing.")
+    dialogs = [split_dialog(row[k]) for k in ("chosen", "rejected")]
+    if all(dialogs):  # Anthropic HH: whole dialogs in one string each (`Human:` / `Assistant:`), read as turns
+        row = {**row, "chosen": dialogs[0], "rejected": dialogs[1]}
     chosen = _completion(row["chosen"], "chosen", where)
     rejected = _completion(row["rejected"], "rejected", where)
     if row.get("prompt") is not None:  # TRL explicit

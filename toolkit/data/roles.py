@@ -166,7 +166,8 @@ TREE_KEYS = ("replies", "children")
 def infer_roles(row: dict[str, Any], content: Any) -> dict[str, str]:
     """Each key of `row` -> its role: `turns` for a list of turns (or a message tree) whatever its name; else by
     the vocabulary, a name of two roles taking the first still free; `metadata` for a key that holds no content
-    (`content(key, value)` false); `unknown` for content no name tells."""
+    (`content(key, value)` false) whose name has no role; a named key keeps its role whatever its value in this row
+    (FLAN's one-word `targets`, OpenOrca's empty `system_prompt`); `unknown` for content no name tells."""
     out: dict[str, str] = {}
     taken: set[str] = set()
     for key, value in row.items():
@@ -181,7 +182,10 @@ def infer_roles(row: dict[str, Any], content: Any) -> dict[str, str]:
         if "metadata" in named and not (set(named) - {"metadata"}):
             out[key] = "metadata"
             continue
-        if not content(key, value) and "media" not in named:
+        if not named and not content(key, value):  # a key of no known name without content: metadata
+            out[key] = "metadata"
+            continue
+        if value is None or value == [] or (not named and value == ""):
             out[key] = "metadata"
             continue
         role = next((r for r in named if r not in taken or r not in single), None)

@@ -179,10 +179,11 @@ def no_content_name(key: str) -> bool:
 
 def holds_content(key: str, value: Any) -> bool:
     """Whether a key's value is content a model could learn from (the rule docs/data.md states): never for a name
-    in NO_CONTENT_NAMES (ids, indexes, scores, categories, sources, urls, ...), numbers, booleans and nulls; for a
+    in NO_CONTENT_NAMES (ids, indexes, scores, categories, sources, urls, ...) or named metadata by the role
+    vocabulary (toolkit/data/roles.py: moderation records, headers, ranks), numbers, booleans and nulls; for a
     string, when it has whitespace in it (words) or names a media file; for a list or object, when anything in it
     does, or it holds objects (tool definitions, turns)."""
-    if no_content_name(key):
+    if no_content_name(key) or vocab.named_roles(key) == ["metadata"]:
         return False
     if isinstance(value, str):
         text = value.strip()
@@ -201,7 +202,7 @@ def _drop_ignored(row: dict[str, Any], ignore: set[str]) -> dict[str, Any]:
     for k, v in row.items():
         if k in ignore:
             continue
-        if k in ("messages", "conversations", "prompt", "completion") and isinstance(v, list):
+        if isinstance(v, list):  # in the turns of a chat, whatever key holds it
             v = [{tk: tv for tk, tv in t.items() if tk not in ignore} if isinstance(t, dict) else t for t in v]
         out[k] = v
     return out
@@ -259,7 +260,8 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
 
 def _role_said(role: str) -> str:
     article = "an" if role[0] in "aeiou" else "a"
-    return {"unknown": "of no role the vocabulary names", "metadata": "metadata"}.get(role, f"{article} {role}")
+    return {"unknown": "of no role the vocabulary names", "metadata": "metadata", "tools": "tool definitions",
+            "media": "media", "turns": "a chat"}.get(role, f"{article} {role}")
 
 
 def _fix_of_unread(row: dict[str, Any], unread: list[str], roles: dict[str, str]) -> dict[str, Any] | None:
@@ -290,6 +292,7 @@ def _no_shape(row: dict[str, Any], where: str, original: list[str], content: lis
     near = f"; closest shapes: {'; '.join(close)}" if close else ""
     roles = vocab.infer_roles({k: row[k] for k in row if not k.startswith("_")}, holds_content)
     meta = [k for k in content if roles.get(k) == "metadata"]
+    content = [k for k in roles if k in content or roles[k] != "metadata"]
     said = ", ".join(f"'{k}' {_role_said(roles[k])}" for k in content)
     head = f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys {original} ({said})"
     entry, unknown = vocab.entry_for({k: r for k, r in roles.items() if k in content})
@@ -307,6 +310,10 @@ def _no_shape(row: dict[str, Any], where: str, original: list[str], content: lis
     if len(texts) == 1 and roles.get(texts[0]) == "prompt":
         raise ShapeError(f"{head}{near}; '{texts[0]}' is a prompt with no answer beside it: give the answer "
                          "(a response, output or answer column), or train it as a prompt/completion row.")
+    if len(texts) == 1 and roles.get(texts[0]) == "answer":  # ms-swift's pretraining rows: `{"response": ...}`
+        raise ShapeError(f"{head}{near}; '{texts[0]}' is an answer with no prompt beside it: a text to train as it "
+                         "is, every token (pretraining).", {"columns": {"text": texts[0]},
+                                                             **({"ignore": meta} if meta else {})})
     if len(texts) == 1 and not unknown:
         raise ShapeError(f"{head}{near}. '{texts[0]}' is text ({_kind(row[texts[0]])}) with no prompt or answer "
                          "beside it: a dialog written into one string is not split into turns, so convert it to "
@@ -319,7 +326,7 @@ def _chat_key(row: dict[str, Any], where: str) -> str | None:
     """The key that holds the row's chat by its values (a list of turns or exchanges, a message tree), when it is
     not one of the named shapes' own keys and the row has no named shape: lmsys' and WildChat's `conversation`,
     OASST's tree under `prompt`, any other name. Two such keys are refused, naming them."""
-    named = ("messages", "conversations", "instruction", "text")
+    named = ("messages", "conversations", "instruction", "text", "completion")
     if any(row.get(k) is not None for k in named) or (row.get("query") is not None and row.get("response")
                                                           is not None):
         return None
@@ -348,6 +355,8 @@ def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], 
                        if isinstance(r, dict)]
             ranked = sorted(replies, key=lambda r: r.get("rank") if isinstance(r.get("rank"), int | float) else 1e9)
             node = ranked[0] if ranked else None
+        while thread and vocab.speaker(thread[-1].get(vocab.turn_keys(thread[-1])[0])) != "assistant":  # type: ignore
+            thread.pop()  # a thread ends with the answer it trains (a question left unanswered is not trained)
         notes.append(f"'{key}' is a message tree: its main thread trained (the best-ranked reply at each turn, "
                      f"{len(thread)} turns); other threads are not")
         turns = thread
@@ -413,7 +422,7 @@ SHAPE_KEYS = {
     "ShareGPT (LLaMA-Factory, axolotl)": ("conversations",),
     "Alpaca": ("instruction", "input", "output"),
     "query/response (ms-swift)": ("query", "response"),
-    "conversation pairs (ms-swift)": ("conversation",),
+    "a chat under another key (lmsys, WildChat, ms-swift's exchanges)": ("conversation",),
     "prompt/completion (TRL)": ("prompt", "completion"),
     "text": ("text",),
 }
@@ -441,6 +450,11 @@ def _media(row: dict[str, Any], where: str) -> dict[str, Any]:
     for key, why in (("video", VIDEO), ("videos", VIDEO), ("audio", AUDIO), ("audios", AUDIO)):
         if row.get(key) not in (None, [], ""):
             raise ToolkitError(f"{where}: the row has '{key}': {why}.")
+    urls = [p for p in (row.get("images") if isinstance(row.get("images"), list) else [row.get("image")])
+            if isinstance(p, str) and re.match(r"^(https?|data):", p)]
+    if urls:
+        raise ToolkitError(f"{where}: the row's images include {urls[0][:60]!r}, a URL; images are read from files, "
+                           "never downloaded: save the images and give their paths.")
     image = row.get("image")
     if image is None:
         return row
@@ -580,6 +594,9 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
         if strict:
             raise ToolkitError(f"{where}: '{name}' must be a non-empty list of {{from, value}} turns.")
         return row
+    if strict and all(isinstance(t, str) for t in turns) and "turns" in vocab.named_roles(name):
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        row = {**row, name: turns}  # LIMA's `conversations`: bare strings, the user first, turns alternating
     role_key, content_key = _turn_keys(turns, name, where, tags)
     roles = {**ROLE_NAMES, **{tags[t]: role for t, role in TAG_ROLES.items() if t in tags}}
     drop = (name, "system") if system else (name,)
@@ -837,7 +854,7 @@ def _from_exchange(row: dict[str, Any], where: str, keys: tuple[str, ...], asked
     for key in (*keys, "system"):
         if row.get(key) is not None and not isinstance(row[key], str):
             raise ToolkitError(f"{where}: '{key}' must be a string.")
-    messages = [{"role": "system", "content": row["system"]}] if row.get("system") is not None else []
+    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []  # "": none (OpenOrca)
     history = row.get("history") or []
     if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
         raise ToolkitError(f"{where}: 'history' must be a list of [{asked}, {answered}] pairs.")
