@@ -705,8 +705,9 @@ def test_content_keys_are_refused_unless_ignored(tmp_path: Path, tok: PreTrained
     mapped = DataSource(path=str(path), columns={"reasoning": "rationale"}).entry()
     assert _samples([mapped], tok) == _expected([{"messages": think}], tok)
     noted = _jsonl(tmp_path / "n.jsonl", [{"messages": [U1, A1], "note": "Checked by two graders."}])
-    with pytest.raises(ToolkitError, match=r"note is of no role the vocabulary names: map it \(note as context.*"
-                                           r"or, if it is metadata, drop it knowingly with ignore"):
+    with pytest.raises(ToolkitError, match=r"note is of no role the vocabulary names; candidates: 'note' as the "
+                                           r"context: \{columns: \{input: note\}\}.*or, if it is metadata, drop it "
+                                           r"knowingly with ignore"):
         _samples([noted], tok)
     assert _samples([DataSource(path=str(noted), ignore=["note"]).entry()], tok) == _expected([row], tok)
     turn = _jsonl(tmp_path / "t.jsonl", [{"messages": [U1, dict(A1, thoughts="Two plus three, so five.")]}])

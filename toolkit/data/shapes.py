@@ -217,7 +217,11 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
     (`toolkit.data.encoding.row_notes`)."""
     unread = [k for k, v in row.items() if k not in READ_ROW_KEYS and k not in REFUSED_ROW_KEYS
               and not k.startswith("_") and holds_content(k, v)]
-    if not any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion")):
+    half = row.get("text") is None and row.get("messages") is None and (row.get("prompt") is None
+                                                                        or row.get("completion") is None)
+    if not any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion")) or (half and unread):
+        # no shape; or a prompt without its completion (or a completion without its prompt) beside content
+        # nothing reads, under a name no shape knows: the roles of its keys decide
         content = [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)]
         if content:
             _no_shape(row, where, original, content)
@@ -233,12 +237,12 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
         fix = _fix_of_unread(row, unread, roles)
         said = f"; {'; '.join(f'{k} is {_role_said(roles[k])}' for k in unread)}"
         if fix is None:
-            ways = "; ".join(f"{k} as {r}: columns: {{{vocab.FIELDS[r]}: {k}}}" for k in unread
+            ways = "; ".join(f"'{k}' as the {r}: {entry_yaml({'columns': {vocab.FIELDS[r]: k}})}" for k in unread
                              for r in ("context", "system", "reasoning") if vocab.FIELDS[r] not in row)
             raise ShapeError(f"{where}: the row's {_keys(unread)} {'holds' if len(unread) == 1 else 'hold'} content "
                              f"({_kind(row[unread[0]])}) that no shape reads (the row has keys {original}; "
-                             f"{_shape_name(row)} reads {_read_keys(row)}){said}: map it ({ways or 'to a field'}), "
-                             "or, if it is metadata, drop it knowingly with ignore.")
+                             f"{_shape_name(row)} reads {_read_keys(row)}){said}; candidates: "
+                             f"{ways or 'none of the fields'}; or, if it is metadata, drop it knowingly with ignore.")
         raise ShapeError(f"{where}: the row's {_keys(unread)} {'holds' if len(unread) == 1 else 'hold'} content "
                          f"({_kind(row[unread[0]])}) that no shape reads (the row has keys {original}; "
                          f"{_shape_name(row)} reads {_read_keys(row)}){said}.", fix)
@@ -825,8 +829,7 @@ def _from_alpaca(row: dict[str, Any], where: str, original: list[str]) -> dict[s
                and not no_content_name(k) and (isinstance(v, str) or holds_content(k, v))]
     if row.get("output") is None:  # the answer under another name (Dolly's `response`): its roles give the entry
         _no_shape(row, where, original, [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)])
-    unread = [k for k in textual if holds_content(k, row[k])
-              and not set(vocab.named_roles(k)) & {"reasoning", "system", "tools", "metadata", "answer"}]
+    unread = [k for k in textual if holds_content(k, row[k]) and "context" in vocab.named_roles(k)]
     if unread and not row.get("input"):
         fix = {"columns": {"input": unread[0]}, **({"ignore": unread[1:]} if unread[1:] else {})}
         raise ShapeError(f"{where}: the Alpaca row's '{unread[0]}' holds content ({_kind(row[unread[0]])}) that no "
