@@ -362,6 +362,31 @@ def test_a_message_tree_trains_its_best_ranked_thread(tmp_path: Path, tok: Any) 
     assert replies[1]["text"][:40] in second and replies[0]["text"][:40] not in second
 
 
+def test_every_thread_of_a_tree_with_threads_all(tmp_path: Path, tok: Any) -> None:
+    """`threads: all` trains every thread of the tree that ends with an answer, one row each (the trailing question
+    of the first thread is not trained); it is part of the store's key."""
+    from toolkit.data.sources import resolve_source
+    from toolkit.data.store import store_key
+
+    path = wild_copy(tmp_path, "oasst1_trees.jsonl")
+    replies = json.loads(path.read_text())["prompt"]["replies"]
+    entry = DataSource(path=str(path), threads="all").entry()
+    rows = _samples([entry], tok)
+    assert len(rows) == 2
+    assert [r["text"][:40] in _trained(s, tok) for s in rows for r in replies] == [True, False, False, True]
+    assert "Now explain it to a dog" not in "".join(tok.decode(s["input_ids"]) for s in rows)
+
+    class Enc:
+        fingerprint = "f"
+
+        @staticmethod
+        def options() -> dict[str, Any]:
+            return {}
+
+    keys = [store_key(resolve_source(e, tmp_path), "d", Enc()) for e in (Entry(str(path)), entry)]
+    assert "threads" not in keys[0] and keys[1]["threads"] == "all"
+
+
 def test_other_tools_image_placeholders(tmp_path: Path, vl_processor: Any) -> None:
     """`<IMG_CONTEXT>`, `<|image|>`, `<image_placeholder>` are placeholders like `<image>`: the row trains as
     its `<image>` twin does; without images a placeholder is refused in one line, never trained as text."""

@@ -222,6 +222,8 @@ def entry_tree(entry: DataEntry) -> dict[str, Any] | str:
     tree.update({k: dict(v) for k, v in (("columns", entry.columns), ("tags", entry.tags)) if v})
     if entry.ignore:
         tree["ignore"] = list(entry.ignore)
+    if entry.threads:
+        tree["threads"] = entry.threads
     return tree if len(tree) > 1 else str(entry.path)
 
 

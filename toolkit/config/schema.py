@@ -170,6 +170,10 @@ class DataSource(_Section):
     ignore: list[str] | None = Field(None, description="Keys of this source's rows (and of their turns) to drop "
                                      "knowingly: a key that holds content (text, media, tools) and that no shape "
                                      "reads is refused unless listed here, e.g. [category, context].")
+    threads: Literal["main", "all"] | None = Field(None, description="A message tree's threads (OASST's trees "
+                                                   "export): main (the default) trains the best-ranked reply at "
+                                                   "each turn; all trains every thread that ends with an answer, "
+                                                   "one row each.")
 
     @field_validator("ignore")
     @classmethod
@@ -216,7 +220,7 @@ class DataSource(_Section):
         return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())),
                          tuple(sorted((self.tags or {}).items())), self.dataset,
                          (self.dataset_dir or "data") if self.dataset is not None else None,
-                         tuple(sorted(set(self.ignore or ()))))
+                         tuple(sorted(set(self.ignore or ()))), self.threads)
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,7 @@ class DataEntry:
     dataset: str | None = None
     dataset_dir: str | None = None
     ignore: tuple[str, ...] = ()
+    threads: str | None = None  # a message tree's threads: main (None) or all
 
     @property
     def name(self) -> str:

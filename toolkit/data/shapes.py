@@ -132,7 +132,7 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
     _check_flat_export(row, where)
     chat = _chat_key(row, where)
     if chat is not None:
-        row = _from_chat(row, chat, where, tags, notes)
+        row = _from_chat(row, chat, where, tags, notes, every=entry.threads == "all")
     elif row.get("conversations") is not None:
         row = _from_turns(row, "conversations", where, tags, system=True)
     elif row.get("messages") is not None:
@@ -343,14 +343,22 @@ def _chat_key(row: dict[str, Any], where: str) -> str | None:
     return keys[0] if keys else None
 
 
-def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], notes: list[str]
-               ) -> dict[str, Any]:
+def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], notes: list[str],
+               every: bool = False) -> dict[str, Any]:
     """The chat under `key`, read by the one reader of turns (`_from_turns`): a list of turns with any keys and role
     names (toolkit/data/roles.py), a list of exchanges ({human, assistant}, Capybara's {input, output}), or a
     message tree (OASST's export), read along its main thread: at each turn the reply ranked best (`rank` 0), else
-    the first. The log says which."""
+    the first; with `every` (the entry's `threads: all`), every thread that ends with an answer, one row each
+    (`THREADS`, made rows by `threads`). The log says which."""
     value = row[key]
     rest = {k: v for k, v in row.items() if k != key}
+    if vocab.is_tree(value) and every:
+        paths = _tree_threads(value)
+        if not paths:
+            raise ToolkitError(f"{where}: the message tree under '{key}' has no thread that ends with an answer.")
+        notes.append(f"'{key}' is a message tree: every thread trained, one row each (threads: all)")
+        rows = [_from_turns({**rest, key: p}, key, where, tags, system=True) for p in paths]
+        return {**rows[0], THREADS: [r["messages"] for r in rows]}
     if vocab.is_tree(value):
         thread, node = [], value
         while isinstance(node, dict):
@@ -362,7 +370,7 @@ def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], 
         while thread and vocab.speaker(thread[-1].get(vocab.turn_keys(thread[-1])[0])) != "assistant":  # type: ignore
             thread.pop()  # a thread ends with the answer it trains (a question left unanswered is not trained)
         notes.append(f"'{key}' is a message tree: its main thread trained (the best-ranked reply at each turn, "
-                     f"{len(thread)} turns); other threads are not")
+                     f"{len(thread)} turns); other threads are not (the entry's threads: all trains them)")
         turns = thread
     elif isinstance(value, str):
         turns = vocab.split_dialog(value) or []
@@ -379,6 +387,31 @@ def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], 
         turns = value
         notes.append(f"'{key}' holds the chat (its values are turns): read as messages")
     return _from_turns({**rest, key: turns}, key, where, tags, system=True)
+
+
+THREADS = "_threads"
+"""A row's other threads (a message tree under `threads: all`): `threads` makes each its own row."""
+
+
+def threads(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows a shaped row stands for: itself, or one per thread of its message tree (`threads: all`)."""
+    if THREADS not in row:
+        return [row]
+    base = {k: v for k, v in row.items() if k != THREADS}
+    return [{**base, "messages": messages} for messages in row[THREADS]]
+
+
+def _tree_threads(node: dict[str, Any], before: tuple[dict[str, Any], ...] = ()) -> list[list[dict[str, Any]]]:
+    """Every root-to-node path of a message tree that ends with an assistant turn, deepest first along each branch
+    (a path ending at an answer that is followed by more turns is its own thread only where no deeper one is)."""
+    turn = {k: v for k, v in node.items() if k not in vocab.TREE_KEYS and k != "labels"}
+    path = (*before, turn)
+    replies = [r for r in next((node[k] for k in vocab.TREE_KEYS if isinstance(node.get(k), list)), [])
+               if isinstance(r, dict)]
+    deeper = [p for r in replies for p in _tree_threads(r, path)]
+    keys = vocab.turn_keys(turn)
+    answer = keys is not None and vocab.speaker(turn.get(keys[0])) == "assistant"
+    return deeper or ([list(path)] if answer else [])
 
 
 FLAT_EXPORT_KEYS = ("parent_id", "parent_message_id")

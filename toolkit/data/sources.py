@@ -49,7 +49,7 @@ from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
 from toolkit.data.pairs import pair_rows
 from toolkit.data.roles import is_turns
-from toolkit.data.shapes import to_messages
+from toolkit.data.shapes import threads, to_messages
 from toolkit.errors import ToolkitError
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
@@ -103,6 +103,7 @@ class Source:
     def describe(self) -> dict[str, Any]:
         return {"entry": self.entry.name, "format": self.fmt, "split": self.entry.split,
                 "columns": dict(self.entry.columns), "tags": dict(self.entry.tags), "ignore": list(self.entry.ignore),
+                "threads": self.entry.threads,
                 "files": [str(p) for p in self.files]}
 
 
@@ -489,7 +490,7 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         else:
             if not isinstance(row, dict):  # a bare list of turns is the row's chat (toolkit/data/roles.py)
                 row = {"messages": row}
-            got = list(pair_rows(row, source, where)) if pairs else [to_messages(row, source, where)]
+            got = list(pair_rows(row, source, where)) if pairs else threads(to_messages(row, source, where))
         rows += got
         numbers += [number] * len(got)
     return rows, numbers
