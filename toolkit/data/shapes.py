@@ -5,8 +5,9 @@ ShareGPT and OpenAI turns (told apart by their keys, under either `conversations
 query/response and agent roles, TRL's conversational prompt/completion, LLaMA-Factory v1 content parts, image
 placeholders of every tool; training flags stay on the messages for the encoder. A chat under any other key (turns,
 exchanges, a message tree, a dialog in one string) is told by its values and read by the same reader of turns; a
-row no shape reads is refused with the entry its column roles give (toolkit/data/roles.py). A row missing a field gets an
-error naming the file, the row and the field; turns in another tool's key names get the exact `tags` that read them.
+row no shape reads is refused with the entry its column roles give (toolkit/data/roles.py). A row missing a field
+gets an error naming the file, the row and the field; turns with role names no vocabulary knows get the exact `tags`
+that read them.
 Table cells that hold structure as JSON text (CSV, LLaMA-Factory's and ms-swift's `tools`) are decoded.
 """
 
