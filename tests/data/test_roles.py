@@ -155,6 +155,17 @@ def test_every_file_through_inspect_data(name: str, inspected: dict[str, str]) -
     assert re.search(rf"data(?: \(dpo\))?: {rows} {unit}, {rows} kept", report), report
     assert pasted(report) == (PAIRS[name] if name in PAIRS else ROWS_TRAIN[name][1])
     assert ("model builtin:tiny-qwen2.5-vl" in report) == (name not in PAIRS and ROWS_TRAIN[name][0] == "vl")
+    if name in SHAPES:
+        assert f"\nshape: {SHAPES[name]}\n" in report, report
+
+
+SHAPES = {  # the shape inspect-data names for chats told by their values
+    "lmsys_chat.jsonl": "a chat under 'conversation' (turns, told by its values)",
+    "capybara.jsonl": "a chat under 'conversation' (exchanges, told by its values)",
+    "oasst1_trees.jsonl": "a chat under 'prompt' (a message tree, told by its values)",
+    "glaive_function_calling.jsonl": "a chat under 'chat' (a dialog in one string, told by its values)",
+    "bare_messages.jsonl": "a bare list of turns: the row's chat",
+}
 
 
 @pytest.mark.parametrize("name", sorted(ROUND2))
@@ -360,6 +371,21 @@ def test_a_message_tree_trains_its_best_ranked_thread(tmp_path: Path, tok: Any) 
     second = _trained(_samples([_jsonl(tmp_path / "b.jsonl", [tree])], tok)[0], tok)
     assert replies[0]["text"][:40] in first and replies[1]["text"][:40] not in first
     assert replies[1]["text"][:40] in second and replies[0]["text"][:40] not in second
+
+
+def test_reasoning_and_tool_columns_reach_the_template(tmp_path: Path, tok: Any) -> None:
+    """A reasoning set's CoT column trains in the thinking block of its answer; xLAM's `answers` train as the
+    assistant's tool calls and its `tools` are rendered as the template's tools, never as text of the answer."""
+    medical = DataSource(path=str(wild_copy(tmp_path, "medical_o1_reasoning.jsonl")),
+                         columns={"instruction": "Question", "output": "Response", "reasoning": "Complex_CoT"})
+    trained = _trained(_samples([medical.entry()], tok)[0], tok)
+    assert trained.startswith("<think>\nOkay, let's think about this step by step.") and "</think>" in trained
+    xlam = DataSource(path=str(wild_copy(tmp_path, "xlam.jsonl")), columns={"instruction": "query",
+                                                                          "output": "answers"})
+    sample = _samples([xlam.entry()], tok)[0]
+    shown, trained = tok.decode(sample["input_ids"]), _trained(sample, tok)
+    assert "live_giveaways_by_type" in shown.split("<|im_start|>user")[0]  # the tools, in the system turn
+    assert trained.count("<tool_call>") == 2 and '"type": "beta"' in trained
 
 
 def test_every_thread_of_a_tree_with_threads_all(tmp_path: Path, tok: Any) -> None:
