@@ -675,8 +675,8 @@ def test_keys_without_content_are_named_in_the_log(tmp_path: Path, tok: PreTrain
     (store, _), (other, _) = _selections([dolly, wild_copy(tmp_path, "ultrachat.jsonl")], tok, max_seq_len=1024,
                                          overlength="error", train_on="assistant", thinking="auto", cache_dir=None,
                                          encoder=None, num_proc=1)
-    assert store.notes == {"keys without content, not read: category": 2}
-    assert other.notes["keys without content, not read: prompt_id"] == 1
+    assert store.notes == {"metadata and keys without content, not read: category": 2}
+    assert other.notes["metadata and keys without content, not read: prompt_id"] == 1
 
 
 @pytest.mark.parametrize(("key", "value", "content"), [
