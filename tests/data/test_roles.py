@@ -46,7 +46,8 @@ ROUND2 = {  # issue 47's files: file -> (model, the data entry keys its refusals
                      "metamathqa.jsonl", "numinamath_cot.jsonl", "code_alpaca.jsonl", "alpaca_gpt4.jsonl",
                      "no_robots.jsonl", "lima.jsonl", "guanaco.jsonl", "hermes_function_calling.jsonl",
                      "wizardlm_evol.jsonl", "trl_prompt_completion.jsonl", "trl_language_modeling.jsonl",
-                     "openai_tools.jsonl", "excel_bom.csv", "pandas_index.parquet"), ("text", {})),
+                     "openai_tools.jsonl", "excel_bom.csv", "pandas_index.parquet", "numinamath_tir.jsonl"),
+                    ("text", {})),
     "openorca.jsonl": ("text", {"columns": {"instruction": "question", "output": "response",
                                             "system": "system_prompt"}}),
     "aya.jsonl": ("text", {"columns": {"instruction": "inputs", "output": "targets"}}),
@@ -64,6 +65,9 @@ REFUSED2 = {
     "minicpmv_multi.json": r"the row has 'image' .* that is not a path or a list of paths",
     "qwen_vl_v1.json": r"the text holds '<img>assets/demo.jpeg</img>', image markup of another tool",
     "ms_swift_image_url.jsonl": r"the row's images include 'https://.*', a URL; images are read from files",
+    # TRL's prompt-only rows train in an RL stage (tests/data/test_prompts.py); as SFT rows they have no answer
+    "trl_prompt_only.jsonl": r"trl_prompt_only.jsonl:2: the row has a 'prompt' and no 'completion': TRL's "
+                             r"prompt-only rows train in an RL stage \(objective: grpo\)",
 }
 ROWS_TRAIN = {**TRAINS, **ROUND2}
 ALL_REFUSED = {**REFUSED, **REFUSED2}

@@ -936,6 +936,10 @@ def _from_conversational(row: dict[str, Any], where: str, tags: dict[str, str]) 
     """TRL's conversational prompt/completion: `prompt` and `completion` lists of messages, one chat in which only
     the completion trains (an assistant turn of the prompt is context: PROMPT_TURN)."""
     prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, list) and completion is None:
+        raise ToolkitError(f"{where}: the row has a 'prompt' and no 'completion': TRL's prompt-only rows train in an "
+                           "RL stage (objective: grpo), which writes the completions; a row of this stage needs its "
+                           "answer ('completion', or the chat's last assistant turn in 'messages').")
     if not (isinstance(prompt, list) and isinstance(completion, list)):
         raise ToolkitError(f"{where}: 'prompt' and 'completion' must both be strings, or both lists of messages "
                            "(TRL's conversational shape).")
