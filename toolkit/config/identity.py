@@ -28,7 +28,7 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
         if stage.get("difficulty") is not None and stage["difficulty"].get("model") is None:
             del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore"):
+            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
     for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains
