@@ -315,6 +315,14 @@ case("export-without-out")(lambda c: Call(["export", str(c.tmp / "run")], c.tmp 
 case("export-private-without-push")(
     lambda c: Call(["export", str(c.tmp / "run"), "--out", str(c.tmp / "x"), "--private"], c.tmp / "x", tool="toolkit"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
+IDENTICAL_PAIR = {"prompt": [CHAT["messages"][0]], "chosen": [CHAT["messages"][1]], "rejected": [CHAT["messages"][1]]}
+case("data-identical-pairs")(lambda c: c.train("stages.0.objective=dpo", rows=[IDENTICAL_PAIR] * 8))
+
+
+@case("train-accelerate-config-word-is-no-path")
+def _(c: Ctx) -> Call:
+    (c.tmp / "mine").write_text("distributed_type: NO\n")  # a file here is named as a path: ./mine
+    return Call(["train", "--accelerate-config", "mine", "--dry-run"], c.tmp / "mine", tool="toolkit")
 
 
 @case("empty-output-dir")
@@ -771,9 +779,18 @@ case("data-turn-content-key-unread")(lambda c: c.train(rows=[{"messages": [USER,
 case("data-dolly-unmapped")(lambda c: c.train(rows=[{  # databricks-dolly-15k, row 2
     "instruction": "Which is a species of fish? Tope or Rope", "context": "", "response": "Tope",
     "category": "classification"}]))
-case("data-dialog-in-one-string")(lambda c: c.train(rows=[{  # glaiveai/glaive-function-calling-v2
-    "system": "SYSTEM: You are a helpful assistant, with no access to external functions.",
-    "chat": "USER: hi\n\n\nASSISTANT: hello <|endoftext|>\n\n\n"}]))
+case("data-roles-ambiguous")(lambda c: c.train(rows=[{  # two columns no vocabulary names: which is the answer?
+    "ask_text": "What is two and two?", "reply_body": "It is four.", "id": 3}]))
+case("data-flat-message-export")(lambda c: c.train(rows=[{  # OpenAssistant/oasst2, flat export
+    "message_id": "6ab24d72", "parent_id": None, "text": "Can you write a short introduction?", "role": "prompter",
+    "lang": "en"}]))
+case("data-image-placeholder-no-images")(lambda c: c.train(rows=[{"messages": [
+    dict(USER, content="<IMG_CONTEXT>\nWhat is it?"), ANSWER]}]))
+case("data-image-markup")(lambda c: c.train(rows=[{"conversations": [  # Qwen-VL (v1) finetune README
+    {"from": "user", "value": "Picture 1: <img>assets/demo.jpeg</img>\nWhat is the headline?"},
+    {"from": "assistant", "value": "Welcome."}]}]))
+case("data-images-url")(lambda c: c.train(rows=[{"messages": [dict(USER, content="<image>What is it?"), ANSWER],
+                                                 "images": ["https://example.com/cat.png"]}]))
 case("data-video-row")(lambda c: c.train(rows=[{"video": "videos/005.mp4", "conversations": [  # Qwen-VL finetune
     {"from": "human", "value": "<video>\nWhat caused the blue object to move?"},
     {"from": "gpt", "value": "Answer: (B) Collision"}]}]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -147,6 +148,7 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         log = (tmp_path / f"one-from-{step}.log").read_text()
         assert "reference log-probs (the policy at step 3): read from" in log
         assert "rows/s" not in log.split("resumed (exact)")[1]
+    assert_a_resume_takes_only_the_scores_its_checkpoint_recorded(one, tmp_path)
 
     # Stopped by SIGTERM after the reference pass's first block: the block kept, the relaunch goes on from it.
     stopped = tmp_path / "stopped"
@@ -163,6 +165,42 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     base = tmp_path / "base"
     train_forked("single", 1, base, "stages.1.preference={reference: base}", recipe=RECIPE, dummy_samples=ROWS)
     assert abs(by_step(base)[4]["loss"] - LN2) > 1e-3
+
+
+def assert_a_resume_takes_only_the_scores_its_checkpoint_recorded(one: Path, tmp_path: Path) -> None:
+    """Issue 48: a checkpoint inside the DPO stage records the digests of the reference log-probs it trained with;
+    resumed from it (into a new output_dir, so the kept scores are read from the checkpoint's run folder) with those
+    files gone, edited (a DPO step's loss came out 1.61 where the uninterrupted run had 0.68) or cut short, the
+    launch is refused in one line and never scores them again with the later policy."""
+    ckpt = "checkpoints/step-00000005"
+    recorded = json.loads((one / ckpt / "meta.json").read_text())["scores"]
+    kept = {path.stem.removeprefix("scores-") for path in (one / "scores").glob("scores-*.npz")}
+    assert kept and set(recorded) == kept  # the stage's reference log-probs, taken at its entry (step 3)
+    said = {"gone": "is missing or incomplete, and this launch resumes past the point those scores were taken",
+            "edited": "holds other scores than the checkpoint this launch resumes from was trained with",
+            "cut": "cannot be read (BadZipFile"}
+    for case, says in said.items():
+        copy = tmp_path / f"one-scores-{case}"
+        shutil.copytree(one, copy)
+        for path in sorted((copy / "scores").glob("scores-*.npz")):
+            if case == "gone":
+                path.unlink()
+            elif case == "edited":
+                with np.load(path) as saved:
+                    arrays = {k: saved[k] for k in saved.files}
+                np.savez(path, **(arrays | {"loss": arrays["loss"] * 1.5}))
+            else:
+                path.write_bytes(path.read_bytes()[:100])
+        out = tmp_path / f"one-scores-{case}-resumed"
+        proc = train_forked("single", 1, out, *EVERY, f"checkpoint.resume={copy / ckpt}", recipe=RECIPE,
+                            dummy_samples=ROWS, check=False)
+        assert proc.returncode == 2, (case, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "reference log-probs (the policy at step 3)" in errors[0], (case, errors)
+        assert says in errors[0], (case, errors[0])
+        assert "rows/s" not in proc.stderr, case  # never scored again, with the policy of step 5
+        assert not [r for r in read_metrics(out / "metrics.jsonl", "train") if r["step"] > 5] \
+            if (out / "metrics.jsonl").is_file() else True
 
 
 def header_launch_line(recipe: str) -> list[str]:

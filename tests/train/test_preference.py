@@ -389,3 +389,60 @@ def test_reference_free_losses_equal_trl_orpo_and_cpo_simpo(models: dict[str, st
     assert abs(losses[0] - losses[1]) < 1e-6, losses
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_the_pair_loss_normaliser_is_the_global_batch_s_over_2_processes(models: dict[str, str], tokenizer: Any,
+                                                                        tmp_path: Any) -> None:
+    """Issue 48's mutation audit: the grad-accumulation test above runs one process, so it cannot tell a per-rank
+    normaliser from a global one. Two real processes (gloo) hold uneven shares of a global batch of 4 pairs (1 and
+    3, unequal chosen-token counts too); with each micro-batch's loss divided by `global_normalisers` and the
+    gradients averaged as DDP averages them, the gradients are the one-process global batch's (sigmoid + sft, so
+    both the pair and the chosen-token normaliser count)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, free_port, run_env
+
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    settings = PreferenceSettings(("sigmoid", "sft"), (1.0, 0.5))
+    accelerator = distributed.build_accelerator(1, 10)
+    collate = padding_collator(tokenizer)
+    model = lora_model(models)
+    install_loss_head(model, "chunked", chunk_tokens=7)
+    ref = reference_logps(accelerator, model, sequences, collate, 4)
+    nudge(model)
+    model.train()
+    lora = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    batch = collate(sequences)
+    n, tokens = pair_counts(batch)
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, n, torch.device("cpu"))
+    logps = PairLogps(chosen, rejected, torch.from_numpy(ref[0]), torch.from_numpy(ref[1]), c_tokens, r_tokens)
+    preference_loss(settings, preference_terms(settings, logps), float(n), float(tokens)).backward()
+    expected = lora_grads(model)
+
+    given, out = tmp_path / "given.pt", tmp_path / "grads.pt"
+    torch.save({"sequences": sequences, "lora": lora, "ref_chosen": torch.from_numpy(ref[0]),
+                "ref_rejected": torch.from_numpy(ref[1])}, given)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.pair_normaliser", models["text"], str(given),
+                               str(out)], cwd=REPO, env=run_env() | {
+                                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ACCELERATE_USE_CPU": "true"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    got = torch.load(out)
+    assert got.keys() == expected.keys() and os.path.getsize(out) > 0
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=name)

@@ -34,7 +34,7 @@ from toolkit.data.encoding import IGNORE_INDEX, PAIR_IN_SFT
 from toolkit.data.pairs import PAIR_SHAPES, pair_shape
 from toolkit.data.plan import PairRows, StageRows, TrainingSet
 from toolkit.data.stages import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, as_terminal_text
 from toolkit.runtime.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -68,7 +68,7 @@ def _decode(ids: list[int], tokenizer: Any, special: set[int]) -> str:
             pending = []
         else:
             pending += [token] * run
-    return "".join([*out, tokenizer.decode(pending)])
+    return as_terminal_text("".join([*out, tokenizer.decode(pending)]))  # row text, shown as text (cat -v)
 
 
 def stage_statistics(src: TrainingSet) -> str:
@@ -106,7 +106,7 @@ def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, score
             chosen, rejected = part.sides(k)
             full = max(int(part.store.lengths[2 * i]), int(part.store.lengths[2 * i + 1]))
             cut = f", truncated from {full}" if full > part.selection.limit else ""
-            lines += [f"--- {part.store.where(2 * i)} (pair: {len(chosen['input_ids'])} + "
+            lines += [f"--- {as_terminal_text(part.store.where(2 * i))} (pair: {len(chosen['input_ids'])} + "
                       f"{len(rejected['input_ids'])} tokens{cut}) ---",
                       *mark_pair(chosen, rejected, tokenizer, colour=colour)]
             continue
@@ -115,7 +115,7 @@ def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, score
         cut = f", truncated from {full}" if full > part.selection.limit else ""
         where = part.store.where(i)
         score = f", {scored[0]} {scored[1][where]:.4g}" if scored and where in scored[1] else ""
-        lines += [f"--- {where} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
+        lines += [f"--- {as_terminal_text(where)} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
                   mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
     return lines
 
@@ -192,7 +192,7 @@ def _scores(layout: RunLayout, stage: str) -> tuple[str, dict[str, float]] | Non
     None when there is none."""
     import pyarrow.parquet as pq
 
-    path = layout.scores / f"{stage}.parquet"
+    path = layout.stage_scores(stage)
     if not path.is_file():
         return None
     table = pq.read_table(path).to_pydict()
@@ -222,6 +222,8 @@ def entry_tree(entry: DataEntry) -> dict[str, Any] | str:
     tree.update({k: dict(v) for k, v in (("columns", entry.columns), ("tags", entry.tags)) if v})
     if entry.ignore:
         tree["ignore"] = list(entry.ignore)
+    if entry.threads:
+        tree["threads"] = entry.threads
     return tree if len(tree) > 1 else str(entry.path)
 
 
@@ -240,8 +242,8 @@ def file_recipe(entry: DataEntry, overrides: list[str], folder: Path, *, vision:
     return load_recipe(path, overrides)
 
 
-def _first_keys(path: str) -> list[str]:
-    """The keys of the file's first row as stored (before any shape is read), for a file no shape fits."""
+def _first_row(path: str) -> Any:
+    """The file's first row as stored (before any shape is read): an object, a bare list, or a table row."""
     from toolkit.data.sources import open_source, resolve_source
 
     source = resolve_source(DataEntry(path), Path())
@@ -249,12 +251,36 @@ def _first_keys(path: str) -> list[str]:
         with source.files[0].open(encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.strip():
-                    row = json.loads(line)
-                    return sorted(row) if isinstance(row, dict) else []
-        return []
+                    return json.loads(line)
+        return {}
     open_source(source)
-    rows = source.arrays[0] if source.arrays else source.tables[0].column_names if source.tables else []
-    return sorted(rows if source.tables else rows[0] if rows and isinstance(rows[0], dict) else [])
+    if source.tables:
+        return source.tables[0][0] if len(source.tables[0]) else dict.fromkeys(source.tables[0].column_names)
+    return source.arrays[0][0] if source.arrays and source.arrays[0] else {}
+
+
+def _first_keys(path: str) -> list[str]:
+    """The keys of the file's first row as stored, for a file no shape fits."""
+    row = _first_row(path)
+    return sorted(row) if isinstance(row, dict) else []
+
+
+def _chat_shape(row: Any, entry: DataEntry) -> str | None:
+    """The shape of a row whose chat is told by its values (toolkit/data/roles.py): a bare list of turns, or turns,
+    exchanges, a message tree or a dialog in one string under a key no named shape has."""
+    from toolkit.data.roles import exchange_keys, is_tree, is_turns
+
+    if isinstance(row, list):
+        return "a bare list of turns: the row's chat" if is_turns(row) else None
+    if not isinstance(row, dict) or any(k in row for k in ("messages", "conversations")) or entry.columns:
+        return None
+    keys = [k for k, v in row.items() if is_turns(v) or is_tree(v)]
+    if len(keys) != 1 or (keys[0] in ("prompt", "completion") and isinstance(row[keys[0]], list)):
+        return None
+    value = row[keys[0]]
+    what = "a message tree" if is_tree(value) else "a dialog in one string" if isinstance(value, str) else \
+        "exchanges" if all(isinstance(t, dict) and exchange_keys(t) for t in value) else "turns"
+    return f"a chat under '{keys[0]}' ({what}, told by its values)"
 
 
 def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool | None = None) -> str:
@@ -289,10 +315,13 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
             raise ToolkitError(f"{path}: still refused after {MAX_FIXES} fixes: {why[-1]}")
     entry_lines = yaml.safe_dump({"data": [entry_tree(entry)]}, sort_keys=False, default_flow_style=None).rstrip()
     keys: list[str] = []
+    first: Any = {}
     with contextlib.suppress(ToolkitError, OSError, ValueError):
+        first = _first_row(path)
         theirs = {t: ours for ours, t in entry.columns}
-        keys = [theirs.get(k, k) for k in _first_keys(path) if k not in entry.ignore]
-    shape = next(iter(closest_shapes(keys)), "none of the named shapes' keys")
+        keys = [theirs.get(k, k) for k in (sorted(first) if isinstance(first, dict) else [])
+                if k not in entry.ignore]
+    shape = _chat_shape(first, entry) or next(iter(closest_shapes(keys)), "none of the named shapes' keys")
     if pairs and (named := pair_shape(keys)) is not None:
         shape = f"preference pairs, {named}: {', '.join(PAIR_SHAPES[named])}"
     lines = [report, "", f"shape: {shape}", "data entry to paste into a recipe stage:", entry_lines]

@@ -98,6 +98,10 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
+    identical_pairs: Literal["error", "skip"] = Field(
+        "error", description="A preference pair whose chosen and rejected sides render to the same tokens cannot "
+        "teach (its loss is ln 2 with no gradient): error refuses it naming its row, skip drops such pairs and counts "
+        "them in the stage's data line.")
     cache_dir: str | None = Field(None, description="Token stores, shared by runs and ranks (default <output_dir>/../"
                                   ".toolkit-cache/tokenized); 'none': every process tokenises into its own memory.")
     num_proc: int | None = Field(None, gt=0, description="Processes that tokenise a source (default: every core).")
@@ -146,8 +150,9 @@ class DataConfig(_Section):
 
 
 COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
-                 "system", "history", "tools", "images", "difficulty")
-"""The row fields a data entry's `columns` may map to the source's own column names."""
+                 "reasoning", "system", "history", "tools", "images", "difficulty", "reference")
+"""The row fields a data entry's `columns` may map to the source's own column names (`reference`: an RL stage's
+prompt rows, toolkit/data/prompts.py; `reasoning`: the answer's thinking block, toolkit/data/roles.py)."""
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
 """Keys of a data entry's `tags` (LLaMA-Factory's names): the keys inside each message (`role_tag`, `content_tag`)
 and the role names (`user_tag` ...) a source uses."""
@@ -174,6 +179,10 @@ class DataSource(_Section):
     ignore: list[str] | None = Field(None, description="Keys of this source's rows (and of their turns) to drop "
                                      "knowingly: a key that holds content (text, media, tools) and that no shape "
                                      "reads is refused unless listed here, e.g. [category, context].")
+    threads: Literal["main", "all"] | None = Field(None, description="A message tree's threads (OASST's trees "
+                                                   "export): main (the default) trains the best-ranked reply at "
+                                                   "each turn; all trains every thread that ends with an answer, "
+                                                   "one row each.")
 
     @field_validator("ignore")
     @classmethod
@@ -220,7 +229,7 @@ class DataSource(_Section):
         return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())),
                          tuple(sorted((self.tags or {}).items())), self.dataset,
                          (self.dataset_dir or "data") if self.dataset is not None else None,
-                         tuple(sorted(set(self.ignore or ()))))
+                         tuple(sorted(set(self.ignore or ()))), self.threads)
 
 
 @dataclass(frozen=True)
@@ -236,6 +245,7 @@ class DataEntry:
     dataset: str | None = None
     dataset_dir: str | None = None
     ignore: tuple[str, ...] = ()
+    threads: str | None = None  # a message tree's threads: main (None) or all
 
     @property
     def name(self) -> str:
@@ -401,6 +411,100 @@ class PreferenceConfig(_Section):
         return self
 
 
+RL_OBJECTIVES = ("grpo",)
+"""Stage objectives that train on prompts by reinforcement learning with rewards (`stages[].objective`)."""
+
+REWARD_KINDS = ("exact", "contains", "regex", "json_valid", "math", "think_format", "overlong")
+"""Built-in rewards: the generation-eval scorers, a math verifier, a think-format reward and DAPO's soft overlong
+punishment; a user function is given as `module:function`."""
+
+REFERENCE_REWARDS = ("exact", "contains", "regex", "math")
+"""Rewards that compare a completion with its row's reference (`columns: {reference: ...}`)."""
+
+
+class RewardConfig(_Section):
+    """One reward of an RL stage: a scorer of a completion, weighted into the sum the advantages are taken of
+    (built by toolkit/evals/rewards.py, which checks a scorer's options)."""
+
+    scorer: str | dict[str, Any] = Field(..., description="exact, contains, regex, json_valid, math, think_format, "
+                                         "overlong, a user function as module:function (TRL's reward-function "
+                                         "contract), or {kind: ..., options} (e.g. {kind: regex, pattern: ...}).")
+    weight: float = Field(1.0, description="Its weight in the summed reward (TRL's reward_weights).")
+
+    @field_validator("scorer")
+    @classmethod
+    def _known(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        kind = value.get("kind") if isinstance(value, dict) else value
+        if not isinstance(kind, str):
+            raise ValueError("a reward scorer given as a mapping names its kind: {kind: regex, pattern: ...}")
+        if ":" in kind:
+            if not re.fullmatch(r"[\w.]+:\w+", kind):
+                raise ValueError(f"reward scorer '{kind}' is not of the form module:function (e.g. "
+                                 "my_rewards:accuracy)")
+            return value
+        if kind not in (*REWARD_KINDS, "function"):
+            close = difflib.get_close_matches(kind, REWARD_KINDS, n=1)
+            raise ValueError(f"unknown reward scorer '{kind}'{f' (did you mean {close[0]}?)' if close else ''}; "
+                             f"the built-in rewards are {', '.join(REWARD_KINDS)}, or give a user function as "
+                             "module:function")
+        return value
+
+    @property
+    def kind(self) -> str:
+        return str(self.scorer.get("kind") if isinstance(self.scorer, dict) else self.scorer)
+
+    @property
+    def metric(self) -> str:
+        """Its metric's name (rewards/<name>/mean): the mapping's `name`, the function's name, or the kind."""
+        if isinstance(self.scorer, dict) and self.scorer.get("name"):
+            return str(self.scorer["name"])
+        function = self.scorer.get("function") if isinstance(self.scorer, dict) else None
+        ref = function if isinstance(function, str) else self.kind
+        return ref.rsplit(":", 1)[1] if ":" in ref else ref
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind in REFERENCE_REWARDS
+
+
+class RlConfig(_Section):
+    """An RL stage's settings, named and defaulted as TRL 1.16's GRPOConfig (docs/rl.md)."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="How the token losses are normalised: dapo (over the global batch's completion "
+        "tokens, TRL's default), grpo (per sequence), bnpo (the local batch's tokens), dr_grpo (a constant "
+        "max_completion_length per sequence).")
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (a group); the global batch "
+                                 "(micro_batch_size x grad_accum x processes completions) must divide by it.")
+    max_completion_length: int = Field(512, gt=0, description="Longest completion, in tokens (TRL's default).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts (and of the "
+                               "log-probs the loss takes).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (0: no reference, TRL's default); "
+                        "above 0 the reference is the LoRA adapter as the stage enters it.")
+    epsilon: float = Field(0.2, ge=0, description="Lower (and, without epsilon_high, upper) clipping of the ratio.")
+    epsilon_high: float | None = Field(None, ge=0, description="Upper clipping (DAPO's clip-higher: 0.28); default "
+                                       "epsilon.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the group's (or the batch's) reward std, or not (none, as "
+        "Dr. GRPO argues).")
+    mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length leave "
+                                             "the loss (DAPO).")
+    num_iterations: int = Field(1, ge=1, description="Updates per rollout batch (the clipped ratio against the "
+                                "rollout's log-probs above 1).")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and draw "
+                                   "prompts again, up to max_resample times, keeping the global batch size.")
+    max_resample: int = Field(3, ge=0, description="Draws beyond the first per step under dynamic_sampling.")
+    prioritize: Literal["failure_rate"] | None = Field(None, description="Sample prompts in proportion to 1 - "
+                                                       "their running success rate (Kimi k1.5).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RlConfig:
+        if "max_resample" in self.model_fields_set and not self.dynamic_sampling:
+            raise ValueError("max_resample is read only with dynamic_sampling: true; set it or remove max_resample")
+        return self
+
+
 ORDERED = ("easy_to_hard", "hard_to_easy")
 """The orders by difficulty; `hard_to_easy` is `easy_to_hard` over the negated difficulty (ties still by index)."""
 
@@ -438,6 +542,9 @@ class DifficultyConfig(_Section):
                               "(the run's model before training), current (the policy as it enters the stage), or "
                               "a separate scorer: a local model folder or a hub id (owner/name) with the run's "
                               "tokenizer, loaded whole on every process for the scoring pass at step 0 and freed.")
+    trust_remote_code: bool = Field(False, description="Allow a separate scorer's own Python code (its config's "
+                                    "auto_map) to run. The scorer's own consent: model.trust_remote_code covers the "
+                                    "policy only.")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -452,6 +559,9 @@ class DifficultyConfig(_Section):
             raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
         if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
             raise ValueError(scorer_path_problem(self.model))
+        if self.trust_remote_code and (self.model is None or self.model in SCORERS):
+            raise ValueError("difficulty.trust_remote_code is a separate scorer's own consent: the run's model (base, "
+                             "current) runs its code under model.trust_remote_code")
         return self
 
 
@@ -561,8 +671,12 @@ class StageConfig(_Section):
                                                           "(default: eval.generation).")
     advance_when: AdvanceWhen | None = Field(None, description="Mastery gate: end the stage once an eval metric "
                                              "reaches a threshold (max_steps / epochs stay the ceiling).")
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
-        "sft", description="What the stage trains: sft on rows, or dpo / orpo / simpo on preference pairs.")
+    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = Field(
+        "sft", description="What the stage trains: sft on rows, dpo / orpo / simpo on preference pairs, or grpo "
+        "(GRPO / DAPO / Dr. GRPO by rl.loss_type) on prompts with rewards.")
+    rl: RlConfig | None = Field(None, description="A grpo stage's settings, TRL's GRPOConfig names and defaults.")
+    rewards: list[RewardConfig] | None = Field(None, description="A grpo stage's rewards: [{scorer, weight}], "
+                                               "summed with their weights.")
     preference: PreferenceConfig | None = Field(None, description="A dpo / orpo / simpo stage's loss and reference "
                                                 "(default: sigmoid, beta 0.1, reference precompute).")
 
@@ -575,6 +689,18 @@ class StageConfig(_Section):
             raise ValueError("give a weight to every data file of the stage, or to none")
         if self.pacing is not None and self.order != "easy_to_hard":
             raise ValueError("pacing needs order: easy_to_hard")
+        if self.objective != "grpo" and (self.rl is not None or self.rewards is not None):
+            raise ValueError(f"{'rl' if self.rl is not None else 'rewards'} is set but the stage's objective is "
+                             f"{self.objective}; set objective: grpo or remove it")
+        if self.objective == "grpo":
+            if not self.rewards:
+                raise ValueError("a grpo stage needs rewards: [{scorer: ..., weight: ...}] (e.g. math, "
+                                 "think_format, or module:function)")
+            if self.preference is not None:
+                raise ValueError("preference is set but the stage's objective is grpo; its settings are rl:")
+            names = [r.metric for r in self.rewards]
+            if dupes := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"reward names must be unique, repeated: {dupes} (give one a name:)")
         if self.objective == "sft" and self.preference is not None:
             raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
                              "simpo) or remove preference")
@@ -769,9 +895,13 @@ class Recipe(_Section):
             raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
                              "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
         for i, stage in enumerate(self.stages):
-            if stage.objective == "sft":
-                continue
             where = f"stages.{i} ('{stage.name}')"
+            if stage.objective == "grpo" and stage.rl is not None and stage.rl.beta > 0 and not self.lora.enabled:
+                raise ValueError(f"{where}: rl.beta is {stage.rl.beta:g} but lora.enabled is false: the KL reference "
+                                 "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "
+                                 "fully fine-tuned model is not built; set rl.beta: 0 (TRL's default) or enable lora")
+            if stage.objective not in PREFERENCE_OBJECTIVES:
+                continue
             if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
                 raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
                                  "lora.enabled is false; use reference: precompute")

@@ -65,13 +65,16 @@ class DataStats:
     tokens: int = 0
     label_tokens: int = 0
     dropped_by_difficulty: int = 0  # stage.drop
+    identical: int = 0  # pairs whose two sides render alike (data.identical_pairs: skip)
     pairs: bool = False  # a preference stage's: every count is of pairs (tokens: both sides')
 
     def summary(self) -> str:
         if self.pairs:
             head = (f"{self.rows} pairs, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained, both "
                     f"sides), {self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
-                    f"{self.no_label_tokens} dropped with no completion token left")
+                    f"{self.no_label_tokens} dropped with no completion token left"
+                    + (f", {self.identical} dropped with chosen = rejected (data.identical_pairs: skip)"
+                       if self.identical else ""))
         else:
             head = (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
                     f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
@@ -171,7 +174,7 @@ whose prompt files may also be loss-eval data). A source's other keys hold no co
 (toolkit/data/shapes.py refuses those that do) and are named once in the stage's log (`row_notes`)."""
 NOTE_KEY = "_notes"
 """A mapped row's notes (toolkit/data/shapes.py): what was chosen for it, said once per stage in the log."""
-NOT_READ = "keys without content, not read"
+NOT_READ = "metadata and keys without content, not read"
 
 
 def row_notes(row: dict[str, Any], empty_answers: str = "error") -> list[str]:
@@ -707,7 +710,8 @@ class SizeGuard:
     What it does not bound: the row's text itself, parsed and rendered by the chat template (a few times the row's
     size, tens of times for a row of many short messages). That is bounded before parsing, in bytes: a JSON Lines
     row over ROW_BYTES_PER_CHAR bytes per character of this limit is stored unread, dropped or refused
-    (toolkit/data/sources.py row_byte_cap). JSON arrays and table formats are not bounded so."""
+    (toolkit/data/sources.py row_byte_cap), and so is a row of a .json file over the cap's floor (read element by
+    element); a CSV / TSV line over the floor is refused. Parquet and Arrow rows are not bounded so."""
 
     def __init__(self, encoder: Any, max_tokens: int | None) -> None:
         self.encoder, self.max_tokens = encoder, max_tokens

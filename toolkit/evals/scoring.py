@@ -32,6 +32,7 @@ import math
 import os
 import signal
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +206,14 @@ def row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence
 # ------------------------------------------------------------------------------------- cached and resumable
 
 
+def sums_digest(sums: RowSums) -> str:
+    """The sha256 of a complete set of row sums (their loss and token arrays), as a checkpoint records the scores
+    it was trained with: a resume checks the kept file against it."""
+    digest = hashlib.sha256(np.ascontiguousarray(sums.loss, np.float64).tobytes())
+    digest.update(np.ascontiguousarray(sums.tokens, np.int64).tobytes())
+    return digest.hexdigest()
+
+
 def score_key(**identity: Any) -> str:
     """The cache key of one set of row sums: a hash of what decides them, given by the caller as JSON-able values
     (the rows: store checksums and kept rows; the scorer: a weights hash or the run's state at stage entry; the
@@ -224,12 +233,14 @@ class ScoreCache:
         self.rows, self.writer = rows, writer and self.path is not None
         self.sums = RowSums(np.zeros(rows, np.float64), np.zeros(rows, np.int64))
         self.done = np.zeros(rows, dtype=bool)
-        if self.path is None:  # kept in memory only
+        self.unreadable: str | None = None  # why an existing file could not be read (it counts as absent)
+        if self.path is None or not self.path.exists():  # kept in memory only, or not written yet
             return
         try:
             with np.load(self.path, allow_pickle=False) as saved:
                 loss, tokens, done = saved["loss"], saved["tokens"], saved["done"]
-        except (OSError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # cut short, edited, not ours
+            self.unreadable = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
             return
         if len(loss) == len(tokens) == len(done) == rows:
             self.sums, self.done = RowSums(loss.astype(np.float64), tokens.astype(np.int64)), done.astype(bool)

@@ -15,9 +15,9 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
   flags; every rank needs the verdict before the update is committed). The stage's objective
-  (toolkit/train/objectives.py) reads no more: a preference stage's global pair and chosen-token counts
-  (`global_normalisers`), which its micro-batches' losses divide by, stay on the device; an objective's metric sums
-  (TRL's metrics) ride in the guard's all-reduce.
+  (toolkit/train/objectives.py) reads none more: a preference stage's global pair and chosen-token counts
+  (`global_normalisers`), which its micro-batches' losses divide by, stay on the device, and an objective's metric
+  sums (TRL's metrics) ride in the guard's all-reduce.
 * inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
   position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
   selects the label positions (`nonzero`: it skips the head's matmul for every other token). None per layer: the
@@ -62,6 +62,7 @@ from toolkit.strategies import sequence_parallel
 from toolkit.train.objectives import OBJECTIVES, objective_of
 from toolkit.train.optimizer import StageFreezer
 from toolkit.train.pair_stage import PairState
+from toolkit.train.rl_stage import RlState
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
 from toolkit.train.stage_scores import ScoringStopped, order_by_model
 
@@ -91,6 +92,7 @@ class RunState:
     metrics: dict[str, Any] = field(default_factory=dict)  # the latest train and eval values (best-checkpoint)
     stage_start_tokens: int | None = None  # `tokens` when the current stage began (its summary counts from it)
     pending_pairs: list[float] | None = None  # a preference stage's metric sums not yet in a logged record
+    pending_rl: dict[str, list[float]] | None = None  # an RL stage's metric values not yet in a logged record
 
     def to_meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
@@ -100,7 +102,8 @@ class RunState:
                                **({"gate": self.gate} if self.gate is not None else {})},
                 "adam_updates": self.adam_updates, "metrics": self.metrics,
                 "stage_start_tokens": self.stage_start_tokens,
-                **({"pending_pairs": self.pending_pairs} if self.pending_pairs is not None else {})}
+                **({"pending_pairs": self.pending_pairs} if self.pending_pairs is not None else {}),
+                **({"pending_rl": self.pending_rl} if self.pending_rl is not None else {})}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunState:
@@ -111,7 +114,8 @@ class RunState:
                    pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
                    stage_steps=cur.get("stage_steps"), patience=cur.get("patience"), gate=cur.get("gate"),
                    adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})),
-                   stage_start_tokens=meta.get("stage_start_tokens"), pending_pairs=meta.get("pending_pairs"))
+                   stage_start_tokens=meta.get("stage_start_tokens"), pending_pairs=meta.get("pending_pairs"),
+                   pending_rl=meta.get("pending_rl"))
 
 
 @dataclass
@@ -160,6 +164,9 @@ class Run:
     stage_start_tokens: int = 0
     latest: dict[str, Any] = field(default_factory=dict)
     pairs: PairState = field(default_factory=PairState)  # preference stages: references, pending metric sums
+    rl: RlState = field(default_factory=RlState)  # RL stages: rewards, the step's rollout, pending metrics
+    score_digests: dict[str, str] = field(default_factory=dict)  # scores the run took or read, by key (checkpointed)
+    recorded_digests: dict[str, str] | None = None  # those the checkpoint resumed from records (checked on reading)
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
@@ -181,6 +188,8 @@ class Run:
         self.stage_start_tokens = state.tokens if state.stage_start_tokens is None else state.stage_start_tokens
         if state.pending_pairs is not None:
             self.pairs.pending = list(state.pending_pairs)
+        if state.pending_rl is not None:
+            self.rl.pending = {k: list(v) for k, v in state.pending_rl.items()}
 
     def tokens_now(self) -> int:
         """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
@@ -195,7 +204,8 @@ class Run:
                         stage_steps=cur["stage_steps"], patience=cur["patience"], gate=cur.get("gate"),
                         adam_updates=self.freezer.updates, metrics=self.latest,
                         stage_start_tokens=self.stage_start_tokens,
-                        pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None)
+                        pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None,
+                        pending_rl={k: list(v) for k, v in self.rl.pending.items()} or None)
 
 
 def objective_records(run: Run) -> dict[str, float]:
@@ -315,9 +325,10 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
     accum, saving = run.recipe.train.grad_accum, run.recipe.checkpoint
     plan = stage.plan
-    # This rank's micro-batches of the step, from the stage's DataLoader (toolkit/data/batching.py: rank r's
-    # micro-step j is slot j * world + r of the step's global batch, `rank_micro_batches`).
-    micro = run.batches.take(stage, step_in_stage)
+    # This rank's micro-batches of the step: the stage's rows (toolkit/data/batching.py), or a grpo stage's
+    # completions of its prompts (toolkit/train/rl_stage.py), as the stage's objective says.
+    objective = objective_of(stage)
+    micro = objective.micro_batches(run, stage, step_in_stage, step)
     # Under Ulysses each process of a sequence-parallel group trains its slice of the same micro-batches.
     place = sequence_parallel.layout(acc)
     real: list[int | None] = [None] * len(micro)
@@ -333,7 +344,6 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     # ranks and accumulation steps, hence the divisor. Under Ulysses every process counts its slice's tokens (the
     # sum counts each token once) and DeepSpeed may average over replicas only.
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
-    objective = objective_of(stage)
     losses = objective.begin(run, stage, batches, averaged * accum, whole=whole)
     local_loss = torch.zeros((), dtype=losses.dtype, device=acc.device)
     verdict = Verdict(skip=False)
@@ -502,7 +512,8 @@ def save_checkpoint(run: Run, state: RunState) -> None:
     """Commit a checkpoint of the run at `state.step`: the state files and meta.json (`state` plus the run's
     identity, which a resume checks)."""
     recipe = run.recipe
-    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta()}
+    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta(),
+            "scores": dict(run.score_digests)}  # the scores it depends on: a resume refuses other ones
     portable = recipe.lora.enabled and recipe.checkpoint.portable
     write = partial(checkpoint.write_state, run.accelerator, run.model, run.optimizer,
                     adam_steps=run.freezer.adam_steps() if portable else None)

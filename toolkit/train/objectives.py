@@ -4,6 +4,8 @@
 loss on preference pairs lives here, behind one small protocol:
 
 * `Objective.enter`: what the objective needs at the stage's first step (a dpo stage's reference pass).
+* `Objective.micro_batches`: this rank's micro-batches of the step: the stage's rows from its DataLoader (sft,
+  pairs), or the completions a grpo stage draws for its prompts (toolkit/train/rl_stage.py).
 * `Objective.begin`: the step's global normalisers (over every rank and micro-step, so neither the process count
   nor gradient accumulation changes the loss), taken once before the first forward, as a `StepLoss`.
 * `StepLoss.micro`: a micro-batch's share of the global batch's loss, to backward; it adds the micro-batch's
@@ -12,7 +14,7 @@ loss on preference pairs lives here, behind one small protocol:
   names in the step record.
 * `Objective.evaluate`: its eval rows under the policy now (None: the evaluator's own eval loss serves).
 
-What a batch is stays the data side's: `stage.resolved.pairs` picks the pair collator (toolkit/data/batching.py),
+Rows become batches on the data side: `stage.resolved.pairs` picks the pair collator (toolkit/data/batching.py),
 which the pair objective's `micro` reads (`pair_index`, two sides per pair).
 """
 
@@ -24,11 +26,13 @@ from typing import Any, Protocol
 import torch
 
 from toolkit.curriculum.stages import Stage
+from toolkit.data.batching import MicroBatch
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.evals.scoring import segment_ids
 from toolkit.strategies import sequence_parallel
 from toolkit.train.pair_stage import METRIC_SUMS, enter_pair_stage, evaluate_pairs, pair_micro_loss, pair_normalisers
 from toolkit.train.preference import global_normalisers
+from toolkit.train.rl_stage import GrpoObjective
 
 
 class StepLoss(Protocol):
@@ -51,11 +55,15 @@ class Objective(Protocol):
         """At the stage's first step (or the first after a resume); may raise `ScoringStopped`. Collective."""
         ...
 
+    def micro_batches(self, run: Any, stage: Stage, step_in_stage: int, step: int) -> list[MicroBatch]:
+        """This rank's micro-batches of the step (host tensors; the loop copies them to the device)."""
+        ...
+
     def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int, *,
               whole: Sequence[dict[str, Any]]) -> StepLoss:
         """The step's global normalisers over this rank's host `batches`, divided by `divisor` (the gradients the
-        strategy averages: processes x accumulation steps). `whole`: the same micro-batches before Ulysses sliced
-        them (`batches` themselves without Ulysses). Collective: one all-reduce."""
+        strategy averages: processes x accumulation steps). `whole`: the same micro-batches before a Ulysses group
+        sliced them (they are `batches` without sequence parallelism). Collective: one all-reduce."""
         ...
 
     def add_sums(self, run: Any, summed: Sequence[float]) -> None:
@@ -84,7 +92,15 @@ class _TokenLoss:
         return model(**batch, num_items_in_batch=self.items_per_micro).loss
 
 
-class SftObjective:
+class _StageRows:
+    """Micro-batches of the stage's rows, from its DataLoader (toolkit/data/batching.py: rank r's micro-step j is
+    slot j * world + r of the step's global batch, `rank_micro_batches`)."""
+
+    def micro_batches(self, run: Any, stage: Stage, step_in_stage: int, step: int) -> list[MicroBatch]:
+        return run.batches.take(stage, step_in_stage)
+
+
+class SftObjective(_StageRows):
     """Next-token cross-entropy on the label tokens of rows (sft, and continued pre-training)."""
 
     name = "sft"
@@ -120,11 +136,12 @@ class _PairLoss:
     def __init__(self, run: Any, stage: Stage, whole: Sequence[dict[str, Any]], divisor: int) -> None:
         self.run, self.stage = run, stage
         self.place = sequence_parallel.layout(run.accelerator)
-        # Counted over whole rows: under Ulysses every process of a group counts them, so the counts hold each pair
-        # sp_size times, as the group's summed gradient of its one loss (`group_sum`) does.
+        # Counted over whole rows: under Ulysses every process of a group counts its whole rows, so the counts hold
+        # each pair sp_size times, and the group's summed gradient of its one loss (`group_sum`) holds it sp_size
+        # times too.
         self.pairs, self.chosen_tokens = global_normalisers(run.accelerator, *pair_normalisers(whole), divisor)
         self.segments = [segment_ids(b) for b in whole]  # on the host: the device copy's boundaries are not read back
-        if self.place.sequence_parallel:  # this process's slice of them, shifted over the whole row
+        if self.place.sequence_parallel:  # this process's slice of each whole row's segments
             self.segments = [(sequence_parallel.shard_segments(seg, self.place), n) for seg, n in self.segments]
         self.sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=run.accelerator.device)
 
@@ -135,7 +152,7 @@ class _PairLoss:
         return loss
 
 
-class PairObjective:
+class PairObjective(_StageRows):
     """dpo | orpo | simpo on preference pairs (toolkit/train/pair_stage.py, toolkit/train/preference.py)."""
 
     name = "pair"
@@ -157,12 +174,12 @@ class PairObjective:
         return evaluate_pairs(run, model, stage)
 
 
-SFT, PAIR = SftObjective(), PairObjective()
-OBJECTIVES: tuple[Objective, ...] = (SFT, PAIR)
+SFT, PAIR, GRPO = SftObjective(), PairObjective(), GrpoObjective()
+OBJECTIVES: tuple[Objective, ...] = (SFT, PAIR, GRPO)
 """Every objective, once: `after_step` asks each for its interval's metrics (a stage's last sums may be logged in
 the next stage's record)."""
 
 
 def objective_of(stage: Stage) -> Objective:
     """The stage's objective (`stages[].objective`)."""
-    return PAIR if stage.resolved.pairs else SFT
+    return PAIR if stage.resolved.pairs else GRPO if stage.resolved.prompts else SFT

@@ -55,6 +55,7 @@ from toolkit.train.preference import (
 )
 from toolkit.train.stage_scores import (
     ScoringStopped,
+    kept_digests,
     rows_identity,
     scorer_identity,
     stage_entry_scores,
@@ -144,7 +145,8 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
         sums = stage_entry_scores(run.accelerator, run.model, sides, sides_collator(run.collate),
                                   stage.resolved.eval_micro_batch_size
                                   if role == "eval" else stage.plan.micro_batch, folder=folder, key=score_key(**ident),
-                                  may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop)
+                                  may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop,
+                                  **kept_digests(run))
     if sums is None:
         return None
     chosen, rejected = split_pairs(-sums.loss)
