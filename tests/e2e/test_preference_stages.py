@@ -6,7 +6,7 @@ One single-process run is the reference. Checked against it:
   although the SFT stage moved the adapter (its lora_B left zero);
 * grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 (with gradient
   checkpointing) and ZeRO-3 offload: the same reference log-probs, per-step losses, TRL's metrics and final adapter;
-  Ulysses (zero3_sp2) refused in one line;
+  Ulysses (zero3_sp2, each side's tokens split over the 2 processes) too;
 * the forgetting matrix over both stages' evals: the DPO stage's eval pairs from its entry on;
 * exact resume from each of the 6 checkpoints, under every strategy above, those inside the DPO stage reading the
   reference back;
@@ -99,9 +99,10 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     assert {steps[s]["stage"] for s in (4, 5, 6)} == {"dpo"}
     entry = steps[4]
     assert entry["loss"] == pytest.approx(LN2, abs=1e-6)  # the policy is its own reference at the stage's entry
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-        assert entry[key] == pytest.approx(0.0, abs=1e-6), key
-    assert steps[6]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert entry[key] == 0.0, key  # exactly, as TRL's: the step and its reference pass pad sides alike
+    assert entry["lr"] > 0  # the recipe's first DPO step trains (no warmup step at lr 0)
+    assert steps[5]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
     assert all(k in steps[5] for k in TRL_METRICS) and all(k not in steps[3] for k in TRL_METRICS)
     evals = [r for r in read_metrics(one / "metrics.jsonl") if "pref_accuracy" in r]
     assert [r["step"] for r in evals] == [6] and 0.0 <= evals[0]["pref_accuracy"] <= 1.0
@@ -130,11 +131,16 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         train_forked(strategy, 2, two, *overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_same_training(two, one, strategy, same_recipe=not checkpointed)
         assert by_step(two)[4]["loss"] == pytest.approx(LN2, abs=1e-6), strategy
+        assert by_step(two)[4]["rewards/accuracies"] == 0.0, strategy
         # Exact resume from each of its 6 checkpoints, under this strategy too.
         argv = dummy_run_args(*overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_exact_from_every_checkpoint(strategy, two, argv, steps=6, mixed_precision="no")
-    ulysses = train_forked("zero3_sp2", 2, tmp_path / "sp2", recipe=RECIPE, dummy_samples=ROWS, check=False)
-    assert ulysses.returncode == 2 and "which Ulysses sequence parallelism does not split yet" in ulysses.stderr
+    # Ulysses: each process trains half of every side's tokens; the group's per-segment sums are added by a
+    # differentiable all-reduce. One replica of 2 processes: the same batches as the single process.
+    ulysses = tmp_path / "sp2"
+    proc = train_forked("zero3_sp2", 2, ulysses, recipe=RECIPE, dummy_samples=ROWS)
+    assert "sequence parallelism: Ulysses over 2 processes per row" in proc.stderr
+    assert_same_training(ulysses, one, "zero3_sp2")
 
     argv = dummy_run_args(*EVERY, recipe=RECIPE, dummy_samples=ROWS)
     assert_exact_from_every_checkpoint("single", one, argv, steps=6, mixed_precision="no")

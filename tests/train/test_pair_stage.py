@@ -3,11 +3,23 @@ how the model card names them, and the logging interval's TRL metrics."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.train.test_loop import _kept, build_run  # noqa: F401  (the fixture keeps signal handlers off the runner)
 from toolkit.config.load import load_recipe
+from toolkit.config.schema import pair_losses
 from toolkit.config.stages import resolve_stages
-from toolkit.train.pair_stage import METRIC_SUMS, PairState, describe_objective, settings_of, takes_reference
+from toolkit.train.loop import enter_stage, run_step
+from toolkit.train.pair_stage import (
+    METRIC_SUMS,
+    PairState,
+    describe_objective,
+    evaluate_pairs,
+    settings_of,
+    takes_reference,
+)
 from toolkit.train.preference import METRICS
 
 
@@ -34,7 +46,10 @@ def test_an_objective_trains_its_losses_and_the_card_names_them(overrides: list[
     overrides = overrides if any("objective" in o for o in overrides) else ["stages.1.objective=dpo", *overrides]
     stage = stage_of(*overrides)
     assert stage.pairs
-    assert settings_of(stage).loss == losses
+    settings = settings_of(stage)
+    assert settings.loss == losses
+    # One owner of each objective's loss rules: the recipe's check and the run's settings read the same function.
+    assert (settings.loss, settings.loss_weights) == pair_losses(stage.objective, stage.preference)
     assert takes_reference(stage) is reference
     assert describe_objective(stage) == card
 
@@ -110,3 +125,25 @@ def test_pref_accuracy_is_the_share_of_pairs_whose_chosen_reward_wins(tmp_path, 
     assert got is not None and got["eval_pairs"] == len(answers)
     assert got["pref_accuracy"] == expected
     assert got["eval_rewards/margins"] == pytest.approx(float(np.mean(rewards_c - rewards_r)), abs=1e-5)
+
+
+def test_eval_pairs_after_a_resume_into_a_later_stage(tmp_path: Path) -> None:
+    """A run resumed into the stage after a dpo stage holds no reference in memory: the dpo stage's eval pairs (the
+    forgetting matrix's, eval.all_stages) are scored against the reference read back from the run folder, never
+    rescored with the later policy: the same metrics as the run that entered the stage."""
+    overrides = ("stages.0.objective=dpo", "stages.0.data=[dummy:pairs]", "stages.0.eval=[dummy:pairs]",
+                 "stages.0.max_steps=1", "stages.1.max_steps=1", "train.micro_batch_size=2", "data.max_seq_len=96",
+                 "schedule.warmup_ratio=0")
+    run = build_run(tmp_path, *overrides)
+    dpo = run.curriculum.stages[0]
+    enter_stage(run, dpo, 0)
+    run_step(run, dpo, 0, 0)
+    enter_stage(run, run.curriculum.stages[1], 1)
+    expected = evaluate_pairs(run, run.model, dpo)
+    assert expected is not None and expected["eval_rewards/margins"] != 0  # the policy moved from its reference
+    again = build_run(tmp_path, *overrides)  # the relaunch: the same folder and weights, nothing in memory
+    again.model.load_state_dict(run.model.state_dict())
+    again.current_stage = 1
+    assert dpo.index not in again.pairs.evals
+    assert evaluate_pairs(again, again.model, again.curriculum.stages[0]) == expected
+    assert again.pairs.evals[dpo.index].chosen.tolist() == run.pairs.evals[dpo.index].chosen.tolist()

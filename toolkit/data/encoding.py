@@ -467,8 +467,8 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
     if isinstance(row.get("label"), bool):  # KTO's desirable / undesirable mark (another 'label' is an extra)
         raise ToolkitError(f"{where}: the row has a true/false 'label' (KTO preference data), which is not "
                            "supported: rows train supervised, so an undesirable answer would be learned; train "
-                           "unpaired KTO with TRL's KTOTrainer (trl.experimental.kto) or LLaMA-Factory's stage: kto, "
-                           "or keep only rows to learn, without the label.")
+                           "unpaired KTO with TRL's KTOTrainer (from trl import KTOTrainer) or LLaMA-Factory's "
+                           "stage: kto, or keep only rows to learn, without the label.")
     shapes = [name for name, keys in SHAPES.items() if any(_present(row, k) for k in keys)]
     if len(shapes) > 1:
         keys = [k for name in shapes for k in SHAPES[name] if _present(row, k)]
@@ -558,9 +558,12 @@ class TextEncoder:
     any row; the mode is in `options`, so a pair store is another store."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
-                 chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False) -> None:
+                 chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False,
+                 completion_newline: bool = False) -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
         self.pairs = pairs  # a preference stage's: each source row is a pair, stored as its chosen and rejected rows
+        # data.completion_newline (pairs only): a trained turn also trains the newline its template writes after it
+        self.completion_newline = completion_newline and pairs
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
@@ -569,7 +572,8 @@ class TextEncoder:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
                 **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {}),
-                **({"pairs": True} if self.pairs else {})}
+                **({"pairs": True} if self.pairs else {}),
+                **({"completion_newline": True} if self.completion_newline else {})}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
@@ -666,14 +670,22 @@ class TextEncoder:
                                    f"span(s) for {len(trains)} assistant turn(s), so per-turn weights cannot be "
                                    "applied exactly; drop the weights or use the model's own template.")
             spans = [b for b, t in zip(blocks, trains, strict=False) if t] if not all(trains) else blocks
-            return full, spans, True
+            return full, self._with_newline(full, spans), True
         full, _ = render_chat(tok, messages, tools, where)
         if is_chatml_family(template):
             spans = chatml_assistant_spans(full, len(trains), where)
             full, spans = _apply_thinking(full, spans, thinking, tok, where)
         else:
             spans = _prefix_spans(tok, messages, tools, full, where)
-        return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+        return full, self._with_newline(full, [span for span, train in zip(spans, trains, strict=True) if train]), False
+
+    def _with_newline(self, text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """With data.completion_newline, each trained turn through the newline the template writes after its end
+        token, as TRL's conversational completions are cut (the rendering of prompt + completion less that of the
+        prompt with its generation header: `<|im_end|>` and the newline)."""
+        if not self.completion_newline:
+            return spans
+        return [(start, end + 1) if text.startswith("\n", end) else (start, end) for start, end in spans]
 
 
 GUARD_MIN_CHARS = 1 << 20

@@ -216,7 +216,7 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     if "kto_tag" in columns or "kto_tag" in tags:
         raise ToolkitError(f"{here} is a KTO dataset (kto_tag), which is not supported: rows train supervised, so "
                            "an undesirable answer would be learned; train KTO with LLaMA-Factory's stage: kto or TRL's "
-                           "KTOTrainer (trl.experimental.kto), or use an SFT dataset.")
+                           "KTOTrainer (from trl import KTOTrainer), or use an SFT dataset.")
     if info.get("num_samples") is not None:
         raise ToolkitError(f"{here} has num_samples, which is not supported (it samples the dataset); cut the file "
                            "to the rows to train.")
@@ -466,19 +466,9 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
     `row_byte_cap` comes as an `Oversize`, unread. With `pairs` (a preference stage) each row is a pair and comes
     as two rows, its chosen and its rejected one (`toolkit.data.pairs.pair_rows`), both with the row's number (an
     Oversize twice)."""
-    raw: list[tuple[int, Any]]
-    if source.fmt == "jsonl":
-        raw = list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
-    elif source.fmt == "json":
-        array = source.arrays[piece.file_index]
-        raw = [(n + 1, array[n]) for n in range(piece.start, piece.end)]
-    else:
-        table = source.tables[piece.file_index]
-        rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
-        raw = list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
     rows: list[dict[str, Any] | Oversize] = []
     numbers = []
-    for number, row in raw:
+    for number, row in raw_rows(source, piece, max_chars):
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
             got: list[dict[str, Any] | Oversize] = [row, row] if pairs else [row]
@@ -490,6 +480,20 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         rows += got
         numbers += [number] * len(got)
     return rows, numbers
+
+
+def raw_rows(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None
+             ) -> list[tuple[int, Any]]:
+    """(number, row as stored) of a piece's rows, unmapped: JSON Lines parsed (an `Oversize` for a row over the
+    size guard's cap, `read_piece`), array items, or a table's mapped Arrow rows."""
+    if source.fmt == "jsonl":
+        return list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
+    if source.fmt == "json":
+        array = source.arrays[piece.file_index]
+        return [(n + 1, array[n]) for n in range(piece.start, piece.end)]
+    table = source.tables[piece.file_index]
+    rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
+    return list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -110,10 +110,13 @@ def segment_ids(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
 def _full_logit_sums(model: torch.nn.Module, batch: dict[str, Any], seg: torch.Tensor, count: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-segment sums from full logits (``model.loss_head: standard``: the user chose full logits)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
     logits = model(**inputs).logits.float()
-    target = shifted_labels(batch["labels"], IGNORE_INDEX).to(logits.device)
-    owners = shifted_labels(seg, -1).to(logits.device)
+    if "shift_labels" in batch:  # a Ulysses slice: targets and segments shifted over the whole row (preshifted)
+        target, owners = batch["shift_labels"].to(logits.device), seg.to(logits.device)
+    else:
+        target = shifted_labels(batch["labels"], IGNORE_INDEX).to(logits.device)
+        owners = shifted_labels(seg, -1).to(logits.device)
     keep = target != IGNORE_INDEX
     token = F.cross_entropy(logits[keep], target[keep], reduction="none").double()
     loss = torch.zeros(count, dtype=torch.float64, device=logits.device).index_add_(0, owners[keep], token)
@@ -124,13 +127,15 @@ def _full_logit_sums(model: torch.nn.Module, batch: dict[str, Any], seg: torch.T
 
 def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device,
                   segments: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's per-segment (loss sum, token count); `segments`: its `segment_ids`, when already known."""
+    """One micro-batch's per-segment (loss sum, token count); `segments`: its `segment_ids`, when already known. A
+    Ulysses slice (it carries `shift_labels`) takes its segments shifted over the whole row and sliced like them
+    (toolkit/strategies/sequence_parallel.py `shard_segments`): this process's share of each segment's sums."""
     seg, count = segments if segments is not None else segment_ids(batch)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     head = loss_head_of(model)
     if head is None:
         return _full_logit_sums(model, batch, seg.to(device), count)
-    with head.per_segment(seg.to(device), count) as sums:
+    with head.per_segment(seg.to(device), count, preshifted="shift_labels" in batch) as sums:
         out = model(**batch, num_items_in_batch=torch.ones((), device=device))
     if sums.loss is None or sums.tokens is None:  # no label token in the micro-batch
         return (torch.zeros(count, dtype=torch.float64, device=device),
