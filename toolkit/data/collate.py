@@ -207,9 +207,9 @@ def sides_collator(inner: Any) -> Any:
     noise. Rows of one padded length give bitwise the same log-probs alone or together; another padded length does
     not, since attention's kernels reduce over the padded key length in vector blocks and a remainder loop (torch's
     CPU flash kernel, measured; GPU kernels work in tiles of 64 or 128, not measured here), so the same real keys
-    fall in other blocks. Padding to a
-    multiple of 64 keeps each real key in the same block whatever the batch's longest side: padded keys add exact
-    zeros. At most 63 padding tokens per row; packed rows have none and need nothing."""
+    fall in other blocks. Padding to a multiple of 64 keeps each real key in the same block whatever the batch's
+    longest side: padded keys add exact zeros. At most 63 padding tokens per row; packed rows have none and need
+    nothing."""
     if isinstance(inner, DataCollatorForSeq2Seq) and inner.pad_to_multiple_of is None:
         return dataclasses.replace(inner, pad_to_multiple_of=PAIR_PAD_MULTIPLE)
     return inner
