@@ -8,7 +8,8 @@ reference. Checked against it, in one launch set:
 * 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 offload (grad_accum 1): the same completions and rewards
   (each seeded per step, prompt and sample, drawn on whichever rank), the same per-step losses, gradient norms and
   final adapter;
-* an exact resume from the checkpoint inside the GRPO stage: every later step and the final adapter to the bit.
+* an exact resume from the checkpoint inside the GRPO stage: every later step and the final adapter to the bit;
+* `advance_when` on the reward ends the stage at the logged step that meets it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,15 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
     assert unplaced(rollouts(resumed)) == unplaced([r for r in drawn if r["step"] > 5])
     final = load_file(resumed / "final" / "adapter_model.safetensors")
     assert all(torch.equal(final[k], b[k]) for k in b)
+
+    # A gate on the reward, checked at each logged step: met at the stage's first step, it ends the stage there.
+    gated = tmp_path / "gated"
+    threshold = steps[5]["reward"]
+    train_forked("single", 1, gated, *SETTINGS, f"stages.1.advance_when={{metric: reward, at_least: {threshold}}}",
+                 recipe=RECIPE, dummy_samples=32)
+    events = [r for r in read_metrics(gated / "metrics.jsonl") if r.get("event") == "early_advance"]
+    assert [(e["step"], e["reason"], e["value"]) for e in events] == [(5, "gate", threshold)]
+    assert sorted(by_step(gated)) == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.timeout(600)
