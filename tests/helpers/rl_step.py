@@ -22,17 +22,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.evals.rewards import build_rewards, score_completions
 from toolkit.evals.rollout import rollout
-from toolkit.model.loss_head import install_loss_head, loss_head_of
+from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
 from toolkit.strategies.full_weights import full_weights_for_generation
 from toolkit.train.grpo import (
     GrpoSettings,
     combined_rewards,
+    completion_logps,
     group_advantages,
     grpo_loss,
     normaliser,
     policy_batch,
-    tokens_to_grid,
 )
 
 LETTERS, G, LENGTH = ("e", "o", "s", "m"), 4, 5
@@ -83,12 +83,8 @@ def main(model_path: str, out: str) -> None:
         dist.all_reduce(tokens)
     divisor = normaliser(settings.loss_type, tokens=float(tokens), sequences=len(LETTERS) * G,
                          max_completion_length=LENGTH)
-    head = loss_head_of(model)
-    assert head is not None
-    with head.per_token(settings.temperature) as kept:
-        output = model(**policy_batch(t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask),
-                       num_items_in_batch=torch.ones(()))
-    logps = tokens_to_grid(kept.logps, mask) + 0.0 * output.loss
+    logps, _ = completion_logps(model, policy_batch(t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask),
+                                mask, settings.temperature)
     loss, _ = grpo_loss(logps, mask, local_advantages, settings, divisor=divisor)
     accelerator.backward(loss * world)  # DDP averages the ranks' gradients; the batch's loss is their sum
     total = loss.detach().to(torch.float64)

@@ -10,7 +10,8 @@ The pieces of one RL step, each a pure function the loop calls (docs/rl.md says 
 * ``policy_batch``: prompt (left-padded) + completion (right-padded) as the forward's ``input_ids``,
   ``attention_mask`` and ``labels`` (the completion tokens): what the chunked loss head scores. Its ``per_token``
   mode (toolkit/model/loss_head.py) gives each label token's log-probability at the sampling temperature in label
-  order; ``tokens_to_grid`` puts them back on the ``[B, C]`` completion grid. No full-vocabulary logits.
+  order; ``tokens_to_grid`` puts them back on the ``[B, C]`` completion grid; ``completion_logps`` does both for a
+  model. No full-vocabulary logits.
 * ``token_terms`` and ``grpo_loss``: the clipped surrogate ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)`` per token,
   plus ``beta`` times the k3 estimate of KL to the reference (TRL's), reduced as ``loss_type`` says and divided by a
   normaliser handed in (``normaliser``), so that the loop can count it over the whole global batch: every rank's
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.errors import ToolkitError
+from toolkit.model.loss_head import loss_head_of, shifted_labels
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -166,6 +168,31 @@ def tokens_to_grid(flat: torch.Tensor | None, completion_mask: torch.Tensor) -> 
     if flat.numel() != int(mask.sum()):
         raise ValueError(f"{flat.numel()} token values for {int(mask.sum())} completion tokens")
     return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask.to(flat.device), flat)
+
+
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_mask: torch.Tensor,
+                     temperature: float, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-token log-probs ``[B, C]`` at ``temperature``, entropies or None) of the completion tokens of
+    ``policy_batch``'s ``batch`` (``completion_mask`` the one it was built with) under ``model`` (any wrapper),
+    differentiable under autograd: by the chunked loss head's per-token mode (no full-vocabulary logits; the
+    backward passes through the model's own output, as ZeRO-3 needs), or from full logits when the model has no
+    loss head (``model.loss_head: standard``, the user's choice)."""
+    labels = batch["labels"]
+    head = loss_head_of(model)
+    if head is None:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float() / temperature
+        target = shifted_labels(labels)
+        keep = target != IGNORE_INDEX
+        full = torch.log_softmax(logits[keep], dim=-1)
+        flat = full.gather(-1, target[keep].unsqueeze(-1)).squeeze(-1)
+        ent = tokens_to_grid(-(full.exp() * full).sum(-1).detach(), completion_mask) if entropy else None
+        return tokens_to_grid(flat, completion_mask), ent
+    with head.per_token(temperature, entropy=entropy) as kept:
+        out = model(**batch, num_items_in_batch=torch.ones((), device=labels.device))
+    logps = tokens_to_grid(kept.logps, completion_mask)
+    if torch.is_grad_enabled() and out.loss is not None and out.loss.requires_grad:
+        logps = logps + 0.0 * out.loss  # the backward opens at the model's output (ZeRO-3's module hooks)
+    return logps, (tokens_to_grid(kept.entropies, completion_mask) if entropy else None)
 
 
 # ----------------------------------------------------------------------------------------------- the loss
