@@ -296,3 +296,28 @@ def test_row_text_is_shown_as_text_never_as_terminal_controls(tmp_path: Path, ca
     assert cli.main(["inspect-data", str(bad)]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # after the built-in model's progress bars, if it was built now
     assert err.startswith("error: ") and "\x1b" not in err and "\x07" not in err and "^[]0;x^G" in err
+
+
+RL = {"num_generations": 2, "max_completion_length": 16}
+
+
+def test_inspect_data_shows_an_rl_stage_s_prompts_and_references(tmp_path: Path, models: dict[str, str],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A grpo stage's GSM8K rows through `columns: {prompt, reference}`: training's data line, each prompt as the
+    rollout feeds it and its reference; TRL's conversational prompt-only rows rendered with the generation prompt."""
+    gsm8k = wild_copy(tmp_path, "gsm8k.jsonl")
+    trl = wild_copy(tmp_path, "trl_prompt_only.jsonl")
+    recipe = _recipe(tmp_path, models["text"], [
+        {"name": "rl", "objective": "grpo", "rewards": [{"scorer": "math"}], "rl": RL,
+         "micro_batch_size": 2,
+         "data": [{"path": str(gsm8k), "columns": {"prompt": "question", "reference": "answer"}}]},
+        {"name": "chat", "objective": "grpo", "rewards": [{"scorer": "json_valid"}], "rl": RL,
+         "micro_batch_size": 2,
+         "data": [str(trl)]}])
+    shown = _agree(recipe, caplog)
+    rl, chat = shown.split("=== stage 'rl'")[1].split("=== stage 'chat'")
+    assert "stage 'rl' data (grpo): 1 prompts, 1 kept" in rl and f"--- {gsm8k}:1 (prompt: " in rl
+    assert "\nNatalia sold clips to 48 of her friends" in rl and "reference: 'Natalia sold 48/2" in rl
+    assert "#### 72'" in rl
+    assert "stage 'chat' data (grpo): 2 prompts, 2 kept" in chat and chat.count("reference: none") == 2
+    assert "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n" in chat

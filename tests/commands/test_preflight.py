@@ -189,3 +189,18 @@ def test_a_dpo_stage_s_pairs_are_scanned_as_pairs(tmp_path: Path) -> None:
     assert lines[1].startswith("  sft: 16 rows, p50")
     assert lines[2].startswith("  dpo: 16 pairs, each two sequences (below, the sides'); its reference pass runs")
     assert lines[3].startswith("  dpo: 32 sequences, p50")
+
+
+def test_the_sft_dpo_grpo_recipe_s_header_lines_name_it_and_it_is_estimated(tmp_path: Path) -> None:
+    """recipes/qwen3_8b_sft_dpo_grpo.yaml's header: its preflight and launch lines name the recipe and a shipped
+    config, and preflight (as its first line runs it, the data unscanned) estimates every stage, the grpo one too."""
+    path = REPO / "recipes" / "qwen3_8b_sft_dpo_grpo.yaml"
+    header = [line.lstrip("# ").rstrip(" \\") for line in path.read_text().splitlines() if line.startswith("#   ")]
+    assert header[0] == ("toolkit preflight --config recipes/qwen3_8b_sft_dpo_grpo.yaml --accelerate-config "
+                         "accelerate_configs/zero3.yaml")
+    assert header[1] == "accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 4"
+    assert header[2] == "train_curriculum.py --config recipes/qwen3_8b_sft_dpo_grpo.yaml"
+    recipe = load_recipe(path, [f"output_dir={tmp_path / 'run'}"])
+    report = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=4, gpu_memory_gb=80,
+                       scan_data=False)
+    assert "  grpo  micro batch 8 x 2048 tokens: activations" in report and "  dpo   micro batch 2 pairs" in report

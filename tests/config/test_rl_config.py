@@ -70,3 +70,12 @@ def test_rl_keys_that_do_not_fit_are_refused_naming_the_key(tmp_path: Path, stag
     with pytest.raises(ToolkitError) as e:
         load_recipe(recipe(tmp_path, stage, lora=lora))
     assert says in str(e.value)
+
+
+def test_an_rl_stage_may_gate_on_its_reward_without_evaluations(tmp_path: Path) -> None:
+    grpo = {"objective": "grpo", "rewards": [{"scorer": "contains"}, {"scorer": "my_rewards:fmt"}]}
+    gated = load_recipe(recipe(tmp_path, {**grpo, "advance_when": {"metric": "rewards/fmt/mean", "at_least": 0.9}}))
+    assert gated.stages[1].advance_when.metric == "rewards/fmt/mean"  # no eval.every_steps: each logged step
+    with pytest.raises(ToolkitError) as e:
+        load_recipe(recipe(tmp_path, {**grpo, "advance_when": {"metric": "rewards", "at_least": 1}}))
+    assert "advance_when.metric 'rewards' is not a metric this stage evaluates (did you mean reward?)" in str(e.value)

@@ -270,6 +270,20 @@ case("data-not-a-pair")(lambda c: c.train("stages.0.objective=dpo", rows=[PAIR, 
 case("data-not-a-pair-inspected")(lambda c: inspect_pairs(c, [PAIR, CHAT]))
 case("data-pair-with-images")(lambda c: c.train("stages.0.objective=dpo", rows=[dict(PAIR, images=["images/a.png"])]))
 case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
+GRPO = ("stages.0.objective=grpo", "stages.0.rewards=[{scorer: contains}]")
+RL = "stages.0.rl={num_generations: 2, max_completion_length: 16}"
+PROMPT = {"prompt": [{"role": "user", "content": "2 + 2?"}], "reference": "4"}
+case("rl-keys-on-sft-stage")(lambda c: c.train("stages.0.rl={beta: 0.1}"))
+case("rl-num-generations-global-batch")(lambda c: c.train(
+    *GRPO, "stages.0.rl={num_generations: 8, max_completion_length: 16}", rows=[PROMPT] * 8))
+case("rl-reward-module-missing")(lambda c: c.train(
+    "stages.0.objective=grpo", "stages.0.rewards=[{scorer: 'no_such_rewards:accuracy'}]", RL, rows=[PROMPT] * 8))
+case("rl-vision-language-model")(lambda c: c.train(f"model.name_or_path={c.models['vl']}", *GRPO, RL,
+                                                   rows=[PROMPT] * 8))
+case("rl-not-trained-yet")(lambda c: c.train(
+    *GRPO, "stages.0.rl={num_generations: 2, max_completion_length: 16, dynamic_sampling: true}", rows=[PROMPT] * 8))
+case("data-prompt-without-reference")(lambda c: c.train(*GRPO, RL, rows=[{"prompt": "2 + 2 =", "answer": "4"}] * 8))
+case("data-rl-row-without-prompt")(lambda c: c.train(*GRPO, RL, rows=[{"question": "2 + 2?", "answer": "4"}] * 8))
 case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))
 case("data-row-system")(lambda c: c.train(rows=[dict(CHAT, system="Be brief.")]))
 case("data-tools-outside-chat")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "tools": [{"type": "function"}]}]))

@@ -8,19 +8,22 @@ reference. Checked against it, in one launch set:
 * 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 offload (grad_accum 1): the same completions and rewards
   (each seeded per step, prompt and sample, drawn on whichever rank), the same per-step losses, gradient norms and
   final adapter;
-* an exact resume from the checkpoint inside the GRPO stage: every later step and the final adapter to the bit.
+* an exact resume from the checkpoint inside the GRPO stage: every later step and the final adapter to the bit;
+* `advance_when` on the reward ends the stage at the logged step that meets it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import dummy_run_args, relaunch, train_forked
+from tests.conftest import REPO, dummy_run_args, free_port, relaunch, run_launch, train_forked
+from tests.e2e.test_preference_stages import header_launch_line
 from tests.e2e.test_resume import EXACT_KEYS
 from toolkit.metrics.log import read_metrics
 
@@ -95,3 +98,29 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
     assert unplaced(rollouts(resumed)) == unplaced([r for r in drawn if r["step"] > 5])
     final = load_file(resumed / "final" / "adapter_model.safetensors")
     assert all(torch.equal(final[k], b[k]) for k in b)
+
+    # A gate on the reward, checked at each logged step: met at the stage's first step, it ends the stage there.
+    gated = tmp_path / "gated"
+    threshold = steps[5]["reward"]
+    train_forked("single", 1, gated, *SETTINGS, f"stages.1.advance_when={{metric: reward, at_least: {threshold}}}",
+                 recipe=RECIPE, dummy_samples=32)
+    events = [r for r in read_metrics(gated / "metrics.jsonl") if r.get("event") == "early_advance"]
+    assert [(e["step"], e["reason"], e["value"]) for e in events] == [(5, "gate", threshold)]
+    assert sorted(by_step(gated)) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.timeout(600)
+def test_the_recipe_s_launch_line_trains_both_stages(tmp_path: Path) -> None:
+    """recipes/sft_then_grpo.yaml's header line as written (2 processes under DDP, only a free port added), from a
+    folder holding the repository's recipes, configs and entry, as a user's would."""
+    words = header_launch_line(RECIPE)
+    assert words[:2] == ["accelerate", "launch"] and words[-1] == "--create_dummy_data"
+    for name in ("recipes", "accelerate_configs", "ds_configs", "train_curriculum.py"):
+        (tmp_path / name).symlink_to(REPO / name)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *words[2:]]
+    proc = run_launch(cmd, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    steps = by_step(tmp_path / "outputs" / "sft_then_grpo")
+    assert [steps[s]["stage"] for s in sorted(steps)] == ["sft"] * 4 + ["grpo"] * 3
+    assert all("reward" in steps[s] for s in (5, 6, 7))
+    assert len(rollouts(tmp_path / "outputs" / "sft_then_grpo")) == 3 * 8  # 2 processes x 2 x 2 completions a step

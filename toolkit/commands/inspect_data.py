@@ -33,6 +33,8 @@ from toolkit.config.stages import resolve_stages
 from toolkit.data.encoding import IGNORE_INDEX, PAIR_IN_SFT
 from toolkit.data.pairs import PAIR_SHAPES, pair_shape
 from toolkit.data.plan import PairRows, StageRows, TrainingSet
+from toolkit.data.prompts import prompt_set
+from toolkit.data.sources import resolve_source
 from toolkit.data.stages import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
 from toolkit.errors import ToolkitError, as_terminal_text
 from toolkit.runtime.run_dir import RunLayout
@@ -169,8 +171,11 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
         for st in stages:
             if stage is not None and st.name != stage:
                 continue
-            src = load_stage(st, recipe.data, stores)
             weights = st.weights or [None] * len(st.entries)
+            if st.prompts:  # an RL stage: its prompts as the rollout sees them, and their references
+                lines += _prompt_stage(st, recipe, tokenizer, dummy_dir, weights, rows)
+                continue
+            src = load_stage(st, recipe.data, stores)
             lines += ["", f"=== stage '{st.name}' "
                           f"({', '.join(describe_entry(e, w) for e, w in zip(st.entries, weights, strict=True))}) ===",
                       stage_summary(st, src, recipe.data)]
@@ -185,6 +190,25 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
             lines.append(stage_statistics(src))
             lines += _shown_rows(parts, rows, tokenizer, colour, _scores(layout, st.name))
     return "\n".join(lines)
+
+
+def _prompt_stage(st: Any, recipe: Recipe, tokenizer: Any, dummy_dir: Path, weights: list[Any], rows: int
+                  ) -> list[str]:
+    """An RL stage's report: training's data line (`prompt_set`), then its first `rows` prompts as the rollout
+    feeds them (chat template and generation prompt applied), each with its reference and the columns its rewards
+    get."""
+    src = prompt_set(st, [resolve_source(e, dummy_dir) for e in st.entries], tokenizer, thinking=recipe.data.thinking)
+    lines = ["", f"=== stage '{st.name}' "
+                 f"({', '.join(describe_entry(e, w) for e, w in zip(st.entries, weights, strict=True))}) ===",
+             stage_summary(st, src, recipe.data)]
+    special = set(tokenizer.all_special_ids)
+    for sample in list(src.samples)[:rows]:
+        lines += [f"--- {sample['where']} (prompt: {len(sample['prompt_ids'])} tokens) ---",
+                  _decode(sample["prompt_ids"], tokenizer, special),
+                  f"reference: {sample['reference']!r}" if sample["reference"] is not None else "reference: none"]
+        if sample["columns"]:
+            lines.append(f"columns for the rewards: {', '.join(sorted(sample['columns']))}")
+    return lines
 
 
 def _scores(layout: RunLayout, stage: str) -> tuple[str, dict[str, float]] | None:

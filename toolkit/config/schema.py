@@ -923,7 +923,7 @@ class Recipe(_Section):
             raise ValueError(f"generation eval names must be unique, repeated: {dupes} "
                              f"({', '.join(k for n, k in defined if n == dupes[0])})")
         # deferred: stages.py resolves stages of this schema; the recipe checks what they resolve to
-        from toolkit.config.stages import resolve_stages, stage_metrics
+        from toolkit.config.stages import resolve_stages, rl_gate_metrics, stage_metrics
 
         resolved = resolve_stages(self)
         for i, stage in enumerate(resolved):
@@ -941,7 +941,7 @@ class Recipe(_Section):
                 raise ValueError(f"{where}: advance_when.metric '{gate.metric}' is not a metric this stage "
                                  f"evaluates{f' (did you mean {close[0]}?)' if close else ''}; its metrics: "
                                  f"{', '.join(metrics)}")
-            if not self.eval.every_steps:
+            if not self.eval.every_steps and gate.metric not in rl_gate_metrics(stage):
                 raise ValueError(f"{where}: advance_when needs eval.every_steps (a gate is checked at each eval)")
             if i + 1 < len(self.stages) and self.stages[i + 1].schedule == "continue":
                 raise ValueError(f"{where}: advance_when may end the stage early, which would cut the LR schedule "

@@ -123,7 +123,7 @@ def difficulty_entries(entries: list[DataEntry], difficulty: DifficultyConfig | 
 def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) -> list[str]:
     """The eval metrics a stage's evaluations report, the names its gate may use: `eval_loss` (its eval files; a
     preference stage's `pref_accuracy` too), `<eval>.<score>` of its generation evals, and with eval.all_stages
-    every stage's (`<stage>.eval_loss`, `<stage>.pref_accuracy`)."""
+    every stage's (`<stage>.eval_loss`, `<stage>.pref_accuracy`); an RL stage's reward (`rl_gate_metrics`)."""
     own = stages[index]
     names = ["eval_loss"] if own.eval else []
     if own.eval and own.pairs:  # its eval pairs: the share whose chosen reward beats the rejected one
@@ -134,4 +134,10 @@ def stage_metrics(stages: list[ResolvedStage], index: int, *, all_stages: bool) 
         names += [f"{s.name}.pref_accuracy" for s in stages if s.eval and s.pairs]
     for stage in evaluated:
         names += [f"{g.name}.{scorer.metric}" for g in stage.generation for scorer in g.scorers]
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(names + rl_gate_metrics(own)))
+
+
+def rl_gate_metrics(stage: ResolvedStage) -> list[str]:
+    """An RL stage's training metrics a gate may use, checked at every logged step (not at evaluations): `reward`
+    and each reward's `rewards/<name>/mean`, means over the logging interval."""
+    return ["reward", *(f"rewards/{r.metric}/mean" for r in stage.rewards)] if stage.prompts else []

@@ -48,6 +48,7 @@ from toolkit.checkpoint import manager as checkpoint
 from toolkit.checkpoint.manager import CheckpointManager
 from toolkit.checkpoint.resume import RunIdentity
 from toolkit.config.schema import Recipe
+from toolkit.config.stages import rl_gate_metrics
 from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
@@ -410,6 +411,7 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
     Returns the exit code when the run stops here (preempted), else None. Collective: every rank calls it.
     """
     recipe, acc, saving = run.recipe, run.accelerator, run.recipe.checkpoint
+    record = None
     if done % recipe.logging.logging_steps == 0 or done == run.curriculum.end_step:
         record = {**record_header(done, stage), "stage_step": step_in_stage + 1,
                   **run.meter.record(acc, peak_flops=run.peak_flops), "lr": result.lr,
@@ -421,6 +423,8 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
             run.bar.set_postfix(stage=stage.name, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
     evaluates = eval_due(run, stage, done)
     stage_end = evaluate_stage(run, stage, step_in_stage, done)
+    if record is not None and not stage_end and reward_gated(run, stage):  # an RL stage's gate on its reward
+        stage_end = advance_stage(run, stage, step_in_stage, done, record)
     if evaluates and not result.preempted:
         # A signal during an eval (minutes for generation) stops here, not one step and maybe one eval later: the
         # step's all-reduce carried the flag before the eval began. Every rank evaluated, so every rank asks.
@@ -458,17 +462,29 @@ def evaluate_stage(run: Run, stage: Stage, step_in_stage: int, done: int) -> boo
     generation evals of the stage, or of every stage with eval.all_stages). Its time is left out of training tokens/s. A
     gate met, or patience run out, ends the stage: the curriculum moves the later stages up (`stage.plan` is then the
     shortened one). Every rank decides on rank 0's metrics. Returns whether the stage ends at `done`."""
-    cur = run.curriculum
-    stage_end = done == stage.plan.end_step
     if not eval_due(run, stage, done):
-        return stage_end
+        return done == stage.plan.end_step
     result = run.evaluator.evaluate(run.model, run.collate, stage, done)
     run.meter.exclude(result.seconds)  # tokens/s, step time and MFU stay training's
     run.log_record({**record_header(done, stage), **result.metrics})
     run.latest.update(result.metrics)
     log.info("step %d eval: %s", done, ", ".join(f"{k} {v:.4g}" for k, v in result.metrics.items()
                                                if k not in ("eval_tokens", "eval_seconds", "eval_gen_seconds")))
-    advance = cur.advance(stage, step_in_stage + 1, done, result.metrics)
+    return advance_stage(run, stage, step_in_stage, done, result.metrics)
+
+
+def reward_gated(run: Run, stage: Stage) -> bool:
+    """Whether the stage's gate reads a training metric (an RL stage's reward), checked at each logged step."""
+    gate = stage.resolved.advance_when
+    return gate is not None and gate.metric in rl_gate_metrics(stage.resolved)
+
+
+def advance_stage(run: Run, stage: Stage, step_in_stage: int, done: int, metrics: dict[str, Any]) -> bool:
+    """The stage's gate and patience on `metrics` (an evaluation's, or an RL stage's logged reward): either may end
+    the stage early, moving the later stages up. Returns whether the stage ends at `done`."""
+    cur = run.curriculum
+    stage_end = done == stage.plan.end_step
+    advance = cur.advance(stage, step_in_stage + 1, done, metrics)
     if advance is not None and not stage_end:
         why = (f"advance_when {advance['gate']} is met ({advance['value']:.4g})" if advance["reason"] == "gate" else
                f"eval_loss has not improved on {advance['best_eval_loss']:.4f} for {cur.patience.since_best} "
