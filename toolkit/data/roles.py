@@ -42,10 +42,10 @@ VOCABULARY: dict[str, tuple[str, ...]] = {
                  "hash", "timestamp", "date", "length", "num_turns", "turn", "annotation_type", "user_id",
                  "openai_moderation", "detoxify_moderation", "redacted", "toxic", "country", "state", "hashed_ip",
                  "header", "conversation_hash", "original_question", "created_date", "review_count", "review_result",
-                 "rank", "synthetic", "emojis", "tree_state", "deleted", "weight", "sub_task", "domain", "level",
-                 "difficulty", "problem_type", "question_type", "cot_type", "source_type", "is_reasoning_complete",
-                 "correctness_math_verify", "finish_reason", "unnamed_0", "__index_level_0__", "score_chosen",
-                 "score_rejected"),
+                 "rank", "synthetic", "emojis", "tree_state", "deleted", "weight", "sub_task", "subcategory", "domain",
+                 "level", "difficulty", "problem_type", "question_type", "cot_type", "source_type",
+                 "is_reasoning_complete", "correctness_math_verify", "finish_reason", "unnamed_0", "__index_level_0__",
+                 "score_chosen", "score_rejected"),
 }
 """Role -> key names that hold it in real datasets (lower case, `-` and spaces as `_`). A name under two roles
 (`input`: Alpaca's context after an instruction, aya's prompt alone) takes the first role still free in ROLES
