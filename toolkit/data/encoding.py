@@ -31,6 +31,7 @@ row. Errors name the row (`file:line`) and stop the batch.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +42,11 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from toolkit.data.render import Renderer, Unrendered, direct_renderer
 from toolkit.errors import ToolkitError
 from toolkit.templates import IM_END, IM_START, STOCK_FILES, TEMPLATE_NAMES, is_jinja_text, stock_template
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (the value transformers' losses ignore)."""
@@ -555,8 +559,12 @@ class TextEncoder:
     any row; the mode is in `options`, so a pair store is another store."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
-                 chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False) -> None:
+                 chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False,
+                 renderer: str = "auto") -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.renderer = renderer  # data.renderer: 'auto' (direct where the template is a stock one) or 'jinja'
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            chosen_renderer(tokenizer.chat_template, renderer)  # said once, in the process that builds the encoder
         self.pairs = pairs  # a preference stage's: each source row is a pair, stored as its chosen and rejected rows
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
@@ -566,7 +574,8 @@ class TextEncoder:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
                 **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {}),
-                **({"pairs": True} if self.pairs else {})}
+                **({"pairs": True} if self.pairs else {}),
+                **({"renderer": "jinja"} if self.renderer == "jinja" else {})}  # forced: its own store
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
@@ -664,6 +673,13 @@ class TextEncoder:
                                    "applied exactly; drop the weights or use the model's own template.")
             spans = [b for b, t in zip(blocks, trains, strict=False) if t] if not all(trains) else blocks
             return full, spans, True
+        direct = chosen_renderer(template, self.renderer) if isinstance(template, str) else None
+        if direct is not None:  # a stock template: rendered in Python, its assistant spans known as written
+            try:
+                full, spans = direct(messages, tools)
+                return _trained(*_apply_thinking(full, spans, thinking, tok, where), trains)
+            except Unrendered:  # a row the direct renderer does not mirror: the template renders it
+                pass
         full, _ = render_chat(tok, messages, tools, where)
         if is_chatml_family(template):
             spans = chatml_assistant_spans(full, len(trains), where)
@@ -671,6 +687,29 @@ class TextEncoder:
         else:
             spans = _prefix_spans(tok, messages, tools, full, where)
         return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+
+
+def _trained(full: str, spans: list[tuple[int, int]], trains: list[bool]
+             ) -> tuple[str, list[tuple[int, int]], bool]:
+    return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+
+
+_SAID: set[str] = set()
+_CHOSEN: dict[tuple[int, str], tuple[str, Renderer | None]] = {}
+
+
+def chosen_renderer(template: str, choice: str) -> Renderer | None:
+    """The direct renderer for a chat template (None: Jinja renders it), `choice` being data.renderer; which one is
+    logged once per process and template."""
+    key = (id(template), choice)
+    cached = _CHOSEN.get(key)
+    if cached is None or cached[0] is not template:  # an id is reused once its string is gone
+        renderer, line = direct_renderer(template, choice)
+        _CHOSEN[key] = cached = (template, renderer)
+        if line not in _SAID:
+            _SAID.add(line)
+            log.info(line)
+    return cached[1]
 
 
 GUARD_MIN_CHARS = 1 << 20
