@@ -695,7 +695,7 @@ def _trained(full: str, spans: list[tuple[int, int]], trains: list[bool]
 
 
 _SAID: set[str] = set()
-_CHOSEN: dict[tuple[int, str], tuple[str, Renderer | None]] = {}
+_CHOSEN: dict[tuple[int, str], tuple[str, Renderer | None, str]] = {}
 
 
 def chosen_renderer(template: str, choice: str) -> Renderer | None:
@@ -704,11 +704,10 @@ def chosen_renderer(template: str, choice: str) -> Renderer | None:
     key = (id(template), choice)
     cached = _CHOSEN.get(key)
     if cached is None or cached[0] is not template:  # an id is reused once its string is gone
-        renderer, line = direct_renderer(template, choice)
-        _CHOSEN[key] = cached = (template, renderer)
-        if line not in _SAID:
-            _SAID.add(line)
-            log.info(line)
+        _CHOSEN[key] = cached = (template, *direct_renderer(template, choice))
+    if cached[2] not in _SAID:
+        _SAID.add(cached[2])
+        log.info(cached[2])
     return cached[1]
 
 
