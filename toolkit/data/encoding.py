@@ -608,7 +608,7 @@ class TextEncoder:
                 plans.append(("text", len(specials)))
                 specials.append(row["text"])
         guard = SizeGuard(self, max_tokens)
-        encoded, long_chats = guard.encode_with_offsets(chats)
+        encoded, long_chats = guard.encode_with_offsets(chats, lazy=self.renderer != "jinja")
         with_specials, long_specials = guard.token_ids(specials, add_special_tokens=True)
         without, long_plain = guard.token_ids(plain, add_special_tokens=False)
         eos = tok.eos_token_id
@@ -618,9 +618,15 @@ class TextEncoder:
             if kind == "chat":
                 k, spans, overlap = plan
                 cut = k in long_chats
-                ids, starts, ends = encoded[k]
-                mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
-                        else span_mask(starts, ends, spans, overlap=overlap))
+                item = encoded[k]
+                if isinstance(item, Tokens):
+                    ids = item.ids
+                    mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
+                            else item.mask(spans, overlap=overlap))
+                else:
+                    ids, starts, ends = item
+                    mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
+                            else span_mask(starts, ends, spans, overlap=overlap))
             elif kind == "completion":
                 prompt, completion = with_specials[plan[0]], without[plan[1]]
                 cut = plan[0] in long_specials or plan[1] in long_plain
@@ -769,13 +775,12 @@ class SizeGuard:
             size *= 2
         return tokenise(text)
 
-    def encode_with_offsets(self, texts: list[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                                                             set[int]]:
-        """`encode_with_offsets` of the texts, the long ones (returned by index) as a prefix."""
+    def encode_with_offsets(self, texts: list[str], *, lazy: bool = False) -> tuple[list[Any], set[int]]:
+        """`encode_with_offsets` of the texts, the long ones (returned by index) as a prefix (as arrays)."""
         long = self._long(texts)
         if not long:
-            return encode_with_offsets(self.tokenizer, texts), set()
-        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)])
+            return encode_with_offsets(self.tokenizer, texts, lazy=lazy), set()
+        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)], lazy=lazy)
         for k in long:
             out[k] = self._prefix(texts[k], lambda t: encode_with_offsets(self.tokenizer, [t])[0],
                                   lambda e: len(e[0]))
@@ -809,14 +814,65 @@ class SizeGuard:
         return sum(len(row[k]) for k in ("text", "prompt", "completion") if isinstance(row.get(k), str))
 
 
-def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str]
-                         ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+class Tokens:
+    """One text's tokens from the fast tokenizer (`encode_with_offsets(lazy=True)`): its ids, and the loss mask of
+    character spans read off the tokenizer's Encoding at the spans' ends only.
+
+    Turning every token's offsets into Python tuples and arrays costs about a quarter of tokenising; the mask only
+    needs, for each span [lo, hi), the first token starting at or after lo and at or after hi (token starts never
+    decrease: the text is split on added tokens, then pre-tokenised, then merged, in order). The rule is
+    `span_mask`'s without overlap: a token trains when it starts inside a span. `data.renderer: jinja` keeps the
+    offset arrays (`span_mask`), and tests/data/test_render.py proves both give the same masks."""
+
+    __slots__ = ("enc", "ids")
+
+    def __init__(self, enc: Any) -> None:
+        self.enc = enc
+        self.ids = np.array(enc.ids, dtype=np.int32)
+
+    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        offsets = np.array(self.enc.offsets, dtype=np.int64).reshape(-1, 2)
+        return offsets[:, 0], offsets[:, 1]
+
+    def _first_from(self, x: int) -> int | None:
+        """The first token that starts at or after character x (None where x is in no token)."""
+        n, start = len(self.ids), self.enc.token_to_chars
+        if x >= start(n - 1)[1]:  # past the last token's end: every token starts before x
+            return n
+        c = self.enc.char_to_token(x)
+        if c is None:
+            return None
+        if start(c)[0] >= x:
+            while c > 0 and start(c - 1)[0] >= x:
+                c -= 1
+        else:
+            while c < n and start(c)[0] < x:
+                c += 1
+        return c
+
+    def mask(self, spans: list[tuple[int, int]], *, overlap: bool) -> np.ndarray:
+        mask = np.zeros(len(self.ids), dtype=np.uint8)
+        if overlap or not len(self.ids):
+            return span_mask(*self.offsets(), spans, overlap=overlap) if len(self.ids) else mask
+        for lo, hi in spans:
+            a, b = self._first_from(lo), self._first_from(hi)
+            if a is None or b is None:  # a character in no token: read every offset
+                return span_mask(*self.offsets(), spans, overlap=False)
+            mask[a:b] = 1
+        return mask
+
+
+def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, lazy: bool = False
+                         ) -> list[Any]:
     """(ids, start offsets, end offsets) of each text, tokenised without special tokens in one batch: the fast
-    tokenizer's own batch call (Rust, parallel when allowed) where there is one, else transformers' call."""
+    tokenizer's own batch call (Rust, parallel when allowed) where there is one, else transformers' call. With
+    `lazy`, a fast tokenizer's texts come as `Tokens` (offsets read where a mask needs them)."""
     if not texts:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
+        if lazy:
+            return [Tokens(enc) for enc in backend.encode_batch(texts, add_special_tokens=False)]
         out = []
         for enc in backend.encode_batch(texts, add_special_tokens=False):
             offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)
