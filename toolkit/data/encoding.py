@@ -98,13 +98,20 @@ IMAGE_PARTS = '{"type": "text" | "image", ...} parts'  # a vision-language messa
 
 def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
                    image_parts: bool = False) -> list[dict[str, Any]]:
+    """`checked_messages` without the training flags."""
+    return checked_messages(messages, where, train_on, image_parts=image_parts)[0]
+
+
+def checked_messages(messages: Any, where: str, train_on: str = "assistant", *,
+                     image_parts: bool = False) -> tuple[list[dict[str, Any]], list[bool]]:
     """The row's messages, checked: roles, string contents (an assistant turn with tool_calls may have none), a
     string `reasoning_content`, well-formed `tool_calls`. With train_on: assistant, a conversation with assistant
     turns must open (after an optional system prompt) with a user turn and end with an assistant turn: a trailing
     user or tool turn would train nothing, and changes how Qwen3 renders the turns before it. (A conversation with
     no assistant turn has no trainable tokens and is skipped, as counted in the stage's statistics.) With
     `image_parts` (vision-language rows) a content may also be a list of {"type": "text", "text": str} and
-    {"type": "image"} parts. Returns copies with a missing tool-call content made ""."""
+    {"type": "image"} parts. Returns copies with a missing tool-call content made "", and whether each assistant message
+    trains (`assistant_trains`, called once here)."""
     if not isinstance(messages, list) or not messages:
         raise ToolkitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
     content_kind = f"a string content or a list of {IMAGE_PARTS}" if image_parts else "a string content"
@@ -144,8 +151,7 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
                                    "the chat format's own markers and cannot appear inside a message.")
         out.append(m)
     check_turn_order(out, where, train_on)
-    assistant_trains(messages, where, train_on)
-    return out
+    return out, assistant_trains(messages, where, train_on)
 
 
 TURN_FLAGS = ("weight", "loss_weight", "training", "train", "loss", "loss_scale")
@@ -307,9 +313,19 @@ def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) 
                            "the assistant turn being trained (drop the trailing turn).")
 
 
+_GENERATION: dict[int, tuple[str, bool]] = {}
+
+
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template marks assistant turns with {% generation %} (remembered per template text)."""
     template = tokenizer.chat_template
-    return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}")
+    if not isinstance(template, str):
+        return False
+    known = _GENERATION.get(id(template))
+    if known is None or known[0] is not template:
+        known = _GENERATION[id(template)] = (
+            template, "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}"))
+    return known[1]
 
 
 _RENDERS: dict[str, Callable[[str], bool]] = {
@@ -661,8 +677,7 @@ class TextEncoder:
                 "model's tokenizer or set data.chat_template (for example: chatml).")
         train_on, thinking = self.train_on, self.thinking
         given = empty_answers(row["messages"], where, self.empty_answers)
-        messages = check_messages(given, where, train_on)
-        trains = assistant_trains(given, where, train_on)
+        messages, trains = checked_messages(given, where, train_on)
         tools = row.get("tools")
         template = tok.chat_template
         check_renderable(template, messages, tools, where, override=self.chat_template)
