@@ -23,9 +23,13 @@ are found depends on the template:
 A row's `tools` go to the template; fields a template cannot render (tools, reasoning_content, tool_calls, tool
 turns under ChatML) are refused rather than dropped. `data.thinking` adds or removes empty think blocks.
 
-`TextEncoder.encode` does a batch of rows at once: each row is checked and rendered (Python, Jinja), then every
-rendering is tokenised in one call of the fast tokenizer with character offsets, and the loss mask is read off the
-offsets against the turns' character spans (numpy), so no turn is ever re-encoded. `encode_row` is the same for one
+`TextEncoder.encode` does a batch of rows at once: each row is checked and rendered, then every rendering is
+tokenised whole in one call of the fast tokenizer (never turn by turn: BPE may merge across a turn's edge where the
+text allows it, so only whole texts give the template's tokens), and the loss mask is read off the tokens' character
+offsets against the turns' character spans, so no turn is ever re-encoded. A stock Qwen template is rendered by its
+direct renderer (toolkit/data/render.py: the Jinja template's text byte for byte, each assistant turn's span known
+as it is written) and the offsets are read only at the spans' ends (`Tokens`); any other template, and every row
+under data.renderer: jinja, is rendered through Jinja and its offsets read whole. The choice is logged once. `encode_row` is the same for one
 row. Errors name the row (`file:line`) and stop the batch.
 """
 
