@@ -29,8 +29,8 @@ text allows it, so only whole texts give the template's tokens), and the loss ma
 offsets against the turns' character spans, so no turn is ever re-encoded. A stock Qwen template is rendered by its
 direct renderer (toolkit/data/render.py: the Jinja template's text byte for byte, each assistant turn's span known
 as it is written) and the offsets are read only at the spans' ends (`Tokens`); any other template, and every row
-under data.renderer: jinja, is rendered through Jinja and its offsets read whole. The choice is logged once. `encode_row` is the same for one
-row. Errors name the row (`file:line`) and stop the batch.
+under data.renderer: jinja, is rendered through Jinja and its offsets read whole. The choice is logged once.
+`encode_row` is the same for one row. Errors name the row (`file:line`) and stop the batch.
 """
 
 from __future__ import annotations
