@@ -327,6 +327,34 @@ def ceiling(data: Path, tokenizer: Any, rows: int) -> dict[str, Any]:
     return result
 
 
+def vl_rows(work: Path, rows: int) -> dict[str, Any]:
+    """Image rows/s of the preparation (read, render, image grids from the files' headers, tokenise, masks) in one
+    process, on the built-in tiny Qwen2.5-VL's processor (Qwen2.5-VL's real template, a small vocabulary) and the
+    built-in dummy VL data (a third text-only, the rest one or two images): direct renderer against Jinja. Pixels
+    are decoded and resized when a batch is built, not here (toolkit/data/vision.py)."""
+    from transformers import AutoProcessor
+
+    from toolkit.builtin.dummy_data import write_dummy_vl_data
+    from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
+    from toolkit.config.schema import DataEntry
+    from toolkit.data.sources import resolve_source
+    from toolkit.data.store import open_store
+    from toolkit.data.vision import VLEncoder
+
+    processor = AutoProcessor.from_pretrained(materialize_builtin(TINY_VL_MODEL, work / "vl-model"))
+    data = write_dummy_vl_data(work / "vl-data", rows)["vl_stage2"]
+    source = resolve_source(DataEntry(str(data)), data.parent)
+    out: dict[str, Any] = {"rows": rows}
+    for renderer in ("jinja", "auto"):
+        encoder = VLEncoder(processor, train_on="assistant", renderer=renderer)
+        start = time.perf_counter()
+        store = open_store(source, encoder, None, num_proc=1)
+        seconds = time.perf_counter() - start
+        out[f"{renderer}_rows_per_s"] = round(len(store) / seconds)
+    out["image_rows"] = int(sum(1 for i in range(len(store)) if "images" in store.sample(i)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100000)
@@ -345,6 +373,8 @@ def main() -> None:
                         "same masks through the Jinja template")
     parser.add_argument("--ceiling-rows", type=int, default=0, help="also time one process on one core against a "
                         "bare tokenizer(texts) call, on this many rows (0: skip)")
+    parser.add_argument("--vl-rows", type=int, default=0, help="also time image rows' preparation in one process "
+                        "(the tiny Qwen2.5-VL's processor, this many dummy rows; 0: skip)")
     parser.add_argument("--peer-worker", nargs=4, metavar=("DATA", "CORES", "CACHE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer_worker:
@@ -389,6 +419,8 @@ def main() -> None:
                 result["cold_vs_peer_masks"] = round(result["peer_masks"]["cold_s"] / result["cold"]["data_s"], 2)
     if args.ceiling_rows:
         result["ceiling"] = ceiling(data, tokenizer, min(args.ceiling_rows, args.rows))
+    if args.vl_rows:
+        result["vl"] = vl_rows(work, args.vl_rows)
     result["load_avg_1m_at_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / f"{result['date']}-{result['host']}-data-scale-{args.rows}.json"
