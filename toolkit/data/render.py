@@ -8,11 +8,11 @@ tokenizer's `chat_template` equal to a shipped file); any other template, a user
 one byte, goes through Jinja as before (`toolkit/data/encoding.py` `render_chat`). `data.renderer: jinja` forces
 Jinja for every template.
 
-Each renderer mirrors its template statement by statement (the comments name the template's branches), including
-what transformers does before rendering: message keys whose value is None dropped, `reasoning_content` filled from
-`thinking` or `reasoning` (`_alias_reasoning_fields`), tools and tool-call arguments made plain JSON data
-(`_plain_template_data`) before `tojson` (`json.dumps(ensure_ascii=False)`). What a renderer does not mirror
-exactly (a missing tool-call `arguments`, a value that is not a string where the template concatenates strings, a
+Each renderer mirrors its template branch by branch, including what transformers does before rendering: message
+keys whose value is None dropped, `reasoning_content` filled from `thinking` or `reasoning`
+(`_alias_reasoning_fields`, in the versions that have it), tools and tool-call arguments made plain JSON data
+(`_plain_template_data`) before `tojson` (`json.dumps(ensure_ascii=False)`). What a renderer does not mirror exactly
+(a missing tool-call `arguments`, a value that is not a string where the template concatenates strings, a
 chat-format marker inside tools or tool calls) raises `Unrendered`, and the caller renders that row through Jinja,
 which gives the template's own output or error. tests/data/test_render.py proves byte identity with the Jinja
 rendering and mask identity with the Jinja path on every test asset and on generated rows.
@@ -27,7 +27,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from transformers.utils.chat_template_utils import _plain_template_data
+from transformers.utils import chat_template_utils
 
 from toolkit.templates import IM_END, IM_START, STOCK_FILES, stock_template
 
@@ -44,6 +44,8 @@ _TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with 
                "<args-json-object>}\n</tool_call><|im_end|>\n")
 _QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_ALIASES = hasattr(chat_template_utils, "_alias_reasoning_fields")  # transformers' versions that alias reasoning
+_plain = getattr(chat_template_utils, "_plain_template_data", lambda value: value)  # and those that make data plain
 
 
 class Unrendered(Exception):
@@ -61,7 +63,7 @@ def _safe(text: str) -> str:
 def _tojson(value: Any) -> str:
     """transformers' `tojson` filter on the plain data the template sees."""
     try:
-        return _safe(json.dumps(_plain_template_data(value), ensure_ascii=False))
+        return _safe(json.dumps(_plain(value), ensure_ascii=False))
     except (TypeError, ValueError):
         raise Unrendered from None
 
@@ -79,7 +81,7 @@ def _normal(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
-        reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
+        reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None) if _ALIASES else None
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
