@@ -627,10 +627,10 @@ try:
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - orjson is a dependency; json parses the same rows, slower
     _fast_loads = None
-"""orjson's parser: the rows json parses, to the same objects, about twice as fast (measured in
-docs/benchmarks.md). What it refuses (invalid UTF-8, NaN and Infinity, integers over 64 bits, lone surrogates,
-nesting over 1024 levels, malformed JSON) goes to json, which reads it or raises the error users see; so does a
-line with 19 digits in a row, as orjson reads an integer outside 64 bits as a float where json keeps it whole."""
+"""orjson's parser: the rows json parses, to the same objects, 2-6x as fast (docs/benchmarks.md, issue 52). What
+it refuses (invalid UTF-8, NaN and Infinity, integers over 64 bits, lone surrogates, nesting over 1024 levels,
+malformed JSON) goes to json, which reads it or raises the error users see; so does a line with 19 digits in a
+row, as orjson reads an integer outside 64 bits as a float where json keeps it whole."""
 _LONG_DIGITS = re.compile(rb"\d{19}")
 
 
