@@ -34,7 +34,7 @@ from toolkit.evals.evaluator import import_scorers, load_generation_plan
 from toolkit.metrics.report import refresh_report
 from toolkit.runtime import process as distributed
 from toolkit.runtime.exit_lines import FAILED_EXIT_CODE, LastWords
-from toolkit.runtime.run_dir import RunLayout, check_output_dir
+from toolkit.runtime.run_dir import RunLayout, check_output_dir, path_component
 from toolkit.runtime.signals import (
     INTERRUPTED_EXIT_CODE,
     INTERRUPTED_LINE,
@@ -152,7 +152,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     write_run_files(recipe, layout, accelerator, identity, curriculum.plans, trainable.stage_counts,
                     resumed_at=None if run.resumed is None else run.resumed.step)
     ending.run_folder_ready()  # from here on an unexpected end's traceback goes to <output_dir>/logs
-    accelerator.init_trackers(run_name, config=flat_config(recipe))
+    accelerator.init_trackers(path_component(run_name), config=flat_config(recipe))  # a folder under trackers/
 
     # --- The loop: one iteration = one optimizer step over a global batch of the current stage. ---
     model.train()

@@ -220,3 +220,19 @@ def test_files_built_get_the_umask_mode_safetensors_too(tmp_path: Path) -> None:
     modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777)
              for p in tmp_path.rglob("*") if p.is_file()}
     assert modes == {"out/model.safetensors": "0o664", "out/sub/notes.txt": "0o664", "one.txt": "0o664"}
+
+
+def test_a_folder_holding_only_dotfiles_is_not_empty(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 48's mutation audit: an output folder holding only `.git/` and `.env` is the user's, not empty: named
+    by not_ours and refused by an output command (tiny-model's --out), its files left as they were."""
+    from toolkit.atomic import not_ours
+    from toolkit.commands import cli
+
+    out = tmp_path / "mine"
+    (out / ".git").mkdir(parents=True)
+    (out / ".env").write_text("HF_TOKEN=hf_secret\n")
+    assert not_ours(out) == [".env", ".git/"]
+    assert cli.main(["tiny-model", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out ") and "it holds .env, .git/" in err
+    assert sorted(p.name for p in out.iterdir()) == [".env", ".git"] and (out / ".env").read_text().startswith("HF_")

@@ -49,3 +49,21 @@ def out_of_space(exc: BaseException, path: Path | str | None = None) -> OutOfSpa
             return OutOfSpace(path or "a file of the run", reason)
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def as_terminal_text(text: str) -> str:
+    """`text` safe to print on a terminal, as `cat -v` shows it: C0 control characters but newline and tab as
+    `^X` (ESC is `^[`, CR `^M`), DEL as `^?`, C1 controls as `M-^X`. Row text from a data file then cannot set a
+    window title, write the clipboard (OSC 52), hide text or move the cursor. The page does the same for HTML."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if code < 0x20 and ch not in "\n\t":
+            out.append("^" + chr(code + 0x40))
+        elif code == 0x7F:
+            out.append("^?")
+        elif 0x80 <= code < 0xA0:
+            out.append("M-^" + chr(code - 0x40))
+        else:
+            out.append(ch)
+    return "".join(out)

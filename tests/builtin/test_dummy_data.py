@@ -110,3 +110,53 @@ def test_use_dummy_data_gives_preference_stages_the_pairs() -> None:
               StageConfig(name="more", data=["z.jsonl"])]
     use_dummy_data(stages, vision=False)
     assert [s.paths for s in stages] == [["dummy:stage1"], ["dummy:pairs"], ["dummy:stage2"]]
+
+
+def test_letters_are_prompt_only_rows_whose_pass_rate_the_tiny_model_spreads(tmp_path: Path,
+                                                                             models: dict[str, str]) -> None:
+    """`dummy:letters`: deterministic prompt-only rows with a letter for reference; on the tiny random Qwen3, sampled
+    completions (the RL rollout, scored by the `contains` reward) hold a common letter far more often than a rare
+    one: a task with pass rates to learn from and to order by."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.builtin.dummy_data import LETTERS_BY_FREQUENCY, write_dummy_letters
+    from toolkit.evals.rewards import build_rewards
+    from toolkit.evals.rollout import rollout
+
+    path = write_dummy_letters(tmp_path / "a", 50, seed=1)
+    rows = _rows(path)
+    assert path.name == "letters.jsonl" and len(rows) == 50
+    assert path.read_text() == write_dummy_letters(tmp_path / "b", 50, seed=1).read_text()
+    assert path.read_text() != write_dummy_letters(tmp_path / "c", 50, seed=2).read_text()
+    for row in rows:
+        [user] = row["prompt"]
+        assert set(row) == {"prompt", "reference", "difficulty"} and user["role"] == "user"
+        assert row["reference"] in user["content"] and row["reference"] in LETTERS_BY_FREQUENCY
+    assert len({r["reference"] for r in rows}) > 10
+
+    tokenizer = AutoTokenizer.from_pretrained(models["text"])
+    model = AutoModelForCausalLM.from_pretrained(models["text"], dtype=torch.float32)
+    (contains,) = build_rewards([{"scorer": {"kind": "contains", "lower": True}}], key="stages.0.rewards",
+                                recipe_dir=tmp_path, max_completion_length=4)
+    common, rare = (next(r for r in rows if r["reference"] == c) for c in ("e", "z"))
+    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False) for r in (common, rare)]
+    out = rollout(model, prompts, [0, 1], num_generations=32, max_completion_length=4, temperature=1.0, top_p=1.0,
+                  seed=0, step=0, eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id,
+                  prompts_per_batch=2)
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    scores = contains(["p"] * 64, texts, out.completion_ids, {"reference": ["e"] * 32 + ["z"] * 32},
+                      [f"letters.jsonl:{i}" for i in range(64)])
+    common_rate, rare_rate = sum(scores[:32]) / 32, sum(scores[32:]) / 32  # type: ignore[arg-type]
+    assert common_rate > rare_rate + 0.25 and 0 < common_rate < 1, (common_rate, rare_rate)
+
+
+def test_use_dummy_data_gives_rl_stages_the_letters() -> None:
+    from types import SimpleNamespace
+
+    from toolkit.builtin.dummy_data import use_dummy_data
+
+    stages = [SimpleNamespace(paths=["x.jsonl"], data=["x.jsonl"], objective=o) for o in ("sft", "grpo", "dpo")]
+    use_dummy_data(stages, vision=False)  # type: ignore[arg-type]
+    assert [s.data for s in stages] == [["dummy:stage1"], ["dummy:letters"], ["dummy:pairs"]]

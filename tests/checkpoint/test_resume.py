@@ -65,36 +65,39 @@ def test_a_committed_checkpoint_restores_exactly(tmp_path: Path) -> None:
 
 
 def _swap_after_check(monkeypatch: pytest.MonkeyPatch, path: Path, content: Any) -> None:
-    """What a second process that can write the checkpoint folder does: replace `path` right after the check."""
-    real = resume_mod.verify_checkpoint_files
+    """What a second process that can write the checkpoint folder does: replace `path` right after the last check
+    (the files' verification, then the scheduler state read from bytes checked against its digest), so that only
+    weights-only loading stands between the swapped pickle and its code (issue 48: swapped any earlier, the digest
+    check refused it and the test passed with weights-only loading off)."""
+    real = resume_mod._scheduler_state
 
-    def verify_then_swap(ckpt: Path) -> None:
-        real(ckpt)
+    def check_then_swap(ckpt: Path, meta: dict[str, Any]) -> Any:
+        state = real(ckpt, meta)
         replacement = path.with_name(path.name + ".new")
         torch.save(content, replacement)
         os.replace(replacement, path)
+        return state
 
-    monkeypatch.setattr(resume_mod, "verify_checkpoint_files", verify_then_swap)
+    monkeypatch.setattr(resume_mod, "_scheduler_state", check_then_swap)
 
 
 @pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
 def test_a_pickle_swapped_in_after_the_check_runs_no_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          name: str) -> None:
     """The hostile pass ran its code 3 times in 3 through accelerate's weights_only=False load of the custom
-    state. Every file of the load is weights-only now, and the scheduler's state is loaded from the bytes checked
-    against its commit-time digest: the refusal is one line without torch's advice to load with weights_only=False
-    (accelerate gives up on an unreadable RNG state by itself)."""
+    state. Every file of the load is weights-only now: a file swapped after every check is refused in one line
+    without torch's advice to load with weights_only=False (accelerate gives up on an unreadable RNG state by
+    itself), and the scheduler's state comes from the bytes checked against its commit-time digest."""
     run = _run(tmp_path)
     pwned = tmp_path / "pwned"
     _swap_after_check(monkeypatch, run[4] / name, {"last_epoch": _Shell(f"touch {shlex.quote(str(pwned))}")})
     if name == "random_states_0.pkl":
         _restore(run)
     else:
-        with pytest.raises(ToolkitError, match=r"does not hold what was committed|Refusing to load checkpoint") as err:
+        with pytest.raises(ToolkitError, match=r"Refusing to load checkpoint") as err:
             _restore(run)
         said = str(err.value)
-        assert ("not the file committed" if name == "custom_checkpoint_0.pkl" else "global posix.system is not "
-                                                                                 "allowed") in said
+        assert "global posix.system is not allowed" in said
         assert "weights_only" not in said
         assert "\n" not in str(err.value)
     assert not pwned.exists()

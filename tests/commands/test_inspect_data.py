@@ -272,3 +272,27 @@ def test_inspect_data_on_an_sft_then_dpo_recipe(tmp_path: Path, models: dict[str
     dpo = shown.split("=== stage 'dpo'")[1]
     assert "tokens per pair" in dpo and dpo.count("(pair: ") == 2
     assert dpo.index("\nprompt:\n") < dpo.index("\nchosen:\n[[") < dpo.index("\nrejected:\n[[")
+
+
+def test_row_text_is_shown_as_text_never_as_terminal_controls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A row setting the window title (OSC 0), writing the clipboard (OSC 52) and hiding text (SGR 8): `toolkit
+    inspect-data` prints them escaped as `cat -v` does (ESC is ^[, BEL ^G, CR ^M, C1 CSI M-^[), in the row and in
+    an error line; nothing of them reaches the terminal raw."""
+    from toolkit.commands import cli
+    from toolkit.errors import as_terminal_text
+
+    hostile = ("\x1b]0;owned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[8mhidden\x1b[0m\rover\x7f\x9b2J")
+    assert as_terminal_text(hostile) == "^[]0;owned^G^[]52;c;cm0gLXJmIH4=^G^[[8mhidden^[[0m^Mover^?M-^[2J"
+    assert as_terminal_text("tab\tand\nnewline, ünïcödé") == "tab\tand\nnewline, ünïcödé"
+    path = _jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": hostile},
+                                                           {"role": "assistant", "content": "ok " + hostile}]}])
+    capsys.readouterr()
+    assert cli.main(["inspect-data", str(path), "data.num_proc=1"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out and "\x9b" not in out
+    assert out.count("^[]52;c;cm0gLXJmIH4=^G") == 2
+    bad = tmp_path / "bad\x1b]0;x\x07.jsonl"
+    bad.write_text("{not json\n{}\n")
+    assert cli.main(["inspect-data", str(bad)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # after the built-in model's progress bars, if it was built now
+    assert err.startswith("error: ") and "\x1b" not in err and "\x07" not in err and "^[]0;x^G" in err

@@ -38,7 +38,8 @@ def test_score_reports_and_writes_each_rows_score(tmp_path: Path, models: dict[s
                             "lora": {"enabled": False}, "data": {"max_seq_len": 128, "num_proc": 1},
                             "stages": [{"name": "only", "data": [str(data)], "max_steps": 1, "order": "easy_to_hard",
                                         "difficulty": {"by": "ifd", "model": "current"}},
-                                       {"name": "later", "data": [str(data)], "max_steps": 1, "order": "easy_to_hard",
+                                       {"name": "../../mine", "data": [str(data)], "max_steps": 1,  # a name, not a path
+                                        "order": "easy_to_hard",
                                         "difficulty": {"by": "loss", "model": "current"}}]}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(tree))
     recipe = load_recipe(tmp_path / "r.yaml")
@@ -59,17 +60,18 @@ def test_score_reports_and_writes_each_rows_score(tmp_path: Path, models: dict[s
     assert report.splitlines()[1].startswith("  (the scores training takes: kept in")
     kept = sorted(p.name for p in (tmp_path / "run" / "scores").glob("scores-*.npz"))
     assert len(kept) == 2  # the rows as trained and their responses alone (ifd), under training's keys
-    later = score(recipe, stage="later", out=None)  # scored by the policy at step 1, known only in training
+    named = tmp_path / "mine.parquet"  # where the stage name `../../mine` would lead, taken as a path
+    named.write_text("the user's")
+    later = score(recipe, stage="../../mine", out=None)  # scored by the policy at step 1, known only in training
     assert later.splitlines()[1].startswith("  (training orders this stage by the policy as it enters it, at step 1")
     assert sorted(p.name for p in (tmp_path / "run" / "scores").glob("scores-*.npz")) == kept
-    np.testing.assert_array_equal(pq.read_table(tmp_path / "run" / "scores" / "later.parquet")["loss_sum"],
+    assert named.read_text() == "the user's"  # the name became one component inside scores/ (path_component)
+    np.testing.assert_array_equal(pq.read_table(tmp_path / "run" / "scores" / "_._.._mine.parquet")["loss_sum"],
                                   table["loss_sum"])  # the model before training, as it says
     assert report.split("easiest 4:\n")[1].splitlines()[0].endswith(f"{data}:{easiest + 1}")
     assert "scores: " in report and report.count("|") == 10  # the histogram's bins
     shown = inspect_data(recipe, stage="only", rows=2, colour=False)  # each row with its score
     assert f"--- {data}:2 (" in shown and f"ifd {table['ifd'][1]:.4g}) ---" in shown
-    named = tmp_path / "mine.parquet"
-    named.write_text("the user's")
     with pytest.raises(ToolkitError, match="exists; name a new file"):
         score(recipe, stage="only", out=named)
     assert named.read_text() == "the user's"

@@ -4,6 +4,7 @@ to the canonical launch's, is in tests/e2e/test_launch_configs.py (it shares tha
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,61 @@ def test_dry_run_prints_the_canonical_line_and_nothing_else(monkeypatch: pytest.
         "--config recipes/smoke.yaml stages.0.max_steps=2 --create_dummy_data --num_dummy_samples 64\n")
     assert snapshot(REPO / "accelerate_configs") == before
 
+
+
+def test_what_is_execd_is_the_printed_line(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --dry-run the command execs exactly the line it printed (accelerate launch run by this interpreter),
+    not merely prints it: os.execv is caught where it would replace the process."""
+    import shlex
+
+    execd: list[tuple[str, list[str]]] = []
+
+    class Execd(Exception):
+        pass
+
+    def execv(path: str, argv: list[str]) -> None:
+        execd.append((path, list(argv)))
+        raise Execd
+
+    monkeypatch.setattr(os, "execv", execv)
+    argv = ["train", "stages.0.max_steps=2", "--config", "recipes/smoke.yaml", "--accelerate-config", "ddp",
+            "--create_dummy_data", "--", "--num_processes", "2"]
+    monkeypatch.chdir(REPO)
+    from toolkit.commands import cli
+
+    with pytest.raises(Execd):
+        cli.main(argv)
+    printed = shlex.split(capsys.readouterr().out.strip())
+    assert printed[:2] == ["accelerate", "launch"] and "--num_processes" in printed
+    assert execd == [(sys.executable, [sys.executable, "-m", "accelerate.commands.launch", *printed[2:]])]
+
+
+def test_a_bare_word_is_always_a_shipped_config_and_a_clash_is_named(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A file named `ddp` in the working folder never replaces the shipped ddp.yaml (the clash is named in one
+    line), a folder named `zero3` never hides the shipped one, and a file is named by a path (./ddp, x.yaml)."""
+    from toolkit.commands.train import find_config
+    from toolkit.errors import ToolkitError
+
+    root = launch_root()
+    os.chdir(tmp_path)
+    try:
+        (tmp_path / "ddp").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\n")
+        (tmp_path / "zero3").mkdir()
+        assert find_config("ddp", root) == root / "accelerate_configs" / "ddp.yaml"
+        assert capsys.readouterr().err == ("note: --accelerate-config ddp is the shipped accelerate_configs/ddp.yaml, "
+                                           "not ./ddp in this folder: to use that file, write ./ddp.\n")
+        assert find_config("zero3", root) == root / "accelerate_configs" / "zero3.yaml"
+        assert find_config("./ddp", root) == Path("./ddp")
+        (tmp_path / "mine").write_text("x")
+        with pytest.raises(ToolkitError, match=r"mine is not a shipped config .* \./mine is here: a file is named "
+                                               r"as a path"):
+            find_config("mine", root)
+        with pytest.raises(ToolkitError, match=r"zero3/ does not exist \(or is not a file\)"):
+            find_config("zero3/", root)
+    finally:
+        os.chdir(REPO)
 
 def test_a_deepspeed_config_launched_from_elsewhere_names_its_json(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

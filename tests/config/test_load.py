@@ -534,7 +534,7 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
      "stages.0 ('warmup_short'): difficulty.by ifd on an objective dpo stage is not supported"),
     (["stages.0.objective=simpo", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: loss, model: base}"],
      "difficulty.by loss on an objective simpo stage is not supported"),
-    (["stages.0.objective=kto"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo' or 'simpo'"),
+    (["stages.0.objective=kto"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo', 'simpo' or 'grpo'"),
     (["stages.0.preference={beta: 0.2}"], "preference is set but the stage's objective is sft"),
     (["stages.0.objective=dpo", "stages.0.preference={beta: 0}"], "'stages.0.preference.beta'"),
     (["stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, dpo]}"], "'stages.0.preference.loss.1'"),

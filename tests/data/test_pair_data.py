@@ -348,7 +348,8 @@ def test_registry_ranking_entries_load_as_pairs(tmp_path: Path, models: dict[str
     with pytest.raises(ToolkitError, match=r"dpo_en_demo\.json row 1: the row has 'chosen': preference pairs train "
                                            r"in a preference stage: set the stage's objective: dpo"):
         load_stage(dataclasses.replace(stage, objective="sft", entries=(entry("dpo_en_demo"),)), recipe.data, stores)
-    with pytest.raises(ToolkitError, match=r"entry 'kto' is a KTO dataset \(kto_tag\), which is not supported"):
+    with pytest.raises(ToolkitError, match=r"entry 'kto' is a KTO dataset \(kto_tag\), which is not supported.*"
+                       r"TRL's KTOTrainer \(from trl import KTOTrainer\)"):
         load_stage(dataclasses.replace(stage, entries=(entry("kto"),)), recipe.data, stores)
 
 
@@ -379,3 +380,27 @@ def test_a_text_prompt_beside_whole_conversations_is_read_off_them(tmp_path: Pat
     store = pair_store(write(tmp_path / "h4.jsonl", [explicit, h4]), tok)
     assert [store.sample(2), store.sample(3)] == [store.sample(0), store.sample(1)]
     assert tok.decode(store.sample(2)["input_ids"]).count(Q) == 1
+
+
+def test_pairs_whose_sides_render_alike_are_refused_or_skipped_and_counted(tmp_path: Path, models: dict[str, str],
+                                                                           tok: Any) -> None:
+    """data.identical_pairs (issue 48): a pair whose chosen and rejected render to the same tokens trains at ln 2
+    with no gradient. By default it is refused naming its line; with skip it is dropped and counted in the stage's
+    data line. "Alike" is after rendering: a string and the same text as content parts are one answer."""
+    rows = [{"prompt": [USER], "chosen": [{"role": "assistant", "content": GOOD}],
+             "rejected": [{"role": "assistant", "content": BAD}]},
+            {"prompt": [USER], "chosen": [{"role": "assistant", "content": GOOD}],
+             "rejected": [{"role": "assistant", "content": GOOD}]},
+            {"prompt": [USER], "chosen": [{"role": "assistant", "content": GOOD}],
+             "rejected": [{"role": "assistant", "content": [{"type": "text", "text": GOOD}]}]}]
+    path = write(tmp_path / "p.jsonl", rows)
+    stage, recipe = stage_of(tmp_path, models["text"], [path])
+    stores = run_stores([stage], recipe.data, tok, None, tmp_path, None)
+    with pytest.raises(ToolkitError, match=r"p\.jsonl:2: the chosen and the rejected side render to the same tokens "
+                                           r"\(and 1 more pairs\).*data\.identical_pairs: skip"):
+        load_stage(stage, recipe.data, stores)
+    stage, recipe = stage_of(tmp_path, models["text"], [path], identical_pairs="skip")
+    src = load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
+    assert src.stats.identical == 2 and src.stats.kept == 1 and src.stats.rows == 3
+    assert "2 dropped with chosen = rejected (data.identical_pairs: skip)" in stage_summary(stage, src, recipe.data)
+    assert completion(PairSides(src.samples.parts)[1], tok).endswith(BAD + "<|im_end|>")

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
+from trl.data_utils import apply_chat_template
 
-from toolkit.config.schema import DataEntry
-from toolkit.data.encoding import IGNORE_INDEX, encode_row
+from toolkit.config.schema import DataEntry, Recipe
+from toolkit.data.encoding import IGNORE_INDEX, TextEncoder, encode_row
 from toolkit.data.pairs import PairStats, fit_pair, is_pair, to_pair
 from toolkit.data.shapes import to_messages
 from toolkit.data.sources import resolve_source
@@ -77,6 +78,32 @@ def test_every_pair_shape_renders_the_same_two_sequences(shape: str, source: Any
     assert fit_pair(chosen, rejected, max_seq_len=512, overlength="error", where="x", stats=stats) == (chosen,
                                                                                                       rejected)
     assert (stats.pairs, stats.kept) == (1, 1)
+
+
+@pytest.mark.parametrize("newline", [False, True], ids=["default", "completion_newline"])
+def test_a_completion_ends_at_im_end_or_with_trl_s_newline(newline: bool, source: Any, tokenizer: Any) -> None:
+    """TRL cuts a conversational completion as the rendering of prompt + completion less that of the prompt with
+    its generation header (trl.data_utils.apply_chat_template): through `<|im_end|>` and the newline after it. By
+    default ours ends at `<|im_end|>`, as an SFT turn does; data.completion_newline trains TRL's tokens exactly."""
+    row = CONVERSATIONAL["trl explicit"]
+    trl_texts = apply_chat_template(row, tokenizer)
+    encoder = TextEncoder(tokenizer, train_on="assistant", pairs=True, completion_newline=newline)
+    sides = encoder.encode([to_messages(side, source, "x") for side in to_pair(row, "x")], [0, 1],
+                           lambda _: "pairs.jsonl:1")
+    for k, key in enumerate(("chosen", "rejected")):
+        side = sides.sample(k)
+        trained = [t for t, y in zip(side["input_ids"], side["labels"], strict=True) if y != IGNORE_INDEX]
+        theirs = tokenizer(trl_texts[key], add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(theirs[-2:]) == "<|im_end|>\n"  # the newline TRL trains
+        assert trained == (theirs if newline else theirs[:-1]), key
+        prompt = tokenizer(trl_texts["prompt"], add_special_tokens=False)["input_ids"]
+        assert side["input_ids"][:len(prompt)] == prompt  # the same prompt, so the same log-probs as TRL's
+    assert encoder.options().get("completion_newline", False) is newline  # another store, never the same tokens
+
+
+def test_completion_newline_without_a_pair_stage_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data\.completion_newline is true but no stage trains on preference pairs"):
+        Recipe.model_validate({"data": {"completion_newline": True}, "stages": [{"name": "sft", "data": ["x"]}]})
 
 
 def test_standard_text_pairs_stay_text_and_the_implicit_prompt_is_the_shared_prefix() -> None:

@@ -748,3 +748,30 @@ def test_image_url_parts_of_a_file(tmp_path: Path, vl_processor: Any) -> None:
                           row["messages"][1]]}
     with pytest.raises(ToolkitError, match=r"has a 'video_url' part: video rows do not train yet"):
         _wild_samples(Entry(str(_jsonl(tmp_path / "v.jsonl", [video]))), "vl", None, vl_processor)
+
+
+def test_an_empty_answer_as_content_parts_is_an_empty_answer(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    """Issue 48's mutation audit: `[{"type": "text", "text": ""}]` (OpenAI) or `[{"type": "text", "value": ""}]`
+    (LLaMA-Factory v1) is an empty answer as `""` is: refused in one line, never trained as a bare end token."""
+    for part in ({"type": "text", "text": ""}, {"type": "text", "value": ""}):
+        path = _jsonl(tmp_path / "parts.jsonl", [{"messages": [U1, {"role": "assistant", "content": [part]}]}])
+        with pytest.raises(ToolkitError, match=r"messages\[1\] is an assistant turn with no content, which would "
+                                               r"train a bare end-of-turn token"):
+            _samples([path], tok)
+
+
+def test_two_llamafactory_v1_tool_call_parts_in_one_turn_are_both_kept(tmp_path: Path,
+                                                                       tok: PreTrainedTokenizerFast) -> None:
+    """Issue 48's mutation audit: a v1 turn with two `tool_call` parts (parallel calls) trains both, in order, not
+    only the last."""
+    first = json.dumps({"name": "multiply", "arguments": {"a": 6, "b": 8}})
+    second = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "value": "6*8 and 1+2?"}]},
+                        {"role": "assistant", "content": [{"type": "tool_call", "value": first},
+                                                          {"type": "tool_call", "value": second}]}],
+           "tools": [{"type": "function", "function": {"name": n, "description": n, "parameters": {
+               "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+               for n in ("multiply", "add")]}
+    trained = _trained(_samples([_jsonl(tmp_path / "calls.jsonl", [row])], tok)[0], tok)
+    assert trained.count("<tool_call>") == 2
+    assert trained.index('"name": "multiply"') < trained.index('"name": "add"')

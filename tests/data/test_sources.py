@@ -430,3 +430,38 @@ def test_json_lines_read_as_json_reads_them(tmp_path: Path) -> None:
     path.write_text('{"a": 1}\n{"a": 1,}\n', encoding="utf-8")
     with pytest.raises(ToolkitError, match=r"rows.jsonl:2: not valid JSON \(Expecting property name"):
         list(iter_jsonl(path))
+
+
+def test_the_row_byte_cap_holds_for_json_arrays_one_object_files_and_csv_lines(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: only JSON Lines had the byte cap. A .json file over the cap's floor is read element by element:
+    a row over the cap stands unread as an Oversize (what data.overlength drop drops, and error refuses), the rest
+    parse as they would whole, escaped quotes and brackets inside strings and all; a one-object file over it is one
+    Oversize; a CSV line over it is refused in one line naming it before pandas parses the file."""
+    import toolkit.data.sources as sources
+
+    monkeypatch.setattr(sources, "ROW_BYTES_FLOOR", 2000)
+    small = [{"instruction": f'say "{i}" [x] {{y}} \\\\', "input": "", "output": "ok"} for i in range(40)]
+    big = {"instruction": "long", "input": "", "output": "z" * 5000}
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([*small[:20], big, *small[20:]], indent=1))
+    source = sources.resolve_source(Entry(str(array)), tmp_path)
+    sources.open_source(source)
+    (rows,) = source.arrays
+    assert isinstance(rows[20], sources.Oversize) and rows[20].size == len(json.dumps(big, indent=1).replace(
+        "\n", "\n ").encode()) and rows[20].cap == 2000
+    assert rows[:20] + rows[21:] == small
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(big, indent=1))  # over several lines: one object, not JSON Lines
+    source = sources.resolve_source(Entry(str(one)), tmp_path)
+    sources.open_source(source)
+    assert source.fmt == "json" and source.arrays == [[sources.Oversize(len(json.dumps(big, indent=1)), 2000)]]
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps(small * 2)[:-1])
+    with pytest.raises(ToolkitError, match=r"cut.json: not valid JSON \(the array is not closed"):
+        sources.open_source(sources.resolve_source(Entry(str(cut)), tmp_path))
+
+    table = tmp_path / "rows.csv"
+    table.write_text("instruction,output\nhi,there\n" + "long," + "z" * 3000 + "\nbye,now\n")
+    with pytest.raises(ToolkitError, match=r"rows.csv:3: the line is over the 2,000-byte cap on one row"):
+        sources.open_source(sources.resolve_source(Entry(str(table)), tmp_path))

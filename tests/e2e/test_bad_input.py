@@ -315,6 +315,14 @@ case("export-without-out")(lambda c: Call(["export", str(c.tmp / "run")], c.tmp 
 case("export-private-without-push")(
     lambda c: Call(["export", str(c.tmp / "run"), "--out", str(c.tmp / "x"), "--private"], c.tmp / "x", tool="toolkit"))
 case("trainable-matches-nothing")(lambda c: c.train("stages.0.trainable=[lora, model.nrom]"))
+IDENTICAL_PAIR = {"prompt": [CHAT["messages"][0]], "chosen": [CHAT["messages"][1]], "rejected": [CHAT["messages"][1]]}
+case("data-identical-pairs")(lambda c: c.train("stages.0.objective=dpo", rows=[IDENTICAL_PAIR] * 8))
+
+
+@case("train-accelerate-config-word-is-no-path")
+def _(c: Ctx) -> Call:
+    (c.tmp / "mine").write_text("distributed_type: NO\n")  # a file here is named as a path: ./mine
+    return Call(["train", "--accelerate-config", "mine", "--dry-run"], c.tmp / "mine", tool="toolkit")
 
 
 @case("empty-output-dir")

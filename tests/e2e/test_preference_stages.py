@@ -6,7 +6,7 @@ One single-process run is the reference. Checked against it:
   although the SFT stage moved the adapter (its lora_B left zero);
 * grad_accum 2 vs 1 (micro-batches of 2 vs 4 pairs) and 2 processes under DDP, FSDP2, ZeRO-2, ZeRO-3 (with gradient
   checkpointing) and ZeRO-3 offload: the same reference log-probs, per-step losses, TRL's metrics and final adapter;
-  Ulysses (zero3_sp2) refused in one line;
+  Ulysses (zero3_sp2, each side's tokens split over the 2 processes) too;
 * the forgetting matrix over both stages' evals: the DPO stage's eval pairs from its entry on;
 * exact resume from each of the 6 checkpoints, under every strategy above, those inside the DPO stage reading the
   reference back;
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -98,9 +99,10 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     assert {steps[s]["stage"] for s in (4, 5, 6)} == {"dpo"}
     entry = steps[4]
     assert entry["loss"] == pytest.approx(LN2, abs=1e-6)  # the policy is its own reference at the stage's entry
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-        assert entry[key] == pytest.approx(0.0, abs=1e-6), key
-    assert steps[6]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert entry[key] == 0.0, key  # exactly, as TRL's: the step and its reference pass pad sides alike
+    assert entry["lr"] > 0  # the recipe's first DPO step trains (no warmup step at lr 0)
+    assert steps[5]["loss"] != pytest.approx(LN2, abs=1e-4)  # and then it learns
     assert all(k in steps[5] for k in TRL_METRICS) and all(k not in steps[3] for k in TRL_METRICS)
     evals = [r for r in read_metrics(one / "metrics.jsonl") if "pref_accuracy" in r]
     assert [r["step"] for r in evals] == [6] and 0.0 <= evals[0]["pref_accuracy"] <= 1.0
@@ -129,11 +131,16 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         train_forked(strategy, 2, two, *overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_same_training(two, one, strategy, same_recipe=not checkpointed)
         assert by_step(two)[4]["loss"] == pytest.approx(LN2, abs=1e-6), strategy
+        assert by_step(two)[4]["rewards/accuracies"] == 0.0, strategy
         # Exact resume from each of its 6 checkpoints, under this strategy too.
         argv = dummy_run_args(*overrides, recipe=RECIPE, dummy_samples=ROWS)
         assert_exact_from_every_checkpoint(strategy, two, argv, steps=6, mixed_precision="no")
-    ulysses = train_forked("zero3_sp2", 2, tmp_path / "sp2", recipe=RECIPE, dummy_samples=ROWS, check=False)
-    assert ulysses.returncode == 2 and "which Ulysses sequence parallelism does not split yet" in ulysses.stderr
+    # Ulysses: each process trains half of every side's tokens; the group's per-segment sums are added by a
+    # differentiable all-reduce. One replica of 2 processes: the same batches as the single process.
+    ulysses = tmp_path / "sp2"
+    proc = train_forked("zero3_sp2", 2, ulysses, recipe=RECIPE, dummy_samples=ROWS)
+    assert "sequence parallelism: Ulysses over 2 processes per row" in proc.stderr
+    assert_same_training(ulysses, one, "zero3_sp2")
 
     argv = dummy_run_args(*EVERY, recipe=RECIPE, dummy_samples=ROWS)
     assert_exact_from_every_checkpoint("single", one, argv, steps=6, mixed_precision="no")
@@ -141,6 +148,7 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
         log = (tmp_path / f"one-from-{step}.log").read_text()
         assert "reference log-probs (the policy at step 3): read from" in log
         assert "rows/s" not in log.split("resumed (exact)")[1]
+    assert_a_resume_takes_only_the_scores_its_checkpoint_recorded(one, tmp_path)
 
     # Stopped by SIGTERM after the reference pass's first block: the block kept, the relaunch goes on from it.
     stopped = tmp_path / "stopped"
@@ -157,6 +165,42 @@ def test_sft_then_dpo_starts_at_ln2_agrees_across_strategies_and_resumes_exactly
     base = tmp_path / "base"
     train_forked("single", 1, base, "stages.1.preference={reference: base}", recipe=RECIPE, dummy_samples=ROWS)
     assert abs(by_step(base)[4]["loss"] - LN2) > 1e-3
+
+
+def assert_a_resume_takes_only_the_scores_its_checkpoint_recorded(one: Path, tmp_path: Path) -> None:
+    """Issue 48: a checkpoint inside the DPO stage records the digests of the reference log-probs it trained with;
+    resumed from it (into a new output_dir, so the kept scores are read from the checkpoint's run folder) with those
+    files gone, edited (a DPO step's loss came out 1.61 where the uninterrupted run had 0.68) or cut short, the
+    launch is refused in one line and never scores them again with the later policy."""
+    ckpt = "checkpoints/step-00000005"
+    recorded = json.loads((one / ckpt / "meta.json").read_text())["scores"]
+    kept = {path.stem.removeprefix("scores-") for path in (one / "scores").glob("scores-*.npz")}
+    assert kept and set(recorded) == kept  # the stage's reference log-probs, taken at its entry (step 3)
+    said = {"gone": "is missing or incomplete, and this launch resumes past the point those scores were taken",
+            "edited": "holds other scores than the checkpoint this launch resumes from was trained with",
+            "cut": "cannot be read (BadZipFile"}
+    for case, says in said.items():
+        copy = tmp_path / f"one-scores-{case}"
+        shutil.copytree(one, copy)
+        for path in sorted((copy / "scores").glob("scores-*.npz")):
+            if case == "gone":
+                path.unlink()
+            elif case == "edited":
+                with np.load(path) as saved:
+                    arrays = {k: saved[k] for k in saved.files}
+                np.savez(path, **(arrays | {"loss": arrays["loss"] * 1.5}))
+            else:
+                path.write_bytes(path.read_bytes()[:100])
+        out = tmp_path / f"one-scores-{case}-resumed"
+        proc = train_forked("single", 1, out, *EVERY, f"checkpoint.resume={copy / ckpt}", recipe=RECIPE,
+                            dummy_samples=ROWS, check=False)
+        assert proc.returncode == 2, (case, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "reference log-probs (the policy at step 3)" in errors[0], (case, errors)
+        assert says in errors[0], (case, errors[0])
+        assert "rows/s" not in proc.stderr, case  # never scored again, with the policy of step 5
+        assert not [r for r in read_metrics(out / "metrics.jsonl", "train") if r["step"] > 5] \
+            if (out / "metrics.jsonl").is_file() else True
 
 
 def header_launch_line(recipe: str) -> list[str]:

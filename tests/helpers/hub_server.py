@@ -1,6 +1,6 @@
 """A local stand-in for the Hugging Face Hub API, on 127.0.0.1: the endpoints huggingface_hub's `create_repo` and
-`upload_folder` call (huggingface_hub 2.x: /api/repos/create, /api/validate-yaml for a README.md's metadata,
-/api/models/<repo>/preupload/<rev> and the NDJSON commit /api/models/<repo>/commit/<rev>), so that
+`create_commit` (`upload_folder`'s too) call (huggingface_hub 2.x: /api/repos/create, /api/validate-yaml for a
+README.md's metadata, /api/models/<repo>/preupload/<rev> and the NDJSON commit /api/models/<repo>/commit/<rev>), so that
 `toolkit export --push-to-hub` is tested with nothing leaving the machine (HF_ENDPOINT points the client here).
 It answers every file's upload mode as "regular", so the files come inline (base64) in the commit, and keeps each
 repo's files in memory: what was uploaded is read back from it.

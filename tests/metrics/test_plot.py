@@ -80,3 +80,36 @@ def test_a_preference_stage_adds_a_rewards_panel(tmp_path: Path) -> None:
     (paired / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     four, five = _size(plot_run(plain).read_bytes()), _size(plot_run(paired).read_bytes())
     assert four == (900, 960) and five == (900, 1200)  # 2.4 inches a panel at 100 dpi
+
+
+def test_the_rewards_panel_draws_each_reward_and_the_accuracy_at_their_steps(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48's mutation audit: the rewards panel's content, not only the picture's height. The figure plot_run
+    saves is caught where it is saved: its last panel holds one line per reward metric and the eval accuracy, each
+    at the steps and with the values metrics.jsonl records."""
+    from matplotlib.figure import Figure
+
+    saved: list[Figure] = []
+    real = Figure.savefig
+
+    def keep(self: Figure, *args: Any, **kwargs: Any) -> Any:
+        saved.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    records = _records()
+    for r in records[8:]:
+        r.update({"rewards/chosen": 0.01 * r["step"], "rewards/rejected": -0.02 * r["step"],
+                  "rewards/margins": 0.03 * r["step"]})
+    records.append({"step": 12, "stage": "polish", "stage_index": 2, "eval_loss": 0.6, "pref_accuracy": 0.75})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot_run(tmp_path)
+    (fig,) = saved
+    rewards = fig.axes[-1]
+    assert rewards.get_ylabel() == "rewards"
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in rewards.get_lines()
+             if not line.get_label().startswith("_")}
+    steps = list(range(9, 13))
+    assert lines == {"rewards/chosen": (steps, [0.01 * s for s in steps]),
+                     "rewards/rejected": (steps, [-0.02 * s for s in steps]),
+                     "rewards/margins": (steps, [0.03 * s for s in steps]), "pref_accuracy": ([12], [0.75])}

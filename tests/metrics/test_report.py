@@ -155,3 +155,57 @@ def test_a_failure_to_draw_never_stops_the_run(tmp_path: Path, caplog: pytest.Lo
     page.refresh_report(layout)
     assert not layout.report.exists()
     assert "report.html was not updated: ToolkitError" in caplog.text
+
+
+def test_the_page_never_reads_through_a_link(tmp_path: Path) -> None:
+    """Issue 48: a linked final/README.md, recipe.yaml or completions folder (to a key outside the run) is not read;
+    the page names what it left out. `toolkit report` and the live page share read_run."""
+    run = write_run(tmp_path / "run", steps=20, every=10, prompts=2)
+    layout = RunLayout(run)
+    secret = tmp_path / "id_ed25519"
+    secret.write_text('{"step": 1, "loss": 1, "output": "PRIVATE-KEY-BYTES"}\n')
+    outside = tmp_path / "elsewhere"
+    (outside / "general").mkdir(parents=True)
+    (outside / "general" / "step-00000010.jsonl").write_text(to_json_line(
+        {"eval": "facts", "row": 0, "prompt": "p", "output": "PRIVATE-KEY-BYTES", "score": {}}))
+    layout.model_card.unlink()
+    layout.model_card.symlink_to(secret)
+    layout.recipe.unlink()
+    layout.recipe.symlink_to(secret)
+    shutil_rmtree(layout.evals / "domain")
+    (layout.evals / "domain").symlink_to(outside / "general")
+    assert cli.main(["report", str(run)]) == 0
+    text = layout.report.read_text()
+    assert "PRIVATE-KEY-BYTES" not in text
+    data = page_data(text)["runs"][0]
+    assert data["card"] is None and data["recipe"] == ""
+    assert sorted(data["not_read"]) == ["evals/domain", "final/README.md", "recipe.yaml"]
+    assert {f["stage"] for f in data["completions"]["files"]} == {"general"}
+
+
+def test_nan_infinity_a_latin1_folder_name_and_12k_metric_keys(tmp_path: Path) -> None:
+    """NaN / Infinity in metrics.jsonl and evals/matrix.jsonl and a folder name that is not UTF-8 draw a page
+    (they ended `toolkit report` in a traceback); 12k distinct metric keys are capped at MAX_CURVES per kind, the
+    rest named on the page (they made a 24 MB page of 0.2 MB of metrics)."""
+    import os
+
+    root = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9-run"))
+    run = write_run(root, steps=20, every=10, prompts=2)
+    layout = RunLayout(run)
+    with layout.metrics.open("a") as f:
+        f.write('{"step": 21, "stage_index": 1, "loss": NaN, "grad_norm": Infinity}\n')
+        f.write('{"step": 21, "stage_index": 1, ' + ", ".join(f'"k{i}": {i}' for i in range(12_000)) + "}\n")
+        f.write('{"step": NaN, "loss": 1}\n')
+    with layout.eval_matrix.open("a") as f:
+        f.write('{"step": 20, "stage": "domain", "eval_stage": "general", "eval": "loss", "metric": "m", '
+                '"value": NaN}\n')
+    assert cli.main(["report", str(run)]) == 0
+    text = layout.report.read_text(encoding="utf-8")
+    assert len(text) < 400_000
+    data = page_data(text)["runs"][0]
+    assert data["name"] == "caf\ufffd-run"
+    assert data["train"]["values"]["loss"][-1] is None and data["train"]["values"]["grad_norm"][-1] is None
+    assert len(data["eval"]["values"]) == page.MAX_CURVES
+    assert len(data["dropped_keys"]) == 12_000 + 5 - page.MAX_CURVES  # the 5 eval keys of write_run, then k0...
+    assert data["dropped_keys"][-1] == "k11999"
+    assert all(r["metric"] != "m" for r in data["matrix"])

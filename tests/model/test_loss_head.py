@@ -269,3 +269,41 @@ def test_the_head_runs_when_the_model_forward_is_called_directly() -> None:
     assert head.calls == 1
     head.remove()
     assert "forward" not in vars(model)
+
+
+def test_per_token_log_probs_at_a_temperature_equal_full_logits() -> None:
+    """`LossHead.per_token`: each label token's log-probability at the temperature (and entropy), in label order,
+    with the gradient of full logits' log_softmax (LoRA on lm_head too: the head's own forward runs per chunk)."""
+    batch = padded_batch()
+    target = shifted_labels(batch["labels"])
+    keep = target != IGNORE_INDEX
+    weights = torch.linspace(-1.0, 2.0, int(keep.sum()))  # a weighted sum, as an RL loss makes of them
+
+    def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = lora(tiny_model(), ["q_proj", "v_proj", "lm_head"])
+    logits = reference(**{k: v for k, v in batch.items() if k != "labels"}).logits.float() / 0.7
+    full = torch.log_softmax(logits, -1)
+    expected = full[keep].gather(-1, target[keep].unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(full.exp() * full).sum(-1)[keep]
+    (expected * weights).sum().backward()
+
+    model = lora(tiny_model(), ["q_proj", "v_proj", "lm_head"])
+    head = install_loss_head(model, "chunked", chunk_tokens=5)
+    assert head is not None
+    with head.per_token(0.7, entropy=True) as kept:
+        out = model(**batch, num_items_in_batch=torch.ones(()))
+    assert kept.logps is not None and kept.entropies is not None
+    torch.testing.assert_close(kept.logps, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(kept.entropies, expected_entropy.detach(), rtol=0, atol=1e-5)
+    assert not kept.entropies.requires_grad and len(kept.chunks or []) > 2
+    torch.testing.assert_close(out.loss, -kept.logps.sum(), rtol=1e-6, atol=1e-6)  # the call's own loss
+    ((kept.logps * weights).sum() + 0.0 * out.loss).backward()
+    ours, theirs = grads(model), grads(reference)
+    assert ours.keys() == theirs.keys() and any("lm_head.lora" in n for n in ours)
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        model(**batch)  # outside the block: nothing kept
+    assert head.tokens is None

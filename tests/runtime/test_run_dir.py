@@ -325,3 +325,16 @@ def test_a_lock_file_planted_in_the_shared_folder_is_refused_and_never_written(t
     assert busy is not None and str(layout.lock_file) in busy and "\n" not in busy
     assert ("symbolic link" if planted == "symlink" else "regular file" if planted == "fifo" else "hard links") in busy
     assert victim.read_text() == "the user's own file\n"
+
+
+def test_a_name_becomes_one_path_component_never_a_step_out() -> None:
+    """path_component: the one way a stage, run or eval name becomes part of a path (evals/, scores/, trackers/)."""
+    from toolkit.runtime.run_dir import RunLayout, path_component
+
+    for name in ("../../mine", "..", ".", "/etc/passwd", "a/../../b", ".hidden", "", "x\x00y", "C:\\x"):
+        part = path_component(name)
+        assert part and "/" not in part and "\\" not in part and not part.startswith(".") and "\x00" not in part
+    assert path_component("stage-1.v2") == "stage-1.v2"
+    layout = RunLayout(Path("/r"))
+    assert layout.stage_scores("../../mine") == Path("/r/scores/_._.._mine.parquet")
+    assert layout.completions("../x", 3).parent == Path("/r/evals/_._x")

@@ -13,9 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
 from toolkit.errors import ToolkitError
+from toolkit.evals.scoring import forward_sums, segment_ids
 from toolkit.model.loss_head import install_loss_head, liger_available, triton_interpreted
 from toolkit.strategies import sequence_parallel
-from toolkit.strategies.sequence_parallel import Layout, shard_batch
+from toolkit.strategies.sequence_parallel import Layout, shard_batch, shard_segments
 
 
 def test_layout_groups_consecutive_processes_into_replicas() -> None:
@@ -120,6 +121,41 @@ def test_each_slice_computes_its_share_of_the_rows_loss(models: dict[str, str]) 
         mine[:, rank * 9:(rank + 1) * 9] = part["shift_labels"]
         shares.append(model(**batch, shift_labels=mine, num_items_in_batch=count).loss)
     torch.testing.assert_close(shares[0] + shares[1], full)
+
+
+@pytest.mark.parametrize("rows", [[6, 5, 7], [5, 6, 8]], ids=["even", "padded"])
+def test_each_slice_s_segment_sums_add_up_to_the_whole_rows(rows: list[int], models: dict[str, str]) -> None:
+    """A preference pair's log-prob under Ulysses: each process's per-segment sums over its slice (its segments
+    shifted over the whole row, `shard_segments`) add up to the whole row's per-segment sums, across a cut that
+    falls inside a segment; the pair numbers ride along whole. A shift within each slice loses the target at the
+    cut and fails. As above, the model sees the whole row (attention across slices is Ulysses' part, proven by
+    tests/e2e/test_preference_stages.py)."""
+    model = AutoModelForCausalLM.from_pretrained(models["text"], dtype=torch.float32)
+    install_loss_head(model, "chunked")
+    batch = {**PackedCollator()(samples(rows)), "pair_index": torch.tensor([0])}
+    seg, count = segment_ids(batch)
+    n = batch["input_ids"].shape[1]
+    whole_sums, whole_tokens = forward_sums(model, {k: v for k, v in batch.items() if k != "pair_index"},
+                                            torch.device("cpu"))
+    total_sums, total_tokens = torch.zeros_like(whole_sums), torch.zeros_like(whole_tokens)
+    for rank in range(2):
+        place = Layout(2, rank, 2)
+        part, _ = shard_batch(batch, place)
+        assert torch.equal(part["pair_index"], batch["pair_index"])
+        chunk = part["input_ids"].shape[1]
+        mine = torch.full((1, 2 * chunk), IGNORE_INDEX)
+        mine[:, rank * chunk:(rank + 1) * chunk] = part["shift_labels"]
+        owners = torch.full((1, 2 * chunk), -1)
+        owners[:, rank * chunk:(rank + 1) * chunk] = shard_segments(seg, place)
+        inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "shift_labels": mine[:, :n],
+                  "position_ids": batch["position_ids"]}
+        sums, tokens = forward_sums(model, inputs, torch.device("cpu"), (owners[:, :n], count))
+        total_sums, total_tokens = total_sums + sums, total_tokens + tokens
+    assert torch.equal(total_tokens, whole_tokens)
+    torch.testing.assert_close(total_sums, whole_sums, rtol=1e-6, atol=1e-6)
+    # Each position's owner is the segment of the token it predicts, as the shifted labels are cut.
+    cut = torch.cat([shard_segments(seg, Layout(2, r, 2)) for r in range(2)], dim=1)
+    assert cut[0, :n - 1].tolist() == seg[0, 1:].tolist() and (cut[0, n - 1:] == -1).all()
 
 
 # --- refusals before anything loads --------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import DPOConfig, DPOTrainer
 
-from toolkit.data.collate import padding_collator
+from toolkit.data.collate import padding_collator, pair_collator, sides_collator
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
 from toolkit.errors import ToolkitError
+from toolkit.evals.scoring import forward_sums
 from toolkit.model.attention import SDPA_PACKED, register_kernels
 from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
@@ -35,6 +36,7 @@ from toolkit.train.preference import (
     PairLogps,
     PreferenceSettings,
     global_normalisers,
+    metric_sums,
     pair_counts,
     pair_metrics,
     policy_logps,
@@ -187,6 +189,32 @@ def test_at_the_reference_the_sigmoid_loss_is_ln2_and_rewards_are_zero() -> None
     assert terms.chosen_rewards.abs().max() == 0 and terms.rejected_rewards.abs().max() == 0
 
 
+def test_at_a_stage_s_entry_the_step_gives_its_reference_exactly(models: dict[str, str], tokenizer: Any,
+                                                                  tmp_path: Any) -> None:
+    """The step's collator (`pair_collator`'s sides) and the reference pass's, in micro-batches of 1 to 3 sides
+    (other companions, other longest sides: 9 to 30 tokens), give every side bitwise the same log-prob, so at the
+    entry the rewards are exactly 0 and `rewards/accuracies` is 0, as TRL's (which scores both in one batch).
+    Padded to the longest side only, sides 0 and 2 differ by 4.8e-7 and the accuracy is 0.25."""
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    model = lora_model(models)
+    install_loss_head(model, "chunked")
+    sequences = pair_sequences(rows)
+    collate = pair_collator(padding_collator(tokenizer)).inner  # what the step's micro-batches are padded by
+    accelerator = distributed.build_accelerator(1, 10)
+    model.train()
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, collate(sequences), len(PAIRS), torch.device("cpu"))
+    for micro in (1, 2, 3):
+        ref_chosen, ref_rejected = reference_logps(accelerator, model, sequences, sides_collator(padding_collator(
+            tokenizer)), micro)
+        assert chosen.detach().numpy().tolist() == ref_chosen.tolist(), micro
+        assert rejected.detach().numpy().tolist() == ref_rejected.tolist(), micro
+        logps = PairLogps(chosen, rejected, torch.from_numpy(ref_chosen), torch.from_numpy(ref_rejected), c_tokens,
+                          r_tokens)
+        sums = metric_sums(preference_terms(PreferenceSettings(), logps), logps).tolist()
+        assert sums[:4] == [0.0, 0.0, 0.0, 0.0], micro  # rewards, accuracies (a count), margins
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"loss": ("dpo",)}, "names 'dpo'"), ({"loss": ()}, "is empty"), ({"loss": ("sft",)}, "only sft"),
     ({"loss": ("sigmoid", "sigmoid")}, "twice"), ({"loss_weights": (1.0, 2.0)}, "2 weights for 1"),
@@ -263,6 +291,62 @@ def test_grad_accumulation_gives_the_global_batch_loss_gradients_and_metrics(mod
 
 
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_orpo_and_simpo_end_to_end_equal_trl_s_trainers(models: dict[str, str], tokenizer: Any, tmp_path: Any,
+                                                        objective: str) -> None:
+    """Beside DPO's: TRL's ORPOTrainer (its full loss: the chosen NLL plus the odds-ratio term) and CPOTrainer with
+    loss_type simpo (cpo_alpha 0: SimPO alone), each tokenising the same pairs and computing `compute_loss` on its
+    own collated batch, against ours on TRL's tokens (its `chosen_input_ids` / `chosen_labels` as our sides): the
+    loss and LoRA gradients within 1e-6. One difference is named, not hidden: TRL's ORPOTrainer takes its NLL over the
+    chosen prompt and completion (its code: "orpo chosen nll loss is computed over the full prompt and response"),
+    our `sft` term over the completion, as TRL's DPO `sft`; ORPO's pair term is compared with that NLL added."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    common = {"output_dir": str(tmp_path / objective), "per_device_train_batch_size": len(PAIRS), "report_to": [],
+              "use_cpu": True, "gradient_checkpointing": False}
+    if objective == "orpo":
+        settings = PreferenceSettings(("orpo",), beta=0.1)
+        trainer: Any = ORPOTrainer(model=lora_model(models), args=ORPOConfig(beta=0.1, **common), train_dataset=data,
+                                   processing_class=tokenizer)
+    else:
+        settings = PreferenceSettings(("simpo",), beta=2.0, simpo_gamma=0.5)
+        trainer = CPOTrainer(model=lora_model(models), args=CPOConfig(loss_type="simpo", beta=2.0, simpo_gamma=0.5,
+                                                                      cpo_alpha=0.0, **common),
+                             train_dataset=data, processing_class=tokenizer)
+    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    nudge(trainer.model)
+    trainer.model.train()
+    expected = trainer.compute_loss(trainer.model, trainer.data_collator(rows))
+    expected.backward()
+    expected_grads = lora_grads(trainer.model)
+
+    model = lora_model(models)
+    nudge(model)
+    install_loss_head(model, "chunked", chunk_tokens=7)
+    model.train()
+    sequences = [{"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]}
+                 for row in rows for side in ("chosen", "rejected")]
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, padding_collator(tokenizer)(sequences), len(PAIRS),
+                                                        torch.device("cpu"))
+    zeros = torch.zeros_like(chosen)
+    terms = preference_terms(settings, PairLogps(chosen, rejected, zeros, zeros, c_tokens, r_tokens))
+    ours = preference_loss(settings, terms, len(PAIRS), float(c_tokens.sum()))
+    if objective == "orpo":  # TRL's NLL: every chosen token after the first, prompt included
+        whole = [{"input_ids": row["chosen_input_ids"], "labels": row["chosen_input_ids"]} for row in rows]
+        sums, tokens = forward_sums(model, padding_collator(tokenizer)(whole), torch.device("cpu"))
+        ours = ours + sums.sum() / tokens.sum()
+    ours.backward()
+    grads = lora_grads(model)
+    assert abs(float(ours) - float(expected)) <= 1e-6 * max(1.0, abs(float(expected))), (float(ours),
+                                                                                        float(expected))
+    assert set(grads) == set(expected_grads) and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-6, msg=name)
+    assert any(float(g.abs().max()) > 1e-4 for g in grads.values())  # gradients that could differ
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
 def test_reference_free_losses_equal_trl_orpo_and_cpo_simpo(models: dict[str, str], tokenizer: Any, tmp_path: Any,
                                                             objective: str) -> None:
     """ORPO and SimPO take no reference: their formulas against TRL's own ORPOTrainer.odds_ratio_loss and
@@ -305,3 +389,60 @@ def test_reference_free_losses_equal_trl_orpo_and_cpo_simpo(models: dict[str, st
     assert abs(losses[0] - losses[1]) < 1e-6, losses
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_the_pair_loss_normaliser_is_the_global_batch_s_over_2_processes(models: dict[str, str], tokenizer: Any,
+                                                                        tmp_path: Any) -> None:
+    """Issue 48's mutation audit: the grad-accumulation test above runs one process, so it cannot tell a per-rank
+    normaliser from a global one. Two real processes (gloo) hold uneven shares of a global batch of 4 pairs (1 and
+    3, unequal chosen-token counts too); with each micro-batch's loss divided by `global_normalisers` and the
+    gradients averaged as DDP averages them, the gradients are the one-process global batch's (sigmoid + sft, so
+    both the pair and the chosen-token normaliser count)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, free_port, run_env
+
+    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
+            for i in range(len(PAIRS))]
+    sequences = pair_sequences(rows)
+    settings = PreferenceSettings(("sigmoid", "sft"), (1.0, 0.5))
+    accelerator = distributed.build_accelerator(1, 10)
+    collate = padding_collator(tokenizer)
+    model = lora_model(models)
+    install_loss_head(model, "chunked", chunk_tokens=7)
+    ref = reference_logps(accelerator, model, sequences, collate, 4)
+    nudge(model)
+    model.train()
+    lora = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    batch = collate(sequences)
+    n, tokens = pair_counts(batch)
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, n, torch.device("cpu"))
+    logps = PairLogps(chosen, rejected, torch.from_numpy(ref[0]), torch.from_numpy(ref[1]), c_tokens, r_tokens)
+    preference_loss(settings, preference_terms(settings, logps), float(n), float(tokens)).backward()
+    expected = lora_grads(model)
+
+    given, out = tmp_path / "given.pt", tmp_path / "grads.pt"
+    torch.save({"sequences": sequences, "lora": lora, "ref_chosen": torch.from_numpy(ref[0]),
+                "ref_rejected": torch.from_numpy(ref[1])}, given)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.pair_normaliser", models["text"], str(given),
+                               str(out)], cwd=REPO, env=run_env() | {
+                                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ACCELERATE_USE_CPU": "true"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    got = torch.load(out)
+    assert got.keys() == expected.keys() and os.path.getsize(out) > 0
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=name)

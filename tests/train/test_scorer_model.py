@@ -177,3 +177,67 @@ def test_a_scorer_with_another_tokenizer_is_refused_in_one_line(tmp_path: Path, 
     (other / "config.json").write_text("{")
     with pytest.raises(ToolkitError, match="its config cannot be read"):
         check_scorers(recipe, resolve_stages(recipe), ours, vision=False)
+
+
+def test_the_scorers_dtype_is_part_of_its_scores_key(tmp_path: Path, models: dict[str, str], scorer: Path) -> None:
+    """Scores taken in float32 are not read back by a run that scores in bfloat16 (issue 48's mutation audit: the
+    dtype missing from the key went uncaught): the key's scorer part differs, and so does the key."""
+    from toolkit.evals.scoring import score_key
+
+    fp32 = _recipe(tmp_path, models["text"], scorer)
+    bf16 = fp32.model_copy(update={"model": fp32.model.model_copy(update={"dtype": "bfloat16"})})
+    a, b = weights_identity(scorer, fp32), weights_identity(scorer, bf16)
+    assert a["scorer"]["dtype"] == "float32" and b["scorer"]["dtype"] == "bfloat16"
+    assert score_key(rows="r", scorer=a, render="given") != score_key(rows="r", scorer=b, render="given")
+
+
+def test_a_scorer_runs_its_own_code_only_with_its_own_consent(tmp_path: Path, models: dict[str, str],
+                                                               scorer: Path) -> None:
+    """model.trust_remote_code covers the policy only: a scorer whose config needs its own code (auto_map) is refused
+    in one line naming it, its code not run, until its stage's difficulty.trust_remote_code allows it. A scorer whose
+    pickled .bin weights do not load weights-only is refused in one line too, before the policy loads."""
+    ran = tmp_path / "scorer-code-ran"
+    custom = tmp_path / "custom"
+    shutil.copytree(scorer, custom)
+    config = json.loads((custom / "config.json").read_text())
+    config |= {"model_type": "toolkit_consent_test", "auto_map": {"AutoConfig": "configuration_consent.ConsentConfig"}}
+    (custom / "config.json").write_text(json.dumps(config))
+    (custom / "configuration_consent.py").write_text(
+        f"import pathlib\nfrom transformers import Qwen3Config\npathlib.Path({str(ran)!r}).write_text('ran')\n\n\n"
+        "class ConsentConfig(Qwen3Config):\n    model_type = 'toolkit_consent_test'\n")
+    recipe = _recipe(tmp_path, models["text"], custom)
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"trust_remote_code": True})})
+    _, tokenizer = load_processing(models["text"], vision=False, trust_remote_code=False, chat_template=None)
+    with pytest.raises(ToolkitError, match=r"stage 'scored': difficulty.model '.*custom' needs its own Python code "
+                                           r".*set difficulty.trust_remote_code: true on stage 'scored'") as err:
+        check_scorers(recipe, resolve_stages(recipe), tokenizer, vision=False)
+    assert "\n" not in str(err.value) and not ran.exists()
+    tree = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    tree["stages"][0]["difficulty"]["trust_remote_code"] = True
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
+    consented = load_recipe(tmp_path / "recipe.yaml")
+    check_scorers(consented, resolve_stages(consented), tokenizer, vision=False)
+    assert ran.read_text() == "ran"
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(scorer, pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({"lm_head.weight": _Shell(f"touch {tmp_path / 'pwned'}")}, pickled / "pytorch_model.bin")
+    bad = _recipe(tmp_path, models["text"], pickled)
+    with pytest.raises(ToolkitError, match=r"its weights file pytorch_model.bin is a pickle that does not load as "
+                                           r"plain tensors") as err:
+        check_scorers(bad, resolve_stages(bad), tokenizer, vision=False)
+    assert "weights_only=False" not in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+class _Shell:
+    """Unpickling this runs a shell command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, (self.command,))

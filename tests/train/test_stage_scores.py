@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolkit.data.collate import padding_collator
 from toolkit.data.encoding import encode_row
 from toolkit.errors import ToolkitError
-from toolkit.evals.scoring import row_sums
+from toolkit.evals.scoring import row_sums, sums_digest
 from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
 from toolkit.train.stage_scores import scorer_identity, stage_entry_scores
@@ -51,6 +51,32 @@ def test_scores_are_taken_once_where_the_key_says_and_read_back_after(tmp_path: 
     assert head.calls == calls
     np.testing.assert_array_equal(again.loss, taken.loss)
     assert (tmp_path / "scores-k.npz").is_file()
+
+    # What a checkpoint records of them (issue 48): a kept file edited after the run is refused, never used; one cut
+    # short is refused in one line past the point (not "BadZipFile"), and scored again at it.
+    digests: dict[str, str] = {}
+    stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=False,
+                       what="stage 'b'", digests=digests)
+    assert digests == {"k": sums_digest(taken)}
+    path = tmp_path / "scores-k.npz"
+    with np.load(path) as saved:
+        kept = {k: saved[k] for k in saved.files}
+    np.savez(path, **(kept | {"loss": kept["loss"] * 2}))  # edited: still a complete, readable file
+    with pytest.raises(ToolkitError, match=r"stage 'b': .*scores-k.npz holds other scores than the checkpoint this "
+                                           r"launch resumes from was trained with") as err:
+        stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=False,
+                           what="stage 'b'", recorded=digests)
+    assert head.calls == calls and "\n" not in str(err.value)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ToolkitError, match=r"scores-k.npz cannot be read \(BadZipFile: .*\), and this launch resumes "
+                                           r"past the point those scores were taken"):
+        stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=False,
+                           what="stage 'b'", recorded=digests)
+    assert head.calls == calls
+    rescored = stage_entry_scores(accelerator, model, samples, collate, 2, folder=tmp_path, key="k", may_score=True,
+                                  what="stage 'b'")
+    assert head.calls > calls and sums_digest(rescored) != digests["k"]  # the model moved: other scores, scored now
 
 
 def test_the_current_scorer_is_the_run_at_a_step_and_the_base_scorer_is_not() -> None:

@@ -6,7 +6,7 @@ by call site, during each step and what follows it (toolkit/train/loop.py's run_
 padded run:
 
 * the loop's own: exactly one per step outside logging steps (the all-reduce of the step's loss and flags, read
-  back for the stability guard's verdict);
+  back for the stability guard's verdict), in a preference stage's steps too;
 * inside each micro-batch's forward (transformers' mask creation: its position-id restart check, or the padding
   check; the chunked loss head's selection of label positions): at most two per micro-batch, none from the
   attention kernels when the collator hands over the boundaries, and none per layer: the packed row's max_seqlen
@@ -19,6 +19,7 @@ toolkit/train/loop.py's module docstring lists the syncs of logging, evaluation 
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from tests.conftest import REPO
 from tests.train.test_loop import _kept, build_run  # noqa: F401  (the fixture keeps signal handlers off the runner)
 from toolkit.data.packing import PackedCollator
 from toolkit.model import attention
+from toolkit.train import preference
 from toolkit.train.loop import after_step, enter_stage, run_step
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -93,6 +95,26 @@ def test_one_loop_sync_per_step_outside_logging_steps(tmp_path: Path, packing: b
         assert not any(k.startswith("toolkit/model/attention.py") for k in forward), forward
     logging = per_step[LOGGING_STEPS - 1]
     assert sum(n for k, n in logging.items() if k.startswith("toolkit/")) > 1  # the counter sees the logging reads
+
+
+def test_a_preference_step_reads_the_host_once_too(tmp_path: Path) -> None:
+    """A dpo stage's quiet steps: the loop's one read as an sft step's, the pair and chosen-token normalisers kept on
+    the device (`global_normalisers`; read back, they were a second sync before each step's first forward). Its
+    `pair_counts` reads the host batch (a host tensor, no sync), so it is not counted."""
+    run = build_run(tmp_path, "stages.0.max_steps=3", "logging.logging_steps=3", f"train.grad_accum={GRAD_ACCUM}",
+                    "train.micro_batch_size=1", "data.max_seq_len=96", "checkpoint.save_on_stage_end=false",
+                    "stages.0.objective=dpo", "stages.0.data=[dummy:pairs]")
+    stage = run.curriculum.stages[0]
+    enter_stage(run, stage, 0)
+    lines, first = inspect.getsourcelines(preference.pair_counts)
+    host_batch = {f"toolkit/train/preference.py:{n}" for n in range(first, first + len(lines))}
+    for step in range(2):  # steps 1 and 2: neither logs
+        with counting_syncs() as sites:
+            result = run_step(run, stage, step, step)
+            after_step(run, stage, step, step + 1, result)
+        loop = {k: n for k, n in sites.items()
+                if k != "torch" and not k.startswith(PER_FORWARD) and k not in host_batch}
+        assert sum(loop.values()) == 1 and next(iter(loop)).startswith("toolkit/train/loop.py"), loop
 
 
 def masked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None,

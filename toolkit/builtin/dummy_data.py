@@ -6,7 +6,8 @@ arithmetic; stage 2 is longer, partly multi-turn, partly system-prompted text wi
 lengths (to exercise packing/bucketing). Each row carries a ``difficulty`` that grows with problem size
 so difficulty-ordered curricula have something to sort on. The image-text stages ask about small generated
 PNGs (colours and shapes), mixed with text-only rows. A preference stage gets arithmetic pairs: the right answer
-chosen, a wrong one rejected (`write_dummy_pairs`).
+chosen, a wrong one rejected (`write_dummy_pairs`). An RL stage gets prompts with references that a tiny random
+model can learn to satisfy (`write_dummy_letters`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,38 @@ def write_dummy_pairs(out_dir: str | Path, num_samples: int, *, seed: int = 0) -
     return path
 
 
+# --- RL prompts with references: a task the tiny random model can learn --------------------------------------------
+
+LETTERS_BY_FREQUENCY = "etaoinshrdlcumwfgypbvkjxqz"
+"""English letters, most frequent first (the order of the usual letter-frequency tables): the rarer the letter, the
+fewer tokens of a BPE vocabulary hold it, and the harder the letters task."""
+_LETTER_PROMPTS = ("Write a word with the letter {}.", "Say something that contains the letter {}.",
+                   "Give me a word containing '{}'.")
+
+
+def _letter_row(rng: random.Random) -> Row:
+    """A prompt-only row (TRL's conversational shape) asking for text that holds a letter; the letter is the
+    reference (the `contains` reward, `lower: true`, scores it). A random model's completion holds a common letter
+    often and a rare one seldom: on the tiny Qwen3's vocabulary about 59% for `e` and 2% for `j` in 4 tokens, so the
+    task has a spread of pass rates to learn from and to order by."""
+    letter = rng.choice(LETTERS_BY_FREQUENCY)
+    return {"prompt": [_msg("user", rng.choice(_LETTER_PROMPTS).format(letter))], "reference": letter,
+            "difficulty": round(LETTERS_BY_FREQUENCY.index(letter) / (len(LETTERS_BY_FREQUENCY) - 1), 3)}
+
+
+def write_dummy_letters(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> Path:
+    """Write ``letters.jsonl``: ``num_samples`` prompt-only rows with references (`_letter_row`) for an RL stage
+    (`dummy:letters`); return its path. Seeded apart from the other files, so adding it changes none of their rows."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"letters-{seed}")
+    path = out / "letters.jsonl"
+    write_text_atomic(path, "".join(json.dumps(_letter_row(rng)) + "\n" for _ in range(num_samples)))
+    return path
+
+
 # --- facts to memorise, then overwrite (generation evals, gates, forgetting) ----------------------------------------
 
 FACT_SUBJECTS = ("cat", "dog", "tree", "house", "car", "book", "bird", "apple", "fish")
@@ -251,19 +284,23 @@ def write_dummy_vl_data(out_dir: str | Path, num_samples: int, *, seed: int = 0)
 DUMMY_PREFIX = "dummy:"
 """A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
 DUMMY_PAIRS = DUMMY_PREFIX + "pairs"
+DUMMY_LETTERS = DUMMY_PREFIX + "letters"
 """The generated preference pairs (`write_dummy_pairs`), a preference stage's dummy data."""
 
 
 def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
     """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
-    vision-language model), stage 1 on the first file, later stages on the second, and a preference stage
-    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`). Changes the recipe's stages, so the saved recipe.yaml
+    vision-language model), stage 1 on the first file, later stages on the second, a preference stage
+    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`) and an RL stage (grpo) on the letters
+    (`dummy:letters`). Changes the recipe's stages, so the saved recipe.yaml
     names the files the run read."""
     first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
     for i, stage in enumerate(stages):
         if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
-            pairs = getattr(stage, "objective", "sft") != "sft"
-            stage.data = [DUMMY_PAIRS if pairs else first if i == 0 else second]  # type: ignore[list-item]
+            objective = getattr(stage, "objective", "sft")
+            chosen = DUMMY_LETTERS if objective == "grpo" else DUMMY_PAIRS if objective != "sft" else \
+                first if i == 0 else second
+            stage.data = [chosen]  # type: ignore[list-item]
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
@@ -271,5 +308,6 @@ def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: b
     write_dummy_data(dummy_dir, num_samples, seed=seed)
     write_dummy_facts(dummy_dir, num_samples)
     write_dummy_pairs(dummy_dir, num_samples, seed=seed)
+    write_dummy_letters(dummy_dir, num_samples, seed=seed)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.atomic import build_dir, not_ours, refuse_not_ours
-from toolkit.errors import ToolkitError, out_of_space
+from toolkit.errors import ToolkitError, as_terminal_text, out_of_space
 from toolkit.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped
 
 TINY_MODEL_MARKER = ".toolkit-tiny-model.json"
@@ -71,13 +71,16 @@ def _tiny_model(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     if args.push_to_hub is None and args.private:
         raise ToolkitError("--private is for --push-to-hub: name the repo to create (--push-to-hub USER/NAME).")
+    if args.push_to_hub is None and args.push_extra:
+        raise ToolkitError("--push-extra is for --push-to-hub: it names a file of final/ to upload too.")
     if args.push_to_hub is None and args.out is None:
         raise ToolkitError("toolkit export needs --out DIR (the folder to write), or --push-to-hub REPO.")
     from toolkit.commands.export import export, push_to_hub
 
     if args.push_to_hub is not None:
         print(push_to_hub(args.source, args.push_to_hub, out=args.out, merge=args.merge, private=args.private,
-                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code))
+                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+                          extra=args.push_extra))
     else:
         print(export(args.source, args.out, merge=args.merge, overwrite=args.overwrite,
                      trust_remote_code=args.trust_remote_code))
@@ -180,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint or --out, the export, written to --out or a temporary folder. Login: `hf auth login` "
                    "or HF_TOKEN.")
     p.add_argument("--private", action="store_true", help="With --push-to-hub: create the repo private.")
+    p.add_argument("--push-extra", action="append", default=[], metavar="FILE", help="With --push-to-hub of a "
+                   "run's final/: also upload this file of final/ (repeatable). Without it, push uploads exactly "
+                   "the files final/checksums.json records and the model card, and refuses anything else there.")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("preflight", help="Per-GPU memory estimate for every strategy, and a scan of the data.")
@@ -274,7 +280,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         args.func(args)
     except ToolkitError as e:
-        if (line := _error_line(str(e))) is not None:
+        if (line := _error_line(as_terminal_text(str(e)))) is not None:  # it may quote a row or a file name
             print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:

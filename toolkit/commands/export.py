@@ -26,9 +26,10 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from toolkit.atomic import build_dir, not_ours, refuse_not_ours
 from toolkit.builtin.models import materialize_builtin
-from toolkit.checkpoint.final import verify_final
+from toolkit.checkpoint.final import FINAL_CHECKSUMS, verify_final
 from toolkit.checkpoint.lease import ReadLease
 from toolkit.checkpoint.manager import changed_files, read_meta
+from toolkit.checkpoint.model_card import MODEL_CARD
 from toolkit.checkpoint.portable import portable_lora_file
 from toolkit.checkpoint.safe_load import verify_checkpoint_files, weights_only_loads
 from toolkit.config.load import load_recipe
@@ -203,37 +204,148 @@ def export(source: str | Path, out: str | Path, *, merge: bool = False, overwrit
     return out
 
 
-def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = None, merge: bool = False,
-                private: bool = False, overwrite: bool = False, trust_remote_code: bool = False) -> str:
-    """Upload a run's model to the Hugging Face Hub repo `repo_id` (created if missing, `private` if new) through
-    huggingface_hub (create_repo + upload_folder; its login: `hf auth login` or HF_TOKEN, its HF_ENDPOINT).
+def _open_regular(folder: Path, rel: str) -> Any:
+    """`folder/rel` opened for reading without following a link at its last component (O_NOFOLLOW), and checked
+    to be a regular file: what is hashed and sent is that file's own bytes, never a link's target."""
+    import os
+    import stat
 
-    A run's final/ is uploaded as it is, verified first (every file against the sizes and sha256 training
-    recorded), with the model card training wrote. With --merge, a checkpoint as the source, or `out`, the export is
-    written first (to `out`, else a temporary folder) and that is uploaded, without its export marker. Returns the
-    commit's URL."""
+    try:
+        fd = os.open(folder / rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ToolkitError(f"{folder / rel} cannot be read for upload ({e.strerror}): it is a link, or gone. "
+                           "Push uploads only the files training saved, never through a link.") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ToolkitError(f"{folder / rel} is not a regular file: push uploads only files.")
+    return os.fdopen(fd, "rb")
+
+
+def publishable_files(folder: Path, *, recorded: dict[str, Any] | None, extra: list[str]) -> list[str]:
+    """The files of `folder` to publish, by path relative to it, after the rule of a run folder's record: exactly
+    the files `recorded` (final/checksums.json's "files") names, the checksums file and the model card, plus the
+    `extra` files the user named (--push-extra); `recorded` None: every file (an export this command just built).
+    Anything else in the folder (a stray `.env`, an editor's `README.md~`) and any link, anywhere in it, is refused
+    in one line naming it, before anything is sent. The walk never follows a link."""
+    import os
+
+    for name in extra:
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts:
+            raise ToolkitError(f"--push-extra {name!r}: name a file inside {folder} by its path relative to it.")
+    allowed = (None if recorded is None
+               else set(recorded) | {FINAL_CHECKSUMS, MODEL_CARD} | {Path(n).as_posix() for n in extra})
+    found: list[str] = []
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in sorted(dirs) + sorted(files):
+            path = Path(root) / name
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                raise ToolkitError(f"{path} is a link (to {os.readlink(path)}): push never uploads through a link. "
+                                   f"Remove it from {folder}, or put the file itself there.")
+            if name in files and rel != EXPORT_MARKER:
+                found.append(rel)
+    if allowed is not None:
+        stray = sorted(set(found) - allowed)
+        if stray:
+            raise ToolkitError(f"{folder / stray[0]} is not a file training saved (not in {FINAL_CHECKSUMS})"
+                               + (f", nor are {len(stray) - 1} more: {stray[1:4]}" if len(stray) > 1 else "")
+                               + f": push uploads only those and the model card. Remove it, or pass --push-extra "
+                               f"{stray[0]} to publish it too.")
+        missing = sorted(allowed - set(found) - {MODEL_CARD})
+        if missing:
+            raise ToolkitError(f"{folder / missing[0]} is missing: " + ("it was named by --push-extra."
+                               if missing[0] not in recorded and missing[0] != FINAL_CHECKSUMS else
+                               f"{FINAL_CHECKSUMS} records it. Restore it, or export a checkpoint of the run."))
+    return sorted(found)
+
+
+def _commit_operations(folder: Path, files: list[str], recorded: dict[str, Any] | None) -> list[Any]:
+    """One upload per file, each from its own file opened without following links; a file `recorded` names is
+    checked against its size and sha256 as the uploader itself hashed it (the digest of the bytes it sends)."""
+    from huggingface_hub import CommitOperationAdd
+
+    ops = []
+    for rel in files:
+        op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=_open_regular(folder, rel))
+        want = (recorded or {}).get(rel)
+        if want is not None and (op.upload_info.size != want["bytes"]
+                                 or op.upload_info.sha256.hex() != want["sha256"]):
+            raise ToolkitError(f"{folder} does not hold what training saved: {rel} is not the file recorded in "
+                               f"{FINAL_CHECKSUMS} (size or sha256 differs). Export a checkpoint of the run instead "
+                               "(toolkit export <output_dir>/checkpoints/step-N), or restore the original files.")
+        ops.append(op)
+    return ops
+
+
+def _recorded(final: Path) -> dict[str, Any]:
+    """final/checksums.json's record of the files training saved ({path: {bytes, sha256}}), or one line saying why
+    it is no record."""
+    path = final / FINAL_CHECKSUMS
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["files"]
+        if not isinstance(recorded, dict) or not all(
+                isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+                and isinstance(k, str) and k and ".." not in Path(k).parts and not Path(k).is_absolute()
+                for k, v in recorded.items()):
+            raise TypeError("files is not a record of relative paths with bytes and sha256")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ToolkitError(f"{path} cannot be read ({type(e).__name__}: {e}): {final} cannot be verified, so "
+                           "nothing is pushed. Export a checkpoint of the run and push that, or restore the "
+                           "original files.") from None
+    return recorded
+
+
+def push_to_hub(source: str | Path, repo_id: str, *, out: str | Path | None = None, merge: bool = False,
+                private: bool = False, overwrite: bool = False, trust_remote_code: bool = False,
+                extra: list[str] | None = None) -> str:
+    """Upload a run's model to the Hugging Face Hub repo `repo_id` (created if missing, `private` if new) through
+    huggingface_hub (create_repo + create_commit; its login: `hf auth login` or HF_TOKEN, its HF_ENDPOINT).
+
+    A run's final/ is published through its own record: exactly the files final/checksums.json records, each
+    verified against its size and sha256, plus checksums.json and the model card, and the `extra` files the user
+    named (--push-extra). Anything else there and any link is refused in one line before anything is sent
+    (publishable_files). With --merge, a checkpoint as the source, or `out`, the export is written first (to `out`,
+    else a temporary folder) and its files are uploaded, all but its export marker. Returns the commit's URL."""
     import tempfile
 
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     src, run = _resolve(Path(source).resolve())
+    extra = list(extra or [])
     with tempfile.TemporaryDirectory(prefix="toolkit-push-") as scratch:
         if src == run.final and not merge and out is None:
-            verify_final(src)  # a file cut short or swapped is refused before anything is sent
+            if src.is_symlink():
+                raise ToolkitError(f"{src} is a link (to {src.readlink()}): push never uploads through a link. "
+                                   "Push the run whose final/ it is.")
+            if not (src / FINAL_CHECKSUMS).is_file() or (src / FINAL_CHECKSUMS).is_symlink():
+                raise ToolkitError(f"{src} has no {FINAL_CHECKSUMS} (written by an earlier version, or removed): "
+                                   "push publishes only what it records. Export it first (toolkit export "
+                                   f"{run.root} --out DIR), then push that: --out DIR --push-to-hub {repo_id}.")
+            recorded = _recorded(src)
             folder = src
         else:
+            if extra:
+                raise ToolkitError("--push-extra adds files of a run's final/ to its upload; an export (--merge, "
+                                   "--out, a checkpoint) uploads what it wrote. Copy the file into --out instead.")
+            recorded = None
             folder = export(source, Path(out) if out is not None else Path(scratch) / "export", merge=merge,
                             overwrite=overwrite, trust_remote_code=trust_remote_code)
+        files = publishable_files(folder, recorded=recorded, extra=extra)
+        ops = _commit_operations(folder, files, recorded)
         api = HfApi()
         try:
             api.create_repo(repo_id, private=private or None, exist_ok=True)  # not --private: the Hub's default
-            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=[EXPORT_MARKER],
+            commit = api.create_commit(repo_id=repo_id, operations=ops,
                                        commit_message=f"Upload {run.root.name} ({'merged' if merge else src.name})")
         except (HfHubHTTPError, OSError, ValueError) as e:
             raise ToolkitError(f"Uploading {folder} to {repo_id} on {api.endpoint} failed: "
                                f"{' '.join(str(e).split())[:300]} (log in with `hf auth login` or set HF_TOKEN; a "
                                "repo id is <user or organization>/<name>).") from None
+        finally:
+            for op in ops:
+                op.path_or_fileobj.close()
     return commit.commit_url
 
 

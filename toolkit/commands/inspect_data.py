@@ -34,7 +34,7 @@ from toolkit.data.encoding import IGNORE_INDEX, PAIR_IN_SFT
 from toolkit.data.pairs import PAIR_SHAPES, pair_shape
 from toolkit.data.plan import PairRows, StageRows, TrainingSet
 from toolkit.data.stages import load_stage, run_stores, stage_summary, tokenized_cache_dir, unread_keys_summary
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, as_terminal_text
 from toolkit.runtime.run_dir import RunLayout
 
 GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -68,7 +68,7 @@ def _decode(ids: list[int], tokenizer: Any, special: set[int]) -> str:
             pending = []
         else:
             pending += [token] * run
-    return "".join([*out, tokenizer.decode(pending)])
+    return as_terminal_text("".join([*out, tokenizer.decode(pending)]))  # row text, shown as text (cat -v)
 
 
 def stage_statistics(src: TrainingSet) -> str:
@@ -106,7 +106,7 @@ def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, score
             chosen, rejected = part.sides(k)
             full = max(int(part.store.lengths[2 * i]), int(part.store.lengths[2 * i + 1]))
             cut = f", truncated from {full}" if full > part.selection.limit else ""
-            lines += [f"--- {part.store.where(2 * i)} (pair: {len(chosen['input_ids'])} + "
+            lines += [f"--- {as_terminal_text(part.store.where(2 * i))} (pair: {len(chosen['input_ids'])} + "
                       f"{len(rejected['input_ids'])} tokens{cut}) ---",
                       *mark_pair(chosen, rejected, tokenizer, colour=colour)]
             continue
@@ -115,7 +115,7 @@ def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, score
         cut = f", truncated from {full}" if full > part.selection.limit else ""
         where = part.store.where(i)
         score = f", {scored[0]} {scored[1][where]:.4g}" if scored and where in scored[1] else ""
-        lines += [f"--- {where} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
+        lines += [f"--- {as_terminal_text(where)} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
                   mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
     return lines
 
@@ -192,7 +192,7 @@ def _scores(layout: RunLayout, stage: str) -> tuple[str, dict[str, float]] | Non
     None when there is none."""
     import pyarrow.parquet as pq
 
-    path = layout.scores / f"{stage}.parquet"
+    path = layout.stage_scores(stage)
     if not path.is_file():
         return None
     table = pq.read_table(path).to_pydict()

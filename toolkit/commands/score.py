@@ -133,7 +133,7 @@ def score(recipe: Recipe, *, stage: str | None, out: Path | None, dummy_samples:
         columns = {"row": where, name: values, "loss_sum": given.loss, "tokens": given.tokens}
         if alone is not None:
             columns |= {"alone_loss_sum": alone.loss, "alone_tokens": alone.tokens}
-        target = out if out is not None else layout.scores / f"{st.name}.parquet"
+        target = out if out is not None else layout.stage_scores(st.name)
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, lambda f: pq.write_table(pa.table(columns), f))
     finally:

@@ -50,19 +50,34 @@ def shipped_configs(root: Path) -> list[str]:
     return sorted(p.stem for p in (root / CONFIGS).glob("*.yaml"))
 
 
+def looks_like_path(choice: str) -> bool:
+    """Whether `--accelerate-config` names a file: it contains a `/` (or the platform's separator) or ends in
+    .yaml / .yml. Anything else is a shipped config's name."""
+    return "/" in choice or os.sep in choice or choice.endswith((".yaml", ".yml"))
+
+
 def find_config(choice: str, root: Path) -> Path:
-    """The accelerate config `--accelerate-config` names: a file (a path, or a name ending in .yaml), else a
-    shipped config by name (`ddp`, `zero3`, ...)."""
-    path = Path(choice)
-    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1 or path.exists():
+    """The accelerate config `--accelerate-config` names: a file when it looks like a path (looks_like_path), else
+    always a shipped config by name (`ddp`, `zero3`, ...), whatever the working folder holds: a file named `ddp`
+    there never replaces the shipped ddp.yaml, and a folder named `zero3` never hides the shipped one. A clash (a
+    shipped name that is also an entry of the working folder) is named in one line on stderr."""
+    names = shipped_configs(root)
+    if looks_like_path(choice):
+        path = Path(choice)
         if not path.is_file():
-            raise ToolkitError(f"--accelerate-config {choice} does not exist: name an accelerate config file, or a "
-                               f"shipped config ({', '.join(shipped_configs(root))}).")
+            raise ToolkitError(f"--accelerate-config {choice} does not exist (or is not a file): name an accelerate "
+                               f"config file, or a shipped config by name ({', '.join(names)}).")
         return path
     shipped = root / CONFIGS / f"{choice}.yaml"
+    here = Path(choice)
     if not shipped.is_file():
-        raise ToolkitError(f"--accelerate-config {choice} is neither a file nor a shipped config: name one of "
-                           f"{', '.join(shipped_configs(root))}, or an accelerate config file.")
+        local = (f" ./{choice} is here: a file is named as a path (./{choice})." if here.exists() or
+                 here.is_symlink() else "")
+        raise ToolkitError(f"--accelerate-config {choice} is not a shipped config ({', '.join(names)}).{local} "
+                           "An accelerate config file is named by a path: one with a / or ending in .yaml.")
+    if here.exists() or here.is_symlink():
+        print(f"note: --accelerate-config {choice} is the shipped {CONFIGS}/{choice}.yaml, not ./{choice} in this "
+              f"folder: to use that file, write ./{choice}.", file=sys.stderr, flush=True)
     return shipped
 
 

@@ -22,7 +22,7 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             del stage["micro_batch_size"]
         if stage["objective"] == "sft" and stage["preference"] is None:  # the default: earlier hashes as they were
             del stage["objective"], stage["preference"]
-        for key in ("difficulty", "drop"):  # bound when set; unset, earlier checkpoints' hashes stay as they were
+        for key in ("difficulty", "drop", "rl", "rewards"):  # bound when set; unset, earlier hashes stay as they were
             if stage.get(key) is None:
                 stage.pop(key, None)
         if stage.get("difficulty") is not None and stage["difficulty"].get("model") is None:

@@ -98,6 +98,10 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens carry loss: assistant turns only, or every token."
     )
+    identical_pairs: Literal["error", "skip"] = Field(
+        "error", description="A preference pair whose chosen and rejected sides render to the same tokens cannot "
+        "teach (its loss is ln 2 with no gradient): error refuses it naming its row, skip drops such pairs and counts "
+        "them in the stage's data line.")
     cache_dir: str | None = Field(None, description="Token stores, shared by runs and ranks (default <output_dir>/../"
                                   ".toolkit-cache/tokenized); 'none': every process tokenises into its own memory.")
     num_proc: int | None = Field(None, gt=0, description="Processes that tokenise a source (default: every core).")
@@ -122,6 +126,10 @@ class DataConfig(_Section):
         "auto", description="How chat rows are rendered: 'auto' writes the stock Qwen templates (qwen2.5, qwen3, "
         "qwen2.5-vl, qwen3-vl) directly in Python, byte for byte what their Jinja gives, and any other template "
         "through Jinja; 'jinja' renders every row through the Jinja template (its own token store).")
+    completion_newline: bool = Field(
+        False, description="Preference pairs in chat form: also train the newline the chat template writes after "
+        "each completion's end token (<|im_end|>), as TRL's conversational DPO does. Default false: a completion "
+        "ends at <|im_end|>, as an SFT turn does and as the model generates (docs/preference.md).")
     empty_answers: Literal["error", "skip"] = Field(
         "error", description="An assistant turn with no content (it would train a bare end-of-turn token): "
         "'error' refuses the row, naming it; 'skip' keeps the turn in the context untrained (a row left with nothing "
@@ -146,8 +154,9 @@ class DataConfig(_Section):
 
 
 COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
-                 "system", "history", "tools", "images", "difficulty")
-"""The row fields a data entry's `columns` may map to the source's own column names."""
+                 "system", "history", "tools", "images", "difficulty", "reference")
+"""The row fields a data entry's `columns` may map to the source's own column names (`reference`: an RL stage's
+prompt rows, toolkit/data/prompts.py)."""
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
 """Keys of a data entry's `tags` (LLaMA-Factory's names): the keys inside each message (`role_tag`, `content_tag`)
 and the role names (`user_tag` ...) a source uses."""
@@ -401,6 +410,100 @@ class PreferenceConfig(_Section):
         return self
 
 
+RL_OBJECTIVES = ("grpo",)
+"""Stage objectives that train on prompts by reinforcement learning with rewards (`stages[].objective`)."""
+
+REWARD_KINDS = ("exact", "contains", "regex", "json_valid", "math", "think_format", "overlong")
+"""Built-in rewards: the generation-eval scorers, a math verifier, a think-format reward and DAPO's soft overlong
+punishment; a user function is given as `module:function`."""
+
+REFERENCE_REWARDS = ("exact", "contains", "regex", "math")
+"""Rewards that compare a completion with its row's reference (`columns: {reference: ...}`)."""
+
+
+class RewardConfig(_Section):
+    """One reward of an RL stage: a scorer of a completion, weighted into the sum the advantages are taken of
+    (built by toolkit/evals/rewards.py, which checks a scorer's options)."""
+
+    scorer: str | dict[str, Any] = Field(..., description="exact, contains, regex, json_valid, math, think_format, "
+                                         "overlong, a user function as module:function (TRL's reward-function "
+                                         "contract), or {kind: ..., options} (e.g. {kind: regex, pattern: ...}).")
+    weight: float = Field(1.0, description="Its weight in the summed reward (TRL's reward_weights).")
+
+    @field_validator("scorer")
+    @classmethod
+    def _known(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        kind = value.get("kind") if isinstance(value, dict) else value
+        if not isinstance(kind, str):
+            raise ValueError("a reward scorer given as a mapping names its kind: {kind: regex, pattern: ...}")
+        if ":" in kind:
+            if not re.fullmatch(r"[\w.]+:\w+", kind):
+                raise ValueError(f"reward scorer '{kind}' is not of the form module:function (e.g. "
+                                 "my_rewards:accuracy)")
+            return value
+        if kind not in (*REWARD_KINDS, "function"):
+            close = difflib.get_close_matches(kind, REWARD_KINDS, n=1)
+            raise ValueError(f"unknown reward scorer '{kind}'{f' (did you mean {close[0]}?)' if close else ''}; "
+                             f"the built-in rewards are {', '.join(REWARD_KINDS)}, or give a user function as "
+                             "module:function")
+        return value
+
+    @property
+    def kind(self) -> str:
+        return str(self.scorer.get("kind") if isinstance(self.scorer, dict) else self.scorer)
+
+    @property
+    def metric(self) -> str:
+        """Its metric's name (rewards/<name>/mean): the mapping's `name`, the function's name, or the kind."""
+        if isinstance(self.scorer, dict) and self.scorer.get("name"):
+            return str(self.scorer["name"])
+        function = self.scorer.get("function") if isinstance(self.scorer, dict) else None
+        ref = function if isinstance(function, str) else self.kind
+        return ref.rsplit(":", 1)[1] if ":" in ref else ref
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind in REFERENCE_REWARDS
+
+
+class RlConfig(_Section):
+    """An RL stage's settings, named and defaulted as TRL 1.16's GRPOConfig (docs/rl.md)."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="How the token losses are normalised: dapo (over the global batch's completion "
+        "tokens, TRL's default), grpo (per sequence), bnpo (the local batch's tokens), dr_grpo (a constant "
+        "max_completion_length per sequence).")
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (a group); the global batch "
+                                 "(micro_batch_size x grad_accum x processes completions) must divide by it.")
+    max_completion_length: int = Field(512, gt=0, description="Longest completion, in tokens (TRL's default).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts (and of the "
+                               "log-probs the loss takes).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (0: no reference, TRL's default); "
+                        "above 0 the reference is the LoRA adapter as the stage enters it.")
+    epsilon: float = Field(0.2, ge=0, description="Lower (and, without epsilon_high, upper) clipping of the ratio.")
+    epsilon_high: float | None = Field(None, ge=0, description="Upper clipping (DAPO's clip-higher: 0.28); default "
+                                       "epsilon.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the group's (or the batch's) reward std, or not (none, as "
+        "Dr. GRPO argues).")
+    mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length leave "
+                                             "the loss (DAPO).")
+    num_iterations: int = Field(1, ge=1, description="Updates per rollout batch (the clipped ratio against the "
+                                "rollout's log-probs above 1).")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and draw "
+                                   "prompts again, up to max_resample times, keeping the global batch size.")
+    max_resample: int = Field(3, ge=0, description="Draws beyond the first per step under dynamic_sampling.")
+    prioritize: Literal["failure_rate"] | None = Field(None, description="Sample prompts in proportion to 1 - "
+                                                       "their running success rate (Kimi k1.5).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RlConfig:
+        if "max_resample" in self.model_fields_set and not self.dynamic_sampling:
+            raise ValueError("max_resample is read only with dynamic_sampling: true; set it or remove max_resample")
+        return self
+
+
 ORDERED = ("easy_to_hard", "hard_to_easy")
 """The orders by difficulty; `hard_to_easy` is `easy_to_hard` over the negated difficulty (ties still by index)."""
 
@@ -438,6 +541,9 @@ class DifficultyConfig(_Section):
                               "(the run's model before training), current (the policy as it enters the stage), or "
                               "a separate scorer: a local model folder or a hub id (owner/name) with the run's "
                               "tokenizer, loaded whole on every process for the scoring pass at step 0 and freed.")
+    trust_remote_code: bool = Field(False, description="Allow a separate scorer's own Python code (its config's "
+                                    "auto_map) to run. The scorer's own consent: model.trust_remote_code covers the "
+                                    "policy only.")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -452,6 +558,9 @@ class DifficultyConfig(_Section):
             raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
         if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
             raise ValueError(scorer_path_problem(self.model))
+        if self.trust_remote_code and (self.model is None or self.model in SCORERS):
+            raise ValueError("difficulty.trust_remote_code is a separate scorer's own consent: the run's model (base, "
+                             "current) runs its code under model.trust_remote_code")
         return self
 
 
@@ -465,6 +574,37 @@ class DropConfig(_Section):
             raise ValueError(f"drop.easiest + drop.hardest is {self.easiest + self.hardest:g}: nothing would be "
                              "left; keep their sum below 1")
         return self
+
+
+def pair_losses(objective: str, pref: PreferenceConfig | None) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+    """The losses a preference stage trains and their weights (None: 1 each): the one owner of the rules of each
+    objective's `preference.loss`, which both the recipe's check (raising ValueError) and the stage's loss
+    settings (toolkit/train/pair_stage.py `settings_of`) read.
+
+    dpo: `preference.loss` as given (TRL's default, sigmoid), not sft alone. orpo / simpo: the pair loss is the
+    objective itself, at weight 1; `preference.loss` may name sft only (the chosen NLL, TRL's ORPO / CPO term), and
+    `loss_weights` (one weight) then weighs that sft term; no reference."""
+    if objective not in ("orpo", "simpo"):
+        if pref is None:
+            return ("sigmoid",), None
+        if pref.loss == ["sft"]:
+            raise ValueError("preference.loss is only sft; add a pair loss (sigmoid, ipo, hinge, robust) or make the "
+                             "stage's objective sft")
+        return tuple(pref.loss), None if pref.loss_weights is None else tuple(pref.loss_weights)
+    if pref is None:
+        return (objective,), None
+    named = "loss" in pref.model_fields_set
+    if named and [name for name in pref.loss if name != "sft"]:
+        raise ValueError(f"preference.loss names {pref.loss} but an {objective} stage's pair loss is {objective} "
+                         "itself; name at most sft (the chosen NLL)")
+    if pref.reference is not None:
+        raise ValueError(f"preference.reference is {pref.reference} but {objective} takes no reference; remove it")
+    sft = named and "sft" in pref.loss
+    if pref.loss_weights is not None and not sft:
+        raise ValueError(f"preference.loss_weights is set but an {objective} stage weighs only its sft term: name it "
+                         "(loss: [sft], loss_weights: [w]) or remove loss_weights")
+    names = (objective, "sft") if sft else (objective,)
+    return names, None if pref.loss_weights is None else (1.0, *pref.loss_weights)
 
 
 class StageConfig(_Section):
@@ -509,8 +649,12 @@ class StageConfig(_Section):
                                                           "(default: eval.generation).")
     advance_when: AdvanceWhen | None = Field(None, description="Mastery gate: end the stage once an eval metric "
                                              "reaches a threshold (max_steps / epochs stay the ceiling).")
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
-        "sft", description="What the stage trains: sft on rows, or dpo / orpo / simpo on preference pairs.")
+    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = Field(
+        "sft", description="What the stage trains: sft on rows, dpo / orpo / simpo on preference pairs, or grpo "
+        "(GRPO / DAPO / Dr. GRPO by rl.loss_type) on prompts with rewards.")
+    rl: RlConfig | None = Field(None, description="A grpo stage's settings, TRL's GRPOConfig names and defaults.")
+    rewards: list[RewardConfig] | None = Field(None, description="A grpo stage's rewards: [{scorer, weight}], "
+                                               "summed with their weights.")
     preference: PreferenceConfig | None = Field(None, description="A dpo / orpo / simpo stage's loss and reference "
                                                 "(default: sigmoid, beta 0.1, reference precompute).")
 
@@ -523,23 +667,24 @@ class StageConfig(_Section):
             raise ValueError("give a weight to every data file of the stage, or to none")
         if self.pacing is not None and self.order != "easy_to_hard":
             raise ValueError("pacing needs order: easy_to_hard")
+        if self.objective != "grpo" and (self.rl is not None or self.rewards is not None):
+            raise ValueError(f"{'rl' if self.rl is not None else 'rewards'} is set but the stage's objective is "
+                             f"{self.objective}; set objective: grpo or remove it")
+        if self.objective == "grpo":
+            if not self.rewards:
+                raise ValueError("a grpo stage needs rewards: [{scorer: ..., weight: ...}] (e.g. math, "
+                                 "think_format, or module:function)")
+            if self.preference is not None:
+                raise ValueError("preference is set but the stage's objective is grpo; its settings are rl:")
+            names = [r.metric for r in self.rewards]
+            if dupes := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"reward names must be unique, repeated: {dupes} (give one a name:)")
         if self.objective == "sft" and self.preference is not None:
             raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
                              "simpo) or remove preference")
         pref = self.preference
-        if self.objective in ("orpo", "simpo") and pref is not None:
-            if [name for name in pref.loss if name != "sft"] and "loss" in pref.model_fields_set:
-                raise ValueError(f"preference.loss names {pref.loss} but an {self.objective} stage's pair loss is "
-                                 f"{self.objective} itself; name at most sft (the chosen NLL)")
-            if pref.reference is not None:
-                raise ValueError(f"preference.reference is {pref.reference} but {self.objective} takes no "
-                                 "reference; remove it")
-            if pref.loss_weights is not None and not ("loss" in pref.model_fields_set and "sft" in pref.loss):
-                raise ValueError(f"preference.loss_weights is set but an {self.objective} stage weighs only its sft "
-                                 "term: name it (loss: [sft], loss_weights: [w]) or remove loss_weights")
-        if self.objective == "dpo" and pref is not None and pref.loss == ["sft"]:
-            raise ValueError("preference.loss is only sft; add a pair loss (sigmoid, ipo, hinge, robust) or make the "
-                             "stage's objective sft")
+        if self.objective != "sft":
+            pair_losses(self.objective, pref)  # raises on a loss list the objective does not take
         if pref is not None and "simpo_gamma" in pref.model_fields_set and self.objective != "simpo":
             raise ValueError(f"preference.simpo_gamma is set but the stage's objective is {self.objective}; only "
                              "simpo stages use it")
@@ -722,11 +867,19 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _preference_stages(self) -> Recipe:
         """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
-        model's scores do not rank yet (length and a row field do: each pair takes its source row's value)."""
+        model's scores do not rank yet (length and a row field do: each pair takes its source row's value);
+        data.completion_newline shapes pairs only, so a recipe without a preference stage refuses it."""
+        if self.data.completion_newline and all(stage.objective == "sft" for stage in self.stages):
+            raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
+                             "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
         for i, stage in enumerate(self.stages):
-            if stage.objective == "sft":
-                continue
             where = f"stages.{i} ('{stage.name}')"
+            if stage.objective == "grpo" and stage.rl is not None and stage.rl.beta > 0 and not self.lora.enabled:
+                raise ValueError(f"{where}: rl.beta is {stage.rl.beta:g} but lora.enabled is false: the KL reference "
+                                 "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "
+                                 "fully fine-tuned model is not built; set rl.beta: 0 (TRL's default) or enable lora")
+            if stage.objective not in PREFERENCE_OBJECTIVES:
+                continue
             if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
                 raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
                                  "lora.enabled is false; use reference: precompute")

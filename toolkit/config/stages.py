@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from toolkit.config.schema import (
     LORA_KEYWORD,
     PREFERENCE_OBJECTIVES,
+    RL_OBJECTIVES,
     AdvanceWhen,
     DataEntry,
     DifficultyConfig,
@@ -16,6 +17,8 @@ from toolkit.config.schema import (
     PacingConfig,
     PreferenceConfig,
     Recipe,
+    RewardConfig,
+    RlConfig,
 )
 
 
@@ -58,6 +61,13 @@ class ResolvedStage:
     drop: DropConfig | None = None
     objective: str = "sft"  # sft on rows, or dpo | orpo | simpo on preference pairs (PREFERENCE_OBJECTIVES)
     preference: PreferenceConfig | None = None  # a preference stage's loss and reference (None: the defaults)
+    rl: RlConfig | None = None  # a grpo stage's settings (TRL's defaults when the recipe gives none)
+    rewards: tuple[RewardConfig, ...] = ()  # a grpo stage's rewards
+
+    @property
+    def prompts(self) -> bool:
+        """Whether the stage trains on prompts by RL (objective grpo): its rows are prompts with their columns."""
+        return self.objective in RL_OBJECTIVES
 
     @property
     def pairs(self) -> bool:
@@ -91,7 +101,9 @@ def resolve_stages(recipe: Recipe) -> list[ResolvedStage]:
             patience=stage.patience, patience_min_delta=stage.patience_min_delta,
             generation=tuple(stage.generation if stage.generation is not None else recipe.eval.generation),
             advance_when=stage.advance_when, difficulty=stage.difficulty, drop=stage.drop,
-            objective=stage.objective, preference=stage.preference))
+            objective=stage.objective, preference=stage.preference,
+            rl=(stage.rl or RlConfig()) if stage.objective in RL_OBJECTIVES else None,
+            rewards=tuple(stage.rewards or ())))
     return resolved
 
 

@@ -61,16 +61,22 @@ class StagePlan:
 def plan_stages(names: list[str], sizes: list[int], *, micro_batches: list[int], grad_accum: int, world_size: int,
                 epochs: list[float | None], max_steps: list[int | None], lrs: list[float],
                 warmup_ratios: list[float], min_lr_ratios: list[float], schedules: list[str],
-                decay_ratio: float = 0.1) -> list[StagePlan]:
-    """Lay the stages end to end. A stage runs `max_steps`, else `epochs` (default 1) full global batches."""
+                decay_ratio: float = 0.1, groups: list[int] | None = None) -> list[StagePlan]:
+    """Lay the stages end to end. A stage runs `max_steps`, else `epochs` (default 1) full global batches. An RL
+    stage's samples are prompts, each completed `groups[i]` times (rl.num_generations): its global batch of
+    micro_batch_size x grad_accum x processes completions is that many times fewer prompts."""
     plans, start = [], 0
     for i, name in enumerate(names):
-        n, global_batch = sizes[i], micro_batches[i] * grad_accum * world_size
-        per_epoch = n // global_batch
+        group = groups[i] if groups is not None else 1
+        n, global_batch = sizes[i], micro_batches[i] * grad_accum * world_size // group
+        per_epoch = n // global_batch if global_batch else 0
         if per_epoch == 0:
+            unit = (f"{global_batch} prompts (micro_batch_size x grad_accum x processes completions / "
+                    f"rl.num_generations {group})" if group > 1 else
+                    f"{global_batch} (micro_batch_size x grad_accum x processes)")
             raise ToolkitError(
-                f"Stage '{name}' has {n} usable samples, fewer than one global batch of {global_batch} "
-                "(micro_batch_size x grad_accum x processes). Add data or lower the batch size.")
+                f"Stage '{name}' has {n} usable samples, fewer than one global batch of {unit}. Add data or lower "
+                "the batch size.")
         steps = max_steps[i] or max(1, round((epochs[i] or 1.0) * per_epoch))
         warmup = math.ceil(round(warmup_ratios[i] * steps, 9))  # round first: 0.07 * 100 is 7.000000000000001
         plans.append(StagePlan(index=i, name=name, num_samples=n, steps=steps, start_step=start, lr=lrs[i],
@@ -411,7 +417,8 @@ def build_curriculum(stages: list[ResolvedStage], training_sets: list[TrainingSe
         epochs=[s.epochs for s in stages], max_steps=[s.max_steps for s in stages],
         lrs=[scaled_lr(s) for s in stages], warmup_ratios=[s.warmup_ratio for s in stages],
         min_lr_ratios=[s.min_lr_ratio for s in stages], schedules=[s.schedule for s in stages],
-        decay_ratio=stages[0].decay_ratio)
+        decay_ratio=stages[0].decay_ratio,
+        groups=[s.rl.num_generations if s.rl is not None else 1 for s in stages])
     records = []
     for stage, src, plan, rows in zip(stages, training_sets, plans, eval_rows, strict=True):
         sampler = StageSampler(sizes=src.sizes, weights=None if stage.weights is None else list(stage.weights),

@@ -8,6 +8,7 @@ DataLoader's worker processes (toolkit/data/batching.py), so images are decoded 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -179,7 +180,7 @@ class PairCollator:
     workers."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        self.inner = sides_collator(inner)
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         samples = []
@@ -191,6 +192,26 @@ class PairCollator:
         batch = dict(self.inner(samples))
         batch["pair_index"] = [int(row["pair_index"]) for row in rows]
         return batch
+
+
+PAIR_PAD_MULTIPLE = 64
+"""Padded pair sides are padded to a multiple of this many tokens, in the reference pass and in the step alike."""
+
+
+def sides_collator(inner: Any) -> Any:
+    """The collator of a preference stage's sides, in its steps and in its reference and eval passes: the run's
+    collator, padding (if it pads) to a multiple of PAIR_PAD_MULTIPLE tokens.
+
+    Why: a side's log-prob must not depend on the batch it is scored in, or the step at a dpo stage's entry (the
+    policy is its own reference there) gives rewards of +-4e-8 instead of 0 and `rewards/accuracies` counts that
+    noise. Rows of one padded length give bitwise the same log-probs alone or together; another padded length does
+    not, since attention's kernels reduce over the padded key length in vector blocks and a remainder loop (torch's
+    CPU flash kernel; GPU kernels in tiles of 64 or 128), so the same real keys fall in other blocks. Padding to a
+    multiple of 64 keeps each real key in the same block whatever the batch's longest side: padded keys add exact
+    zeros. At most 63 padding tokens per row; packed rows have none and need nothing."""
+    if isinstance(inner, DataCollatorForSeq2Seq) and inner.pad_to_multiple_of is None:
+        return dataclasses.replace(inner, pad_to_multiple_of=PAIR_PAD_MULTIPLE)
+    return inner
 
 
 def pair_collator(inner: Any) -> PairCollator:

@@ -73,13 +73,16 @@ class DataStats:
     tokens: int = 0
     label_tokens: int = 0
     dropped_by_difficulty: int = 0  # stage.drop
+    identical: int = 0  # pairs whose two sides render alike (data.identical_pairs: skip)
     pairs: bool = False  # a preference stage's: every count is of pairs (tokens: both sides')
 
     def summary(self) -> str:
         if self.pairs:
             head = (f"{self.rows} pairs, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained, both "
                     f"sides), {self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
-                    f"{self.no_label_tokens} dropped with no completion token left")
+                    f"{self.no_label_tokens} dropped with no completion token left"
+                    + (f", {self.identical} dropped with chosen = rejected (data.identical_pairs: skip)"
+                       if self.identical else ""))
         else:
             head = (f"{self.rows} rows, {self.kept} kept ({self.tokens} tokens, {self.label_tokens} trained), "
                     f"{self.dropped_overlength} dropped over max_seq_len, {self.truncated} truncated, "
@@ -488,8 +491,8 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
     if isinstance(row.get("label"), bool):  # KTO's desirable / undesirable mark (another 'label' is an extra)
         raise ToolkitError(f"{where}: the row has a true/false 'label' (KTO preference data), which is not "
                            "supported: rows train supervised, so an undesirable answer would be learned; train "
-                           "unpaired KTO with TRL's KTOTrainer (trl.experimental.kto) or LLaMA-Factory's stage: kto, "
-                           "or keep only rows to learn, without the label.")
+                           "unpaired KTO with TRL's KTOTrainer (from trl import KTOTrainer) or LLaMA-Factory's "
+                           "stage: kto, or keep only rows to learn, without the label.")
     shapes = [name for name, keys in SHAPES.items() if any(_present(row, k) for k in keys)]
     if len(shapes) > 1:
         keys = [k for name in shapes for k in SHAPES[name] if _present(row, k)]
@@ -580,12 +583,14 @@ class TextEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
                  chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False,
-                 renderer: str = "auto") -> None:
+                 completion_newline: bool = False, renderer: str = "auto") -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
         self.renderer = renderer  # data.renderer: 'auto' (direct where the template is a stock one) or 'jinja'
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             chosen_renderer(tokenizer.chat_template, renderer)  # said once, in the process that builds the encoder
         self.pairs = pairs  # a preference stage's: each source row is a pair, stored as its chosen and rejected rows
+        # data.completion_newline (pairs only): a trained turn also trains the newline its template writes after it
+        self.completion_newline = completion_newline and pairs
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
@@ -595,6 +600,7 @@ class TextEncoder:
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
                 **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {}),
                 **({"pairs": True} if self.pairs else {}),
+                **({"completion_newline": True} if self.completion_newline else {}),
                 **({"renderer": "jinja"} if self.renderer == "jinja" else {})}  # forced: its own store
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
@@ -697,12 +703,13 @@ class TextEncoder:
                                    f"span(s) for {len(trains)} assistant turn(s), so per-turn weights cannot be "
                                    "applied exactly; drop the weights or use the model's own template.")
             spans = [b for b, t in zip(blocks, trains, strict=False) if t] if not all(trains) else blocks
-            return full, spans, True
+            return full, self._with_newline(full, spans), True
         direct = chosen_renderer(template, self.renderer) if isinstance(template, str) else None
         if direct is not None:  # a stock template: rendered in Python, its assistant spans known as written
             try:
                 full, spans = direct(messages, tools)
-                return _trained(*_apply_thinking(full, spans, thinking, tok, where), trains)
+                full, spans = _apply_thinking(full, spans, thinking, tok, where)
+                return full, self._with_newline(full, _trained(spans, trains)), False
             except Unrendered:  # a row the direct renderer does not mirror: the template renders it
                 pass
         full, _ = render_chat(tok, messages, tools, where)
@@ -711,12 +718,20 @@ class TextEncoder:
             full, spans = _apply_thinking(full, spans, thinking, tok, where)
         else:
             spans = _prefix_spans(tok, messages, tools, full, where)
-        return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+        return full, self._with_newline(full, [span for span, train in zip(spans, trains, strict=True) if train]), False
+
+    def _with_newline(self, text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """With data.completion_newline, each trained turn through the newline the template writes after its end
+        token, as TRL's conversational completions are cut (the rendering of prompt + completion less that of the
+        prompt with its generation header: `<|im_end|>` and the newline)."""
+        if not self.completion_newline:
+            return spans
+        return [(start, end + 1) if text.startswith("\n", end) else (start, end) for start, end in spans]
 
 
-def _trained(full: str, spans: list[tuple[int, int]], trains: list[bool]
-             ) -> tuple[str, list[tuple[int, int]], bool]:
-    return full, [span for span, train in zip(spans, trains, strict=True) if train], False
+def _trained(spans: list[tuple[int, int]], trains: list[bool]) -> list[tuple[int, int]]:
+    """The spans of the assistant turns that train."""
+    return [span for span, train in zip(spans, trains, strict=True) if train]
 
 
 _SAID: set[str] = set()
@@ -758,7 +773,8 @@ class SizeGuard:
     What it does not bound: the row's text itself, parsed and rendered by the chat template (a few times the row's
     size, tens of times for a row of many short messages). That is bounded before parsing, in bytes: a JSON Lines
     row over ROW_BYTES_PER_CHAR bytes per character of this limit is stored unread, dropped or refused
-    (toolkit/data/sources.py row_byte_cap). JSON arrays and table formats are not bounded so."""
+    (toolkit/data/sources.py row_byte_cap), and so is a row of a .json file over the cap's floor (read element by
+    element); a CSV / TSV line over the floor is refused. Parquet and Arrow rows are not bounded so."""
 
     def __init__(self, encoder: Any, max_tokens: int | None) -> None:
         self.encoder, self.max_tokens = encoder, max_tokens

@@ -77,7 +77,22 @@ def select_rows(store: Store, *, max_seq_len: int, overlength: str) -> Selection
     return Selection(index, kept_lengths, labels[index], max_seq_len, stats)
 
 
-def select_pairs(store: Store, *, max_seq_len: int, overlength: str) -> Selection:
+def identical_pairs(store: Store, candidates: np.ndarray) -> np.ndarray:
+    """Which of the pairs `candidates` (a mask over pair indices) render their two sides to the same tokens and the
+    same trained mask. Only pairs whose sides have equal lengths and trained-token counts are read; a side the size
+    guard cut (only its start stored) is never taken as equal."""
+    n = len(store) // 2
+    lengths, labels = store.lengths.reshape(n, 2), store.label_tokens.reshape(n, 2)
+    same = np.zeros(n, dtype=bool)
+    for k in np.flatnonzero(candidates & (lengths[:, 0] == lengths[:, 1]) & (labels[:, 0] == labels[:, 1])).tolist():
+        if 2 * k in store.capped or 2 * k + 1 in store.capped:
+            continue
+        (a, ma), (b, mb) = store.tokens(2 * k), store.tokens(2 * k + 1)
+        same[k] = bool(np.array_equal(a, b) and np.array_equal(ma, mb))
+    return same
+
+
+def select_pairs(store: Store, *, max_seq_len: int, overlength: str, identical: str = "error") -> Selection:
     """data.overlength over a pair store's pairs (store rows 2k, chosen, and 2k + 1, rejected), as
     `toolkit.data.pairs.fit_pair` applies it pair by pair, from the store's columns: a pair with no completion token
     on a side is dropped (checked first, as fit_pair does); over `max_seq_len` (its longer side), "error" raises
@@ -98,8 +113,16 @@ def select_pairs(store: Store, *, max_seq_len: int, overlength: str) -> Selectio
             first = min(store.oversize)
             raise ToolkitError(oversize_message(store.where(first), store.oversize[first], store.oversize_cap))
     no_completion = (labels == 0).any(axis=1) & ~unread
+    alike = identical_pairs(store, ~unread & ~no_completion)
+    if alike.any() and identical == "error":
+        k = int(np.flatnonzero(alike)[0])
+        more = f" (and {int(alike.sum()) - 1} more pairs)" if alike.sum() > 1 else ""
+        raise ToolkitError(f"{store.where(2 * k)}: the chosen and the rejected side render to the same tokens"
+                           f"{more}: such a pair cannot teach (its loss is ln 2, with no gradient). Fix the row, or "
+                           "set data.identical_pairs: skip to drop such pairs (counted in the stage's data line).")
+    no_completion &= ~alike  # counted apart
     longest = lengths.max(axis=1)
-    over = ((longest > max_seq_len) | unread) & ~no_completion
+    over = ((longest > max_seq_len) | unread) & ~no_completion & ~alike
     if overlength == "error" and over.any():
         k = int(np.flatnonzero(over)[0])
         side = 2 * k + int(lengths[k, 1] > lengths[k, 0])
@@ -120,11 +143,11 @@ def select_pairs(store: Store, *, max_seq_len: int, overlength: str) -> Selectio
         kept_labels[k] = sum(int(np.count_nonzero(m)) for m in masks)
         if any(not m.any() for m in masks):
             no_completion[k] = True
-    keep = ~drop & ~no_completion
+    keep = ~drop & ~no_completion & ~alike
     index = np.flatnonzero(keep)
     stats = DataStats(rows=n, kept=len(index), dropped_overlength=int(drop.sum()), truncated=int(cut.sum()),
                       no_label_tokens=int(no_completion.sum()), tokens=int(kept_lengths[index].sum()),
-                      label_tokens=int(kept_labels[index].sum()), pairs=True)
+                      label_tokens=int(kept_labels[index].sum()), identical=int(alike.sum()), pairs=True)
     return Selection(index, kept_lengths[index].astype(np.int64), kept_labels[index].astype(np.int64), max_seq_len,
                      stats)
 

@@ -216,7 +216,7 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     if "kto_tag" in columns or "kto_tag" in tags:
         raise ToolkitError(f"{here} is a KTO dataset (kto_tag), which is not supported: rows train supervised, so "
                            "an undesirable answer would be learned; train KTO with LLaMA-Factory's stage: kto or TRL's "
-                           "KTOTrainer (trl.experimental.kto), or use an SFT dataset.")
+                           "KTOTrainer (from trl import KTOTrainer), or use an SFT dataset.")
     if info.get("num_samples") is not None:
         raise ToolkitError(f"{here} has num_samples, which is not supported (it samples the dataset); cut the file "
                            "to the rows to train.")
@@ -466,19 +466,9 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
     `row_byte_cap` comes as an `Oversize`, unread. With `pairs` (a preference stage) each row is a pair and comes
     as two rows, its chosen and its rejected one (`toolkit.data.pairs.pair_rows`), both with the row's number (an
     Oversize twice)."""
-    raw: list[tuple[int, Any]]
-    if source.fmt == "jsonl":
-        raw = list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
-    elif source.fmt == "json":
-        array = source.arrays[piece.file_index]
-        raw = [(n + 1, array[n]) for n in range(piece.start, piece.end)]
-    else:
-        table = source.tables[piece.file_index]
-        rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
-        raw = list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
     rows: list[dict[str, Any] | Oversize] = []
     numbers = []
-    for number, row in raw:
+    for number, row in raw_rows(source, piece, max_chars):
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
             got: list[dict[str, Any] | Oversize] = [row, row] if pairs else [row]
@@ -490,6 +480,20 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         rows += got
         numbers += [number] * len(got)
     return rows, numbers
+
+
+def raw_rows(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None
+             ) -> list[tuple[int, Any]]:
+    """(number, row as stored) of a piece's rows, unmapped: JSON Lines parsed (an `Oversize` for a row over the
+    size guard's cap, `read_piece`), array items, or a table's mapped Arrow rows."""
+    if source.fmt == "jsonl":
+        return list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
+    if source.fmt == "json":
+        array = source.arrays[piece.file_index]
+        return [(n + 1, array[n]) for n in range(piece.start, piece.end)]
+    table = source.tables[piece.file_index]
+    rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
+    return list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -639,7 +643,82 @@ def _json_problem(e: json.JSONDecodeError) -> str:
     return e.msg.removesuffix(" at")
 
 
+_JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
+"""A JSON string (skipped whole, escapes and all) or one of the structure characters a row boundary is found by."""
+
+
+def _json_elements(path: Path, data: bytes, cap: int) -> list[Any]:
+    """The rows of a .json file over the row byte cap as a whole: each element of its array (or the one object)
+    parsed alone, and one over `cap` bytes not parsed at all but measured (an `Oversize`), as a JSON Lines line
+    over the cap is. The boundaries are found by a scan of strings and brackets (the regular expression engine
+    skips each string whole), never by parsing the file: a 35 MB one-row file would cost +275 MB parsed whole."""
+    start = len(data) - len(data.lstrip())
+    if data[start:start + 1] == b"{":
+        return [Oversize(len(data.strip()), cap)] if len(data.strip()) > cap else \
+            _json_rows(path, json_loads_bytes(path, data))
+    if data[start:start + 1] != b"[":
+        raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")
+    rows: list[Any] = []
+    depth, begin = 0, start + 1
+    for match in _JSON_TOKENS.finditer(data, start):
+        token = match.group()
+        if token[:1] == b'"':
+            continue
+        if token in (b"[", b"{"):
+            depth += 1
+            continue
+        if token in (b"]", b"}"):
+            depth -= 1
+        if (depth == 1 and token == b",") or (depth == 0 and token == b"]"):
+            element = data[begin:match.start()].strip()
+            begin = match.end()
+            if element:
+                n = len(rows) + 1
+                rows.append(Oversize(len(element), cap) if len(element) > cap else
+                            json_loads_bytes(path, element, f"row {n}"))
+            elif token == b",":
+                raise ToolkitError(f"{path}: not valid JSON (an empty element before row {len(rows) + 1}).")
+            if depth == 0:
+                if data[match.end():].strip():
+                    raise ToolkitError(f"{path}: not valid JSON (extra data after the array).")
+                return rows
+    raise ToolkitError(f"{path}: not valid JSON (the array is not closed: the file was cut short).")
+
+
+def json_loads_bytes(path: Path, data: bytes, where: str | None = None) -> Any:
+    """`data` (UTF-8 JSON) parsed; each failure one line naming `path` (and `where` in it)."""
+    at = f"{path}" + (f": {where}" if where else "")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ToolkitError(f"{at}: byte {e.start} is not UTF-8. Data files must be UTF-8 text.") from None
+    except json.JSONDecodeError as e:
+        raise ToolkitError(f"{at}: not valid JSON ({_json_problem(e)} at line {e.lineno}, column {e.colno}).") \
+            from None
+    except RecursionError:
+        raise ToolkitError(f"{at}: nested too deeply (over Python's recursion limit of {sys.getrecursionlimit()} "
+                           "levels of lists and objects); no chat row is nested like that: fix or drop the row.") \
+            from None
+
+
+def _json_rows(path: Path, rows: Any) -> list[Any]:
+    if isinstance(rows, dict):  # one object: one row, when it is one
+        if set(rows) & set(ROW_KEYS):
+            return [rows]
+        raise ToolkitError(f"{path}: the file holds one object, not an array, and it is not a row (its keys are "
+                           f"{sorted(rows)[:12]}; a row has one of {', '.join(ROW_KEYS)}); a .json data file holds an "
+                           "array of row objects, one object per line, or one row.")
+    if not isinstance(rows, list):
+        raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")
+    return rows
+
+
 def _load_json_array(path: Path) -> list[Any]:
+    """The rows of a .json file: parsed whole when the file is within the row byte cap's floor (no row of it can
+    be over), else element by element (`_json_elements`), a row over the cap standing unread as an `Oversize`."""
+    check_regular(path)
+    if path.stat().st_size > ROW_BYTES_FLOOR:
+        return _json_elements(path, path.read_bytes(), ROW_BYTES_FLOOR)
     try:
         rows = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -652,15 +731,7 @@ def _load_json_array(path: Path) -> list[Any]:
         raise ToolkitError(f"{path}: nested too deeply (over Python's recursion limit of {sys.getrecursionlimit()} "
                            "levels of lists and objects); no chat row is nested like that: fix or drop the row.") \
             from None
-    if isinstance(rows, dict):  # one object: one row, when it is one
-        if set(rows) & set(ROW_KEYS):
-            return [rows]
-        raise ToolkitError(f"{path}: the file holds one object, not an array, and it is not a row (its keys are "
-                           f"{sorted(rows)[:12]}; a row has one of {', '.join(ROW_KEYS)}); a .json data file holds an "
-                           "array of row objects, one object per line, or one row.")
-    if not isinstance(rows, list):
-        raise ToolkitError(f"{path}: a .json data file must hold an array of row objects (or one object per line).")
-    return rows
+    return _json_rows(path, rows)
 
 
 ROW_KEYS = ("messages", "conversations", "conversation", "instruction", "prompt", "completion", "text", "query")
@@ -696,6 +767,8 @@ def _open_tables(source: Source) -> list[Any]:
         kwargs: dict[str, Any] = {"sep": "\t"} if source.fmt == "tsv" else {}
         tables = []
         for path in source.files:
+            if source.fmt in ("csv", "tsv"):
+                _check_csv_lines(path)
             if source.fmt in ("csv", "tsv"):  # every cell is text, as ms-swift reads its own files: `00000` stays
                 kwargs.update(keep_default_na=False, features=datasets.Features(
                     {name: datasets.Value("string") for name in _header(path, kwargs.get("sep", ","))}))
@@ -706,6 +779,26 @@ def _open_tables(source: Source) -> list[Any]:
     except Exception as e:  # a file that is not what its suffix says; a hub id that is not cached
         raise ToolkitError(f"Data entry {source.name} could not be read as {source.fmt} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]}).") from None
+
+
+def _check_csv_lines(path: Path) -> None:
+    """Refuse, in one line naming it, a CSV / TSV line over the row byte cap (`ROW_BYTES_FLOOR`, the least cap of a
+    JSON Lines row) before the file is parsed: pandas' reader holds a line whole, and its cells as Python objects
+    (a 95 MB line cost +640 MB). Measured in megabytes, never held whole."""
+    check_regular(path)
+    cap = ROW_BYTES_FLOOR
+    with path.open("rb") as f:
+        number, length = 1, 0
+        while chunk := f.read(1 << 20):
+            parts = chunk.split(b"\n")
+            for i, part in enumerate(parts):
+                length += len(part)
+                if length > cap:
+                    raise ToolkitError(f"{path}:{number}: the line is over the {cap:,}-byte cap on one row; it is not "
+                                       "read, as parsing it would take many times its size in memory. Split it "
+                                       "into smaller rows, or remove it.")
+                if i < len(parts) - 1:
+                    number, length = number + 1, 0
 
 
 def _header(path: Path, sep: str) -> list[str]:

@@ -32,6 +32,7 @@ from toolkit.data.plan import (
     select_rows,
     training_set,
 )
+from toolkit.data.prompts import prompt_set
 from toolkit.data.sources import resolve_source
 from toolkit.data.store import Store, open_store
 from toolkit.errors import ToolkitError
@@ -107,7 +108,8 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
                          chat_template=data.chat_template, empty_answers=data.empty_answers,
                          renderer=data.renderer)
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
-                       empty_answers=data.empty_answers, pairs=pairs, renderer=data.renderer)
+                       empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline,
+                       renderer=data.renderer)
 
 
 def num_proc(data: DataConfig) -> int:
@@ -180,7 +182,8 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     for entry in stage.entries:
         store = stores(entry, pairs=stage.pairs)
         if stage.pairs:
-            selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
+            selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength,
+                                     identical=data.identical_pairs)
             values = kept_difficulty(store, pair_rows(selection)) if needs else None
         else:
             selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
@@ -221,7 +224,7 @@ def stage_rows(stage: ResolvedStage, paths: list[str], data: DataConfig, stores:
         store = stores(DataEntry(path), pairs=stage.pairs)
         if stage.pairs:
             parts.append(PairRows(store, select_pairs(store, max_seq_len=stage.max_seq_len,
-                                                      overlength=data.overlength)))
+                                                      overlength=data.overlength, identical=data.identical_pairs)))
         else:
             parts.append(SourceRows(store, select_rows(store, max_seq_len=stage.max_seq_len,
                                                        overlength=data.overlength), packing=False))
@@ -231,6 +234,10 @@ def stage_rows(stage: ResolvedStage, paths: list[str], data: DataConfig, stores:
 def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> str:
     """The stage's data line, as training logs it at the stage's start (inspect-data prints the same line). A
     preference stage counts pairs; with packing, each micro-batch's pairs are flattened into one row."""
+    if stage.prompts:
+        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.rows} prompts, {src.stats.kept} kept "
+                f"({src.stats.tokens} prompt tokens), {src.stats.dropped_overlength} dropped leaving no room for "
+                "rl.max_completion_length under max_seq_len")
     if stage.pairs:
         return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
                 f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}")
@@ -283,11 +290,15 @@ def load_curriculum_data(stages: list[ResolvedStage], data: DataConfig, tokenize
     stores = run_stores(stages, data, tokenizer, processor, dummy_dir, cache)
     training_sets = []
     for stage in stages:
-        src = load_stage(stage, data, stores)
+        if stage.prompts:  # an RL stage's prompts (toolkit/data/prompts.py): read and rendered, no token store
+            src = prompt_set(stage, [resolve_source(e, dummy_dir) for e in stage.entries], tokenizer,
+                             thinking=data.thinking)
+        else:
+            src = load_stage(stage, data, stores)
         if not len(src.samples):
             raise ToolkitError(f"Stage '{stage.name}' has no usable rows ({src.stats.summary()}). Check its data.")
         log.info("%s", stage_summary(stage, src, data))
-        if (unread := unread_keys_summary(stage, stores)) is not None:
+        if not stage.prompts and (unread := unread_keys_summary(stage, stores)) is not None:
             log.info("%s", unread)
         training_sets.append(src)
     evals = [stage_rows(stage, stage.eval, data, stores) for stage in stages]  # the same stores: from eval.data

@@ -29,13 +29,14 @@ from typing import Any
 from accelerate import Accelerator
 
 from toolkit.atomic import write_text_atomic, writing
-from toolkit.config.schema import Recipe
+from toolkit.config.schema import Recipe, RlConfig
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.errors import ToolkitError
 from toolkit.evals.forgetting import MatrixLog, matrix_record
 from toolkit.evals.generation import GenerationEval, gather_records, generate, load_generation_eval, score_rows
 from toolkit.evals.loss import evaluate
+from toolkit.evals.rewards import build_rewards
 from toolkit.evals.scorers import Scorer, build_scorers
 from toolkit.metrics.log import to_json_line
 from toolkit.runtime import process as distributed
@@ -50,7 +51,12 @@ TRACKER_ROWS = 32
 
 def import_scorers(recipe: Recipe, recipe_dir: Path) -> dict[str, list[Scorer]]:
     """Every generation eval's scorers by eval name, user functions imported (from `recipe_dir` or the installed
-    packages). Called before anything heavy: a broken scorer is one error line naming its key."""
+    packages), and every RL stage's rewards built (toolkit/evals/rewards.py). Called before anything
+    heavy: a broken scorer or reward is one error line naming its key."""
+    for i, stage in enumerate(recipe.stages):  # RL stages' rewards: built (user modules imported) and dropped
+        if stage.objective == "grpo" and stage.rewards:
+            build_rewards([r.model_dump() for r in stage.rewards], key=f"stages.{i}.rewards", recipe_dir=recipe_dir,
+                          max_completion_length=(stage.rl or RlConfig()).max_completion_length)
     scorers = {g.name: build_scorers(g.scorers, key=f"eval.generation.{i}.scorers", recipe_dir=recipe_dir)
                for i, g in enumerate(recipe.eval.generation)}
     for i, stage in enumerate(recipe.stages):

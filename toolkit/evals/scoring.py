@@ -32,6 +32,7 @@ import math
 import os
 import signal
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,10 +110,13 @@ def segment_ids(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
 def _full_logit_sums(model: torch.nn.Module, batch: dict[str, Any], seg: torch.Tensor, count: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-segment sums from full logits (``model.loss_head: standard``: the user chose full logits)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
     logits = model(**inputs).logits.float()
-    target = shifted_labels(batch["labels"], IGNORE_INDEX).to(logits.device)
-    owners = shifted_labels(seg, -1).to(logits.device)
+    if "shift_labels" in batch:  # a Ulysses slice: targets and segments shifted over the whole row (preshifted)
+        target, owners = batch["shift_labels"].to(logits.device), seg.to(logits.device)
+    else:
+        target = shifted_labels(batch["labels"], IGNORE_INDEX).to(logits.device)
+        owners = shifted_labels(seg, -1).to(logits.device)
     keep = target != IGNORE_INDEX
     token = F.cross_entropy(logits[keep], target[keep], reduction="none").double()
     loss = torch.zeros(count, dtype=torch.float64, device=logits.device).index_add_(0, owners[keep], token)
@@ -123,13 +127,15 @@ def _full_logit_sums(model: torch.nn.Module, batch: dict[str, Any], seg: torch.T
 
 def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.device,
                   segments: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's per-segment (loss sum, token count); `segments`: its `segment_ids`, when already known."""
+    """One micro-batch's per-segment (loss sum, token count); `segments`: its `segment_ids`, when already known. A
+    Ulysses slice (it carries `shift_labels`) takes its segments shifted over the whole row and sliced like them
+    (toolkit/strategies/sequence_parallel.py `shard_segments`): this process's share of each segment's sums."""
     seg, count = segments if segments is not None else segment_ids(batch)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     head = loss_head_of(model)
     if head is None:
         return _full_logit_sums(model, batch, seg.to(device), count)
-    with head.per_segment(seg.to(device), count) as sums:
+    with head.per_segment(seg.to(device), count, preshifted="shift_labels" in batch) as sums:
         out = model(**batch, num_items_in_batch=torch.ones((), device=device))
     if sums.loss is None or sums.tokens is None:  # no label token in the micro-batch
         return (torch.zeros(count, dtype=torch.float64, device=device),
@@ -200,6 +206,14 @@ def row_sums(accelerator: Accelerator, model: torch.nn.Module, samples: Sequence
 # ------------------------------------------------------------------------------------- cached and resumable
 
 
+def sums_digest(sums: RowSums) -> str:
+    """The sha256 of a complete set of row sums (their loss and token arrays), as a checkpoint records the scores
+    it was trained with: a resume checks the kept file against it."""
+    digest = hashlib.sha256(np.ascontiguousarray(sums.loss, np.float64).tobytes())
+    digest.update(np.ascontiguousarray(sums.tokens, np.int64).tobytes())
+    return digest.hexdigest()
+
+
 def score_key(**identity: Any) -> str:
     """The cache key of one set of row sums: a hash of what decides them, given by the caller as JSON-able values
     (the rows: store checksums and kept rows; the scorer: a weights hash or the run's state at stage entry; the
@@ -219,12 +233,14 @@ class ScoreCache:
         self.rows, self.writer = rows, writer and self.path is not None
         self.sums = RowSums(np.zeros(rows, np.float64), np.zeros(rows, np.int64))
         self.done = np.zeros(rows, dtype=bool)
-        if self.path is None:  # kept in memory only
+        self.unreadable: str | None = None  # why an existing file could not be read (it counts as absent)
+        if self.path is None or not self.path.exists():  # kept in memory only, or not written yet
             return
         try:
             with np.load(self.path, allow_pickle=False) as saved:
                 loss, tokens, done = saved["loss"], saved["tokens"], saved["done"]
-        except (OSError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # cut short, edited, not ours
+            self.unreadable = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
             return
         if len(loss) == len(tokens) == len(done) == rows:
             self.sums, self.done = RowSums(loss.astype(np.float64), tokens.astype(np.int64)), done.astype(bool)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import html
 import json
 import logging
+import os
+import stat
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,6 @@ import yaml
 
 from toolkit.atomic import write_text_atomic
 from toolkit.errors import ToolkitError
-from toolkit.metrics.log import read_metrics
 from toolkit.runtime.run_dir import RunLayout
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,85 @@ NOT_CURVES = {"step", "stage_index", "stage_step", "tokens", "samples", "skipped
 
 EVAL_BOOKKEEPING = {"step", "stage_index", "eval_tokens", "eval_seconds", "eval_gen_seconds", "eval_ppl"}
 
+MAX_CURVES = 64
+"""Metric keys drawn per kind (train, eval) at most; the page names the rest. 12k distinct keys in a 0.2 MB
+metrics file would otherwise make a 24 MB page (one series of every logged step per key)."""
+
+
+def _text(value: str) -> str:
+    """A file or folder name as text: bytes that are not UTF-8 (a Latin-1 folder name, which Python carries as
+    lone surrogates) shown as U+FFFD, so the page can be written as UTF-8."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+class _Reader:
+    """Reads the files of one run folder and nothing outside it: a path any of whose components below the run's
+    root is a link is not read (the page names it), so a `final/README.md -> ~/.ssh/id_ed25519` never reaches a
+    page meant to be shared. The root itself may be reached through a link: that is the user's own naming."""
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout = layout
+        self.not_read: list[str] = []
+
+    def ok(self, path: Path) -> bool:
+        """Whether `path` is a regular file of the run, reached without a link."""
+        try:
+            rel = path.relative_to(self.layout.root)
+        except ValueError:
+            return False
+        here = self.layout.root
+        for part in rel.parts:
+            here = here / part
+            if here.is_symlink():
+                name = _text(here.relative_to(self.layout.root).as_posix())  # the link itself
+                if name not in self.not_read:
+                    self.not_read.append(name)
+                    log.warning("%s is a link: the report reads only the run folder's own files, never through "
+                                "a link", here)
+                return False
+        return path.is_file()
+
+    def text(self, path: Path) -> str | None:
+        """The text of `path` (undecodable bytes replaced), or None if it is not a file of the run. Opened without
+        following a link at its last component, so a link swapped in after the check is not followed either."""
+        if not self.ok(path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read().decode("utf-8", errors="replace")
+
+    def records(self, path: Path) -> list[dict[str, Any]]:
+        """The JSON-object records of a JSON Lines file of the run ([] if it is not one); a record whose step is
+        not a whole number is left out, as are non-finite numbers (JSON's NaN / Infinity) by `_round` later."""
+        text = self.text(path)
+        if text is None:
+            return []
+        lines = text.splitlines()
+        while lines and not lines[-1].strip():
+            lines.pop()
+        out = []
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if lineno == len(lines):
+                    break  # the last line cut short by a crash
+                raise ToolkitError(f"{path}:{lineno} is not a JSON record; the file was edited or damaged.") from None
+            if isinstance(record, dict) and ("step" not in record or _whole(record["step"])):
+                out.append(record)
+        return out
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 def _round(value: Any) -> float | None:
     """A number to 6 significant digits (None for a missing or non-finite one)."""
@@ -61,11 +141,13 @@ def _round(value: Any) -> float | None:
     return float(f"{value:.6g}") if value == value and abs(value) != float("inf") else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(reader: _Reader, path: Path) -> dict[str, Any]:
+    text = reader.text(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        value = json.loads(text) if text is not None else {}
+    except ValueError:
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _series(records: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
@@ -139,13 +221,14 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
     return out
 
 
-def _completions(layout: RunLayout, budget: int) -> dict[str, Any]:
+def _completions(reader: _Reader, budget: int) -> dict[str, Any]:
     """Every completions file of the run: prompts once, then each file's rows (texts cut evenly past `budget`)."""
-    files = sorted(layout.evals.glob("*/step-*.jsonl")) if layout.evals.is_dir() else []
+    layout = reader.layout
+    files = sorted(p for p in layout.evals.glob("*/step-*.jsonl") if reader.ok(p)) if layout.evals.is_dir() else []
     loaded = []
     for path in files:
         try:
-            rows = read_metrics(path)
+            rows = [r for r in reader.records(path) if _whole(r.get("row", 0))]
         except ToolkitError:
             rows = []
         number = path.stem.removeprefix("step-")
@@ -176,7 +259,7 @@ def _completions(layout: RunLayout, budget: int) -> dict[str, Any]:
                    for p in prompts.values()]
     out_files = []
     for path, step, stage, rows in loaded:
-        rel = path.relative_to(layout.root).as_posix()
+        rel = _text(path.relative_to(layout.root).as_posix())
         out_files.append({"file": rel, "stage": stage, "step": step, "rows": [
             {"p": ids[(str(r.get("eval")), int(r.get("row", 0)))], "output": cut(str(r.get("output", "")), rel),
              "score": {k: _round(v) for k, v in (r.get("score") or {}).items()}} for r in rows]})
@@ -198,42 +281,50 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): json.dumps(tree)}
 
 
+def _capped(keys: list[str], dropped: list[str]) -> list[str]:
+    """The first MAX_CURVES keys; the rest go to `dropped` (named on the page)."""
+    dropped.extend(keys[MAX_CURVES:])
+    return keys[:MAX_CURVES]
+
+
 def read_run(folder: str | Path) -> dict[str, Any]:
-    """What the page shows of the run in `folder`, from its files only."""
+    """What the page shows of the run in `folder`, from its own files only (see _Reader: never through a link)."""
     layout = RunLayout(folder)
-    if not layout.root.is_dir() or not (layout.run_json.is_file() or layout.metrics.is_file()):
-        raise ToolkitError(f"{folder} is not a run's output dir: it holds no run.json or metrics.jsonl. Give the "
-                           "output_dir of a training run.")
-    run_json = _read_json(layout.run_json)
-    recipe_text = layout.recipe.read_text(encoding="utf-8") if layout.recipe.is_file() else ""
+    reader = _Reader(layout)
+    if not layout.root.is_dir() or not (reader.ok(layout.run_json) or reader.ok(layout.metrics)):
+        raise ToolkitError(f"{_text(str(folder))} is not a run's output dir: it holds no run.json or metrics.jsonl "
+                           "of its own (a link is not followed). Give the output_dir of a training run.")
+    run_json = _read_json(reader, layout.run_json)
+    recipe_text = reader.text(layout.recipe) or ""
     try:
         recipe = yaml.safe_load(recipe_text) or {}
     except yaml.YAMLError:
         recipe = {}
-    records = read_metrics(layout.metrics) if layout.metrics.is_file() else []
+    if not isinstance(recipe, dict):
+        recipe = {}
+    records = reader.records(layout.metrics)
     train = [r for r in records if "loss" in r and "step" in r]
     evals = [r for r in records if "step" in r and "loss" not in r and "event" not in r]
-    train_keys = [k for k, _ in TRAIN_PANELS] + [k for k in _numeric_keys(train, NOT_CURVES)
-                                                 if k not in dict(TRAIN_PANELS)]
-    eval_keys = _numeric_keys(evals, EVAL_BOOKKEEPING)
-    matrix = []
-    if layout.eval_matrix.is_file():
-        matrix = [{"step": int(r["step"]), "stage": r.get("stage"), "eval_stage": r.get("eval_stage"),
-                   "eval": r.get("eval"), "metric": r.get("metric"), "value": r["value"]}
-                  for r in read_metrics(layout.eval_matrix) if isinstance(r.get("value"), int | float)]
-    card = layout.model_card
+    dropped: list[str] = []
+    train_keys = _capped([k for k, _ in TRAIN_PANELS] + [k for k in _numeric_keys(train, NOT_CURVES)
+                                                         if k not in dict(TRAIN_PANELS)], dropped)
+    eval_keys = _capped(_numeric_keys(evals, EVAL_BOOKKEEPING), dropped)
+    matrix = [{"step": int(r["step"]), "stage": r.get("stage"), "eval_stage": r.get("eval_stage"),
+               "eval": r.get("eval"), "metric": r.get("metric"), "value": _round(r.get("value"))}
+              for r in reader.records(layout.eval_matrix) if "step" in r and _round(r.get("value")) is not None]
+    card = reader.text(layout.model_card)
     return {
-        "name": layout.root.resolve().name, "path": str(layout.root.resolve()),
+        "name": _text(layout.root.resolve().name), "path": _text(str(layout.root.resolve())),
         "run": {k: run_json.get(k) for k in ("run_name", "strategy", "num_processes", "effective_batch",
                                              "mixed_precision", "versions")},
-        "finished": card.is_file() or layout.final.is_dir(),
-        "last_step": max((int(r["step"]) for r in records), default=0),
-        "skipped": sum(int(r.get("skipped") or 0) for r in train),
-        "stages": _timeline(run_json, recipe, records),
-        "train": _series(train, train_keys), "eval": _series(evals, eval_keys),
-        "matrix": matrix, "completions": _completions(layout, COMPLETIONS_BUDGET),
+        "finished": card is not None or (layout.final.is_dir() and not layout.final.is_symlink()),
+        "last_step": max((int(r["step"]) for r in records if "step" in r), default=0),
+        "skipped": sum(int(r.get("skipped") or 0) for r in train if _whole(r.get("skipped") or 0)),
+        "stages": _timeline(run_json, recipe, [r for r in records if "step" in r]),
+        "train": _series(train, train_keys), "eval": _series(evals, eval_keys), "dropped_keys": dropped,
+        "matrix": matrix, "completions": _completions(reader, COMPLETIONS_BUDGET),
         "recipe": recipe_text, "recipe_flat": _flatten(recipe),
-        "card": card.read_text(encoding="utf-8") if card.is_file() else None,
+        "card": card, "not_read": reader.not_read,
     }
 
 

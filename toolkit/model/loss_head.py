@@ -24,6 +24,11 @@ tensor back as ``loss``. ``num_items_in_batch`` normalises exactly as transforme
 summed token losses divided by it, or the mean over label tokens without it. Labels shift the same way (pad
 with ``ignore_index`` on the right, then drop the first column), so packed rows match the standard head.
 
+Per token: inside ``LossHead.per_token`` a labelled call also keeps each label token's log-probability at a
+sampling temperature (``TokenLogps``: the logits divided by it, as TRL's GRPO scores completions), differentiable,
+in the order of the label positions, and optionally its entropy (no gradient): what an RL objective's clipped
+ratios and KL need (toolkit/train/grpo.py), by the same chunks, still without full logits.
+
 Per row: inside ``LossHead.per_segment`` a labelled call also adds each label token's loss (float64) to its segment
 (a padded row, or one sample of a packed row): the scoring pass's per-row sums (toolkit/evals/scoring.py), by the
 same chunks, so scoring never builds full logits either. ``loss_head_of`` finds the head under any wrapper.
@@ -97,16 +102,18 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
 class SegmentSums:
     """Per-segment token-loss sums (float64) and label-token counts of one forward call. ``ids`` gives each
     position of the batch its segment (``[B, T]``, -1 for none); a position's loss counts for the segment of the
-    label it predicts, so ids are shifted like the labels."""
+    label it predicts, so ids are shifted like the labels (``preshifted``: they already are, as a Ulysses slice's
+    ``shift_labels`` are: shifted over the whole row before slicing)."""
 
     ids: torch.Tensor
     count: int
     loss: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    preshifted: bool = False
 
     @property
     def shifted(self) -> torch.Tensor:
-        return shifted_labels(self.ids, -1)
+        return self.ids if self.preshifted else shifted_labels(self.ids, -1)
 
     def add(self, owners: torch.Tensor, losses: torch.Tensor) -> None:
         if self.loss is None or self.tokens is None:
@@ -114,6 +121,44 @@ class SegmentSums:
             self.tokens = torch.zeros(self.count, dtype=torch.int64, device=losses.device)
         self.loss.index_add_(0, owners, losses.double())
         self.tokens.index_add_(0, owners, torch.ones_like(owners))
+
+
+@dataclass
+class TokenLogps:
+    """Per-token log-probabilities (and entropies) of one forward call's label tokens at ``temperature``, in the
+    order of the label positions (row-major over ``[B, T]``, shifted like the labels): chunks kept as computed,
+    differentiable under autograd; entropies (only with ``entropy``) carry no gradient."""
+
+    temperature: float = 1.0
+    entropy: bool = False
+    chunks: list[torch.Tensor] | None = None
+    entropy_chunks: list[torch.Tensor] | None = None
+
+    def add(self, logps: torch.Tensor, entropies: torch.Tensor | None) -> None:
+        self.chunks = [*(self.chunks or []), logps]
+        if entropies is not None:
+            self.entropy_chunks = [*(self.entropy_chunks or []), entropies]
+
+    @property
+    def logps(self) -> torch.Tensor | None:
+        """Every label token's log-probability (float32), or None when the call had no label tokens."""
+        return torch.cat(self.chunks) if self.chunks else None
+
+    @property
+    def entropies(self) -> torch.Tensor | None:
+        return torch.cat(self.entropy_chunks) if self.entropy_chunks else None
+
+
+def _token_logps(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, target: torch.Tensor,
+                 temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float() / temperature
+    logps = -F.cross_entropy(logits, target, reduction="none")
+    if not entropy:
+        return logps, logps.new_zeros(0)
+    with torch.no_grad():
+        full = torch.log_softmax(logits, dim=-1)
+        ent = -(full.exp() * full).sum(-1)
+    return logps, ent
 
 
 def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, target: torch.Tensor
@@ -128,8 +173,8 @@ def _token_losses(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Te
 
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, *, chunk_tokens: int, ignore_index: int = -100,
-                          same_chunks_on_all_ranks: bool = False, segments: SegmentSums | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          same_chunks_on_all_ranks: bool = False, segments: SegmentSums | None = None,
+                          tokens: TokenLogps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy over label tokens, number of label tokens) of ``head(hidden)`` against
     ``shift_labels``, without ever holding more than ``chunk_tokens`` rows of logits.
 
@@ -146,6 +191,9 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
     ``segments``: also add each label token's loss (float64) to its segment's sum and count (``SegmentSums``: per
     padded row, or per sample of a packed row), for the scoring pass; under autograd the sums are differentiable
     (a preference stage's per-sequence log-probs), each chunk checkpointed as above.
+
+    ``tokens``: also keep each label token's log-probability at ``tokens.temperature`` (and its entropy), in label
+    order (``TokenLogps``); the returned sum is then of those tokens' negated log-probabilities.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(flat.device)
@@ -161,10 +209,17 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
         longest = int(count.item())
     for start in range(0, max(longest, 1), chunk_tokens):
         h, y = flat[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        if owners is not None and segments is not None:
-            tokens = checkpoint(_token_losses, head, h, y, use_reentrant=False) if grad else _token_losses(head, h, y)
-            segments.add(owners[start:start + chunk_tokens], tokens)
-            part = tokens.sum()
+        if tokens is not None:
+            args = (head, h, y, tokens.temperature, tokens.entropy)
+            logps, ent = checkpoint(_token_logps, *args, use_reentrant=False) if grad else _token_logps(*args)
+            if len(y):  # the empty chunks that keep ranks in step add nothing
+                tokens.add(logps, ent if tokens.entropy else None)
+            part = -logps.sum()
+        elif owners is not None and segments is not None:
+            token_losses = (checkpoint(_token_losses, head, h, y, use_reentrant=False) if grad
+                            else _token_losses(head, h, y))
+            segments.add(owners[start:start + chunk_tokens], token_losses)
+            part = token_losses.sum()
         else:
             part = checkpoint(_chunk_loss, head, h, y, use_reentrant=False) if grad else _chunk_loss(head, h, y)
         total = part if total is None else total + part
@@ -210,6 +265,7 @@ class LossHead:
         self.wrapped = any(True for _ in head.children())  # its weights live in submodules with their own hooks
         self._pending: _Call | None = None
         self.segments: SegmentSums | None = None  # set by `per_segment` for the scoring pass's forward calls
+        self.tokens: TokenLogps | None = None  # set by `per_token` for an RL objective's forward calls
         self._head_forward = head.forward  # the module's own forward (nn.Linear's, PEFT lora.Linear's, ...)
         self._standard_loss = model.loss_function
         # The causal LM's forward is wrapped, not hooked: PEFT before 0.21 calls `model.forward(...)` directly,
@@ -242,13 +298,15 @@ class LossHead:
         call = self._pending
         if call is None or call.done or args or kwargs:
             return self._head_forward(hidden, *args, **kwargs)
-        if self.kind == "liger" and self.segments is None:  # inside the head's forward: the weight is gathered here
+        # inside the head's forward: the weight is gathered here
+        if self.kind == "liger" and self.segments is None and self.tokens is None:
             summed, count = liger_cross_entropy(self.head.weight, self.head.bias, hidden, call.shift_labels,
                                                 ignore_index=call.ignore_index)
         else:
             summed, count = chunked_cross_entropy(self._head_forward, hidden, call.shift_labels,
                                                   chunk_tokens=self.chunk_tokens, ignore_index=call.ignore_index,
-                                                  same_chunks_on_all_ranks=self.wrapped, segments=self.segments)
+                                                  same_chunks_on_all_ranks=self.wrapped, segments=self.segments,
+                                                  tokens=self.tokens)
         call.done = True
         self.calls += 1
         if call.num_items is None:
@@ -267,15 +325,29 @@ class LossHead:
         return logits.reshape(())  # the head returned the loss (possibly re-wrapped by DeepSpeed's hooks)
 
     @contextlib.contextmanager
-    def per_segment(self, ids: torch.Tensor, count: int) -> Iterator[SegmentSums]:
+    def per_segment(self, ids: torch.Tensor, count: int, *, preshifted: bool = False) -> Iterator[SegmentSums]:
         """Forward calls inside also sum each segment's token losses (``ids``: ``[B, T]`` segment of each position,
-        -1 for none, ``count`` segments): the per-row (per-sample of a packed row) sums of the scoring pass,
-        computed by the chunked head (Liger's kernel sums over the whole batch only), still without full logits."""
-        self.segments = SegmentSums(ids, count)
+        -1 for none, ``count`` segments; ``preshifted``: ids already shifted like ``shift_labels``): the per-row
+        (per-sample of a packed row) sums of the scoring pass, computed by the chunked head (Liger's kernel sums
+        over the whole batch only), still without full logits."""
+        self.segments = SegmentSums(ids, count, preshifted=preshifted)
         try:
             yield self.segments
         finally:
             self.segments = None
+
+    @contextlib.contextmanager
+    def per_token(self, temperature: float = 1.0, *, entropy: bool = False) -> Iterator[TokenLogps]:
+        """Forward calls inside also keep each label token's log-probability at ``temperature`` (and, with
+        ``entropy``, its entropy), in label order: by the chunked head (Liger's kernel gives only sums). The call's
+        loss is then the sum of those tokens' negated log-probabilities over ``num_items_in_batch``; a caller that
+        builds its loss from the kept log-probabilities adds ``0.0 * loss`` so that the backward passes through the
+        model's output (ZeRO-3 opens its backward there; see toolkit/evals/scoring.py)."""
+        self.tokens = TokenLogps(temperature, entropy)
+        try:
+            yield self.tokens
+        finally:
+            self.tokens = None
 
     def remove(self) -> None:
         """Back to the standard head (tests compare both on one model)."""

@@ -61,6 +61,14 @@ def writable(folder: Path) -> bool:
     return existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
 
 
+def path_component(name: str) -> str:
+    """A stage, run or eval name as one path component: every character but letters, digits, `_`, `.` and `-`
+    becomes `_`, as does a leading dot, so `../../mine` is `_._.._mine`, never a step out of its folder, and
+    never a hidden file. The one function through which any name of the recipe becomes part of a path (evals/,
+    scores/, trackers/)."""
+    return re.sub(r"[^\w.-]|^\.", "_", name) or "_"
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Every path of a run, from its output dir (`root`). The shared cache lives beside it, not in it: built-in
@@ -118,6 +126,10 @@ class RunLayout:
         aside, so a pass stopped part-way goes on and a resume reads the scores its stage was ordered by."""
         return self.root / "scores"
 
+    def stage_scores(self, stage: str) -> Path:
+        """`toolkit score`'s file of one stage, `scores/<stage>.parquet` (the name through path_component)."""
+        return self.scores / f"{path_component(stage)}.parquet"
+
     @property
     def plot(self) -> Path:
         """`toolkit plot`'s picture of metrics.jsonl."""
@@ -141,7 +153,7 @@ class RunLayout:
 
     def completions(self, stage: str, step: int) -> Path:
         """One eval's completions, `evals/<stage>/step-N.jsonl` (N as in checkpoint names)."""
-        return self.evals / re.sub(r"[^\w.-]|^\.", "_", stage) / f"step-{step:08d}.jsonl"
+        return self.evals / path_component(stage) / f"step-{step:08d}.jsonl"
 
     @property
     def eval_matrix(self) -> Path:

@@ -239,6 +239,42 @@ def follow_batch_size(kernel: str) -> None:
 # ------------------------------------------------------------------------------------------ the data
 
 
+PER_ROW_KEYS = ("pair_index",)
+"""Keys of a micro-batch that are not along the sequence (a pair batch's stage-global pair numbers): every process of
+a group keeps them whole."""
+
+
+def shard_segments(seg: torch.Tensor, place: Layout) -> torch.Tensor:
+    """This process's slice of a whole micro-batch's segment ids (``[B, T]``, toolkit/evals/scoring.py
+    `segment_ids`), shifted over the whole row as `shard_batch` shifts the labels (position t's loss belongs to the
+    segment of token t + 1, which may live on the next process) and padded with -1 (no segment) as it pads."""
+    shifted = F.pad(seg, (0, 1), value=-1)[:, 1:]
+    pad = -seg.shape[1] % place.sp_size
+    if pad:
+        shifted = F.pad(shifted, (0, pad), value=-1)
+    chunk = shifted.shape[1] // place.sp_size
+    return shifted[:, place.sp_rank * chunk:(place.sp_rank + 1) * chunk].contiguous()
+
+
+def group_sum(tensor: torch.Tensor, place: Layout) -> torch.Tensor:
+    """`tensor` summed over this process's sequence-parallel group, differentiably: per-segment sums of the group's
+    slices become the whole segments' (a preference pair's log-prob). The backward all-reduces the gradient too
+    (torch.distributed.nn), so each process's slice receives the group's summed gradient: a loss computed alike on
+    every process of the group counts sp_size times, which the pair normalisers (counted on whole batches by every
+    process of the group, toolkit/train/loop.py) divide out again. Identity without Ulysses."""
+    if not place.sequence_parallel:
+        return tensor
+    import torch.distributed.nn.functional as dist_nn
+    from deepspeed.utils import groups
+
+    group = groups._get_sequence_parallel_group()
+    if not tensor.requires_grad:
+        out = tensor.clone()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+    return dist_nn.all_reduce(tensor, group=group)
+
+
 def shard_batch(batch: dict[str, Any], place: Layout, *, ignore_index: int = -100) -> tuple[dict[str, Any], int]:
     """(this process's slice of a collated micro-batch, its real tokens) under Ulysses.
 
@@ -272,8 +308,9 @@ def shard_batch(batch: dict[str, Any], place: Layout, *, ignore_index: int = -10
             cu = torch.cat([cu, torch.tensor([total], dtype=cu.dtype)])
         longest = max(int(batch["max_length_q"]), pad)
         out |= {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    out |= {key: batch[key] for key in PER_ROW_KEYS if key in batch}
     for key in batch.keys() - {"input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q",
-                               "cu_seq_lens_k", "max_length_q", "max_length_k"}:
+                               "cu_seq_lens_k", "max_length_q", "max_length_k", *PER_ROW_KEYS}:
         raise ToolkitError(f"a micro-batch under sequence parallelism carries {key!r}, which cannot be split "
                            "along the sequence (only text rows train under parallelism_config_sp_size).")
     return out, int(real_rows[:, part].sum())

@@ -14,9 +14,10 @@ optimizer step, `enter_stage` (at a stage's first step), `run_step` and `after_s
 
 Host syncs (a device value read on the host stalls a GPU's queue; tests/train/test_sync_budget.py counts them):
 * every step: one, the guard's all-reduce (`summed ... .tolist()`: the step's loss, preemption and timed-save
-  flags; every rank needs the verdict before the update is committed). A preference stage's step reads one more,
-  before its first forward: the global batch's pair and chosen-token counts (`global_normalisers`), which its
-  micro-batches' losses divide by; TRL's metrics ride in the guard's all-reduce.
+  flags; every rank needs the verdict before the update is committed). The stage's objective
+  (toolkit/train/objectives.py) reads none more: a preference stage's global pair and chosen-token counts
+  (`global_normalisers`), which its micro-batches' losses divide by, stay on the device, and an objective's metric
+  sums (TRL's metrics) ride in the guard's all-reduce.
 * inside each micro-batch's forward, outside this module: transformers' mask creation reads one value (the
   position-id restart check of a packed row, or the padding check of a padded batch), and the chunked loss head
   selects the label positions (`nonzero`: it skips the head's matmul for every other token). None per layer: the
@@ -51,7 +52,6 @@ from toolkit.curriculum.stages import Curriculum, Stage
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator
-from toolkit.evals.scoring import segment_ids
 from toolkit.metrics.log import Meter, MetricsLog
 from toolkit.metrics.report import refresh_report
 from toolkit.model.flops import batch_train_flops
@@ -59,9 +59,10 @@ from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import committed_checkpoints
 from toolkit.runtime.signals import PREEMPTED_EXIT_CODE, PreemptionFlag
 from toolkit.strategies import sequence_parallel
+from toolkit.train.objectives import OBJECTIVES, objective_of
 from toolkit.train.optimizer import StageFreezer
-from toolkit.train.pair_stage import METRIC_SUMS, PairState, enter_pair_stage, pair_micro_loss, pair_normalisers
-from toolkit.train.preference import global_normalisers
+from toolkit.train.pair_stage import PairState
+from toolkit.train.rl_stage import RlState
 from toolkit.train.stability import StabilityGuard, Verdict, injected_fault, scaler_skipped, skip_update, veto_update
 from toolkit.train.stage_scores import ScoringStopped, order_by_model
 
@@ -91,6 +92,7 @@ class RunState:
     metrics: dict[str, Any] = field(default_factory=dict)  # the latest train and eval values (best-checkpoint)
     stage_start_tokens: int | None = None  # `tokens` when the current stage began (its summary counts from it)
     pending_pairs: list[float] | None = None  # a preference stage's metric sums not yet in a logged record
+    pending_rl: dict[str, list[float]] | None = None  # an RL stage's metric values not yet in a logged record
 
     def to_meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
@@ -100,7 +102,8 @@ class RunState:
                                **({"gate": self.gate} if self.gate is not None else {})},
                 "adam_updates": self.adam_updates, "metrics": self.metrics,
                 "stage_start_tokens": self.stage_start_tokens,
-                **({"pending_pairs": self.pending_pairs} if self.pending_pairs is not None else {})}
+                **({"pending_pairs": self.pending_pairs} if self.pending_pairs is not None else {}),
+                **({"pending_rl": self.pending_rl} if self.pending_rl is not None else {})}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunState:
@@ -111,7 +114,8 @@ class RunState:
                    pending_losses=list(pending.get("losses", [])), pending_skipped=pending.get("skipped", 0),
                    stage_steps=cur.get("stage_steps"), patience=cur.get("patience"), gate=cur.get("gate"),
                    adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})),
-                   stage_start_tokens=meta.get("stage_start_tokens"), pending_pairs=meta.get("pending_pairs"))
+                   stage_start_tokens=meta.get("stage_start_tokens"), pending_pairs=meta.get("pending_pairs"),
+                   pending_rl=meta.get("pending_rl"))
 
 
 @dataclass
@@ -160,6 +164,9 @@ class Run:
     stage_start_tokens: int = 0
     latest: dict[str, Any] = field(default_factory=dict)
     pairs: PairState = field(default_factory=PairState)  # preference stages: references, pending metric sums
+    rl: RlState = field(default_factory=RlState)  # RL stages: rewards, the step's rollout, pending metrics
+    score_digests: dict[str, str] = field(default_factory=dict)  # scores the run took or read, by key (checkpointed)
+    recorded_digests: dict[str, str] | None = None  # those the checkpoint resumed from records (checked on reading)
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
@@ -181,6 +188,8 @@ class Run:
         self.stage_start_tokens = state.tokens if state.stage_start_tokens is None else state.stage_start_tokens
         if state.pending_pairs is not None:
             self.pairs.pending = list(state.pending_pairs)
+        if state.pending_rl is not None:
+            self.rl.pending = {k: list(v) for k, v in state.pending_rl.items()}
 
     def tokens_now(self) -> int:
         """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
@@ -195,7 +204,16 @@ class Run:
                         stage_steps=cur["stage_steps"], patience=cur["patience"], gate=cur.get("gate"),
                         adam_updates=self.freezer.updates, metrics=self.latest,
                         stage_start_tokens=self.stage_start_tokens,
-                        pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None)
+                        pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None,
+                        pending_rl={k: list(v) for k, v in self.rl.pending.items()} or None)
+
+
+def objective_records(run: Run) -> dict[str, float]:
+    """Every objective's metrics of the logging interval (a stage's last sums may land in the next stage's record)."""
+    out: dict[str, float] = {}
+    for objective in OBJECTIVES:
+        out.update(objective.record(run))
+    return out
 
 
 def record_header(done: int, stage: Stage) -> dict[str, Any]:
@@ -217,7 +235,7 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
     run.curriculum.enter(stage)
     try:
         order_by_model(run, stage, step)  # difficulty by a model's scores: the sampler over them, before its first step
-        enter_pair_stage(run, stage, step)  # a dpo stage's reference log-probs: the policy as it enters the stage
+        objective_of(stage).enter(run, stage, step)  # e.g. a dpo stage's reference: the policy as it enters
     except ScoringStopped as stopped:
         log.warning("preempted (%s) during the scoring pass (%s): its finished blocks are kept, the checkpoint at "
                     "step %d resumes it; relaunch the same command", run.preemption.signal_name or "signal on "
@@ -300,34 +318,27 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
     acc, model, optimizer, meter = run.accelerator, run.model, run.optimizer, run.meter
     accum, saving = run.recipe.train.grad_accum, run.recipe.checkpoint
     plan = stage.plan
-    # This rank's micro-batches of the step, from the stage's DataLoader (toolkit/data/batching.py: rank r's
-    # micro-step j is slot j * world + r of the step's global batch, `rank_micro_batches`).
-    micro = run.batches.take(stage, step_in_stage)
+    # This rank's micro-batches of the step: the stage's rows (toolkit/data/batching.py), or a grpo stage's
+    # completions of its prompts (toolkit/train/rl_stage.py), as the stage's objective says.
+    objective = objective_of(stage)
+    micro = objective.micro_batches(run, stage, step_in_stage, step)
     # Under Ulysses each process of a sequence-parallel group trains its slice of the same micro-batches.
     place = sequence_parallel.layout(acc)
     real: list[int | None] = [None] * len(micro)
+    whole = [m.batch for m in micro]  # before slicing: a pair batch's counts and segments are over whole rows
     if place.sequence_parallel:
         sliced = [sequence_parallel.shard_batch(m.batch, place, ignore_index=IGNORE_INDEX) for m in micro]
         micro = [m._replace(batch=b) for m, (b, _) in zip(micro, sliced, strict=True)]
         real = [n for _, n in sliced]
     batches = [m.batch for m in micro]
 
-    # Normalise by the label tokens of the whole global batch (all ranks, all micro-steps): the gradient
-    # is then independent of how the batch is split. Strategies average gradients over ranks and
-    # accumulation steps, hence the world x accum factor in num_items_in_batch. Under Ulysses every process
-    # counts its slice's tokens (the sum counts each token once) and DeepSpeed may average over replicas only.
-    # Counted on the host batches (the loop moves each to the device itself), so the copy never blocks.
+    # The stage's objective (toolkit/train/objectives.py) takes the step's global normalisers: over every rank and
+    # micro-step, so the gradient does not depend on how the batch is split. Strategies average gradients over
+    # ranks and accumulation steps, hence the divisor. Under Ulysses every process counts its slice's tokens (the
+    # sum counts each token once) and DeepSpeed may average over replicas only.
     averaged = sequence_parallel.gradient_divisor(acc)  # the processes, except under Ulysses (see there)
-    pairs = stage.resolved.pairs  # a preference stage: normalised by the global batch's pairs (pair_stage.py)
-    if pairs:
-        norm_pairs, norm_tokens = global_normalisers(acc, *pair_normalisers(batches), averaged * accum)
-        segments = [segment_ids(b) for b in batches]  # on the host: the device copy's boundaries are not read back
-        pair_sums = torch.zeros(METRIC_SUMS, dtype=torch.float64, device=acc.device)
-    else:
-        local_label_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(acc.device,
-                                                                                        non_blocking=True)
-        items_per_micro = acc.reduce(local_label_tokens, reduction="sum") / (averaged * accum)
-    local_loss = torch.zeros((), dtype=torch.float64 if pairs else torch.float32, device=acc.device)
+    losses = objective.begin(run, stage, batches, averaged * accum, whole=whole)
+    local_loss = torch.zeros((), dtype=losses.dtype, device=acc.device)
     verdict = Verdict(skip=False)
     step_loss, preempted, time_due, grad_norm = float("nan"), False, False, None
     for j, (batch, lengths, label_tokens) in enumerate(prefetched(micro, acc.device)):
@@ -337,12 +348,7 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                                   head_tokens=logits_for) / place.sp_size
         meter.add_batch(batch, flops, len(lengths) if place.sp_rank == 0 else 0, real=real[j])
         with acc.accumulate(model):
-            if pairs:
-                loss, sums = pair_micro_loss(run, stage, model, batch, pairs=norm_pairs, chosen_tokens=norm_tokens,
-                                             segments=segments[j])
-                pair_sums += sums
-            else:
-                loss = model(**batch, num_items_in_batch=items_per_micro).loss
+            loss = losses.micro(model, j, batch)
             if injected_fault(step + 1, acc.process_index):
                 loss = loss * float("nan")
             local_loss += loss.detach()
@@ -354,10 +360,11 @@ def run_step(run: Run, stage: Stage, step_in_stage: int, step: int) -> StepResul
                 kind = {"device": acc.device, "dtype": local_loss.dtype}
                 flags = torch.stack([local_loss, torch.tensor(float(run.preemption.requested), **kind),
                                      torch.tensor(float(time_due), **kind)])
-                summed = acc.reduce(torch.cat([flags, pair_sums]) if pairs else flags, reduction="sum").tolist()
+                sums = losses.sums  # the objective's metric sums ride in the same all-reduce
+                summed = acc.reduce(flags if sums is None else torch.cat([flags, sums]), reduction="sum").tolist()
                 step_loss, preempted, time_due = summed[0] / (averaged * accum), summed[1] > 0, summed[2] > 0
-                if pairs:  # TRL's metrics of the global batch, in the interval's record
-                    run.pairs.add(summed[3:])
+                if sums is not None:  # TRL's metrics of the global batch, in the interval's record
+                    objective.add_sums(run, summed[3:])
                 verdict = run.guard.judge(step_loss)
                 if verdict.skip:
                     loss = veto_update(loss)
@@ -400,7 +407,7 @@ def after_step(run: Run, stage: Stage, step_in_stage: int, done: int, result: St
         record = {**record_header(done, stage), "stage_step": step_in_stage + 1,
                   **run.meter.record(acc, peak_flops=run.peak_flops), "lr": result.lr,
                   "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
-                  "samples": run.curriculum.samples_seen(done), **run.pairs.record()}
+                  "samples": run.curriculum.samples_seen(done), **objective_records(run)}
         run.log_record(record)
         run.latest.update(record)
         if run.bar is not None:
@@ -498,7 +505,8 @@ def save_checkpoint(run: Run, state: RunState) -> None:
     """Commit a checkpoint of the run at `state.step`: the state files and meta.json (`state` plus the run's
     identity, which a resume checks)."""
     recipe = run.recipe
-    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta()}
+    meta = {**state.to_meta(), "time": time.time(), **run.identity.to_meta(),
+            "scores": dict(run.score_digests)}  # the scores it depends on: a resume refuses other ones
     portable = recipe.lora.enabled and recipe.checkpoint.portable
     write = partial(checkpoint.write_state, run.accelerator, run.model, run.optimizer,
                     adam_steps=run.freezer.adam_steps() if portable else None)

@@ -15,8 +15,9 @@ Step. A micro-batch holds its pairs' sides in pair order (chosen 0, rejected 0, 
 spans of one packed row; toolkit/data/collate.py `pair_collator`) and the stage-global index of each pair
 (`pair_index`), which finds its reference. One forward gives every side's summed log-prob through the loss head
 (`policy_logps`); the pair losses are normalised by the global batch's pair count and the sft term by its chosen-token
-count (`global_normalisers`, one all-reduce, as the sft step's token count), so neither gradient accumulation nor the
-process count changes the loss. The metrics' sums ride in the step's own all-reduce (toolkit/train/loop.py).
+count (`global_normalisers`, one all-reduce, kept on the device as the sft step's token count), so neither gradient
+accumulation nor the process count changes the loss. The metrics' sums ride in the step's own all-reduce
+(toolkit/train/loop.py). Under Ulysses each side's log-prob is summed over the group's slices (`policy_logps`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolkit.config.schema import pair_losses
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Stage
+from toolkit.data.collate import PAIR_PAD_MULTIPLE, sides_collator
 from toolkit.data.plan import PairSides
 from toolkit.evals.scoring import row_sums, score_key
 from toolkit.runtime.run_dir import RunLayout
+from toolkit.strategies.sequence_parallel import Layout
 from toolkit.train.preference import (
     METRICS,
     PairLogps,
@@ -50,6 +54,7 @@ from toolkit.train.preference import (
 )
 from toolkit.train.stage_scores import (
     ScoringStopped,
+    kept_digests,
     rows_identity,
     scorer_identity,
     stage_entry_scores,
@@ -63,18 +68,14 @@ METRIC_SUMS = len(METRICS) + 1
 
 
 def settings_of(stage: ResolvedStage) -> PreferenceSettings:
-    """The stage's loss settings: `preference` as given (TRL's defaults where absent); an orpo / simpo stage's pair
-    loss is its objective (weight 1), with the sft term when `preference.loss` names it (its `loss_weights`, one
-    weight, is the sft term's: the schema refuses it otherwise)."""
+    """The stage's loss settings: its losses and weights as the recipe's one rule gives them
+    (toolkit/config/schema.py `pair_losses`), with `preference`'s beta, label smoothing and gamma (TRL's defaults
+    where absent)."""
+    names, weights = pair_losses(stage.objective, stage.preference)
     pref = stage.preference
     if pref is None:
-        return PreferenceSettings(loss=(stage.objective,) if stage.objective in ("orpo", "simpo") else ("sigmoid",))
-    names, weights = list(pref.loss), None if pref.loss_weights is None else tuple(pref.loss_weights)
-    if stage.objective in ("orpo", "simpo"):
-        sft = "loss" in pref.model_fields_set and "sft" in pref.loss
-        names = [stage.objective, *(["sft"] if sft else [])]
-        weights = None if weights is None or not sft else (1.0, *weights)
-    return PreferenceSettings(loss=tuple(names), loss_weights=weights, beta=pref.beta,
+        return PreferenceSettings(loss=names, loss_weights=weights)
+    return PreferenceSettings(loss=names, loss_weights=weights, beta=pref.beta,
                               label_smoothing=pref.label_smoothing, simpo_gamma=pref.simpo_gamma)
 
 
@@ -144,7 +145,7 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     at = stage.plan.start_step
     base = reference_is_base(stage.resolved)
     ident = {"rows": rows_identity(rows.parts), "scorer": scorer_identity(run.identity, "current", at),
-             "render": "pairs", "base": base}
+             "render": "pairs", "base": base, "pad_to": PAIR_PAD_MULTIPLE}
     folder = Path(run.recipe.output_dir) / "scores"
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     scorer = "the base model, adapter off" if base else "the policy"
@@ -152,9 +153,11 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     stop = stop_for_signal(run, step) if run.preemption.started and step is not None else None
     sides = PairSides(rows.parts)
     with adapter_disabled(run.model) if base else contextlib.nullcontext():
-        sums = stage_entry_scores(run.accelerator, run.model, sides, run.collate, stage.resolved.eval_micro_batch_size
+        sums = stage_entry_scores(run.accelerator, run.model, sides, sides_collator(run.collate),
+                                  stage.resolved.eval_micro_batch_size
                                   if role == "eval" else stage.plan.micro_batch, folder=folder, key=score_key(**ident),
-                                  may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop)
+                                  may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop,
+                                  **kept_digests(run))
     if sums is None:
         return None
     chosen, rejected = split_pairs(-sums.loss)
@@ -191,17 +194,19 @@ def pair_normalisers(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
     return pairs, tokens
 
 
-def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *, pairs: float,
-                    chosen_tokens: float, segments: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *, pairs: torch.Tensor,
+                    chosen_tokens: torch.Tensor, segments: tuple[torch.Tensor, int], place: Layout | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch of pairs: its share of the global batch's preference loss (to backward), and its metric sums
     (METRIC_SUMS float64 values, detached). `pairs` and `chosen_tokens` are the global normalisers divided by the
     number of gradients the strategy averages (`global_normalisers`); `segments` the batch's `segment_ids`, read
-    on its host copy."""
+    on its host copy (under Ulysses, `place`: this process's slice of the whole rows', `shard_segments`; the
+    log-probs are then summed over the group)."""
     device = run.accelerator.device
     batch = dict(batch)
     index = batch.pop("pair_index")
     settings = settings_of(stage.resolved)
-    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, len(index), device, segments)
+    chosen, rejected, c_tokens, r_tokens = policy_logps(model, batch, len(index), device, segments, place)
     if takes_reference(stage.resolved):
         ref_chosen, ref_rejected = run.pairs.train[stage.index].of(index, device)
     else:
@@ -224,7 +229,8 @@ def evaluate_pairs(run: Any, model: Any, stage: Stage) -> dict[str, float] | Non
         assert ref is not None
         run.pairs.evals[stage.index] = ref
     acc = run.accelerator
-    sums = row_sums(acc, model, PairSides(stage.eval_rows.parts), run.collate, stage.resolved.eval_micro_batch_size)
+    sums = row_sums(acc, model, PairSides(stage.eval_rows.parts), sides_collator(run.collate),
+                    stage.resolved.eval_micro_batch_size)
     chosen, rejected = (torch.as_tensor(x) for x in split_pairs(-torch.as_tensor(sums.loss)))
     c_tokens, r_tokens = (torch.as_tensor(x) for x in split_pairs(torch.as_tensor(sums.tokens)))
     if takes_reference(stage.resolved):

@@ -49,6 +49,7 @@ from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import forward_sums, row_sums, segment_ids
 from toolkit.model.loss_head import shifted_labels
+from toolkit.strategies.sequence_parallel import Layout, group_sum
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_FREE = ("orpo", "simpo")
@@ -171,14 +172,16 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def preference_loss(settings: PreferenceSettings, terms: PreferenceTerms, pairs: float, chosen_tokens: float
-                    ) -> torch.Tensor:
+def preference_loss(settings: PreferenceSettings, terms: PreferenceTerms, pairs: float | torch.Tensor,
+                    chosen_tokens: float | torch.Tensor) -> torch.Tensor:
     """A micro-batch's share of the global batch's loss: its pair losses over the global pair count plus the sft
-    weight times its chosen NLL over the global chosen-token count. Summed over the global batch's micro-batches
-    (and ranks) this is the batch's mean pair loss plus its per-token sft loss."""
+    weight times its chosen NLL over the global chosen-token count (numbers, or `global_normalisers`' device
+    tensors). Summed over the global batch's micro-batches (and ranks) this is the batch's mean pair loss plus its
+    per-token sft loss."""
     loss = terms.pairs_loss / pairs
     if "sft" in settings.weights:
-        loss = loss + settings.weights["sft"] * terms.sft_nll / max(chosen_tokens, 1)
+        tokens = chosen_tokens.clamp(min=1) if torch.is_tensor(chosen_tokens) else max(chosen_tokens, 1)
+        loss = loss + settings.weights["sft"] * terms.sft_nll / tokens
     return loss
 
 
@@ -188,12 +191,15 @@ def split_pairs(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def policy_logps(model: torch.nn.Module, batch: dict[str, Any], pairs: int, device: torch.device,
-                 segments: tuple[torch.Tensor, int] | None = None
+                 segments: tuple[torch.Tensor, int] | None = None, place: Layout | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen log-probs, rejected log-probs, chosen token counts, rejected token counts) of a micro-batch of
     `pairs` pairs collated in pair order, with gradients: the scoring pass's forward (`forward_sums`; `segments`:
-    its segment ids from the host batch)."""
+    its segment ids from the host batch). Under Ulysses (`place`) the batch is this process's slice, `segments` its
+    slice of the whole rows' (`shard_segments`), and the slices' sums are added over the group (`group_sum`)."""
     loss, tokens = forward_sums(model, batch, device, segments)
+    if place is not None and place.sequence_parallel:
+        loss, tokens = group_sum(loss, place), group_sum(tokens, place)
     if len(loss) < 2 * pairs:
         raise ValueError(f"a micro-batch of {pairs} pairs collated into {len(loss)} sequences; expected {2 * pairs}")
     chosen, rejected = split_pairs(-loss[:2 * pairs])
@@ -239,15 +245,19 @@ def pair_counts(batch: dict[str, Any]) -> tuple[int, int]:
     return count // 2, int(per_sequence[0:count - count % 2:2].sum())
 
 
-def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int, divisor: int) -> tuple[float, float]:
+def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int, divisor: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch's pair count and chosen-token count (this rank's micro-batches' `pair_counts` summed,
     all-reduced) divided by `divisor`, the number of gradients the strategy averages (processes x accumulation
-    steps). Every micro-batch's `preference_loss` divides by them, so the averaged gradients are those of the
-    global batch's loss: neither the process count nor gradient accumulation changes it. Collective."""
-    local = torch.tensor([float(pairs), float(chosen_tokens)], dtype=torch.float64, device=accelerator.device)
+    steps), as 0-d float64 tensors on the device: never read back on the host, so the step waits for no queue here
+    (the guard's all-reduce is its one host read). Every micro-batch's `preference_loss` divides by them, so the
+    averaged gradients are those of the global batch's loss: neither the process count nor gradient accumulation
+    changes it. Collective."""
+    local = torch.tensor([float(pairs), float(chosen_tokens)], dtype=torch.float64).to(accelerator.device,
+                                                                                       non_blocking=True)
     total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
-    summed = total.tolist()
-    return summed[0] / divisor, summed[1] / divisor
+    scaled = total / divisor
+    return scaled[0], scaled[1]
 
 
 def metric_sums(terms: PreferenceTerms, logps: PairLogps) -> torch.Tensor:

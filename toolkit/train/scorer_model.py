@@ -11,6 +11,10 @@ other tokens. Each refusal is one line naming the stage, the scorer and what dif
 Its identity (`weights_identity`) is the sha256 of each weights file (`*.safetensors`, `*.bin`, streamed) and of
 its config, with the dtype it runs in: part of the scores' key, so a changed scorer rescores and nothing else does.
 
+Its own Python code (a config with `auto_map`) runs only with its own consent, `difficulty.trust_remote_code` of
+its stage: `model.trust_remote_code` covers the run's model only. A scorer that needs code and lacks it is refused
+in one line naming it, as is one whose pickled `.bin` weights do not load weights-only.
+
 Loaded (`load_scorer`) only when scores are missing: with `from_pretrained`, whole on every process (never
 sharded, not under ZeRO-3's `zero.Init` nor FSDP's rank-0-only loading: a scorer is small by design), in the run's
 dtype, on the process's device, in eval mode, with the policy's attention kernel and the run's loss head (so
@@ -115,14 +119,24 @@ def check_scorers(recipe: Recipe, resolved: list[ResolvedStage], tokenizer: Any,
             raise ToolkitError(f"{where}: a separate scorer scores text rows, and this run's model is "
                                "vision-language; use base or current.")
         path = resolve_scorer(name, recipe.output_dir)
+        assert stage.difficulty is not None
+        trust = stage.difficulty.trust_remote_code  # the scorer's own consent, never the policy's
         try:
-            AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         except Exception as e:  # a broken or foreign config: transformers raises several kinds
+            if "trust_remote_code" in str(e):
+                raise ToolkitError(f"{where} needs its own Python code (auto_map in its config.json) and has not "
+                                   "been allowed to run it: read that code, then set difficulty.trust_remote_code: "
+                                   f"true on stage '{stage.name}' (model.trust_remote_code covers the run's own "
+                                   "model only).") from None
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise ToolkitError(f"{where}: its config cannot be read ({reason}).") from None
+        if trust and getattr(config, "auto_map", None):
+            log.warning("%s: difficulty.trust_remote_code is on: Python code from %s runs in this process (%s).",
+                        where, path, ", ".join(sorted(config.auto_map)))
+        _check_weights_load(path, where)
         try:
-            theirs = load_tokenizer(str(path), trust_remote_code=recipe.model.trust_remote_code,
-                                    chat_template=recipe.data.chat_template)
+            theirs = load_tokenizer(str(path), trust_remote_code=trust, chat_template=recipe.data.chat_template)
         except Exception as e:
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise ToolkitError(f"{where}: its tokenizer cannot be loaded ({reason}); a scorer needs the run's "
@@ -133,6 +147,24 @@ def check_scorers(recipe: Recipe, resolved: list[ResolvedStage], tokenizer: Any,
                                f"its {_tokenizer_difference(tokenizer, theirs)} differ; a scorer must share the "
                                "run's tokenizer (a smaller model of the same family), or use base.")
         log.info("%s: a separate scorer (%s), the run's tokenizer", where, path)
+
+
+def _check_weights_load(path: Path, where: str) -> None:
+    """Refuse, before the policy loads, a scorer whose only weights are pickled `.bin` files that do not load
+    weights-only (as transformers loads them): they would fail only after the policy loaded, with torch's advice
+    to allow code execution. Read memory-mapped: the tensors' data are not read."""
+    if any(p.suffix == ".safetensors" for p in path.iterdir()):
+        return  # transformers loads these, never the .bin
+    for file in sorted(p for p in path.iterdir() if p.suffix == ".bin" and p.is_file()):
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # UnpicklingError, or a file that is no torch archive at all
+            said = " ".join(str(e).split())
+            reason = said.split("WeightsUnpickler error:")[-1].strip().split(". Check the")[0][:160] or \
+                type(e).__name__
+            raise ToolkitError(f"{where}: its weights file {file.name} is a pickle that does not load as plain "
+                               f"tensors ({reason}); loading it would run code from it. Save the scorer as "
+                               "safetensors (save_pretrained(..., safe_serialization=True)).") from None
 
 
 _HASHED: dict[tuple[str, int, int], str] = {}
@@ -160,7 +192,8 @@ def weights_identity(path: Path, recipe: Recipe) -> dict[str, Any]:
         raise ToolkitError(f"difficulty.model '{path}' has no weights files (*.safetensors or *.bin).")
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     config = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    return {"scorer": {"weights": weights, "config": config, "dtype": recipe.model.dtype}}
+    dtype = str(resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)).removeprefix("torch.")
+    return {"scorer": {"weights": weights, "config": config, "dtype": dtype}}  # the dtype load_scorer runs it in
 
 
 @contextlib.contextmanager
@@ -179,13 +212,15 @@ def _whole_on_every_process() -> Iterator[None]:
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
 
 
-def load_scorer(path: Path, recipe: Recipe, device: torch.device, attn_implementation: str) -> torch.nn.Module:
+def load_scorer(path: Path, recipe: Recipe, device: torch.device, attn_implementation: str, *,
+                trust_remote_code: bool) -> torch.nn.Module:
     """The scorer at `path`, whole on this process's `device` in the run's dtype, in eval mode, with the run's loss
-    head. The caller drops its reference and calls `free_memory` when the pass ends."""
+    head; its own code runs only with `trust_remote_code`, its stage's difficulty.trust_remote_code. The caller
+    drops its reference and calls `free_memory` when the pass ends."""
     dtype = resolve_dtype(recipe.model.dtype, lora=recipe.lora.enabled)
     with _whole_on_every_process():
         model: Any = load_model(str(path), dtype=dtype, attn_implementation=attn_implementation,
-                                trust_remote_code=recipe.model.trust_remote_code)
+                                trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
     model.to(device).eval()
     install_loss_head(model, recipe.model.loss_head, recipe.model.loss_chunk_size)

@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +67,10 @@ from toolkit.runtime.run_dir import RunLayout, RunLock, committed_checkpoints, s
 from toolkit.runtime.signals import PreemptionFlag
 from toolkit.strategies import sequence_parallel
 from toolkit.train.loop import Run, RunState
+from toolkit.train.objectives import objective_of
 from toolkit.train.optimizer import StageFreezer
-from toolkit.train.pair_stage import describe_objective, evaluate_pairs
+from toolkit.train.pair_stage import describe_objective
+from toolkit.train.rl_stage import ROLLOUTS, check_rl_stages
 from toolkit.train.scorer_model import check_scorers
 from toolkit.train.stability import StabilityGuard
 from toolkit.train.stage_scores import check_kept_scores
@@ -98,6 +99,8 @@ def resume_run(run: Run, ckpt: Path, meta: dict[str, Any], forced: list[str]) ->
                                   strategy=run.identity.strategy, seed=run.recipe.train.seed)
     run.restore(RunState.from_meta(meta))
     run.resumed_from = ckpt
+    run.recorded_digests = dict(meta.get("scores") or {})  # kept scores are checked against these when read
+    run.score_digests.update(run.recorded_digests)
     if forced:  # the loaded optimizer holds the checkpointed recipe's lr (for the next step), weight decay, betas
         opt = run.recipe.optimizer  # and eps (torch's load_state_dict restores them): the forced ones apply now
         for group, base, lr_at in zip(run.optimizer.param_groups, run.scheduler.base_lrs, run.scheduler.lr_lambdas,
@@ -159,7 +162,10 @@ def prepare_inputs(recipe: Recipe, resolved: list[ResolvedStage], accelerator: A
 def build_stages(recipe: Recipe, resolved: list[ResolvedStage], accelerator: Accelerator, tokenizer: Any,
                  processor: Any | None, dummy_dir: Path, cache: Path | None) -> Curriculum:
     """The curriculum: every stage's rows (loaded and tokenised once, cached), planned on the step axis with its
-    sampler; lr_scaling scales each stage's lr by its own global batch."""
+    sampler; lr_scaling scales each stage's lr by its own global batch. RL stages are checked first (whole groups
+    of completions per global batch, text prompts: toolkit/train/rl_stage.py)."""
+    check_rl_stages(resolved, grad_accum=recipe.train.grad_accum, place=sequence_parallel.layout(accelerator),
+                    vision=processor is not None)
     training_sets, eval_rows = load_curriculum_data(resolved, recipe.data, tokenizer, processor, dummy_dir, cache)
     opt = recipe.optimizer
     replicas = sequence_parallel.layout(accelerator).dp_size  # the processes of a Ulysses group share rows
@@ -184,11 +190,16 @@ def write_run_files(recipe: Recipe, layout: RunLayout, accelerator: Accelerator,
         "trainable_params": trainable_params,
         "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "accelerate", "peft")}
         | {"toolkit": __version__}}, indent=2))
+    rollouts = sorted((layout.root / ROLLOUTS).glob("*.jsonl"))  # RL stages' completions (toolkit/train/rl_stage.py)
     if resumed_at is None:
         layout.metrics.unlink(missing_ok=True)
+        for path in rollouts:
+            path.unlink()
     else:
         truncate_after(layout.metrics, resumed_at)
         prune_after(layout, resumed_at)  # completions and matrix records of the evals that are redone
+        for path in rollouts:  # the steps after the resumed one are drawn again
+            truncate_after(path, resumed_at)
 
 
 def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, model: Any, optimizer: Any,
@@ -218,7 +229,9 @@ def assemble_run(recipe: Recipe, layout: RunLayout, accelerator: Accelerator, mo
                text_config=accelerator.unwrap_model(model).config.get_text_config(),
                max_norm=opt.max_grad_norm if opt.max_grad_norm > 0 else math.inf,
                peak_flops=peak_flops(distributed.device_name(accelerator), recipe.logging.peak_tflops))
-    run.evaluator.pair_eval = partial(evaluate_pairs, run)  # preference stages' eval pairs, against their reference
+    run.rl.tokenizer = generation.processing if generation is not None else None  # decodes grpo completions
+    # A stage's own eval rows under its objective (preference stages' eval pairs, against their reference).
+    run.evaluator.pair_eval = lambda model, stage: objective_of(stage).evaluate(run, model, stage)
     return run
 
 
@@ -344,11 +357,6 @@ def check_sequence_parallel(accelerator: Accelerator, resolved: list[ResolvedSta
     sequence_parallel.check_model(place.sp_size, heads=text.num_attention_heads,
                                   kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
                                   vision=vision, max_seq_lens=[s.max_seq_len for s in resolved])
-    paired = [s.name for s in resolved if s.pairs]
-    if paired:
-        raise ToolkitError(f"stage '{paired[0]}' trains on preference pairs, which Ulysses sequence parallelism does "
-                           "not split yet (a pair's log-prob would be summed across the group's slices); launch it "
-                           "with zero3.yaml (or any config without parallelism_config_sp_size).")
     family = accelerator.parallelism_config.sp_handler.sp_attn_implementation
     log.info("sequence parallelism: Ulysses over %d processes per row, %d data-parallel replica(s)", place.sp_size,
              place.dp_size)

@@ -42,7 +42,15 @@ from toolkit.config.schema import MODEL_MEASURES, ORDERED, SCORERS
 from toolkit.curriculum.stages import Stage
 from toolkit.data.plan import KeptRows, kept_by_rank
 from toolkit.errors import ToolkitError
-from toolkit.evals.scoring import RowSums, ScoreCache, cached_row_sums, measure, response_alone, score_key
+from toolkit.evals.scoring import (
+    RowSums,
+    ScoreCache,
+    cached_row_sums,
+    measure,
+    response_alone,
+    score_key,
+    sums_digest,
+)
 from toolkit.runtime import process as distributed
 from toolkit.runtime.run_dir import RunLayout, committed_checkpoints
 from toolkit.train.scorer_model import free_memory, load_scorer, resolve_scorer, weights_identity
@@ -53,7 +61,8 @@ log = logging.getLogger(__name__)
 def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[dict[str, Any]],
                        collate: Callable[[list[dict[str, Any]]], dict[str, Any]], micro_batch_size: int, *,
                        folder: Path, key: str, may_score: bool, what: str,
-                       elsewhere: Path | None = None, should_stop: Callable[[], bool] | None = None
+                       elsewhere: Path | None = None, should_stop: Callable[[], bool] | None = None,
+                       digests: dict[str, str] | None = None, recorded: dict[str, str] | None = None
                        ) -> RowSums | None:
     """Each sample's row sums by `model` (the prepared model: collective, every process calls it), kept in
     `folder` under `key` and read from there when already complete.
@@ -63,24 +72,55 @@ def stage_entry_scores(accelerator: Accelerator, model: Any, samples: Sequence[d
     file is refused in one line rather than scored with a later model. `what` names the scores in the log and in
     that refusal. `elsewhere`: another run folder's scores (the run a resume's checkpoint belongs to, when it
     resumes into a new output_dir), whose complete file of this key is taken over. `should_stop`: asked after
-    each block, on every process (collective); True stops the pass there, its blocks kept, and returns None."""
+    each block, on every process (collective); True stops the pass there, its blocks kept, and returns None.
+
+    `recorded`: the digests (`sums_digest`) of the scores the checkpoint a launch resumes from was trained with,
+    by key; a kept file of such a key that holds other scores (edited or replaced after the run) is refused in one
+    line, never used. `digests`: the run's own record, to which the complete scores' digest is added (a checkpoint
+    saves it)."""
+    want = (recorded or {}).get(key)
+
+    def check(kept: ScoreCache) -> None:
+        if kept.complete and want is not None and sums_digest(kept.sums) != want:
+            raise ToolkitError(f"{what}: {kept.path} holds other scores than the checkpoint this launch resumes from "
+                               "was trained with (their sha256 differs from the one its meta.json records): the file "
+                               "was edited or replaced after the run. Restore it, or resume from a checkpoint at or "
+                               "before the point those scores were taken.")
+
     cache = ScoreCache(folder, key, len(samples), writer=accelerator.is_main_process)
+    unread = (cache.path, cache.unreadable) if cache.unreadable else None
     if not cache.complete and elsewhere is not None and elsewhere.resolve() != folder.resolve():
         theirs = ScoreCache(elsewhere, key, len(samples), writer=False)
+        check(theirs)  # before they are copied into this run's folder
         if theirs.complete:
             cache.record(np.arange(len(samples)), theirs.sums)
+        elif theirs.unreadable:
+            unread = (theirs.path, theirs.unreadable)
     # Every process takes process 0's reading of the file: another process may read it while process 0 still
     # writes a pass's last block (a second pass of the same key right after), or not see it at all (another node).
     cache.sums, cache.done = distributed.broadcast_from_main(accelerator, (cache.sums, cache.done))
     if not cache.complete and not may_score:
         assert cache.path is not None
-        raise ToolkitError(f"{what}: {cache.path} is missing or incomplete, and this launch resumes past the point "
-                           "those scores were taken; scoring now would use a later model. Restore the file, or "
-                           "resume from a checkpoint at or before that point (checkpoint.resume: a step folder).")
+        state = f"{unread[0]} cannot be read ({unread[1]})" if unread else f"{cache.path} is missing or incomplete"
+        raise ToolkitError(f"{what}: {state}, and this launch resumes past the point those scores were "
+                           "taken; scoring now would use a later model. Restore the file, or resume from a checkpoint "
+                           "at or before that point (checkpoint.resume: a step folder).")
+    check(cache)
+    if unread and may_score:
+        log.warning("%s: %s cannot be read (%s): scored again", what, *unread)
     if cache.complete:
         log.info("%s: read from %s", what, cache.path)
-    return cached_row_sums(accelerator, model, samples, collate, micro_batch_size, cache=cache, what=what,
+    sums = cached_row_sums(accelerator, model, samples, collate, micro_batch_size, cache=cache, what=what,
                            should_stop=should_stop)
+    if sums is not None and digests is not None:
+        digests[key] = sums_digest(sums)
+    return sums
+
+
+def kept_digests(run: Any) -> dict[str, Any]:
+    """`stage_entry_scores`'s `digests` and `recorded` of a run: the train loop's `Run` keeps them (its checkpoints
+    save them, its resume reads them back); `toolkit score`'s stand-in has none."""
+    return {"digests": getattr(run, "score_digests", None), "recorded": getattr(run, "recorded_digests", None)}
 
 
 def model_scored(stage: Stage) -> str | None:
@@ -177,7 +217,8 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
         model = None
         if missing and step == at:  # else stage_entry_scores reads them, or refuses: no model needed
             attn = run.accelerator.unwrap_model(run.model).config._attn_implementation
-            model = load_scorer(path, run.recipe, run.accelerator.device, attn)
+            model = load_scorer(path, run.recipe, run.accelerator.device, attn,
+                                trust_remote_code=how.trust_remote_code)
     name = f"the scorer {scorer}" if separate else f"the {scorer} model"
     what = f"stage '{stage.name}' scored by {name} at step {at}"
     stop = stop_for_signal(run, step) if run.preemption.started else None  # before: a signal stops at once
@@ -187,7 +228,7 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
             for (_, samples, said), key in zip(renders, keys, strict=True):
                 out.append(stage_entry_scores(run.accelerator, model, samples, run.collate, stage.plan.micro_batch,
                                               folder=folder, key=key, may_score=step == at, what=what + said,
-                                              elsewhere=elsewhere, should_stop=stop))
+                                              elsewhere=elsewhere, should_stop=stop, **kept_digests(run)))
                 if out[-1] is None:
                     return None, None
     finally:

@@ -43,6 +43,17 @@
     if (a >= 1e5 || a < 1e-3) return v.toExponential(3).replace(/\.?0+e/, "e").replace("e+", "e");
     return String(Number(v.toPrecision(4)));
   }
+  // Never Math.min(...array): an argument spread of a long run's values (~125k logged steps) overflows the stack.
+  function minOf(vals) {
+    let m = Infinity;
+    for (const v of vals) if (v < m) m = v;
+    return m;
+  }
+  function maxOf(vals) {
+    let m = -Infinity;
+    for (const v of vals) if (v > m) m = v;
+    return m;
+  }
   function section(id, title, note) {
     const s = el("section", { id: id, class: "card" }, app);
     el("h2", {}, s, title);
@@ -92,7 +103,7 @@
     "planned length when a gate or patience ended it early.");
   RUNS.forEach((run, ri) => {
     if (MULTI) el("h3", {}, tl, run.name);
-    const end = Math.max(1, ...run.stages.map((s) => s.start + Math.max(s.steps, s.planned || 0)));
+    const end = Math.max(1, maxOf(run.stages.map((s) => s.start + Math.max(s.steps, s.planned || 0))));
     const bar = svg("svg", { viewBox: `0 0 ${W} 58`, class: "timeline", "data-run": ri }, tl);
     const x = (s) => PAD.l + (s / end) * (W - PAD.l - PAD.r);
     run.stages.forEach((s, i) => {
@@ -153,6 +164,13 @@
   const cv = section("curves", "Curves",
     "One band per stage" + (MULTI ? ` (of ${RUNS[0].name}; the other runs' stage starts are dashed lines)` : "") +
     ". Hover a chart for the values at a step; each chart's log button switches its scale.");
+  RUNS.forEach((run) => {  // keys past the page's cap (MAX_CURVES in report.py): named, not drawn
+    const dropped = run.dropped_keys || [];
+    if (dropped.length) {
+      el("p", { class: "note", "data-dropped-keys": dropped.length }, cv, `${MULTI ? run.name + ": " : ""}` +
+        `${dropped.length} more metric keys are in metrics.jsonl but not drawn: ${dropped.join(", ")}`);
+    }
+  });
   const panels = [];
   const trainKeys = [];
   RUNS.forEach((run) => Object.keys(run.train.values).forEach((k) => { if (!trainKeys.includes(k)) trainKeys.push(k); }));
@@ -242,13 +260,13 @@
     const stages = RUNS[0].stages;
     const allSteps = lines.flatMap((l) => [l.pts[0][0], l.pts[l.pts.length - 1][0]]);
     const extent = (s) => s.start + (s.state === "done" ? s.steps : Math.max(s.steps, s.planned || 0));
-    const stageEnd = Math.max(0, ...RUNS.flatMap((r) => r.stages.map(extent)));  // a live run: its whole plan
-    const x0 = 0, x1 = Math.max(stageEnd, ...allSteps, 1);
+    const stageEnd = Math.max(0, maxOf(RUNS.flatMap((r) => r.stages.map(extent))));  // a live run: its whole plan
+    const x0 = 0, x1 = Math.max(stageEnd, maxOf(allSteps), 1);
     const X = (s) => PAD.l + ((s - x0) / (x1 - x0)) * (W - PAD.l - PAD.r);
     function draw() {
       chart.textContent = "";
       const vals = lines.flatMap((l) => l.pts.map((p) => p[1])).filter((v) => !log || v > 0);
-      let lo = Math.min(...vals), hi = Math.max(...vals);
+      let lo = minOf(vals), hi = maxOf(vals);
       if (!vals.length) { lo = 1; hi = 10; }
       let Y, ticks;
       if (log) {
@@ -263,7 +281,7 @@
         if (lo === hi) { lo -= Math.abs(lo) * 0.1 || 1; hi += Math.abs(hi) * 0.1 || 1; }
         const pad = (hi - lo) * 0.06;
         lo -= pad; hi += pad;
-        if (lo < 0 && Math.min(...vals) >= 0) lo = 0;
+        if (lo < 0 && minOf(vals) >= 0) lo = 0;
         Y = (v) => H - PAD.b - ((v - lo) / (hi - lo)) * (H - PAD.t - PAD.b);
         ticks = niceTicks(lo, hi, 5);
       }
@@ -361,8 +379,8 @@
       const vals = recs.map((r) => r.value);
       const loss = metric.includes("loss");
       const unit = !loss && vals.every((v) => v >= 0 && v <= 1);
-      const lo = unit ? 0 : Math.min(...vals), hi = unit ? 1 : Math.max(...vals);
-      const CW = 52, CH = 30, LW = Math.max(120, 7.2 * Math.max(...rows.map((r) => r.length)) + 16), TOP = 40;
+      const lo = unit ? 0 : minOf(vals), hi = unit ? 1 : maxOf(vals);
+      const CW = 52, CH = 30, LW = Math.max(120, 7.2 * maxOf(rows.map((r) => r.length)) + 16), TOP = 40;
       const wrap = el("div", { class: "heatwrap" }, mx);
       el("h3", {}, wrap, metric + (loss ? " (lower is better)" : ""));
       const width = LW + CW * steps.length + 10, height = TOP + CH * rows.length + 24;
@@ -529,6 +547,12 @@
     const d = el("details", {}, mc);
     el("summary", {}, d, MULTI ? `${run.name}: final/README.md` : "final/README.md");
     el("pre", { class: "code" }, d, run.card || "Not written yet: final/ and its model card come at the end of the run.");
+  });
+  RUNS.forEach((run) => {  // files of the run folder that are links: never followed, so not shown
+    if ((run.not_read || []).length) {
+      el("p", { class: "note", "data-not-read": run.not_read.join(" ") }, mc, `${MULTI ? run.name + ": " : ""}` +
+        `not read (links, never followed out of the run folder): ${run.not_read.join(", ")}`);
+    }
   });
   document.body.setAttribute("data-drawn", "true");
 })();

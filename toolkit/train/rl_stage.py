@@ -1,0 +1,335 @@
+"""An RL stage (objective grpo) inside the run: the grpo objective of the loop (toolkit/train/objectives.py).
+
+Before anything heavy loads, `check_rl_stages` refuses what a grpo stage cannot train (a global batch of
+`micro_batch_size x grad_accum x data-parallel replicas` completions that is not whole groups of
+`rl.num_generations`, TRL's rule; vision prompts; Ulysses; settings this build does not train yet); the rewards are
+built, and user modules imported, with the generation evals' scorers (toolkit/evals/evaluator.py `import_scorers`).
+
+Each step (`rollout_step`): the stage sampler's prompts are completed by whole groups, prompt p by rank p mod world,
+under the run's strategy with the full weights gathered once (toolkit/evals/rollout.py), and scored on the rank that
+drew them (toolkit/evals/rewards.py); one gather gives every rank the global batch, its group advantages
+(toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token log-probs,
+normalised over the global batch (`_GrpoLoss`); TRL's metrics and the step's generation and scoring time go to the
+step record, the completions with their rewards to `<output_dir>/rollouts/<stage>.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+
+from toolkit.config.stages import ResolvedStage
+from toolkit.curriculum.stages import Stage
+from toolkit.data.batching import MicroBatch
+from toolkit.errors import ToolkitError
+from toolkit.evals.rewards import Reward, build_rewards, score_completions
+from toolkit.evals.rollout import rollout
+from toolkit.model.loss_head import loss_head_of
+from toolkit.strategies.full_weights import full_weights_for_generation, shards_parameters
+from toolkit.train import grpo
+
+
+def check_rl_stages(stages: list[ResolvedStage], *, grad_accum: int, place: Any, vision: bool) -> None:
+    """Refuse, in one line each, what a grpo stage cannot train: a global batch that is not whole groups of
+    `rl.num_generations` completions, vision-language prompts (not proven yet), Ulysses sequence parallelism
+    (`place`: toolkit.strategies.sequence_parallel.layout; a completion's log-probs would be split)."""
+    replicas = place.dp_size
+    for stage in stages:
+        if not stage.prompts or stage.rl is None:
+            continue
+        where = f"stages.{stage.index} ('{stage.name}')"
+        if place.sequence_parallel:
+            raise ToolkitError(f"{where}: objective grpo under Ulysses sequence parallelism is not supported yet (a "
+                               "completion's per-token log-probs would be split across the group's slices); launch "
+                               "it with zero3.yaml (or any config without parallelism_config_sp_size).")
+        if vision:
+            raise ToolkitError(f"{where}: objective grpo on a vision-language model is not supported yet (its image "
+                               "prompts' rollouts are not proven); train this stage on a text model, or make it sft "
+                               "or dpo.")
+        rl = stage.rl
+        for key, on, why in (("num_iterations", rl.num_iterations > 1, "one update per rollout batch"),
+                             ("beta", rl.beta > 0, "no KL reference"),
+                             ("dynamic_sampling", rl.dynamic_sampling, "every drawn group trains"),
+                             ("prioritize", rl.prioritize is not None, "prompts drawn by the stage's order")):
+            if on:
+                raise ToolkitError(f"{where}: rl.{key} is {getattr(rl, key)}, which this build does not train yet; "
+                                   f"remove it (the default: {why}).")
+        g = stage.rl.num_generations
+        batch = stage.micro_batch_size * grad_accum * replicas
+        if batch % g:
+            fits = [m for m in range(1, 4 * g + 1) if (m * grad_accum * replicas) % g == 0][:1]
+            hint = f"set the stage's micro_batch_size to {fits[0]}, or " if fits else ""
+            raise ToolkitError(f"{where}: rl.num_generations {g} does not divide the global batch of {batch} "
+                               f"completions (micro_batch_size {stage.micro_batch_size} x grad_accum {grad_accum} x "
+                               f"{replicas} process(es)); {hint}choose num_generations dividing {batch}.")
+
+
+# ------------------------------------------------------------------------------------------------- rollouts
+
+
+def slots_of(rank: int, world: int, accum: int, micro: int) -> list[list[int]]:
+    """Rank `rank`'s completion slots of a step, one list per micro-step: micro-step j of rank r holds the global
+    batch's slots [(j * world + r) * micro, ... + micro), as the data loader places rows (toolkit/data/batching.py).
+    Slot c is sample c mod G of the step's prompt c // G (G = rl.num_generations)."""
+    return [list(range((j * world + rank) * micro, (j * world + rank + 1) * micro)) for j in range(accum)]
+
+
+def stage_rewards(stage: ResolvedStage, recipe_dir: Path) -> list[Reward]:
+    """The stage's rewards, built by toolkit/evals/rewards.py from its `rewards:` entries."""
+    assert stage.rl is not None
+    return build_rewards([r.model_dump() for r in stage.rewards], key=f"stages.{stage.index}.rewards",
+                         recipe_dir=recipe_dir, max_completion_length=stage.rl.max_completion_length)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The end tokens a completion stops at: the model's generation config's and the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------- the objective
+
+
+@dataclass
+class StepRollout:
+    """One step's rollouts on this rank: its micro-batches (the forward's inputs) with each row's advantage and
+    completion mask, the step's global metrics (rank 0 adds them to the all-reduce) and the completions' records
+    (rank 0 writes them)."""
+
+    micro: list[MicroBatch]
+    advantages: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    tokens: float  # the global batch's completion tokens in the loss (after mask_truncated_completions)
+    sequences: int
+    metrics: dict[str, float]
+    records: list[dict[str, Any]]
+
+
+@dataclass
+class RlState:
+    """The run's RL stages: their rewards (built at a stage's entry), this step's rollout, and the metric values
+    of the logging interval not yet written (a checkpoint keeps them: `RunState.pending_rl`), name -> [sum of the
+    steps' values, steps]."""
+
+    rewards: dict[int, list[Reward]] = field(default_factory=dict)
+    current: StepRollout | None = None
+    names: list[str] = field(default_factory=list)  # the current step's sums, in order
+    pending: dict[str, list[float]] = field(default_factory=dict)
+    recipe_dir: Path = field(default_factory=Path.cwd)  # where `module:function` rewards not yet imported are
+    tokenizer: Any = None  # the run's tokenizer: renders nothing, decodes completions and pads the policy batch
+
+    def add(self, name: str, value: float) -> None:
+        if value == value:  # NaN: not computed this step
+            got = self.pending.setdefault(name, [0.0, 0.0])
+            got[0] += value
+            got[1] += 1
+
+    def record(self) -> dict[str, float]:
+        out = {name: total / n for name, (total, n) in self.pending.items() if n}
+        self.pending = {}
+        return out
+
+
+TOKEN_METRICS = grpo.METRICS
+
+
+def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepRollout:
+    """The step's rollouts. Its prompts (the stage sampler's global batch) are drawn by whole groups, prompt p by
+    rank p mod world (toolkit/evals/rollout.py: batched with the KV cache, one prompt's rl.num_generations rows a
+    batch, each completion seeded by (run seed, step, p, sample index), so it is the same on any number of
+    processes), and scored there (toolkit/evals/rewards.py); the global batch's completions and rewards are then
+    gathered to every rank (one object gather), which takes the group advantages (`grpo.group_advantages`) and
+    builds its own micro-batches (`grpo.policy_batch`: slots as the data loader places rows, `slots_of`)."""
+    acc, rl, tokenizer = run.accelerator, stage.resolved.rl, run.rl.tokenizer
+    g, world, rank = rl.num_generations, acc.num_processes, acc.process_index
+    accum, micro = run.recipe.train.grad_accum, stage.plan.micro_batch
+    chosen = stage.sampler.batch(step_in_stage)
+    rows = [stage.data.samples[i] for i in chosen]
+    mine = list(range(rank, len(rows), world))
+    lockstep = shards_parameters(acc) and world > 1
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rewards = run.rl.rewards[stage.index]
+    started = time.perf_counter()
+    drawn, scored, error = None, None, None
+    if mine or lockstep:  # a rank with no prompt keeps the others company under sharded weights
+        with full_weights_for_generation(acc, run.model) as policy:
+            stops = eos_ids(policy, tokenizer)
+            asked = mine or [0]
+            drawn = rollout(policy, [rows[p]["prompt_ids"] for p in asked], asked, num_generations=g,
+                            max_completion_length=rl.max_completion_length, temperature=rl.temperature,
+                            top_p=rl.top_p, seed=run.recipe.train.seed, step=step, eos_ids=stops, pad_id=pad,
+                            prompts_per_batch=1, rounds=-(-len(rows) // world), lockstep=lockstep)
+    generated = time.perf_counter()
+    texts: list[str] = []
+    if mine and drawn is not None:
+        texts = tokenizer.batch_decode(drawn.completion_ids, skip_special_tokens=True)
+        owners = [rows[p] for p in mine for _ in range(g)]
+        completions = [t if isinstance(o["prompt"], str) else [{"role": "assistant", "content": t}]
+                       for o, t in zip(owners, texts, strict=True)]
+        columns = {k: [o["columns"].get(k) for o in owners] for k in sorted({k for o in owners for k in o["columns"]})}
+        columns["reference"] = [o["reference"] for o in owners]
+        scored, error = score_completions(rewards, [o["prompt"] for o in owners], completions, drawn.completion_ids,
+                                          columns, [o["where"] for o in owners])
+    done = time.perf_counter()
+    local = {"prompts": mine, "error": error,
+             "completion_ids": drawn.completion_ids if mine and drawn else [], "texts": texts,
+             "truncated": drawn.truncated if mine and drawn else [],
+             "rewards": scored.tolist() if scored is not None else []}
+    parts = gather_object([local])
+    failed = next((part["error"] for part in parts if part["error"] is not None), None)
+    if failed is not None:
+        raise ToolkitError(failed)  # on every rank: the error was gathered to all
+    completion_ids: list[list[int]] = [[] for _ in range(len(rows) * g)]
+    texts_all, truncated = [""] * len(completion_ids), [False] * len(completion_ids)
+    table = torch.full((len(completion_ids), len(rewards)), float("nan"), dtype=torch.float64)
+    for part in parts:
+        for n, p in enumerate(part["prompts"]):
+            for j in range(g):
+                c, k = p * g + j, n * g + j
+                completion_ids[c], texts_all[c] = part["completion_ids"][k], part["texts"][k]
+                truncated[c] = part["truncated"][k]
+                table[c] = torch.tensor(part["rewards"][k], dtype=torch.float64)
+    combined = grpo.combined_rewards(table, [r.weight for r in rewards])
+    advantages, zero_std = grpo.group_advantages(combined, g, rl.scale_rewards)
+    lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
+    cut = torch.tensor(truncated)
+    kept = lengths.masked_fill(cut, 0.0) if rl.mask_truncated_completions else lengths
+    std = (grpo.nanstd(combined.view(-1, g), dim=1) if rl.scale_rewards != "batch"
+           else grpo.nanstd(combined).expand(len(rows)))
+    metrics = {"reward": float(torch.nanmean(combined)), "reward_std": float(torch.nanmean(std)),
+               "frac_reward_zero_std": float(zero_std.double().mean()),
+               **{f"rewards/{r.name}/mean": float(torch.nanmean(table[:, i])) for i, r in enumerate(rewards)},
+               "completions/mean_length": float(lengths.mean()),
+               "completions/clipped_ratio": float(cut.double().mean()),
+               "time/generation": generated - started, "time/scoring": done - generated}
+    micro_batches, advs, masks = [], [], []
+    for js in slots_of(rank, world, accum, micro):
+        p_ids, p_mask = _pad([rows[c // g]["prompt_ids"] for c in js], pad, left=True)
+        c_ids, c_mask = _pad([completion_ids[c] for c in js], pad, left=False)
+        if rl.mask_truncated_completions:
+            c_mask = grpo.mask_truncated(c_mask, cut[js])
+        batch = grpo.policy_batch(p_ids, p_mask, c_ids, c_mask)
+        micro_batches.append(MicroBatch(batch, [int(p_mask[i].sum() + c_mask[i].sum()) for i in range(len(js))],
+                                        int(c_mask.sum())))
+        advs.append(advantages[js].to(torch.float32))
+        masks.append(c_mask)
+    records = [{"step": step + 1, "stage": stage.name, "slot": p * g + j, "prompt": int(chosen[p]), "sample": j,
+                "where": rows[p]["where"], "completion": texts_all[p * g + j], "rewards": table[p * g + j].tolist(),
+                "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j]}
+               for p in mine for j in range(g)]
+    return StepRollout(micro_batches, advs, masks, float(kept.sum()), len(completion_ids), metrics, records)
+
+
+def _pad(rows: list[list[int]], pad: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded to one width (left: prompts, right: completions), with their masks."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            span = slice(width - len(r), width) if left else slice(0, len(r))
+            ids[i, span], mask[i, span] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask
+
+
+class _GrpoLoss:
+    """A grpo stage's step: the loss of its micro-batches, normalised over the global batch as rl.loss_type says
+    (`grpo.normaliser`), through the loss head's per-token log-probs (no full-vocabulary logits)."""
+
+    dtype = torch.float32
+
+    def __init__(self, run: Any, stage: Stage, divisor: int) -> None:
+        self.run, self.stage, self.rollout = run, stage, run.rl.current
+        rl = stage.resolved.rl
+        self.settings = grpo.GrpoSettings(
+            loss_type=rl.loss_type, num_generations=rl.num_generations,
+            max_completion_length=rl.max_completion_length, temperature=rl.temperature, top_p=rl.top_p,
+            beta=rl.beta, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, scale_rewards=rl.scale_rewards,
+            mask_truncated_completions=rl.mask_truncated_completions, num_iterations=rl.num_iterations)
+        norm = grpo.normaliser(rl.loss_type, tokens=self.rollout.tokens, sequences=self.rollout.sequences,
+                               max_completion_length=rl.max_completion_length)
+        self.divisor = norm / divisor
+        # The step's global metrics (the same on every rank) are added by rank 0 alone; the token metrics' sums
+        # are every rank's micro-batches' (kl only with beta > 0, as TRL logs it).
+        self.picked = [i for i, m in enumerate(TOKEN_METRICS) if m != "kl" or rl.beta > 0] + [len(TOKEN_METRICS)]
+        run.rl.names = [*self.rollout.metrics, *(f"token/{TOKEN_METRICS[i]}" for i in self.picked[:-1]),
+                        "token/count"]
+        head = [v if run.accelerator.is_main_process else 0.0 for v in self.rollout.metrics.values()]
+        self.sums = torch.tensor([*head, *[0.0] * len(self.picked)], dtype=torch.float64,
+                                 device=run.accelerator.device)
+        self.width = len(head)
+
+    def micro(self, model: Any, j: int, batch: dict[str, Any]) -> torch.Tensor:
+        device = self.run.accelerator.device
+        head = loss_head_of(model)
+        if head is None:
+            raise ToolkitError("objective grpo needs the chunked loss head (model.loss_head: chunked or auto).")
+        with head.per_token(self.settings.temperature, entropy=True) as tokens:
+            out = model(**batch, num_items_in_batch=1)
+        mask = self.rollout.masks[j].to(device)
+        logps = grpo.tokens_to_grid(tokens.logps, mask)
+        entropies = grpo.tokens_to_grid(tokens.entropies, mask) if tokens.entropies is not None else None
+        advantages = self.rollout.advantages[j].to(device)
+        loss, terms = grpo.grpo_loss(logps, mask, advantages, self.settings, divisor=self.divisor)
+        sums = grpo.metric_sums(terms, advantages, mask, self.settings, entropies)
+        self.sums[self.width:] += sums[self.picked].to(self.sums.dtype)
+        return loss + 0.0 * out.loss  # the backward passes through the model's output (ZeRO-3 opens it there)
+
+
+class GrpoObjective:
+    """GRPO / DAPO / Dr. GRPO on prompts with rewards (objective grpo; rl.loss_type)."""
+
+    name = "grpo"
+
+    def enter(self, run: Any, stage: Stage, step: int) -> None:
+        if stage.resolved.prompts and stage.index not in run.rl.rewards:
+            run.rl.rewards[stage.index] = stage_rewards(stage.resolved, run.rl.recipe_dir)
+
+    def micro_batches(self, run: Any, stage: Stage, step_in_stage: int, step: int) -> list[MicroBatch]:
+        run.rl.current = rollout_step(run, stage, step_in_stage, step)
+        write_rollouts(run, stage, run.rl.current.records)
+        return run.rl.current.micro
+
+    def begin(self, run: Any, stage: Stage, batches: Any, divisor: int, *, whole: Any) -> _GrpoLoss:
+        return _GrpoLoss(run, stage, divisor)
+
+    def add_sums(self, run: Any, summed: Any) -> None:
+        values = dict(zip(run.rl.names, summed, strict=True))
+        count = values.pop("token/count")
+        for name, value in values.items():
+            if name.startswith("token/"):
+                run.rl.add(name.removeprefix("token/"), value / count if count else float("nan"))
+            else:
+                run.rl.add(name, value)
+
+    def record(self, run: Any) -> dict[str, float]:
+        return run.rl.record()
+
+    def evaluate(self, run: Any, model: Any, stage: Stage) -> dict[str, Any] | None:
+        return None
+
+
+ROLLOUTS = "rollouts"
+"""The run folder's subfolder of RL stages' completions, `<stage>.jsonl` each (cut back to the step on a resume)."""
+
+
+def write_rollouts(run: Any, stage: Stage, records: list[dict[str, Any]]) -> None:
+    """The step's completions with their rewards and advantages, gathered to rank 0 and appended to
+    `<output_dir>/rollouts/<stage>.jsonl` (one line per completion, in slot order). Collective."""
+    everything = gather_object(records)
+    if not run.accelerator.is_main_process:
+        return
+    path = Path(run.recipe.output_dir) / ROLLOUTS / f"{stage.name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = sorted(everything, key=lambda r: r["slot"])
+    with path.open("a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
