@@ -64,21 +64,22 @@ def test_a_committed_checkpoint_restores_exactly(tmp_path: Path) -> None:
     assert scheduler.state_dict() == saved
 
 
-def _swap_after_check(monkeypatch: pytest.MonkeyPatch, path: Path, content: Any) -> None:
-    """What a second process that can write the checkpoint folder does: replace `path` right after the last check
-    (the files' verification, then the scheduler state read from bytes checked against its digest), so that only
-    weights-only loading stands between the swapped pickle and its code (issue 48: swapped any earlier, the digest
-    check refused it and the test passed with weights-only loading off)."""
-    real = resume_mod._scheduler_state
+def _swap_after_check(monkeypatch: pytest.MonkeyPatch, path: Path, content: Any, *, every: bool = False) -> None:
+    """What a second process that can write the checkpoint folder does: replace `path` right after the files'
+    verification, or with `every` after the last check (the scheduler state read from bytes checked against its
+    digest), so that only weights-only loading stands between the swapped pickle and its code (issue 48: swapped
+    any earlier, the digest check refused it and the test passed with weights-only loading off)."""
+    name = "_scheduler_state" if every else "verify_checkpoint_files"
+    real = getattr(resume_mod, name)
 
-    def check_then_swap(ckpt: Path, meta: dict[str, Any]) -> Any:
-        state = real(ckpt, meta)
+    def check_then_swap(*args: Any) -> Any:
+        result = real(*args)
         replacement = path.with_name(path.name + ".new")
         torch.save(content, replacement)
         os.replace(replacement, path)
-        return state
+        return result
 
-    monkeypatch.setattr(resume_mod, "_scheduler_state", check_then_swap)
+    monkeypatch.setattr(resume_mod, name, check_then_swap)
 
 
 @pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
@@ -90,7 +91,8 @@ def test_a_pickle_swapped_in_after_the_check_runs_no_code(tmp_path: Path, monkey
     itself), and the scheduler's state comes from the bytes checked against its commit-time digest."""
     run = _run(tmp_path)
     pwned = tmp_path / "pwned"
-    _swap_after_check(monkeypatch, run[4] / name, {"last_epoch": _Shell(f"touch {shlex.quote(str(pwned))}")})
+    _swap_after_check(monkeypatch, run[4] / name, {"last_epoch": _Shell(f"touch {shlex.quote(str(pwned))}")},
+                      every=True)
     if name == "random_states_0.pkl":
         _restore(run)
     else:

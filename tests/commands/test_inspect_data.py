@@ -53,7 +53,7 @@ def _training_lines(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> list[st
                                               dummy_samples=16)
         build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None, layout.dummy_data,
                      tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("stage '")]
+    return [line for r in caplog.records for line in r.getMessage().splitlines() if line.startswith("stage '")]
 
 
 def _agree(recipe: Recipe, caplog: pytest.LogCaptureFixture) -> str:

@@ -284,7 +284,7 @@ def test_row_without_known_keys_in_file(tmp_path: Path, tok: PreTrainedTokenizer
 
 
 def test_bad_role_in_file(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
-    path = _write_jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}])
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "narrator", "content": "x"}]}])
     with pytest.raises(ToolkitError, match="must have a role") as info:
         _load([path], tok)
     assert f"{path}:1:" in str(info.value)

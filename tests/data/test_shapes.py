@@ -213,8 +213,8 @@ def test_tags_map_keys_and_roles_of_any_file(tmp_path: Path, tok: PreTrainedToke
     mapping, then trained with it as the entry's tags; the tags are part of the store's key."""
     path = _jsonl(tmp_path / "ax.jsonl", [AXOLOTL])
     with pytest.raises(ToolkitError, match=r"ax.jsonl:1: the turns in 'conversations' have keys \['speaker', 'text'\] "
-                                           r".*give the data entry tags: \{role_tag: speaker, content_tag: text, "
-                                           r"user_tag: customer, assistant_tag: agent\}\."):
+                                           r".*Give the data entry \{tags: \{role_tag: speaker, content_tag: text, "
+                                           r"user_tag: customer, assistant_tag: agent\}\}\."):
         _samples([path], tok)
     want = _expected([{"messages": [U1, A1]}], tok)
     assert _samples([Entry(str(path), tags=TAGS)], tok, tmp_path / "cache") == want
@@ -250,13 +250,13 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
     ({"image": {"bytes": "..."}, "messages": [U1, A1]},
      r"the row has 'image' \(TRL's and Qwen-VL's image column\) that is not a path or a list of paths; give the "
      r"image paths as a list in 'images'"),
-    ({"query": "2 + 2?"}, r"the row has 'query' but no 'response' \(ms-swift's query/response rows need both\)"),
-    ({"conversation": [{"human": "hi"}]}, r"'conversation' must be a non-empty list of \{\"human\": str"),
+    ({"query": "2 + 2?"}, r"a row needs .*'query' is a prompt with no answer beside it"),
+    ({"conversation": [{"human": "hi"}]}, r".*found keys \['conversation'\] \('conversation' of no role the "
+                                          r"vocabulary names\), none a chat, a text or a prompt with its answer"),
     ({"messages": [U1, {"role": "tool_call", "content": "add(2, 3)"}]},
      r"messages\[1\] is a tool call whose content is not JSON"),
-    ({"dialog": [U1, A1], "id": 3}, r"a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
-                                     r"\['dialog', 'id'\]; if 'dialog' holds the chat, map it: columns: "
-                                     r"\{messages: dialog\}"),
+    ({"dialog": [U1, A1], "chat": [U2, A2]}, r"the row holds chats under keys 'dialog', 'chat'; train one: "
+                                              r"columns: \{messages: dialog\}; columns: \{messages: chat\}"),
     ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1], "videos": ["clip.mp4"]},
      r"the row has 'videos': video rows do not train yet: their frames are never read, and '<video>' would train as "
      r"text"),
@@ -461,7 +461,9 @@ def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrained
 # --- data from the wild (issue 38): real rows of tests/assets/wild/ (origins in its README) ----------------------
 
 WILD = Path(__file__).parents[1] / "assets" / "wild"
-IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png")
+IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png",
+          "000000033471.jpg", "coco/train2017/000000000009.jpg", "path/to/image_0.jpg", "path/to/image_1.jpg",
+          "mllm_demo_data/1.jpg")
 """The image files the corpus's rows name, written as small pictures beside a copy of the file."""
 TRAINS = {  # file -> (model, the data entry keys its refusals give, applied in turn)
     "tatsu_alpaca.jsonl": ("text", {}),
@@ -472,7 +474,7 @@ TRAINS = {  # file -> (model, the data entry keys its refusals give, applied in 
     "ms_swift_query.csv": ("text", {}),
     "ms_swift_alpaca.csv": ("text", {}),
     "trl_conversational.jsonl": ("text", {}),
-    "glaive_function_calling.jsonl": ("text", {"columns": {"text": "chat"}, "ignore": ["system"]}),
+    "glaive_function_calling.jsonl": ("text", {}),
     "gsm8k.jsonl": ("text", {"columns": {"instruction": "question", "output": "answer"}}),
     "ms_swift_query.jsonl": ("vl", {}),
     "qwenvl_single.json": ("vl", {}),
@@ -584,8 +586,9 @@ def test_dolly_trains_with_its_context(tmp_path: Path, tok: PreTrainedTokenizerF
     """Dolly's `context` passage trains in the prompt once mapped; the old advice (`columns: {output: response}`
     alone) is refused naming `context` and the column that reads it, never trained without it."""
     path = wild_copy(tmp_path, "dolly.jsonl")
-    with pytest.raises(ToolkitError, match=r"dolly.jsonl:1: the row has 'instruction' and no 'output' .*answer in "
-                                           r"'response' and its passage in 'context'"):
+    with pytest.raises(ToolkitError, match=r"dolly.jsonl:1: .*'instruction' a prompt, 'context' a context, "
+                                           r"'response' an answer.* Give the data entry \{columns: \{input: context, "
+                                           r"output: response\}\}"):
         _samples([path], tok)
     half = DataSource(path=str(path), columns={"output": "response"}).entry()
     with pytest.raises(ToolkitError, match=r"'context' holds content .* Give the data entry \{columns: \{input: "
@@ -640,9 +643,13 @@ def test_image_placeholders_and_image_keys(tmp_path: Path, vl_processor: Any) ->
 
 
 def test_glaive_names_its_chat(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
-    """Glaive's `system` + `chat`: the error names `chat` (the dialog), not only `system`."""
-    with pytest.raises(ToolkitError, match=r"found keys \['chat', 'system'\], none a chat\. 'chat' is text"):
-        _samples([wild_copy(tmp_path, "glaive_function_calling.jsonl")], tok)
+    """Glaive's `system` + `chat` (a dialog in one string, `USER:` / `ASSISTANT:` markers): split into turns, the
+    system prompt without its `SYSTEM:` marker, Glaive's `<|endoftext|>` not trained as text."""
+    sample = _samples([wild_copy(tmp_path, "glaive_function_calling.jsonl")], tok)[0]
+    shown, trained = _decoded(sample, tok), _trained(sample, tok)
+    assert "<|im_start|>system\nYou are a helpful assistant" in shown and "SYSTEM:" not in shown
+    assert "USER:" not in shown and "ASSISTANT:" not in shown and "<|endoftext|>" not in shown
+    assert trained.count("<|im_end|>") == shown.count("<|im_start|>assistant")
 
 
 def test_empty_answers_skip(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
@@ -668,8 +675,8 @@ def test_keys_without_content_are_named_in_the_log(tmp_path: Path, tok: PreTrain
     (store, _), (other, _) = _selections([dolly, wild_copy(tmp_path, "ultrachat.jsonl")], tok, max_seq_len=1024,
                                          overlength="error", train_on="assistant", thinking="auto", cache_dir=None,
                                          encoder=None, num_proc=1)
-    assert store.notes == {"keys without content, not read: category": 2}
-    assert other.notes["keys without content, not read: prompt_id"] == 1
+    assert store.notes == {"metadata and keys without content, not read: category": 2}
+    assert other.notes["metadata and keys without content, not read: prompt_id"] == 1
 
 
 @pytest.mark.parametrize(("key", "value", "content"), [
@@ -691,10 +698,18 @@ def test_content_keys_are_refused_unless_ignored(tmp_path: Path, tok: PreTrained
     row = {"messages": [U1, A1], "rationale": "Because two and three make five."}
     path = _jsonl(tmp_path / "r.jsonl", [row])
     with pytest.raises(ToolkitError, match=r"r.jsonl:1: the row's key 'rationale' holds content \(text of 32 "
-                                           r"characters\) that no shape reads .* Give the data entry \{ignore: "
-                                           r"\[rationale\]\}\."):
+                                           r"characters\) that no shape reads .*rationale is a reasoning\. Give the "
+                                           r"data entry \{columns: \{reasoning: rationale\}\}\."):
         _samples([path], tok)
-    assert _samples([DataSource(path=str(path), ignore=["rationale"]).entry()], tok) == _expected([row], tok)
+    think = [U1, dict(A1, reasoning_content=row["rationale"])]  # the template's thinking block, never dropped
+    mapped = DataSource(path=str(path), columns={"reasoning": "rationale"}).entry()
+    assert _samples([mapped], tok) == _expected([{"messages": think}], tok)
+    noted = _jsonl(tmp_path / "n.jsonl", [{"messages": [U1, A1], "note": "Checked by two graders."}])
+    with pytest.raises(ToolkitError, match=r"note is of no role the vocabulary names; candidates: 'note' as the "
+                                           r"context: \{columns: \{input: note\}\}.*or, if it is metadata, drop it "
+                                           r"knowingly with ignore"):
+        _samples([noted], tok)
+    assert _samples([DataSource(path=str(noted), ignore=["note"]).entry()], tok) == _expected([row], tok)
     turn = _jsonl(tmp_path / "t.jsonl", [{"messages": [U1, dict(A1, thoughts="Two plus three, so five.")]}])
     with pytest.raises(ToolkitError, match=r"the turns carry key 'thoughts', which holds content"):
         _samples([turn], tok)

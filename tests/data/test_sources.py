@@ -245,7 +245,7 @@ def test_sharegpt_tool_calls(tmp_path: Path, qwen_tokenizer: Any) -> None:
     ({"conversations": "hello"}, r"'conversations' must be a non-empty list"),
     ({"conversations": [{"from": "human", "value": "a"}], "messages": CHAT},
      r"the row has both 'messages' and 'conversations'"),
-    ({"instruction": "Add."}, r"the row has 'instruction' but no 'output' \(Alpaca rows need both\)"),
+    ({"instruction": "Add two."}, r"a row needs .*'instruction' is a prompt with no answer beside it"),
     ({"instruction": "Add.", "output": "5.", "text": "x"},
      r"the row has both 'instruction' and 'text', two shapes that are not one dialog twice"),
     ({"instruction": "Add.", "output": "5.", "history": [["q"]]}, r"'history' must be a list of \[instruction, "),

@@ -100,6 +100,9 @@ def test_packed_rows_are_built_from_the_kept_rows(tmp_path: Path, models: dict[s
 def test_the_new_keys_bind_a_checkpoint_only_when_set(tmp_path: Path, models: dict[str, str]) -> None:
     plain = resume_invariants(_recipe(tmp_path, models["text"]))
     assert "difficulty" not in plain["stages"][0] and "drop" not in plain["stages"][0]  # earlier hashes unchanged
+    assert not {"identical_pairs", "completion_newline", "renderer"} & plain["data"].keys()  # defaults: unbound
+    assert resume_invariants(_recipe(tmp_path, models["text"], data={"identical_pairs": "skip"}))["data"][
+        "identical_pairs"] == "skip"  # dropping pairs changes what trains: bound when set
     dropped = resume_invariants(_recipe(tmp_path, models["text"], drop={"easiest": 0.1}))
     assert dropped["stages"][0]["drop"] == {"easiest": 0.1, "hardest": 0.0}
     by_field = resume_invariants(_recipe(tmp_path, models["text"], order="easy_to_hard",

@@ -779,9 +779,18 @@ case("data-turn-content-key-unread")(lambda c: c.train(rows=[{"messages": [USER,
 case("data-dolly-unmapped")(lambda c: c.train(rows=[{  # databricks-dolly-15k, row 2
     "instruction": "Which is a species of fish? Tope or Rope", "context": "", "response": "Tope",
     "category": "classification"}]))
-case("data-dialog-in-one-string")(lambda c: c.train(rows=[{  # glaiveai/glaive-function-calling-v2
-    "system": "SYSTEM: You are a helpful assistant, with no access to external functions.",
-    "chat": "USER: hi\n\n\nASSISTANT: hello <|endoftext|>\n\n\n"}]))
+case("data-roles-ambiguous")(lambda c: c.train(rows=[{  # two columns no vocabulary names: which is the answer?
+    "ask_text": "What is two and two?", "reply_body": "It is four.", "id": 3}]))
+case("data-flat-message-export")(lambda c: c.train(rows=[{  # OpenAssistant/oasst2, flat export
+    "message_id": "6ab24d72", "parent_id": None, "text": "Can you write a short introduction?", "role": "prompter",
+    "lang": "en"}]))
+case("data-image-placeholder-no-images")(lambda c: c.train(rows=[{"messages": [
+    dict(USER, content="<IMG_CONTEXT>\nWhat is it?"), ANSWER]}]))
+case("data-image-markup")(lambda c: c.train(rows=[{"conversations": [  # Qwen-VL (v1) finetune README
+    {"from": "user", "value": "Picture 1: <img>assets/demo.jpeg</img>\nWhat is the headline?"},
+    {"from": "assistant", "value": "Welcome."}]}]))
+case("data-images-url")(lambda c: c.train(rows=[{"messages": [dict(USER, content="<image>What is it?"), ANSWER],
+                                                 "images": ["https://example.com/cat.png"]}]))
 case("data-video-row")(lambda c: c.train(rows=[{"video": "videos/005.mp4", "conversations": [  # Qwen-VL finetune
     {"from": "human", "value": "<video>\nWhat caused the blue object to move?"},
     {"from": "gpt", "value": "Answer: (B) Collision"}]}]))

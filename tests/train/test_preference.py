@@ -405,8 +405,8 @@ def test_the_pair_loss_normaliser_is_the_global_batch_s_over_2_processes(models:
 
     from tests.conftest import REPO, free_port, run_env
 
-    rows = [trl_trainer(models, tokenizer, tmp_path, ["sigmoid"], None, 0.0).train_dataset[i]
-            for i in range(len(PAIRS))]
+    rows = [{"prompt_ids": tokenizer(p)["input_ids"], "chosen_ids": tokenizer(c)["input_ids"],
+             "rejected_ids": tokenizer(r)["input_ids"]} for p, c, r in PAIRS]  # plain ids: no trainer needed
     sequences = pair_sequences(rows)
     settings = PreferenceSettings(("sigmoid", "sft"), (1.0, 0.5))
     accelerator = distributed.build_accelerator(1, 10)

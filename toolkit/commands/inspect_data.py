@@ -222,6 +222,8 @@ def entry_tree(entry: DataEntry) -> dict[str, Any] | str:
     tree.update({k: dict(v) for k, v in (("columns", entry.columns), ("tags", entry.tags)) if v})
     if entry.ignore:
         tree["ignore"] = list(entry.ignore)
+    if entry.threads:
+        tree["threads"] = entry.threads
     return tree if len(tree) > 1 else str(entry.path)
 
 
@@ -240,8 +242,8 @@ def file_recipe(entry: DataEntry, overrides: list[str], folder: Path, *, vision:
     return load_recipe(path, overrides)
 
 
-def _first_keys(path: str) -> list[str]:
-    """The keys of the file's first row as stored (before any shape is read), for a file no shape fits."""
+def _first_row(path: str) -> Any:
+    """The file's first row as stored (before any shape is read): an object, a bare list, or a table row."""
     from toolkit.data.sources import open_source, resolve_source
 
     source = resolve_source(DataEntry(path), Path())
@@ -249,12 +251,36 @@ def _first_keys(path: str) -> list[str]:
         with source.files[0].open(encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.strip():
-                    row = json.loads(line)
-                    return sorted(row) if isinstance(row, dict) else []
-        return []
+                    return json.loads(line)
+        return {}
     open_source(source)
-    rows = source.arrays[0] if source.arrays else source.tables[0].column_names if source.tables else []
-    return sorted(rows if source.tables else rows[0] if rows and isinstance(rows[0], dict) else [])
+    if source.tables:
+        return source.tables[0][0] if len(source.tables[0]) else dict.fromkeys(source.tables[0].column_names)
+    return source.arrays[0][0] if source.arrays and source.arrays[0] else {}
+
+
+def _first_keys(path: str) -> list[str]:
+    """The keys of the file's first row as stored, for a file no shape fits."""
+    row = _first_row(path)
+    return sorted(row) if isinstance(row, dict) else []
+
+
+def _chat_shape(row: Any, entry: DataEntry) -> str | None:
+    """The shape of a row whose chat is told by its values (toolkit/data/roles.py): a bare list of turns, or turns,
+    exchanges, a message tree or a dialog in one string under a key no named shape has."""
+    from toolkit.data.roles import exchange_keys, is_tree, is_turns
+
+    if isinstance(row, list):
+        return "a bare list of turns: the row's chat" if is_turns(row) else None
+    if not isinstance(row, dict) or any(k in row for k in ("messages", "conversations")) or entry.columns:
+        return None
+    keys = [k for k, v in row.items() if is_turns(v) or is_tree(v)]
+    if len(keys) != 1 or (keys[0] in ("prompt", "completion") and isinstance(row[keys[0]], list)):
+        return None
+    value = row[keys[0]]
+    what = "a message tree" if is_tree(value) else "a dialog in one string" if isinstance(value, str) else \
+        "exchanges" if all(isinstance(t, dict) and exchange_keys(t) for t in value) else "turns"
+    return f"a chat under '{keys[0]}' ({what}, told by its values)"
 
 
 def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool | None = None) -> str:
@@ -289,10 +315,13 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
             raise ToolkitError(f"{path}: still refused after {MAX_FIXES} fixes: {why[-1]}")
     entry_lines = yaml.safe_dump({"data": [entry_tree(entry)]}, sort_keys=False, default_flow_style=None).rstrip()
     keys: list[str] = []
+    first: Any = {}
     with contextlib.suppress(ToolkitError, OSError, ValueError):
+        first = _first_row(path)
         theirs = {t: ours for ours, t in entry.columns}
-        keys = [theirs.get(k, k) for k in _first_keys(path) if k not in entry.ignore]
-    shape = next(iter(closest_shapes(keys)), "none of the named shapes' keys")
+        keys = [theirs.get(k, k) for k in (sorted(first) if isinstance(first, dict) else [])
+                if k not in entry.ignore]
+    shape = _chat_shape(first, entry) or next(iter(closest_shapes(keys)), "none of the named shapes' keys")
     if pairs and (named := pair_shape(keys)) is not None:
         shape = f"preference pairs, {named}: {', '.join(PAIR_SHAPES[named])}"
     lines = [report, "", f"shape: {shape}", "data entry to paste into a recipe stage:", entry_lines]

@@ -25,17 +25,22 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
         for key in ("difficulty", "drop", "rl", "rewards"):  # bound when set; unset, earlier hashes stay as they were
             if stage.get(key) is None:
                 stage.pop(key, None)
-        if stage.get("difficulty") is not None and stage["difficulty"].get("model") is None:
-            del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
+        if stage.get("difficulty") is not None:
+            # A scorer's consent to run its own code changes which code may run, not what trains (its weights and
+            # config are hashed into the scores' key): never bound, so earlier hashes stay as they were.
+            stage["difficulty"].pop("trust_remote_code", None)
+            if stage["difficulty"].get("model") is None:
+                del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore"):
+            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
     for key in ("num_proc", "num_workers", "renderer"):  # how data is prepared and fed, not what trains (the
         # direct renderer writes the Jinja template's text byte for byte: tests/data/test_render.py)
         del tree["data"][key]
-    if tree["data"]["empty_answers"] == "error":  # the default leaves earlier checkpoints' hashes as they were
-        del tree["data"]["empty_answers"]
+    for key, default in (("empty_answers", "error"), ("identical_pairs", "error"), ("completion_newline", False)):
+        if tree["data"].get(key) == default:  # the default leaves earlier checkpoints' hashes as they were
+            del tree["data"][key]
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
     if tree["lora"]["fused"] != "on":  # auto and off run PEFT's layers: earlier checkpoints' hashes as they were;

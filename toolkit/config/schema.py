@@ -154,9 +154,9 @@ class DataConfig(_Section):
 
 
 COLUMN_FIELDS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output",
-                 "system", "history", "tools", "images", "difficulty", "reference")
+                 "reasoning", "system", "history", "tools", "images", "difficulty", "reference")
 """The row fields a data entry's `columns` may map to the source's own column names (`reference`: an RL stage's
-prompt rows, toolkit/data/prompts.py)."""
+prompt rows, toolkit/data/prompts.py; `reasoning`: the answer's thinking block, toolkit/data/roles.py)."""
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
 """Keys of a data entry's `tags` (LLaMA-Factory's names): the keys inside each message (`role_tag`, `content_tag`)
 and the role names (`user_tag` ...) a source uses."""
@@ -183,6 +183,10 @@ class DataSource(_Section):
     ignore: list[str] | None = Field(None, description="Keys of this source's rows (and of their turns) to drop "
                                      "knowingly: a key that holds content (text, media, tools) and that no shape "
                                      "reads is refused unless listed here, e.g. [category, context].")
+    threads: Literal["main", "all"] | None = Field(None, description="A message tree's threads (OASST's trees "
+                                                   "export): main (the default) trains the best-ranked reply at "
+                                                   "each turn; all trains every thread that ends with an answer, "
+                                                   "one row each.")
 
     @field_validator("ignore")
     @classmethod
@@ -229,7 +233,7 @@ class DataSource(_Section):
         return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())),
                          tuple(sorted((self.tags or {}).items())), self.dataset,
                          (self.dataset_dir or "data") if self.dataset is not None else None,
-                         tuple(sorted(set(self.ignore or ()))))
+                         tuple(sorted(set(self.ignore or ()))), self.threads)
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,7 @@ class DataEntry:
     dataset: str | None = None
     dataset_dir: str | None = None
     ignore: tuple[str, ...] = ()
+    threads: str | None = None  # a message tree's threads: main (None) or all
 
     @property
     def name(self) -> str:

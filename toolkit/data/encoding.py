@@ -188,7 +188,7 @@ whose prompt files may also be loss-eval data). A source's other keys hold no co
 (toolkit/data/shapes.py refuses those that do) and are named once in the stage's log (`row_notes`)."""
 NOTE_KEY = "_notes"
 """A mapped row's notes (toolkit/data/shapes.py): what was chosen for it, said once per stage in the log."""
-NOT_READ = "keys without content, not read"
+NOT_READ = "metadata and keys without content, not read"
 
 
 def row_notes(row: dict[str, Any], empty_answers: str = "error") -> list[str]:

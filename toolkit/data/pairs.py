@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolkit.data.encoding import IGNORE_INDEX, overlength_message
+from toolkit.data.roles import split_dialog
 from toolkit.data.shapes import PAIR_KEYS, ROLE_NAMES, prepare_row, shape_row
 from toolkit.errors import ToolkitError
 
@@ -52,6 +53,7 @@ PAIR_SHAPES = {
     "ms-swift": ("messages", "rejected_response"),
     "ms-swift, whole rejected chat": ("messages", "rejected_messages"),
     "axolotl chat_template.default": ("messages", "chosen", "rejected"),
+    "OpenAI preference fine-tuning": ("input", "preferred_output", "non_preferred_output"),
 }
 """The pair shapes by the keys that make them (the module docstring), for naming a file's shape."""
 
@@ -141,8 +143,47 @@ def _alpaca_prompt(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
     return [*messages, {"role": "user", "content": query}]
 
 
+def _openai(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """OpenAI's preference fine-tuning row (`input`: {messages, tools, parallel_tool_calls}, `preferred_output` and
+    `non_preferred_output`: one assistant message each, in a list) as the axolotl shape: `messages` (the prompt),
+    `chosen`, `rejected`, and the input's `tools`."""
+    given = row.get("input")
+    if not isinstance(given, dict) or not isinstance(given.get("messages"), list):
+        raise ToolkitError(f"{where}: 'input' must be an object with 'messages' (OpenAI's preference format).")
+    sides = {}
+    for key in ("preferred_output", "non_preferred_output"):
+        value = row.get(key)
+        if not isinstance(value, list) or len(value) != 1:
+            raise ToolkitError(f"{where}: '{key}' must be a list of one assistant message (OpenAI's preference "
+                               "format).")
+        sides[key] = value
+    rest = {k: v for k, v in row.items() if k not in ("input", *sides)}
+    tools = given.get("tools")
+    return {**rest, **({"tools": tools} if tools else {}), "messages": given["messages"],
+            "chosen": sides["preferred_output"], "rejected": sides["non_preferred_output"]}
+
+
+def _by_roles(row: dict[str, Any], where: str) -> None:
+    """A pair whose prompt (and system) are under other names (Intel/orca_dpo_pairs' `system` / `question`) is
+    refused with the entry that reads it by their roles (toolkit/data/roles.py): the question as LLaMA-Factory's
+    alpaca ranking `instruction`, its `system` read beside it."""
+    from toolkit.data.roles import infer_roles
+    from toolkit.data.shapes import ShapeError, holds_content
+
+    rest = {k: v for k, v in row.items() if k not in (*PAIR_KEYS, "system") and not k.startswith("_")}
+    roles = infer_roles(rest, holds_content)
+    asked = [k for k, r in roles.items() if r in ("prompt", "turns")]
+    if len(asked) == 1 and roles[asked[0]] == "prompt" and isinstance(row[asked[0]], str):
+        raise ShapeError(f"{where}: the pair's prompt is '{asked[0]}' (a {roles[asked[0]]} by its name), which no pair "
+                         "shape names; read it as the alpaca ranking shape's instruction"
+                         f"{' beside its system' if row.get('system') else ''}.",
+                         {"columns": {"instruction": asked[0]}})
+
+
 def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The (chosen, rejected) rows of a pair row in any of the module's shapes; an unreadable pair gets one line."""
+    if row.get("preferred_output") is not None or row.get("non_preferred_output") is not None:
+        row = _openai(row, where)
     taken = {*PAIR_KEYS, "prompt", "messages", "conversations", "instruction", "input", "system", "history"}
     rest = {k: v for k, v in row.items() if k not in taken}
     if row.get("rejected_response") is not None or row.get("rejected_messages") is not None:  # ms-swift
@@ -161,6 +202,9 @@ def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, 
     if row.get("chosen") is None or row.get("rejected") is None:
         missing = "chosen" if row.get("chosen") is None else "rejected"
         raise ToolkitError(f"{where}: a preference pair needs 'chosen' and 'rejected'; '{missing}' is missing.")
+    dialogs = [split_dialog(row[k]) for k in ("chosen", "rejected")]
+    if all(dialogs):  # Anthropic HH: whole dialogs in one string each (`Human:` / `Assistant:`), read as turns
+        row = {**row, "chosen": dialogs[0], "rejected": dialogs[1]}
     chosen = _completion(row["chosen"], "chosen", where)
     rejected = _completion(row["rejected"], "rejected", where)
     if row.get("prompt") is not None:  # TRL explicit
@@ -179,6 +223,7 @@ def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, 
             return _sides(prompt, chosen, rejected, rest)
     if row.get("instruction") is not None:  # LLaMA-Factory alpaca
         return _sides(_alpaca_prompt(row, where), chosen, rejected, rest)
+    _by_roles(row, where)
     return _implicit(row, where, rest)
 
 

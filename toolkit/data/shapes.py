@@ -2,9 +2,12 @@
 table of shapes is docs/data.md). Where rows come from (files, formats, the registry) is `toolkit/data/sources.py`.
 
 ShareGPT and OpenAI turns (told apart by their keys, under either `conversations` or `messages`), Alpaca, ms-swift's
-query/response, conversation pairs and agent roles, TRL's conversational prompt/completion, LLaMA-Factory v1 content
-parts, `<image>` placeholders; training flags stay on the messages for the encoder. A row missing a field gets an
-error naming the file, the row and the field; turns in another tool's key names get the exact `tags` that read them.
+query/response and agent roles, TRL's conversational prompt/completion, LLaMA-Factory v1 content parts, image
+placeholders of every tool; training flags stay on the messages for the encoder. A chat under any other key (turns,
+exchanges, a message tree, a dialog in one string) is told by its values and read by the same reader of turns; a
+row no shape reads is refused with the entry its column roles give (toolkit/data/roles.py). A row missing a field
+gets an error naming the file, the row and the field; turns with role names no vocabulary knows get the exact `tags`
+that read them.
 Table cells that hold structure as JSON text (CSV, LLaMA-Factory's and ms-swift's `tools`) are decoded.
 """
 
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from toolkit.config.schema import DataEntry
+from toolkit.data import roles as vocab
 from toolkit.data.encoding import MESSAGE_KEYS, NOTE_KEY, PAIR_IN_SFT, PROMPT_TURN, READ_ROW_KEYS, REFUSED_ROW_KEYS
 from toolkit.errors import ToolkitError
 
@@ -89,7 +93,8 @@ def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, An
     return shape_row(row, source, where, original)
 
 
-PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages")
+PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages", "preferred_output",
+             "non_preferred_output")
 """Keys that make a row a preference pair (toolkit/data/pairs.py)."""
 
 
@@ -127,7 +132,11 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
     tags = dict(entry.tags) if tags is None else tags
     mapped = dict(entry.columns)
     notes: list[str] = []
-    if row.get("conversations") is not None:
+    _check_flat_export(row, where)
+    chat = _chat_key(row, where)
+    if chat is not None:
+        row = _from_chat(row, chat, where, tags, notes, every=entry.threads == "all")
+    elif row.get("conversations") is not None:
         row = _from_turns(row, "conversations", where, tags, system=True)
     elif row.get("messages") is not None:
         row = _from_turns(row, "messages", where, tags, system="system" in mapped)
@@ -138,12 +147,12 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
         row = _from_conversational(row, where, tags)
     elif any(row.get(k) is not None for k in ("prompt", "completion", "text")):
         pass  # a text row
-    elif row.get("query") is not None or row.get("response") is not None:
+    elif row.get("query") is not None and row.get("response") is not None:
         row = _from_query_response(row, where)
-    elif row.get("conversation") is not None:
-        row = _from_pairs(row, where)
+    if isinstance(row.get("messages"), list) and isinstance(row.get("reasoning"), str):
+        row = _with_reasoning(row, where)
     _check_placeholders(row, where)
-    _check_unread(row, where, original)
+    _check_unread(row, where, original, notes)
     if entry.dataset is not None and isinstance(row.get("images"), list):  # LLaMA-Factory: paths from dataset_dir
         base = Path(entry.dataset_dir or "data").absolute()
         row["images"] = [str(base / p) if isinstance(p, str) else p for p in row["images"]]
@@ -173,10 +182,11 @@ def no_content_name(key: str) -> bool:
 
 def holds_content(key: str, value: Any) -> bool:
     """Whether a key's value is content a model could learn from (the rule docs/data.md states): never for a name
-    in NO_CONTENT_NAMES (ids, indexes, scores, categories, sources, urls, ...), numbers, booleans and nulls; for a
+    in NO_CONTENT_NAMES (ids, indexes, scores, categories, sources, urls, ...) or named metadata by the role
+    vocabulary (toolkit/data/roles.py: moderation records, headers, ranks), numbers, booleans and nulls; for a
     string, when it has whitespace in it (words) or names a media file; for a list or object, when anything in it
     does, or it holds objects (tool definitions, turns)."""
-    if no_content_name(key):
+    if no_content_name(key) or vocab.named_roles(key) == ["metadata"]:
         return False
     if isinstance(value, str):
         text = value.strip()
@@ -195,69 +205,234 @@ def _drop_ignored(row: dict[str, Any], ignore: set[str]) -> dict[str, Any]:
     for k, v in row.items():
         if k in ignore:
             continue
-        if k in ("messages", "conversations", "prompt", "completion") and isinstance(v, list):
+        if isinstance(v, list):  # in the turns of a chat, whatever key holds it
             v = [{tk: tv for tk, tv in t.items() if tk not in ignore} if isinstance(t, dict) else t for t in v]
         out[k] = v
     return out
 
 
-def _check_unread(row: dict[str, Any], where: str, original: list[str]) -> None:
-    """Refuse a key of the mapped row, or of its turns, that holds content and that nothing reads: its line names
-    the key, the row's keys and the entry's `ignore` that drops it knowingly. Keys without content stay, for the
-    stage's log (`toolkit.data.encoding.row_notes`)."""
+def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: list[str] | None = None) -> None:
+    """Refuse a key of the mapped row, or of its turns, that holds content and that nothing reads, with the entry
+    that reads it by its role (toolkit/data/roles.py): reasoning to the template's thinking block, a system, a
+    context, tools mapped; metadata (by name) `ignore:`d knowingly; a key of no known role named with an entry for
+    each role it could have. A text that repeats a turn of the chat (NuminaMath's `problem` beside its `messages`)
+    is trained once, from the chat, and said in the log. Keys without content stay, for the stage's log
+    (`toolkit.data.encoding.row_notes`)."""
     unread = [k for k, v in row.items() if k not in READ_ROW_KEYS and k not in REFUSED_ROW_KEYS
               and not k.startswith("_") and holds_content(k, v)]
-    if not any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion")):
+    half = row.get("text") is None and row.get("messages") is None and (row.get("prompt") is None
+                                                                        or row.get("completion") is None)
+    if not any(row.get(k) is not None for k in ("messages", "text", "prompt", "completion")) or (half and unread):
+        # no shape; or a prompt without its completion (or a completion without its prompt) beside content
+        # nothing reads, under a name no shape knows: the roles of its keys decide
         content = [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)]
         if content:
             _no_shape(row, where, original, content)
+    turns_text = {str(c).strip() for c in _texts(row)}
+    repeated = [k for k in unread if isinstance(row[k], str) and row[k].strip() and
+                any(row[k].strip() == t or (len(row[k].strip()) > 40 and row[k].strip() in t) for t in turns_text)]
+    if repeated and notes is not None:
+        notes.append(f"{_keys(repeated)} {'repeats' if len(repeated) == 1 else 'repeat'} a turn of the chat: "
+                     "trained once, from the chat")
+        unread = [k for k in unread if k not in repeated]
     if unread:
+        roles = vocab.infer_roles({k: row[k] for k in unread}, holds_content)
+        fix = _fix_of_unread(row, unread, roles)
+        said = f"; {'; '.join(f'{k} is {_role_said(roles[k])}' for k in unread)}"
+        if fix is None:
+            ways = "; ".join(f"'{k}' as the {r}: {entry_yaml({'columns': {vocab.FIELDS[r]: k}})}" for k in unread
+                             for r in ("context", "system", "reasoning") if vocab.FIELDS[r] not in row)
+            raise ShapeError(f"{where}: the row's {_keys(unread)} {'holds' if len(unread) == 1 else 'hold'} content "
+                             f"({_kind(row[unread[0]])}) that no shape reads (the row has keys {original}; "
+                             f"{_shape_name(row)} reads {_read_keys(row)}){said}; candidates: "
+                             f"{ways or 'none of the fields'}; or, if it is metadata, drop it knowingly with ignore.")
         raise ShapeError(f"{where}: the row's {_keys(unread)} {'holds' if len(unread) == 1 else 'hold'} content "
                          f"({_kind(row[unread[0]])}) that no shape reads (the row has keys {original}; "
-                         f"{_shape_name(row)} reads {_read_keys(row)}): map it to a field with columns, or drop it "
-                         "knowingly.", {"ignore": unread})
+                         f"{_shape_name(row)} reads {_read_keys(row)}){said}.", fix)
     messages = row.get("messages")
     turns = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
     keys = sorted({k for m in turns for k, v in m.items()
                    if k not in MESSAGE_KEYS and k != "train_detail" and holds_content(k, v)})  # the encoder refuses it
     if keys:
-        raise ShapeError(f"{where}: the turns carry {_keys(keys)}, which {'holds' if len(keys) == 1 else 'hold'} "
-                         "content that no shape reads (a turn is read as role, content, tool_calls, "
-                         "reasoning_content, name, tool_call_id and its training flags): drop it knowingly.",
-                         {"ignore": keys})
+        meta = [k for k in keys if vocab.named_roles(k) == ["metadata"]]
+        if meta != keys:
+            raise ToolkitError(f"{where}: the turns carry {_keys(keys)}, which {'holds' if len(keys) == 1 else 'hold'} "
+                               "content that no shape reads (a turn is read as role, content, tool_calls, "
+                               "reasoning_content, name, tool_call_id and its training flags); map it into the "
+                               "turns' content or reasoning_content before training.")
+        raise ShapeError(f"{where}: the turns carry {_keys(keys)}, metadata that holds text (a turn is read as role, "
+                         "content, tool_calls, reasoning_content, name, tool_call_id and its training flags): drop "
+                         "it knowingly.", {"ignore": keys})
+
+
+def _role_said(role: str) -> str:
+    article = "an" if role[0] in "aeiou" else "a"
+    return {"unknown": "of no role the vocabulary names", "metadata": "metadata", "tools": "tool definitions",
+            "media": "media", "turns": "a chat"}.get(role, f"{article} {role}")
+
+
+def _fix_of_unread(row: dict[str, Any], unread: list[str], roles: dict[str, str]) -> dict[str, Any] | None:
+    """The entry that reads unread content keys by role: metadata ignored, a reasoning, system, context or tools
+    key mapped to its field (when the row's field is free); None when any key has another role, or none."""
+    columns, ignore = {}, []
+    for key in unread:
+        role = roles[key]
+        field = vocab.FIELDS.get(role)
+        if role == "metadata":
+            ignore.append(key)
+        elif role in ("reasoning", "system", "context", "tools") and field not in row and field not in columns:
+            if role == "context" and row.get("instruction") is None:
+                return None  # Alpaca's input follows an instruction; a chat has no place for it
+            columns[field] = key
+        else:
+            return None
+    return {**({"columns": columns} if columns else {}), **({"ignore": ignore} if ignore else {})}
 
 
 def _no_shape(row: dict[str, Any], where: str, original: list[str], content: list[str]) -> None:
-    """Refuse a row that no shape reads, naming its keys, the closest shapes and the entry that trains it: a list
-    of turns under another name as the chat (`columns: {messages: KEY}`), else its longest text (a `system` prompt
-    last) as plain text (`columns: {text: KEY}`), the other content keys dropped knowingly. Glaive's `chat` is one
-    string holding a whole dialog (USER: / ASSISTANT: markers), which no shape splits into turns."""
+    """Refuse a row that no shape reads, naming its keys, their roles (toolkit/data/roles.py: the vocabulary of real
+    datasets' column names) and the entry that trains it: prompt, answer, system, context, reasoning and tools
+    mapped to their fields, metadata holding text ignored knowingly. A row whose roles leave a key unknown, or its
+    prompt or answer missing, is refused naming the candidates and the entry for each. A single text with no
+    other content (Glaive's dialog in one string) can train as plain text, every token (`columns: {text: KEY}`)."""
     close = closest_shapes(original)
     near = f"; closest shapes: {'; '.join(close)}" if close else ""
-    chats = [k for k in content if isinstance(row[k], list) and row[k] and all(isinstance(t, dict) for t in row[k])]
-    if chats:
-        rest = [k for k in content if k != chats[0]]
-        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
-                         f"{original}; if '{chats[0]}' holds the chat, map it: columns: {{messages: {chats[0]}}}"
-                         f"{near}.", {"columns": {"messages": chats[0]}, **({"ignore": rest} if rest else {})})
-    texts = sorted((k for k in content if isinstance(row[k], str)), key=lambda k: (k == "system", -len(row[k])))
-    answer = next((k for k in texts if k.lower() in ANSWER_NAMES), None)
-    asked = next((k for k in texts if k != answer and k != "system"), None)
-    if answer is not None and asked is not None:  # a question and its answer (GSM8K): Alpaca's two fields
-        rest = [k for k in content if k not in (answer, asked)]
-        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
-                         f"{original}, none a chat{near}. '{asked}' and '{answer}' are a question and its answer: "
-                         "the Alpaca shape reads them.", {"columns": {"instruction": asked, "output": answer},
-                                                         **({"ignore": rest} if rest else {})})
-    if not texts:
-        raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys "
-                         f"{original}, none a chat or a text{near}.")
-    rest = [k for k in content if k != texts[0]]
-    raise ShapeError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys {original}, "
-                     f"none a chat{near}. '{texts[0]}' is text ({_kind(row[texts[0]])}): a dialog written into one "
-                     "string is not split into turns, so convert it to messages to train the answers only, or train "
-                     "it as plain text (every token).", {"columns": {"text": texts[0]},
-                                                          **({"ignore": rest} if rest else {})})
+    roles = vocab.infer_roles({k: row[k] for k in row if not k.startswith("_")}, holds_content)
+    meta = [k for k in content if roles.get(k) == "metadata"]
+    content = [k for k in roles if k in content or roles[k] != "metadata"]
+    said = ", ".join(f"'{k}' {_role_said(roles[k])}" for k in content)
+    head = f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; found keys {original} ({said})"
+    entry, unknown = vocab.entry_for({k: r for k, r in roles.items() if k in content})
+    if entry is not None:
+        fix = {**entry, **({"ignore": meta} if meta else {})}
+        raise ShapeError(f"{head}{near}; their roles read as one exchange.", fix)
+    ways = vocab.candidates({k: r for k, r in roles.items() if k in content})
+    if ways:
+        choices = "; ".join(f"{what}: {entry_yaml({**e, **({'ignore': meta} if meta else {})})}" for what, e in ways)
+        if len(ways) == 1:
+            raise ShapeError(f"{head}{near}; candidates: {choices}.", {**ways[0][1], **({"ignore": meta} if meta
+                                                                                           else {})}, said=True)
+        raise ShapeError(f"{head}{near}; which key holds what is ambiguous, candidates: {choices}.")
+    texts = [k for k in content if isinstance(row[k], str) and roles.get(k) != "metadata"]
+    if len(texts) == 1 and roles.get(texts[0]) == "prompt":
+        raise ShapeError(f"{head}{near}; '{texts[0]}' is a prompt with no answer beside it: give the answer "
+                         "(a response, output or answer column), or train it as a prompt/completion row.")
+    if len(texts) == 1 and roles.get(texts[0]) == "answer":  # ms-swift's pretraining rows: `{"response": ...}`
+        raise ShapeError(f"{head}{near}; '{texts[0]}' is an answer with no prompt beside it: a text to train as it "
+                         "is, every token (pretraining).", {"columns": {"text": texts[0]},
+                                                             **({"ignore": meta} if meta else {})})
+    if len(texts) == 1 and not unknown:
+        raise ShapeError(f"{head}{near}. '{texts[0]}' is text ({_kind(row[texts[0]])}) with no prompt or answer "
+                         "beside it: a dialog written into one string is not split into turns, so convert it to "
+                         "messages to train the answers only, or train it as plain text (every token).",
+                         {"columns": {"text": texts[0]}, **({"ignore": meta} if meta else {})})
+    raise ShapeError(f"{head}, none a chat, a text or a prompt with its answer{near}.")
+
+
+def _chat_key(row: dict[str, Any], where: str) -> str | None:
+    """The key that holds the row's chat by its values (a list of turns or exchanges, a message tree), when it is
+    not one of the named shapes' own keys and the row has no named shape: lmsys' and WildChat's `conversation`,
+    OASST's tree under `prompt`, any other name. Two such keys are refused, naming them."""
+    named = ("messages", "conversations", "instruction", "text", "completion")
+    if any(row.get(k) is not None for k in named) or (row.get("query") is not None and row.get("response")
+                                                          is not None):
+        return None
+    keys = [k for k, v in row.items() if not k.startswith("_") and (vocab.is_turns(v) or vocab.is_tree(v))]
+    if isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
+        keys = [k for k in keys if k not in ("prompt", "completion")]  # TRL's conversational shape
+    if len(keys) > 1:
+        raise ShapeError(f"{where}: the row holds chats under {_keys(keys)}; train one: "
+                         + "; ".join(f"columns: {{messages: {k}}}" for k in keys) + ".")
+    return keys[0] if keys else None
+
+
+def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], notes: list[str],
+               every: bool = False) -> dict[str, Any]:
+    """The chat under `key`, read by the one reader of turns (`_from_turns`): a list of turns with any keys and role
+    names (toolkit/data/roles.py), a list of exchanges ({human, assistant}, Capybara's {input, output}), or a
+    message tree (OASST's export), read along its main thread: at each turn the reply ranked best (`rank` 0), else
+    the first; with `every` (the entry's `threads: all`), every thread that ends with an answer, one row each
+    (`THREADS`, made rows by `threads`). The log says which."""
+    value = row[key]
+    rest = {k: v for k, v in row.items() if k != key}
+    if vocab.is_tree(value) and every:
+        paths = _tree_threads(value)
+        if not paths:
+            raise ToolkitError(f"{where}: the message tree under '{key}' has no thread that ends with an answer.")
+        notes.append(f"'{key}' is a message tree: every thread trained, one row each (threads: all)")
+        rows = [_from_turns({**rest, key: p}, key, where, tags, system=True) for p in paths]
+        return {**rows[0], THREADS: [r["messages"] for r in rows]}
+    if vocab.is_tree(value):
+        thread, node = [], value
+        while isinstance(node, dict):
+            thread.append({k: v for k, v in node.items() if k not in vocab.TREE_KEYS and k != "labels"})
+            replies = [r for r in next((node[k] for k in vocab.TREE_KEYS if isinstance(node.get(k), list)), [])
+                       if isinstance(r, dict)]
+            ranked = sorted(replies, key=lambda r: r.get("rank") if isinstance(r.get("rank"), int | float) else 1e9)
+            node = ranked[0] if ranked else None
+        while thread and vocab.speaker(thread[-1].get(vocab.turn_keys(thread[-1])[0])) != "assistant":  # type: ignore
+            thread.pop()  # a thread ends with the answer it trains (a question left unanswered is not trained)
+        notes.append(f"'{key}' is a message tree: its main thread trained (the best-ranked reply at each turn, "
+                     f"{len(thread)} turns); other threads are not (the entry's threads: all trains them)")
+        turns = thread
+    elif isinstance(value, str):
+        turns = vocab.split_dialog(value) or []
+        notes.append(f"'{key}' is a dialog written into one string: split into turns at its speakers' markers")
+        if isinstance(rest.get("system"), str):  # Glaive's system prompt carries its own `SYSTEM:` marker
+            rest["system"] = re.sub(r"^\s*SYSTEM\s*:\s*", "", rest["system"])
+    elif all(vocab.exchange_keys(t) is not None for t in value):
+        turns = []
+        for t in value:
+            asked, answered = vocab.exchange_keys(t)  # type: ignore[misc]
+            turns += [{"role": "user", "content": t[asked]}, {"role": "assistant", "content": t[answered]}]
+        notes.append(f"'{key}' holds question/answer exchanges: read as the chat")
+    else:
+        turns = value
+        notes.append(f"'{key}' holds the chat (its values are turns): read as messages")
+    return _from_turns({**rest, key: turns}, key, where, tags, system=True)
+
+
+THREADS = "_threads"
+"""A row's other threads (a message tree under `threads: all`): `threads` makes each its own row."""
+
+
+def threads(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows a shaped row stands for: itself, or one per thread of its message tree (`threads: all`)."""
+    if THREADS not in row:
+        return [row]
+    base = {k: v for k, v in row.items() if k != THREADS}
+    return [{**base, "messages": messages} for messages in row[THREADS]]
+
+
+def _tree_threads(node: dict[str, Any], before: tuple[dict[str, Any], ...] = ()) -> list[list[dict[str, Any]]]:
+    """Every root-to-node path of a message tree that ends with an assistant turn, deepest first along each branch
+    (a path ending at an answer that is followed by more turns is its own thread only where no deeper one is)."""
+    turn = {k: v for k, v in node.items() if k not in vocab.TREE_KEYS and k != "labels"}
+    path = (*before, turn)
+    replies = [r for r in next((node[k] for k in vocab.TREE_KEYS if isinstance(node.get(k), list)), [])
+               if isinstance(r, dict)]
+    deeper = [p for r in replies for p in _tree_threads(r, path)]
+    keys = vocab.turn_keys(turn)
+    answer = keys is not None and vocab.speaker(turn.get(keys[0])) == "assistant"
+    return deeper or ([list(path)] if answer else [])
+
+
+FLAT_EXPORT_KEYS = ("parent_id", "parent_message_id")
+"""Keys that link one message per row to its parent (OASST2's flat export)."""
+
+
+def _check_flat_export(row: dict[str, Any], where: str) -> None:
+    """A row that is one message linked to its parent (OASST2's flat export: `message_id`, `parent_id`, `role`,
+    `text`) is refused: trained row by row, each message would train as a text of its own, the user's questions
+    included. Rebuilt threads are the trees of the same dataset's `*.trees.jsonl` export, which train."""
+    link = next((k for k in FLAT_EXPORT_KEYS if k in row), None)
+    keys = vocab.turn_keys({k: v for k, v in row.items() if k != link}) if link else None
+    if link is None or keys is None or vocab.speaker(row.get(keys[0])) is None:
+        return
+    raise ToolkitError(f"{where}: the row is one message of a flat message export ('{link}', '{keys[0]}': "
+                       f"{row.get(keys[0])!r}, '{keys[1]}'), not a conversation: each message would train alone, "
+                       "questions included. Train the export's message trees (OASST's *.trees.jsonl: one tree per "
+                       "row, read along its main thread) or rows of whole conversations.")
 
 
 def _keys(keys: list[str]) -> str:
@@ -287,7 +462,7 @@ SHAPE_KEYS = {
     "ShareGPT (LLaMA-Factory, axolotl)": ("conversations",),
     "Alpaca": ("instruction", "input", "output"),
     "query/response (ms-swift)": ("query", "response"),
-    "conversation pairs (ms-swift)": ("conversation",),
+    "a chat under another key (lmsys, WildChat, ms-swift's exchanges)": ("conversation",),
     "prompt/completion (TRL)": ("prompt", "completion"),
     "text": ("text",),
 }
@@ -315,6 +490,11 @@ def _media(row: dict[str, Any], where: str) -> dict[str, Any]:
     for key, why in (("video", VIDEO), ("videos", VIDEO), ("audio", AUDIO), ("audios", AUDIO)):
         if row.get(key) not in (None, [], ""):
             raise ToolkitError(f"{where}: the row has '{key}': {why}.")
+    urls = [p for p in (row.get("images") if isinstance(row.get("images"), list) else [row.get("image")])
+            if isinstance(p, str) and re.match(r"^(https?|data):", p)]
+    if urls:
+        raise ToolkitError(f"{where}: the row's images include {urls[0][:60]!r}, a URL; images are read from files, "
+                           "never downloaded: save the images and give their paths.")
     image = row.get("image")
     if image is None:
         return row
@@ -338,9 +518,20 @@ def _texts(row: dict[str, Any]) -> list[str]:
 
 def _check_placeholders(row: dict[str, Any], where: str) -> None:
     """A `<video>` or `<audio>` placeholder anywhere in the row's text is refused (it would train as text)."""
+    texts = _texts(row)
     for tag, why in (("<video>", VIDEO), ("<audio>", AUDIO)):
-        if any(tag in t for t in _texts(row)):
+        if any(tag in t for t in texts):
             raise ToolkitError(f"{where}: the text holds '{tag}': {why}.")
+    if not row.get("images"):
+        tags = sorted({t for text in texts for t in IMAGE_TAGS if t in text})
+        if tags:
+            raise ToolkitError(f"{where}: the text holds {', '.join(tags)}, an image placeholder, but the row has no "
+                               "images; give the image paths in 'images' (or 'image'), one per placeholder, or "
+                               "remove the placeholder (it would train as text).")
+    markup = sorted({m for text in texts for m in UNREAD_TAGS.findall(text)})
+    if markup:
+        raise ToolkitError(f"{where}: the text holds {markup[0]!r}, image markup of another tool that is not read as "
+                           "a placeholder; write '<image>' where each image goes and list the paths in 'images'.")
 
 
 # --- rows that hold their dialog twice ----------------------------------------------------------------------------
@@ -360,7 +551,7 @@ def _prompt_of_messages(row: dict[str, Any], where: str, notes: list[str]) -> di
                      {"ignore": ["prompt"]})
 
 
-ALPACA_KEYS = ("instruction", "input", "output", "system", "history")
+ALPACA_KEYS = ("instruction", "input", "output", "system", "history", "reasoning")
 
 
 def _alpaca_or_text(row: dict[str, Any], where: str, mapped: dict[str, str], original: list[str],
@@ -391,14 +582,21 @@ def _turn_keys(turns: list[Any], name: str, where: str, tags: dict[str, str]) ->
     """The (role, content) keys of a list of turns: the entry's tags, else the keys the turns use (from/value or
     role/content, whichever field holds them). Turns with neither are another tool's shape: the error names the
     keys it saw and the tags that map them."""
+    default = TURN_KEYS.get(name, TURN_KEYS["messages"])
     if "role_tag" in tags or "content_tag" in tags:
-        return tags.get("role_tag", TURN_KEYS[name][0]), tags.get("content_tag", TURN_KEYS[name][1])
+        return tags.get("role_tag", default[0]), tags.get("content_tag", default[1])
     dicts = [t for t in turns if isinstance(t, dict)]
-    for keys in (TURN_KEYS[name], *(k for n, k in TURN_KEYS.items() if n != name)):
+    for keys in (default, *(k for n, k in TURN_KEYS.items() if k != default)):
+        if dicts and all(k in t for t in dicts for k in keys):
+            return keys
+    inferred = {vocab.turn_keys(t) for t in dicts}  # another tool's keys (OASST's role/text): the vocabulary's
+    if len(inferred) == 1 and None not in inferred:
+        return inferred.pop()  # type: ignore[return-value]
+    for keys in (default, *(k for n, k in TURN_KEYS.items() if k != default)):
         if any(k in t for t in dicts for k in keys):
             return keys
     if not dicts:
-        return TURN_KEYS[name]
+        return default
     strings = {k for t in dicts for k, v in t.items() if isinstance(v, str)}
     if len(strings) < 2:
         raise ToolkitError(f"{where}: {name}[0] has keys {sorted(dicts[0])}, none a role and a content; each turn "
@@ -428,14 +626,17 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
     parts. With `system`, a row `system` string becomes the first message. In `messages`, a turn that is no turn of
     a known role is kept as it is, for the encoder's own error."""
     other = "messages" if name == "conversations" else "conversations"
-    if row.get(other) is not None:
+    if name in TURN_KEYS and row.get(other) is not None:
         raise ToolkitError(f"{where}: the row has both 'messages' and 'conversations'; keep one.")
     turns = row[name]
-    strict = name == "conversations"  # a messages row's odd turns are left to the encoder's checks
+    strict = name != "messages"  # a messages row's odd turns are left to the encoder's checks
     if not isinstance(turns, list) or not turns:
         if strict:
-            raise ToolkitError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} turns.")
+            raise ToolkitError(f"{where}: '{name}' must be a non-empty list of {{from, value}} turns.")
         return row
+    if strict and all(isinstance(t, str) for t in turns) and "turns" in vocab.named_roles(name):
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        row = {**row, name: turns}  # LIMA's `conversations`: bare strings, the user first, turns alternating
     role_key, content_key = _turn_keys(turns, name, where, tags)
     roles = {**ROLE_NAMES, **{tags[t]: role for t, role in TAG_ROLES.items() if t in tags}}
     drop = (name, "system") if system else (name,)
@@ -455,14 +656,13 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
             messages.append(turn)
             continue
         speaker = turn.get(role_key)
-        role = roles.get(speaker) if isinstance(speaker, str) else None
+        role = (roles.get(speaker) or vocab.speaker(speaker)) if isinstance(speaker, str) else None
         if strict:
             for key in (role_key, content_key):
                 if turn.get(key) is None:
                     raise ToolkitError(f"{where}: {at} has no '{key}'.")
             if role is None:
-                raise ToolkitError(f"{where}: {at}.{role_key} is {speaker!r}; known speakers are {sorted(roles)} "
-                                   "(map other names with the entry's tags: user_tag, assistant_tag, ...).")
+                _unknown_speaker(turns, at, role_key, content_key, name, roles, where)
         elif role is None:
             messages.append(turn)
             continue
@@ -492,8 +692,29 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
         if out.get("images"):
             raise ToolkitError(f"{where}: the row has 'images' and image_url parts; give the images one way.")
         out["images"] = found
-    out["messages"] = _placeholders(messages, out)
+    out["messages"] = _placeholders(messages, out, where)
     return out
+
+
+def _unknown_speaker(turns: list[Any], at: str, role_key: str, content_key: str, name: str,
+                     roles: dict[str, str], where: str) -> None:
+    """Refuse a turn whose role name no vocabulary knows, with the tags that read the chat when the unknown names
+    take the user and assistant roles the known names leave free, in the order they speak."""
+    names = list(dict.fromkeys(t.get(role_key) for t in turns if isinstance(t, dict)))
+    known = {roles.get(n) or vocab.speaker(n) for n in names}
+    unknown = [n for n in names if isinstance(n, str) and not (roles.get(n) or vocab.speaker(n))]
+    free = [r for r in ("user", "assistant") if r not in known]
+    speaker = next(t.get(role_key) for t in turns if isinstance(t, dict) and t.get(role_key) in unknown)
+    said = (f"{where}: {at}.{role_key} is {speaker!r}; known speakers are {sorted({*roles, *vocab.SPEAKERS})} "
+            "(map other names with the entry's tags: user_tag, assistant_tag, ...)")
+    if len(unknown) != len(free) or not unknown:
+        raise ToolkitError(said + ".")
+    default = TURN_KEYS.get(name, TURN_KEYS["messages"])
+    tags = {**({"role_tag": role_key, "content_tag": content_key} if (role_key, content_key) != default else {}),
+            **{f"{role}_tag": n for role, n in zip(free, unknown, strict=True)}}
+    keys = sorted({k for t in turns if isinstance(t, dict) for k in t})
+    raise ShapeError(f"{where}: the turns in '{name}' have keys {keys} and role names {names}; "
+                     f"{said.split('; ', 1)[1]}.", {"tags": tags})
 
 
 PART_FLAGS = ("train", "training", "weight", "loss_weight", "loss", "loss_scale")
@@ -567,28 +788,46 @@ def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any], image
 
 IMAGE_TAG = "<image>"
 """LLaMA-Factory's and ms-swift's placeholder for an image of the row's `images`, in the text."""
+IMAGE_TAGS = (IMAGE_TAG, "<IMG_CONTEXT>", "<|image|>", "<image_placeholder>", "<ImageHere>", "<|image_1|>")
+"""Other tools' image placeholders (InternVL, mPLUG-Owl / Llama 3.2 Vision, DeepSeek-VL, MiniGPT-4, Phi-3-vision):
+read as `<image>` is, one per image of the row, in order."""
+UNREAD_TAGS = re.compile(r"<img>[^<]*</img>|<image_\d+>|<\|image_\d+\|>|<\|vision_start\|>|<\|image_pad\|>")
+"""Image markup that no row shape reads as a placeholder (Qwen-VL v1's `<img>path</img>`, MiniCPM-V's numbered
+`<image_00>`, Qwen2-VL's own rendered tokens): refused, never trained as text."""
+_TAG_SPLIT = re.compile("|".join(re.escape(t) for t in IMAGE_TAGS))
 
 
-def _placeholders(messages: list[Any], row: dict[str, Any]) -> list[Any]:
-    """`<image>` placeholders in text as image parts, in order, when the row has `images` and its messages no
-    image part of their own. (`videos` rows are refused by the encoder.)"""
+def _placeholders(messages: list[Any], row: dict[str, Any], where: str = "") -> list[Any]:
+    """Image placeholders in text (`<image>` and the other tools' IMAGE_TAGS) as image parts, in order, when the
+    row has `images` and its messages no image part of their own; beside image parts, a placeholder left in the
+    text is refused (it would train as text beside the images). (`videos` rows are refused by the encoder.)"""
     images = row.get("images")
     if not isinstance(images, list) or not images:
         return messages
     dicts = [m for m in messages if isinstance(m, dict)]
     if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image"
                                                       for p in m["content"]) for m in dicts):
+        tags = sorted({t for m in dicts for t in _tags_in(m.get("content"))})
+        if tags:
+            raise ToolkitError(f"{where}: the text holds {', '.join(tags)} beside image parts; give each image "
+                               "one way: an image part, or a placeholder in the text.")
         return messages
     for m in dicts:
-        if isinstance(m.get("content"), str) and IMAGE_TAG in m["content"]:
+        if isinstance(m.get("content"), str) and _TAG_SPLIT.search(m["content"]):
             parts: list[dict[str, Any]] = []
-            for k, text in enumerate(m["content"].split(IMAGE_TAG)):
+            for k, text in enumerate(_TAG_SPLIT.split(m["content"])):
                 if k:
                     parts.append({"type": "image"})
                 if text:
                     parts.append({"type": "text", "text": text})
             m["content"] = parts
     return messages
+
+
+def _tags_in(content: Any) -> set[str]:
+    texts = [content] if isinstance(content, str) else [p.get("text") for p in content or []
+                                                        if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return {t for text in texts if isinstance(text, str) for t in IMAGE_TAGS if t in text}
 
 
 def _tool_calls(value: Any, at: str, where: str) -> list[dict[str, Any]]:
@@ -624,21 +863,9 @@ def _from_alpaca(row: dict[str, Any], where: str, original: list[str]) -> dict[s
                              f"trains '{key}', or drop it knowingly.", {"ignore": [key]})
     textual = [k for k, v in row.items() if k not in ALPACA_KEYS and k not in READ_ROW_KEYS
                and not no_content_name(k) and (isinstance(v, str) or holds_content(k, v))]
-    if row.get("output") is None:
-        rest = textual
-        answer = next((k for k in rest if k.lower() in ANSWER_NAMES), None)
-        if answer is None:
-            raise ShapeError(f"{where}: the row has 'instruction' but no 'output' (Alpaca rows need both); the row "
-                             f"has keys {original}, none an answer.")
-        columns = {"output": answer}
-        others = [k for k in rest if k != answer]
-        if others and row.get("input") is None:
-            columns = {"input": others.pop(0), **columns}
-        fix: dict[str, Any] = {"columns": columns, **({"ignore": others} if others else {})}
-        passage = f" and its passage in '{columns['input']}'" if "input" in columns else ""
-        raise ShapeError(f"{where}: the row has 'instruction' and no 'output' (the row has keys {original}); it is "
-                         f"the Alpaca shape with its answer in '{answer}'{passage}.", fix)
-    unread = [k for k in textual if holds_content(k, row[k])]
+    if row.get("output") is None:  # the answer under another name (Dolly's `response`): its roles give the entry
+        _no_shape(row, where, original, [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)])
+    unread = [k for k in textual if holds_content(k, row[k]) and "context" in vocab.named_roles(k)]
     if unread and not row.get("input"):
         fix = {"columns": {"input": unread[0]}, **({"ignore": unread[1:]} if unread[1:] else {})}
         raise ShapeError(f"{where}: the Alpaca row's '{unread[0]}' holds content ({_kind(row[unread[0]])}) that no "
@@ -666,40 +893,53 @@ def _from_exchange(row: dict[str, Any], where: str, keys: tuple[str, ...], asked
     for key in (*keys, "system"):
         if row.get(key) is not None and not isinstance(row[key], str):
             raise ToolkitError(f"{where}: '{key}' must be a string.")
-    messages = [{"role": "system", "content": row["system"]}] if row.get("system") is not None else []
+    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []  # "": none (OpenOrca)
     history = row.get("history") or []
     if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
         raise ToolkitError(f"{where}: 'history' must be a list of [{asked}, {answered}] pairs.")
     for query, answer in history:
         messages += [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
-    messages += [{"role": "user", "content": row[asked]}, {"role": "assistant", "content": row[answered]}]
-    out = {k: v for k, v in row.items() if k not in (*keys, "system", "history")}
-    out["messages"] = _placeholders(messages, out)
+    messages += [{"role": "user", "content": row[asked]}, _answer(row[answered])]
+    if isinstance(row.get("reasoning"), str):
+        messages[-1]["reasoning_content"] = row["reasoning"]
+    out = {k: v for k, v in row.items() if k not in (*keys, "system", "history", "reasoning")}
+    out["messages"] = _placeholders(messages, out, where)
     return out
 
 
-def _from_pairs(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """ms-swift's `conversation`: [{"human": ..., "assistant": ...}, ...] exchanges, optional `system`."""
-    pairs = row["conversation"]
-    if not isinstance(pairs, list) or not pairs or not all(
-            isinstance(p, dict) and isinstance(p.get("human"), str) and isinstance(p.get("assistant"), str)
-            for p in pairs):
-        raise ToolkitError(f"{where}: 'conversation' must be a non-empty list of {{\"human\": str, \"assistant\": "
-                           "str}} exchanges (ms-swift's shape).")
-    if row.get("system") is not None and not isinstance(row["system"], str):
-        raise ToolkitError(f"{where}: 'system' must be a string.")
-    messages = [{"role": "system", "content": row["system"]}] if row.get("system") is not None else []
-    for p in pairs:
-        messages += [{"role": "user", "content": p["human"]}, {"role": "assistant", "content": p["assistant"]}]
-    out = {k: v for k, v in row.items() if k not in ("conversation", "system")}
-    out["messages"] = _placeholders(messages, out)
-    return out
+def _answer(value: str) -> dict[str, Any]:
+    """An exchange's answer as the assistant turn: text, or tool calls when it is JSON of calls (xLAM's `answers`:
+    `[{"name": ..., "arguments": {...}}]`), which the template renders as its tool calls."""
+    text = value.strip()
+    if text.startswith(("[{", "{")):
+        with contextlib.suppress(json.JSONDecodeError, ToolkitError):
+            calls = json.loads(text)
+            items = calls if isinstance(calls, list) else [calls]
+            if items and all(isinstance(c, dict) and set(c) == {"name", "arguments"} for c in items):
+                return {"role": "assistant", "content": "", "tool_calls": _tool_calls(calls, "answer", "")}
+    return {"role": "assistant", "content": value}
+
+
+def _with_reasoning(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A row's `reasoning` column (mapped by the entry: a reasoning set's CoT) as the reasoning_content of its last
+    assistant turn, which the template renders in its thinking block."""
+    messages = [dict(m) if isinstance(m, dict) else m for m in row["messages"]]
+    last = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
+    if last is None or last.get("reasoning_content"):
+        raise ToolkitError(f"{where}: the row's 'reasoning' has no assistant turn to go to, or the turn has its own "
+                           "reasoning_content; keep one.")
+    last["reasoning_content"] = row["reasoning"]
+    return {**{k: v for k, v in row.items() if k != "reasoning"}, "messages": messages}
 
 
 def _from_conversational(row: dict[str, Any], where: str, tags: dict[str, str]) -> dict[str, Any]:
     """TRL's conversational prompt/completion: `prompt` and `completion` lists of messages, one chat in which only
     the completion trains (an assistant turn of the prompt is context: PROMPT_TURN)."""
     prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, list) and completion is None:
+        raise ToolkitError(f"{where}: the row has a 'prompt' and no 'completion': TRL's prompt-only rows train in an "
+                           "RL stage (objective: grpo), which writes the completions; a row of this stage needs its "
+                           "answer ('completion', or the chat's last assistant turn in 'messages').")
     if not (isinstance(prompt, list) and isinstance(completion, list)):
         raise ToolkitError(f"{where}: 'prompt' and 'completion' must both be strings, or both lists of messages "
                            "(TRL's conversational shape).")

@@ -48,7 +48,8 @@ from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
 from toolkit.data.pairs import pair_rows
-from toolkit.data.shapes import to_messages
+from toolkit.data.roles import is_turns
+from toolkit.data.shapes import threads, to_messages
 from toolkit.errors import ToolkitError
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
@@ -102,6 +103,7 @@ class Source:
     def describe(self) -> dict[str, Any]:
         return {"entry": self.entry.name, "format": self.fmt, "split": self.entry.split,
                 "columns": dict(self.entry.columns), "tags": dict(self.entry.tags), "ignore": list(self.entry.ignore),
+                "threads": self.entry.threads,
                 "files": [str(p) for p in self.files]}
 
 
@@ -472,11 +474,13 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
             got: list[dict[str, Any] | Oversize] = [row, row] if pairs else [row]
-        elif not isinstance(row, dict):
+        elif not isinstance(row, dict) and not is_turns(row):
             raise ToolkitError(f"{where}: each {'line' if source.fmt == 'jsonl' else 'row'} must be a JSON object, "
                                f"got {type(row).__name__}.")
         else:
-            got = list(pair_rows(row, source, where)) if pairs else [to_messages(row, source, where)]
+            if not isinstance(row, dict):  # a bare list of turns is the row's chat (toolkit/data/roles.py)
+                row = {"messages": row}
+            got = list(pair_rows(row, source, where)) if pairs else threads(to_messages(row, source, where))
         rows += got
         numbers += [number] * len(got)
     return rows, numbers
@@ -802,11 +806,14 @@ def _check_csv_lines(path: Path) -> None:
 
 
 def _header(path: Path, sep: str) -> list[str]:
-    """The column names of a CSV / TSV file's first line (Python's csv, as pandas reads a header)."""
+    """The column names of a CSV / TSV file's first line (Python's csv, as pandas reads a header): Excel's byte
+    order mark is not part of the first name, and an unnamed column (pandas' `to_csv` writes its index so) is
+    `Unnamed: N`, as pandas names it; its cells hold no content and the log names it."""
     import csv
 
-    with path.open(encoding="utf-8", newline="") as f:
-        return next(csv.reader(f, delimiter=sep), [])
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        names = next(csv.reader(f, delimiter=sep), [])
+    return [name or f"Unnamed: {i}" for i, name in enumerate(names)]
 
 
 def _pick_split(dd: Any, split: str | None, name: str) -> Any:

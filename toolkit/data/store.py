@@ -139,6 +139,8 @@ def store_key(source: Source, digest: str, encoder: Any) -> dict[str, Any]:
         key["tags"] = sorted(source.entry.tags)
     if source.entry.ignore:
         key["ignore"] = sorted(source.entry.ignore)
+    if source.entry.threads:  # a message tree read along every thread: more rows
+        key["threads"] = source.entry.threads
     return json.loads(json.dumps(key))
 
 
