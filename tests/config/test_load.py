@@ -435,6 +435,16 @@ def test_per_stage_micro_batch_is_layout_not_an_invariant() -> None:
     assert resume_invariants(load_recipe(None))["stages"][1]["micro_batch_size"] is None  # unset: unchanged hash
 
 
+def test_the_renderer_is_how_data_is_prepared_not_an_invariant() -> None:
+    """data.renderer changes the speed, not the text (the direct renderer is the template's text byte for byte):
+    a resume may switch it, and checkpoints written before the key existed keep their hash."""
+    from toolkit.config.identity import resume_invariants
+
+    direct, jinja = load_recipe(None), load_recipe(None, ["data.renderer=jinja"])
+    assert jinja.data.renderer == "jinja" and resume_invariants(direct) == resume_invariants(jinja)
+    assert "renderer" not in resume_invariants(direct)["data"]
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path: Path) -> None:
     recipe = load_recipe(path)

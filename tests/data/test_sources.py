@@ -412,6 +412,26 @@ def test_a_hash_record_planted_in_the_cache_is_refused(tmp_path: Path, planted: 
     assert victim.read_text() == "the user's own file\n"
 
 
+def test_json_lines_read_as_json_reads_them(tmp_path: Path) -> None:
+    """The fast parser (orjson) gives every line the object json gives: integers beyond 64 bits stay whole, NaN and
+    1e400 read as json reads them, unicode escapes and surrogate pairs decode alike, a line of non-ASCII spaces is
+    blank; and a malformed line is json's error."""
+    from toolkit.data.sources import _fast_loads, iter_jsonl
+
+    assert _fast_loads is not None  # a dependency: the test would prove nothing without it
+    lines = ['{"a": 12345678901234567890123}', '{"a": -9223372036854775809}', '{"a": 18446744073709551616}',
+             '{"a": NaN, "b": 1e400, "c": -0.0}', '{"t": "\\u00e9\\ud83d\\ude00 数学", "k": 1, "k": 2}',
+             '\u00a0\u2028', '{"d": {"e": [1.5, null, true]}}']
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    got = list(iter_jsonl(path))
+    want = [(n, json.loads(line)) for n, line in enumerate(lines, 1) if not line.isspace()]
+    assert repr(got) == repr(want)  # repr: types (int against float) and NaN compared too
+    path.write_text('{"a": 1}\n{"a": 1,}\n', encoding="utf-8")
+    with pytest.raises(ToolkitError, match=r"rows.jsonl:2: not valid JSON \(Expecting property name"):
+        list(iter_jsonl(path))
+
+
 def test_the_row_byte_cap_holds_for_json_arrays_one_object_files_and_csv_lines(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 48: only JSON Lines had the byte cap. A .json file over the cap's floor is read element by element:

@@ -56,12 +56,13 @@ def test_quick_benchmark_reports_every_contender(tmp_path: Path) -> None:
 
 def test_data_scale_benchmark_runs_at_a_few_hundred_rows(tmp_path: Path) -> None:
     """bench/data_scale.py end to end at 300 rows (one process per launch, no tiny-data launch): the cold launch
-    prepares every row, the warm one maps the store, the peer path ran with its memory sampled, the results file
-    was written. Each launch's one training step is on a packed row of 1024 tokens (the rows are 152-644 tokens
-    long), not the bench's 4096: through the 151,936-row LM head on CPU that step took 12-21 s, now 4-6 s."""
+    prepares every row, the warm one maps the store, both peer paths ran (the first with its memory sampled), the
+    one-core comparison with a bare tokenizer call ran, the results file was written. Each launch's one training
+    step is on a packed row of 1024 tokens (the rows are 152-644 tokens long), not the bench's 4096: through the
+    151,936-row LM head on CPU that step took 12-21 s, now 4-6 s."""
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "data_scale.py"), "--rows", "300", "--processes", "1",
                            "--steps", "1", "--max-seq-len", "1024", "--no-baseline", "--cores", "2",
-                           "--out", str(tmp_path), "--workdir", str(tmp_path / "work")],
+                           "--ceiling-rows", "100", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -70,6 +71,10 @@ def test_data_scale_benchmark_runs_at_a_few_hundred_rows(tmp_path: Path) -> None
     assert cold["data_s"] > 0 and warm["data_s"] > 0 and len(cold["rank_uss_gb"]) == len(warm["rank_uss_gb"]) == 1
     assert summary["peer"]["cold_s"] > 0 and summary["peer"]["warm_s"] > 0 and summary["peer"]["num_proc"] == 2
     assert summary["peer"]["main_uss_gb"] > 0.05 and summary["peer"]["worker_uss_gb"] > 0.05
+    assert summary["peer_masks"]["mode"] == "masks" and summary["peer_masks"]["cold_s"] > 0  # the same masks' peer
+    ceiling = summary["ceiling"]  # one core: the toolkit's preparation beside a bare tokenizer call
+    assert ceiling["rows"] == 100 and ceiling["ours_rows_per_s"] > 0 and ceiling["bare_tokenizer_rows_per_s"] > 0
+    assert ceiling["ours_vs_bare_tokenizer"] > 0 and ceiling["ours_vs_jinja"] > 0
     assert json.loads(Path(summary["results_file"]).read_text())["rows"] == 300
 
 

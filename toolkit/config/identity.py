@@ -35,7 +35,8 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
-    for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains
+    for key in ("num_proc", "num_workers", "renderer"):  # how data is prepared and fed, not what trains (the
+        # direct renderer writes the Jinja template's text byte for byte: tests/data/test_render.py)
         del tree["data"][key]
     for key, default in (("empty_answers", "error"), ("identical_pairs", "error"), ("completion_newline", False)):
         if tree["data"].get(key) == default:  # the default leaves earlier checkpoints' hashes as they were

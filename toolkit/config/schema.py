@@ -122,6 +122,10 @@ class DataConfig(_Section):
         "renders (Qwen3: an empty <think></think> block before the last answer, its non-thinking format; Qwen2.5: "
         "none); 'empty' gives the last answer an empty think block; 'none' trains answers with no think block."
     )
+    renderer: Literal["auto", "jinja"] = Field(
+        "auto", description="How chat rows are rendered: 'auto' writes the stock Qwen templates (qwen2.5, qwen3, "
+        "qwen2.5-vl, qwen3-vl) directly in Python, byte for byte what their Jinja gives, and any other template "
+        "through Jinja; 'jinja' renders every row through the Jinja template (its own token store).")
     completion_newline: bool = Field(
         False, description="Preference pairs in chat form: also train the newline the chat template writes after "
         "each completion's end token (<|im_end|>), as TRL's conversational DPO does. Default false: a completion "

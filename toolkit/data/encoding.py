@@ -23,14 +23,19 @@ are found depends on the template:
 A row's `tools` go to the template; fields a template cannot render (tools, reasoning_content, tool_calls, tool
 turns under ChatML) are refused rather than dropped. `data.thinking` adds or removes empty think blocks.
 
-`TextEncoder.encode` does a batch of rows at once: each row is checked and rendered (Python, Jinja), then every
-rendering is tokenised in one call of the fast tokenizer with character offsets, and the loss mask is read off the
-offsets against the turns' character spans (numpy), so no turn is ever re-encoded. `encode_row` is the same for one
-row. Errors name the row (`file:line`) and stop the batch.
+`TextEncoder.encode` does a batch of rows at once: each row is checked and rendered, then every rendering is
+tokenised whole in one call of the fast tokenizer (never turn by turn: BPE may merge across a turn's edge where the
+text allows it, so only whole texts give the template's tokens), and the loss mask is read off the tokens' character
+offsets against the turns' character spans, so no turn is ever re-encoded. A stock Qwen template is rendered by its
+direct renderer (toolkit/data/render.py: the Jinja template's text byte for byte, each assistant turn's span known
+as it is written) and the offsets are read only at the spans' ends (`Tokens`); any other template, and every row
+under data.renderer: jinja, is rendered through Jinja and its offsets read whole. The choice is logged once.
+`encode_row` is the same for one row. Errors name the row (`file:line`) and stop the batch.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +46,11 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from toolkit.data.render import Renderer, Unrendered, direct_renderer
 from toolkit.errors import ToolkitError
 from toolkit.templates import IM_END, IM_START, STOCK_FILES, TEMPLATE_NAMES, is_jinja_text, stock_template
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (the value transformers' losses ignore)."""
@@ -97,13 +105,20 @@ IMAGE_PARTS = '{"type": "text" | "image", ...} parts'  # a vision-language messa
 
 def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
                    image_parts: bool = False) -> list[dict[str, Any]]:
+    """`checked_messages` without the training flags."""
+    return checked_messages(messages, where, train_on, image_parts=image_parts)[0]
+
+
+def checked_messages(messages: Any, where: str, train_on: str = "assistant", *,
+                     image_parts: bool = False) -> tuple[list[dict[str, Any]], list[bool]]:
     """The row's messages, checked: roles, string contents (an assistant turn with tool_calls may have none), a
     string `reasoning_content`, well-formed `tool_calls`. With train_on: assistant, a conversation with assistant
     turns must open (after an optional system prompt) with a user turn and end with an assistant turn: a trailing
     user or tool turn would train nothing, and changes how Qwen3 renders the turns before it. (A conversation with
     no assistant turn has no trainable tokens and is skipped, as counted in the stage's statistics.) With
     `image_parts` (vision-language rows) a content may also be a list of {"type": "text", "text": str} and
-    {"type": "image"} parts. Returns copies with a missing tool-call content made ""."""
+    {"type": "image"} parts. Returns copies with a missing tool-call content made "", and whether each assistant message
+    trains (`assistant_trains`, called once here)."""
     if not isinstance(messages, list) or not messages:
         raise ToolkitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
     content_kind = f"a string content or a list of {IMAGE_PARTS}" if image_parts else "a string content"
@@ -143,8 +158,7 @@ def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
                                    "the chat format's own markers and cannot appear inside a message.")
         out.append(m)
     check_turn_order(out, where, train_on)
-    assistant_trains(messages, where, train_on)
-    return out
+    return out, assistant_trains(messages, where, train_on)
 
 
 TURN_FLAGS = ("weight", "loss_weight", "training", "train", "loss", "loss_scale")
@@ -306,9 +320,19 @@ def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) 
                            "the assistant turn being trained (drop the trailing turn).")
 
 
+_GENERATION: dict[int, tuple[str, bool]] = {}
+
+
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template marks assistant turns with {% generation %} (remembered per template text)."""
     template = tokenizer.chat_template
-    return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}")
+    if not isinstance(template, str):
+        return False
+    known = _GENERATION.get(id(template))
+    if known is None or known[0] is not template:
+        known = _GENERATION[id(template)] = (
+            template, "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}"))
+    return known[1]
 
 
 _RENDERS: dict[str, Callable[[str], bool]] = {
@@ -559,8 +583,11 @@ class TextEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
                  chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False,
-                 completion_newline: bool = False) -> None:
+                 completion_newline: bool = False, renderer: str = "auto") -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
+        self.renderer = renderer  # data.renderer: 'auto' (direct where the template is a stock one) or 'jinja'
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            chosen_renderer(tokenizer.chat_template, renderer)  # said once, in the process that builds the encoder
         self.pairs = pairs  # a preference stage's: each source row is a pair, stored as its chosen and rejected rows
         # data.completion_newline (pairs only): a trained turn also trains the newline its template writes after it
         self.completion_newline = completion_newline and pairs
@@ -573,7 +600,8 @@ class TextEncoder:
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
                 **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {}),
                 **({"pairs": True} if self.pairs else {}),
-                **({"completion_newline": True} if self.completion_newline else {})}
+                **({"completion_newline": True} if self.completion_newline else {}),
+                **({"renderer": "jinja"} if self.renderer == "jinja" else {})}  # forced: its own store
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
@@ -606,7 +634,7 @@ class TextEncoder:
                 plans.append(("text", len(specials)))
                 specials.append(row["text"])
         guard = SizeGuard(self, max_tokens)
-        encoded, long_chats = guard.encode_with_offsets(chats)
+        encoded, long_chats = guard.encode_with_offsets(chats, lazy=self.renderer != "jinja")
         with_specials, long_specials = guard.token_ids(specials, add_special_tokens=True)
         without, long_plain = guard.token_ids(plain, add_special_tokens=False)
         eos = tok.eos_token_id
@@ -616,9 +644,15 @@ class TextEncoder:
             if kind == "chat":
                 k, spans, overlap = plan
                 cut = k in long_chats
-                ids, starts, ends = encoded[k]
-                mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
-                        else span_mask(starts, ends, spans, overlap=overlap))
+                item = encoded[k]
+                if isinstance(item, Tokens):
+                    ids = item.ids
+                    mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
+                            else item.mask(spans, overlap=overlap))
+                else:
+                    ids, starts, ends = item
+                    mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
+                            else span_mask(starts, ends, spans, overlap=overlap))
             elif kind == "completion":
                 prompt, completion = with_specials[plan[0]], without[plan[1]]
                 cut = plan[0] in long_specials or plan[1] in long_plain
@@ -653,8 +687,7 @@ class TextEncoder:
                 "model's tokenizer or set data.chat_template (for example: chatml).")
         train_on, thinking = self.train_on, self.thinking
         given = empty_answers(row["messages"], where, self.empty_answers)
-        messages = check_messages(given, where, train_on)
-        trains = assistant_trains(given, where, train_on)
+        messages, trains = checked_messages(given, where, train_on)
         tools = row.get("tools")
         template = tok.chat_template
         check_renderable(template, messages, tools, where, override=self.chat_template)
@@ -671,6 +704,14 @@ class TextEncoder:
                                    "applied exactly; drop the weights or use the model's own template.")
             spans = [b for b, t in zip(blocks, trains, strict=False) if t] if not all(trains) else blocks
             return full, self._with_newline(full, spans), True
+        direct = chosen_renderer(template, self.renderer) if isinstance(template, str) else None
+        if direct is not None:  # a stock template: rendered in Python, its assistant spans known as written
+            try:
+                full, spans = direct(messages, tools)
+                full, spans = _apply_thinking(full, spans, thinking, tok, where)
+                return full, self._with_newline(full, _trained(spans, trains)), False
+            except Unrendered:  # a row the direct renderer does not mirror: the template renders it
+                pass
         full, _ = render_chat(tok, messages, tools, where)
         if is_chatml_family(template):
             spans = chatml_assistant_spans(full, len(trains), where)
@@ -686,6 +727,28 @@ class TextEncoder:
         if not self.completion_newline:
             return spans
         return [(start, end + 1) if text.startswith("\n", end) else (start, end) for start, end in spans]
+
+
+def _trained(spans: list[tuple[int, int]], trains: list[bool]) -> list[tuple[int, int]]:
+    """The spans of the assistant turns that train."""
+    return [span for span, train in zip(spans, trains, strict=True) if train]
+
+
+_SAID: set[str] = set()
+_CHOSEN: dict[tuple[int, str], tuple[str, Renderer | None, str]] = {}
+
+
+def chosen_renderer(template: str, choice: str) -> Renderer | None:
+    """The direct renderer for a chat template (None: Jinja renders it), `choice` being data.renderer; which one is
+    logged once per process and template."""
+    key = (id(template), choice)
+    cached = _CHOSEN.get(key)
+    if cached is None or cached[0] is not template:  # an id is reused once its string is gone
+        _CHOSEN[key] = cached = (template, *direct_renderer(template, choice))
+    if cached[2] not in _SAID:
+        _SAID.add(cached[2])
+        log.info(cached[2])
+    return cached[1]
 
 
 GUARD_MIN_CHARS = 1 << 20
@@ -747,13 +810,12 @@ class SizeGuard:
             size *= 2
         return tokenise(text)
 
-    def encode_with_offsets(self, texts: list[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                                                             set[int]]:
-        """`encode_with_offsets` of the texts, the long ones (returned by index) as a prefix."""
+    def encode_with_offsets(self, texts: list[str], *, lazy: bool = False) -> tuple[list[Any], set[int]]:
+        """`encode_with_offsets` of the texts, the long ones (returned by index) as a prefix (as arrays)."""
         long = self._long(texts)
         if not long:
-            return encode_with_offsets(self.tokenizer, texts), set()
-        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)])
+            return encode_with_offsets(self.tokenizer, texts, lazy=lazy), set()
+        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)], lazy=lazy)
         for k in long:
             out[k] = self._prefix(texts[k], lambda t: encode_with_offsets(self.tokenizer, [t])[0],
                                   lambda e: len(e[0]))
@@ -787,14 +849,65 @@ class SizeGuard:
         return sum(len(row[k]) for k in ("text", "prompt", "completion") if isinstance(row.get(k), str))
 
 
-def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str]
-                         ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+class Tokens:
+    """One text's tokens from the fast tokenizer (`encode_with_offsets(lazy=True)`): its ids, and the loss mask of
+    character spans read off the tokenizer's Encoding at the spans' ends only.
+
+    Turning every token's offsets into Python tuples and arrays costs about a quarter of tokenising; the mask only
+    needs, for each span [lo, hi), the first token starting at or after lo and at or after hi (token starts never
+    decrease: the text is split on added tokens, then pre-tokenised, then merged, in order). The rule is
+    `span_mask`'s without overlap: a token trains when it starts inside a span. `data.renderer: jinja` keeps the
+    offset arrays (`span_mask`), and tests/data/test_render.py proves both give the same masks."""
+
+    __slots__ = ("enc", "ids")
+
+    def __init__(self, enc: Any) -> None:
+        self.enc = enc
+        self.ids = np.array(enc.ids, dtype=np.int32)
+
+    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        offsets = np.array(self.enc.offsets, dtype=np.int64).reshape(-1, 2)
+        return offsets[:, 0], offsets[:, 1]
+
+    def _first_from(self, x: int) -> int | None:
+        """The first token that starts at or after character x (None where x is in no token)."""
+        n, start = len(self.ids), self.enc.token_to_chars
+        if x >= start(n - 1)[1]:  # past the last token's end: every token starts before x
+            return n
+        c = self.enc.char_to_token(x)
+        if c is None:
+            return None
+        if start(c)[0] >= x:
+            while c > 0 and start(c - 1)[0] >= x:
+                c -= 1
+        else:
+            while c < n and start(c)[0] < x:
+                c += 1
+        return c
+
+    def mask(self, spans: list[tuple[int, int]], *, overlap: bool) -> np.ndarray:
+        mask = np.zeros(len(self.ids), dtype=np.uint8)
+        if overlap or not len(self.ids):
+            return span_mask(*self.offsets(), spans, overlap=overlap) if len(self.ids) else mask
+        for lo, hi in spans:
+            a, b = self._first_from(lo), self._first_from(hi)
+            if a is None or b is None:  # a character in no token: read every offset
+                return span_mask(*self.offsets(), spans, overlap=False)
+            mask[a:b] = 1
+        return mask
+
+
+def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, lazy: bool = False
+                         ) -> list[Any]:
     """(ids, start offsets, end offsets) of each text, tokenised without special tokens in one batch: the fast
-    tokenizer's own batch call (Rust, parallel when allowed) where there is one, else transformers' call."""
+    tokenizer's own batch call (Rust, parallel when allowed) where there is one, else transformers' call. With
+    `lazy`, a fast tokenizer's texts come as `Tokens` (offsets read where a mask needs them)."""
     if not texts:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
+        if lazy:
+            return [Tokens(enc) for enc in backend.encode_batch(texts, add_special_tokens=False)]
         out = []
         for enc in backend.encode_batch(texts, add_special_tokens=False):
             offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)

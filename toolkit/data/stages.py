@@ -105,9 +105,11 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
         from toolkit.data.vision import VLEncoder  # image rows only
 
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-                         chat_template=data.chat_template, empty_answers=data.empty_answers)
+                         chat_template=data.chat_template, empty_answers=data.empty_answers,
+                         renderer=data.renderer)
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
-                       empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline)
+                       empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline,
+                       renderer=data.renderer)
 
 
 def num_proc(data: DataConfig) -> int:

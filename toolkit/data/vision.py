@@ -37,6 +37,7 @@ from toolkit.data.encoding import (
     chatml_assistant_spans,
     check_messages,
     check_renderable,
+    chosen_renderer,
     empty_answers,
     fit_to_length,
     has_generation_tags,
@@ -45,6 +46,7 @@ from toolkit.data.encoding import (
     row_shape,
     span_mask,
 )
+from toolkit.data.render import Unrendered
 from toolkit.errors import ToolkitError
 from toolkit.templates import IMAGE_PAD, VISION_TOKENS
 
@@ -97,9 +99,12 @@ class VLEncoder:
     """Vision-language rows to token ids and loss masks with a processor (see the module docstring)."""
 
     def __init__(self, processor: Any, *, train_on: str, min_pixels: int | None = None,
-                 max_pixels: int | None = None, chat_template: str | None = None, empty_answers: str = "error"
-                 ) -> None:
+                 max_pixels: int | None = None, chat_template: str | None = None, empty_answers: str = "error",
+                 renderer: str = "auto") -> None:
         self.processor, self.train_on = processor, train_on
+        self.renderer = renderer  # data.renderer (toolkit/data/render.py)
+        if getattr(processor, "chat_template", None):
+            chosen_renderer(processor.chat_template, renderer)  # said once
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the recipe's override the processor carries, for refusals' advice
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
@@ -113,7 +118,7 @@ class VLEncoder:
         return {"kind": "vision", "train_on": self.train_on, "template": self.processor.chat_template,
                 "pixels": _pixel_bounds(ip, self.min_pixels, self.max_pixels), "patch": ip.patch_size,
                 "merge": ip.merge_size, **({"empty_answers": self.empty_answers} if self.empty_answers != "error"
-                                           else {})}
+                                           else {}), **({"renderer": "jinja"} if self.renderer == "jinja" else {})}
 
     def encode(self, rows: Sequence[dict[str, Any]], numbers: Sequence[int], address: RowAddress,
                base_dir: Path | None = None, *, max_tokens: int | None = None) -> EncodedBatch:
@@ -180,10 +185,20 @@ class VLEncoder:
         paths = [base_dir / p for p in images]
         grids = [image_grid(processor.image_processor, p, where, min_pixels=self.min_pixels,
                             max_pixels=self.max_pixels) for p in paths]
+        merge = processor.image_processor.merge_size ** 2
+        counts = [int(np.prod(g)) // merge for g in grids]
+        direct = None if generation else chosen_renderer(template, self.renderer)
+        if direct is not None:  # a stock template: rendered in Python, its assistant spans known as written
+            try:
+                text, turns = direct(messages, tools)
+                text, shift = _expand_images(text, counts, where)
+                spans = [(shift(a), shift(b)) for (a, b), t in zip(turns, trains, strict=True) if t]
+                return text, spans, False, [str(p) for p in paths], grids
+            except Unrendered:  # a row the direct renderer does not mirror: the template renders it
+                pass
         text, blocks = render_chat(processor.tokenizer, messages, tools, where, generation=generation,
                                    template=template)
-        merge = processor.image_processor.merge_size ** 2
-        text, shift = _expand_images(text, [int(np.prod(g)) // merge for g in grids], where)
+        text, shift = _expand_images(text, counts, where)
         if generation:
             if not all(trains) and len(blocks) != len(trains):
                 raise ToolkitError(f"{where}: the chat template's {{% generation %}} blocks mark {len(blocks)} "
