@@ -105,12 +105,18 @@ def test_one_and_two_processes_draw_the_same_completions_and_step_alike(models: 
 
 
 def test_the_seeded_draw_follows_the_distribution() -> None:
-    """The counter-based exponential race draws each token with its probability (4000 rows, and one row over 1000
-    positions), and a row's draws depend only on its own seed."""
+    """The counter-based inverse-CDF draw takes each token with its probability (4000 rows, and one row over 1000
+    positions), top-p's renormalised probability among the kept tokens (in any vocabulary order), and a row's
+    draws depend only on its own seed."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     rows = SeededSampler(range(4000), 1.0, 1.0, torch.device("cpu"))
     chosen = rows(torch.zeros(4000, 1, dtype=torch.long), probs.log().repeat(4000, 1)).argmax(-1)
     torch.testing.assert_close(torch.bincount(chosen, minlength=4) / 4000, probs, rtol=0, atol=0.025)
+    shuffled = torch.tensor([0.15, 0.5, 0.05, 0.3])  # top-p 0.75 keeps 0.5 and 0.3: 0.625 and 0.375
+    kept = SeededSampler(range(4000), 1.0, 0.75, torch.device("cpu"))
+    chosen = kept(torch.zeros(4000, 1, dtype=torch.long), shuffled.log().repeat(4000, 1)).argmax(-1)
+    torch.testing.assert_close(torch.bincount(chosen, minlength=4) / 4000, torch.tensor([0.0, 0.625, 0.0, 0.375]),
+                               rtol=0, atol=0.025)
     one = SeededSampler([12], 1.0, 1.0, torch.device("cpu"))
     alone = torch.stack([one(torch.zeros(1, 1, dtype=torch.long), probs.log().unsqueeze(0)).argmax(-1)[0]
                          for _ in range(1000)])

@@ -5,11 +5,11 @@ completion does not depend on which other prompts share its batch, nor on which 
 random state (untouched). transformers' `generate` runs the model with its KV cache, left-padded prompts, end tokens
 and `synced_gpus`; its sampling draws one multinomial for the whole batch from the global generator, so here the
 draw is made by a logits processor (`SeededSampler`) and `generate` decodes greedily over what it returns: per row,
-temperature, then top-p, then the exponential-race draw `argmax(p / E)` with `E ~ Exp(1)` (the same distribution as
-a multinomial draw), whose noise is counter-based: a hash (SplitMix64) of the row's seed, the token position and
-the token, so every row is drawn in one vectorised pass and none depends on another. The processor also keeps each
-chosen token's log-probability at the temperature (before top-p, as TRL scores completions): the rollout's "old"
-per-token log-probs.
+temperature, then top-p, then an inverse-CDF draw (the same distribution as a multinomial draw) from one uniform
+number per row and token, counter-based: a hash (SplitMix64) of the row's seed and the token position, so every row
+is drawn in one vectorised pass and none depends on another. The processor also keeps each chosen token's
+log-probability at the temperature (before top-p, as TRL scores completions): the rollout's "old" per-token
+log-probs.
 
 Batches hold whole groups (`prompts_per_batch` prompts, each with its `num_generations` rows) in the order given:
 a process whose share of the global batch is whole batches of the same prompts draws exactly what one process
@@ -62,19 +62,23 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift(x, 31)
 
 
-def exponential_noise(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
-    """``[rows, vocab]`` Exp(1) draws, each a pure function of (its row's seed, the token position, the token):
-    counter-based, so a row's draws never depend on the other rows, and all rows are drawn in one vectorised pass
-    (a generator per row would cost a call per row and token)."""
-    key = _mix(seeds * GOLDEN + position)
-    bits = _mix(key.unsqueeze(1) + (torch.arange(1, vocab + 1, device=seeds.device) * GOLDEN).unsqueeze(0))
-    uniform = (_shift(bits, 11).to(torch.float64) + 0.5) / 2**53  # 53 random bits in (0, 1)
-    return (-torch.log(uniform)).to(torch.float32)
+def row_uniforms(seeds: torch.Tensor, position: int) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row (float64, 53 random bits), a pure function of (the row's seed, the token
+    position): counter-based, so a row's draw never depends on the other rows, and all rows are drawn in one
+    vectorised pass (a generator per row would cost a call per row and token)."""
+    bits = _mix(_mix(seeds * GOLDEN + position) + GOLDEN)
+    return _shift(bits, 11).to(torch.float64) / 2**53
 
 
 class SeededSampler(LogitsProcessor):
     """Draws each row's next token from the row's own stream (temperature, top-p) and returns scores that make
-    it the greedy choice; keeps the chosen tokens' log-probabilities at the temperature."""
+    it the greedy choice; keeps the chosen tokens' log-probabilities at the temperature.
+
+    The draw is by inverse CDF: one uniform per row and token (`row_uniforms`) against the row's cumulative
+    probabilities (summed in float64, so a token's chance is its probability to about 1e-16), found by binary
+    search. torch's `multinomial` (what `generate` samples with) and an exponential race both need a random number
+    per vocabulary entry; this needs one per row, which is what makes the seeded draw cheaper than an unseeded one
+    (bench/rollout.py)."""
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device) -> None:
         self.temperature, self.top_p = temperature, top_p
@@ -83,18 +87,24 @@ class SeededSampler(LogitsProcessor):
         self.logps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        logps = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        probs = logps.exp()
+        scaled = scores.float() / self.temperature
+        norm = torch.logsumexp(scaled, dim=-1, keepdim=True)
+        probs = (scaled - norm).exp_()
+        order = None
         if self.top_p < 1.0:  # keep the smallest set of top tokens whose mass reaches top_p (the top one always)
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        race = exponential_noise(self.seeds.to(scores.device), self.position, scores.shape[-1])
+            probs, order = probs.sort(dim=-1, descending=True)
+            probs.masked_fill_((probs.cumsum(-1) - probs) >= self.top_p, 0.0)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        total = cdf[:, -1:].contiguous()
+        target = row_uniforms(self.seeds.to(scores.device), self.position).unsqueeze(1) * total
         self.position += 1
-        chosen = (probs / race).argmax(dim=-1)
-        self.logps.append(logps.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
-        out = torch.full_like(scores, -math.inf)
-        return out.scatter(-1, chosen.unsqueeze(-1), 0.0)
+        # the first token whose cumulative mass exceeds the target (a token of zero probability never does); the
+        # clamp to the last token with mass guards the target rounding up to the total
+        chosen = torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, total))
+        if order is not None:
+            chosen = order.gather(-1, chosen)
+        self.logps.append((scaled.gather(-1, chosen) - norm).squeeze(-1))
+        return torch.full_like(scores, -math.inf).scatter_(-1, chosen, 0.0)
 
 
 @dataclass
