@@ -22,19 +22,21 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             del stage["micro_batch_size"]
         if stage["objective"] == "sft" and stage["preference"] is None:  # the default: earlier hashes as they were
             del stage["objective"], stage["preference"]
-        for key in ("difficulty", "drop"):  # bound when set; unset, earlier checkpoints' hashes stay as they were
+        for key in ("difficulty", "drop", "video"):  # bound when set; unset, earlier checkpoints' hashes as they were
             if stage.get(key) is None:
                 stage.pop(key, None)
         if stage.get("difficulty") is not None and stage["difficulty"].get("model") is None:
             del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore"):
+            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "video"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
     for key in ("num_proc", "num_workers"):  # how data is prepared and fed, not what trains
         del tree["data"][key]
     if tree["data"]["empty_answers"] == "error":  # the default leaves earlier checkpoints' hashes as they were
         del tree["data"]["empty_answers"]
+    if tree["data"].get("video") is None:  # bound when set (the frames trained on); unset, hashes as they were
+        tree["data"].pop("video", None)
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
     if tree["lora"]["fused"] != "on":  # auto and off run PEFT's layers: earlier checkpoints' hashes as they were;

@@ -16,7 +16,7 @@ from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator, unpack_row
-from toolkit.data.vision import process_images
+from toolkit.data.vision import VIDEO_REF, process_images, process_videos
 from toolkit.errors import ToolkitError
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
@@ -70,6 +70,25 @@ class VLCollator:
                                "stores/) so it is prepared again.")
         return pixels, got
 
+    def media(self, refs: list[str], grids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """The batch's vision inputs of stored media in text order (image paths and `VIDEO_REF` videos): images as
+        `images`, videos from the frame store (`toolkit.data.vision.process_videos`) with their grids and, for a
+        model whose processor takes it (Qwen2.5-VL), `second_per_grid_ts`."""
+        out: dict[str, torch.Tensor] = {}
+        images = [(r, g) for r, g in zip(refs, grids, strict=True) if not r.startswith(VIDEO_REF)]
+        videos = [(r, g) for r, g in zip(refs, grids, strict=True) if r.startswith(VIDEO_REF)]
+        if images:
+            out["pixel_values"], out["image_grid_thw"] = self.images([r for r, _ in images], [g for _, g in images])
+        if videos:
+            pixels, got, seconds = process_videos(self.processor, [r for r, _ in videos])
+            if got.tolist() != [g for _, g in videos]:
+                raise ToolkitError("A stored video's frames no longer give the grid its row was tokenised with; "
+                                   "delete the data's token store (data.cache_dir, stores/) so it is prepared again.")
+            out["pixel_values_videos"], out["video_grid_thw"] = pixels, got
+            if "second_per_grid_ts" in self.processor.model_input_names:
+                out["second_per_grid_ts"] = seconds
+        return out
+
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [list(r["input_ids"]) for r in rows]
         labels = [list(r["labels"]) for r in rows]
@@ -77,8 +96,7 @@ class VLCollator:
         paths = [p for r in rows for p in r.get("images", [])]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch["pixel_values"], batch["image_grid_thw"] = self.images(
-                paths, [g for r in rows for g in r.get("image_grid_thw", [])])
+            batch.update(self.media(paths, [g for r in rows for g in r.get("image_grid_thw", [])]))
         elif self.dummy_image:
             dummy_ids, pixels, grid = self.dummy()
             ids[0] += dummy_ids
@@ -108,9 +126,11 @@ class MRopeIndex:
     def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> Any:
         return self.model_class.get_vision_position_ids(self, *args, **kwargs)
 
-    def __call__(self, ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grids: torch.Tensor | None,
+                 video_grids: torch.Tensor | None = None, seconds: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {"second_per_grid_ts": seconds} if seconds is not None else {}
         positions, _ = self.model_class.get_rope_index(self, ids, mm_token_type_ids=mm_token_type_ids,
-                                                       image_grid_thw=grids)
+                                                       image_grid_thw=grids, video_grid_thw=video_grids, **extra)
         return positions
 
 
@@ -134,20 +154,24 @@ class VLPackedCollator(VLCollator):
         grids = [g for s in samples for g in s["image_grid_thw"]]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch["pixel_values"], batch["image_grid_thw"] = self.images(paths, grids)
+            batch.update(self.media(paths, grids))
         elif self.dummy_image:
             dummy_ids, pixels, grid = self.dummy()
             samples.append({"input_ids": dummy_ids, "labels": [IGNORE_INDEX] * len(dummy_ids), "images": ["dummy"],
                             "image_grid_thw": grid.tolist()})
             batch["pixel_values"], batch["image_grid_thw"] = pixels, grid
-        ids, text, rope, k = [], [], [], 0
+        ids, text, rope, k, v = [], [], [], 0, 0
         for s in samples:
             sample_ids = torch.tensor([s["input_ids"]])
             mm = ((sample_ids == self.image_id).int() + 2 * (sample_ids == self.video_id).int())
-            n_images = len(s["images"])
+            n_videos = sum(p.startswith(VIDEO_REF) for p in s["images"])
+            n_images = len(s["images"]) - n_videos
             sample_grids = batch["image_grid_thw"][k:k + n_images] if n_images else None
-            k += n_images
-            rope.append(self.rope(sample_ids, mm, sample_grids))
+            video_grids = batch["video_grid_thw"][v:v + n_videos] if n_videos else None
+            seconds = (batch["second_per_grid_ts"][v:v + n_videos]
+                       if n_videos and "second_per_grid_ts" in batch else None)
+            k, v = k + n_images, v + n_videos
+            rope.append(self.rope(sample_ids, mm, sample_grids, video_grids, seconds))
             text.append(torch.arange(sample_ids.shape[1]).view(1, 1, -1))
             ids.append(sample_ids)
         batch["input_ids"] = torch.cat(ids, dim=1)

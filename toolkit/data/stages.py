@@ -101,10 +101,13 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
     if pairs and processor is not None:
         raise ToolkitError(f"A preference stage on a vision-language model: {VISION_PAIRS}.")
     if processor is not None:
-        from toolkit.data.vision import VLEncoder  # image rows only
+        from toolkit.data.frames import VideoSettings
+        from toolkit.data.vision import VLEncoder, tokens_per_second
 
+        video = VideoSettings().over(data.video.model_dump() if data.video else None, "data.video")
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-                         chat_template=data.chat_template, empty_answers=data.empty_answers)
+                         chat_template=data.chat_template, empty_answers=data.empty_answers, video=video,
+                         tokens_per_second=tokens_per_second(processor))
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
                        empty_answers=data.empty_answers, pairs=pairs)
 
@@ -144,6 +147,10 @@ class Stores:
             if encoder is None:
                 raise ToolkitError(f"{entry.name}: preference pairs on a vision-language model: {VISION_PAIRS}.")
             source = resolve_source(entry, self.dummy_dir)
+            if hasattr(encoder, "with_video"):  # a VL encoder: frames beside the stores, the entry's video settings
+                if encoder.frame_store is None and self.cache is not None:
+                    encoder.frame_store = self.cache / "frames"
+                encoder = encoder.with_video(dict(entry.video), f"{entry.name}: video")
             self._open[entry, pairs] = open_store(source, encoder, self.cache, num_proc=self.processes,
                                                   max_tokens=self.max_tokens)
         return self._open[entry, pairs]
