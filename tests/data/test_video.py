@@ -89,7 +89,7 @@ def test_frame_size_budgets() -> None:
     assert h % 28 == w % 28 == 0 and h * w <= 56 * 56
     h2, w2 = frame_size(VideoSettings(min_pixels=28 * 28, total_pixels=4 * 28 * 28 * 8), 480, 640, 16, 28, "w")
     assert h2 * w2 <= 4 * 28 * 28 * 8 / 16 * 2
-    with pytest.raises(ToolkitError, match="min_pixels .* is above its max_pixels"):
+    with pytest.raises(ToolkitError, match=r"min_pixels .* is above its max_pixels"):
         frame_size(VideoSettings(min_pixels=10_000, max_pixels=1_000), 48, 64, 4, 28, "w")
 
 
@@ -231,6 +231,39 @@ def test_video_rows_match_the_processor_and_get_rope_index(arch: str, models: di
         torch.testing.assert_close(grads_packed[k], g, rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_video_run_feeds_every_batch_an_image_and_a_video(packed: bool, models: dict[str, Path], media: Path,
+                                                            tmp_path: Path) -> None:
+    """In a run with video rows the tower runs on images and on videos in every forward (a masked dummy of each
+    where a batch has none), so ZeRO-3 / FSDP ranks gather the same parameters: a text batch and a video-only batch
+    get the dummies, which change no logit of the real tokens and no loss."""
+    processor = load_processor(str(models["qwen2.5-vl"]), trust_remote_code=False, chat_template=None)
+    model = AutoModelForImageTextToText.from_pretrained(models["qwen2.5-vl"], attn_implementation="sdpa").eval()
+    model.config.use_cache = model.config.get_text_config().use_cache = False
+    rows = [{"messages": chat({"type": "video"}), "videos": ["clip.mp4"]},
+            {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}]
+    batch = encoder(processor, tmp_path / "f").encode(rows, [0, 1], lambda n: f"row {n}", media)
+    video, text = batch.sample(0), batch.sample(1)
+
+    def collate(samples: list[dict[str, Any]], **kw: Any) -> dict[str, torch.Tensor]:
+        if packed:
+            return VLPackedCollator(processor, model.config, **kw)([packed_row(samples)])
+        return VLCollator(processor, **kw)(samples)
+
+    for samples in ([text], [video]):
+        with_dummies = collate(samples, videos=True)
+        plain = collate(samples, dummy_image=False)
+        assert "pixel_values" in with_dummies and "pixel_values_videos" in with_dummies
+        n = plain["input_ids"].shape[1]
+        with torch.no_grad():
+            a = model(**with_dummies)
+            b = model(**plain) if "pixel_values_videos" in plain else None
+        if b is not None:
+            torch.testing.assert_close(a.logits[:, :n], b.logits, rtol=1e-5, atol=1e-5)
+    image_run = collate([text])  # an image run's text batch: the dummy image only, as before
+    assert "pixel_values" in image_run and "pixel_values_videos" not in image_run
+
+
 def test_temporal_positions_that_would_collapse_are_refused(models: dict[str, Path], media: Path,
                                                             tmp_path: Path) -> None:
     """Qwen2.5-VL spaces frame pairs by tokens_per_second x 2 / fps positions, floored: above that many fps two
@@ -300,3 +333,81 @@ def test_video_settings_reach_the_store_per_entry_and_stage() -> None:
     assert [dict(e.video) for e in stage.entries] == [{"max_frames": 8, "fps": 2}, {"max_frames": 8, "fps": 1}]
     longer = StageConfig.model_validate({"name": "t", "video": {"max_frames": 32}, "data": ["b.jsonl"]})
     assert longer.entries[0] != stage.entries[1]
+
+
+# --- a run: a short-to-long video curriculum, decoded once --------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_video_curriculum_trains_and_a_warm_relaunch_decodes_nothing(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stages on the same video rows, at most 4 then 8 frames a video: each stage's rows are prepared once
+    (each video decoded once per stage setting) and train; a second launch sharing the cache decodes nothing."""
+    import math
+
+    import yaml
+
+    from tests.helpers.inprocess import Call, invoke
+    from tests.helpers.video_files import video_recipe, write_video_dataset
+    from toolkit.metrics.log import read_metrics
+
+    data = write_video_dataset(tmp_path / "data", 16)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(video_recipe(data, tmp_path / "run", steps=1)))
+    before = frame_store.DECODES["files"]
+    rc, stderr = invoke(Call(["--config", str(recipe)], tmp_path / "run"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert frame_store.DECODES["files"] - before == 2 * 3  # 3 video files, once per stage setting (frame lists
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")]  # are not decoded)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    stored = sorted((tmp_path / ".toolkit-cache" / "tokenized" / "frames").glob("*/meta.json"))
+    counts = sorted({json.loads(m.read_text())["frames"] for m in stored})
+    assert counts[-1] == 8 and 4 in counts  # stage 'short' capped at 4 frames, 'long' at 8
+    recipe.write_text(yaml.safe_dump(video_recipe(data, tmp_path / "again", steps=1)))
+    before = frame_store.DECODES["files"]
+    rc, stderr = invoke(Call(["--config", str(recipe)], tmp_path / "again"), tmp_path, monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert frame_store.DECODES["files"] == before  # warm: the token stores and frames are there
+    assert [r["loss"] for r in read_metrics(tmp_path / "again" / "metrics.jsonl", "train")] == losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_factory: pytest.TempPathFactory
+                                                       ) -> None:
+    """Video, image + video, frame-list and text rows, a short-to-long curriculum (4 then 8 frames): 2 processes
+    give the single process's losses and final adapter (fp32); the 2-process launch, sharing the reference's
+    cache, prepares nothing again (no frame is decoded: the frame store gains no entry)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from tests.conftest import relaunch
+    from tests.helpers.video_files import video_recipe, write_video_dataset
+    from toolkit.metrics.log import read_metrics
+
+    root = tmp_path_factory.getbasetemp() / "video-matrix"
+    reference = root / "single"
+    if not (reference / "final").is_dir():
+        data = write_video_dataset(root / "data", 16)
+        recipe = video_recipe(data, reference)
+        recipe["train"] = {**recipe["train"], "micro_batch_size": 4}  # 4 x 2 accum x 1 = 2 x 2 x 2 processes
+        (root / "single.yaml").write_text(yaml.safe_dump(recipe))
+        assert relaunch("single", [(["--config", str(root / "single.yaml")], root / "single.log")],
+                        num_processes=1) == [0], (root / "single.log").read_text()[-4000:]
+    frames_dir = root / ".toolkit-cache" / "tokenized" / "frames"
+    stored = sorted(frames_dir.iterdir())
+    out = root / strategy
+    recipe = video_recipe(root / "data" / "videos.jsonl", out)
+    (root / f"{strategy}.yaml").write_text(yaml.safe_dump(recipe))
+    log = root / f"{strategy}.log"
+    assert relaunch(strategy, [(["--config", str(root / f"{strategy}.yaml")], log)], num_processes=2) == [0], \
+        log.read_text()[-4000:]
+    assert sorted(frames_dir.iterdir()) == stored  # warm: nothing decoded again
+
+    def losses(run: Path) -> list[float]:
+        return [r["loss"] for r in read_metrics(run / "metrics.jsonl", "train")]
+
+    assert len(losses(out)) == 4 and losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    final, ref = (load_file(run / "final" / "adapter_model.safetensors") for run in (out, reference))
+    assert final.keys() == ref.keys() and any("visual.merger" in k for k in final)
+    for k in ref:
+        torch.testing.assert_close(final[k], ref[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")

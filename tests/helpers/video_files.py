@@ -45,3 +45,56 @@ def write_frames(paths: list[Path], *, size: tuple[int, int] = (64, 48)) -> list
 def frame_levels(frames: np.ndarray) -> list[int]:
     """The mean grey level of each stored frame ([T, H, W, 3]), rounded."""
     return [round(float(f.mean())) for f in frames]
+
+
+VIDEO_QUESTIONS = ("What happens?", "Does it get brighter?", "Describe the clip.", "How does it change?")
+
+
+def write_video_dataset(folder: Path, rows: int, *, videos: int = 3) -> Path:
+    """`folder/videos.jsonl`: LLaMA-Factory-shaped rows (`<video>` / `<image>` tags, `videos`, `images`) cycling
+    through a video row, an image + video row, a text row and an ms-swift frame-list row, over `videos` small files
+    of 32-48 frames (4-6 s: 8 or more frames at 2 fps); returns the data file."""
+    import json
+
+    from PIL import Image
+
+    files = [write_video(folder / "clips" / f"{k}.mp4", 32 + 8 * (k % 3), fps=8) for k in range(videos)]
+    frames = write_frames([folder / "frames" / f"{k}.png" for k in range(5)])
+    Image.new("RGB", (48, 64), "red").save(folder / "red.png")
+    out = []
+    for i in range(rows):
+        clip = files[i % len(files)].relative_to(folder).as_posix()
+        question, answer = VIDEO_QUESTIONS[i % len(VIDEO_QUESTIONS)], f"It gets brighter, {i % 7} times."
+        kind = i % 4
+        if kind == 0:
+            out.append({"messages": [{"role": "user", "content": f"<video>{question}"},
+                                     {"role": "assistant", "content": answer}], "videos": [clip]})
+        elif kind == 1:
+            out.append({"messages": [{"role": "user", "content": f"<image>Red? <video>{question}"},
+                                     {"role": "assistant", "content": answer}], "images": ["red.png"],
+                        "videos": [clip]})
+        elif kind == 2:
+            out.append({"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                     {"role": "assistant", "content": f"{i + 1}."}]})
+        else:
+            out.append({"messages": [{"role": "user", "content": f"<video>{question}"},
+                                     {"role": "assistant", "content": answer}],
+                        "videos": [[p.relative_to(folder).as_posix() for p in frames[: 3 + i % 3]]]})
+    path = folder / "videos.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
+def video_recipe(data: Path, out: Path, *, steps: int = 2) -> dict:
+    """A two-stage short-to-long video curriculum on the tiny Qwen2.5-VL: stage 'short' at most 4 frames a video,
+    stage 'long' at most 8 (small frames: 16 tokens a frame pair)."""
+    return {"output_dir": str(out), "model": {"name_or_path": "builtin:tiny-qwen2.5-vl"},
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                     "exclude_modules": ".*visual.*"},
+            "data": {"max_seq_len": 384, "num_proc": 1, "video": {"min_pixels": 3136, "max_pixels": 12544}},
+            "stages": [{"name": "short", "data": [str(data)], "max_steps": steps, "video": {"max_frames": 4},
+                        "trainable": ["lora", "visual.merger"]},
+                       {"name": "long", "data": [str(data)], "max_steps": steps, "video": {"max_frames": 8},
+                        "trainable": ["lora", "visual.merger"]}],
+            "train": {"micro_batch_size": 2, "grad_accum": 2, "seed": 7},
+            "logging": {"progress_bar": False, "trackers": []}}

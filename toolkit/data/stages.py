@@ -81,6 +81,12 @@ def hub_datasets(stages: list[ResolvedStage], dummy_dir: Path) -> list[str]:
                    if (source := resolve_source(entry, dummy_dir)).fmt == "hub"})
 
 
+def holds_videos(training_sets: list[TrainingSet], eval_rows: list[Any]) -> bool:
+    """Whether any store the run reads holds video rows (its collator then feeds every batch a video)."""
+    return any(getattr(part.store, "videos", False) for rows in [*(t.samples for t in training_sets), *eval_rows]
+               for part in getattr(rows, "parts", ()))
+
+
 def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> dict[str, str]:
     """sha256 of every token store the run reads (toolkit/data/store.py; stores kept in memory have none), by
     its recipe entry. Stored in checkpoints beside `data_fingerprint`: a resume compares the tokens themselves,

@@ -173,6 +173,9 @@ class Store:
         if self.vision:
             self.uncuttable = col("uncuttable", np.int64)
             self._images = [(b.column("images"), b.column("image_grid_thw")) for b in batches]
+        # Video rows (toolkit/data/vision.py VIDEO_REF entries among the media): their runs feed every batch a video.
+        self.videos = self.vision and any(
+            pc.any(pc.starts_with(pc.list_flatten(images), "video:")).as_py() for images, _ in self._images)
         # Rows the size guard cut (toolkit/data/encoding.py SizeGuard): row -> its characters; their length is a
         # lower bound, over every max_seq_len the store was prepared for.
         self.capped = {int(k): int(v) for k, v in (meta.get("capped") or {}).get("rows", {}).items()}

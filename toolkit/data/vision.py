@@ -407,10 +407,6 @@ def process_videos(processor: Any, refs: list[str]) -> tuple[torch.Tensor, torch
     merge blocks). That processor needs torchvision, and would resize again; here nothing is decoded or resized.
     second_per_grid_ts is temporal_patch_size / sampled fps, a float (cast to int64 it would truncate to 0 above
     2 fps: transformers #41152)."""
-    ip = processor.image_processor
-    p, m, tp = ip.patch_size, ip.merge_size, ip.temporal_patch_size
-    mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, 3, 1, 1)
     pixels, grids, seconds = [], [], []
     for ref in refs:
         folder = Path(ref.removeprefix(VIDEO_REF))
@@ -419,17 +415,27 @@ def process_videos(processor: Any, refs: list[str]) -> tuple[torch.Tensor, torch
                                "was cleared since the data was prepared. Delete the data's token store "
                                "(data.cache_dir, stores/) so both are prepared again.")
         meta = json.loads((folder / "meta.json").read_text())
-        video = torch.from_numpy(np.array(np.load(folder / "frames.npy", mmap_mode="r"))).permute(0, 3, 1, 2)
-        video = video.float() * float(ip.rescale_factor) if ip.do_rescale else video.float()
-        if ip.do_normalize:
-            video = (video - mean) / std
-        if pad := -video.shape[0] % tp:
-            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
-        t, c, h, w = video.shape
-        gt, gh, gw = t // tp, h // p, w // p
-        patches = video.view(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        pixels.append(patches.reshape(gt * gh * gw, c * tp * p * p))
-        grids.append([gt, gh, gw])
-        seconds.append(tp / meta["sampled_fps"])
+        patches, grid = video_patches(processor, np.load(folder / "frames.npy", mmap_mode="r"))
+        pixels.append(patches)
+        grids.append(grid)
+        seconds.append(processor.image_processor.temporal_patch_size / meta["sampled_fps"])
     return (torch.cat(pixels), torch.tensor(grids, dtype=torch.long),
             torch.tensor(seconds, dtype=torch.float32))
+
+
+def video_patches(processor: Any, frames: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+    """(patches, [t, h, w] grid) of frames [T, H, W, 3] uint8 at their final size (see `process_videos`)."""
+    ip = processor.image_processor
+    p, m, tp = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+    video = torch.from_numpy(np.array(frames)).permute(0, 3, 1, 2)
+    video = video.float() * float(ip.rescale_factor) if ip.do_rescale else video.float()
+    if ip.do_normalize:
+        mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        video = (video - mean) / std
+    if pad := -video.shape[0] % tp:
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+    t, c, h, w = video.shape
+    gt, gh, gw = t // tp, h // p, w // p
+    patches = video.view(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(gt * gh * gw, c * tp * p * p), [gt, gh, gw]

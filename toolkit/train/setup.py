@@ -368,12 +368,13 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) ->
     return model, optimizer
 
 
-def build_collator(recipe: Recipe, model_path: str, processing: Any, *, vision: bool) -> Any:
+def build_collator(recipe: Recipe, model_path: str, processing: Any, *, vision: bool, videos: bool = False) -> Any:
     """The micro-batch collator: padded or packed rows, text or image rows (`processing`: the processor of a
-    vision-language model, else the tokenizer)."""
+    vision-language model, else the tokenizer; `videos`: the run has video rows)."""
     model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
     return batch_collator(processing, vision=vision, packing=recipe.data.packing, min_pixels=recipe.data.min_pixels,
-                          max_pixels=recipe.data.max_pixels, model_config=model_config if vision else None)
+                          max_pixels=recipe.data.max_pixels, model_config=model_config if vision else None,
+                          videos=videos)
 
 
 def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layout: RunLayout, processor: Any,
