@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +273,21 @@ def test_inspect_data_on_an_sft_then_dpo_recipe(tmp_path: Path, models: dict[str
     dpo = shown.split("=== stage 'dpo'")[1]
     assert "tokens per pair" in dpo and dpo.count("(pair: ") == 2
     assert dpo.index("\nprompt:\n") < dpo.index("\nchosen:\n[[") < dpo.index("\nrejected:\n[[")
+
+
+def test_inspect_data_shows_and_saves_a_video_rows_frames(tmp_path: Path) -> None:
+    """A video row's frames as the model sees them: count, sampled fps, size and tokens per frame pair, and with
+    --save-frames the frames themselves (the frame list's four frames, greys 0, 10, 20, 30)."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.helpers.video_files import frame_levels, level
+    from toolkit.commands.inspect_data import inspect_file
+
+    path = wild_copy(tmp_path / "data", "qwenvl_frame_list.jsonl")
+    out = inspect_file(str(path), ["data.num_proc=1"], rows=1, colour=False, save_frames=tmp_path / "frames")
+    assert re.search(r"video 0: \['path/to/frame1.jpg', .*\]: 4 frames at 1 fps \(of 4 at 1 fps; frames "
+                     r"\[0, 1, 2, 3\]\), \d+x\d+ px, \d+ tokens per frame pair, \d+ tokens", out), out
+    saved = sorted((tmp_path / "frames").glob("*.png"))
+    assert len(saved) == 4
+    assert frame_levels(np.stack([np.asarray(Image.open(p)) for p in saved])) == [level(k) for k in range(4)]

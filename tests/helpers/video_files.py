@@ -13,8 +13,10 @@ def level(i: int) -> int:
     return 10 * (i % 26)
 
 
-def write_video(path: Path, frames: int, *, fps: int = 10, size: tuple[int, int] = (64, 48)) -> Path:
-    """An MPEG-4 file of `frames` frames at `fps`, `size` (width, height) pixels, frame i grey `level(i)`."""
+def write_video(path: Path, frames: int, *, fps: int = 10, size: tuple[int, int] = (64, 48), mark: int | None = None
+                ) -> Path:
+    """An MPEG-4 file of `frames` frames at `fps`, `size` (width, height) pixels, frame i grey `level(i)`; `mark`
+    paints column `mark % width` white, so files of the same length differ in content."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -25,6 +27,8 @@ def write_video(path: Path, frames: int, *, fps: int = 10, size: tuple[int, int]
         stream.options = {"qscale": "1"}  # near-lossless: flat greys come back within a few levels
         for i in range(frames):
             image = np.full((height, width, 3), level(i), np.uint8)
+            if mark is not None:
+                image[:, mark % width] = 255
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
