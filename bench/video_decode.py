@@ -3,7 +3,8 @@
     python bench/video_decode.py [--rows 1000] [--frames 48]
 
 Writes `--rows` video rows (LLaMA-Factory's shape: `<video>` and `videos`), each its own small MPEG-4 file of
-`--frames` frames at 8 fps (128x96, each file's content its own, so the content-addressed store dedups nothing), then times three things on the same files, on the tiny Qwen2.5-VL's processor:
+`--frames` frames at 8 fps (128x96, each file's content its own, so the content-addressed store dedups nothing),
+then times three things on the same files, on the tiny Qwen2.5-VL's processor:
 
 - **cold**: the toolkit's encoder (`toolkit.data.vision.VLEncoder`) on every row with an empty frame store: each
   video decoded once (PyAV, the frames qwen-vl-utils picks, converted and resized), stored, and the row tokenised;

@@ -339,10 +339,13 @@ def test_video_settings_reach_the_store_per_entry_and_stage() -> None:
 
 @pytest.mark.slow
 def test_a_video_curriculum_trains_and_a_warm_relaunch_decodes_nothing(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     """Two stages on the same video rows, at most 4 then 8 frames a video: each stage's rows are prepared once
-    (each video decoded once per stage setting) and train; a second launch sharing the cache decodes nothing."""
+    (each video decoded once per stage setting), its data line counts its video tokens and frames, and it trains;
+    a second launch sharing the cache decodes nothing."""
     import math
+    import re
 
     import yaml
 
@@ -362,6 +365,10 @@ def test_a_video_curriculum_trains_and_a_warm_relaunch_decodes_nothing(tmp_path:
     stored = sorted((tmp_path / ".toolkit-cache" / "tokenized" / "frames").glob("*/meta.json"))
     counts = sorted({json.loads(m.read_text())["frames"] for m in stored})
     assert counts[-1] == 8 and 4 in counts  # stage 'short' capped at 4 frames, 'long' at 8
+    said = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(
+        r"stage '(\w+)' data: .*; (\d+) video tokens \((\d+) frames\) in its kept rows", caplog.text)}
+    assert said.keys() == {"short", "long"} and said["short"][1] < said["long"][1]
+    assert said["short"][0] == said["short"][1] // 2 * 4  # 56x56 frames: 4 tokens a frame pair
     recipe.write_text(yaml.safe_dump(video_recipe(data, tmp_path / "again", steps=1)))
     before = frame_store.DECODES["files"]
     rc, stderr = invoke(Call(["--config", str(recipe)], tmp_path / "again"), tmp_path, monkeypatch)

@@ -16,7 +16,8 @@ def level(i: int) -> int:
 def write_video(path: Path, frames: int, *, fps: int = 10, size: tuple[int, int] = (64, 48), mark: int | None = None
                 ) -> Path:
     """An MPEG-4 file of `frames` frames at `fps`, `size` (width, height) pixels, frame i grey `level(i)`; `mark`
-    paints column `mark % width` white, so files of the same length differ in content."""
+    paints column `mark % width` and row `mark // width % height` white, so files of the same length differ in
+    content (width x height marks)."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,6 +30,7 @@ def write_video(path: Path, frames: int, *, fps: int = 10, size: tuple[int, int]
             image = np.full((height, width, 3), level(i), np.uint8)
             if mark is not None:
                 image[:, mark % width] = 255
+                image[(mark // width) % height, :] = 255
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -91,7 +93,7 @@ def write_video_dataset(folder: Path, rows: int, *, videos: int = 3) -> Path:
 
 def video_recipe(data: Path, out: Path, *, steps: int = 2) -> dict:
     """A two-stage short-to-long video curriculum on the tiny Qwen2.5-VL: stage 'short' at most 4 frames a video,
-    stage 'long' at most 8 (small frames: 16 tokens a frame pair)."""
+    stage 'long' at most 8 (small frames: 56x56 px, 4 tokens a frame pair)."""
     return {"output_dir": str(out), "model": {"name_or_path": "builtin:tiny-qwen2.5-vl"},
             "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
                      "exclude_modules": ".*visual.*"},

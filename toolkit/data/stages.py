@@ -251,8 +251,14 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
         easy, hard = src.dropped_by_score
         by_score = (f"; drop by {stage.difficulty.by} of the {stage.difficulty.model} model: {easy} easiest and "
                     f"{hard} hardest of {len(src.samples)} rows once scored, {src.planned_rows} kept")
+    videos = ""
+    parts = [p for p in getattr(src.samples, "parts", ()) if getattr(p.store, "videos", False)]
+    if parts:  # what a video stage's frame caps buy: its rows' video tokens (the short-to-long curriculum's lever)
+        counted = [p.store.video_tokens(p.selection.index) for p in parts]
+        videos = (f"; {sum(t for t, _ in counted)} video tokens ({sum(f for _, f in counted)} frames) in its "
+                  "kept rows")
     return (f"stage '{stage.name}' data: {src.stats.summary()}"
-            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}{by_score}")
+            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}{by_score}{videos}")
 
 
 def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:

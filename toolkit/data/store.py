@@ -222,6 +222,24 @@ class Store:
                 out["image_grid_thw"] = [flat[n:n + 3] for n in range(0, len(flat), 3)]
         return out
 
+    def video_tokens(self, rows: np.ndarray) -> tuple[int, int]:
+        """(video tokens, video frames) of `rows` (row indices): each stored video's grid t x h x w over the merge
+        of the encoder that stored it (frames: 2 per temporal patch)."""
+        if not getattr(self, "videos", False):
+            return 0, 0
+        merge = int(self.meta.get("key", {}).get("encoding", {}).get("merge", 2)) ** 2
+        tokens = frames = 0
+        for i in rows.tolist():
+            k, j = self._locate(int(i))
+            images, grids = self._images[k]
+            flat = grids[j].as_py()
+            for n, ref in enumerate(images[j].as_py() or []):
+                if ref.startswith("video:"):
+                    t, h, w = flat[3 * n:3 * n + 3]
+                    tokens += t * h * w // merge
+                    frames += 2 * t
+        return tokens, frames
+
     def labels_within(self, i: int, limit: int) -> int:
         """Trained tokens among row i's first `limit` tokens."""
         return int(np.count_nonzero(self.tokens(i, limit)[1]))
