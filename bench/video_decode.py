@@ -1,9 +1,9 @@
 """Video rows prepared cold and warm against LLaMA-Factory's way of decoding them, in one process (issue 50).
 
-    python bench/video_decode.py [--rows 1000] [--frames 48]
+    python bench/video_decode.py [--rows 1000] [--frames 48] [--size 128x96]
 
 Writes `--rows` video rows (LLaMA-Factory's shape: `<video>` and `videos`), each its own small MPEG-4 file of
-`--frames` frames at 8 fps (128x96, each file's content its own, so the content-addressed store dedups nothing),
+`--frames` frames at 8 fps (`--size`, each file's content its own, so the content-addressed store dedups nothing),
 then times three things on the same files, on the tiny Qwen2.5-VL's processor:
 
 - **cold**: the toolkit's encoder (`toolkit.data.vision.VLEncoder`) on every row with an empty frame store: each
@@ -56,7 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--frames", type=int, default=48)
+    parser.add_argument("--size", default="128x96", help="WIDTHxHEIGHT of the videos written")
     args = parser.parse_args()
+    size = tuple(int(n) for n in args.size.split("x"))
 
     from tests.helpers.video_files import write_video
     from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
@@ -71,7 +73,7 @@ def main() -> None:
                                    chat_template=None)
         rows = []
         for i in range(args.rows):
-            write_video(root / "clips" / f"{i}.mp4", args.frames, fps=8, size=(128, 96), mark=i)
+            write_video(root / "clips" / f"{i}.mp4", args.frames, fps=8, size=size, mark=i)  # type: ignore[arg-type]
             rows.append({"messages": [{"role": "user", "content": [{"type": "video"},
                                                                     {"type": "text", "text": "What happens?"}]},
                                       {"role": "assistant", "content": f"It gets brighter ({i})."}],
@@ -97,10 +99,11 @@ def main() -> None:
     lf = timings["llamafactory"]["rows_per_s"]
     summary = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "host": socket.gethostname(),
                "cpu": platform.processor() or platform.machine(), "rows": args.rows, "frames": args.frames,
+               "size": args.size,
                **timings, "cold_vs_llamafactory": round(timings["cold"]["rows_per_s"] / lf, 2),
                "warm_vs_llamafactory": round(timings["warm"]["rows_per_s"] / lf, 2)}
     print(json.dumps(summary, indent=2))
-    out = REPO / "bench" / "results" / f"{summary['date'][:10]}-{summary['host']}-video-decode.json"
+    out = REPO / "bench" / "results" / f"{summary['date'][:10]}-{summary['host']}-video-decode-{args.size}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
 

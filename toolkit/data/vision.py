@@ -6,8 +6,14 @@ A VL row is a chat whose user content may be a list of parts, plus the images th
                 {"role": "assistant", "content": "It is red."}],
    "images": ["images/0.png"]}
 Image paths are relative to the data file's directory; there is one `{"type": "image"}` placeholder per entry of
-`images`, in order. Rows without `images` are text-only and may be mixed freely with image rows. Messages are
-checked and turns masked by the same functions as text rows (`toolkit.data.encoding`).
+`images`, in order, and one `{"type": "video"}` placeholder per entry of `videos` (a file, a list of frame images,
+or {"video": either, settings}). Rows without media are text-only and may be mixed freely with image and video
+rows. Messages are checked and turns masked by the same functions as text rows (`toolkit.data.encoding`).
+
+A video's frames come from the frame store (`toolkit.data.frames`: sampled and resized once, when the source is
+prepared); its `<|video_pad|>` is expanded by the processor class's own `replace_video_token` (Qwen3-VL: with
+frame timestamps). A row's media are stored in text order in one list (`images`), a video as `VIDEO_REF` + its
+frame store folder, so the token store, planning and packing carry images and videos alike.
 
 No pixel is decoded here. An image's grid, and so its number of tokens, follows from its size alone: the image
 processor resizes to a multiple of patch x merge within its pixel bounds (`smart_resize`), so `image_grid` reads
