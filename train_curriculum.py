@@ -28,7 +28,7 @@ from toolkit.checkpoint.resume import check_state, state_signature
 from toolkit.config.load import flat_config, load_recipe
 from toolkit.config.schema import Recipe
 from toolkit.config.stages import resolve_stages
-from toolkit.data.stages import data_fingerprint, holds_videos, hub_datasets, loader_workers, tokenized_cache_dir
+from toolkit.data.stages import data_fingerprint, hub_datasets, loader_workers, tokenized_cache_dir
 from toolkit.errors import ToolkitError, out_of_space
 from toolkit.evals.evaluator import import_scorers, load_generation_plan
 from toolkit.metrics.report import refresh_report
@@ -112,8 +112,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     cache = tokenized_cache_dir(recipe.data.cache_dir, layout.root)
     curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
                               layout.dummy_data, cache)
-    videos = vision and holds_videos([s.data for s in curriculum.stages], [s.eval_rows for s in curriculum.stages])
-    collate = build_collator(recipe, model_path, processor if vision else tokenizer, vision=vision, videos=videos)
+    collate = build_collator(recipe, model_path, processor if vision else tokenizer, curriculum, vision=vision)
     generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
                                       layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum, run_name=run_name, model_path=model_path,
