@@ -112,7 +112,7 @@ def train(recipe: Recipe, *, create_dummy: bool, dummy_samples: int, ending: Las
     cache = tokenized_cache_dir(recipe.data.cache_dir, layout.root)
     curriculum = build_stages(recipe, resolved, accelerator, tokenizer, processor if vision else None,
                               layout.dummy_data, cache)
-    collate = build_collator(recipe, model_path, processor if vision else tokenizer, vision=vision)
+    collate = build_collator(recipe, model_path, processor if vision else tokenizer, curriculum, vision=vision)
     generation = load_generation_plan(recipe, resolved, scorers, processor if vision else tokenizer,
                                       layout.dummy_data, vision=vision)
     identity = run_identity(recipe, accelerator, curriculum, run_name=run_name, model_path=model_path,

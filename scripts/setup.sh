@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the toolkit into it (editable), with the extras named (comma-separated, as
 # in pyproject.toml): `bash scripts/setup.sh` is the lean install the demo needs; scripts/test.sh asks for
-# dev,liger,deepspeed,bench,browser,rl. Idempotent: a second call adds what is missing.
+# dev,liger,deepspeed,bench,browser,rl,video. Idempotent: a second call adds what is missing.
 # torch is installed first and explicitly: without a pin, pip picks a multi-GB CUDA build even on CPU machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."

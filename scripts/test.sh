@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install (if needed) the toolkit with the test extras (dev; liger and deepspeed, whose CPU tests run here; bench and
-# browser: TRL and Playwright, for the preference and report page tests; rl: math-verify, for the math reward), ruff,
+# browser: TRL and Playwright, for the preference and report page tests; rl: math-verify, for the math reward;
+# video: PyAV, for video rows), ruff,
 # then the whole test suite in two pytest runs: the fast tests (not marked slow) on both cores (pytest-xdist, -n 2),
 # then the slow ones one at a time (each launches 2 processes: two launches at once would oversubscribe 2 cores and
 # run into their timeouts). Arguments go to both runs; a `-m EXPR` of yours is combined with each run's own. Fast
@@ -8,7 +9,7 @@
 # line sums both runs (errors counted as failures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,liger,deepspeed,bench,browser,rl
+bash scripts/setup.sh dev,liger,deepspeed,bench,browser,rl,video
 . .venv/bin/activate
 ruff check .
 

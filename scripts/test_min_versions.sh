@@ -64,7 +64,7 @@ python -m pip install -q "torch==2.13.0"
 deepspeed_pin=$(tr ' ' '\n' <<< "$floors" | grep '^deepspeed==')
 # DeepSpeed's build imports torch to decide which ops to prebuild: build it against the torch just installed.
 python -m pip install -q --no-build-isolation "$deepspeed_pin"
-python -m pip install -q -e ".[dev]" $floors
+python -m pip install -q -e ".[dev,video]" $floors
 # The versions that will run, checked against the floors (pip could have resolved another one).
 python - "$floors" <<'PYEOF'
 import sys

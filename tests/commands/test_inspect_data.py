@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +322,19 @@ def test_inspect_data_shows_an_rl_stage_s_prompts_and_references(tmp_path: Path,
     assert "#### 72'" in rl
     assert "stage 'chat' data (grpo): 2 prompts, 2 kept" in chat and chat.count("reference: none") == 2
     assert "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n" in chat
+def test_inspect_data_shows_and_saves_a_video_rows_frames(tmp_path: Path) -> None:
+    """A video row's frames as the model sees them: count, sampled fps, size and tokens per frame pair, and with
+    --save-frames the frames themselves (the frame list's four frames, greys 0, 10, 20, 30)."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.helpers.video_files import frame_levels, level
+    from toolkit.commands.inspect_data import inspect_file
+
+    path = wild_copy(tmp_path / "data", "qwenvl_frame_list.jsonl")
+    out = inspect_file(str(path), ["data.num_proc=1"], rows=1, colour=False, save_frames=tmp_path / "frames")
+    assert re.search(r"video 0: \['path/to/frame1.jpg', .*\]: 4 frames at 1 fps \(of 4 at 1 fps; frames "
+                     r"\[0, 1, 2, 3\]\), \d+x\d+ px, \d+ tokens per frame pair, \d+ tokens", out), out
+    saved = sorted((tmp_path / "frames").glob("*.png"))
+    assert len(saved) == 4
+    assert frame_levels(np.stack([np.asarray(Image.open(p)) for p in saved])) == [level(k) for k in range(4)]

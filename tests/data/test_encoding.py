@@ -524,7 +524,7 @@ def test_turn_flags_that_cannot_be_honoured(tok: PreTrainedTokenizerFast, messag
     ({"messages": CHAT, "system": "Be brief."}, r"the row has 'system': put the system prompt as the first message"),
     ({"text": "t", "tools": [{"type": "function"}]}, r"the row has 'tools', which needs a chat \('messages'\)"),
     ({"messages": CHAT, "images": ["a.png"]}, r"the row has 'images', which needs a vision-language model"),
-    ({"messages": CHAT, "videos": ["a.mp4"]}, r"the row has 'videos': video rows are not supported"),
+    ({"messages": CHAT, "videos": ["a.mp4"]}, r"the row has 'videos', which needs a vision-language model"),
 ])
 def test_row_keys_that_would_be_ignored_are_refused(tok: PreTrainedTokenizerFast, row: dict[str, Any],
                                                     match: str) -> None:

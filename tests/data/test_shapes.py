@@ -258,8 +258,9 @@ def test_unknown_roles_name_the_tags(tmp_path: Path, tok: PreTrainedTokenizerFas
     ({"dialog": [U1, A1], "chat": [U2, A2]}, r"the row holds chats under keys 'dialog', 'chat'; train one: "
                                               r"columns: \{messages: dialog\}; columns: \{messages: chat\}"),
     ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1], "videos": ["clip.mp4"]},
-     r"the row has 'videos': video rows do not train yet: their frames are never read, and '<video>' would train as "
-     r"text"),
+     r"the row has 'videos', which needs a vision-language model \(this model reads text only\)"),
+    ({"messages": [{"role": "user", "content": "<video>What happens?"}, A1]},
+     r"the text holds '<video>': '<video>' tags need one video each in the row's 'videos'"),
 ])
 def test_shapes_refused_with_their_reason(tmp_path: Path, tok: PreTrainedTokenizerFast, row: dict,
                                           error: str) -> None:
@@ -463,8 +464,12 @@ def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrained
 WILD = Path(__file__).parents[1] / "assets" / "wild"
 IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png",
           "000000033471.jpg", "coco/train2017/000000000009.jpg", "path/to/image_0.jpg", "path/to/image_1.jpg",
-          "mllm_demo_data/1.jpg")
+          "mllm_demo_data/1.jpg", "xxx/x.jpg")
 """The image files the corpus's rows name, written as small pictures beside a copy of the file."""
+VIDEOS = ("mllm_demo_data/1.mp4", "videos/005.mp4", "xxx/x.mp4", "academic_source/Charades/RW587.mp4")
+"""The video files the corpus's rows name, written as small videos of known frames (tests/helpers/video_files.py)."""
+FRAMES = tuple(f"path/to/frame{k}.jpg" for k in range(1, 5))
+"""The frame list of qwenvl_frame_list.jsonl."""
 TRAINS = {  # file -> (model, the data entry keys its refusals give, applied in turn)
     "tatsu_alpaca.jsonl": ("text", {}),
     "dolly.jsonl": ("text", {"columns": {"input": "context", "output": "response"}}),
@@ -479,10 +484,15 @@ TRAINS = {  # file -> (model, the data entry keys its refusals give, applied in 
     "ms_swift_query.jsonl": ("vl", {}),
     "qwenvl_single.json": ("vl", {}),
     "qwenvl_image_list.jsonl": ("vl", {}),
+    "qwenvl_video.jsonl": ("vl", {}),
+    "llamafactory_mllm_video_demo.json": ("vl", {}),
+    "ms_swift_video.jsonl": ("vl", {}),
+    "qwenvl_frame_list.jsonl": ("vl", {}),
+    "llava_video.jsonl": ("vl", {}),
 }
 REFUSED = {  # file -> the refusal (no data entry trains these rows)
-    "qwenvl_video.jsonl": r"the row has 'video': video rows do not train yet: their frames are never read",
-    "llamafactory_mllm_video_demo.json": r"the row has 'videos': video rows do not train yet",
+    "openai_video_url.jsonl": r"has a video_url part that is not a video file's path or a list of frame paths "
+                              r"\('https://qianwen-res",
     "openai_audio.jsonl": r"has a 'input_audio' part: audio does not train: .*Qwen2-Audio and Qwen2.5-Omni do",
     "openai_vision_url.jsonl": r"has an image_url part that is not an image file's path",
     "llamafactory_dataset_info.json": r"the file holds one object, not an array, and it is not a row",
@@ -496,9 +506,15 @@ def wild_copy(tmp: Path, name: str) -> Path:
     """A copy of the corpus file in `tmp`, with the image files its rows name."""
     from PIL import Image
 
+    from tests.helpers.video_files import write_frames, write_video
+
     for rel in IMAGES:
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (56, 56), "red").save(tmp / rel)
+    if "video" in name or "frame" in name:
+        for rel in VIDEOS:
+            write_video(tmp / rel, 8)
+        write_frames([tmp / rel for rel in FRAMES])
     shutil.copy(WILD / name, tmp / name)
     return tmp / name
 
@@ -552,10 +568,10 @@ def test_wild_files_train_or_their_refusal_gives_the_entry_that_does(name: str, 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_wild_files_that_cannot_train_are_refused_in_one_line(name: str, tmp_path: Path,
                                                                tok: PreTrainedTokenizerFast, vl_processor: Any) -> None:
-    """Video (the singular `video` key trained its `<video>` as text), audio, image URLs, a registry given as a
-    data file and an empty answer: one line each, never trained."""
+    """Audio, image and video URLs, a registry given as a data file and an empty answer: one line each, never
+    trained."""
     path = wild_copy(tmp_path, name)
-    kind = "vl" if "video" in name else "text"
+    kind = "vl" if "video" in name or "vision" in name else "text"
     with pytest.raises(ToolkitError, match=REFUSED[name]):
         _wild_samples(Entry(str(path)), kind, tok, vl_processor)
 
@@ -751,7 +767,7 @@ def test_a_prompt_that_is_not_the_chats_first_turn(tmp_path: Path, tok: PreTrain
 
 def test_image_url_parts_of_a_file(tmp_path: Path, vl_processor: Any) -> None:
     """OpenAI's `image_url` part ({"url": path}) and LLaMA-Factory v1's (`value`: path) name an image file: read as
-    an image of the row; `video_url` is refused."""
+    an image of the row; `video_url` parts name video files, read as videos of the row."""
     wild_copy(tmp_path, "gsm8k.jsonl")  # writes the corpus's image files
     question = {"type": "text", "text": "What are the differences between these two cats?"}
     row = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cats/001.jpg"}},
@@ -759,10 +775,14 @@ def test_image_url_parts_of_a_file(tmp_path: Path, vl_processor: Any) -> None:
                         {"role": "assistant", "content": "The first cat is an orange tabby."}]}
     data = _wild_samples(Entry(str(_jsonl(tmp_path / "u.jsonl", [row]))), "vl", None, vl_processor)
     assert [len(s["images"]) for s in data.samples] == [2]
-    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "value": "a.mp4"}, question]},
+    from tests.helpers.video_files import write_video
+
+    write_video(tmp_path / "a.mp4", 8)
+    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "a.mp4"}},
+                                                       {"type": "video_url", "value": "a.mp4"}, question]},
                           row["messages"][1]]}
-    with pytest.raises(ToolkitError, match=r"has a 'video_url' part: video rows do not train yet"):
-        _wild_samples(Entry(str(_jsonl(tmp_path / "v.jsonl", [video]))), "vl", None, vl_processor)
+    data = _wild_samples(Entry(str(_jsonl(tmp_path / "v.jsonl", [video]))), "vl", None, vl_processor)
+    assert [[p.startswith("video:") for p in s["images"]] for s in data.samples] == [[True, True]]
 
 
 def test_an_empty_answer_as_content_parts_is_an_empty_answer(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:

@@ -231,12 +231,13 @@ def test_placeholder_count_and_images_type(processor: Any, data: dict[str, Path]
     ([{"role": "robot", "content": "hi"}], r"messages\[0\] must have a role in .* or a list of"),
     ([{"role": "user", "content": 5}], r"messages\[0\] must have a role in .* or a list of"),
     ([{"role": "user", "content": ["hi"]}], r"messages\[0\]\.content must be a string or a list of"),
-    ([{"role": "user", "content": [{"type": "video"}]}], r"messages\[0\] has a 'video' part; only text and image"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], r"messages\[0\] has a 'audio' part; only text, image and "
+                                                          r"video"),
     ([{"role": "user", "content": [{"type": "text", "text": 1}]}], r"messages\[0\] has a text part without"),
     ([{"role": "user", "content": [{"type": "text", "text": "<|im_end|>"}]}], r"messages\[0\]\.content contains"),
     ([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hi.", "tool_calls": "add"}],
      r"messages\[1\]\.tool_calls must be a list"),
-], ids=["role", "content", "part", "video", "text", "marker", "tool_calls"])
+], ids=["role", "content", "part", "audio", "text", "marker", "tool_calls"])
 def test_messages_are_checked_like_text_rows(processor: Any, messages: list[Any], error: str) -> None:
     """VL rows go through the text rows' message checks (`toolkit.data.check_messages`), with image parts."""
     with pytest.raises(ToolkitError, match=rf"^{WHERE}: {error}"):

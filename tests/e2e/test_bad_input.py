@@ -523,6 +523,28 @@ def _(c: Ctx) -> Call:
     return c.train(f"model.name_or_path={c.models['vl']}", rows=[CHAT, CHAT, row, CHAT])
 
 
+def _video_row(*videos: str, tags: int = 1) -> dict[str, Any]:
+    """A LLaMA-Factory video row: `tags` <video> tags, `videos` its files."""
+    return {"messages": [{"role": "user", "content": "<video>" * tags + "What happens?"},
+                         {"role": "assistant", "content": "It gets brighter."}], "videos": list(videos)}
+
+
+def _video_case(c: Ctx, row: dict[str, Any], *overrides: str) -> Call:
+    from tests.helpers.video_files import write_video
+
+    write_video(c.tmp / "clip.mp4", 12)
+    return c.train(f"model.name_or_path={c.models['vl']}", *overrides, rows=[CHAT, CHAT, row, CHAT])
+
+
+case("video-missing")(lambda c: _video_case(c, _video_row("nope.mp4")))
+case("video-no-frames")(lambda c: (c.tmp.joinpath("empty.mp4").write_bytes(b""),
+                                   _video_case(c, _video_row("empty.mp4")))[1])
+case("video-over-max-seq-len")(lambda c: _video_case(c, _video_row("clip.mp4"), "data.max_seq_len=64",
+                                                     "data.video.nframes=6", "data.video.min_pixels=25088"))
+case("video-tags-mismatch")(lambda c: _video_case(c, _video_row("clip.mp4", tags=2)))
+case("video-url")(lambda c: _video_case(c, _video_row("https://example.com/clip.mp4")))
+
+
 @case("hub-id-offline")
 def _(c: Ctx) -> Call:
     return replace(c.train("model.name_or_path=curriculum-toolkit-tests/no-such-model"), env={"HF_HUB_OFFLINE": "1"})

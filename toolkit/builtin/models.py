@@ -15,7 +15,7 @@ TINY_QWEN3_VL_MODEL = "builtin:tiny-qwen3-vl"
 """The same for a tiny random Qwen3-VL."""
 
 
-BUILTIN_BUILD = 2
+BUILTIN_BUILD = 3  # 3: the tiny Qwen3-VL's processor is Qwen3VLImageOnlyProcessor (video timestamps)
 """The version of what the built-in models' builders write, in their cache folder's name, so that a cache holding an
 earlier build is never reused: bump it whenever toolkit/builtin/text_model.py or toolkit/builtin/vl_model.py change
 their output (2: each carries its family's stock chat template, and the tokenizer Qwen's think and tool tokens)."""

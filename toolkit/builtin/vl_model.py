@@ -26,6 +26,7 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
@@ -54,6 +55,25 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
+class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+    """`Qwen3VLProcessor` without the video processor (as `Qwen2_5_VLImageOnlyProcessor`): the tiny Qwen3-VL's, so
+    its class renders a video as Qwen3-VL does (a `<t seconds>` timestamp before each frame pair). Video pixels are
+    made from the toolkit's frame store with the image processor's patch sizes (`toolkit.data.vision`)."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
+        self.image_token, self.video_token = IMAGE_PAD, VIDEO_PAD
+        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+        self.vision_start_token, self.vision_end_token = VISION_START, VISION_END
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(VISION_START)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(VISION_END)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+
+IMAGE_ONLY_PROCESSORS = ("Qwen2_5_VLImageOnlyProcessor", "Qwen3VLImageOnlyProcessor")
+
+
 def register_image_only_processor() -> None:
     """Let `AutoProcessor.from_pretrained` load a saved `Qwen2_5_VLImageOnlyProcessor` (idempotent).
 
@@ -61,10 +81,11 @@ def register_image_only_processor() -> None:
     it silently returns the bare tokenizer); the key only has to be unique (registering under Qwen2_5_VLConfig would
     hijack real Qwen2.5-VL checkpoints)."""
     AutoProcessor.register(Qwen2_5_VLImageOnlyProcessor, Qwen2_5_VLImageOnlyProcessor, exist_ok=True)
+    AutoProcessor.register(Qwen3VLImageOnlyProcessor, Qwen3VLImageOnlyProcessor, exist_ok=True)
 
 
 def build_vl_processor(chat_template: str, *, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS,
-                       patch_size: int = 14) -> Qwen2_5_VLImageOnlyProcessor:
+                       patch_size: int = 14, qwen3: bool = False) -> Any:
     """The tiny models' processor: `toolkit.builtin.text_model` tokenizer + Qwen vision tokens + `chat_template` (each
     tiny model its family's stock one), PIL image processor (14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL; both
     merge 2x2 patches into one image token). Registers its class, so what it saves also loads back in this process."""
@@ -72,8 +93,8 @@ def build_vl_processor(chat_template: str, *, min_pixels: int = TINY_MIN_PIXELS,
     tokenizer = build_tokenizer(chat_template, vision=True)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size,
                                                temporal_patch_size=2, merge_size=2)
-    return Qwen2_5_VLImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                        chat_template=chat_template)
+    cls = Qwen3VLImageOnlyProcessor if qwen3 else Qwen2_5_VLImageOnlyProcessor
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
 def _tiny_language_model_config(tok: Any, hidden: int) -> dict[str, Any]:
@@ -121,7 +142,7 @@ def write_tiny_qwen2_5_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
 def write_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Save a seeded random-weight Qwen3-VL (2+2 layers, one DeepStack level) and its processor to `out_dir`."""
     processor = build_vl_processor(stock_template("qwen3-vl"), min_pixels=32 * 32, max_pixels=64 * 64 * 4,
-                                   patch_size=16)
+                                   patch_size=16, qwen3=True)
     hidden = 64
     text = _tiny_language_model_config(processor.tokenizer, hidden)
     text["rope_parameters"]["mrope_interleaved"] = True

@@ -102,9 +102,11 @@ def _inspect_data(args: argparse.Namespace) -> None:
 
     words = args.overrides
     if args.config is None and words and "=" not in words[0]:  # `toolkit inspect-data FILE`: no recipe
-        print(inspect_file(words[0], words[1:], rows=2 if args.rows is None else args.rows))
+        print(inspect_file(words[0], words[1:], rows=2 if args.rows is None else args.rows,
+                           save_frames=args.save_frames))
         return
-    print(inspect_data(load_recipe(args.config, words), stage=args.stage, rows=3 if args.rows is None else args.rows))
+    print(inspect_data(load_recipe(args.config, words), stage=args.stage, rows=3 if args.rows is None else args.rows,
+                       save_frames=args.save_frames))
 
 
 def _score(args: argparse.Namespace) -> None:
@@ -204,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="Recipe YAML (default: the embedded demo recipe).")
     p.add_argument("--stage", help="Only this stage (default: every stage).")
     p.add_argument("--rows", type=int, help="Rows to print per stage (default 3; 2 for a FILE).")
+    p.add_argument("--save-frames", type=Path, metavar="DIR", help="Write the frames of the video rows shown, as "
+                   "the model sees them (sampled and resized), to DIR as PNGs.")
     p.add_argument("overrides", nargs="*", help="A data FILE (without --config), then recipe overrides, "
                    "key.sub=value.")
     p.set_defaults(func=_inspect_data)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import sys
 import tempfile
 from dataclasses import replace
@@ -98,8 +99,36 @@ def mark_pair(chosen: dict[str, Any], rejected: dict[str, Any], tokenizer: Any, 
     return lines
 
 
-def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, scored: Any) -> list[str]:
-    """The first `rows` kept rows (pairs, for a preference stage), each named by its place in its file."""
+def video_lines(sample: dict[str, Any], merge: int, where: str, save_frames: Path | None) -> list[str]:
+    """A row's videos as the model sees them: frames, the fps they were sampled at (of the file's fps), their size
+    and tokens per frame pair, from the frame store; with `save_frames`, each frame written there as a PNG."""
+    from PIL import Image
+
+    from toolkit.data.vision import VIDEO_REF
+
+    lines = []
+    refs = [(r, g) for r, g in zip(sample.get("images", []), sample.get("image_grid_thw", []), strict=True)
+            if r.startswith(VIDEO_REF)]
+    for k, (ref, grid) in enumerate(refs):
+        folder = Path(ref.removeprefix(VIDEO_REF))
+        meta = json.loads((folder / "meta.json").read_text())
+        h, w = meta["size"]
+        per_pair = grid[1] * grid[2] // merge
+        lines.append(f"  video {k}: {meta['source']}: {meta['frames']} frames at {meta['sampled_fps']:.3g} fps (of "
+                     f"{meta['total_frames']} at {meta['fps']:.3g} fps; frames {meta['indices']}), {w}x{h} px, "
+                     f"{per_pair} tokens per frame pair, {grid[0] * per_pair} tokens")
+        if save_frames is not None:
+            save_frames.mkdir(parents=True, exist_ok=True)
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", where)
+            for j, frame in enumerate(np.load(folder / "frames.npy", mmap_mode="r")):
+                Image.fromarray(np.array(frame)).save(save_frames / f"{stem}-video{k}-frame{j:03d}.png")
+    return lines
+
+
+def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, scored: Any, merge: int = 4,
+                save_frames: Path | None = None) -> list[str]:
+    """The first `rows` kept rows (pairs, for a preference stage), each named by its place in its file; a video
+    row's videos described (`video_lines`)."""
     lines = []
     shown = ((p, k) for p in parts for k in range(len(p.selection.index)))
     for part, k in itertools.islice(shown, rows):
@@ -118,6 +147,7 @@ def _shown_rows(parts: list[Any], rows: int, tokenizer: Any, colour: bool, score
         where = part.store.where(i)
         score = f", {scored[0]} {scored[1][where]:.4g}" if scored and where in scored[1] else ""
         lines += [f"--- {as_terminal_text(where)} ({len(sample['input_ids'])} tokens{cut}{score}) ---",
+                  *video_lines(sample, merge, where, save_frames),
                   mark_trained(sample["input_ids"], sample["labels"], tokenizer, colour=colour)]
     return lines
 
@@ -133,10 +163,11 @@ def describe_entry(entry: DataEntry, weight: float | None) -> str:
 
 
 def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool | None = None,
-                 pairs: bool = False) -> str:
+                 pairs: bool = False, save_frames: Path | None = None) -> str:
     """The report as text (colour: ANSI colour for trained tokens; default when stdout is a terminal). A
     preference stage's rows are pairs, shown as their prompt once and each completion marked; `pairs` reads every
-    stage so (a pair file given alone, `inspect_file`).
+    stage so (a pair file given alone, `inspect_file`). A shown video row lists its videos' frames (count, sampled
+    fps, size, tokens per frame pair); `save_frames` writes them there as PNGs.
 
     Each stage is read by training's own `load_stage` over the stores training opens (`run_stores`: the same
     encoder, chat template, entries with their split and columns, length policy and filters), so its counts are
@@ -188,7 +219,8 @@ def inspect_data(recipe: Recipe, *, stage: str | None, rows: int, colour: bool |
                 lines += [f"  {describe_entry(e, w)}: {p.selection.stats.summary()}"
                           for e, w, p in zip(st.entries, weights, parts, strict=True)]
             lines.append(stage_statistics(src))
-            lines += _shown_rows(parts, rows, tokenizer, colour, _scores(layout, st.name))
+            merge = processor.image_processor.merge_size ** 2 if vision else 4
+            lines += _shown_rows(parts, rows, tokenizer, colour, _scores(layout, st.name), merge, save_frames)
     return "\n".join(lines)
 
 
@@ -307,7 +339,8 @@ def _chat_shape(row: Any, entry: DataEntry) -> str | None:
     return f"a chat under '{keys[0]}' ({what}, told by its values)"
 
 
-def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool | None = None) -> str:
+def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool | None = None,
+                 save_frames: Path | None = None) -> str:
     """`toolkit inspect-data FILE`: the file read by training's own path (`inspect_data` on a one-stage recipe,
     `file_recipe`), each refusal's fix applied in turn, and the data entry that trains it, with why. A file that
     no fix reads is refused in one line: the keys found, the closest shapes and training's refusal."""
@@ -318,7 +351,7 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
         for _ in range(MAX_FIXES + 3):
             try:
                 report = inspect_data(file_recipe(entry, overrides, Path(tmp), vision=vision), stage=None,
-                                      rows=rows, colour=colour, pairs=pairs)
+                                      rows=rows, colour=colour, pairs=pairs, save_frames=save_frames)
                 break
             except ShapeError as e:
                 if not e.fix:

@@ -22,7 +22,7 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             del stage["micro_batch_size"]
         if stage["objective"] == "sft" and stage["preference"] is None:  # the default: earlier hashes as they were
             del stage["objective"], stage["preference"]
-        for key in ("difficulty", "drop", "rl", "rewards"):  # bound when set; unset, earlier hashes stay as they were
+        for key in ("difficulty", "drop", "rl", "rewards", "video"):  # bound when set; unset, hashes as they were
             if stage.get(key) is None:
                 stage.pop(key, None)
         if stage.get("difficulty") is not None:
@@ -32,7 +32,7 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             if stage["difficulty"].get("model") is None:
                 del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
-            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads"):
+            for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads", "video"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
     for key in ("num_proc", "num_workers", "renderer"):  # how data is prepared and fed, not what trains (the
@@ -41,6 +41,8 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
     for key, default in (("empty_answers", "error"), ("identical_pairs", "error"), ("completion_newline", False)):
         if tree["data"].get(key) == default:  # the default leaves earlier checkpoints' hashes as they were
             del tree["data"][key]
+    if tree["data"].get("video") is None:  # bound when set (the frames trained on); unset, hashes as they were
+        tree["data"].pop("video", None)
     for key in ("loss_head", "loss_chunk_size"):  # exact either way: a resume may switch; older hashes match
         del tree["model"][key]
     if tree["lora"]["fused"] != "on":  # auto and off run PEFT's layers: earlier checkpoints' hashes as they were;

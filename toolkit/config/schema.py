@@ -6,6 +6,7 @@ types fail here, before any model or data is touched, with the key's full path a
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
@@ -90,6 +91,38 @@ class LoraConfig(_Section):
         return self
 
 
+class VideoConfig(_Section):
+    """How video rows' frames are sampled and resized, named and defaulted as qwen-vl-utils (Qwen's own) names them;
+    None: Qwen's default. A video part's own settings win over a data entry's, an entry's over its stage's, a
+    stage's over data.video."""
+
+    fps: float | None = Field(None, gt=0, description="Frames sampled per second of video (default 2; not with "
+                              "nframes).")
+    nframes: int | None = Field(None, gt=0, description="A fixed number of frames per video (rounded to a "
+                                "multiple of 2), instead of fps.")
+    min_frames: int | None = Field(None, gt=0, description="Fewest frames sampled with fps (default 4).")
+    max_frames: int | None = Field(None, gt=0, description="Most frames sampled with fps (default 768, at most the "
+                                   "video's frames); the lever of a short-to-long curriculum.")
+    min_pixels: int | None = Field(None, gt=0, description="Smallest frame area (default 128 tokens' pixels: "
+                                   "128 x 28 x 28 for Qwen2.5-VL).")
+    max_pixels: int | None = Field(None, gt=0, description="Largest frame area (default 768 tokens' pixels, or "
+                                   "total_pixels / frames x 2 when less).")
+    total_pixels: int | None = Field(None, gt=0, description="Pixel budget of a whole video (default 0.9 x "
+                                     "128000 tokens' pixels).")
+    sample_fps: float | None = Field(None, gt=0, description="The fps a frame list (a video given as images) "
+                                     "stands for (default 2).")
+
+    @model_validator(mode="after")
+    def _fps_or_nframes(self) -> VideoConfig:
+        if self.fps is not None and self.nframes is not None:
+            raise ValueError("give fps or nframes, not both (qwen-vl-utils' rule)")
+        return self
+
+    def items(self) -> tuple[tuple[str, float], ...]:
+        """The settings given, as sorted pairs (hashable, for a data entry)."""
+        return tuple(sorted((k, v) for k, v in self.model_dump().items() if v is not None))
+
+
 class DataConfig(_Section):
     max_seq_len: int = Field(2048, gt=1, description="Longest tokenised sample, in tokens.")
     overlength: Literal["drop", "truncate", "error"] = Field(
@@ -134,6 +167,8 @@ class DataConfig(_Section):
         "error", description="An assistant turn with no content (it would train a bare end-of-turn token): "
         "'error' refuses the row, naming it; 'skip' keeps the turn in the context untrained (a row left with nothing "
         "to train is skipped), and the stage's log counts the rows.")
+    video: VideoConfig | None = Field(None, description="Vision models: how video rows' frames are sampled and "
+                                      "resized (qwen-vl-utils' settings and defaults).")
     min_pixels: int | None = Field(None, gt=0, description="Vision models: smallest image area after resizing, "
                                    "in pixels (default: the processor's).")
     max_pixels: int | None = Field(None, gt=0, description="Vision models: largest image area after resizing, "
@@ -180,6 +215,8 @@ class DataSource(_Section):
                                         "assistant_tag, system_tag, observation_tag (tool results), function_tag "
                                         "(tool calls), e.g. {role_tag: speaker, content_tag: text, user_tag: "
                                         "customer, assistant_tag: agent}.")
+    video: VideoConfig | None = Field(None, description="This entry's video settings (over its stage's and "
+                                      "data.video).")
     ignore: list[str] | None = Field(None, description="Keys of this source's rows (and of their turns) to drop "
                                      "knowingly: a key that holds content (text, media, tools) and that no shape "
                                      "reads is refused unless listed here, e.g. [category, context].")
@@ -233,7 +270,8 @@ class DataSource(_Section):
         return DataEntry(self.path, self.split, tuple(sorted((self.columns or {}).items())),
                          tuple(sorted((self.tags or {}).items())), self.dataset,
                          (self.dataset_dir or "data") if self.dataset is not None else None,
-                         tuple(sorted(set(self.ignore or ()))), self.threads)
+                         tuple(sorted(set(self.ignore or ()))), self.threads,
+                         self.video.items() if self.video else ())
 
 
 @dataclass(frozen=True)
@@ -250,6 +288,7 @@ class DataEntry:
     dataset_dir: str | None = None
     ignore: tuple[str, ...] = ()
     threads: str | None = None  # a message tree's threads: main (None) or all
+    video: tuple[tuple[str, float], ...] = ()  # video settings (VideoConfig.items): its own, over its stage's
 
     @property
     def name(self) -> str:
@@ -640,6 +679,8 @@ class StageConfig(_Section):
     data: list[str | DataSource] = Field(..., min_length=1, validation_alias=AliasChoices("data", "datasets"),
                                          description="Data files, folders, globs or hub ids (or {path, weight, split, "
                                          "columns}; weights make a seeded mixture).")
+    video: VideoConfig | None = Field(None, description="This stage's video settings (over data.video; an entry's "
+                                      "win), e.g. {max_frames: 8} in a first stage and 32 in the next.")
     mixture_replacement: bool = Field(False, description="Mixture draws with replacement (else each file is "
                                       "used without repeats until exhausted).")
     order: Literal["shuffle", "sequential", "easy_to_hard", "hard_to_easy"] = Field(
@@ -733,7 +774,12 @@ class StageConfig(_Section):
 
     @property
     def entries(self) -> list[DataEntry]:
-        return [DataEntry(d) if isinstance(d, str) else d.entry() for d in self.data]
+        """The stage's entries, each with its video settings over the stage's (`video`)."""
+        entries = [DataEntry(d) if isinstance(d, str) else d.entry() for d in self.data]
+        if self.video is None:
+            return entries
+        return [dataclasses.replace(e, video=tuple(sorted({**dict(self.video.items()), **dict(e.video)}.items())))
+                for e in entries]
 
     @property
     def weights(self) -> list[float] | None:

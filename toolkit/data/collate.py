@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator, unpack_row
-from toolkit.data.vision import process_images
+from toolkit.data.vision import VIDEO_REF, process_images, process_videos, video_patches
 from toolkit.errors import ToolkitError
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
@@ -30,19 +31,23 @@ class VLCollator:
     A batch without images still feeds the vision tower one tiny dummy image, appended after the first row's real
     tokens with attention_mask 0 and labels IGNORE_INDEX: it changes no real token and no loss, but every rank then
     runs the vision tower. Otherwise, under ZeRO-3 / FSDP, a rank with a text-only batch skips the tower's parameter
-    all-gathers that another rank performs, and the job hangs (hiyouga/LlamaFactory#5616).
+    all-gathers that another rank performs, and the job hangs (hiyouga/LlamaFactory#5616). A run with video rows
+    (`videos`) runs the tower twice per forward, once on images and once on videos, so there every batch carries
+    at least one image and one video (a dummy of each where it has none): the ranks' gathers then always match.
     """
 
     def __init__(self, processor: Any, *, dummy_image: bool = True, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
+                 max_pixels: int | None = None, videos: bool = False) -> None:
         self.processor = processor
         self.dummy_image = dummy_image
+        self.videos = videos
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         tok = processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.image_id = tok.convert_tokens_to_ids(IMAGE_PAD)
         self.video_id = tok.convert_tokens_to_ids(VIDEO_PAD)
         self._dummy: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+        self._dummy_video: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
 
     def dummy(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """(token ids, pixel_values, image_grid_thw) of the smallest black image (one merged patch, 28x28 px for
@@ -60,6 +65,35 @@ class VLCollator:
             self._dummy = (ids, out["pixel_values"], grid)
         return self._dummy
 
+    def dummy_video(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(token ids, pixel_values_videos, video_grid_thw) of the smallest black video: two frames (one temporal
+        patch) of one merged patch."""
+        if self._dummy_video is None:
+            ip = self.processor.image_processor
+            side = ip.patch_size * ip.merge_size
+            pixels, grid = video_patches(self.processor, np.zeros((ip.temporal_patch_size, side, side, 3), np.uint8))
+            n = int(np.prod(grid)) // ip.merge_size ** 2
+            ids = self.processor.tokenizer.convert_tokens_to_ids([VISION_START, *[VIDEO_PAD] * n, VISION_END])
+            self._dummy_video = (ids, pixels, torch.tensor([grid]))
+        return self._dummy_video
+
+    def dummies(self, batch: dict[str, torch.Tensor]) -> list[tuple[list[int], str]]:
+        """The dummy media `batch` needs (see the class docstring), added to it: their token ids and kind."""
+        out: list[tuple[list[int], str]] = []
+        if not self.dummy_image:
+            return out
+        if "pixel_values" not in batch and (self.videos or "pixel_values_videos" not in batch):
+            ids, pixels, grid = self.dummy()
+            batch["pixel_values"], batch["image_grid_thw"] = pixels, grid
+            out.append((ids, "image"))
+        if self.videos and "pixel_values_videos" not in batch:
+            ids, pixels, grid = self.dummy_video()
+            batch["pixel_values_videos"], batch["video_grid_thw"] = pixels, grid
+            if "second_per_grid_ts" in self.processor.model_input_names:
+                batch["second_per_grid_ts"] = torch.tensor([1.0])
+            out.append((ids, "video"))
+        return out
+
     def images(self, paths: list[str], grids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, image_grid_thw) of the images, decoded and resized; each must give the grid its row was
         prepared with."""
@@ -71,6 +105,25 @@ class VLCollator:
                                "stores/) so it is prepared again.")
         return pixels, got
 
+    def media(self, refs: list[str], grids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """The batch's vision inputs of stored media in text order (image paths and `VIDEO_REF` videos): images as
+        `images`, videos from the frame store (`toolkit.data.vision.process_videos`) with their grids and, for a
+        model whose processor takes it (Qwen2.5-VL), `second_per_grid_ts`."""
+        out: dict[str, torch.Tensor] = {}
+        images = [(r, g) for r, g in zip(refs, grids, strict=True) if not r.startswith(VIDEO_REF)]
+        videos = [(r, g) for r, g in zip(refs, grids, strict=True) if r.startswith(VIDEO_REF)]
+        if images:
+            out["pixel_values"], out["image_grid_thw"] = self.images([r for r, _ in images], [g for _, g in images])
+        if videos:
+            pixels, got, seconds = process_videos(self.processor, [r for r, _ in videos])
+            if got.tolist() != [g for _, g in videos]:
+                raise ToolkitError("A stored video's frames no longer give the grid its row was tokenised with; "
+                                   "delete the data's token store (data.cache_dir, stores/) so it is prepared again.")
+            out["pixel_values_videos"], out["video_grid_thw"] = pixels, got
+            if "second_per_grid_ts" in self.processor.model_input_names:
+                out["second_per_grid_ts"] = seconds
+        return out
+
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [list(r["input_ids"]) for r in rows]
         labels = [list(r["labels"]) for r in rows]
@@ -78,14 +131,11 @@ class VLCollator:
         paths = [p for r in rows for p in r.get("images", [])]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch["pixel_values"], batch["image_grid_thw"] = self.images(
-                paths, [g for r in rows for g in r.get("image_grid_thw", [])])
-        elif self.dummy_image:
-            dummy_ids, pixels, grid = self.dummy()
+            batch.update(self.media(paths, [g for r in rows for g in r.get("image_grid_thw", [])]))
+        for dummy_ids, _ in self.dummies(batch):
             ids[0] += dummy_ids
             labels[0] += [IGNORE_INDEX] * len(dummy_ids)
             attn[0] += [0] * len(dummy_ids)
-            batch["pixel_values"], batch["image_grid_thw"] = pixels, grid
         width = max(len(x) for x in ids)
         batch["input_ids"] = torch.tensor([x + [self.pad_id] * (width - len(x)) for x in ids])
         batch["labels"] = torch.tensor([x + [IGNORE_INDEX] * (width - len(x)) for x in labels])
@@ -109,9 +159,11 @@ class MRopeIndex:
     def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> Any:
         return self.model_class.get_vision_position_ids(self, *args, **kwargs)
 
-    def __call__(self, ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grids: torch.Tensor | None,
+                 video_grids: torch.Tensor | None = None, seconds: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {"second_per_grid_ts": seconds} if seconds is not None else {}
         positions, _ = self.model_class.get_rope_index(self, ids, mm_token_type_ids=mm_token_type_ids,
-                                                       image_grid_thw=grids)
+                                                       image_grid_thw=grids, video_grid_thw=video_grids, **extra)
         return positions
 
 
@@ -135,20 +187,24 @@ class VLPackedCollator(VLCollator):
         grids = [g for s in samples for g in s["image_grid_thw"]]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch["pixel_values"], batch["image_grid_thw"] = self.images(paths, grids)
-        elif self.dummy_image:
-            dummy_ids, pixels, grid = self.dummy()
-            samples.append({"input_ids": dummy_ids, "labels": [IGNORE_INDEX] * len(dummy_ids), "images": ["dummy"],
+            batch.update(self.media(paths, grids))
+        for dummy_ids, kind in self.dummies(batch):
+            grid = (self.dummy() if kind == "image" else self.dummy_video())[2]
+            samples.append({"input_ids": dummy_ids, "labels": [IGNORE_INDEX] * len(dummy_ids),
+                            "images": ["dummy" if kind == "image" else VIDEO_REF + "dummy"],
                             "image_grid_thw": grid.tolist()})
-            batch["pixel_values"], batch["image_grid_thw"] = pixels, grid
-        ids, text, rope, k = [], [], [], 0
+        ids, text, rope, k, v = [], [], [], 0, 0
         for s in samples:
             sample_ids = torch.tensor([s["input_ids"]])
             mm = ((sample_ids == self.image_id).int() + 2 * (sample_ids == self.video_id).int())
-            n_images = len(s["images"])
+            n_videos = sum(p.startswith(VIDEO_REF) for p in s["images"])
+            n_images = len(s["images"]) - n_videos
             sample_grids = batch["image_grid_thw"][k:k + n_images] if n_images else None
-            k += n_images
-            rope.append(self.rope(sample_ids, mm, sample_grids))
+            video_grids = batch["video_grid_thw"][v:v + n_videos] if n_videos else None
+            seconds = (batch["second_per_grid_ts"][v:v + n_videos]
+                       if n_videos and "second_per_grid_ts" in batch else None)
+            k, v = k + n_images, v + n_videos
+            rope.append(self.rope(sample_ids, mm, sample_grids, video_grids, seconds))
             text.append(torch.arange(sample_ids.shape[1]).view(1, 1, -1))
             ids.append(sample_ids)
         batch["input_ids"] = torch.cat(ids, dim=1)
@@ -227,11 +283,12 @@ def padding_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2S
 
 
 def batch_collator(processor: Any, *, vision: bool, packing: bool, min_pixels: int | None = None,
-                   max_pixels: int | None = None, model_config: Any = None) -> Any:
+                   max_pixels: int | None = None, model_config: Any = None, videos: bool = False) -> Any:
     """A run's collator: the VL collator (`processor` is the VL processor; packed: with the model's config for its
-    rotary ids), the packing collator (flattened rows), or plain padding (`processor` is the tokenizer)."""
+    rotary ids; `videos`: the run has video rows), the packing collator (flattened rows), or plain padding
+    (`processor` is the tokenizer)."""
     if vision and packing:
-        return VLPackedCollator(processor, model_config, min_pixels=min_pixels, max_pixels=max_pixels)
+        return VLPackedCollator(processor, model_config, min_pixels=min_pixels, max_pixels=max_pixels, videos=videos)
     if vision:
-        return VLCollator(processor, min_pixels=min_pixels, max_pixels=max_pixels)
+        return VLCollator(processor, min_pixels=min_pixels, max_pixels=max_pixels, videos=videos)
     return PackedCollator() if packing else padding_collator(processor)

@@ -100,7 +100,7 @@ class DataStats:
 
 ASSISTANT_HEADER = IM_START + "assistant"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-IMAGE_PARTS = '{"type": "text" | "image", ...} parts'  # a vision-language message's content list
+IMAGE_PARTS = '{"type": "text" | "image" | "video", ...} parts'  # a vision-language message's content list
 
 
 def check_messages(messages: Any, where: str, train_on: str = "assistant", *,
@@ -182,7 +182,8 @@ def unread_message_keys(row: dict[str, Any]) -> set[str]:
     return {k for m in messages if isinstance(m, dict) for k in m if k not in MESSAGE_KEYS}
 
 
-READ_ROW_KEYS = ("messages", "prompt", "completion", "text", "tools", "images", "difficulty", "label", "reference")
+READ_ROW_KEYS = ("messages", "prompt", "completion", "text", "tools", "images", "videos", "difficulty", "label",
+                 "reference")
 """Row keys a shape or the encoder reads (or refuses: REFUSED_ROW_KEYS; `reference` is read by generation evals,
 whose prompt files may also be loss-eval data). A source's other keys hold no content
 (toolkit/data/shapes.py refuses those that do) and are named once in the stage's log (`row_notes`)."""
@@ -301,8 +302,8 @@ def _check_parts(parts: list[Any], where: str) -> None:
     for p in parts:
         if p["type"] == "text" and not isinstance(p.get("text"), str):
             raise ToolkitError(f"{where} has a text part without a string 'text'.")
-        if p["type"] not in ("image", "text"):
-            raise ToolkitError(f"{where} has a '{p['type']}' part; only text and image parts are supported.")
+        if p["type"] not in ("image", "video", "text"):
+            raise ToolkitError(f"{where} has a '{p['type']}' part; only text, image and video parts are supported.")
 
 
 def check_turn_order(messages: list[dict[str, Any]], where: str, train_on: str) -> None:
@@ -471,7 +472,6 @@ REFUSED_ROW_KEYS = {
                     "give the text and let data.train_on decide the loss"),
     "train_on": "data.train_on sets it for every row; remove it, or split the file into stages",
     "system": "put the system prompt as the first message, {\"role\": \"system\", \"content\": ...}",
-    "videos": "video rows are not supported",
     "audios": "audio rows are not supported",
 }
 """Row keys that would change what trains but that no row shape reads: refused, never dropped."""
@@ -506,9 +506,9 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
         raise ToolkitError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
                            f"found keys {sorted(row)}{hint}.")
     for key, needs in (("tools", "a chat ('messages')"),
-                       ("images", "a chat ('messages') for a vision-language model" if vision else
-                        "a vision-language model (this model reads text only)")):
-        if _present(row, key) and (shape != "messages" or (key == "images" and not vision)):
+                       *((media, "a chat ('messages') for a vision-language model" if vision else
+                          "a vision-language model (this model reads text only)") for media in ("images", "videos"))):
+        if _present(row, key) and (shape != "messages" or (key in ("images", "videos") and not vision)):
             raise ToolkitError(f"{where}: the row has '{key}', which needs {needs}; it would not be trained.")
     return shape
 

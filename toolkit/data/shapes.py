@@ -153,9 +153,14 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
         row = _with_reasoning(row, where)
     _check_placeholders(row, where)
     _check_unread(row, where, original, notes)
-    if entry.dataset is not None and isinstance(row.get("images"), list):  # LLaMA-Factory: paths from dataset_dir
+    if entry.dataset is not None:  # LLaMA-Factory: media paths from dataset_dir
         base = Path(entry.dataset_dir or "data").absolute()
-        row["images"] = [str(base / p) if isinstance(p, str) else p for p in row["images"]]
+        if isinstance(row.get("images"), list):
+            row["images"] = [str(base / p) if isinstance(p, str) else p for p in row["images"]]
+        if isinstance(row.get("videos"), list):
+            row["videos"] = [str(base / p) if isinstance(p, str) else
+                             [str(base / f) if isinstance(f, str) else f for f in p] if isinstance(p, list) else p
+                             for p in row["videos"]]
     if notes:
         row[NOTE_KEY] = notes
     return row
@@ -478,18 +483,28 @@ def closest_shapes(keys: list[str], n: int = 3) -> list[str]:
 
 # --- media --------------------------------------------------------------------------------------------------------
 
-VIDEO = ("video rows do not train yet: their frames are never read, and '<video>' would train as text; keep them "
-         "out of this source")
+VIDEO = ("'<video>' tags need one video each in the row's 'videos' (or 'video'), in order; without them '<video>' "
+         "would train as text: add the videos, or remove the tags")
 AUDIO = ("audio does not train: the models this toolkit trains read no audio (Qwen2-Audio and Qwen2.5-Omni do); "
          "keep audio rows out of this source")
 
 
 def _media(row: dict[str, Any], where: str) -> dict[str, Any]:
     """Media keys, singular or plural, a string or a list: `image` (TRL's and Qwen-VL's finetune column) becomes
-    `images`; video and audio keys are refused in one line (never trained as text)."""
-    for key, why in (("video", VIDEO), ("videos", VIDEO), ("audio", AUDIO), ("audios", AUDIO)):
+    `images`, `video` (Qwen-VL's finetune and LLaVA-Video's column) `videos`; audio keys are refused in one line
+    (never trained as text). A LLaVA-Video row marks its one video with `<image>` (its own convention): a row
+    with `video`, no images and `<image>` but no `<video>` tags has those tags read as `<video>`."""
+    for key, why in (("audio", AUDIO), ("audios", AUDIO)):
         if row.get(key) not in (None, [], ""):
             raise ToolkitError(f"{where}: the row has '{key}': {why}.")
+    video = row.get("video")
+    if video not in (None, [], ""):
+        if row.get("videos") not in (None, []):
+            raise ToolkitError(f"{where}: the row has 'video' beside 'videos'; give the videos as a list in "
+                               "'videos', one '<video>' tag or {\"type\": \"video\"} part each.")
+        row = {**{k: v for k, v in row.items() if k != "video"}, "videos": [video]}
+        if row.get("image") in (None, [], "") and row.get("images") in (None, []):
+            row = _llava_video_tags(row)
     urls = [p for p in (row.get("images") if isinstance(row.get("images"), list) else [row.get("image")])
             if isinstance(p, str) and re.match(r"^(https?|data):", p)]
     if urls:
@@ -506,6 +521,20 @@ def _media(row: dict[str, Any], where: str) -> dict[str, Any]:
     return {**{k: v for k, v in row.items() if k != "image"}, "images": paths}
 
 
+def _llava_video_tags(row: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-Video's `<image>` tags read as `<video>` (see `_media`), in `conversations` / `messages` strings."""
+    for key in ("conversations", "messages"):
+        turns = row.get(key)
+        if not isinstance(turns, list):
+            continue
+        texts = [v for t in turns if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
+        if any(VIDEO_TAG in t for t in texts) or not any(IMAGE_TAG in t for t in texts):
+            return row
+        row[key] = [{k: v.replace(IMAGE_TAG, VIDEO_TAG) if isinstance(v, str) else v for k, v in t.items()}
+                    if isinstance(t, dict) else t for t in turns]
+    return row
+
+
 def _texts(row: dict[str, Any]) -> list[str]:
     texts = [row[k] for k in ("text", "prompt", "completion") if isinstance(row.get(k), str)]
     for m in row.get("messages") or []:
@@ -517,9 +546,11 @@ def _texts(row: dict[str, Any]) -> list[str]:
 
 
 def _check_placeholders(row: dict[str, Any], where: str) -> None:
-    """A `<video>` or `<audio>` placeholder anywhere in the row's text is refused (it would train as text)."""
+    """A `<video>` placeholder left in the row's text (the row has no videos) or an `<audio>` one is refused (it
+    would train as text); so are other tools' image placeholders in a row without images, and image markup that no
+    shape reads."""
     texts = _texts(row)
-    for tag, why in (("<video>", VIDEO), ("<audio>", AUDIO)):
+    for tag, why in ((VIDEO_TAG, VIDEO), ("<audio>", AUDIO)):
         if any(tag in t for t in texts):
             raise ToolkitError(f"{where}: the text holds '{tag}': {why}.")
     if not row.get("images"):
@@ -648,6 +679,7 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
         messages.append({"role": "system", "content": row["system"]})
     joined = -1  # the index of the assistant turn that tool calls join
     found: list[str] = []  # image_url paths of the parts
+    found_videos: list[Any] = []  # video_url paths and video parts' videos
     for i, turn in enumerate(turns):
         at = f"{name}[{i}]"
         if not isinstance(turn, dict):
@@ -684,7 +716,7 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
         else:
             message["role"] = role
             if isinstance(content, list):
-                content = _parts(content, at, where, message, found)
+                content = _parts(content, at, where, message, found, found_videos)
                 content = content if content or role != "assistant" else ""
             message["content"] = content
         messages.append(message)
@@ -692,6 +724,10 @@ def _from_turns(row: dict[str, Any], name: str, where: str, tags: dict[str, str]
         if out.get("images"):
             raise ToolkitError(f"{where}: the row has 'images' and image_url parts; give the images one way.")
         out["images"] = found
+    if found_videos:
+        if out.get("videos"):
+            raise ToolkitError(f"{where}: the row has 'videos' and video parts; give the videos one way.")
+        out["videos"] = found_videos
     out["messages"] = _placeholders(messages, out, where)
     return out
 
@@ -727,16 +763,20 @@ PART_TYPES = {
     "tool_call": "LLaMA-Factory v1: a tool call of the assistant turn (its JSON `value`)",
     "image": "TRL: an image of the row's `images`, in order",
     "image_url": "OpenAI / LLaMA-Factory v1: an image file (a path, not a URL), added to the row's `images`",
-    "video_url": VIDEO, "video": VIDEO,
+    "video_url": "OpenAI: a video file (a path, not a URL), added to the row's `videos`",
+    "video": "Qwen / TRL: a video of the row's `videos`, in order; with a `video` value (a path or a frame list, "
+             "and settings such as fps, qwen-vl-utils' element) the video itself",
     "input_audio": AUDIO, "audio": AUDIO, "audio_url": AUDIO,
 }
 """Every content-part type of the formats read (LLaMA-Factory v1, OpenAI, TRL) and what becomes of it."""
 
 
-def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any], images: list[str]) -> list[Any]:
+def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any], images: list[str],
+           videos: list[Any] | None = None) -> list[Any]:
     """A content list read part by part (PART_TYPES): text parts (LLaMA-Factory v1's `value` read as `text`),
     LLaMA-Factory v1's `reasoning` and `tool_call` parts made the turn's reasoning_content and tool_calls, image
-    parts (`image_url` paths appended to `images`); video and audio parts refused. Per-part training flags become
+    parts (`image_url` paths appended to `images`), video parts (`video_url` paths and Qwen's `video` values,
+    with their settings, appended to `videos`); audio parts refused. Per-part training flags become
     the turn's flag: exactly when every part of the turn says the same, else refused."""
     out, flags = [], set()
     for part in parts:
@@ -768,6 +808,23 @@ def _parts(parts: list[Any], at: str, where: str, message: dict[str, Any], image
             images.append(url)
             out.append({"type": "image"})
             continue
+        if kind == "video_url" or (kind == "video" and part.get("video") is not None):
+            video = part.get(kind, value)
+            video = video.get("url") if kind == "video_url" and isinstance(video, dict) else video
+            settings = {k: v for k, v in part.items() if k not in ("type", kind, "value")}
+            if not isinstance(video, str | list) or any(
+                    re.match(r"^(https?|data):", v) for v in ([video] if isinstance(video, str) else video)
+                    if isinstance(v, str)):
+                raise ToolkitError(f"{where}: {at} has a {kind} part that is not a video file's path or a list of "
+                                   f"frame paths ({str(video)[:40]!r}); videos are read from files, never "
+                                   "downloaded or decoded from data URLs: save the video and give its path.")
+            if videos is None:
+                raise ToolkitError(f"{where}: {at} has a '{kind}' part where videos are not read.")
+            video = (video.removeprefix("file://") if isinstance(video, str)
+                     else [v.removeprefix("file://") if isinstance(v, str) else v for v in video])  # qwen-vl-utils'
+            videos.append({"video": video, **settings} if settings else video)
+            out.append({"type": "video"})
+            continue
         if kind not in PART_TYPES:
             raise ToolkitError(f"{where}: {at} has a '{kind}' part; the part types read are "
                                f"{', '.join(PART_TYPES)}.")
@@ -794,18 +851,22 @@ read as `<image>` is, one per image of the row, in order."""
 UNREAD_TAGS = re.compile(r"<img>[^<]*</img>|<image_\d+>|<\|image_\d+\|>|<\|vision_start\|>|<\|image_pad\|>")
 """Image markup that no row shape reads as a placeholder (Qwen-VL v1's `<img>path</img>`, MiniCPM-V's numbered
 `<image_00>`, Qwen2-VL's own rendered tokens): refused, never trained as text."""
-_TAG_SPLIT = re.compile("|".join(re.escape(t) for t in IMAGE_TAGS))
+VIDEO_TAG = "<video>"
+"""LLaMA-Factory's, ms-swift's and Qwen's placeholder for a video of the row's `videos`, in the text."""
+_TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in (*IMAGE_TAGS, VIDEO_TAG)) + ")")
 
 
 def _placeholders(messages: list[Any], row: dict[str, Any], where: str = "") -> list[Any]:
-    """Image placeholders in text (`<image>` and the other tools' IMAGE_TAGS) as image parts, in order, when the
-    row has `images` and its messages no image part of their own; beside image parts, a placeholder left in the
-    text is refused (it would train as text beside the images). (`videos` rows are refused by the encoder.)"""
-    images = row.get("images")
-    if not isinstance(images, list) or not images:
+    """Image placeholders in text (`<image>` and the other tools' IMAGE_TAGS) and `<video>` as image and video parts,
+    in order, when the row has `images` or `videos` and its messages no image or video part of their own (the
+    encoder checks the counts); beside image parts, a placeholder left in the text is refused (it would train as
+    text beside the images). A placeholder of a kind the row has none of stays text, for `_check_placeholders`."""
+    has = {kind: isinstance(row.get(key), list) and bool(row[key]) for kind, key in (("image", "images"),
+                                                                                     ("video", "videos"))}
+    if not any(has.values()):
         return messages
     dicts = [m for m in messages if isinstance(m, dict)]
-    if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image"
+    if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in ("image", "video")
                                                       for p in m["content"]) for m in dicts):
         tags = sorted({t for m in dicts for t in _tags_in(m.get("content"))})
         if tags:
@@ -815,11 +876,12 @@ def _placeholders(messages: list[Any], row: dict[str, Any], where: str = "") -> 
     for m in dicts:
         if isinstance(m.get("content"), str) and _TAG_SPLIT.search(m["content"]):
             parts: list[dict[str, Any]] = []
-            for k, text in enumerate(_TAG_SPLIT.split(m["content"])):
-                if k:
-                    parts.append({"type": "image"})
-                if text:
-                    parts.append({"type": "text", "text": text})
+            for piece in _TAG_SPLIT.split(m["content"]):
+                kind = "video" if piece == VIDEO_TAG else "image" if piece in IMAGE_TAGS else None
+                if kind is not None and has[kind]:
+                    parts.append({"type": kind})
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
             m["content"] = parts
     return messages
 

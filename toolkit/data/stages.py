@@ -82,6 +82,12 @@ def hub_datasets(stages: list[ResolvedStage], dummy_dir: Path) -> list[str]:
                    if (source := resolve_source(entry, dummy_dir)).fmt == "hub"})
 
 
+def holds_videos(training_sets: list[TrainingSet], eval_rows: list[Any]) -> bool:
+    """Whether any store the run reads holds video rows (its collator then feeds every batch a video)."""
+    return any(getattr(part.store, "videos", False) for rows in [*(t.samples for t in training_sets), *eval_rows]
+               for part in getattr(rows, "parts", ()))
+
+
 def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> dict[str, str]:
     """sha256 of every token store the run reads (toolkit/data/store.py; stores kept in memory have none), by
     its recipe entry. Stored in checkpoints beside `data_fingerprint`: a resume compares the tokens themselves,
@@ -102,11 +108,13 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
     if pairs and processor is not None:
         raise ToolkitError(f"A preference stage on a vision-language model: {VISION_PAIRS}.")
     if processor is not None:
-        from toolkit.data.vision import VLEncoder  # image rows only
+        from toolkit.data.frames import VideoSettings
+        from toolkit.data.vision import VLEncoder, tokens_per_second
 
+        video = VideoSettings().over(data.video.model_dump() if data.video else None, "data.video")
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
                          chat_template=data.chat_template, empty_answers=data.empty_answers,
-                         renderer=data.renderer)
+                         renderer=data.renderer, video=video, tokens_per_second=tokens_per_second(processor))
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
                        empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline,
                        renderer=data.renderer)
@@ -147,6 +155,10 @@ class Stores:
             if encoder is None:
                 raise ToolkitError(f"{entry.name}: preference pairs on a vision-language model: {VISION_PAIRS}.")
             source = resolve_source(entry, self.dummy_dir)
+            if hasattr(encoder, "with_video"):  # a VL encoder: frames beside the stores, the entry's video settings
+                if encoder.frame_store is None and self.cache is not None:
+                    encoder.frame_store = self.cache / "frames"
+                encoder = encoder.with_video(dict(entry.video), f"{entry.name}: video")
             self._open[entry, pairs] = open_store(source, encoder, self.cache, num_proc=self.processes,
                                                   max_tokens=self.max_tokens)
         return self._open[entry, pairs]
@@ -246,8 +258,14 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
         easy, hard = src.dropped_by_score
         by_score = (f"; drop by {stage.difficulty.by} of the {stage.difficulty.model} model: {easy} easiest and "
                     f"{hard} hardest of {len(src.samples)} rows once scored, {src.planned_rows} kept")
+    videos = ""
+    parts = [p for p in getattr(src.samples, "parts", ()) if getattr(p.store, "videos", False)]
+    if parts:  # what a video stage's frame caps buy: its rows' video tokens (the short-to-long curriculum's lever)
+        counted = [p.store.video_tokens(p.selection.index) for p in parts]
+        videos = (f"; {sum(t for t, _ in counted)} video tokens ({sum(f for _, f in counted)} frames) in its "
+                  "kept rows")
     return (f"stage '{stage.name}' data: {src.stats.summary()}"
-            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}{by_score}")
+            f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}{by_score}{videos}")
 
 
 def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:

@@ -175,6 +175,9 @@ class Store:
         if self.vision:
             self.uncuttable = col("uncuttable", np.int64)
             self._images = [(b.column("images"), b.column("image_grid_thw")) for b in batches]
+        # Video rows (toolkit/data/vision.py VIDEO_REF entries among the media): their runs feed every batch a video.
+        self.videos = self.vision and any(
+            pc.any(pc.starts_with(pc.list_flatten(images), "video:")).as_py() for images, _ in self._images)
         # Rows the size guard cut (toolkit/data/encoding.py SizeGuard): row -> its characters; their length is a
         # lower bound, over every max_seq_len the store was prepared for.
         self.capped = {int(k): int(v) for k, v in (meta.get("capped") or {}).get("rows", {}).items()}
@@ -220,6 +223,24 @@ class Store:
                 out["images"] = paths
                 out["image_grid_thw"] = [flat[n:n + 3] for n in range(0, len(flat), 3)]
         return out
+
+    def video_tokens(self, rows: np.ndarray) -> tuple[int, int]:
+        """(video tokens, video frames) of `rows` (row indices): each stored video's grid t x h x w over the merge
+        of the encoder that stored it (frames: 2 per temporal patch)."""
+        if not getattr(self, "videos", False):
+            return 0, 0
+        merge = int(self.meta.get("key", {}).get("encoding", {}).get("merge", 2)) ** 2
+        tokens = frames = 0
+        for i in rows.tolist():
+            k, j = self._locate(int(i))
+            images, grids = self._images[k]
+            flat = grids[j].as_py()
+            for n, ref in enumerate(images[j].as_py() or []):
+                if ref.startswith("video:"):
+                    t, h, w = flat[3 * n:3 * n + 3]
+                    tokens += t * h * w // merge
+                    frames += 2 * t
+        return tokens, frames
 
     def labels_within(self, i: int, limit: int) -> int:
         """Trained tokens among row i's first `limit` tokens."""

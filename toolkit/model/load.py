@@ -103,7 +103,7 @@ def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template:
     """A vision-language model's processor, with an optional `data.chat_template` override resolved to its text
     (`chatml`: the VL ChatML template, with {% generation %} markers)."""
     template = resolve_chat_template(chat_template, vision=True) if chat_template is not None else None
-    if _saved_processor_class(name_or_path) == "Qwen2_5_VLImageOnlyProcessor":
+    if _saved_processor_class(name_or_path) in ("Qwen2_5_VLImageOnlyProcessor", "Qwen3VLImageOnlyProcessor"):
         # The tiny VL models' processor class: AutoProcessor finds it only registered (else it silently returns the
         # tokenizer). Imported here, for such a model only, so loading other models never imports the test models.
         from toolkit.builtin.vl_model import register_image_only_processor

@@ -37,7 +37,7 @@ from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
 from toolkit.data.collate import batch_collator
-from toolkit.data.stages import load_curriculum_data, store_checksums, uses_dummy_data
+from toolkit.data.stages import holds_videos, load_curriculum_data, store_checksums, uses_dummy_data
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator, GenerationPlan
 from toolkit.evals.forgetting import prune_after
@@ -376,12 +376,17 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) ->
     return model, optimizer
 
 
-def build_collator(recipe: Recipe, model_path: str, processing: Any, *, vision: bool) -> Any:
+def build_collator(recipe: Recipe, model_path: str, processing: Any, curriculum: Curriculum | None = None, *,
+                   vision: bool) -> Any:
     """The micro-batch collator: padded or packed rows, text or image rows (`processing`: the processor of a
-    vision-language model, else the tokenizer)."""
+    vision-language model, else the tokenizer). When a store of the `curriculum` holds video rows, every batch
+    carries an image and a video (toolkit/data/collate.py VLCollator says why)."""
     model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
+    videos = vision and curriculum is not None and holds_videos([s.data for s in curriculum.stages],
+                                                                [s.eval_rows for s in curriculum.stages])
     return batch_collator(processing, vision=vision, packing=recipe.data.packing, min_pixels=recipe.data.min_pixels,
-                          max_pixels=recipe.data.max_pixels, model_config=model_config if vision else None)
+                          max_pixels=recipe.data.max_pixels, model_config=model_config if vision else None,
+                          videos=videos)
 
 
 def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layout: RunLayout, processor: Any,
