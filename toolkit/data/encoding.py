@@ -712,7 +712,7 @@ class SizeGuard:
     size, tens of times for a row of many short messages). That is bounded before parsing, in bytes: a JSON Lines
     row over ROW_BYTES_PER_CHAR bytes per character of this limit is stored unread, dropped or refused
     (toolkit/data/sources.py row_byte_cap), and so is a row of a .json file over the cap's floor (read element by
-    element); a CSV / TSV line over the floor is refused. Parquet and Arrow rows are not bounded so."""
+    element); a CSV / TSV line over the floor is refused; a table's row over the cap in Arrow bytes is unread."""
 
     def __init__(self, encoder: Any, max_tokens: int | None) -> None:
         self.encoder, self.max_tokens = encoder, max_tokens
