@@ -351,6 +351,17 @@ def test_duplicate_stage_names_are_error(tmp_path: Path) -> None:
     assert "['a']" in msg
 
 
+def test_stage_names_that_become_one_path_component_are_refused(tmp_path: Path) -> None:
+    """`a/b` and `a:b` both become `a_b`: they would share evals/a_b/ and scores/a_b.parquet (one stage's scores read
+    as the other's). Refused at load naming both; names that stay apart load."""
+    text = ("stages:\n  - {name: a/b, data: [x.jsonl]}\n  - {name: c, data: [y.jsonl]}\n"
+            "  - {name: 'a:b', data: [z.jsonl]}\n")
+    msg = _error(_write(tmp_path, text))
+    assert "stages 'a/b' and 'a:b' would share the folder and scores file 'a_b'" in msg
+    text = "stages:\n  - {name: a/b, data: [x.jsonl]}\n  - {name: a_b_, data: [y.jsonl]}\n"
+    assert [s.name for s in load_recipe(_write(tmp_path, text)).stages] == ["a/b", "a_b_"]
+
+
 def test_duplicate_stage_names_via_override() -> None:
     assert "repeated: ['warmup_short']" in _error(None, ["stages.1.name=warmup_short"])
 

@@ -538,3 +538,24 @@ def test_null_columns_and_plain_extras_are_not_keys(tok: PreTrainedTokenizerFast
     plain = encode_row({"messages": CHAT}, tok, "assistant", "f:1")
     assert encode_row({"messages": CHAT, "text": None, "prompt": None, "weight": None, "id": 7, "label": "math"},
                       tok, "assistant", "f:1") == plain
+
+
+def test_the_size_guard_tokenises_what_max_seq_len_needs_not_its_floor(tok: PreTrainedTokenizerFast) -> None:
+    """Issue 48: a pair of 100k short messages (3.5 MB) cost +290 MB: each side renders to 1.5M characters, over
+    the guard's 1M-character floor, and the guard's first prefix (twice its limit) took the whole text, tokenised
+    with offsets. The prefix now grows from a few characters per token max_seq_len needs: Python's allocations
+    (the offsets and ids) stay under 1 MiB (some 40 MiB before), and the tokens are the text's own first ones."""
+    import tracemalloc
+
+    from toolkit.data.encoding import SizeGuard, TextEncoder, encode_with_offsets
+
+    guard = SizeGuard(TextEncoder(tok, train_on="assistant"), 128)
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>\n" * 25_000
+    assert guard.limit is not None and len(text) > guard.limit  # (the vocabulary scan done before measuring)
+    tracemalloc.start()
+    [(ids, _, _)], long = guard.encode_with_offsets([text])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert long == {0} and len(ids) > 2 * 129
+    assert peak < 1 << 20, peak / 2**20
+    assert ids[:129].tolist() == encode_with_offsets(tok, [text[:20_000]])[0][0][:129].tolist()

@@ -171,6 +171,30 @@ def test_select_pairs_refuses_an_over_length_pair_naming_its_line(tmp_path: Path
     assert len(select_pairs(store, max_seq_len=4096, overlength="error").index) == 6
 
 
+
+def test_a_pair_the_size_guard_cut_is_over_length_not_without_completion(tmp_path: Path, tok: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pair of many short messages (issue 48: 100k of them in 3.5 MB) is cut by the size guard to its first
+    tokens, all prompt: it was counted as a pair with no completion, kept out silently under data.overlength: error
+    and truncate. It is over-length: dropped and counted so under drop, refused naming its line otherwise. (The
+    guard's floor lowered: the same code at a thousand messages.)"""
+    import toolkit.data.encoding as encoding_mod
+
+    monkeypatch.setattr(encoding_mod, "GUARD_MIN_CHARS", 100)
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(999)]
+    big = {"chosen": [*many, {"role": "assistant", "content": "yes"}],
+           "rejected": [*many, {"role": "assistant", "content": "no"}]}
+    path = write(tmp_path / "p.jsonl", [CONVERSATIONAL["trl implicit"], big, CONVERSATIONAL["trl implicit"]])
+    store = open_store(resolve_source(DataEntry(str(path)), Path()), TextEncoder(tok, train_on="assistant", pairs=True),
+                       None, num_proc=1, max_tokens=128)
+    assert set(store.capped) == {2, 3} and store.label_tokens.tolist()[2:4] == [0, 0]  # only the prompt is stored
+    stats = select_pairs(store, max_seq_len=128, overlength="drop").stats
+    assert (stats.rows, stats.kept, stats.dropped_overlength, stats.no_label_tokens) == (3, 2, 1, 0)
+    for policy in ("error", "truncate"):
+        with pytest.raises(ToolkitError, match=r"p\.jsonl:2: at least 129 tokens \(\d+ characters\), over "
+                                               r"data\.max_seq_len=128"):
+            select_pairs(store, max_seq_len=128, overlength=policy)
+
 # --- rows, sides, collation, batches --------------------------------------------------------------------------------
 
 def test_pair_rows_stage_rows_and_pair_sides_agree(tmp_path: Path, models: dict[str, str], tok: Any) -> None:

@@ -465,3 +465,26 @@ def test_the_row_byte_cap_holds_for_json_arrays_one_object_files_and_csv_lines(t
     table.write_text("instruction,output\nhi,there\n" + "long," + "z" * 3000 + "\nbye,now\n")
     with pytest.raises(ToolkitError, match=r"rows.csv:3: the line is over the 2,000-byte cap on one row"):
         sources.open_source(sources.resolve_source(Entry(str(table)), tmp_path))
+
+
+def test_the_row_byte_cap_holds_for_parquet_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: a table's rows were materialised whole (`to_pylist`), however large. A piece whose Arrow bytes
+    are over the cap's floor is read row by row: a row over the cap (its Arrow bytes) stands unread as an Oversize,
+    what data.overlength drop drops and error refuses; the others read as they would."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import toolkit.data.sources as sources
+
+    monkeypatch.setattr(sources, "ROW_BYTES_FLOOR", 2000)
+    rows = [{"instruction": f"say {i}", "output": "ok"} for i in range(4)]
+    rows.insert(2, {"instruction": "long", "output": "z" * 5000})
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    source = sources.resolve_source(Entry(str(path)), tmp_path)
+    sources.open_source(source)
+    got = [row for piece in sources.pieces(source) for row in sources.raw_rows(source, piece, lambda: 200)]
+    assert [n for n, _ in got] == [1, 2, 3, 4, 5]
+    assert isinstance(got[2][1], sources.Oversize) and got[2][1].cap == 2400 and got[2][1].size > 5000
+    assert [r for _, r in got[:2] + got[3:]] == rows[:2] + rows[3:]
+    assert [r for piece in sources.pieces(source) for _, r in sources.raw_rows(source, piece)] == rows

@@ -177,6 +177,8 @@ case("difficulty-named-field-missing")(lambda c: c.train(change=lambda t: t["sta
     order="easy_to_hard", difficulty={"by": "field", "field": "score"})))
 case("continue-first-stage")(lambda c: c.train(change=stage("schedule", "continue")))
 case("duplicate-stage-names")(lambda c: c.train(change=lambda t: t["stages"].append(dict(t["stages"][0]))))
+case("stage-names-one-path")(lambda c: c.train(change=lambda t: t["stages"].extend(
+    dict(t["stages"][0], name=n) for n in ("only?", "only!"))))
 case("lora-trainable-without-lora")(lambda c: c.train("lora.enabled=false", "stages.0.trainable=[lora]"))
 case("patience-without-eval")(lambda c: c.train(change=stage("patience", 2)))
 GENERATION = {"name": "facts", "data": ["eval.jsonl"], "scorers": ["exact"]}

@@ -873,6 +873,15 @@ class DistributedConfig(_Section):
     timeout_minutes: float = Field(30, gt=0, description="Collective timeout, so a dead rank fails the job.")
 
 
+def path_component(name: str) -> str:
+    """A stage, run or eval name as one path component: every character but letters, digits, `_`, `.` and `-`
+    becomes `_`, as does a leading dot, so `../../mine` is `_._.._mine`, never a step out of its folder, and
+    never a hidden file. The one function through which any name of the recipe becomes part of a path (evals/,
+    scores/, trackers/; toolkit/runtime/run_dir.py); here, below the run folder, so that a recipe whose stage names
+    clean to one component is refused at load (`Recipe`)."""
+    return re.sub(r"[^\w.-]|^\.", "_", name) or "_"
+
+
 class Recipe(_Section):
     output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go (not "
                             "empty: that would write into the current directory).")
@@ -916,6 +925,13 @@ class Recipe(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"stage names must be unique, repeated: {dupes}")
+        components: dict[str, str] = {}
+        for name in names:  # each becomes a folder and a file name (evals/<stage>/, scores/<stage>.parquet)
+            other = components.setdefault(path_component(name), name)
+            if other != name:
+                raise ValueError(f"stages '{other}' and '{name}' would share the folder and scores file "
+                                 f"'{path_component(name)}' (a name becomes a path component with every character "
+                                 "but letters, digits, '_', '.' and '-' made '_'); rename one")
         if self.stages[0].schedule == "continue":
             raise ValueError("the first stage has no schedule to continue")
         # deferred: stages.py resolves stages of this schema; the recipe checks what they resolve to

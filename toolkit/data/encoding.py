@@ -767,14 +767,15 @@ class SizeGuard:
     (grown by doubling, so a tokenizer whose tokens cover more than L characters only costs another call), and the
     row keeps its first max_tokens + 1 tokens: what truncation keeps is the row's own first tokens (a cut only
     changes the tokens near itself, and the kept ones are followed by as many again before it), and drop and error
-    see the row as over-length. Tokenising costs a few times max((max_tokens + 1) * L, GUARD_MIN_CHARS) characters
-    whatever the row's size; counting characters is len(str), O(1).
+    see the row as over-length. Tokenising costs a few times the characters of the prefix that yields
+    2 (max_tokens + 1) tokens (the doubling starts at 4 (max_tokens + 1) characters), whatever the row's size;
+    counting characters is len(str), O(1).
 
     What it does not bound: the row's text itself, parsed and rendered by the chat template (a few times the row's
     size, tens of times for a row of many short messages). That is bounded before parsing, in bytes: a JSON Lines
     row over ROW_BYTES_PER_CHAR bytes per character of this limit is stored unread, dropped or refused
     (toolkit/data/sources.py row_byte_cap), and so is a row of a .json file over the cap's floor (read element by
-    element); a CSV / TSV line over the floor is refused. Parquet and Arrow rows are not bounded so."""
+    element); a CSV / TSV line over the floor is refused; a table's row over the cap in Arrow bytes is unread."""
 
     def __init__(self, encoder: Any, max_tokens: int | None) -> None:
         self.encoder, self.max_tokens = encoder, max_tokens
@@ -802,7 +803,9 @@ class SizeGuard:
     def _prefix(self, text: str, tokenise: Callable[[str], Any], count: Callable[[Any], int]) -> Any:
         """`tokenise` of the shortest doubling prefix of `text` that yields over 2 (max_tokens + 1) tokens."""
         assert self.max_tokens is not None and self.limit is not None
-        size = 2 * self.limit
+        # From a prefix of two characters per token wanted, not from the guard's floor: what is tokenised follows
+        # max_tokens (a 1.5M-character side of 50k short messages, max_seq_len 128, was tokenised whole: +0.2 GB).
+        size = min(2 * self.limit, 4 * (self.max_tokens + 1))
         while size < len(text):
             out = tokenise(text[:size])
             if count(out) > 2 * (self.max_tokens + 1):

@@ -100,7 +100,8 @@ def select_pairs(store: Store, *, max_seq_len: int, overlength: str, identical: 
     and drops it when a side is left with no completion token. Tokens are read only for the pairs a truncation
     cuts. `index` holds pair indices k, `lengths` both sides' tokens after the fit, `label_tokens` both sides'
     trained tokens; the stats count pairs. A side stored unread (over the row byte cap) makes its pair over-length
-    for "drop" and is refused otherwise; a side the size guard cut cannot be truncated (only its start is stored)."""
+    for "drop" and is refused otherwise; a side the size guard cut is over-length even when its stored start holds
+    no trained token, and cannot be truncated (only its start is stored)."""
     if len(store) % 2:
         raise ToolkitError(f"{store.source.name}: the token store holds {len(store)} rows, not pairs of rows; "
                            "delete it from data.cache_dir so it is prepared again.")
@@ -112,7 +113,12 @@ def select_pairs(store: Store, *, max_seq_len: int, overlength: str, identical: 
         if overlength != "drop":
             first = min(store.oversize)
             raise ToolkitError(oversize_message(store.where(first), store.oversize[first], store.oversize_cap))
-    no_completion = (labels == 0).any(axis=1) & ~unread
+    # A side the size guard cut stores only its start, which may hold none of its trained tokens: it is over-length
+    # (its text is), not a side with no completion, and is counted and refused as such.
+    cut_short = np.zeros(2 * n, dtype=bool)
+    if store.capped:
+        cut_short[list(store.capped)] = True
+    no_completion = ((labels == 0) & ~cut_short.reshape(n, 2)).any(axis=1) & ~unread
     alike = identical_pairs(store, ~unread & ~no_completion)
     if alike.any() and identical == "error":
         k = int(np.flatnonzero(alike)[0])

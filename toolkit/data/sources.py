@@ -464,7 +464,7 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
                ) -> tuple[list[dict[str, Any] | Oversize], list[int]]:
     """The rows of a piece, mapped to the toolkit's shapes (`to_messages`), and their numbers (JSON Lines: line
     numbers; else 1-based row numbers in the file). A malformed row is an error naming it. `max_chars` (the size
-    guard's limit, asked only of a line over ROW_BYTES_FLOOR) caps a JSON Lines row's bytes: a row over
+    guard's limit, asked only of a line over ROW_BYTES_FLOOR) caps a JSON Lines row's (a table row's) bytes: a row over
     `row_byte_cap` comes as an `Oversize`, unread. With `pairs` (a preference stage) each row is a pair and comes
     as two rows, its chosen and its rejected one (`toolkit.data.pairs.pair_rows`), both with the row's number (an
     Oversize twice)."""
@@ -489,14 +489,24 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
 def raw_rows(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None
              ) -> list[tuple[int, Any]]:
     """(number, row as stored) of a piece's rows, unmapped: JSON Lines parsed (an `Oversize` for a row over the
-    size guard's cap, `read_piece`), array items, or a table's mapped Arrow rows."""
+    size guard's cap, `read_piece`), array items, or a table's mapped Arrow rows (with `max_chars`, one over the
+    cap in Arrow bytes an `Oversize`, never made Python objects)."""
     if source.fmt == "jsonl":
         return list(_parse_jsonl(source.files[piece.file_index], piece.start, piece.end, piece.first, max_chars))
     if source.fmt == "json":
         array = source.arrays[piece.file_index]
         return [(n + 1, array[n]) for n in range(piece.start, piece.end)]
     table = source.tables[piece.file_index]
-    rows = table.data.slice(piece.start, piece.end - piece.start).to_pylist()  # the mapped Arrow rows
+    sliced = table.data.slice(piece.start, piece.end - piece.start)
+    sliced = getattr(sliced, "table", sliced)  # the pyarrow table of datasets' wrapper
+    if max_chars is None or sliced.nbytes <= ROW_BYTES_FLOOR:
+        rows: list[Any] = sliced.to_pylist()  # the mapped Arrow rows: none can be over the cap
+    else:  # a row's Arrow bytes (its buffers within the slice) capped as a JSON Lines line's bytes: over, unread
+        cap = row_byte_cap(max_chars())
+        rows = []
+        for i in range(len(sliced)):
+            one = sliced.slice(i, 1)
+            rows.append(Oversize(one.nbytes, cap) if one.nbytes > cap else one.to_pylist()[0])
     return list(zip(range(piece.start + 1, piece.end + 1), rows, strict=True))
 
 

@@ -36,6 +36,7 @@ from typing import IO, Any
 from toolkit.atomic import not_ours, open_own, refuse_not_ours
 from toolkit.config.identity import changed_keys, resume_invariants
 from toolkit.config.load import load_recipe, recipe_to_yaml
+from toolkit.config.schema import path_component  # the recipe's rule, checked at load (unique per stage)
 from toolkit.errors import ToolkitError
 
 log = logging.getLogger(__name__)
@@ -59,14 +60,6 @@ def writable(folder: Path) -> bool:
     existing ancestor, is a writable folder (access(2): a read-only mount says no, also to root)."""
     existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
     return existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
-
-
-def path_component(name: str) -> str:
-    """A stage, run or eval name as one path component: every character but letters, digits, `_`, `.` and `-`
-    becomes `_`, as does a leading dot, so `../../mine` is `_._.._mine`, never a step out of its folder, and
-    never a hidden file. The one function through which any name of the recipe becomes part of a path (evals/,
-    scores/, trackers/)."""
-    return re.sub(r"[^\w.-]|^\.", "_", name) or "_"
 
 
 @dataclass(frozen=True)
