@@ -252,9 +252,9 @@ def strings(value: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...
 
 def flat(text: str) -> str:
     text = text.replace("[[", "").replace("]]", "")
-    for tag in ("<image>", "<IMG_CONTEXT>"):
+    for tag in ("<image>", "<IMG_CONTEXT>", "<video>"):
         text = text.replace(tag, " ")
-    return " ".join(re.sub(r"<\|image_pad\|>x\d+|<\|vision_(start|end)\|>", " ", text).split())
+    return " ".join(re.sub(r"<\|(image|video)_pad\|>x\d+|<\|vision_(start|end)\|>", " ", text).split())
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CORPUS if n not in ALL_REFUSED))

@@ -175,3 +175,12 @@ REFUSED = [  # (a recipe's stage-1 overrides, the refusal's advice, the override
     (["data.completion_newline=true"], "give a stage objective: dpo", ["data.completion_newline=true",
                                                                       "stages.1.objective=dpo"]),
 ]
+
+
+def test_the_card_names_a_grpo_stage_s_objective_not_sft() -> None:
+    """The model card's and run page's objective column: a grpo stage names its loss, group size, KL and rewards
+    (it used to read `sft`, as any stage that is not a pair stage did)."""
+    from toolkit.train.pair_stage import describe_objective
+
+    stages = resolve_stages(load_recipe("recipes/sft_then_grpo.yaml"))
+    assert [describe_objective(s) for s in stages] == ["sft", "grpo (dapo; 4 generations; beta 0; rewards: contains)"]

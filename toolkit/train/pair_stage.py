@@ -83,7 +83,16 @@ def settings_of(stage: ResolvedStage) -> PreferenceSettings:
 def describe_objective(stage: ResolvedStage) -> str:
     """The stage's objective as the model card names it: `sft`, or e.g. `dpo (sigmoid; beta 0.1; reference: the
     policy at the stage's entry)` (toolkit/config/schema.py `describe_objective`, which the run page reads too)."""
-    return describe(stage.objective if stage.pairs else "sft", stage.preference)
+    objective = getattr(stage, "objective", "sft")
+    if stage.pairs:
+        return describe(objective, stage.preference)
+    rl = getattr(stage, "rl", None)
+    if objective == "grpo" and rl is not None:  # an RL stage: its loss, group size, KL and rewards
+        rewards = ", ".join(f"{r.scorer if isinstance(r.scorer, str) else r.scorer.get('kind')}"
+                            + (f" x{r.weight:g}" if r.weight != 1 else "") for r in stage.rewards)
+        return (f"grpo ({rl.loss_type}; {rl.num_generations} generations; beta {rl.beta:g}"
+                + (f"; rewards: {rewards}" if rewards else "") + ")")
+    return objective
 
 
 def takes_reference(stage: ResolvedStage) -> bool:
