@@ -269,7 +269,7 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
     rewards = run.rl.rewards[stage.index]
     rates = run.rl.rates_of(stage) if rl.prioritize == "failure_rate" else None
     count = len(stage.sampler.batch(step_in_stage))
-    kept: list[tuple[int, _Drawn, int]] = []  # (prompt, its draw, its place there), in draw order
+    useful: list[tuple[int, _Drawn, int]] = []  # (prompt, its draw, its place there), in draw order
     spare: list[tuple[int, _Drawn, int]] = []
     all_correct: list[torch.Tensor] = []
     for draw in range(1 + (rl.max_resample if rl.dynamic_sampling else 0)):
@@ -282,10 +282,10 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
             rates.record([chosen[c // g] for c in range(len(correct))], correct.tolist())
         keep = (grpo.informative_groups(correct, g).tolist() if rl.dynamic_sampling else [True] * count)
         for p in range(count):
-            (kept if keep[p] else spare).append((chosen[p], drawn, p))
-        if len(kept) >= count:
+            (useful if keep[p] else spare).append((chosen[p], drawn, p))
+        if len(useful) >= count:
             break
-    batch = (kept + spare)[:count]
+    batch = (useful + spare)[:count]
     chosen = [prompt for prompt, _, _ in batch]
     rows = [stage.data.samples[i] for i in chosen]
     completion_ids = [d.completion_ids[p * g + j] for _, d, p in batch for j in range(g)]
@@ -293,7 +293,7 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
     truncated = [d.truncated[p * g + j] for _, d, p in batch for j in range(g)]
     table = torch.cat([d.table[p * g:(p + 1) * g] for _, d, p in batch])
     mine = list(range(rank, len(rows), world))
-    drawn_ones = list({id(d): d for _, d, _ in kept + spare}.values())
+    drawn_ones = list({id(d): d for _, d, _ in useful + spare}.values())
     generation, scoring = sum(d.generation for d in drawn_ones), sum(d.scoring for d in drawn_ones)
     combined = grpo.combined_rewards(table, [r.weight for r in rewards])
     advantages, zero_std = grpo.group_advantages(combined, g, rl.scale_rewards)
@@ -311,7 +311,7 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
     if rl.dynamic_sampling or rates is not None:
         drawn_all = torch.cat(all_correct)
         metrics.update({"rl/drawn": float(len(drawn_all) // g), "rl/dropped": float(len(spare)),
-                        "rl/filled": float(max(0, count - len(kept))), **pass_rate_buckets(drawn_all.tolist(), g)})
+                        "rl/filled": float(max(0, count - len(useful))), **pass_rate_buckets(drawn_all.tolist(), g)})
     micro_batches, advs, masks = [], [], []
     for js in slots_of(rank, world, accum, micro):
         p_ids, p_mask = _pad([rows[c // g]["prompt_ids"] for c in js], pad, left=True)
