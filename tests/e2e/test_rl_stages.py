@@ -116,8 +116,9 @@ CURRICULUM = ("stages.0.max_steps=1", "stages.1.rl={num_generations: 2, max_comp
 @pytest.mark.timeout(600)
 def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactly(tmp_path: Path) -> None:
     """rl.prioritize and rl.dynamic_sampling on the letters task (`contains`: binary correctness): groups all right
-    or all wrong are dropped and prompts drawn again by failure rate; 2 processes (DDP) draw and train the same, and a
-    resume inside the grpo stage (the success rates from the checkpoint) draws and trains what the first run did."""
+    or all wrong are dropped and prompts drawn again by failure rate; 2 processes (DDP, ZeRO-3) draw and train the
+    same, and a resume inside the grpo stage (the success rates from the checkpoint) draws and trains what the first
+    run did."""
     one = tmp_path / "one"
     train_forked("single", 1, one, *CURRICULUM, recipe=RECIPE, dummy_samples=32)
     steps = by_step(one)
@@ -136,16 +137,17 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
     meta = json.loads((one / "checkpoints" / "step-00000002" / "meta.json").read_text())
     assert sum(meta["rl_rates"]["1"]["attempts"]) == 2 * steps[2]["rl/drawn"]  # every drawn completion counted
 
-    two = tmp_path / "ddp"
-    train_forked("ddp", 2, two, *CURRICULUM, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
-    assert [(r["prompt"], r["completion"], r["rewards"]) for r in rollouts(two)] == \
-        [(r["prompt"], r["completion"], r["rewards"]) for r in drawn]
-    theirs = by_step(two)
-    for s, r in steps.items():
-        assert theirs[s]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), s
-        for key in ("rl/drawn", "rl/dropped", "pass_rate/mixed", "reward"):
-            if key in r:
-                assert theirs[s][key] == pytest.approx(r[key], rel=1e-6), (s, key)
+    for strategy in ("ddp", "zero3"):  # ZeRO-3: every draw gathers the full weights, ranks in lockstep
+        two = tmp_path / strategy
+        train_forked(strategy, 2, two, *CURRICULUM, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
+        assert [(r["prompt"], r["completion"], r["rewards"]) for r in rollouts(two)] == \
+            [(r["prompt"], r["completion"], r["rewards"]) for r in drawn], strategy
+        theirs = by_step(two)
+        for s, r in steps.items():
+            assert theirs[s]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), (strategy, s)
+            for key in ("rl/drawn", "rl/dropped", "rl/filled", "pass_rate/mixed", "reward"):
+                if key in r:
+                    assert theirs[s][key] == pytest.approx(r[key], rel=1e-6), (strategy, s, key)
 
     resumed = tmp_path / "from-2"
     checkpoint = one / "checkpoints" / "step-00000002"

@@ -5,7 +5,9 @@ Before anything heavy loads, `check_rl_stages` refuses what a grpo stage cannot 
 `rl.num_generations`, TRL's rule; vision prompts; Ulysses; settings this build does not train yet); the rewards are
 built, and user modules imported, with the generation evals' scorers (toolkit/evals/evaluator.py `import_scorers`).
 
-Each step (`rollout_step`): the stage sampler's prompts are completed by whole groups, prompt p by rank p mod world,
+Each step (`rollout_step`): the stage sampler's prompts (with rl.prioritize, drawn by failure rate; with
+rl.dynamic_sampling, drawn again while groups are all right or all wrong) are completed by whole groups, prompt p by
+rank p mod world,
 under the run's strategy with the full weights gathered once (toolkit/evals/rollout.py), and scored on the rank that
 drew them (toolkit/evals/rewards.py); one gather gives every rank the global batch, its group advantages
 (toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token log-probs,
