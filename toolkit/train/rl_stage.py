@@ -9,9 +9,9 @@ Each step (`rollout_step`): the stage sampler's prompts (with rl.prioritize, dra
 rl.dynamic_sampling, drawn again while groups are all right or all wrong) are completed by whole groups, prompt p by
 rank p mod world, under the run's strategy with the full weights gathered once a draw (toolkit/evals/rollout.py),
 and scored on the rank that drew them (toolkit/evals/rewards.py); one gather gives every rank the global batch, its
-group advantages (toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token log-probs,
-normalised over the global batch (`_GrpoLoss`); TRL's metrics and the step's generation and scoring time go to the
-step record, the completions with their rewards to `<output_dir>/rollouts/<stage>.jsonl`.
+group advantages (toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token
+log-probs, normalised over the global batch (`_GrpoLoss`); TRL's metrics and the step's generation and scoring time
+go to the step record, the completions with their rewards to `<output_dir>/rollouts/<stage>.jsonl`.
 """
 
 from __future__ import annotations
