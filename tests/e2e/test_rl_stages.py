@@ -109,6 +109,63 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
     assert sorted(by_step(gated)) == [1, 2, 3, 4, 5]
 
 
+CURRICULUM = ("stages.0.max_steps=1", "stages.1.rl={num_generations: 2, max_completion_length: 8, "
+              "dynamic_sampling: true, max_resample: 2, prioritize: failure_rate}", "checkpoint.keep_last=10")
+
+
+@pytest.mark.timeout(600)
+def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactly(tmp_path: Path) -> None:
+    """rl.prioritize and rl.dynamic_sampling on the letters task (`contains`: binary correctness): groups all right
+    or all wrong are dropped and prompts drawn again by failure rate; 2 processes (DDP, ZeRO-3) draw and train the
+    same, and a resume inside the grpo stage (the success rates from the checkpoint) draws and trains what the first
+    run did."""
+    one = tmp_path / "one"
+    train_forked("single", 1, one, *CURRICULUM, recipe=RECIPE, dummy_samples=32)
+    steps = by_step(one)
+    assert sorted(steps) == [1, 2, 3, 4] and {steps[s]["stage"] for s in (2, 3, 4)} == {"grpo"}
+    for s in (2, 3, 4):
+        r = steps[s]
+        # Draws of 2 prompts until 2 groups are mixed (at most 1 + max_resample), set-aside groups filling the rest.
+        assert r["rl/drawn"] in (2, 4, 6) and r["rl/filled"] == max(0, 2 - (r["rl/drawn"] - r["rl/dropped"])), r
+        assert r["rl/drawn"] == 6 or r["rl/drawn"] - r["rl/dropped"] >= 2, r
+        assert r["frac_reward_zero_std"] == r["rl/filled"] / 2, r  # contains is binary: exactly the filled groups
+        assert r["pass_rate/zero"] + r["pass_rate/mixed"] + r["pass_rate/all"] == pytest.approx(1.0)
+    assert sum(steps[s]["rl/dropped"] for s in (2, 3, 4)) > 0  # something was dropped and drawn again
+    drawn = rollouts(one)
+    assert [r["step"] for r in drawn] == [2] * 4 + [3] * 4 + [4] * 4
+    assert len({r["prompt"] for r in drawn}) > 2
+    meta = json.loads((one / "checkpoints" / "step-00000002" / "meta.json").read_text())
+    assert sum(meta["rl_rates"]["1"]["attempts"]) == 2 * steps[2]["rl/drawn"]  # every drawn completion counted
+
+    for strategy in ("ddp", "zero3"):  # ZeRO-3: every draw gathers the full weights, ranks in lockstep
+        two = tmp_path / strategy
+        train_forked(strategy, 2, two, *CURRICULUM, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
+        assert [(r["prompt"], r["completion"], r["rewards"]) for r in rollouts(two)] == \
+            [(r["prompt"], r["completion"], r["rewards"]) for r in drawn], strategy
+        theirs = by_step(two)
+        for s, r in steps.items():
+            assert theirs[s]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), (strategy, s)
+            for key in ("rl/drawn", "rl/dropped", "rl/filled", "pass_rate/mixed", "reward"):
+                if key in r:
+                    assert theirs[s][key] == pytest.approx(r[key], rel=1e-6), (strategy, s, key)
+
+    resumed = tmp_path / "from-2"
+    checkpoint = one / "checkpoints" / "step-00000002"
+    argv = dummy_run_args(*CURRICULUM, f"output_dir={resumed}", f"checkpoint.resume={checkpoint}", recipe=RECIPE,
+                          dummy_samples=32)
+    (code,) = relaunch("single", [(argv, resumed.with_suffix(".log"))], mixed_precision="no")
+    assert code == 0, resumed.with_suffix(".log").read_text()[-4000:]
+    again = by_step(resumed)
+    assert sorted(again) == [3, 4]
+    for s in (3, 4):
+        for key in (*EXACT_KEYS, "rl/drawn", "rl/dropped", "pass_rate/mixed", "reward"):
+            assert again[s].get(key) == steps[s].get(key), (s, key)
+    assert [(r["prompt"], r["completion"]) for r in rollouts(resumed)] == \
+        [(r["prompt"], r["completion"]) for r in drawn if r["step"] > 2]
+    b, final = (load_file(run / "final" / "adapter_model.safetensors") for run in (one, resumed))
+    assert all(torch.equal(final[k], b[k]) for k in b)
+
+
 @pytest.mark.timeout(600)
 def test_the_recipe_s_launch_line_trains_both_stages(tmp_path: Path) -> None:
     """recipes/sft_then_grpo.yaml's header line as written (2 processes under DDP, only a free port added), from a

@@ -47,7 +47,8 @@ def test_run_state_round_trip_through_meta_json() -> None:
                                                                   "met_step": None},
                      adam_updates=[4, 3], metrics={"loss": 2.0}, stage_start_tokens=1000,
                      pending_pairs=[0.5, -0.5, 2.0, 1.0, -40.0, -44.0, 2.0],
-                     pending_rl={"reward": [1.5, 3.0], "rewards/contains/mean": [0.5, 3.0]})
+                     pending_rl={"reward": [1.5, 3.0], "rewards/contains/mean": [0.5, 3.0]},
+                     rl_rates={"1": {"attempts": [2.0, 0.0], "successes": [1.0, 0.0]}})
     defaults = RunState()
     assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RunState))
     meta = json.loads(json.dumps(state.to_meta()))
@@ -62,6 +63,7 @@ def test_run_state_round_trip_through_meta_json() -> None:
     assert meta["pending_pairs"] == state.pending_pairs  # a preference stage's metric sums not yet logged
     assert "pending_pairs" not in RunState().to_meta()  # an sft run's meta.json as before
     assert meta["pending_rl"] == state.pending_rl and "pending_rl" not in RunState().to_meta()  # an RL stage's
+    assert meta["rl_rates"] == state.rl_rates and "rl_rates" not in RunState().to_meta()  # rl.prioritize's rates
     old = {"step": 3, "tokens": 10, "stage": "a", "stage_index": 0, "pending": {"losses": [], "skipped": 0}}
     assert RunState.from_meta(old) == RunState(step=3, tokens=10, stage="a")  # a checkpoint without the later keys
 

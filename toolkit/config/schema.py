@@ -535,8 +535,9 @@ class RlConfig(_Section):
                                              "the loss (DAPO).")
     num_iterations: int = Field(1, ge=1, description="Updates per rollout batch (the clipped ratio against the "
                                 "rollout's log-probs above 1).")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and draw "
-                                   "prompts again, up to max_resample times, keeping the global batch size.")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose correctness (the first reward above "
+                                   "0.5) is all equal and draw prompts again, up to max_resample times, keeping the "
+                                   "global batch size.")
     max_resample: int = Field(3, ge=0, description="Draws beyond the first per step under dynamic_sampling.")
     prioritize: Literal["failure_rate"] | None = Field(None, description="Sample prompts in proportion to 1 - "
                                                        "their running success rate (Kimi k1.5).")

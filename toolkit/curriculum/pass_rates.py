@@ -49,14 +49,15 @@ class SuccessRates:
         rates = self.rates
         return np.where(np.isnan(rates), 1.0, 1.0 - rates)
 
-    def sample(self, k: int, *, seed: int, step: int) -> np.ndarray:
+    def sample(self, k: int, *, seed: int, step: int, draw: int = 0) -> np.ndarray:
         """``k`` distinct prompts drawn in proportion to ``weights`` (prompts every completion of which was right
         come last, uniformly, only when fewer than ``k`` others have weight), from a generator seeded by
-        (seed, step): the same on every rank, and again after a resume."""
+        (seed, step), and ``draw`` when above 0 (a step's later draws: dynamic sampling's): the same on every rank,
+        and again after a resume."""
         n = len(self.attempts)
         if not 0 < k <= n:
             raise ValueError(f"cannot draw {k} of {n} prompts")
-        rng = np.random.default_rng([seed, step])
+        rng = np.random.default_rng([seed, step, draw] if draw else [seed, step])
         weights = self.weights()
         live = np.flatnonzero(weights > 0)
         if len(live) >= k:

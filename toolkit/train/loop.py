@@ -94,6 +94,7 @@ class RunState:
     stage_start_tokens: int | None = None  # `tokens` when the current stage began (its summary counts from it)
     pending_pairs: list[float] | None = None  # a preference stage's metric sums not yet in a logged record
     pending_rl: dict[str, list[float]] | None = None  # an RL stage's metric values not yet in a logged record
+    rl_rates: dict[str, Any] | None = None  # rl.prioritize stages' success rates, stage index -> SuccessRates state
 
     def to_meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.stage, "stage_index": self.stage_index,
@@ -104,7 +105,8 @@ class RunState:
                 "adam_updates": self.adam_updates, "metrics": self.metrics,
                 "stage_start_tokens": self.stage_start_tokens,
                 **({"pending_pairs": self.pending_pairs} if self.pending_pairs is not None else {}),
-                **({"pending_rl": self.pending_rl} if self.pending_rl is not None else {})}
+                **({"pending_rl": self.pending_rl} if self.pending_rl is not None else {}),
+                **({"rl_rates": self.rl_rates} if self.rl_rates is not None else {})}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunState:
@@ -116,7 +118,7 @@ class RunState:
                    stage_steps=cur.get("stage_steps"), patience=cur.get("patience"), gate=cur.get("gate"),
                    adam_updates=meta.get("adam_updates"), metrics=dict(meta.get("metrics", {})),
                    stage_start_tokens=meta.get("stage_start_tokens"), pending_pairs=meta.get("pending_pairs"),
-                   pending_rl=meta.get("pending_rl"))
+                   pending_rl=meta.get("pending_rl"), rl_rates=meta.get("rl_rates"))
 
 
 @dataclass
@@ -191,6 +193,8 @@ class Run:
             self.pairs.pending = list(state.pending_pairs)
         if state.pending_rl is not None:
             self.rl.pending = {k: list(v) for k, v in state.pending_rl.items()}
+        if state.rl_rates is not None:
+            self.rl.saved_rates = dict(state.rl_rates)
 
     def tokens_now(self) -> int:
         """Tokens trained on so far, over all ranks (collective: reduces the pending interval's count)."""
@@ -206,7 +210,8 @@ class Run:
                         adam_updates=self.freezer.updates, metrics=self.latest,
                         stage_start_tokens=self.stage_start_tokens,
                         pending_pairs=list(self.pairs.pending) if any(self.pairs.pending) else None,
-                        pending_rl={k: list(v) for k, v in self.rl.pending.items()} or None)
+                        pending_rl={k: list(v) for k, v in self.rl.pending.items()} or None,
+                        rl_rates=self.rl.rates_state())
 
 
 def objective_records(run: Run) -> dict[str, float]:

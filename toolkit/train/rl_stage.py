@@ -5,12 +5,13 @@ Before anything heavy loads, `check_rl_stages` refuses what a grpo stage cannot 
 `rl.num_generations`, TRL's rule; vision prompts; Ulysses; settings this build does not train yet); the rewards are
 built, and user modules imported, with the generation evals' scorers (toolkit/evals/evaluator.py `import_scorers`).
 
-Each step (`rollout_step`): the stage sampler's prompts are completed by whole groups, prompt p by rank p mod world,
-under the run's strategy with the full weights gathered once (toolkit/evals/rollout.py), and scored on the rank that
-drew them (toolkit/evals/rewards.py); one gather gives every rank the global batch, its group advantages
-(toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token log-probs,
-normalised over the global batch (`_GrpoLoss`); TRL's metrics and the step's generation and scoring time go to the
-step record, the completions with their rewards to `<output_dir>/rollouts/<stage>.jsonl`.
+Each step (`rollout_step`): the stage sampler's prompts (with rl.prioritize, drawn by failure rate; with
+rl.dynamic_sampling, drawn again while groups are all right or all wrong) are completed by whole groups, prompt p by
+rank p mod world, under the run's strategy with the full weights gathered once a draw (toolkit/evals/rollout.py),
+and scored on the rank that drew them (toolkit/evals/rewards.py); one gather gives every rank the global batch, its
+group advantages (toolkit/train/grpo.py) and its own micro-batches; the loss runs through the loss head's per-token
+log-probs, normalised over the global batch (`_GrpoLoss`); TRL's metrics and the step's generation and scoring time
+go to the step record, the completions with their rewards to `<output_dir>/rollouts/<stage>.jsonl`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 
 from toolkit.config.stages import ResolvedStage
+from toolkit.curriculum.pass_rates import SuccessRates, pass_rate_buckets
 from toolkit.curriculum.stages import Stage
 from toolkit.data.batching import MicroBatch
 from toolkit.errors import ToolkitError
@@ -54,9 +57,7 @@ def check_rl_stages(stages: list[ResolvedStage], *, grad_accum: int, place: Any,
                                "or dpo.")
         rl = stage.rl
         for key, on, why in (("num_iterations", rl.num_iterations > 1, "one update per rollout batch"),
-                             ("beta", rl.beta > 0, "no KL reference"),
-                             ("dynamic_sampling", rl.dynamic_sampling, "every drawn group trains"),
-                             ("prioritize", rl.prioritize is not None, "prompts drawn by the stage's order")):
+                             ("beta", rl.beta > 0, "no KL reference")):
             if on:
                 raise ToolkitError(f"{where}: rl.{key} is {getattr(rl, key)}, which this build does not train yet; "
                                    f"remove it (the default: {why}).")
@@ -126,6 +127,23 @@ class RlState:
     pending: dict[str, list[float]] = field(default_factory=dict)
     recipe_dir: Path = field(default_factory=Path.cwd)  # where `module:function` rewards not yet imported are
     tokenizer: Any = None  # the run's tokenizer: renders nothing, decodes completions and pads the policy batch
+    rates: dict[int, SuccessRates] = field(default_factory=dict)  # rl.prioritize stages' success rates
+    saved_rates: dict[str, Any] = field(default_factory=dict)  # a checkpoint's rates, loaded at the stage's first step
+
+    def rates_of(self, stage: Stage) -> SuccessRates:
+        """The stage's success rates (rl.prioritize), from the checkpoint when the run resumed inside the stage."""
+        if stage.index not in self.rates:
+            rates = SuccessRates(len(stage.data.samples))
+            saved = self.saved_rates.pop(str(stage.index), None)
+            if saved is not None:
+                rates.load_state_dict(saved)
+            self.rates[stage.index] = rates
+        return self.rates[stage.index]
+
+    def rates_state(self) -> dict[str, Any] | None:
+        """Every prioritised stage's rates for the checkpoint (None: no such stage ran)."""
+        out = {**self.saved_rates, **{str(i): r.state_dict() for i, r in self.rates.items()}}
+        return out or None
 
     def add(self, name: str, value: float) -> None:
         if value == value:  # NaN: not computed this step
@@ -142,32 +160,65 @@ class RlState:
 TOKEN_METRICS = grpo.METRICS
 
 
-def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepRollout:
-    """The step's rollouts. Its prompts (the stage sampler's global batch) are drawn by whole groups, prompt p by
-    rank p mod world (toolkit/evals/rollout.py: batched with the KV cache, one prompt's rl.num_generations rows a
-    batch, each completion seeded by (run seed, step, p, sample index), so it is the same on any number of
-    processes), and scored there (toolkit/evals/rewards.py); the global batch's completions and rewards are then
-    gathered to every rank (one object gather), which takes the group advantages (`grpo.group_advantages`) and
-    builds its own micro-batches (`grpo.policy_batch`: slots as the data loader places rows, `slots_of`)."""
+def correctness(table: torch.Tensor) -> torch.Tensor:
+    """Each completion's binary correctness: its score by the stage's first reward above 0.5 (a reward that
+    returned None counts as wrong). What rl.prioritize's success rates and rl.dynamic_sampling's filter read."""
+    first = table[:, 0]
+    return (first.nan_to_num(0.0) > 0.5).to(torch.float64)
+
+
+def draw_prompts(stage: Stage, rates: SuccessRates | None, count: int, *, seed: int, step: int, step_in_stage: int,
+                 draw: int) -> list[int]:
+    """A step's `count` prompts (stage row indices) for its `draw`-th draw: the stage sampler's batch first, then
+    (dynamic sampling's later draws) `count` prompts uniformly from a generator of (seed, step, draw); with
+    rl.prioritize, in proportion to 1 - success rate (`SuccessRates.sample`, by chunks of the stage's size when a
+    step asks more prompts than it has). The same on every rank and after a resume."""
+    n = len(stage.data.samples)
+    if rates is not None:
+        out: list[int] = []
+        while len(out) < count:
+            part = len(out) // n
+            out += rates.sample(min(n, count - len(out)), seed=seed, step=step,
+                                draw=draw + part * 1_000_003).tolist()
+        return [int(i) for i in out]
+    if draw == 0:
+        return [int(i) for i in stage.sampler.batch(step_in_stage)]
+    rng = np.random.default_rng([seed, step, draw])
+    return [int(i) for i in rng.choice(n, size=count, replace=count > n)]
+
+
+@dataclass
+class _Drawn:
+    """One draw's completions, by global slot (prompt p's sample j at p * G + j), and their reward table."""
+
+    completion_ids: list[list[int]]
+    texts: list[str]
+    truncated: list[bool]
+    table: torch.Tensor
+    generation: float  # seconds
+    scoring: float
+
+
+def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], step: int) -> _Drawn:
+    """Complete and score `rows` by whole groups, prompt p by rank p mod world (`keys[p]` seeds its samples), and
+    gather the completions and rewards to every rank. Collective."""
     acc, rl, tokenizer = run.accelerator, stage.resolved.rl, run.rl.tokenizer
     g, world, rank = rl.num_generations, acc.num_processes, acc.process_index
-    accum, micro = run.recipe.train.grad_accum, stage.plan.micro_batch
-    chosen = stage.sampler.batch(step_in_stage)
-    rows = [stage.data.samples[i] for i in chosen]
     mine = list(range(rank, len(rows), world))
     lockstep = shards_parameters(acc) and world > 1
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rewards = run.rl.rewards[stage.index]
-    started = time.perf_counter()
     drawn, scored, error = None, None, None
+    started = time.perf_counter()
     if mine or lockstep:  # a rank with no prompt keeps the others company under sharded weights
         with full_weights_for_generation(acc, run.model) as policy:
             stops = eos_ids(policy, tokenizer)
             asked = mine or [0]
-            drawn = rollout(policy, [rows[p]["prompt_ids"] for p in asked], asked, num_generations=g,
-                            max_completion_length=rl.max_completion_length, temperature=rl.temperature,
-                            top_p=rl.top_p, seed=run.recipe.train.seed, step=step, eos_ids=stops, pad_id=pad,
-                            prompts_per_batch=1, rounds=-(-len(rows) // world), lockstep=lockstep)
+            drawn = rollout(policy, [rows[p]["prompt_ids"] for p in asked], [keys[p] for p in asked],
+                            num_generations=g, max_completion_length=rl.max_completion_length,
+                            temperature=rl.temperature, top_p=rl.top_p, seed=run.recipe.train.seed, step=step,
+                            eos_ids=stops, pad_id=pad, prompts_per_batch=1, rounds=-(-len(rows) // world),
+                            lockstep=lockstep)
     generated = time.perf_counter()
     texts: list[str] = []
     if mine and drawn is not None:
@@ -179,7 +230,7 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
         columns["reference"] = [o["reference"] for o in owners]
         scored, error = score_completions(rewards, [o["prompt"] for o in owners], completions, drawn.completion_ids,
                                           columns, [o["where"] for o in owners])
-    done = time.perf_counter()
+    scoring = time.perf_counter() - generated
     local = {"prompts": mine, "error": error,
              "completion_ids": drawn.completion_ids if mine and drawn else [], "texts": texts,
              "truncated": drawn.truncated if mine and drawn else [],
@@ -198,6 +249,53 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
                 completion_ids[c], texts_all[c] = part["completion_ids"][k], part["texts"][k]
                 truncated[c] = part["truncated"][k]
                 table[c] = torch.tensor(part["rewards"][k], dtype=torch.float64)
+    return _Drawn(completion_ids, texts_all, truncated, table, generated - started, scoring)
+
+
+def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepRollout:
+    """The step's rollouts. Its prompts (the stage sampler's global batch; with rl.prioritize, drawn in proportion
+    to 1 - their success rates) are drawn by whole groups, prompt p by rank p mod world (toolkit/evals/rollout.py:
+    batched with the KV cache, one prompt's rl.num_generations rows a batch, each completion seeded by (run seed,
+    step, draw x prompts + p, sample index), so it is the same on any number of processes), and scored there
+    (toolkit/evals/rewards.py); the completions and rewards are then gathered to every rank (one object gather).
+    With rl.dynamic_sampling, groups whose correctness is all equal are set aside and prompts drawn again, up to
+    rl.max_resample more draws, until the batch is whole (DAPO); set-aside groups fill what is still missing, in
+    draw order. Every rank then takes the group advantages (`grpo.group_advantages`) and builds its own
+    micro-batches (`grpo.policy_batch`: slots as the data loader places rows, `slots_of`)."""
+    acc, rl, tokenizer = run.accelerator, stage.resolved.rl, run.rl.tokenizer
+    g, world, rank = rl.num_generations, acc.num_processes, acc.process_index
+    accum, micro = run.recipe.train.grad_accum, stage.plan.micro_batch
+    seed = run.recipe.train.seed
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rewards = run.rl.rewards[stage.index]
+    rates = run.rl.rates_of(stage) if rl.prioritize == "failure_rate" else None
+    count = len(stage.sampler.batch(step_in_stage))
+    useful: list[tuple[int, _Drawn, int]] = []  # (prompt, its draw, its place there), in draw order
+    spare: list[tuple[int, _Drawn, int]] = []
+    all_correct: list[torch.Tensor] = []
+    for draw in range(1 + (rl.max_resample if rl.dynamic_sampling else 0)):
+        chosen = draw_prompts(stage, rates, count, seed=seed, step=step, step_in_stage=step_in_stage, draw=draw)
+        drawn = _draw(run, stage, [stage.data.samples[i] for i in chosen],
+                      [draw * count + p for p in range(count)], step)
+        correct = correctness(drawn.table)
+        all_correct.append(correct)
+        if rates is not None:  # the global batch's outcomes, the same on every rank
+            rates.record([chosen[c // g] for c in range(len(correct))], correct.tolist())
+        keep = (grpo.informative_groups(correct, g).tolist() if rl.dynamic_sampling else [True] * count)
+        for p in range(count):
+            (useful if keep[p] else spare).append((chosen[p], drawn, p))
+        if len(useful) >= count:
+            break
+    batch = (useful + spare)[:count]
+    chosen = [prompt for prompt, _, _ in batch]
+    rows = [stage.data.samples[i] for i in chosen]
+    completion_ids = [d.completion_ids[p * g + j] for _, d, p in batch for j in range(g)]
+    texts_all = [d.texts[p * g + j] for _, d, p in batch for j in range(g)]
+    truncated = [d.truncated[p * g + j] for _, d, p in batch for j in range(g)]
+    table = torch.cat([d.table[p * g:(p + 1) * g] for _, d, p in batch])
+    mine = list(range(rank, len(rows), world))
+    drawn_ones = list({id(d): d for _, d, _ in useful + spare}.values())
+    generation, scoring = sum(d.generation for d in drawn_ones), sum(d.scoring for d in drawn_ones)
     combined = grpo.combined_rewards(table, [r.weight for r in rewards])
     advantages, zero_std = grpo.group_advantages(combined, g, rl.scale_rewards)
     lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
@@ -210,7 +308,11 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
                **{f"rewards/{r.name}/mean": float(torch.nanmean(table[:, i])) for i, r in enumerate(rewards)},
                "completions/mean_length": float(lengths.mean()),
                "completions/clipped_ratio": float(cut.double().mean()),
-               "time/generation": generated - started, "time/scoring": done - generated}
+               "time/generation": generation, "time/scoring": scoring}
+    if rl.dynamic_sampling or rates is not None:
+        drawn_all = torch.cat(all_correct)
+        metrics.update({"rl/drawn": float(len(drawn_all) // g), "rl/dropped": float(len(spare)),
+                        "rl/filled": float(max(0, count - len(useful))), **pass_rate_buckets(drawn_all.tolist(), g)})
     micro_batches, advs, masks = [], [], []
     for js in slots_of(rank, world, accum, micro):
         p_ids, p_mask = _pad([rows[c // g]["prompt_ids"] for c in js], pad, left=True)
