@@ -79,3 +79,14 @@ def test_an_rl_stage_may_gate_on_its_reward_without_evaluations(tmp_path: Path) 
     with pytest.raises(ToolkitError) as e:
         load_recipe(recipe(tmp_path, {**grpo, "advance_when": {"metric": "rewards", "at_least": 1}}))
     assert "advance_when.metric 'rewards' is not a metric this stage evaluates (did you mean reward?)" in str(e.value)
+
+
+def test_a_recipe_as_the_run_folder_keeps_it_reads_back() -> None:
+    """The run folder keeps the recipe with every default written out (the run page and the model card read it
+    back): a grpo stage's dump validates again, and its objective is named from it, not as `sft` or a dpo stage."""
+    from toolkit.config.schema import Recipe
+    from toolkit.metrics.report import _objective
+
+    tree = load_recipe("recipes/sft_then_grpo.yaml").model_dump(mode="json")
+    assert Recipe.model_validate(tree).model_dump(mode="json") == tree
+    assert _objective(tree["stages"][1]) == "grpo (dapo; 4 generations; beta 0; rewards: contains)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -544,7 +545,9 @@ class RlConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RlConfig:
-        if "max_resample" in self.model_fields_set and not self.dynamic_sampling:
+        # A changed max_resample without dynamic_sampling would be ignored: refused. Its default is accepted, so a
+        # recipe as the run folder keeps it (every default written out) reads back.
+        if self.max_resample != type(self).model_fields["max_resample"].default and not self.dynamic_sampling:
             raise ValueError("max_resample is read only with dynamic_sampling: true; set it or remove max_resample")
         return self
 
@@ -652,12 +655,19 @@ def pair_losses(objective: str, pref: PreferenceConfig | None) -> tuple[tuple[st
     return names, None if pref.loss_weights is None else (1.0, *pref.loss_weights)
 
 
-def describe_objective(objective: str, pref: PreferenceConfig | None) -> str:
-    """A stage's objective as the model card and the run page name it: `sft`, or e.g. `dpo (sigmoid; beta 0.1;
+def describe_objective(objective: str, pref: PreferenceConfig | None, rl: RlConfig | None = None,
+                       rewards: Sequence[RewardConfig] = ()) -> str:
+    """A stage's objective as the model card and the run page name it: `sft`, e.g. `dpo (sigmoid; beta 0.1;
     reference: the policy at the stage's entry)` (its losses and weights by `pair_losses`, beta, label smoothing,
-    gamma and reference)."""
+    gamma and reference), or e.g. `grpo (dapo; 8 generations; beta 0; rewards: math)`."""
     if objective == "sft":
         return "sft"
+    if objective == "grpo":
+        rl = rl or RlConfig()
+        named = ", ".join((r.scorer if isinstance(r.scorer, str) else str(r.scorer.get("kind")))
+                          + (f" x{r.weight:g}" if r.weight != 1 else "") for r in rewards)
+        return (f"grpo ({rl.loss_type}; {rl.num_generations} generations; beta {rl.beta:g}"
+                + (f"; rewards: {named}" if named else "") + ")")
     names, weights = pair_losses(objective, pref)
     losses = ", ".join(f"{name} x{w:g}" if w != 1 else name
                        for name, w in zip(names, weights or (1.0,) * len(names), strict=True))

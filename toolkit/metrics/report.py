@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from toolkit.atomic import write_text_atomic
-from toolkit.config.schema import PreferenceConfig, describe_objective
+from toolkit.config.schema import PreferenceConfig, RewardConfig, RlConfig, describe_objective
 from toolkit.errors import ToolkitError
 from toolkit.runtime.run_dir import RunLayout
 
@@ -179,7 +179,9 @@ def _objective(cfg: dict[str, Any]) -> str:
     objective = str(cfg.get("objective") or "sft")
     try:
         pref = PreferenceConfig.model_validate(cfg["preference"]) if cfg.get("preference") else None
-        return describe_objective(objective, pref)
+        rl = RlConfig.model_validate(cfg["rl"]) if cfg.get("rl") else None
+        rewards = [RewardConfig.model_validate(r) for r in cfg.get("rewards") or ()]
+        return describe_objective(objective, pref, rl, rewards)
     except (ValueError, TypeError):
         return objective
 

@@ -86,13 +86,7 @@ def describe_objective(stage: ResolvedStage) -> str:
     objective = getattr(stage, "objective", "sft")
     if stage.pairs:
         return describe(objective, stage.preference)
-    rl = getattr(stage, "rl", None)
-    if objective == "grpo" and rl is not None:  # an RL stage: its loss, group size, KL and rewards
-        rewards = ", ".join(f"{r.scorer if isinstance(r.scorer, str) else r.scorer.get('kind')}"
-                            + (f" x{r.weight:g}" if r.weight != 1 else "") for r in stage.rewards)
-        return (f"grpo ({rl.loss_type}; {rl.num_generations} generations; beta {rl.beta:g}"
-                + (f"; rewards: {rewards}" if rewards else "") + ")")
-    return objective
+    return describe(objective, None, getattr(stage, "rl", None), getattr(stage, "rewards", ()))
 
 
 def takes_reference(stage: ResolvedStage) -> bool:
