@@ -126,6 +126,21 @@ class _Writer:
         return "".join(self.parts), self.spans
 
 
+def _qwen3_tool_calls(w: _Writer, calls: Any, after_content: bool) -> None:
+    """An assistant turn's tool calls as Qwen3's and Qwen3-VL's templates write them: each `<tool_call>` on a line
+    of its own (a newline before every call but a first one that no content precedes)."""
+    if not calls:
+        return
+    if not isinstance(calls, list):
+        raise Unrendered
+    for k, tc in enumerate(calls):
+        if k > 0 or after_content:
+            w.add("\n")
+        name, args = _call(tc, truthy_function=True)
+        w.add('<tool_call>\n{"name": "' + name + '", "arguments": '
+              + (_safe(args) if type(args) is str else _tojson(args)) + "}\n</tool_call>")
+
+
 def _call(tc: Any, truthy_function: bool) -> tuple[str, Any]:
     """A tool call's name and arguments (the `function` object when there is one)."""
     if not isinstance(tc, dict):
@@ -177,16 +192,7 @@ def render_qwen3(messages: list[dict[str, Any]], tools: Any) -> tuple[str, Spans
                 w.add("<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n"))
             else:
                 w.add(content)
-            calls = m.get("tool_calls")
-            if calls:
-                if not isinstance(calls, list):
-                    raise Unrendered
-                for k, tc in enumerate(calls):
-                    if (k == 0 and content) or k > 0:
-                        w.add("\n")
-                    name, args = _call(tc, truthy_function=True)
-                    w.add('<tool_call>\n{"name": "' + name + '", "arguments": '
-                          + (_safe(args) if type(args) is str else _tojson(args)) + "}\n</tool_call>")
+            _qwen3_tool_calls(w, m.get("tool_calls"), bool(content))
             w.end_assistant()
         elif role == "tool":
             if i == 0 or ms[i - 1].get("role") != "tool":
@@ -313,16 +319,7 @@ def render_qwen3_vl(messages: list[dict[str, Any]], tools: Any) -> tuple[str, Sp
         elif role == "assistant":
             w.assistant()
             w.add(c if isinstance(c, str) else _parts(c, media=False))
-            calls = m.get("tool_calls")
-            if calls:
-                if not isinstance(calls, list):
-                    raise Unrendered
-                for k, tc in enumerate(calls):
-                    if (k == 0 and c) or k > 0:
-                        w.add("\n")
-                    name, args = _call(tc, truthy_function=True)
-                    w.add('<tool_call>\n{"name": "' + name + '", "arguments": '
-                          + (_safe(args) if type(args) is str else _tojson(args)) + "}\n</tool_call>")
+            _qwen3_tool_calls(w, m.get("tool_calls"), bool(c))
             w.end_assistant()
         elif role == "tool":
             if i == 0 or ms[i - 1].get("role") != "tool":

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from toolkit.config.schema import ScorerConfig
 from toolkit.errors import ToolkitError
-from toolkit.evals.scorers import _importable_from, answer_of, build_scorer
+from toolkit.evals.scorers import answer_of, build_scorer, import_named
 
 RewardFn = Callable[..., list[Any]]
 SCORER_KINDS = ("exact", "contains", "regex", "json_valid")
@@ -175,21 +175,9 @@ def _scorer_reward(spec: dict[str, Any], key: str, recipe_dir: Path) -> tuple[st
 def import_reward(ref: str, *, key: str, recipe_dir: Path) -> RewardFn:
     """`module:function` with TRL's reward signature, from the recipe's folder or the installed packages; checked
     to take `prompts`, `completions` and `completion_ids` by keyword. Any failure is one line naming the key."""
-    import importlib
-
-    module_name, _, name = ref.partition(":")
+    name = ref.partition(":")[2]
     where = f"reward {key} ('{ref}')"
-    try:
-        with _importable_from(recipe_dir):
-            module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or anything the user's module raises at import
-        detail = str(e).splitlines()[0] if str(e) else ""
-        raise ToolkitError(f"{where}: module '{module_name}' could not be imported from {recipe_dir} or the installed "
-                           f"packages ({type(e).__name__}: {detail}).") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ToolkitError(f"{where}: module '{module_name}' ({getattr(module, '__file__', '?')}) has no function "
-                           f"'{name}'.")
+    fn = import_named(ref, where, recipe_dir)
     try:
         signature = inspect.signature(fn)
     except ValueError:  # a builtin without a signature: trust it

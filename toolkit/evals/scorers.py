@@ -131,11 +131,10 @@ def _importable_from(folder: Path) -> Iterator[None]:
             sys.path.remove(entry)
 
 
-def import_function(ref: str, *, key: str, recipe_dir: Path) -> ScoreFn:
-    """`module:function` from the recipe's folder or the installed packages, checked to take (output, reference,
-    row). Any failure is one ToolkitError naming the scorer's key."""
+def import_named(ref: str, where: str, recipe_dir: Path) -> Callable[..., Any]:
+    """The callable `module:function` names, imported from the recipe's folder or the installed packages (a
+    generation-eval scorer's or an RL reward's). Any failure is one ToolkitError that starts with `where`."""
     module_name, _, name = ref.partition(":")
-    where = f"scorer {key} ('{ref}')"
     try:
         with _importable_from(recipe_dir):
             module = importlib.import_module(module_name)
@@ -147,6 +146,15 @@ def import_function(ref: str, *, key: str, recipe_dir: Path) -> ScoreFn:
     if not callable(fn):
         raise ToolkitError(f"{where}: module '{module_name}' ({getattr(module, '__file__', '?')}) has no function "
                            f"'{name}'.")
+    return fn
+
+
+def import_function(ref: str, *, key: str, recipe_dir: Path) -> ScoreFn:
+    """`module:function` from the recipe's folder or the installed packages, checked to take (output, reference,
+    row). Any failure is one ToolkitError naming the scorer's key."""
+    name = ref.partition(":")[2]
+    where = f"scorer {key} ('{ref}')"
+    fn = import_named(ref, where, recipe_dir)
     try:
         inspect.signature(fn).bind("output", "reference", {})
     except TypeError:
