@@ -283,7 +283,7 @@ case("rl-reward-module-missing")(lambda c: c.train(
 case("rl-vision-language-model")(lambda c: c.train(f"model.name_or_path={c.models['vl']}", *GRPO, RL,
                                                    rows=[PROMPT] * 8))
 case("rl-not-trained-yet")(lambda c: c.train(
-    *GRPO, "stages.0.rl={num_generations: 2, max_completion_length: 16, num_iterations: 2}", rows=[PROMPT] * 8))
+    *GRPO, "stages.0.rl={num_generations: 2, max_completion_length: 16, beta: 0.04}", rows=[PROMPT] * 8))
 case("data-prompt-without-reference")(lambda c: c.train(*GRPO, RL, rows=[{"prompt": "2 + 2 =", "answer": "4"}] * 8))
 case("data-rl-row-without-prompt")(lambda c: c.train(*GRPO, RL, rows=[{"question": "2 + 2?", "answer": "4"}] * 8))
 case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))

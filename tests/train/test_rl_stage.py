@@ -4,6 +4,7 @@ do not depend on the rank or batch that draws them (a real tiny model)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,9 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
+from transformers import AutoTokenizer
 
+from tests.train.test_grpo import lora_model, nudge
 from toolkit.builtin.models import TINY_MODEL
 from toolkit.config.load import load_recipe
 from toolkit.config.stages import resolve_stages
@@ -21,8 +24,11 @@ from toolkit.curriculum.pass_rates import SuccessRates
 from toolkit.curriculum.stages import rank_micro_batches
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import import_scorers
+from toolkit.model.loss_head import install_loss_head
 from toolkit.strategies.sequence_parallel import layout
+from toolkit.train.grpo import GrpoSettings, completion_logps, grpo_loss, normaliser
 from toolkit.train.rl_stage import (
+    GrpoObjective,
     RlState,
     check_rl_stages,
     correctness,
@@ -63,11 +69,11 @@ def test_num_generations_must_divide_the_global_batch_and_its_advice_fits(tmp_pa
     check_rl_stages(resolve_stages(grpo_recipe(tmp_path, micro=advised)), grad_accum=1, place=place, vision=False)
     with pytest.raises(ToolkitError, match="objective grpo on a vision-language model is not supported yet"):
         check_rl_stages(resolve_stages(grpo_recipe(tmp_path, micro=4)), grad_accum=1, place=place, vision=True)
-    for key, value in (("beta", 0.04), ("num_iterations", 2)):
-        with pytest.raises(ToolkitError, match=f"rl.{key} is {value}, which this build does not train yet"):
-            recipe = grpo_recipe(tmp_path, micro=4, rl={"num_generations": 4, key: value})
-            check_rl_stages(resolve_stages(recipe), grad_accum=1, place=place, vision=False)
-    trained = {"num_generations": 4, "dynamic_sampling": True, "max_resample": 2, "prioritize": "failure_rate"}
+    with pytest.raises(ToolkitError, match=r"rl\.beta is 0\.04, which this build does not train yet"):
+        recipe = grpo_recipe(tmp_path, micro=4, rl={"num_generations": 4, "beta": 0.04})
+        check_rl_stages(resolve_stages(recipe), grad_accum=1, place=place, vision=False)
+    trained = {"num_generations": 4, "dynamic_sampling": True, "max_resample": 2, "prioritize": "failure_rate",
+               "num_iterations": 2}
     check_rl_stages(resolve_stages(grpo_recipe(tmp_path, micro=4, rl=trained)), grad_accum=1, place=place,
                     vision=False)
 
@@ -128,3 +134,64 @@ def test_a_reward_module_that_does_not_import_stops_before_anything_heavy(tmp_pa
     (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, completion_ids, **kw):\n"
                                             "    return [1.0] * len(completions)\n")
     import_scorers(recipe, tmp_path)
+
+
+def test_num_iterations_trains_one_rollout_twice_against_its_kept_logps(models: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    """rl.num_iterations 2 (TRL's semantics): the stage's step 0 draws a rollout, step 1 trains the same
+    micro-batches again, step 2 draws anew; each step's loss equals `grpo_loss` computed here on the same completions
+    with the policy's own log-probs before the update as `old_logps` (the rollout's kept ones: equal to them), so a
+    moved policy's ratios are not 1. A resume inside the iterations is refused in one line."""
+    (tmp_path / "iter_rewards.py").write_text("def length(prompts, completions, **kw):\n"
+                                            "    return [float(len(c)) for c in completions]\n")
+    recipe = grpo_recipe(tmp_path, micro=4, rl={"num_generations": 4, "num_iterations": 2,
+                                                "max_completion_length": 5, "epsilon": 0.05},
+                         rewards=[{"scorer": "iter_rewards:length"}])
+    recipe.output_dir = str(tmp_path / "out")
+    resolved = resolve_stages(recipe)[0]
+    tokenizer = AutoTokenizer.from_pretrained(models["text"])
+    model = lora_model(models["text"])
+    install_loss_head(model, "chunked")
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False) for q in ("2 + 2?", "Count to three.")]
+    samples = [{"prompt_ids": i, "prompt": "q", "reference": "4", "columns": {}, "where": f"p.jsonl:{n + 1}"}
+               for n, i in enumerate(ids)]
+    stage = SimpleNamespace(index=0, name="rl", resolved=resolved, plan=SimpleNamespace(micro_batch=4),
+                            data=SimpleNamespace(samples=samples), sampler=SimpleNamespace(batch=lambda s: [s % 2]))
+    run = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, recipe=recipe,
+                          rl=RlState(recipe_dir=tmp_path, tokenizer=tokenizer))
+    objective = GrpoObjective()
+    objective.enter(run, stage, 0)
+    settings = GrpoSettings(num_generations=4, max_completion_length=5, epsilon=0.05, num_iterations=2)
+    drawn, olds = None, []
+    for step in range(3):
+        micro = objective.micro_batches(run, stage, step, step)
+        current = run.rl.current
+        if step == 1:
+            assert micro is drawn and current.old_logps is not None  # the same batch, trained again
+        else:
+            assert micro is not drawn
+            drawn = micro
+            olds = [completion_logps(model, mb.batch, m, settings.temperature)[0].detach()
+                    for mb, m in zip(micro, current.masks, strict=True)]
+            for kept, old, m in zip(current.old_logps, olds, current.masks, strict=True):
+                torch.testing.assert_close(kept * m, old * m, atol=1e-4, rtol=1e-4)
+        assert any(bool(a.abs().sum()) for a in current.advantages)  # the loss is not trivially 0
+        loss = objective.begin(run, stage, micro, 1, whole=None)
+        ours = [loss.micro(model, j, mb.batch) for j, mb in enumerate(micro)]
+        divisor = normaliser(settings.loss_type, tokens=current.tokens, sequences=current.sequences,
+                             max_completion_length=5)
+        for j, mb in enumerate(micro):
+            logps, _ = completion_logps(model, mb.batch, current.masks[j], settings.temperature)
+            theirs, terms = grpo_loss(logps, current.masks[j], current.advantages[j], settings, divisor=divisor,
+                                      old_logps=olds[j])
+            torch.testing.assert_close(ours[j], theirs, atol=1e-5, rtol=1e-4)
+            if step == 1:  # the policy moved: the ratio is not 1, so the old log-probs were read
+                assert not torch.allclose(terms.ratio * current.masks[j], current.masks[j].float())
+        nudge(model)  # stands in for the optimizer step
+    rollouts = (tmp_path / "out" / "rollouts" / "rl.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rollouts] == [1] * 4 + [3] * 4  # two rollouts for three steps
+    run.rl = RlState(recipe_dir=tmp_path, tokenizer=tokenizer, rewards=run.rl.rewards)  # a resume at stage step 1
+    with pytest.raises(ToolkitError, match=r"stages.0 \('rl'\): the checkpoint is at step 1 of the stage, inside "
+                                           r"the 2 updates \(rl.num_iterations\)"):
+        objective.micro_batches(run, stage, 1, 1)

@@ -56,11 +56,9 @@ def check_rl_stages(stages: list[ResolvedStage], *, grad_accum: int, place: Any,
                                "prompts' rollouts are not proven); train this stage on a text model, or make it sft "
                                "or dpo.")
         rl = stage.rl
-        for key, on, why in (("num_iterations", rl.num_iterations > 1, "one update per rollout batch"),
-                             ("beta", rl.beta > 0, "no KL reference")):
-            if on:
-                raise ToolkitError(f"{where}: rl.{key} is {getattr(rl, key)}, which this build does not train yet; "
-                                   f"remove it (the default: {why}).")
+        if rl.beta > 0:
+            raise ToolkitError(f"{where}: rl.beta is {rl.beta:g}, which this build does not train yet (the frozen "
+                               "reference adapter is not built); remove it (the default 0: no KL reference).")
         g = stage.rl.num_generations
         batch = stage.micro_batch_size * grad_accum * replicas
         if batch % g:
@@ -113,6 +111,7 @@ class StepRollout:
     sequences: int
     metrics: dict[str, float]
     records: list[dict[str, Any]]
+    old_logps: list[torch.Tensor] = field(default_factory=list)  # per micro-batch: the rollout's, [B, C]
 
 
 @dataclass
@@ -194,6 +193,7 @@ class _Drawn:
     completion_ids: list[list[int]]
     texts: list[str]
     truncated: list[bool]
+    logps: list[list[float]]  # each completion token's log-prob at the sampling temperature (the old policy's)
     table: torch.Tensor
     generation: float  # seconds
     scoring: float
@@ -234,6 +234,7 @@ def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], s
     local = {"prompts": mine, "error": error,
              "completion_ids": drawn.completion_ids if mine and drawn else [], "texts": texts,
              "truncated": drawn.truncated if mine and drawn else [],
+             "logps": drawn.logps if mine and drawn else [],
              "rewards": scored.tolist() if scored is not None else []}
     parts = gather_object([local])
     failed = next((part["error"] for part in parts if part["error"] is not None), None)
@@ -241,15 +242,16 @@ def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], s
         raise ToolkitError(failed)  # on every rank: the error was gathered to all
     completion_ids: list[list[int]] = [[] for _ in range(len(rows) * g)]
     texts_all, truncated = [""] * len(completion_ids), [False] * len(completion_ids)
+    logps: list[list[float]] = [[] for _ in completion_ids]
     table = torch.full((len(completion_ids), len(rewards)), float("nan"), dtype=torch.float64)
     for part in parts:
         for n, p in enumerate(part["prompts"]):
             for j in range(g):
                 c, k = p * g + j, n * g + j
                 completion_ids[c], texts_all[c] = part["completion_ids"][k], part["texts"][k]
-                truncated[c] = part["truncated"][k]
+                truncated[c], logps[c] = part["truncated"][k], part["logps"][k]
                 table[c] = torch.tensor(part["rewards"][k], dtype=torch.float64)
-    return _Drawn(completion_ids, texts_all, truncated, table, generated - started, scoring)
+    return _Drawn(completion_ids, texts_all, truncated, logps, table, generated - started, scoring)
 
 
 def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepRollout:
@@ -292,6 +294,7 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
     completion_ids = [d.completion_ids[p * g + j] for _, d, p in batch for j in range(g)]
     texts_all = [d.texts[p * g + j] for _, d, p in batch for j in range(g)]
     truncated = [d.truncated[p * g + j] for _, d, p in batch for j in range(g)]
+    old_logps = [d.logps[p * g + j] for _, d, p in batch for j in range(g)]
     table = torch.cat([d.table[p * g:(p + 1) * g] for _, d, p in batch])
     mine = list(range(rank, len(rows), world))
     drawn_ones = list({id(d): d for _, d, _ in useful + spare}.values())
@@ -313,7 +316,7 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
         drawn_all = torch.cat(all_correct)
         metrics.update({"rl/drawn": float(len(drawn_all) // g), "rl/dropped": float(len(spare)),
                         "rl/filled": float(max(0, count - len(useful))), **pass_rate_buckets(drawn_all.tolist(), g)})
-    micro_batches, advs, masks = [], [], []
+    micro_batches, advs, masks, olds = [], [], [], []
     for js in slots_of(rank, world, accum, micro):
         p_ids, p_mask = _pad([rows[c // g]["prompt_ids"] for c in js], pad, left=True)
         c_ids, c_mask = _pad([completion_ids[c] for c in js], pad, left=False)
@@ -324,11 +327,20 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
                                         int(c_mask.sum())))
         advs.append(advantages[js].to(torch.float32))
         masks.append(c_mask)
+        olds.append(_pad_logps([old_logps[c] for c in js], c_mask.shape[1]))
     records = [{"step": step + 1, "stage": stage.name, "slot": p * g + j, "prompt": int(chosen[p]), "sample": j,
                 "where": rows[p]["where"], "completion": texts_all[p * g + j], "rewards": table[p * g + j].tolist(),
                 "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j]}
                for p in mine for j in range(g)]
-    return StepRollout(micro_batches, advs, masks, float(kept.sum()), len(completion_ids), metrics, records)
+    return StepRollout(micro_batches, advs, masks, float(kept.sum()), len(completion_ids), metrics, records, olds)
+
+
+def _pad_logps(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Completions' per-token log-probs on the `[B, width]` completion grid (right-padded with 0, masked out)."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
 
 
 def _pad(rows: list[list[int]], pad: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,7 +393,9 @@ class _GrpoLoss:
         logps = grpo.tokens_to_grid(tokens.logps, mask)
         entropies = grpo.tokens_to_grid(tokens.entropies, mask) if tokens.entropies is not None else None
         advantages = self.rollout.advantages[j].to(device)
-        loss, terms = grpo.grpo_loss(logps, mask, advantages, self.settings, divisor=self.divisor)
+        # num_iterations > 1: the ratio against the rollout's per-token log-probs, kept for the batch's updates
+        old = self.rollout.old_logps[j].to(device) if self.settings.num_iterations > 1 else None
+        loss, terms = grpo.grpo_loss(logps, mask, advantages, self.settings, divisor=self.divisor, old_logps=old)
         sums = grpo.metric_sums(terms, advantages, mask, self.settings, entropies)
         self.sums[self.width:] += sums[self.picked].to(self.sums.dtype)
         return loss + 0.0 * out.loss  # the backward passes through the model's output (ZeRO-3 opens it there)
@@ -397,7 +411,18 @@ class GrpoObjective:
             run.rl.rewards[stage.index] = stage_rewards(stage.resolved, run.rl.recipe_dir)
 
     def micro_batches(self, run: Any, stage: Stage, step_in_stage: int, step: int) -> list[MicroBatch]:
-        run.rl.current = rollout_step(run, stage, step_in_stage, step)
+        """The step's micro-batches: a new rollout every rl.num_iterations steps of the stage, trained that many
+        times (TRL's GRPOTrainer: a generation's batch is reused for num_iterations optimizer steps, so the stage's
+        steps count updates and its prompt batches are the sampler's batch step_in_stage // num_iterations)."""
+        iterations = stage.resolved.rl.num_iterations
+        if step_in_stage % iterations:
+            if run.rl.current is None:  # resumed inside the updates of a batch the checkpoint does not keep
+                raise ToolkitError(
+                    f"stages.{stage.index} ('{stage.name}'): the checkpoint is at step {step_in_stage} of the stage, "
+                    f"inside the {iterations} updates (rl.num_iterations) of one rollout batch, which checkpoints do "
+                    f"not keep; resume from a checkpoint whose stage step is a multiple of {iterations}.")
+            return run.rl.current.micro
+        run.rl.current = rollout_step(run, stage, step_in_stage // iterations, step)
         write_rollouts(run, stage, run.rl.current.records)
         return run.rl.current.micro
 
