@@ -181,3 +181,35 @@ def test_the_recipe_s_launch_line_trains_both_stages(tmp_path: Path) -> None:
     assert [steps[s]["stage"] for s in sorted(steps)] == ["sft"] * 4 + ["grpo"] * 3
     assert all("reward" in steps[s] for s in (5, 6, 7))
     assert len(rollouts(tmp_path / "outputs" / "sft_then_grpo")) == 3 * 8  # 2 processes x 2 x 2 completions a step
+
+
+@pytest.mark.timeout(600)
+def test_num_iterations_reuses_each_rollout_and_resumes_exactly_between_rollouts(tmp_path: Path) -> None:
+    """rl.num_iterations 2 in a real run (one process): the grpo stage's 4 steps draw 2 rollouts (steps 2 and 4 of
+    the run), each trained twice; a resume from the checkpoint after the first rollout's 2 updates gives every later
+    step and the adapter to the bit, and one from inside them is refused in one line."""
+    settings = ("stages.0.max_steps=1", "stages.1.max_steps=4", SETTINGS[0], "checkpoint.keep_last=10",
+                "stages.1.rl={num_generations: 2, max_completion_length: 8, num_iterations: 2}")
+    one = tmp_path / "one"
+    train_forked("single", 1, one, *settings, recipe=RECIPE, dummy_samples=32)
+    steps = by_step(one)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rollouts(one)] == [2] * 4 + [4] * 4  # a rollout every 2 steps of the stage
+    logs = []
+    for at in (3, 2):  # stage steps 2 (between rollouts) and 1 (inside the first rollout's updates)
+        out = tmp_path / f"from-{at}"
+        argv = dummy_run_args(*settings, f"output_dir={out}",
+                              f"checkpoint.resume={one / 'checkpoints' / f'step-{at:08d}'}", recipe=RECIPE,
+                              dummy_samples=32)
+        logs.append((argv, out.with_suffix(".log")))
+    codes = relaunch("single", logs, mixed_precision="no")
+    assert codes[0] == 0, logs[0][1].read_text()[-4000:]
+    again = by_step(tmp_path / "from-3")
+    assert sorted(again) == [4, 5]
+    for s in (4, 5):
+        for key in (*EXACT_KEYS, *TRL_METRICS):
+            assert again[s].get(key) == steps[s].get(key), (s, key)
+    b, final = (load_file(run / "final" / "adapter_model.safetensors") for run in (one, tmp_path / "from-3"))
+    assert all(torch.equal(final[k], b[k]) for k in b)
+    assert codes[1] != 0 and ("error: stages.1 ('grpo'): the checkpoint is at step 1 of the stage, inside the 2 "
+                              "updates (rl.num_iterations) of one rollout batch") in logs[1][1].read_text()
