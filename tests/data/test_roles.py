@@ -435,7 +435,8 @@ def flat_messages(node: dict[str, Any], parent: str | None = None) -> list[dict[
 
 def test_a_flat_message_export_trains_the_threads_of_its_trees(tmp_path: Path, tok: Any) -> None:
     """A file of flat messages is read whole and rebuilt into trees by `parent_id`: the card's tree, flattened and
-    its rows shuffled, trains the same rows as the trees export, main thread and `threads: all`; the wild flat
+    its rows shuffled, trains the same rows as the trees export, main thread and `threads: all` (JSON Lines, and a
+    .json array); the wild flat
     rows (a prompt and its rank-0 answer) train as that two-message tree does: the answer, not the question. A
     reply whose parent is not in the file is refused in one line, and so is a message in a file that does not start
     with one."""
@@ -447,6 +448,10 @@ def test_a_flat_message_export_trains_the_threads_of_its_trees(tmp_path: Path, t
         want, got = (_samples([DataSource(path=str(p), threads=threads).entry()], tok) for p in (trees, rows))
         assert [s["input_ids"] for s in got] == [s["input_ids"] for s in want]
         assert [s["labels"] for s in got] == [s["labels"] for s in want] and len(want) == (2 if threads else 1)
+    array = tmp_path / "flat.json"  # a .json array of the same messages is rebuilt the same way
+    array.write_text(json.dumps(messages))
+    assert [s["input_ids"] for s in _samples([Entry(str(array))], tok)] == \
+        [s["input_ids"] for s in _samples([Entry(str(trees))], tok)]
     asked, answer = rows_in(WILD / "oasst2_flat.jsonl")  # the real export's prompt and its rank-0 answer
     wild = _samples([Entry(str(wild_copy(tmp_path, "oasst2_flat.jsonl")))], tok)
     as_tree = _samples([_jsonl(tmp_path / "tree.jsonl", [{"prompt": {**asked, "replies": [answer]}}])], tok)
