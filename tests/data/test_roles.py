@@ -46,7 +46,8 @@ ROUND2 = {  # issue 47's files: file -> (model, the data entry keys its refusals
                      "metamathqa.jsonl", "numinamath_cot.jsonl", "code_alpaca.jsonl", "alpaca_gpt4.jsonl",
                      "no_robots.jsonl", "lima.jsonl", "guanaco.jsonl", "hermes_function_calling.jsonl",
                      "wizardlm_evol.jsonl", "trl_prompt_completion.jsonl", "trl_language_modeling.jsonl",
-                     "openai_tools.jsonl", "excel_bom.csv", "pandas_index.parquet", "numinamath_tir.jsonl"),
+                     "openai_tools.jsonl", "excel_bom.csv", "pandas_index.parquet", "numinamath_tir.jsonl",
+                     "oasst2_flat.jsonl"),
                     ("text", {})),
     "openorca.jsonl": ("text", {"columns": {"instruction": "question", "output": "response",
                                             "system": "system_prompt"}}),
@@ -61,7 +62,6 @@ ROUND2 = {  # issue 47's files: file -> (model, the data entry keys its refusals
                      "internvl_placeholder.jsonl"), ("vl", {})),
 }
 REFUSED2 = {
-    "oasst2_flat.jsonl": r"the row is one message of a flat message export \('parent_id', 'role': 'prompter'",
     "minicpmv_multi.json": r"the row has 'image' .* that is not a path or a list of paths",
     "qwen_vl_v1.json": r"the text holds '<img>assets/demo.jpeg</img>', image markup of another tool",
     "ms_swift_image_url.jsonl": r"the row's images include 'https://.*', a URL; images are read from files",
@@ -120,6 +120,13 @@ def rows_in(path: Path) -> list[Any]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def trained_rows(name: str) -> int:
+    """The rows a file trains as: one per row, or per tree of a flat message export (a message whose parent is
+    null)."""
+    rows = rows_in(WILD / name)
+    return sum(r["parent_id"] is None for r in rows) if name == "oasst2_flat.jsonl" else len(rows)
+
+
 @pytest.fixture(scope="module")
 def inspected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """`toolkit inspect-data FILE` on every corpus file (one output dir, so the built-in models are written once):
@@ -154,7 +161,7 @@ def test_every_file_through_inspect_data(name: str, inspected: dict[str, str]) -
         assert re.search(ALL_REFUSED[name], report), report
         return
     assert not report.startswith("REFUSED"), report
-    rows = len(rows_in(WILD / name))
+    rows = trained_rows(name)
     unit = "pairs" if name in PAIRS else "rows"
     assert re.search(rf"data(?: \(dpo\))?: {rows} {unit}, {rows} kept", report), report
     assert pasted(report) == (PAIRS[name] if name in PAIRS else ROWS_TRAIN[name][1])
@@ -169,6 +176,8 @@ SHAPES = {  # the shape inspect-data names for chats told by their values
     "oasst1_trees.jsonl": "a chat under 'prompt' (a message tree, told by its values)",
     "glaive_function_calling.jsonl": "a chat under 'chat' (a dialog in one string, told by its values)",
     "bare_messages.jsonl": "a bare list of turns: the row's chat",
+    "oasst2_flat.jsonl": "a flat message export (one message per row, linked by 'parent_id'): rebuilt into message "
+                         "trees",
 }
 
 
@@ -180,7 +189,7 @@ def test_round2_files_train_or_their_refusal_gives_the_entry_that_does(name: str
     kind, fix = ROUND2[name]
     data, applied, _ = trains_after_fixes(wild_copy(tmp_path, name), kind, tok, vl_processor)
     assert applied == fix
-    assert data.stats.kept == data.stats.rows == len(rows_in(WILD / name)) and data.stats.label_tokens > 0
+    assert data.stats.kept == data.stats.rows == trained_rows(name) and data.stats.label_tokens > 0
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
@@ -415,6 +424,48 @@ def test_every_thread_of_a_tree_with_threads_all(tmp_path: Path, tok: Any) -> No
 
     keys = [store_key(resolve_source(e, tmp_path), "d", Enc()) for e in (Entry(str(path)), entry)]
     assert "threads" not in keys[0] and keys[1]["threads"] == "all"
+
+
+def flat_messages(node: dict[str, Any], parent: str | None = None) -> list[dict[str, Any]]:
+    """A message tree as OASST's flat export lays it out: each message a row without its replies, linked to its
+    parent's `message_id` by `parent_id` (the card's tree leaves it null), replies after the message they answer."""
+    return [{**{k: v for k, v in node.items() if k != "replies"}, "parent_id": parent},
+            *(m for r in node.get("replies", []) for m in flat_messages(r, node["message_id"]))]
+
+
+def test_a_flat_message_export_trains_the_threads_of_its_trees(tmp_path: Path, tok: Any) -> None:
+    """A file of flat messages is read whole and rebuilt into trees by `parent_id`: the card's tree, flattened and
+    its rows shuffled, trains the same rows as the trees export, main thread and `threads: all` (JSON Lines, and a
+    .json array); the wild flat
+    rows (a prompt and its rank-0 answer) train as that two-message tree does: the answer, not the question. A
+    reply whose parent is not in the file is refused in one line, and so is a message in a file that does not start
+    with one."""
+    tree = json.loads((WILD / "oasst1_trees.jsonl").read_text())
+    messages = flat_messages(tree["prompt"])
+    random.Random(0).shuffle(messages)
+    trees, rows = _jsonl(tmp_path / "trees.jsonl", [tree]), _jsonl(tmp_path / "flat.jsonl", messages)
+    for threads in (None, "all"):
+        want, got = (_samples([DataSource(path=str(p), threads=threads).entry()], tok) for p in (trees, rows))
+        assert [s["input_ids"] for s in got] == [s["input_ids"] for s in want]
+        assert [s["labels"] for s in got] == [s["labels"] for s in want] and len(want) == (2 if threads else 1)
+    array = tmp_path / "flat.json"  # a .json array of the same messages is rebuilt the same way
+    array.write_text(json.dumps(messages))
+    assert [s["input_ids"] for s in _samples([Entry(str(array))], tok)] == \
+        [s["input_ids"] for s in _samples([Entry(str(trees))], tok)]
+    asked, answer = rows_in(WILD / "oasst2_flat.jsonl")  # the real export's prompt and its rank-0 answer
+    wild = _samples([Entry(str(wild_copy(tmp_path, "oasst2_flat.jsonl")))], tok)
+    as_tree = _samples([_jsonl(tmp_path / "tree.jsonl", [{"prompt": {**asked, "replies": [answer]}}])], tok)
+    assert [s["labels"] for s in wild] == [s["labels"] for s in as_tree]
+    assert len(wild) == 1 and _trained(wild[0], tok).strip().endswith(answer["text"][-60:] + "<|im_end|>")
+    assert asked["text"] in tok.decode(wild[0]["input_ids"]) and asked["text"] not in _trained(wild[0], tok)
+    orphan = [m for m in messages if m["parent_id"] != tree["prompt"]["message_id"]]
+    with pytest.raises(ToolkitError, match=r"flat.jsonl:\d+: \d+ message\(s\) of the flat export reply to a message "
+                                           r"not in the file \('parent_id'"):
+        _samples([Entry(str(_jsonl(tmp_path / "flat.jsonl", orphan)))], tok)
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [{"messages": [{"role": "user", "content": "Hi"},
+                                                            {"role": "assistant", "content": "Hello"}]}, *messages])
+    with pytest.raises(ToolkitError, match=r"mixed.jsonl:2: the row is one message of a flat message export"):
+        _samples([Entry(str(mixed))], tok)
 
 
 def test_other_tools_image_placeholders(tmp_path: Path, vl_processor: Any) -> None:

@@ -819,9 +819,9 @@ case("data-dolly-unmapped")(lambda c: c.train(rows=[{  # databricks-dolly-15k, r
     "category": "classification"}]))
 case("data-roles-ambiguous")(lambda c: c.train(rows=[{  # two columns no vocabulary names: which is the answer?
     "ask_text": "What is two and two?", "reply_body": "It is four.", "id": 3}]))
-case("data-flat-message-export")(lambda c: c.train(rows=[{  # OpenAssistant/oasst2, flat export
-    "message_id": "6ab24d72", "parent_id": None, "text": "Can you write a short introduction?", "role": "prompter",
-    "lang": "en"}]))
+case("data-flat-message-export")(lambda c: c.train(rows=[{  # OpenAssistant/oasst2, flat export: a reply whose
+    "message_id": "c8e83833", "parent_id": "6ab24d72", "text": "Monopsony is a market with one buyer.",  # parent
+    "role": "assistant", "lang": "en"}]))  # (its tree's prompt) is not in the file
 case("data-image-placeholder-no-images")(lambda c: c.train(rows=[{"messages": [
     dict(USER, content="<IMG_CONTEXT>\nWhat is it?"), ANSWER]}]))
 case("data-image-markup")(lambda c: c.train(rows=[{"conversations": [  # Qwen-VL (v1) finetune README

@@ -323,9 +323,12 @@ def _first_keys(path: str) -> list[str]:
 
 def _chat_shape(row: Any, entry: DataEntry) -> str | None:
     """The shape of a row whose chat is told by its values (toolkit/data/roles.py): a bare list of turns, or turns,
-    exchanges, a message tree or a dialog in one string under a key no named shape has."""
-    from toolkit.data.roles import exchange_keys, is_tree, is_turns
+    exchanges, a message tree or a dialog in one string under a key no named shape has; or one message of a flat
+    message export, whose file is rebuilt into trees."""
+    from toolkit.data.roles import exchange_keys, flat_message, is_tree, is_turns
 
+    if (flat := flat_message(row)) is not None:
+        return f"a flat message export (one message per row, linked by '{flat[1]}'): rebuilt into message trees"
     if isinstance(row, list):
         return "a bare list of turns: the row's chat" if is_turns(row) else None
     if not isinstance(row, dict) or any(k in row for k in ("messages", "conversations")) or entry.columns:

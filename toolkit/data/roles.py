@@ -162,6 +162,25 @@ def is_tree(value: Any) -> bool:
 
 TREE_KEYS = ("replies", "children")
 
+PARENT_KEYS = ("parent_id", "parent_message_id", "parent")
+"""Keys that link one message per row to its parent (OASST's flat message export: `parent_id`)."""
+ID_KEYS = ("message_id", "id", "msg_id")
+"""Keys that name a message of a flat export, for its replies' parent key."""
+
+
+def flat_message(row: Any) -> tuple[str, str] | None:
+    """The (id key, parent key) of a row that is one message of a flat message export (OASST's `message_id`,
+    `parent_id`, `role: prompter|assistant`, `text`): a message id (a string), a parent key (a string, or None for
+    a tree's root), and a role and a text by `turn_keys`. None when it is no such row."""
+    if not isinstance(row, dict):
+        return None
+    ident = next((k for k in ID_KEYS if isinstance(row.get(k), str)), None)
+    parent = next((k for k in PARENT_KEYS if k in row and (row[k] is None or isinstance(row[k], str))), None)
+    if ident is None or parent is None:
+        return None
+    keys = turn_keys({k: v for k, v in row.items() if k not in (ident, parent)})
+    return (ident, parent) if keys is not None and speaker(row.get(keys[0])) is not None else None
+
 
 def infer_roles(row: dict[str, Any], content: Any) -> dict[str, str]:
     """Each key of `row` -> its role: `turns` for a list of turns (or a message tree) whatever its name; else by

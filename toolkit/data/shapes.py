@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,6 +133,9 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
     tags = dict(entry.tags) if tags is None else tags
     mapped = dict(entry.columns)
     notes: list[str] = []
+    if isinstance(row.get(FLAT_NOTE), str):
+        notes.append(row[FLAT_NOTE])
+        row = {k: v for k, v in row.items() if k != FLAT_NOTE}
     _check_flat_export(row, where)
     chat = _chat_key(row, where)
     if chat is not None:
@@ -377,6 +381,9 @@ def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], 
             node = ranked[0] if ranked else None
         while thread and vocab.speaker(thread[-1].get(vocab.turn_keys(thread[-1])[0])) != "assistant":  # type: ignore
             thread.pop()  # a thread ends with the answer it trains (a question left unanswered is not trained)
+        if not thread:
+            raise ToolkitError(f"{where}: the message tree under '{key}' has no answer to train (no assistant "
+                               "message on its main thread).")
         notes.append(f"'{key}' is a message tree: its main thread trained (the best-ranked reply at each turn, "
                      f"{len(thread)} turns); other threads are not (the entry's threads: all trains them)")
         turns = thread
@@ -422,22 +429,83 @@ def _tree_threads(node: dict[str, Any], before: tuple[dict[str, Any], ...] = ())
     return deeper or ([list(path)] if answer else [])
 
 
-FLAT_EXPORT_KEYS = ("parent_id", "parent_message_id")
-"""Keys that link one message per row to its parent (OASST2's flat export)."""
-
-
 def _check_flat_export(row: dict[str, Any], where: str) -> None:
-    """A row that is one message linked to its parent (OASST2's flat export: `message_id`, `parent_id`, `role`,
-    `text`) is refused: trained row by row, each message would train as a text of its own, the user's questions
-    included. Rebuilt threads are the trees of the same dataset's `*.trees.jsonl` export, which train."""
-    link = next((k for k in FLAT_EXPORT_KEYS if k in row), None)
-    keys = vocab.turn_keys({k: v for k, v in row.items() if k != link}) if link else None
-    if link is None or keys is None or vocab.speaker(row.get(keys[0])) is None:
+    """A row that is one message of a flat message export (`vocab.flat_message`) reaching the row reader is refused:
+    read row by row, each message would train alone, the user's questions included. A file whose first row is such a
+    message is read whole and rebuilt into trees (`message_trees`); this row is one in a file that starts otherwise."""
+    keys = vocab.flat_message(row)
+    if keys is None:
         return
-    raise ToolkitError(f"{where}: the row is one message of a flat message export ('{link}', '{keys[0]}': "
-                       f"{row.get(keys[0])!r}, '{keys[1]}'), not a conversation: each message would train alone, "
-                       "questions included. Train the export's message trees (OASST's *.trees.jsonl: one tree per "
-                       "row, read along its main thread) or rows of whole conversations.")
+    turn = vocab.turn_keys({k: v for k, v in row.items() if k not in keys})
+    assert turn is not None  # flat_message found it
+    raise ToolkitError(f"{where}: the row is one message of a flat message export ('{keys[1]}', '{turn[0]}': "
+                       f"{row.get(turn[0])!r}, '{turn[1]}') in a file whose first row is not one: a flat export is "
+                       "rebuilt into message trees only as a whole file of messages. Give the export's messages a "
+                       "file of their own (or OASST's *.trees.jsonl: one tree per row).")
+
+
+FLAT_NOTE = "_flat_export"
+"""A tree row's note that it was rebuilt from a flat message export (`message_trees`), said in the log."""
+
+
+def message_trees(rows: list[tuple[int, Any]], where: Callable[[int], str]) -> list[tuple[int, Any]]:
+    """A flat message export's rows, (number, message), as message trees: one row per root message (its parent
+    None), numbered by the root's row, `{message_tree_id, prompt: root}` with each message's replies nested under
+    `replies` as OASST's *.trees.jsonl export gives them, so a tree trains as that export's (`_from_chat`: main
+    thread, or every thread with `threads: all`). The whole file is grouped in memory (a flat export is read as one
+    piece, each row within the row byte cap). A row that is no message, a repeated id, a reply whose parent is not
+    in the file, or a message no root reaches (a cycle) is refused in one line: a tree rebuilt without it would
+    drop it in silence. Rows over the byte cap (`Oversize`) pass as they are (refused or dropped by the size guard,
+    their replies then orphans)."""
+    first = next((r for _, r in rows if isinstance(r, dict)), None)
+    keys = vocab.flat_message(first)
+    assert keys is not None, "message_trees needs a file whose first row is a message"
+    ident, parent = keys
+    nodes: dict[str, dict[str, Any]] = {}
+    out: list[tuple[int, Any]] = []
+    for number, row in rows:
+        if not isinstance(row, dict):
+            out.append((number, row))  # an Oversize, or a non-object the row reader refuses
+            continue
+        if vocab.flat_message(row) != keys:
+            raise ToolkitError(f"{where(number)}: the row is not a message of the flat export this file starts with "
+                               f"('{ident}', '{parent}', a role and a text); its keys are {sorted(row)}. A flat "
+                               "export is rebuilt into trees as a whole file: keep other rows in another file.")
+        if row[ident] in nodes:
+            raise ToolkitError(f"{where(number)}: '{ident}' {row[ident]!r} repeats an earlier message's; a flat "
+                               "export's message ids are unique.")
+        nodes[row[ident]] = {**row, "replies": []}
+    orphans: list[tuple[int, str]] = []
+    for number, row in rows:
+        if not isinstance(row, dict):
+            continue
+        node, up = nodes[row[ident]], row[parent]
+        if up is None:
+            out.append((number, {"message_tree_id": row.get("message_tree_id", row[ident]), "prompt": node}))
+        elif up in nodes:
+            nodes[up]["replies"].append(node)
+        else:
+            orphans.append((number, up))
+    if orphans:
+        number, up = orphans[0]
+        raise ToolkitError(f"{where(number)}: {len(orphans)} message(s) of the flat export reply to a message not in "
+                           f"the file ('{parent}': {up!r}); trees are rebuilt file by file, so keep each tree whole "
+                           "in one file (with its root), or leave out the replies whose parent is gone.")
+    reached = 0
+    for _, tree in out:
+        if not isinstance(tree, dict):
+            continue
+        stack = [tree["prompt"]]
+        while stack:
+            node = stack.pop()
+            reached += 1
+            stack += node["replies"]
+        tree[FLAT_NOTE] = f"the file is a flat message export: its messages rebuilt into trees by '{parent}'"
+    if reached < len(nodes):
+        raise ToolkitError(f"{where(rows[0][0])}: {len(nodes) - reached} message(s) of the flat export are reached "
+                           f"from no root (their '{parent}' links form a cycle); each tree needs a root whose "
+                           f"'{parent}' is null.")
+    return sorted(out, key=lambda t: t[0])
 
 
 def _keys(keys: list[str]) -> str:

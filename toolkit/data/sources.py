@@ -48,8 +48,8 @@ from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
 from toolkit.data.pairs import pair_rows
-from toolkit.data.roles import is_turns
-from toolkit.data.shapes import threads, to_messages
+from toolkit.data.roles import flat_message, is_turns
+from toolkit.data.shapes import message_trees, threads, to_messages
 from toolkit.errors import ToolkitError
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
@@ -405,6 +405,7 @@ class Piece:
     end: int
     first: int = 1
     rows: int = 0  # rows (lines, for JSON Lines) it holds, for progress
+    whole: bool = False  # the whole file, a flat message export: its rows are grouped into trees (`read_piece`)
 
 
 def open_source(source: Source) -> None:
@@ -418,16 +419,40 @@ def open_source(source: Source) -> None:
 
 def pieces(source: Source, target_rows: int = 1000) -> Iterator[Piece]:
     """The source cut into pieces of about `target_rows` rows (JSON Lines: of about that many bytes' worth of
-    lines, cut at line ends), in order."""
+    lines, cut at line ends), in order. A file whose first row is one message of a flat message export
+    (`roles.flat_message`) is one piece, read whole, so its messages can be grouped into trees (`read_piece`): the
+    smallest place where all of a file's rows meet. Its rows are held in memory together, each within the row byte
+    cap as any row is, and so is each rebuilt tree; a .json array is held whole the same way."""
     for i, path in enumerate(source.files if source.fmt == "jsonl" else []):
-        yield from _jsonl_pieces(i, path, target_rows)
+        if _flat_jsonl(path):
+            yield from (replace(p, whole=True) for p in _jsonl_pieces(i, path, 1 << 62))
+        else:
+            yield from _jsonl_pieces(i, path, target_rows)
     if source.fmt == "json":
         for i, rows in enumerate(source.arrays):
-            yield from (Piece(i, a, min(a + target_rows, len(rows)), rows=min(target_rows, len(rows) - a))
-                        for a in range(0, len(rows), target_rows))
+            flat = len(rows) > 0 and flat_message(rows[0]) is not None
+            step = len(rows) if flat else target_rows
+            yield from (Piece(i, a, min(a + step, len(rows)), rows=min(step, len(rows) - a), whole=flat)
+                        for a in range(0, len(rows), step))
     for i, table in enumerate(source.tables):
-        yield from (Piece(i, a, min(a + target_rows, len(table)), rows=min(target_rows, len(table) - a))
-                    for a in range(0, len(table), target_rows))
+        flat = len(table) > 0 and flat_message(table[0]) is not None
+        step = len(table) if flat else target_rows
+        yield from (Piece(i, a, min(a + step, len(table)), rows=min(step, len(table) - a), whole=flat)
+                    for a in range(0, len(table), step))
+
+
+def _flat_jsonl(path: Path) -> bool:
+    """Whether a JSON Lines file's first row is one message of a flat message export (a first line over
+    ROW_BYTES_FLOOR is not read whole: such a file is read in pieces, and its rows refused as messages)."""
+    check_regular(path)
+    with path.open("rb") as f:
+        for line in iter(lambda: f.readline(ROW_BYTES_FLOOR + 1), b""):
+            if line.strip():
+                try:
+                    return flat_message(json.loads(line)) is not None
+                except ValueError:
+                    return False
+    return False
 
 
 def _jsonl_pieces(index: int, path: Path, target_rows: int) -> Iterator[Piece]:
@@ -470,7 +495,15 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
     Oversize twice)."""
     rows: list[dict[str, Any] | Oversize] = []
     numbers = []
-    for number, row in raw_rows(source, piece, max_chars):
+    raw = raw_rows(source, piece, max_chars)
+    if piece.whole and not pairs:  # a flat message export: its messages as trees, each capped as a row is
+        raw = message_trees(raw, lambda n: source.where(piece.file_index, n))
+        if max_chars is not None:
+            cap = row_byte_cap(max_chars())
+            sized = [(n, r, len(json.dumps(r, ensure_ascii=False).encode()) if isinstance(r, dict) else 0)
+                     for n, r in raw]
+            raw = [(n, Oversize(size, cap) if size > cap else r) for n, r, size in sized]
+    for number, row in raw:
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
             got: list[dict[str, Any] | Oversize] = [row, row] if pairs else [row]
