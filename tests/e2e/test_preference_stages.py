@@ -305,8 +305,8 @@ def test_the_run_page_reads_a_dpo_stage_right(tmp_path: Path, monkeypatch: pytes
 
 @pytest.mark.timeout(900)
 def test_a_dpo_stage_ordered_by_margin_scores_once_and_resumes_exactly(tmp_path: Path) -> None:
-    """Issue 51: the DPO stage ordered by the entry policy's margins and the 8 smallest (hardest) dropped, single process.
-    The reference pass reads the difficulty's scores (one pass, one file), and a resume from a
+    """Issue 51: the DPO stage ordered by the entry policy's margins and the 8 smallest (hardest) dropped, single
+    process. The reference pass reads the difficulty's scores (one pass, one file), and a resume from a
     checkpoint inside the stage (into a new output_dir: the scores are the checkpoint run's) trains exactly as the
     uninterrupted run."""
     ordered = ("stages.1.order=easy_to_hard", "stages.1.difficulty={by: margin, model: current}",
