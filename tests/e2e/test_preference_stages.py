@@ -315,6 +315,8 @@ def test_a_dpo_stage_ordered_by_margin_scores_once_and_resumes_exactly(tmp_path:
     proc = train_forked("single", 1, one, *EVERY, *ordered, recipe=RECIPE, dummy_samples=ROWS)
     assert "ordered easy_to_hard by margin of the current model" in proc.stderr, proc.stderr[-3000:]
     assert "dropped the 0 easiest and the 8 hardest of its 32 rows by margin" in proc.stderr
+    assert "drop by margin of the current model: 0 easiest and 8 hardest of 32 pairs once scored, 24 kept" \
+        in proc.stderr  # the stage's data line, at launch
     assert "reference log-probs (the policy at step 3): read from" in proc.stderr  # no second pass
     assert len(references(one)) == 1  # one scores file: difficulty, reference and eval reference (the same pairs)
     assert by_step(one)[4]["loss"] == pytest.approx(LN2, abs=1e-6)

@@ -250,14 +250,15 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
         return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.rows} prompts, {src.stats.kept} kept "
                 f"({src.stats.tokens} prompt tokens), {src.stats.dropped_overlength} dropped leaving no room for "
                 "rl.max_completion_length under max_seq_len")
-    if stage.pairs:
-        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
-                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}")
     by_score = ""
     if src.dropped_by_score is not None and stage.difficulty is not None:
         easy, hard = src.dropped_by_score
+        what = "pairs" if stage.pairs else "rows"
         by_score = (f"; drop by {stage.difficulty.by} of the {stage.difficulty.model} model: {easy} easiest and "
-                    f"{hard} hardest of {len(src.samples)} rows once scored, {src.planned_rows} kept")
+                    f"{hard} hardest of {len(src.samples)} {what} once scored, {src.planned_rows} kept")
+    if stage.pairs:
+        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
+                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}{by_score}")
     videos = ""
     parts = [p for p in getattr(src.samples, "parts", ()) if getattr(p.store, "videos", False)]
     if parts:  # what a video stage's frame caps buy: its rows' video tokens (the short-to-long curriculum's lever)
