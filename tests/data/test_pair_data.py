@@ -381,7 +381,8 @@ def test_model_scores_of_pairs_are_refused(tmp_path: Path, models: dict[str, str
     stage, recipe = stage_of(tmp_path, models["text"], [write(tmp_path / "a.jsonl", long_pairs())])
     scored = dataclasses.replace(stage, order="easy_to_hard", difficulty=SimpleNamespace(by="loss", field=None))
     with pytest.raises(ToolkitError, match=r"Stage 'prefs' \(objective dpo\) has difficulty.by loss, a model's score "
-                                           r"of rows, which preference pairs do not have yet"):
+                                           r"of rows, not of preference pairs; use difficulty.by: margin or "
+                                           r"chosen_loss"):
         load_stage(scored, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
 
 

@@ -12,7 +12,9 @@ One single-process run is the reference. Checked against it:
   reference back;
 * a run stopped by SIGTERM inside the reference pass (TOOLKIT_FAULT_STOP_SCORING) keeps its finished block, and its
   relaunch finishes the pass and trains exactly as the uninterrupted run;
-* `reference: base` (the adapter switched off) after the LoRA SFT stage starts away from ln 2.
+* `reference: base` (the adapter switched off) after the LoRA SFT stage starts away from ln 2;
+* the DPO stage ordered by the entry policy's margins (`difficulty: {by: margin, model: current}`, a drop): one
+  scoring pass, and an exact resume from a checkpoint inside it.
 """
 
 from __future__ import annotations
@@ -299,3 +301,31 @@ def test_the_run_page_reads_a_dpo_stage_right(tmp_path: Path, monkeypatch: pytes
             assert page.locator("svg.timeline rect[stroke-dasharray]").count() == 0  # both stages ran their plan
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_dpo_stage_ordered_by_margin_scores_once_and_resumes_exactly(tmp_path: Path) -> None:
+    """Issue 51: the DPO stage ordered by the entry policy's margins and the 8 smallest (hardest) dropped, single
+    process. The reference pass reads the difficulty's scores (one pass, one file), and a resume from a
+    checkpoint inside the stage (into a new output_dir: the scores are the checkpoint run's) trains exactly as the
+    uninterrupted run."""
+    ordered = ("stages.1.order=easy_to_hard", "stages.1.difficulty={by: margin, model: current}",
+               "stages.1.drop={easiest: 0, hardest: 0.25}")
+    one = tmp_path / "one"
+    proc = train_forked("single", 1, one, *EVERY, *ordered, recipe=RECIPE, dummy_samples=ROWS)
+    assert "ordered easy_to_hard by margin of the current model" in proc.stderr, proc.stderr[-3000:]
+    assert "dropped the 0 easiest and the 8 hardest of its 32 rows by margin" in proc.stderr
+    assert "drop by margin of the current model: 0 easiest and 8 hardest of 32 pairs once scored, 24 kept" \
+        in proc.stderr  # the stage's data line, at launch
+    assert "reference log-probs (the policy at step 3): read from" in proc.stderr  # no second pass
+    assert len(references(one)) == 1  # one scores file: difficulty, reference and eval reference (the same pairs)
+    assert by_step(one)[4]["loss"] == pytest.approx(LN2, abs=1e-6)
+    resumed = tmp_path / "resumed"
+    ckpt = one / "checkpoints/step-00000005"
+    again = train_forked("single", 1, resumed, *EVERY, *ordered, f"checkpoint.resume={ckpt}", recipe=RECIPE,
+                         dummy_samples=ROWS)
+    assert "resumed (exact)" in again.stderr and "rows/s" not in again.stderr  # read back, never scored again
+    assert by_step(resumed)[6]["loss"] == pytest.approx(by_step(one)[6]["loss"], rel=1e-5, abs=1e-7)
+    a, b = final_adapter(resumed), final_adapter(one)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)

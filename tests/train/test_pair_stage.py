@@ -170,8 +170,8 @@ REFUSED = [  # (a recipe's stage-1 overrides, the refusal's advice, the override
      "use reference: precompute", ["lora.enabled=false", "stages.1.objective=dpo",
                                    "stages.1.preference={reference: precompute}"]),
     (["stages.1.objective=dpo", "stages.1.difficulty={by: loss, model: current}", "stages.1.order=easy_to_hard"],
-     r"order pairs by length or by a row field", ["stages.1.objective=dpo", "stages.1.difficulty={by: length}",
-                                                  "stages.1.order=easy_to_hard"]),
+     r"order pairs by the model's margin or chosen_loss \(difficulty: \{by: margin, model: current\}\)",
+     ["stages.1.objective=dpo", "stages.1.difficulty={by: margin, model: current}", "stages.1.order=easy_to_hard"]),
     (["data.completion_newline=true"], "give a stage objective: dpo", ["data.completion_newline=true",
                                                                       "stages.1.objective=dpo"]),
 ]

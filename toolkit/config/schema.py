@@ -557,7 +557,17 @@ ORDERED = ("easy_to_hard", "hard_to_easy")
 
 
 MODEL_MEASURES = ("loss", "perplexity", "ifd")
-"""Difficulty scored by a model's forward pass (toolkit/evals/scoring.py, toolkit/train/stage_scores.py)."""
+"""Difficulty of a row scored by a model's forward pass (toolkit/evals/scoring.py, toolkit/train/stage_scores.py)."""
+
+
+PAIR_MEASURES = ("margin", "chosen_loss")
+"""Difficulty of a preference pair scored by a model (toolkit/train/stage_scores.py): margin, the chosen side's
+summed log-prob minus the rejected side's (a large margin is easy), or chosen_loss, the chosen side's mean
+per-token NLL (low is easy)."""
+
+
+SCORED_MEASURES = MODEL_MEASURES + PAIR_MEASURES
+"""Every difficulty a model scores (rows or pairs)."""
 
 
 SCORERS = ("base", "current")
@@ -580,10 +590,11 @@ def scorer_path_problem(model: str) -> str | None:
 
 
 class DifficultyConfig(_Section):
-    by: Literal["length", "field", "loss", "perplexity", "ifd"] = Field(
+    by: Literal["length", "field", "loss", "perplexity", "ifd", "margin", "chosen_loss"] = Field(
         ..., description="What a row's difficulty is: its token length, a number in the row's key `field`, or a "
         "model's score of it: loss (mean label-token cross-entropy), perplexity, ifd (loss given the prompt over "
-        "the response's loss alone).")
+        "the response's loss alone); of a preference pair: margin (chosen minus rejected summed log-prob, large "
+        "is easy) or chosen_loss (the chosen side's mean per-token NLL, low is easy).")
     field: str | None = Field(None, min_length=1, description="The row key holding the difficulty (by: field).")
     model: str | None = Field(None, min_length=1, description="The scorer of by: loss | perplexity | ifd: base "
                               "(the run's model before training), current (the policy as it enters the stage), or "
@@ -602,8 +613,12 @@ class DifficultyConfig(_Section):
         if self.by in MODEL_MEASURES and self.model is None:
             raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model (base, current, or "
                              "a scorer model's folder or hub id)")
-        if self.by not in MODEL_MEASURES and self.model is not None:
-            raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd, not by: {self.by}")
+        if self.by in PAIR_MEASURES and self.model not in SCORERS:
+            raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model: base or current "
+                             "(a pair's scores come from the run's own model)")
+        if self.by not in SCORED_MEASURES and self.model is not None:
+            raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd (pairs: margin or "
+                             f"chosen_loss), not by: {self.by}")
         if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
             raise ValueError(scorer_path_problem(self.model))
         if self.trust_remote_code and (self.model is None or self.model in SCORERS):
@@ -966,7 +981,8 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _preference_stages(self) -> Recipe:
         """A `reference: base` needs a LoRA adapter to switch off; a preference stage's rows are pairs, which a
-        model's scores do not rank yet (length and a row field do: each pair takes its source row's value);
+        model ranks by its margin or chosen_loss (by loss, perplexity or ifd score rows; length and a row field rank
+        pairs too: each pair takes its source row's value), which no other stage has;
         data.completion_newline shapes pairs only, so a recipe without a preference stage refuses it."""
         if self.data.completion_newline and all(stage.objective == "sft" for stage in self.stages):
             raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
@@ -978,6 +994,10 @@ class Recipe(_Section):
                                  "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "
                                  "fully fine-tuned model is not built; set rl.beta: 0 (TRL's default) or enable lora")
             if stage.objective not in PREFERENCE_OBJECTIVES:
+                if stage.difficulty is not None and stage.difficulty.by in PAIR_MEASURES:
+                    raise ValueError(f"{where}: difficulty.by {stage.difficulty.by} scores preference pairs, and "
+                                     f"this objective {stage.objective} stage has none: order its rows by loss, "
+                                     "perplexity or ifd (difficulty: {by: loss, model: current}), length or a field")
                 continue
             if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
                 raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) but "
@@ -985,8 +1005,9 @@ class Recipe(_Section):
             how = stage.difficulty
             if how is not None and how.by in MODEL_MEASURES:
                 raise ValueError(f"{where}: difficulty.by {how.by} on an objective {stage.objective} stage is not "
-                                 "supported (its rows are pairs; a model's score of a pair is not defined yet): "
-                                 "order pairs by length or by a row field (difficulty: {by: field, field: NAME})")
+                                 "supported (its rows are pairs, and by loss, perplexity or ifd scores a row): order "
+                                 "pairs by the model's margin or chosen_loss (difficulty: {by: margin, model: "
+                                 "current}), by length or by a row field")
         return self
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
-from toolkit.config.schema import MODEL_MEASURES, ORDERED, DataConfig, DataEntry
+from toolkit.config.schema import MODEL_MEASURES, ORDERED, SCORED_MEASURES, DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import NOT_READ, TextEncoder
 from toolkit.data.pairs import VISION_PAIRS
@@ -185,11 +185,11 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     both read a stage through this."""
     ordered = stage.order in ORDERED
     by = stage.difficulty.by if stage.difficulty is not None else None
-    needs = (ordered or stage.drop is not None) and by not in ("length", *MODEL_MEASURES)  # scores: at training
+    needs = (ordered or stage.drop is not None) and by not in ("length", *SCORED_MEASURES)  # scores: at training
     if stage.pairs and by in MODEL_MEASURES:
         raise ToolkitError(f"Stage '{stage.name}' (objective {stage.objective}) has difficulty.by {by}, a model's "
-                           "score of rows, which preference pairs do not have yet; use difficulty.by: length or "
-                           "field.")
+                           "score of rows, not of preference pairs; use difficulty.by: margin or chosen_loss, "
+                           "length or field.")
     picked = []
     for entry in stage.entries:
         store = stores(entry, pairs=stage.pairs)
@@ -205,7 +205,7 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
             raise ToolkitError(f"{entry.name}: stage '{stage.name}' has difficulty.by field but no row has the key "
                                f"'{field}'; add it to every row or use difficulty.by: length.")
         picked.append((store, selection, values))
-    scored_drop = stage.drop is not None and by in MODEL_MEASURES  # by the scores: at training, over the rows
+    scored_drop = stage.drop is not None and by in SCORED_MEASURES  # by the scores: at training, over the rows
     if stage.drop is not None and not scored_drop:
         every = all(v is not None for _, _, v in picked)
         keys = [v if every and v is not None else sel.lengths.astype(np.float64) for _, sel, v in picked]
@@ -250,14 +250,15 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
         return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.rows} prompts, {src.stats.kept} kept "
                 f"({src.stats.tokens} prompt tokens), {src.stats.dropped_overlength} dropped leaving no room for "
                 "rl.max_completion_length under max_seq_len")
-    if stage.pairs:
-        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
-                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}")
     by_score = ""
     if src.dropped_by_score is not None and stage.difficulty is not None:
         easy, hard = src.dropped_by_score
+        what = "pairs" if stage.pairs else "rows"
         by_score = (f"; drop by {stage.difficulty.by} of the {stage.difficulty.model} model: {easy} easiest and "
-                    f"{hard} hardest of {len(src.samples)} rows once scored, {src.planned_rows} kept")
+                    f"{hard} hardest of {len(src.samples)} {what} once scored, {src.planned_rows} kept")
+    if stage.pairs:
+        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
+                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}{by_score}")
     videos = ""
     parts = [p for p in getattr(src.samples, "parts", ()) if getattr(p.store, "videos", False)]
     if parts:  # what a video stage's frame caps buy: its rows' video tokens (the short-to-long curriculum's lever)

@@ -36,9 +36,9 @@ from toolkit.config.schema import describe_objective as describe
 from toolkit.config.schema import pair_losses
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Stage
-from toolkit.data.collate import PAIR_PAD_MULTIPLE, sides_collator
+from toolkit.data.collate import sides_collator
 from toolkit.data.plan import PairSides
-from toolkit.evals.scoring import row_sums, score_key
+from toolkit.evals.scoring import row_sums
 from toolkit.runtime.run_dir import RunLayout
 from toolkit.strategies.sequence_parallel import Layout
 from toolkit.train.preference import (
@@ -56,8 +56,7 @@ from toolkit.train.preference import (
 from toolkit.train.stage_scores import (
     ScoringStopped,
     kept_digests,
-    rows_identity,
-    scorer_identity,
+    pair_sides_key,
     stage_entry_scores,
     stop_for_signal,
 )
@@ -136,8 +135,6 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     the stage's first step (`step`; None: past it, read back only). None when a stop signal ended the pass."""
     at = stage.plan.start_step
     base = reference_is_base(stage.resolved)
-    ident = {"rows": rows_identity(rows.parts), "scorer": scorer_identity(run.identity, "current", at),
-             "render": "pairs", "base": base, "pad_to": PAIR_PAD_MULTIPLE}
     folder = Path(run.recipe.output_dir) / "scores"
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
     scorer = "the base model, adapter off" if base else "the policy"
@@ -147,7 +144,8 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     with adapter_disabled(run.model) if base else contextlib.nullcontext():
         sums = stage_entry_scores(run.accelerator, run.model, sides, sides_collator(run.collate),
                                   stage.resolved.eval_micro_batch_size
-                                  if role == "eval" else stage.plan.micro_batch, folder=folder, key=score_key(**ident),
+                                  if role == "eval" else stage.plan.micro_batch, folder=folder,
+                                  key=pair_sides_key(run, rows.parts, "current", at, adapter_off=base),
                                   may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop,
                                   **kept_digests(run))
     if sums is None:

@@ -38,9 +38,10 @@ from typing import Any
 import numpy as np
 from accelerate import Accelerator
 
-from toolkit.config.schema import MODEL_MEASURES, ORDERED, SCORERS
+from toolkit.config.schema import ORDERED, PAIR_MEASURES, SCORED_MEASURES, SCORERS
 from toolkit.curriculum.stages import Stage
-from toolkit.data.plan import KeptRows, kept_by_rank
+from toolkit.data.collate import PAIR_PAD_MULTIPLE, sides_collator
+from toolkit.data.plan import KeptRows, PairSides, kept_by_rank
 from toolkit.errors import ToolkitError
 from toolkit.evals.scoring import (
     RowSums,
@@ -127,7 +128,7 @@ def model_scored(stage: Stage) -> str | None:
     """The stage's scorer (`base` | `current` | a separate scorer's folder or hub id) when a model orders it or
     ranks it for `drop`, else None."""
     how = stage.resolved.difficulty
-    if how is None or how.by not in MODEL_MEASURES:
+    if how is None or how.by not in SCORED_MEASURES:
         return None
     if stage.resolved.order not in ORDERED and stage.resolved.drop is None:
         return None
@@ -149,6 +150,45 @@ def scorer_identity(identity: Any, scorer: str, at_step: int) -> dict[str, Any]:
         return {"base": identity.base_model, "model": identity.invariants.get("model"), "state": identity.state}
     return {"current": at_step, "recipe": identity.recipe_hash, "stores": identity.data_stores,
             "batches": identity.stage_batches, "state": identity.state, "base": identity.base_model}
+
+
+def pair_sides_key(run: Any, parts: Sequence[Any], scorer: str, at: int, *, adapter_off: bool) -> str:
+    """The scores key of a preference stage's pairs' sides (`PairSides` over `parts`) scored by the run's `scorer`
+    (`base` | `current`) at step `at`, with the LoRA adapter off or not: a dpo stage's reference pass and a pair
+    stage's difficulty by margin | chosen_loss share it, so a dpo stage whose difficulty is the current model's
+    reads its reference's own scores (one pass, never two)."""
+    return score_key(rows=rows_identity(parts), scorer=scorer_identity(run.identity, scorer, at), render="pairs",
+                     base=adapter_off, pad_to=PAIR_PAD_MULTIPLE)
+
+
+def pair_measure(name: str, sides: RowSums) -> np.ndarray:
+    """Each pair's difficulty from its sides' sums (chosen 0, rejected 0, chosen 1, ...), higher is harder:
+    `margin` ranks by minus (chosen log-prob - rejected log-prob), so a large margin is easy; `chosen_loss` is the
+    chosen side's mean per-token NLL (NaN without label tokens)."""
+    chosen, rejected = RowSums(sides.loss[0::2], sides.tokens[0::2]), RowSums(sides.loss[1::2], sides.tokens[1::2])
+    if name == "margin":
+        return chosen.loss - rejected.loss  # NLLs: -(log p(chosen) - log p(rejected))
+    if name == "chosen_loss":
+        return chosen.mean()
+    raise ValueError(f"unknown pair measure {name!r}; choose one of {', '.join(PAIR_MEASURES)}")
+
+
+def _pair_sums(run: Any, stage: Stage, scorer: str, at: int, step: int) -> RowSums | None:
+    """The sides' sums of a pair stage's train pairs by the run's `scorer` at step `at` (read back, or taken now
+    when `step` is `at`), as a dpo stage's reference pass takes them (the same micro-batch, collator and key);
+    None when a stop signal ended the pass."""
+    parts = stage.data.samples.parts
+    folder = Path(run.recipe.output_dir) / "scores"
+    elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
+    if run.accelerator.num_processes > 1:  # the main process's last write of this key is done: all read alike
+        run.accelerator.wait_for_everyone()
+    stop = stop_for_signal(run, step) if run.preemption.started else None
+    what = f"stage '{stage.name}' pairs scored by the {scorer} model at step {at}"
+    sides = PairSides(parts)
+    return stage_entry_scores(run.accelerator, run.model, sides, sides_collator(run.collate), stage.plan.micro_batch,
+                              folder=folder, key=pair_sides_key(run, parts, scorer, at, adapter_off=False),
+                              may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop,
+                              **kept_digests(run))
 
 
 class _Alone(Sequence[dict[str, Any]]):
@@ -251,30 +291,31 @@ def entry_sums(run: Any, stage: Stage, step: int) -> tuple[RowSums, RowSums | No
     `Run`, or `toolkit score`'s stand-in for one (recipe, identity, accelerator, model, collate, resumed_from,
     preemption). Collective. Raises `ScoringStopped` when a stop signal ends the pass."""
     scorer, at = model_scored(stage), scoring_step(stage)
-    assert scorer is not None and at is not None
-    given, alone = _scores(run, stage, scorer, KeptRows(stage.data.samples.parts), at, step)
+    assert scorer is not None and at is not None and stage.resolved.difficulty is not None
+    if stage.resolved.difficulty.by in PAIR_MEASURES:
+        given, alone = _pair_sums(run, stage, scorer, at, step), None
+    else:
+        given, alone = _scores(run, stage, scorer, KeptRows(stage.data.samples.parts), at, step)
     if given is None:
         raise ScoringStopped(f"stage '{stage.name}' scored by {scorer} at step {at}")
     return given, alone
 
 
 def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
-    """Order `stage` by its model scores (difficulty by loss | perplexity | ifd), or drop its easiest / hardest
-    rows by them: score its kept rows (or read them), set the stage's difficulty and sampler from them (over the
-    rows a drop keeps), and return the per-row scores of the kept rows. `run` is the train loop's `Run`; `step` the
-    global step the run stands at. None for a stage no model scores. Raises `ScoringStopped` when a stop signal
-    ends the pass (`current` scores, from a checkpoint at this step)."""
+    """Order `stage` by its model scores (difficulty by loss | perplexity | ifd; a pair stage's by margin |
+    chosen_loss, `pair_measure`), or drop its easiest / hardest rows by them: score its kept rows (or read them),
+    set the stage's difficulty and sampler from them (over the rows a drop keeps), and return the per-row scores
+    of the kept rows. `run` is the train loop's `Run`; `step` the global step the run stands at. None for a stage
+    no model scores. Raises `ScoringStopped` when a stop signal ends the pass (`current` scores, from a checkpoint
+    at this step)."""
     scorer = model_scored(stage)
     if scorer is None:
         return None
     how = stage.resolved.difficulty
     assert how is not None
-    at = stage.plan.start_step if scorer == "current" else 0
-    rows = KeptRows(stage.data.samples.parts)
-    given, alone = _scores(run, stage, scorer, rows, at, step)
-    if given is None:
-        raise ScoringStopped(f"stage '{stage.name}' scored by {scorer} at step {at}")
-    scores = measure(how.by, given, alone)
+    rows = KeptRows(stage.data.samples.parts)  # a pair stage's: its pairs, one a row (never packed together)
+    given, alone = entry_sums(run, stage, step)
+    scores = pair_measure(how.by, given) if how.by in PAIR_MEASURES else measure(how.by, given, alone)
     finite = scores[np.isfinite(scores)]
     hardest = float(finite.max()) + 1.0 if len(finite) else 0.0
     per_row = rows.per_row(np.where(np.isfinite(scores), scores, hardest))  # not finite (ifd over 0): hardest
@@ -288,7 +329,8 @@ def order_by_model(run: Any, stage: Stage, step: int) -> np.ndarray | None:
     stage.sampler = stage.sampler.with_difficulty(per_row, keep)
     if stage.resolved.order in ORDERED:
         log.info("stage '%s': ordered %s by %s of %s (%d rows; %s %.4g to %.4g, median %.4g)",
-                 stage.name, stage.resolved.order, how.by, _named(scorer), len(scores), how.by,
+                 stage.name, stage.resolved.order, how.by, _named(scorer), len(scores),
+                 "minus margin" if how.by == "margin" else how.by,
                  float(finite.min()) if len(finite) else float("nan"),
                  float(finite.max()) if len(finite) else float("nan"),
                  float(np.median(finite)) if len(finite) else float("nan"))
