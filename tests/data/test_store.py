@@ -804,3 +804,25 @@ def test_a_link_planted_in_the_store_cache_is_refused_and_its_target_untouched(
         _load(path, tok, cache)
     assert str(link) in str(err.value) and "\n" not in str(err.value)
     assert victim.read_text() == "the user's own file\n"
+
+
+def test_store_columns_read_from_buffers_equal_pyarrows_to_numpy() -> None:
+    """A store's fixed-width columns are read from their buffers (store._view: pyarrow's `to_numpy` imports
+    pandas, a second of a warm launch): the same values and dtype as `to_numpy`, for sliced arrays (an offset into
+    the buffer and the validity bitmap), nulls in a float column (NaN), an all-null column and an empty one."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    for kind in (pa.int32(), pa.int64(), pa.uint8(), pa.float64()):
+        for nulls in (False, True):
+            if nulls and not pa.types.is_floating(kind):
+                continue
+            values = [None if nulls and rng.random() < 0.3 else int(rng.integers(0, 200)) for _ in range(37)]
+            column = pa.array(values, kind)
+            for part in (column, column.slice(3), column.slice(5, 20), column.slice(11, 9), column.slice(37)):
+                expected, got = part.to_numpy(zero_copy_only=False), store_mod._view(part)
+                assert got.dtype == expected.dtype and np.array_equal(got, expected, equal_nan=True), (kind, part)
+    assert np.isnan(store_mod._view(pa.array([None, None], pa.float64()))).all()
+    lists = pa.array([[1, 2], [3], [4, 5, 6]], pa.list_(pa.int32())).slice(1)
+    assert store_mod._view(lists.offsets).tolist() == lists.offsets.to_numpy().tolist() == [2, 3, 6]

@@ -154,14 +154,13 @@ class Store:
         self.meta, self.source, self.path = meta, source, path
         batches = table.to_batches()
         self.starts = np.cumsum([0, *(b.num_rows for b in batches)]).astype(np.int64)
-        self._ids = [(b.column("input_ids").offsets.to_numpy(), b.column("input_ids").values.to_numpy())
-                     for b in batches]
-        self._mask = [b.column("mask").values.to_numpy() for b in batches]
+        self._ids = [(_view(b.column("input_ids").offsets), _view(b.column("input_ids").values)) for b in batches]
+        self._mask = [_view(b.column("mask").values) for b in batches]
 
         def col(name: str, dtype: Any) -> np.ndarray:
             if not batches:
                 return np.zeros(0, dtype)
-            return np.concatenate([b.column(name).to_numpy(zero_copy_only=False) for b in batches]).astype(dtype)
+            return np.concatenate([_view(b.column(name)) for b in batches]).astype(dtype)
 
         self.lengths = col("length", np.int64)
         self.label_tokens = col("label_tokens", np.int64)
@@ -245,6 +244,26 @@ class Store:
     def labels_within(self, i: int, limit: int) -> int:
         """Trained tokens among row i's first `limit` tokens."""
         return int(np.count_nonzero(self.tokens(i, limit)[1]))
+
+
+def _view(column: pa.Array) -> np.ndarray:
+    """A fixed-width column as numpy, zero-copy over the mapped file (nulls as NaN in a float column). Read from
+    its buffers because pyarrow's `to_numpy` imports pandas on first use, about a second of a warm launch's data
+    time; any other column goes through `to_numpy`."""
+    kind = column.type
+    if not pa.types.is_primitive(kind) or pa.types.is_boolean(kind) or (
+            column.null_count and not pa.types.is_floating(kind)):
+        return column.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(kind.to_pandas_dtype())
+    validity, data = column.buffers()[:2]
+    if data is None:  # no values at all (an empty or all-null column may have no data buffer)
+        return np.full(len(column), np.nan if column.null_count else 0, dtype)
+    values = np.frombuffer(data, dtype, count=len(column), offset=column.offset * dtype.itemsize)
+    if column.null_count:
+        present = np.unpackbits(np.frombuffer(validity, np.uint8), count=column.offset + len(column),
+                                bitorder="little")[column.offset:].astype(bool)
+        values = np.where(present, values, np.nan).astype(dtype)
+    return values
 
 
 def _non_null(column: pa.Array) -> Iterator[tuple[int, Any]]:
