@@ -288,6 +288,7 @@ def build_dir(target: Path, build: Callable[[Path], Any], *, replace: bool = Tru
         else:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+        _UNFINISHED.add(tmp)
         try:
             build(tmp)
             apply_umask(tmp)
@@ -302,3 +303,15 @@ def build_dir(target: Path, build: Callable[[Path], Any], *, replace: bool = Tru
             return True
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed into place
+            _UNFINISHED.discard(tmp)
+
+
+_UNFINISHED: set[Path] = set()
+"""Temporary folders `build_dir` is building in this process right now."""
+
+
+def discard_unfinished() -> None:
+    """Delete the folders `build_dir` is building right now: called by a process that ends without unwinding (a
+    stop signal's watcher, when the main thread is held in native code), so that no half-built folder is left."""
+    for tmp in list(_UNFINISHED):
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -575,10 +575,17 @@ import sys
 from datetime import timedelta
 import torch.distributed as dist
 from toolkit.runtime.signals import PreemptionFlag
+from pathlib import Path
+from toolkit.atomic import build_dir
 flag = PreemptionFlag()
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=120))
-print("blocked", flush=True)
-store.get("a key nobody sets")  # held in C++ (as in a collective whose peer is gone): no Python handler runs
+
+def build(folder):
+    (folder / "half.arrow").write_bytes(b"half")
+    print("blocked", flush=True)
+    store.get("a key nobody sets")  # held in C++ (as in a collective whose peer is gone): no Python handler runs
+
+build_dir(Path(sys.argv[1]) / "store", build)  # a token store being built when the signal comes
 """
 
 
@@ -612,13 +619,16 @@ def test_a_stop_before_the_first_step_ends_in_one_line_and_writes_no_run(tmp_pat
 @pytest.mark.parametrize(("sig", "code", "line"), [
     (signal.SIGTERM, 75, "stopped by SIGTERM before training began: nothing to save. Relaunch the same command."),
     (signal.SIGINT, 130, "interrupted (Ctrl-C): stopped without saving")])
-def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, code: int, line: str) -> None:
+def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, code: int, line: str,
+                                                          tmp_path: Path) -> None:
     """The hostile pass saw a run hung before its first step outlive SIGTERM by 10 minutes, until SIGKILL: the
     handler only set a flag that the loop reads. A main thread held in native code runs no Python handler at all;
-    the watcher thread ends the process within STOP_GRACE_S, with one line and the signal's exit code."""
+    the watcher thread ends the process within STOP_GRACE_S, with one line and the signal's exit code, and deletes
+    the folder the main thread was building (its `finally` never runs: CI once found a half-built token store
+    left behind by a rank that unwound too slowly)."""
     from toolkit.runtime.signals import STOP_GRACE_S
 
-    proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_NATIVE_CODE], cwd=REPO, env=run_env(),
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_NATIVE_CODE, str(tmp_path)], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=as_in_a_terminal)
     try:
@@ -634,6 +644,7 @@ def test_a_stop_signal_ends_a_process_held_in_native_code(sig: signal.Signals, c
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(line), stderr[-3000:]
     assert took < STOP_GRACE_S + 10
+    assert list(tmp_path.iterdir()) == []  # neither the store nor its half-built temporary folder
 
 
 def _rank_stderrs(rank_logs: Path) -> list[str]:

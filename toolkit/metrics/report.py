@@ -326,8 +326,10 @@ def read_run(folder: str | Path) -> dict[str, Any]:
     train_keys = _capped([k for k, _ in TRAIN_PANELS] + [k for k in _numeric_keys(train, NOT_CURVES)
                                                          if k not in dict(TRAIN_PANELS)], dropped)
     eval_keys = _capped(_numeric_keys(evals, EVAL_BOOKKEEPING), dropped)
+    # the matrix keeps its values whole: it is small (stages x evals x metrics), and its cells are the numbers a
+    # reader compares across runs (a resumed run's page must equal the uninterrupted one's)
     matrix = [{"step": int(r["step"]), "stage": r.get("stage"), "eval_stage": r.get("eval_stage"),
-               "eval": r.get("eval"), "metric": r.get("metric"), "value": _round(r.get("value"))}
+               "eval": r.get("eval"), "metric": r.get("metric"), "value": float(r["value"])}
               for r in reader.records(layout.eval_matrix) if "step" in r and _round(r.get("value")) is not None]
     card = reader.text(layout.model_card)
     return {

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from toolkit.atomic import discard_unfinished
+
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75
@@ -170,6 +172,7 @@ class _Watcher:
                 continue
             name = flag.signal_name if flag.signal_name is not None else names[0]
             flag.say_once(flag.stop_line(name))  # unless the main thread said it, and then hung
+            discard_unfinished()  # the main thread's `finally` will not run: no half-built store is left
             os._exit(exit_code(name))  # no logging.shutdown: the stuck main thread may hold a handler's lock
 
 
