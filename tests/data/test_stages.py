@@ -129,3 +129,73 @@ def test_bad_values_name_the_key(tmp_path: Path, models: dict[str, str], stage: 
 
     with pytest.raises(ToolkitError, match=message):
         _recipe(tmp_path, models["text"], **stage)
+
+
+# --- a video stage by its frames: difficulty: {by: frames} over the stage's own frame caps -------------------------
+
+CLIP_SECONDS = (6, 2, 3, 4)
+"""The clips of `_video_rows` (8 fps): at the default 2 fps, 12, 4, 6 and 8 frames (min_frames 4)."""
+
+
+def _video_rows(folder: Path) -> Path:
+    """Rows in this order: a 6 s clip, a text row, a 2 s clip, two clips (2 s and 3 s) in one row, a 4 s clip, a 3 s
+    clip."""
+    from tests.helpers.video_files import write_video
+
+    clips = [write_video(folder / f"c{s}.mp4", 8 * s, fps=8).name for s in CLIP_SECONDS]
+
+    def row(*videos: str) -> dict[str, Any]:
+        tags = "<video>" * len(videos)
+        return {"messages": [{"role": "user", "content": f"{tags}What happens?"},
+                             {"role": "assistant", "content": "It gets brighter."}], "videos": list(videos)}
+
+    rows = [row(clips[0]), {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]},
+            row(clips[1]), row(clips[1], clips[2]), row(clips[3]), row(clips[2])]
+    path = folder / "videos.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_video_stage_is_ordered_and_dropped_by_the_frames_its_own_caps_sample(tmp_path: Path,
+                                                                              models: dict[str, str]) -> None:
+    """`difficulty: {by: frames}` ranks a stage's rows by the frames its video settings sample (all of a row's
+    videos; a text row has none): two stages over the same rows, at most 6 then 12 frames a video, rank them
+    differently, and each caps its rows' frames and video tokens (the short-to-long curriculum's lever). A stage
+    with no video is refused."""
+    from toolkit.errors import ToolkitError
+    from toolkit.model.load import load_processor
+
+    data = _video_rows(tmp_path)
+    tree = {"output_dir": str(tmp_path / "run"), "model": {"name_or_path": models["vl"]},
+            "data": {"max_seq_len": 512, "num_proc": 1, "video": {"min_pixels": 3136, "max_pixels": 12544}},
+            "stages": [{"name": "short", "data": [str(data)], "max_steps": 1, "video": {"max_frames": 6},
+                        "order": "easy_to_hard", "difficulty": {"by": "frames"}},
+                       {"name": "long", "data": [str(data)], "max_steps": 1, "video": {"max_frames": 12},
+                        "order": "easy_to_hard", "difficulty": {"by": "frames"}, "drop": {"hardest": 0.2}}]}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    stages = resolve_stages(recipe)
+    processor = load_processor(models["vl"], trust_remote_code=False, chat_template=None)
+    stores = run_stores(stages, recipe.data, processor.tokenizer, processor, Path("unused"), None)
+    short, long = (load_stage(s, recipe.data, stores) for s in stages)
+    # 2 fps, within [4, cap], a multiple of 2; the two-clip row sums its videos
+    np.testing.assert_array_equal(short.difficulty, [6, 0, 4, 4 + 6, 6, 6])
+    np.testing.assert_array_equal(long.difficulty, [0, 4, 4 + 6, 8, 6])  # the hardest fifth (the 6 s clip) dropped
+    [s_part], [l_part] = short.samples.parts, long.samples.parts
+    assert l_part.selection.index.tolist() == [1, 2, 3, 4, 5]
+    # the caps change the rows' tokens: 56x56 frames, 4 tokens a frame pair; the text row is the same in both
+    s_tokens, s_frames = s_part.store.video_counts()
+    l_tokens, l_frames = l_part.store.video_counts()
+    np.testing.assert_array_equal(s_tokens, s_frames // 2 * 4)
+    np.testing.assert_array_equal(l_tokens, l_frames // 2 * 4)
+    np.testing.assert_array_equal(l_part.store.lengths - s_part.store.lengths, l_tokens - s_tokens)
+    assert (l_tokens - s_tokens).tolist() == [12, 0, 0, 0, 4, 0]
+    said = [stage_summary(s, src, recipe.data) for s, src in zip(stages, (short, long), strict=True)]
+    assert "6 rows, 6 kept" in said[0] and "64 video tokens (32 frames)" in said[0]
+    assert "1 dropped by difficulty (drop)" in said[1] and "56 video tokens (28 frames)" in said[1]
+
+    (tmp_path / "text").mkdir()
+    text = _recipe(tmp_path / "text", models["text"], order="easy_to_hard", difficulty={"by": "frames"})
+    with pytest.raises(ToolkitError, match=r"^Stage 's' has difficulty.by frames but none of its rows holds a video "
+                                           r"\(.*a.jsonl, .*b.jsonl\); order it by length or a field"):
+        _load(text, models["text"])
