@@ -5,6 +5,7 @@ stage's sources together, counted in the stage's data line, and packed rows buil
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,23 @@ def _video_rows(folder: Path) -> Path:
     return path
 
 
+def _video_stages(tmp_path: Path, model: str, stages: list[dict[str, Any]]) -> tuple[Recipe, list[Any], Any]:
+    """The recipe of `stages` over `_video_rows` (56x56 frames: 4 tokens a frame pair), its resolved stages and
+    their stores (prepared in memory)."""
+    from toolkit.model.load import load_processor
+
+    data = _video_rows(tmp_path) if not (tmp_path / "videos.jsonl").is_file() else tmp_path / "videos.jsonl"
+    tree = {"output_dir": str(tmp_path / "run"), "model": {"name_or_path": model},
+            "data": {"max_seq_len": 512, "num_proc": 1, "overlength": "drop",
+                     "video": {"min_pixels": 3136, "max_pixels": 12544}},
+            "stages": [{"data": [str(data)], "max_steps": 1, **stage} for stage in stages]}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    resolved = resolve_stages(recipe)
+    processor = load_processor(model, trust_remote_code=False, chat_template=None)
+    return recipe, resolved, run_stores(resolved, recipe.data, processor.tokenizer, processor, Path("unused"), None)
+
+
 def test_a_video_stage_is_ordered_and_dropped_by_the_frames_its_own_caps_sample(tmp_path: Path,
                                                                               models: dict[str, str]) -> None:
     """`difficulty: {by: frames}` ranks a stage's rows by the frames its video settings sample (all of a row's
@@ -163,20 +181,11 @@ def test_a_video_stage_is_ordered_and_dropped_by_the_frames_its_own_caps_sample(
     differently, and each caps its rows' frames and video tokens (the short-to-long curriculum's lever). A stage
     with no video is refused."""
     from toolkit.errors import ToolkitError
-    from toolkit.model.load import load_processor
 
-    data = _video_rows(tmp_path)
-    tree = {"output_dir": str(tmp_path / "run"), "model": {"name_or_path": models["vl"]},
-            "data": {"max_seq_len": 512, "num_proc": 1, "video": {"min_pixels": 3136, "max_pixels": 12544}},
-            "stages": [{"name": "short", "data": [str(data)], "max_steps": 1, "video": {"max_frames": 6},
-                        "order": "easy_to_hard", "difficulty": {"by": "frames"}},
-                       {"name": "long", "data": [str(data)], "max_steps": 1, "video": {"max_frames": 12},
-                        "order": "easy_to_hard", "difficulty": {"by": "frames"}, "drop": {"hardest": 0.2}}]}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
-    recipe = load_recipe(tmp_path / "recipe.yaml")
-    stages = resolve_stages(recipe)
-    processor = load_processor(models["vl"], trust_remote_code=False, chat_template=None)
-    stores = run_stores(stages, recipe.data, processor.tokenizer, processor, Path("unused"), None)
+    recipe, stages, stores = _video_stages(tmp_path, models["vl"], [
+        {"name": "short", "video": {"max_frames": 6}, "order": "easy_to_hard", "difficulty": {"by": "frames"}},
+        {"name": "long", "video": {"max_frames": 12}, "order": "easy_to_hard", "difficulty": {"by": "frames"},
+         "drop": {"hardest": 0.2}}])
     short, long = (load_stage(s, recipe.data, stores) for s in stages)
     # 2 fps, within [4, cap], a multiple of 2; the two-clip row sums its videos
     np.testing.assert_array_equal(short.difficulty, [6, 0, 4, 4 + 6, 6, 6])
@@ -199,3 +208,24 @@ def test_a_video_stage_is_ordered_and_dropped_by_the_frames_its_own_caps_sample(
     with pytest.raises(ToolkitError, match=r"^Stage 's' has difficulty.by frames but none of its rows holds a video "
                                            r"\(.*a.jsonl, .*b.jsonl\); order it by length or a field"):
         _load(text, models["text"])
+
+
+def test_a_stage_whose_frame_caps_cannot_fit_its_max_seq_len_is_refused_and_the_advice_fits(
+        tmp_path: Path, models: dict[str, str]) -> None:
+    """A first stage of 20 tokens given the long stage's 12 frames a video (the 6 s clip: 24 video tokens, which the
+    long stage's 512 hold) could only drop that row unseen: loading the stage refuses it in one line naming the row,
+    the stage and the max_frames that fits; with that max_frames the stage loads (rows over 20 tokens in all are
+    dropped by data.overlength as usual)."""
+    from toolkit.errors import ToolkitError
+
+    long = {"name": "long", "video": {"max_frames": 12}}
+    recipe, [short, _], stores = _video_stages(tmp_path, models["vl"], [
+        {"name": "short", "max_seq_len": 20, "video": {"max_frames": 12}}, long])
+    with pytest.raises(ToolkitError, match=r"videos.jsonl:1: its video frames alone are 24 tokens \(12 frames, 4 "
+                                           r"tokens per frame pair\), over stage 'short''s max_seq_len \(20\); set "
+                                           r"video.max_frames to at most (\d+) \(") as refused:
+        load_stage(short, recipe.data, stores)
+    most = int(re.search(r"at most (\d+)", str(refused.value)).group(1))
+    recipe, [short, _], stores = _video_stages(tmp_path, models["vl"], [
+        {"name": "short", "max_seq_len": 20, "video": {"max_frames": most}}, long])
+    assert load_stage(short, recipe.data, stores).stats.rows == 6

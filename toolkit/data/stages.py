@@ -195,6 +195,7 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     picked = []
     for entry in stage.entries:
         store = stores(entry, pairs=stage.pairs)
+        check_frame_budget(stage, store)
         if stage.pairs:
             selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength,
                                      identical=data.identical_pairs)
@@ -225,6 +226,23 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     if scored_drop and stage.drop is not None:
         rows.dropped_by_score = drop_counts(len(rows.samples), easiest=stage.drop.easiest, hardest=stage.drop.hardest)
     return rows
+
+
+def check_frame_budget(stage: ResolvedStage, store: Store) -> None:
+    """Refuse a stage whose video settings sample more tokens of a row's videos than the stage's max_seq_len holds
+    (the store was checked against the longest max_seq_len of the run, toolkit/data/vision.py): the row could only
+    be dropped unseen, as a stage of a short-to-long curriculum given a long stage's frame caps would drop every
+    video row. The first such row is named, with the largest max_frames that fits."""
+    if not store.videos:
+        return
+    over = np.flatnonzero(store.video_counts()[0] > stage.max_seq_len)
+    if over.size:
+        from toolkit.data.vision import frame_budget_problem  # torch and the image processors: video stages only
+
+        row = int(over[0])
+        problem = frame_budget_problem(store.video_grids(row), store.video_merge, stage.max_seq_len,
+                                       f"stage '{stage.name}''s max_seq_len")
+        raise ToolkitError(f"{store.where(row)}: {problem}")
 
 
 def pair_rows(selection: Selection) -> Selection:

@@ -224,6 +224,11 @@ class Store:
                 out["image_grid_thw"] = [flat[n:n + 3] for n in range(0, len(flat), 3)]
         return out
 
+    @property
+    def video_merge(self) -> int:
+        """Patches per video token of the encoder that stored the rows (merge_size squared)."""
+        return int(self.meta.get("key", {}).get("encoding", {}).get("merge", 2)) ** 2
+
     def video_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Per row, (video tokens, sampled video frames) over all its videos (0 for a row without one): each stored
         video's grid t x h x w over the merge of the encoder that stored it, frames 2 per temporal patch. Read from
@@ -232,7 +237,7 @@ class Store:
         if getattr(self, "_video_counts", None) is None:
             tokens, frames = np.zeros(len(self), np.int64), np.zeros(len(self), np.int64)
             if getattr(self, "videos", False):
-                merge = int(self.meta.get("key", {}).get("encoding", {}).get("merge", 2)) ** 2
+                merge = self.video_merge
                 for k, (images, grids) in enumerate(self._images):
                     rows = _view(pc.list_parent_indices(images)).astype(np.int64) + int(self.starts[k])
                     video = _view(pc.cast(pc.starts_with(pc.list_flatten(images), "video:"), pa.int8())) != 0
@@ -241,6 +246,15 @@ class Store:
                     np.add.at(frames, rows[video], 2 * thw[:, 0])
             self._video_counts = tokens, frames
         return self._video_counts
+
+    def video_grids(self, i: int) -> list[list[int]]:
+        """Row i's videos' grids (t, h, w), in text order."""
+        if not getattr(self, "videos", False):
+            return []
+        k, j = self._locate(i)
+        images, grids = self._images[k]
+        flat = grids[j].as_py() or []
+        return [flat[3 * n:3 * n + 3] for n, ref in enumerate(images[j].as_py() or []) if ref.startswith("video:")]
 
     def video_tokens(self, rows: np.ndarray) -> tuple[int, int]:
         """(video tokens, video frames) of `rows` (row indices), summed (`video_counts`)."""
