@@ -77,6 +77,8 @@ def test_a_vision_pair_s_sides_score_as_each_side_alone_and_the_tower_runs_once(
     assert torch.equal(tokens, torch.cat([t[:1] for _, t in alone]))
     # each occurrence gets its own image's embeddings: told that every occurrence shows the first image, the pairs
     # of the other image score otherwise, the first image's pairs alike (each sequence shows one image)
+    if packing:  # the hook is the same for both layouts: checked once
+        return
     plan = batch[SHARED_IMAGES]
     first = plan[0]
     wrong = dict(batch, pixel_values=batch["pixel_values"][:first[1] * first[2] * first[3]],
