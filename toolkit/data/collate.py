@@ -113,7 +113,7 @@ class VLCollator:
                                "stores/) so it is prepared again.")
         return pixels, got
 
-    def media(self, refs: list[str], grids: list[list[int]], *, share: bool = False) -> dict[str, torch.Tensor]:
+    def media(self, refs: list[str], grids: list[list[int]], *, share: bool = False) -> dict[str, Any]:
         """The batch's vision inputs of stored media in text order (image paths and `VIDEO_REF` videos): images as
         `images`, videos from the frame store (`toolkit.data.vision.process_videos`) with their grids and, for a
         model whose processor takes it (Qwen2.5-VL), `second_per_grid_ts`. With `share` (a preference stage's
@@ -122,7 +122,7 @@ class VLCollator:
         text order (the rotary ids need them all) and `SHARED_IMAGES` which distinct image each occurrence shows
         (toolkit/model/shared_media.py runs the vision tower once on them and gives each occurrence its image's
         embeddings)."""
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Any] = {}
         images = [(r, g) for r, g in zip(refs, grids, strict=True) if not r.startswith(VIDEO_REF)]
         videos = [(r, g) for r, g in zip(refs, grids, strict=True) if r.startswith(VIDEO_REF)]
         if images and share:
@@ -132,7 +132,7 @@ class VLCollator:
                 pixels, _ = self.images([r for r, _ in distinct], [list(g) for _, g in distinct])
                 out["pixel_values"] = pixels
                 out["image_grid_thw"] = torch.tensor([g for _, g in images], dtype=torch.long)
-                out[SHARED_IMAGES] = [[u, *g] for u, (_, g) in zip(owners, images, strict=True)]  # type: ignore
+                out[SHARED_IMAGES] = [[u, *g] for u, (_, g) in zip(owners, images, strict=True)]
                 images = []
         if images:
             out["pixel_values"], out["image_grid_thw"] = self.images([r for r, _ in images], [g for _, g in images])

@@ -40,8 +40,8 @@ NOT_A_PAIR = ("the stage trains on preference pairs (objective dpo, orpo or simp
               "has 'chosen' and 'rejected' (TRL, LLaMA-Factory ranking, axolotl) or 'messages' with "
               "'rejected_response' / 'rejected_messages' (ms-swift); see docs/preference.md for the shapes")
 """Why a row of a preference stage that is no pair is refused."""
-VIDEO_PAIRS = ("preference pairs with videos are not built yet (a pair's images are: both sides share them); train "
-               "video rows in a stage of rows (objective: sft), or give the pair images (frames) instead")
+VIDEO_PAIRS = ("preference pairs with videos are not built yet (pairs with images are: both sides share the prompt's "
+               "images); train video rows in a stage of rows (objective: sft), or give the pair images (frames)")
 """Why a pair with videos is refused."""
 MEDIA_IN_COMPLETION = ("a pair's images belong to its prompt, which both sides share; a completion that shows an "
                        "image is no pair of answers to one question: move the image into the prompt")

@@ -8,9 +8,10 @@ model's forward with two hooks on the tower: before it, the grids of the distinc
 after it, each occurrence's block gathered from its image's (the merged embeddings and, for Qwen3-VL, every
 deepstack level's).
 
-Why this way, and why it is exact: each side of a pair then sees bitwise the embeddings its images give, as two
-runs of the tower on the same pixels would give them, and the gradient reaching the tower is the sum over the
-occurrences (the gather's backward adds), as two runs' would be. The alternative, the model's `mm_encoder_outputs`
+Why this way, and why it is exact: both sides of a pair see the very same embeddings of their images, those a run
+of the tower on the pixels gives (bitwise those of a side scored alone with its images, on CPU:
+tests/model/test_shared_media.py), and the gradient reaching the tower is the sum over the occurrences (the
+gather's backward adds), as two runs' would be. The alternative, the model's `mm_encoder_outputs`
 computed outside its forward, would call the tower outside the DDP / DeepSpeed / FSDP wrapper, whose hooks must see
 every forward; the hooks here live inside the wrapped forward. The tower runs once per pair instead of twice.
 """
@@ -18,6 +19,7 @@ every forward; the hooks here live inside the wrapped forward. The tower runs on
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,11 +27,17 @@ import torch
 
 from toolkit.errors import ToolkitError
 
+_TOWERS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's vision tower (the module named `visual` with a `spatial_merge_size`), under any wrapper."""
+    """The model's vision tower (the module named `visual` with a `spatial_merge_size`), under any wrapper; found
+    once per model."""
+    if model in _TOWERS:
+        return _TOWERS[model]
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "visual" and hasattr(module, "spatial_merge_size"):
+            _TOWERS[model] = module
             return module
     raise ToolkitError("the batch shares its images between sequences (a vision pair's sides) but the model has no "
                        "vision tower ('visual'); vision pairs train on Qwen2.5-VL / Qwen3-VL.")
