@@ -1,6 +1,7 @@
 """A vision pair's images encoded once (toolkit/model/shared_media.py, the collator's `SHARED_IMAGES`): the pair's
-two sides score, bitwise, as each side alone with its images, on the built-in tiny Qwen2.5-VL and Qwen3-VL, padded
-and packed, while the vision tower runs once per micro-batch on each distinct image.
+two sides score, bitwise, as each side alone with its images, on the built-in tiny Qwen2.5-VL (padded and packed)
+and Qwen3-VL (padded: its deepstack levels are gathered too), while the vision tower runs once per micro-batch on
+each distinct image; and the tower's gradient is the sum over the sides.
 
 The rows are the wild vision pairs (TRL's vision DPO rows and LLaMA-Factory's RLHF-V row, tests/assets/wild/), read
 as a preference stage reads them, with small PNGs written here."""
@@ -51,8 +52,9 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any,
     return out
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("name", [TINY_VL_MODEL, TINY_QWEN3_VL_MODEL], ids=["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize(("name", "packing"), [(TINY_VL_MODEL, False), (TINY_VL_MODEL, True),
+                                               (TINY_QWEN3_VL_MODEL, False)],  # Qwen3-VL: its deepstack levels
+                         ids=["qwen2.5-vl-padded", "qwen2.5-vl-packed", "qwen3-vl-padded"])
 def test_a_vision_pair_s_sides_score_as_each_side_alone_and_the_tower_runs_once(
         pairs: dict[str, Any], name: str, packing: bool) -> None:
     processor, model, rows = pairs[name]
@@ -87,3 +89,22 @@ def test_a_vision_pair_s_sides_score_as_each_side_alone_and_the_tower_runs_once(
         misled = forward_sums(model, wrong, CPU)[0]
     for n, (image, *_) in enumerate(plan):
         assert bool(misled[n] == together[n]) is (image == 0), n
+
+
+def test_the_tower_s_gradient_is_the_sum_over_a_shared_image_s_occurrences(pairs: dict[str, Any]) -> None:
+    """With the vision tower trained (a user's `trainable: [visual.merger]`, say), a pair's image passed once gets
+    the gradient two runs of the tower, one per side, would give it: the gather's backward adds the sides'."""
+    processor, model, rows = pairs[TINY_VL_MODEL]
+    inner = sides_collator(batch_collator(processor, vision=True, packing=False))
+    samples = [side for r in rows for side in _vl_samples(r)]
+    tower = vision_tower(model)
+    grads = []
+    for batch in (pair_collator(inner)(rows), inner(samples)):  # images once per pair; once per side
+        batch.pop("pair_index", None)
+        model.zero_grad()
+        forward_sums(model, batch, CPU)[0].sum().backward()
+        grads.append({n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None})
+    assert SHARED_IMAGES not in inner(samples) and grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    model.zero_grad()
