@@ -358,6 +358,12 @@ def test_vision_pairs_share_their_prompt_s_images_and_what_is_not_built_is_refus
             assert chosen["input_ids"][:prompt_length(chosen)] == rejected["input_ids"][:prompt_length(rejected)]
         first = completion(sides[0], processor.tokenizer)
         assert first.startswith("A young man standing on stage wearing a white shirt"), first
+    # over max_seq_len under truncate, a vision pair is dropped (the cut, prompt first, would take its image)
+    (tmp_path / "short").mkdir()
+    short, short_recipe = stage_of(tmp_path / "short", models["vl"], [trl], max_seq_len=24, overlength="truncate")
+    cut = load_stage(short, short_recipe.data, run_stores([short], short_recipe.data, processor.tokenizer, processor,
+                                                          tmp_path, None))
+    assert (cut.stats.rows, cut.stats.dropped_overlength, cut.stats.truncated) == (2, 2, 0)
     # a text model cannot read images; the rest is refused in one line naming the row
     (tmp_path / "text").mkdir()
     text_stage, text_recipe = stage_of(tmp_path / "text", models["text"], [trl])
