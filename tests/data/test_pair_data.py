@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 from transformers import AutoTokenizer
 
 from tests.data.test_batching import Process
@@ -36,9 +37,10 @@ from toolkit.data.packing import PackedCollator, unpack_row
 from toolkit.data.pairs import PairStats, fit_pair
 from toolkit.data.plan import PairRows, PairSides, StageRows, packed_row, select_pairs
 from toolkit.data.sources import resolve_source
-from toolkit.data.stages import Stores, load_curriculum_data, load_stage, row_encoder, run_stores, stage_summary
+from toolkit.data.stages import load_curriculum_data, load_stage, run_stores, stage_summary
 from toolkit.data.store import open_store, store_key
 from toolkit.errors import ToolkitError
+from toolkit.model.load import load_processing
 
 WILD = Path(__file__).parents[1] / "assets" / "wild"
 
@@ -319,18 +321,68 @@ def test_what_is_no_pair_where_pairs_train_and_a_pair_where_rows_train_are_refus
         load_stage(dataclasses.replace(stage, objective="sft", entries=(DataEntry(str(swift)),)), recipe.data, stores)
 
 
-def test_vision_pairs_are_refused_until_proven(tmp_path: Path, models: dict[str, str], tok: Any) -> None:
-    path = write(tmp_path / "img.jsonl", [dict(CONVERSATIONAL["trl explicit"], images=["a.png"])])
-    stage, recipe = stage_of(tmp_path, models["text"], [path])
-    with pytest.raises(ToolkitError, match=r"img\.jsonl:1: the row has 'images': preference pairs with images are "
-                                           r"not proven yet"):
-        load_stage(stage, recipe.data, run_stores([stage], recipe.data, tok, None, tmp_path, None))
-    with pytest.raises(ToolkitError, match=r"A preference stage on a vision-language model: preference pairs with "
-                                           r"images are not proven yet"):
-        row_encoder(recipe.data, tok, object(), pairs=True)
-    vl_stores = Stores(row_encoder(recipe.data, tok, None), tmp_path, None, 1, pair_encoder=None)  # as for a VL model
-    with pytest.raises(ToolkitError, match=r"preference pairs on a vision-language model: .*not proven yet"):
-        vl_stores(DataEntry(str(path)), pairs=True)
+def vision_folder(tmp: Path) -> Path:
+    """The wild vision pairs (TRL's vision DPO rows, LLaMA-Factory's RLHF-V row and its registry entry) beside the
+    small PNGs they name, written here (images of other sizes, so their grids differ)."""
+    folder = tmp / "vision"
+    (folder / "images").mkdir(parents=True)
+    for name, size, colour in (("rlaif_v_0", (56, 84), (200, 30, 30)), ("sky", (84, 56), (40, 90, 220))):
+        Image.new("RGB", size, colour).save(folder / "images" / f"{name}.png")
+    shutil.copy(WILD / "trl_vision_dpo.jsonl", folder / "trl_vision_dpo.jsonl")
+    shutil.copy(WILD / "llamafactory_rlhf_v.json", folder / "rlhf_v.json")
+    (folder / "dataset_info.json").write_text(json.dumps({
+        # LLaMA-Factory data/dataset_info.json's own entry for RLHF-V (its hf_hub_url as a local file_name)
+        "rlhf_v": {"file_name": "rlhf_v.json", "ranking": True, "formatting": "sharegpt",
+                   "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
+                               "images": "images"}}}))
+    return folder
+
+
+def test_vision_pairs_share_their_prompt_s_images_and_what_is_not_built_is_refused(
+        tmp_path: Path, models: dict[str, str], tok: Any) -> None:
+    processor = load_processing(models["vl"], vision=True, trust_remote_code=False, chat_template=None)[0]
+    folder = vision_folder(tmp_path)
+    trl = folder / "trl_vision_dpo.jsonl"
+    stage, recipe = stage_of(tmp_path, models["vl"], [trl])
+    stores = run_stores([stage], recipe.data, processor.tokenizer, processor, tmp_path, None)
+    lf = DataEntry(None, dataset="rlhf_v", dataset_dir=str(folder))
+    for entry, pairs in ((DataEntry(str(trl)), 2), (lf, 1)):
+        got = load_stage(dataclasses.replace(stage, entries=(entry,)), recipe.data, stores)
+        assert got.stats.kept == pairs
+        sides = PairSides(got.samples.parts)
+        for k in range(pairs):  # both sides show the prompt's image, as one placeholder's tokens each
+            chosen, rejected = sides[2 * k], sides[2 * k + 1]
+            assert chosen["images"] == rejected["images"] and len(chosen["images"]) == 1
+            assert chosen["image_grid_thw"] == rejected["image_grid_thw"]
+            assert prompt_length(chosen) == prompt_length(rejected)
+            assert chosen["input_ids"][:prompt_length(chosen)] == rejected["input_ids"][:prompt_length(rejected)]
+        first = completion(sides[0], processor.tokenizer)
+        assert first.startswith("A young man standing on stage wearing a white shirt"), first
+    # over max_seq_len under truncate, a vision pair is dropped (the cut, prompt first, would take its image)
+    (tmp_path / "short").mkdir()
+    short, short_recipe = stage_of(tmp_path / "short", models["vl"], [trl], max_seq_len=24, overlength="truncate")
+    cut = load_stage(short, short_recipe.data, run_stores([short], short_recipe.data, processor.tokenizer, processor,
+                                                          tmp_path, None))
+    assert (cut.stats.rows, cut.stats.dropped_overlength, cut.stats.truncated) == (2, 2, 0)
+    # a text model cannot read images; the rest is refused in one line naming the row
+    (tmp_path / "text").mkdir()
+    text_stage, text_recipe = stage_of(tmp_path / "text", models["text"], [trl])
+    with pytest.raises(ToolkitError, match=r"trl_vision_dpo\.jsonl:1: the row has 'images', which needs a "
+                                           r"vision-language model"):
+        load_stage(text_stage, text_recipe.data, run_stores([text_stage], text_recipe.data, tok, None, tmp_path, None))
+    [row, _] = [json.loads(line) for line in trl.read_text().splitlines()]
+    two = dict(row, images=["images/rlaif_v_0.png", "images/sky.png"])
+    video = dict(row, videos=["clip.mp4"])
+    shown = dict(row, chosen=[{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "So."}]}])
+    for name, bad, said in (
+            ("count", two, r"count\.jsonl:1: 1 \{\"type\": \"image\"\} placeholder\(s\) \(or '<image>' tags\) in "
+                           r"'messages' but 2 path\(s\) in 'images'"),
+            ("video", video, r"video\.jsonl:1: the row has 'videos': preference pairs with videos are not built yet"),
+            ("shown", shown, r"shown\.jsonl:1: the chosen completion holds an image: a pair's images belong to its "
+                             r"prompt")):
+        path = write(folder / f"{name}.jsonl", [bad])
+        with pytest.raises(ToolkitError, match=said):
+            load_stage(dataclasses.replace(stage, entries=(DataEntry(str(path)),)), recipe.data, stores)
 
 
 # --- LLaMA-Factory's registry --------------------------------------------------------------------------------------

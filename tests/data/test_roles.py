@@ -39,7 +39,9 @@ PAIRS = {  # file -> the data entry keys its refusals give (a preference stage's
     "ms_swift_dpo.jsonl": {}, "trl_preference.jsonl": {}, "llamafactory_dpo_en_demo.json": {},
     "orca_dpo_pairs.jsonl": {"columns": {"instruction": "question"}}, "openai_preference.jsonl": {},
     "hh_rlhf.jsonl": {}, "ultrafeedback_binarized.jsonl": {}, "h4_orca_dpo_pairs.jsonl": {},
+    "trl_vision_dpo.jsonl": {}, "llamafactory_rlhf_v.json": {},
 }
+VISION_PAIRS = {"trl_vision_dpo.jsonl", "llamafactory_rlhf_v.json"}  # pairs whose prompt shows an image
 ROUND2 = {  # issue 47's files: file -> (model, the data entry keys its refusals give)
     **dict.fromkeys(("lmsys_chat.jsonl", "wildchat.jsonl", "oasst1_trees.jsonl", "sharegpt90k.json",
                      "openhermes.jsonl", "slimorca.jsonl", "capybara.jsonl", "bare_messages.jsonl",
@@ -165,7 +167,8 @@ def test_every_file_through_inspect_data(name: str, inspected: dict[str, str]) -
     unit = "pairs" if name in PAIRS else "rows"
     assert re.search(rf"data(?: \(dpo\))?: {rows} {unit}, {rows} kept", report), report
     assert pasted(report) == (PAIRS[name] if name in PAIRS else ROWS_TRAIN[name][1])
-    assert ("model builtin:tiny-qwen2.5-vl" in report) == (name not in PAIRS and ROWS_TRAIN[name][0] == "vl")
+    assert ("model builtin:tiny-qwen2.5-vl" in report) == (
+        name in VISION_PAIRS or (name not in PAIRS and ROWS_TRAIN[name][0] == "vl"))
     if name in SHAPES:
         assert f"\nshape: {SHAPES[name]}\n" in report, report
 
@@ -194,12 +197,15 @@ def test_round2_files_train_or_their_refusal_gives_the_entry_that_does(name: str
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_pair_files_train_under_the_entry_printed(name: str, tmp_path: Path, tok: Any,
-                                                  inspected: dict[str, str]) -> None:
+                                                  inspected: dict[str, str], request: pytest.FixtureRequest) -> None:
     """The entry inspect-data prints for a pair file, applied through the recipe's schema, stores every pair
-    (two sides each, every side with trained tokens)."""
+    (two sides each, every side with trained tokens; a vision pair's through the VL encoder)."""
+    from toolkit.data.vision import VLEncoder
+
     entry = DataSource(path=str(wild_copy(tmp_path, name)), **pasted(inspected[name])).entry()
-    data = encode_files([entry], tok, max_seq_len=4096, overlength="error", train_on="assistant",
-                        encoder=TextEncoder(tok, train_on="assistant", pairs=True))
+    encoder = (VLEncoder(request.getfixturevalue("vl_processor"), train_on="assistant", pairs=True)
+               if name in VISION_PAIRS else TextEncoder(tok, train_on="assistant", pairs=True))
+    data = encode_files([entry], tok, max_seq_len=4096, overlength="error", train_on="assistant", encoder=encoder)
     pairs = len(rows_in(WILD / name))
     assert data.stats.rows == data.stats.kept == 2 * pairs
     assert all(any(y != -100 for y in s["labels"]) for s in data.samples)

@@ -271,6 +271,14 @@ def inspect_pairs(c: Ctx, rows: list[object]) -> Call:
 case("data-not-a-pair")(lambda c: c.train("stages.0.objective=dpo", rows=[PAIR, CHAT]))
 case("data-not-a-pair-inspected")(lambda c: inspect_pairs(c, [PAIR, CHAT]))
 case("data-pair-with-images")(lambda c: c.train("stages.0.objective=dpo", rows=[dict(PAIR, images=["images/a.png"])]))
+VISION_PAIR = {"images": ["images/a.png"], "prompt": [{"role": "user", "content": "<image>What colour is it?"}],
+               "chosen": [{"role": "assistant", "content": "Red."}], "rejected": [{"role": "assistant",
+                                                                                "content": "Blue."}]}
+case("data-vision-pair-video")(lambda c: c.train("stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
+                                                 rows=[dict(VISION_PAIR, videos=["clip.mp4"])]))
+case("data-vision-pair-image-in-answer")(lambda c: c.train(
+    "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
+    rows=[dict(VISION_PAIR, rejected=[{"role": "assistant", "content": "<image>Blue."}])]))
 case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
 GRPO = ("stages.0.objective=grpo", "stages.0.rewards=[{scorer: contains}]")
 RL = "stages.0.rl={num_generations: 2, max_completion_length: 16}"

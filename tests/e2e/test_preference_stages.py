@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
+from PIL import Image
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, dummy_run_args, free_port, run_launch, train_forked
@@ -329,3 +331,54 @@ def test_a_dpo_stage_ordered_by_margin_scores_once_and_resumes_exactly(tmp_path:
     a, b = final_adapter(resumed), final_adapter(one)
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def vision_pairs(folder: Path) -> list[Path]:
+    """The wild vision pairs (TRL's rows, LLaMA-Factory's RLHF-V row by its registry entry) and 5 more pairs in
+    TRL's vision shape, each with a small PNG of its own colour: 8 pairs, the data files a vision stage reads."""
+    from tests.data.test_pair_data import vision_folder
+
+    wild = vision_folder(folder)
+    colours = {"red": (200, 30, 30), "green": (30, 160, 60), "yellow": (220, 200, 40), "purple": (120, 40, 160),
+               "orange": (200, 100, 0)}
+    rows = []
+    for i, (name, rgb) in enumerate(colours.items()):
+        Image.new("RGB", (84, 56) if i % 2 else (56, 84), rgb).save(wild / "images" / f"{name}.png")
+        rows.append({"images": [f"images/{name}.png"],
+                     "prompt": [{"role": "user", "content": [{"type": "image"},
+                                                             {"type": "text", "text": "What colour is the square?"}]}],
+                     "chosen": [{"role": "assistant", "content": [{"type": "text", "text": f"It is {name}."}]}],
+                     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "It is grey."}]}]})
+    (wild / "colours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [wild / "trl_vision_dpo.jsonl", wild / "colours.jsonl", wild]
+
+
+@pytest.mark.timeout(600)
+def test_vision_pairs_train_dpo_orpo_simpo_alike_on_one_and_two_processes(tmp_path: Path) -> None:
+    """Issues 50 and 51: preference pairs whose prompt holds an image, on the built-in tiny Qwen2.5-VL, in a dpo
+    (its reference pass included), an orpo and a simpo stage of one launch. The step passes each pair's image once
+    (one tower run for both sides) and the reference pass scores each side alone with its image: the first dpo step
+    is still ln 2 with rewards exactly 0. 2 processes under DDP (gloo) train as 1: the same reference log-probs,
+    losses, TRL's metrics and final adapter (fp32)."""
+    trl, colours, registry = vision_pairs(tmp_path)
+    data = [str(trl), str(colours), {"dataset": "rlhf_v", "dataset_dir": str(registry)}]
+    stage = {"data": data, "max_steps": 1, "lr": 1.0e-3}
+    recipe = tmp_path / "vision_pairs.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name_or_path": "builtin:tiny-qwen2.5-vl"}, "lora": {"r": 8, "alpha": 16},
+        "data": {"max_seq_len": 128},
+        "stages": [{"name": "dpo", "objective": "dpo", **stage, "max_steps": 2, "eval": [str(trl)]},
+                   {"name": "orpo", "objective": "orpo", **stage}, {"name": "simpo", "objective": "simpo", **stage}],
+        "schedule": {"warmup_ratio": 0.0}, "train": {"micro_batch_size": 2, "grad_accum": 2, "seed": 7},
+        "eval": {"every_steps": 2}, "checkpoint": {"save_steps": 2}, "logging": {"progress_bar": False}}))
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = train_forked("single", 1, one, recipe=str(recipe), dummy_samples=8)
+    assert "stage 'dpo' data (dpo): 8 pairs, 8 kept" in proc.stderr, proc.stderr[-3000:]
+    steps = by_step(one)
+    assert [steps[s]["stage"] for s in sorted(steps)] == ["dpo", "dpo", "orpo", "simpo"]
+    assert steps[1]["loss"] == pytest.approx(LN2, abs=1e-12)  # the shared-image step is its per-side reference
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert steps[1][key] == 0.0, key
+    assert steps[2]["loss"] != pytest.approx(LN2, abs=1e-5)
+    train_forked("ddp", 2, two, "train.grad_accum=1", recipe=str(recipe), dummy_samples=8)
+    assert_same_training(two, one, "ddp x2, vision pairs")

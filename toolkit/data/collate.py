@@ -8,6 +8,7 @@ DataLoader's worker processes (toolkit/data/batching.py), so images are decoded 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -21,6 +22,12 @@ from toolkit.data.packing import PackedCollator, unpack_row
 from toolkit.data.vision import VIDEO_REF, process_images, process_videos, video_patches
 from toolkit.errors import ToolkitError
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+
+SHARED_IMAGES = "shared_images"
+"""A batch's key, where its images are passed once for several occurrences (`VLCollator.media` with `share`): for
+each occurrence in `image_grid_thw`, `[index of its image in pixel_values, t, h, w]`, plain ints (the loop's device
+copy leaves them on the host, so reading them waits for nothing). Not a model input: the forward takes it off
+(toolkit/model/shared_media.py)."""
 
 
 class VLCollator:
@@ -39,6 +46,7 @@ class VLCollator:
     def __init__(self, processor: Any, *, dummy_image: bool = True, min_pixels: int | None = None,
                  max_pixels: int | None = None, videos: bool = False) -> None:
         self.processor = processor
+        self.pad_to_multiple_of: int | None = None  # a preference stage's sides: PAIR_PAD_MULTIPLE (sides_collator)
         self.dummy_image = dummy_image
         self.videos = videos
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
@@ -105,13 +113,27 @@ class VLCollator:
                                "stores/) so it is prepared again.")
         return pixels, got
 
-    def media(self, refs: list[str], grids: list[list[int]]) -> dict[str, torch.Tensor]:
+    def media(self, refs: list[str], grids: list[list[int]], *, share: bool = False) -> dict[str, Any]:
         """The batch's vision inputs of stored media in text order (image paths and `VIDEO_REF` videos): images as
         `images`, videos from the frame store (`toolkit.data.vision.process_videos`) with their grids and, for a
-        model whose processor takes it (Qwen2.5-VL), `second_per_grid_ts`."""
-        out: dict[str, torch.Tensor] = {}
+        model whose processor takes it (Qwen2.5-VL), `second_per_grid_ts`. With `share` (a preference stage's
+        pairs, whose two sides show the same images), an image that occurs more than once is decoded and passed
+        once: `pixel_values` holds each distinct image (file and grid) once, `image_grid_thw` every occurrence in
+        text order (the rotary ids need them all) and `SHARED_IMAGES` which distinct image each occurrence shows
+        (toolkit/model/shared_media.py runs the vision tower once on them and gives each occurrence its image's
+        embeddings)."""
+        out: dict[str, Any] = {}
         images = [(r, g) for r, g in zip(refs, grids, strict=True) if not r.startswith(VIDEO_REF)]
         videos = [(r, g) for r, g in zip(refs, grids, strict=True) if r.startswith(VIDEO_REF)]
+        if images and share:
+            distinct: dict[tuple[str, tuple[int, ...]], int] = {}
+            owners = [distinct.setdefault((r, tuple(g)), len(distinct)) for r, g in images]
+            if len(distinct) < len(images):
+                pixels, _ = self.images([r for r, _ in distinct], [list(g) for _, g in distinct])
+                out["pixel_values"] = pixels
+                out["image_grid_thw"] = torch.tensor([g for _, g in images], dtype=torch.long)
+                out[SHARED_IMAGES] = [[u, *g] for u, (_, g) in zip(owners, images, strict=True)]
+                images = []
         if images:
             out["pixel_values"], out["image_grid_thw"] = self.images([r for r, _ in images], [g for _, g in images])
         if videos:
@@ -124,19 +146,21 @@ class VLCollator:
                 out["second_per_grid_ts"] = seconds
         return out
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]], *, share: bool = False) -> dict[str, torch.Tensor]:
         ids = [list(r["input_ids"]) for r in rows]
         labels = [list(r["labels"]) for r in rows]
         attn = [[1] * len(x) for x in ids]
         paths = [p for r in rows for p in r.get("images", [])]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch.update(self.media(paths, [g for r in rows for g in r.get("image_grid_thw", [])]))
+            batch.update(self.media(paths, [g for r in rows for g in r.get("image_grid_thw", [])], share=share))
         for dummy_ids, _ in self.dummies(batch):
             ids[0] += dummy_ids
             labels[0] += [IGNORE_INDEX] * len(dummy_ids)
             attn[0] += [0] * len(dummy_ids)
         width = max(len(x) for x in ids)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch["input_ids"] = torch.tensor([x + [self.pad_id] * (width - len(x)) for x in ids])
         batch["labels"] = torch.tensor([x + [IGNORE_INDEX] * (width - len(x)) for x in labels])
         batch["attention_mask"] = torch.tensor([x + [0] * (width - len(x)) for x in attn])
@@ -181,13 +205,13 @@ class VLPackedCollator(VLCollator):
         super().__init__(processor, **kwargs)
         self.rope = MRopeIndex(model_config)
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]], *, share: bool = False) -> dict[str, torch.Tensor]:
         samples = [s for r in rows for s in _vl_samples(r)]
         paths = [p for s in samples for p in s["images"]]
         grids = [g for s in samples for g in s["image_grid_thw"]]
         batch: dict[str, torch.Tensor] = {}
         if paths:
-            batch.update(self.media(paths, grids))
+            batch.update(self.media(paths, grids, share=share))
         for dummy_ids, kind in self.dummies(batch):
             grid = (self.dummy() if kind == "image" else self.dummy_video())[2]
             samples.append({"input_ids": dummy_ids, "labels": [IGNORE_INDEX] * len(dummy_ids),
@@ -233,7 +257,10 @@ class PairCollator:
     and collated by `inner`, the run's collator: padding gives 2m padded rows in that order, packing one flattened
     row whose boundaries (`cu_seq_lens_q`) separate all 2m sequences. `pair_index` is the rows' stage-global pair
     indices, a list of ints (the loop's device copy leaves it alone). Plain data: it pickles to DataLoader
-    workers."""
+    workers.
+
+    A vision pair's sides show the same images (its prompt's): the VL collator passes them once (`share`, see
+    `VLCollator.media`), so the vision tower runs once per pair in the step, not once per side."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = sides_collator(inner)
@@ -241,11 +268,12 @@ class PairCollator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         samples = []
         for row in rows:
-            sides = unpack_row(row)
+            sides = _vl_samples(row) if "images" in row else unpack_row(row)
             if len(sides) != 2 or "pair_index" not in row:
                 raise ValueError("a pair row must pack exactly two sides (chosen, rejected) and carry pair_index")
             samples += sides
-        batch = dict(self.inner(samples))
+        vision = isinstance(self.inner, VLCollator)
+        batch = dict(self.inner(samples, share=True) if vision else self.inner(samples))
         batch["pair_index"] = [int(row["pair_index"]) for row in rows]
         return batch
 
@@ -265,9 +293,13 @@ def sides_collator(inner: Any) -> Any:
     CPU flash kernel, measured; GPU kernels work in tiles of 64 or 128, not measured here), so the same real keys
     fall in other blocks. Padding to a multiple of 64 keeps each real key in the same block whatever the batch's
     longest side: padded keys add exact zeros. At most 63 padding tokens per row; packed rows have none and need
-    nothing."""
+    nothing. The VL collator pads alike (a vision pair's sides)."""
     if isinstance(inner, DataCollatorForSeq2Seq) and inner.pad_to_multiple_of is None:
         return dataclasses.replace(inner, pad_to_multiple_of=PAIR_PAD_MULTIPLE)
+    if type(inner) is VLCollator and inner.pad_to_multiple_of is None:
+        padded = copy.copy(inner)
+        padded.pad_to_multiple_of = PAIR_PAD_MULTIPLE
+        return padded
     return inner
 
 

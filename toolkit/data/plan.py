@@ -101,7 +101,8 @@ def select_pairs(store: Store, *, max_seq_len: int, overlength: str, identical: 
     cuts. `index` holds pair indices k, `lengths` both sides' tokens after the fit, `label_tokens` both sides'
     trained tokens; the stats count pairs. A side stored unread (over the row byte cap) makes its pair over-length
     for "drop" and is refused otherwise; a side the size guard cut is over-length even when its stored start holds
-    no trained token, and cannot be truncated (only its start is stored)."""
+    no trained token, and cannot be truncated (only its start is stored). A vision pair over-length under
+    "truncate" is dropped, as an image row is: the cut would take its prompt's images."""
     if len(store) % 2:
         raise ToolkitError(f"{store.source.name}: the token store holds {len(store)} rows, not pairs of rows; "
                            "delete it from data.cache_dir so it is prepared again.")
@@ -135,6 +136,8 @@ def select_pairs(store: Store, *, max_seq_len: int, overlength: str, identical: 
         raise ToolkitError(overlength_message(store.where(2 * k), int(longest[k]), max_seq_len,
                                               store.capped.get(side)))
     drop = over if overlength == "drop" else np.zeros(n, dtype=bool)
+    if store.vision:  # a vision pair's images are in its prompt, which a truncation cuts first: dropped, as rows are
+        drop |= over & (store.uncuttable.reshape(n, 2)[:, 0] > 0)
     cut = over & ~drop
     kept_lengths, kept_labels = lengths.sum(axis=1), labels.sum(axis=1)
     for k in np.flatnonzero(cut).tolist():

@@ -17,7 +17,6 @@ from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import MODEL_MEASURES, ORDERED, SCORED_MEASURES, DataConfig, DataEntry
 from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import NOT_READ, TextEncoder
-from toolkit.data.pairs import VISION_PAIRS
 from toolkit.data.plan import (
     STORE_MEASURES,
     PairRows,
@@ -105,9 +104,7 @@ def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> d
 def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pairs: bool = False) -> Any:
     """What turns the run's rows into tokens: the text encoder, or for a vision-language model (`processor`
     given) the processor's encoder. With `pairs`, a preference stage's: each source row a pair, stored as its
-    chosen and rejected rows (`TextEncoder`; vision pairs are refused in one line, not proven yet)."""
-    if pairs and processor is not None:
-        raise ToolkitError(f"A preference stage on a vision-language model: {VISION_PAIRS}.")
+    chosen and rejected rows (a vision pair's images on both, toolkit/data/pairs.py)."""
     if processor is not None:
         from toolkit.data.frames import VideoSettings
         from toolkit.data.vision import VLEncoder, tokens_per_second
@@ -115,7 +112,8 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
         video = VideoSettings().over(data.video.model_dump() if data.video else None, "data.video")
         return VLEncoder(processor, train_on=data.train_on, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
                          chat_template=data.chat_template, empty_answers=data.empty_answers,
-                         renderer=data.renderer, video=video, tokens_per_second=tokens_per_second(processor))
+                         renderer=data.renderer, video=video, tokens_per_second=tokens_per_second(processor),
+                         pairs=pairs)
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
                        empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline,
                        renderer=data.renderer)
@@ -139,12 +137,11 @@ def loader_workers(data: DataConfig, *, vision: bool) -> int:
 class Stores:
     """The run's token stores, one per source and mode, opened (or prepared) once each however many stages use
     them: a stage of rows reads a source's row store (`encoder`), a preference stage its pair store (`pair_encoder`,
-    each source row stored as its chosen and rejected rows; None: refused when asked for, as for a vision-language
-    model). `max_tokens` is the longest max_seq_len of the run: a row far longer than it is stored cut (see
-    toolkit/data/store.py, the size guard)."""
+    each source row stored as its chosen and rejected rows). `max_tokens` is the longest max_seq_len of the run: a
+    row far longer than it is stored cut (see toolkit/data/store.py, the size guard)."""
 
     def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int,
-                 max_tokens: int | None = None, pair_encoder: Any | None = None) -> None:
+                 max_tokens: int | None = None, pair_encoder: Any = None) -> None:
         self.encoder, self.dummy_dir, self.cache, self.processes = encoder, dummy_dir, cache, processes
         self.max_tokens = max_tokens
         self.pair_encoder = pair_encoder
@@ -153,8 +150,6 @@ class Stores:
     def __call__(self, entry: DataEntry, *, pairs: bool = False) -> Store:
         if (entry, pairs) not in self._open:
             encoder = self.encoder if not pairs else self.pair_encoder
-            if encoder is None:
-                raise ToolkitError(f"{entry.name}: preference pairs on a vision-language model: {VISION_PAIRS}.")
             source = resolve_source(entry, self.dummy_dir)
             if hasattr(encoder, "with_video"):  # a VL encoder: frames beside the stores, the entry's video settings
                 if encoder.frame_store is None and self.cache is not None:
@@ -169,7 +164,7 @@ def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, pr
                dummy_dir: Path, cache: Path | None) -> Stores:
     """The stores of a run's stages: its encoder (`row_encoder`), cache and processes, and the size guard's cap (the
     longest max_seq_len of the stages)."""
-    pair_encoder = None if processor is not None else row_encoder(data, tokenizer, None, pairs=True)
+    pair_encoder = row_encoder(data, tokenizer, processor, pairs=True)
     return Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data),
                   max_tokens=max((s.max_seq_len for s in stages), default=None), pair_encoder=pair_encoder)
 

@@ -116,8 +116,9 @@ class VLEncoder:
     def __init__(self, processor: Any, *, train_on: str, min_pixels: int | None = None,
                  max_pixels: int | None = None, chat_template: str | None = None, empty_answers: str = "error",
                  renderer: str = "auto", video: VideoSettings | None = None, frame_store: Path | None = None,
-                 tokens_per_second: float | None = None) -> None:
+                 tokens_per_second: float | None = None, pairs: bool = False) -> None:
         self.processor, self.train_on = processor, train_on
+        self.pairs = pairs  # a preference stage's: each source row a pair, stored as its two sides (their own store)
         self.renderer = renderer  # data.renderer (toolkit/data/render.py)
         if getattr(processor, "chat_template", None):
             chosen_renderer(processor.chat_template, renderer)  # said once
@@ -138,7 +139,8 @@ class VLEncoder:
                 "pixels": _pixel_bounds(ip, self.min_pixels, self.max_pixels), "patch": ip.patch_size,
                 "merge": ip.merge_size, **({"empty_answers": self.empty_answers} if self.empty_answers != "error"
                                            else {}), **({"renderer": "jinja"} if self.renderer == "jinja" else {}),
-                **({"video": self.video.describe()} if self.video.describe() else {})}
+                **({"video": self.video.describe()} if self.video.describe() else {}),
+                **({"pairs": True} if self.pairs else {})}
 
     def with_video(self, given: dict[str, Any] | None, where: str) -> VLEncoder:
         """This encoder with video settings `given` (a data entry's or a stage's) over its own."""

@@ -44,8 +44,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from toolkit.atomic import write_atomic
+from toolkit.data.collate import SHARED_IMAGES
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.model.loss_head import loss_head_of, shifted_labels
+from toolkit.model.shared_media import shared_images
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +133,14 @@ def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.d
     Ulysses slice (it carries `shift_labels`) takes its segments shifted over the whole row and sliced like them
     (toolkit/strategies/sequence_parallel.py `shard_segments`): this process's share of each segment's sums."""
     seg, count = segments if segments is not None else segment_ids(batch)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    shared = batch.get(SHARED_IMAGES)  # a vision pair's images, passed once for both sides
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != SHARED_IMAGES}
     head = loss_head_of(model)
     if head is None:
-        return _full_logit_sums(model, batch, seg.to(device), count)
-    with head.per_segment(seg.to(device), count, preshifted="shift_labels" in batch) as sums:
+        with shared_images(model, shared):
+            return _full_logit_sums(model, batch, seg.to(device), count)
+    with head.per_segment(seg.to(device), count, preshifted="shift_labels" in batch) as sums, \
+            shared_images(model, shared):
         out = model(**batch, num_items_in_batch=torch.ones((), device=device))
     if sums.loss is None or sums.tokens is None:  # no label token in the micro-batch
         return (torch.zeros(count, dtype=torch.float64, device=device),
