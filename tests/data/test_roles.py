@@ -499,3 +499,23 @@ def test_csv_index_and_bom_are_never_content(tmp_path: Path, tok: Any) -> None:
                       Source(entry, "csv", [], "p.csv"), "p.csv row 1")
     assert any("Unnamed: 0" in n for n in row_notes(row))
     assert "#### 72" in _trained(_samples([entry], tok)[0], tok)
+
+
+def test_a_tools_column_that_repeats_the_system_turn_renders_once(tmp_path: Path, tok: Any) -> None:
+    """hermes-function-calling's real row: its `tools` column is a JSON copy of the `<tools>` block its system turn
+    writes. Rendered once, from the system turn (the log says why the column is not given to the template); tools
+    that differ from the block still reach the template."""
+    from toolkit.data.encoding import row_notes
+
+    path = wild_copy(tmp_path, "hermes_function_calling.jsonl")
+    raw = rows_in(path)[0]
+    described = "Retrieves the live feed from a specified security camera."
+    source = Source(Entry(str(path)), "jsonl", [], path.name)
+    row = to_messages(dict(raw), source, f"{path.name}:1")
+    assert "tools" not in row and any("repeats the <tools> block" in n for n in row_notes(row))
+    full = tok.decode(_samples([path], tok, max_seq_len=4096)[0]["input_ids"])
+    assert full.count(described) == 1
+    other = [{"type": "function", "function": {"name": "pan_tilt", "description": "Pans and tilts a camera.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    kept = to_messages({**raw, "tools": json.dumps(other)}, source, f"{path.name}:1")
+    assert kept["tools"] == other

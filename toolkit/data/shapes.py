@@ -155,6 +155,7 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
         row = _from_query_response(row, where)
     if isinstance(row.get("messages"), list) and isinstance(row.get("reasoning"), str):
         row = _with_reasoning(row, where)
+    row = _tools_in_system(row, notes)
     _check_placeholders(row, where)
     _check_unread(row, where, original, notes)
     if entry.dataset is not None:  # LLaMA-Factory: media paths from dataset_dir
@@ -634,6 +635,33 @@ def _check_placeholders(row: dict[str, Any], where: str) -> None:
 
 
 # --- rows that hold their dialog twice ----------------------------------------------------------------------------
+
+TOOLS_BLOCK = re.compile(r"<tools>(.*?)</tools>", re.S)
+"""The tool definitions a system turn writes in its own text (Hermes' and Qwen's `<tools>` ... `</tools>`)."""
+
+
+def _tools_in_system(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """A `tools` column whose definitions the system turn already carries (hermes-function-calling's `tools`, a
+    JSON copy of the `<tools>` block in its system prompt) is not given to the template, which would render them a
+    second time; the log says so. The same definitions: the block's JSON (one list, or one object per line) equals
+    the column's, whatever the spacing. Tools that differ from the block stay the template's."""
+    tools, messages = row.get("tools"), row.get("messages")
+    if not isinstance(tools, list) or not tools or not isinstance(messages, list):
+        return row
+    system = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "system"), None)
+    if not isinstance(system, str):
+        return row
+    for block in TOOLS_BLOCK.findall(system):
+        with contextlib.suppress(json.JSONDecodeError):
+            text = block.strip()
+            said = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines()
+                                                                   if line.strip()]
+            if said == tools or [t.get("function", t) if isinstance(t, dict) else t for t in said] == [
+                    t.get("function", t) if isinstance(t, dict) else t for t in tools]:
+                notes.append("'tools' repeats the <tools> block of the system turn: rendered once, from the system "
+                             "turn (not given to the template again)")
+                return {k: v for k, v in row.items() if k != "tools"}
+    return row
 
 def _prompt_of_messages(row: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
     """UltraChat's `prompt` beside the `messages` that start with it: trained once, from `messages`; a `prompt`
