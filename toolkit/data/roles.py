@@ -338,13 +338,16 @@ def shape_names() -> set[str]:
 
 def contradiction(row: dict[str, Any], roles: dict[str, str], content: Any) -> tuple[str, str, str] | None:
     """A key of `row` whose value contradicts the file's roles (`file_roles`): (key, the file's role, the row's),
-    for a key no shape names whose role its values tell (a chat under another name, content of no named role, a
-    column without content): the row holds content there that gives it another role. None when none does."""
+    for a key no shape names whose role its values tell (a chat under another name, content of no named role): the
+    row holds content there that gives it another role. A column the file's sample holds no content in is left to
+    the row's own checks (content that nothing reads is refused there, with the entry for each role it could
+    have). None when none does."""
     names = shape_names()
     mine = infer_roles(row, content)
     for key, role in mine.items():
         theirs = roles.get(key)
-        if theirs is None or key in names or theirs == role or set(named_roles(key)) - {"turns", "metadata"}:
+        if theirs in (None, "metadata") or key in names or theirs == role or \
+                set(named_roles(key)) - {"turns", "metadata"}:
             continue
         value = row[key]
         if content(key, value) or is_turns(value) or is_tree(value):

@@ -96,10 +96,15 @@ def to_messages(row: dict[str, Any], source: Source, where: str, *, roles: dict[
     pair = next((k for k in PAIR_KEYS if row.get(k) is not None), None)
     if pair is not None:
         raise ToolkitError(f"{where}: the row has '{pair}': {PAIR_IN_SFT}.")
-    if roles is not None:  # the stored names as the entry maps them
-        theirs = {t: ours for ours, t in source.entry.columns}
-        roles = {theirs.get(k, k): r for k, r in roles.items() if k not in source.entry.ignore}
-    return shape_row(row, source, where, original, roles=roles)
+    return shape_row(row, source, where, original, roles=mapped_roles(roles, source))
+
+
+def mapped_roles(roles: dict[str, str] | None, source: Source) -> dict[str, str] | None:
+    """A file's column roles (by its stored names) under the names the entry maps them to, its ignored keys out."""
+    if roles is None:
+        return None
+    theirs = {t: ours for ours, t in source.entry.columns}
+    return {theirs.get(k, k): r for k, r in roles.items() if k not in source.entry.ignore}
 
 
 PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages", "preferred_output",
@@ -147,7 +152,7 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
         row = {k: v for k, v in row.items() if k != FLAT_NOTE}
     _check_flat_export(row, where)
     if roles is not None:
-        _check_file_roles(row, roles, where)
+        check_file_roles(row, roles, where)
     shape = vocab.shape_of(row)
     if shape is not None:
         row = _read(row, shape, where, tags, mapped, original, notes, every=entry.threads == "all", roles=roles)
@@ -280,10 +285,10 @@ def _by_file(mine: dict[str, str], file: dict[str, str] | None) -> dict[str, str
     return mine if file is None else {k: file.get(k, r) for k, r in mine.items()}
 
 
-def _check_file_roles(row: dict[str, Any], roles: dict[str, str], where: str) -> None:
-    """Refuse a row whose values contradict the file's column roles (`vocab.contradiction`: a chat under another
-    name where the file holds text, content where the file's rows hold none, ...), in one line naming the file's
-    row and key: read by this row alone it would be another shape than its file's."""
+def check_file_roles(row: dict[str, Any], roles: dict[str, str], where: str) -> None:
+    """Refuse a row whose values contradict the file's column roles (`vocab.contradiction`: text where the file's
+    rows hold a chat under another name, a chat where they hold text), in one line naming the file's row and key:
+    read by this row alone it would be another shape than its file's."""
     wrong = vocab.contradiction({k: v for k, v in row.items() if not k.startswith("_")}, roles, holds_content)
     if wrong is None:
         return

@@ -515,8 +515,8 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         else:
             if not isinstance(row, dict):  # a bare list of turns is the row's chat (toolkit/data/roles.py)
                 row = {"messages": row}
-            got = list(pair_rows(row, source, where)) if pairs else threads(to_messages(row, source, where,
-                                                                                        roles=roles))
+            got = (list(pair_rows(row, source, where)) if pairs
+                   else threads(to_messages(row, source, where, roles=roles)))
         rows += got
         numbers += [number] * len(got)
     return rows, numbers
