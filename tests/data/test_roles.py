@@ -505,3 +505,70 @@ def test_csv_index_and_bom_are_never_content(tmp_path: Path, tok: Any) -> None:
                       Source(entry, "csv", [], "p.csv"), "p.csv row 1")
     assert any("Unnamed: 0" in n for n in row_notes(row))
     assert "#### 72" in _trained(_samples([entry], tok)[0], tok)
+
+
+def test_a_tools_column_that_repeats_the_system_turn_renders_once(tmp_path: Path, tok: Any) -> None:
+    """hermes-function-calling's real row: its `tools` column is a JSON copy of the `<tools>` block its system turn
+    writes. Rendered once, from the system turn (the log says why the column is not given to the template); tools
+    that differ from the block still reach the template."""
+    from toolkit.data.encoding import row_notes
+
+    path = wild_copy(tmp_path, "hermes_function_calling.jsonl")
+    raw = rows_in(path)[0]
+    described = "Retrieves the live feed from a specified security camera."
+    source = Source(Entry(str(path)), "jsonl", [], path.name)
+    row = to_messages(dict(raw), source, f"{path.name}:1")
+    assert "tools" not in row and any("repeats the <tools> block" in n for n in row_notes(row))
+    full = tok.decode(_samples([path], tok, max_seq_len=4096)[0]["input_ids"])
+    assert full.count(described) == 1
+    other = [{"type": "function", "function": {"name": "pan_tilt", "description": "Pans and tilts a camera.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    kept = to_messages({**raw, "tools": json.dumps(other)}, source, f"{path.name}:1")
+    assert kept["tools"] == other
+
+
+def test_the_role_table_decides_the_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shapes read as they are are rows of the role table (vocab.SHAPES), one reader per role set: Alpaca's and
+    ms-swift's exchanges become the same chat from the same texts; a row of the table added for gsm8k's
+    `question` / `answer` makes that file's row read as an exchange, with no code path of its own (without the row
+    it is refused with the entry)."""
+    source = Source(Entry("t.jsonl"), "jsonl", [], "t.jsonl")
+    texts = {"system": "Be brief.", "history": [["Hi", "Hello."]], "reasoning": "Add them."}
+    alpaca = to_messages({"instruction": "2+2?", "input": "Integers.", "output": "4", **texts}, source, "t:1")
+    swift = to_messages({"query": "2+2?\nIntegers.", "response": "4", **texts}, source, "t:2")
+    assert alpaca == swift and [m["role"] for m in alpaca["messages"]] == ["system", "user", "assistant", "user",
+                                                                           "assistant"]
+    assert alpaca["messages"][-1] == {"role": "assistant", "content": "4", "reasoning_content": "Add them."}
+    row = rows_in(WILD / "gsm8k.jsonl")[0]
+    with pytest.raises(ShapeError, match=r"their roles read as one exchange"):
+        to_messages(dict(row), source, "t:3")
+    gsm8k = ("gsm8k (a test's row)", {"prompt": "question", "answer": "answer"}, ("prompt", "answer"), "exchange")
+    monkeypatch.setattr(vocab, "SHAPES", (*vocab.SHAPES, gsm8k))
+    read = to_messages(dict(row), source, "t:3")
+    assert read["messages"] == [{"role": "user", "content": row["question"]},
+                                {"role": "assistant", "content": row["answer"]}]
+
+
+def test_roles_are_inferred_once_per_file(tmp_path: Path, tok: Any) -> None:
+    """A file's column roles come from its first rows, once (vocab.file_roles): a column empty in the first row
+    keeps the role its other rows give it (the first row's refusal already names it), and a row whose value
+    contradicts the file's roles (text where the file's rows hold a chat under a name of no shape) is refused in one
+    line naming the file's row. `toolkit inspect-data` prints the same roles."""
+    from toolkit.commands.inspect_data import _column_roles
+
+    chat = [{"speaker": "human", "text": "Name a prime."}, {"speaker": "bot", "text": "Seven."}]
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [{"dialogue_log": chat}, {"dialogue_log": chat},
+                                              {"dialogue_log": "a note in place of the chat"}])
+    with pytest.raises(ToolkitError, match=rf"^{re.escape(str(mixed))}:3: 'dialogue_log' holds text of 27 "
+                                           r"characters, .* where the file's rows hold a chat \(a file's column "
+                                           r"roles are inferred once, from its first 64 rows\)"):
+        _samples([mixed], tok)
+    rows = [{"question": "Name a prime.", "answer": "Seven.", "zqxv_note": ""},
+            {"question": "Name an even prime.", "answer": "Two.", "zqxv_note": "the only one there is"}]
+    empty_first = _jsonl(tmp_path / "empty_first.jsonl", rows)
+    with pytest.raises(ShapeError, match=rf"^{re.escape(str(empty_first))}:1: .*'zqxv_note' as the "):
+        _samples([empty_first], tok)
+    assert vocab.file_roles(rows, holds_content) == {"question": "prompt", "answer": "answer",
+                                                     "zqxv_note": "unknown"}
+    assert _column_roles(str(empty_first)) == ["column roles (inferred once, from the first 64 rows): question: "
+                                               "prompt, answer: answer, zqxv_note: no role the vocabulary names"]

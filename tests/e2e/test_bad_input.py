@@ -849,6 +849,8 @@ case("data-roles-ambiguous")(lambda c: c.train(rows=[{  # two columns no vocabul
 case("data-flat-message-export")(lambda c: c.train(rows=[{  # OpenAssistant/oasst2, flat export: a reply whose
     "message_id": "c8e83833", "parent_id": "6ab24d72", "text": "Monopsony is a market with one buyer.",  # parent
     "role": "assistant", "lang": "en"}]))  # (its tree's prompt) is not in the file
+case("data-row-contradicts-file-roles")(lambda c: c.train(rows=[  # lmsys-chat-1m's `conversation`, then as text
+    {"conversation": [USER, ANSWER]}, {"conversation": "hello, the model!"}]))
 case("data-image-placeholder-no-images")(lambda c: c.train(rows=[{"messages": [
     dict(USER, content="<IMG_CONTEXT>\nWhat is it?"), ANSWER]}]))
 case("data-image-markup")(lambda c: c.train(rows=[{"conversations": [  # Qwen-VL (v1) finetune README

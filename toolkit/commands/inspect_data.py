@@ -384,9 +384,23 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
     shape = _chat_shape(first, entry) or next(iter(closest_shapes(keys)), "none of the named shapes' keys")
     if pairs and (named := pair_shape(keys)) is not None:
         shape = f"preference pairs, {named}: {', '.join(PAIR_SHAPES[named])}"
-    lines = [report, "", f"shape: {shape}", "data entry to paste into a recipe stage:", entry_lines]
+    lines = [report, "", f"shape: {shape}", *_column_roles(path), "data entry to paste into a recipe stage:",
+             entry_lines]
     lines += ["why:"] + [f"  - {w}" for w in why] if why else ["why: the rows train as they are; no key to map."]
     return "\n".join(lines)
+
+
+def _column_roles(path: str) -> list[str]:
+    """The role of each column of the file (its first file's), inferred once from its first rows as training's
+    reader infers them (`toolkit.data.sources.file_roles_of`): one line, or none for a file of no columns."""
+    from toolkit.data.roles import SAMPLE_ROWS
+    from toolkit.data.sources import file_roles_of, resolve_source
+
+    roles: dict[str, str] = {}
+    with contextlib.suppress(ToolkitError, OSError, ValueError):
+        roles = file_roles_of(resolve_source(DataEntry(path), Path()), 0)
+    said = ", ".join(f"{k}: {'no role the vocabulary names' if r == 'unknown' else r}" for k, r in roles.items())
+    return [f"column roles (inferred once, from the first {SAMPLE_ROWS} rows): {said}"] if said else []
 
 
 def _no_fit(path: str, error: ToolkitError, closest: Any) -> ToolkitError:

@@ -3,7 +3,8 @@ its value (a list of turns is a chat under any name), and the data entry that tr
 
 One inference serves training's refusals (toolkit/data/shapes.py, toolkit/data/pairs.py) and `toolkit inspect-data
 FILE`. The shapes the toolkit reads by name (Alpaca, ms-swift's query/response, TRL's prompt/completion, ShareGPT,
-OpenAI) are rows of `VOCABULARY`: their key names are the first synonyms of each role. Advice built here
+OpenAI) are rows of `SHAPES` (role -> key, which decides the reader) and their key names the first synonyms of
+each role in `VOCABULARY`. Roles are inferred once per file from its first rows (`file_roles`). Advice built here
 (`entry_for`) maps every prompt, answer, system, context, reasoning, tools and media key to the row field that
 reads it and `ignore:`s only metadata; a content key whose role no name or value tells is named with the entry for
 each role it could have, never dropped.
@@ -70,6 +71,46 @@ SPEAKERS: dict[str, str] = {
 }
 """A turn's role name, case-insensitive, -> the toolkit's role (ShareGPT `human` / `gpt`, OASST `prompter`, ShareGPT
 dumps' `chatgpt` / `bing` / `bard`, Vicuna's `USER` / `ASSISTANT`, ms-swift's agent roles)."""
+
+SHAPES: tuple[tuple[str, dict[str, str], tuple[str, ...], str], ...] = (
+    ("chat (OpenAI, TRL)", {"turns": "messages", "prompt": "prompt"}, ("turns",), "chat"),
+    ("ShareGPT (LLaMA-Factory, axolotl)", {"turns": "conversations", "system": "system"}, ("turns",), "chat"),
+    ("Alpaca", {"prompt": "instruction", "context": "input", "answer": "output", "system": "system",
+                "history": "history", "reasoning": "reasoning"}, ("prompt",), "exchange"),
+    ("prompt/completion (TRL)", {"prompt": "prompt", "answer": "completion"}, ("answer",), "lists or text"),
+    ("text", {"text": "text"}, ("text",), "text"),
+    ("query/response (ms-swift)", {"prompt": "query", "answer": "response", "system": "system",
+                                   "history": "history", "reasoning": "reasoning"}, ("prompt", "answer"), "exchange"),
+    ("a chat under another key (lmsys, WildChat, OASST trees, ms-swift's exchanges)", {"turns": "*"}, ("turns",),
+     "chat"),
+    ("prompt only (TRL)", {"prompt": "prompt"}, ("prompt",), "lists or text"),
+)
+"""The shapes read without a data entry, as rows of the role table: (name, role -> the key that holds it, the roles
+whose keys make a row this shape, its reader), tried in order; the first whose making keys the row holds reads it.
+`*` is any key whose values are turns or a message tree (`is_turns`, `is_tree`). Readers: `chat`, the turns read
+as the chat (a system beside them its first turn; a prompt beside them the chat's first user turn, said once);
+`exchange`, the prompt and its answer after the system and history (the context joined to the prompt, the reasoning
+the answer's thinking block); `lists or text`, TRL's prompt/completion as a chat when they are lists (only the
+completion trains), as a text row when strings; `text`, a text row. Other names of a role (OpenOrca's `question`,
+aya's `targets`) are refused with the entry that maps them to these fields (`entry_for`)."""
+
+
+def shape_of(row: dict[str, Any]) -> tuple[str, dict[str, str], str] | None:
+    """The first SHAPES row whose making keys the row holds (not None): its name, role -> key map (`*` resolved to
+    the row's key of turns, TRL's prompt/completion lists aside; two such keys are all named under `*`, for the
+    caller's refusal) and reader; None when no shape reads the row."""
+    for name, keys, made, reader in SHAPES:
+        if keys.get("turns") == "*":
+            conversational = isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list)
+            found = [k for k, v in row.items() if not k.startswith("_") and (is_turns(v) or is_tree(v))
+                     and not (conversational and k in ("prompt", "completion"))]
+            if found:
+                return name, {"turns": found[0], **({"*": ",".join(found)} if len(found) > 1 else {})}, reader
+            continue
+        if all(row.get(keys[role]) is not None for role in made):
+            return name, dict(keys), reader
+    return None
+
 
 FIELDS = {"turns": "messages", "system": "system", "prompt": "instruction", "context": "input", "answer": "output",
           "reasoning": "reasoning", "tools": "tools", "media": "images"}
@@ -262,3 +303,53 @@ def candidates(roles: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
             if entry is not None:
                 out.append((f"'{key}' as the {role}", entry))
     return out
+
+
+SAMPLE_ROWS = 64
+"""How many of a file's first rows its column roles are inferred from (`file_roles`)."""
+
+
+def file_roles(rows: list[Any], content: Any) -> dict[str, str]:
+    """Each key of a file's sampled rows (its first SAMPLE_ROWS, as stored) -> its role, inferred once for the
+    file: each row's roles (`infer_roles`), and a key takes the role given most often by the rows where it holds
+    content (ties: the earliest), so a value that is empty or odd in one row does not change the column's role; a key
+    that holds content in no sampled row keeps the role its first row gives it (a named key its name's role)."""
+    votes: dict[str, dict[str, int]] = {}
+    first: dict[str, str] = {}
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        roles = infer_roles(row, content)
+        for key in row:  # the file's own column order
+            role = roles[key]
+            first.setdefault(key, role)
+            if content(key, row[key]) or is_turns(row[key]) or is_tree(row[key]):
+                count = votes.setdefault(key, {})
+                count[role] = count.get(role, 0) + 1
+    return {key: max(votes[key], key=lambda r: votes[key][r]) if votes.get(key) else role
+            for key, role in first.items()}
+
+
+def shape_names() -> set[str]:
+    """The key names the shapes read as they are (SHAPES) hold: they may hold text or turns row by row (TRL's
+    `prompt`), so a row's value there never contradicts the file's roles."""
+    return {key for _, keys, _, _ in SHAPES for key in keys.values() if key != "*"}
+
+
+def contradiction(row: dict[str, Any], roles: dict[str, str], content: Any) -> tuple[str, str, str] | None:
+    """A key of `row` whose value contradicts the file's roles (`file_roles`): (key, the file's role, the row's),
+    for a key no shape names whose role its values tell (a chat under another name, content of no named role): the
+    row holds content there that gives it another role. A column the file's sample holds no content in is left to
+    the row's own checks (content that nothing reads is refused there, with the entry for each role it could
+    have). None when none does."""
+    names = shape_names()
+    mine = infer_roles(row, content)
+    for key, role in mine.items():
+        theirs = roles.get(key)
+        if theirs in (None, "metadata") or key in names or theirs == role or \
+                set(named_roles(key)) - {"turns", "metadata"}:
+            continue
+        value = row[key]
+        if content(key, value) or is_turns(value) or is_tree(value):
+            return key, theirs, role
+    return None

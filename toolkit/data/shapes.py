@@ -3,7 +3,9 @@ table of shapes is docs/data.md). Where rows come from (files, formats, the regi
 
 ShareGPT and OpenAI turns (told apart by their keys, under either `conversations` or `messages`), Alpaca, ms-swift's
 query/response and agent roles, TRL's conversational prompt/completion, LLaMA-Factory v1 content parts, image
-placeholders of every tool; training flags stay on the messages for the encoder. A chat under any other key (turns,
+placeholders of every tool; training flags stay on the messages for the encoder. Which shape reads a row is a row
+of the role table (toolkit/data/roles.py SHAPES: role -> key), and the reader follows from the roles (`_read`: turns
+as the chat, a prompt and an answer as one exchange, TRL's lists as a chat). A chat under any other key (turns,
 exchanges, a message tree, a dialog in one string) is told by its values and read by the same reader of turns; a
 row no shape reads is refused with the entry its column roles give (toolkit/data/roles.py). A row missing a field
 gets an error naming the file, the row and the field; turns with role names no vocabulary knows get the exact `tags`
@@ -79,19 +81,30 @@ TURN_KEYS = {"conversations": ("from", "value"), "messages": ("role", "content")
 """The keys of a turn, by the field that holds the turns (unless the turns or the entry's tags say otherwise)."""
 
 
-def to_messages(row: dict[str, Any], source: Source, where: str) -> dict[str, Any]:
+def to_messages(row: dict[str, Any], source: Source, where: str, *, roles: dict[str, str] | None = None
+                ) -> dict[str, Any]:
     """The row with the entry's column mapping applied, JSON text decoded where structure is expected, and every
     peer's chat shape turned into a `messages` row (the one place shapes are mapped): ShareGPT `conversations` and
     OpenAI `messages` (either turn keys, the entry's `tags`, ms-swift's agent roles, content parts, `<image>`
     placeholders), Alpaca, ms-swift's `query`/`response` and `conversation` rows, TRL's conversational `prompt` /
     `completion`. A text row (`text`, string `prompt` / `completion`) stays as it is. A preference pair is refused
     (a stage of rows would learn its rejected answer): a preference stage reads its rows through
-    `toolkit.data.pairs.pair_rows`."""
+    `toolkit.data.pairs.pair_rows`. `roles` are the file's column roles (`vocab.file_roles`, inferred once per
+    file from its first rows, by the stored names): a row that contradicts them is refused, and refusals advise by
+    them, not by this row alone."""
     row, original = prepare_row(row, source, where)
     pair = next((k for k in PAIR_KEYS if row.get(k) is not None), None)
     if pair is not None:
         raise ToolkitError(f"{where}: the row has '{pair}': {PAIR_IN_SFT}.")
-    return shape_row(row, source, where, original)
+    return shape_row(row, source, where, original, roles=mapped_roles(roles, source))
+
+
+def mapped_roles(roles: dict[str, str] | None, source: Source) -> dict[str, str] | None:
+    """A file's column roles (by its stored names) under the names the entry maps them to, its ignored keys out."""
+    if roles is None:
+        return None
+    theirs = {t: ours for ours, t in source.entry.columns}
+    return {theirs.get(k, k): r for k, r in roles.items() if k not in source.entry.ignore}
 
 
 PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages", "preferred_output",
@@ -126,9 +139,10 @@ def prepare_row(row: dict[str, Any], source: Source, where: str) -> tuple[dict[s
 
 
 def shape_row(row: dict[str, Any], source: Source, where: str, original: list[str], *,
-              tags: dict[str, str] | None = None) -> dict[str, Any]:
+              tags: dict[str, str] | None = None, roles: dict[str, str] | None = None) -> dict[str, Any]:
     """A prepared row (`prepare_row`) as the toolkit's `messages` row, or a text row as it is (`to_messages`).
-    `tags` replaces the entry's (a pair's sides are OpenAI messages already)."""
+    `tags` replaces the entry's (a pair's sides are OpenAI messages already); `roles` are the file's column roles
+    (`to_messages`)."""
     entry = source.entry
     tags = dict(entry.tags) if tags is None else tags
     mapped = dict(entry.columns)
@@ -137,26 +151,16 @@ def shape_row(row: dict[str, Any], source: Source, where: str, original: list[st
         notes.append(row[FLAT_NOTE])
         row = {k: v for k, v in row.items() if k != FLAT_NOTE}
     _check_flat_export(row, where)
-    chat = _chat_key(row, where)
-    if chat is not None:
-        row = _from_chat(row, chat, where, tags, notes, every=entry.threads == "all")
-    elif row.get("conversations") is not None:
-        row = _from_turns(row, "conversations", where, tags, system=True)
-    elif row.get("messages") is not None:
-        row = _from_turns(row, "messages", where, tags, system="system" in mapped)
-        row = _prompt_of_messages(row, where, notes)
-    elif row.get("instruction") is not None:
-        row = _alpaca_or_text(row, where, mapped, original, notes)
-    elif isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
-        row = _from_conversational(row, where, tags)
-    elif any(row.get(k) is not None for k in ("prompt", "completion", "text")):
-        pass  # a text row
-    elif row.get("query") is not None and row.get("response") is not None:
-        row = _from_query_response(row, where)
+    if roles is not None:
+        check_file_roles(row, roles, where)
+    shape = vocab.shape_of(row)
+    if shape is not None:
+        row = _read(row, shape, where, tags, mapped, original, notes, every=entry.threads == "all", roles=roles)
     if isinstance(row.get("messages"), list) and isinstance(row.get("reasoning"), str):
         row = _with_reasoning(row, where)
+    row = _tools_in_system(row, notes)
     _check_placeholders(row, where)
-    _check_unread(row, where, original, notes)
+    _check_unread(row, where, original, notes, roles)
     if entry.dataset is not None:  # LLaMA-Factory: media paths from dataset_dir
         base = Path(entry.dataset_dir or "data").absolute()
         if isinstance(row.get("images"), list):
@@ -220,7 +224,8 @@ def _drop_ignored(row: dict[str, Any], ignore: set[str]) -> dict[str, Any]:
     return out
 
 
-def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: list[str] | None = None) -> None:
+def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: list[str] | None = None,
+                  roles: dict[str, str] | None = None) -> None:
     """Refuse a key of the mapped row, or of its turns, that holds content and that nothing reads, with the entry
     that reads it by its role (toolkit/data/roles.py): reasoning to the template's thinking block, a system, a
     context, tools mapped; metadata (by name) `ignore:`d knowingly; a key of no known role named with an entry for
@@ -236,7 +241,7 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
         # nothing reads, under a name no shape knows: the roles of its keys decide
         content = [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)]
         if content:
-            _no_shape(row, where, original, content)
+            _no_shape(row, where, original, content, roles)
     turns_text = {str(c).strip() for c in _texts(row)}
     repeated = [k for k in unread if isinstance(row[k], str) and row[k].strip() and
                 any(row[k].strip() == t or (len(row[k].strip()) > 40 and row[k].strip() in t) for t in turns_text)]
@@ -245,7 +250,7 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
                      "trained once, from the chat")
         unread = [k for k in unread if k not in repeated]
     if unread:
-        roles = vocab.infer_roles({k: row[k] for k in unread}, holds_content)
+        roles = _by_file(vocab.infer_roles({k: row[k] for k in unread}, holds_content), roles)
         fix = _fix_of_unread(row, unread, roles)
         said = f"; {'; '.join(f'{k} is {_role_said(roles[k])}' for k in unread)}"
         if fix is None:
@@ -274,6 +279,26 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
                          "it knowingly.", {"ignore": keys})
 
 
+def _by_file(mine: dict[str, str], file: dict[str, str] | None) -> dict[str, str]:
+    """A row's roles with the file's in their place (`vocab.file_roles`), so a value that is empty or odd in this row
+    does not change its column's role; a key the file's sample never held keeps this row's."""
+    return mine if file is None else {k: file.get(k, r) for k, r in mine.items()}
+
+
+def check_file_roles(row: dict[str, Any], roles: dict[str, str], where: str) -> None:
+    """Refuse a row whose values contradict the file's column roles (`vocab.contradiction`: text where the file's
+    rows hold a chat under another name, a chat where they hold text), in one line naming the file's row and key:
+    read by this row alone it would be another shape than its file's."""
+    wrong = vocab.contradiction({k: v for k, v in row.items() if not k.startswith("_")}, roles, holds_content)
+    if wrong is None:
+        return
+    key, theirs, mine = wrong
+    raise ToolkitError(f"{where}: '{key}' holds {_kind(row[key])}, {_role_said(mine)}, where the file's rows hold "
+                       f"{_role_said(theirs)} (a file's column roles are inferred once, from its first "
+                       f"{vocab.SAMPLE_ROWS} rows); make the row like the file's, or keep rows of another layout in "
+                       "a file of their own.")
+
+
 def _role_said(role: str) -> str:
     article = "an" if role[0] in "aeiou" else "a"
     return {"unknown": "of no role the vocabulary names", "metadata": "metadata", "tools": "tool definitions",
@@ -298,7 +323,8 @@ def _fix_of_unread(row: dict[str, Any], unread: list[str], roles: dict[str, str]
     return {**({"columns": columns} if columns else {}), **({"ignore": ignore} if ignore else {})}
 
 
-def _no_shape(row: dict[str, Any], where: str, original: list[str], content: list[str]) -> None:
+def _no_shape(row: dict[str, Any], where: str, original: list[str], content: list[str],
+              file: dict[str, str] | None = None) -> None:
     """Refuse a row that no shape reads, naming its keys, their roles (toolkit/data/roles.py: the vocabulary of real
     datasets' column names) and the entry that trains it: prompt, answer, system, context, reasoning and tools
     mapped to their fields, metadata holding text ignored knowingly. A row whose roles leave a key unknown, or its
@@ -306,7 +332,7 @@ def _no_shape(row: dict[str, Any], where: str, original: list[str], content: lis
     other content (Glaive's dialog in one string) can train as plain text, every token (`columns: {text: KEY}`)."""
     close = closest_shapes(original)
     near = f"; closest shapes: {'; '.join(close)}" if close else ""
-    roles = vocab.infer_roles({k: row[k] for k in row if not k.startswith("_")}, holds_content)
+    roles = _by_file(vocab.infer_roles({k: row[k] for k in row if not k.startswith("_")}, holds_content), file)
     meta = [k for k in content if roles.get(k) == "metadata"]
     content = [k for k in roles if k in content or roles[k] != "metadata"]
     said = ", ".join(f"'{k}' {_role_said(roles[k])}" for k in content)
@@ -338,21 +364,29 @@ def _no_shape(row: dict[str, Any], where: str, original: list[str], content: lis
     raise ShapeError(f"{head}, none a chat, a text or a prompt with its answer{near}.")
 
 
-def _chat_key(row: dict[str, Any], where: str) -> str | None:
-    """The key that holds the row's chat by its values (a list of turns or exchanges, a message tree), when it is
-    not one of the named shapes' own keys and the row has no named shape: lmsys' and WildChat's `conversation`,
-    OASST's tree under `prompt`, any other name. Two such keys are refused, naming them."""
-    named = ("messages", "conversations", "instruction", "text", "completion")
-    if any(row.get(k) is not None for k in named) or (row.get("query") is not None and row.get("response")
-                                                          is not None):
-        return None
-    keys = [k for k, v in row.items() if not k.startswith("_") and (vocab.is_turns(v) or vocab.is_tree(v))]
-    if isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list):
-        keys = [k for k in keys if k not in ("prompt", "completion")]  # TRL's conversational shape
-    if len(keys) > 1:
-        raise ShapeError(f"{where}: the row holds chats under {_keys(keys)}; train one: "
-                         + "; ".join(f"columns: {{messages: {k}}}" for k in keys) + ".")
-    return keys[0] if keys else None
+def _read(row: dict[str, Any], shape: tuple[str, dict[str, str], str], where: str, tags: dict[str, str],
+          mapped: dict[str, str], original: list[str], notes: list[str], *, every: bool,
+          roles: dict[str, str] | None = None) -> dict[str, Any]:
+    """A row read by the roles of its shape (`vocab.shape_of`: a row of the role table, toolkit/data/roles.py
+    SHAPES), one path for every shape: turns read as the chat (`_from_chat`, `_from_turns`: any key, any turn keys
+    and role names); a prompt and an answer as one exchange (`_from_roles`); TRL's prompt/completion as a chat when
+    they are lists (only the completion trains), else a text row, as it is."""
+    _, keys, reader = shape
+    if "*" in keys:
+        found = keys["*"].split(",")
+        raise ShapeError(f"{where}: the row holds chats under {_keys(found)}; train one: "
+                         + "; ".join(f"columns: {{messages: {k}}}" for k in found) + ".")
+    if reader == "chat" and keys["turns"] not in ("messages", "conversations"):  # a key only its values tell
+        return _from_chat(row, keys["turns"], where, tags, notes, every=every)
+    if reader == "chat":
+        out = _from_turns(row, keys["turns"], where, tags, system="system" in keys or "system" in mapped)
+        return _prompt_of_messages(out, where, notes) if "prompt" in keys else out
+    if reader == "exchange":
+        return _exchange_or_text(row, keys, where, mapped, original, notes, roles)
+    if reader == "lists or text" and any(isinstance(row.get(keys[r]), list) for r in ("prompt", "answer")
+                                         if r in keys):
+        return _from_conversational(row, where, tags)
+    return row  # a text row: `text`, or TRL's standard prompt/completion
 
 
 def _from_chat(row: dict[str, Any], key: str, where: str, tags: dict[str, str], notes: list[str],
@@ -539,7 +573,8 @@ SHAPE_KEYS = {
     "prompt/completion (TRL)": ("prompt", "completion"),
     "text": ("text",),
 }
-"""The accepted shapes by the keys that make them, for the closest shapes of a row none fits."""
+"""The shapes read as they are (the rows of toolkit/data/roles.py SHAPES) by the keys that make them, in the order
+ties rank, for the closest shapes of a row none fits."""
 
 
 def closest_shapes(keys: list[str], n: int = 3) -> list[str]:
@@ -635,6 +670,33 @@ def _check_placeholders(row: dict[str, Any], where: str) -> None:
 
 # --- rows that hold their dialog twice ----------------------------------------------------------------------------
 
+TOOLS_BLOCK = re.compile(r"<tools>(.*?)</tools>", re.S)
+"""The tool definitions a system turn writes in its own text (Hermes' and Qwen's `<tools>` ... `</tools>`)."""
+
+
+def _tools_in_system(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """A `tools` column whose definitions the system turn already carries (hermes-function-calling's `tools`, a
+    JSON copy of the `<tools>` block in its system prompt) is not given to the template, which would render them a
+    second time; the log says so. The same definitions: the block's JSON (one list, or one object per line) equals
+    the column's, whatever the spacing. Tools that differ from the block stay the template's."""
+    tools, messages = row.get("tools"), row.get("messages")
+    if not isinstance(tools, list) or not tools or not isinstance(messages, list):
+        return row
+    system = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "system"), None)
+    if not isinstance(system, str):
+        return row
+    for block in TOOLS_BLOCK.findall(system):
+        with contextlib.suppress(json.JSONDecodeError):
+            text = block.strip()
+            said = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines()
+                                                                   if line.strip()]
+            if said == tools or [t.get("function", t) if isinstance(t, dict) else t for t in said] == [
+                    t.get("function", t) if isinstance(t, dict) else t for t in tools]:
+                notes.append("'tools' repeats the <tools> block of the system turn: rendered once, from the system "
+                             "turn (not given to the template again)")
+                return {k: v for k, v in row.items() if k != "tools"}
+    return row
+
 def _prompt_of_messages(row: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
     """UltraChat's `prompt` beside the `messages` that start with it: trained once, from `messages`; a `prompt`
     that is another text is a second shape, refused with the entry that trains the chat."""
@@ -650,23 +712,23 @@ def _prompt_of_messages(row: dict[str, Any], where: str, notes: list[str]) -> di
                      {"ignore": ["prompt"]})
 
 
-ALPACA_KEYS = ("instruction", "input", "output", "system", "history", "reasoning")
-
-
-def _alpaca_or_text(row: dict[str, Any], where: str, mapped: dict[str, str], original: list[str],
-                    notes: list[str]) -> dict[str, Any]:
-    """An Alpaca row, or (the user's word: `columns: {text: ...}`) its rendered `text`. tatsu-lab/alpaca's `text`
-    beside the fields it renders trains once, from the fields; a `text` that is not their rendering is two shapes."""
-    text = row.get("text")
+def _exchange_or_text(row: dict[str, Any], keys: dict[str, str], where: str, mapped: dict[str, str],
+                     original: list[str], notes: list[str], roles: dict[str, str] | None = None) -> dict[str, Any]:
+    """An exchange row (`_from_roles`), or (the user's word: `columns: {text: ...}`) its rendered `text`.
+    tatsu-lab/alpaca's `text` beside the fields it renders trains once, from the fields; a `text` that is not their
+    rendering is two shapes."""
+    text, fields = row.get("text"), [k for k in keys.values() if k in row]
     if isinstance(text, str) and "text" in mapped:
-        notes.append(f"'text' chosen by columns; {', '.join(k for k in ALPACA_KEYS if k in row)} not trained")
-        return {k: v for k, v in row.items() if k not in ALPACA_KEYS}
-    if isinstance(text, str) and row.get("output") is not None and all(
-            isinstance(row.get(k), str) and row[k].strip() in text for k in ("instruction", "output") if row.get(k)):
-        notes.append("'text' renders instruction/input/output: trained once, from the fields "
+        notes.append(f"'text' chosen by columns; {', '.join(fields)} not trained")
+        return {k: v for k, v in row.items() if k not in keys.values()}
+    said = [keys[r] for r in ("prompt", "context", "answer") if r in keys]
+    if isinstance(text, str) and row.get(keys["answer"]) is not None and all(
+            isinstance(row.get(k), str) and row[k].strip() in text for k in (keys["prompt"], keys["answer"])
+            if row.get(k)):
+        notes.append(f"'text' renders {'/'.join(said)}: trained once, from the fields "
                      "(columns: {text: text} trains the text instead)")
         row = {k: v for k, v in row.items() if k != "text"}
-    return _from_alpaca(row, where, original)
+    return _from_roles(row, keys, where, original, roles)
 
 
 def _json_cell(value: str, key: str, where: str) -> Any:
@@ -978,61 +1040,50 @@ def _tool_calls(value: Any, at: str, where: str) -> list[dict[str, Any]]:
     return [{"type": "function", "function": c} for c in calls]
 
 
-ANSWER_NAMES = ("response", "answer", "output_text", "completion", "target", "reply", "assistant", "solution")
-"""Key names that hold an Alpaca row's answer under another name (Dolly's `response`)."""
+OTHER_SHAPES = ("messages", "conversations", "prompt", "text")
+"""Keys of the other shapes (a chat, TRL's prompt, a text), refused beside an exchange: one dialog, two shapes."""
 
 
-def _from_alpaca(row: dict[str, Any], where: str, original: list[str]) -> dict[str, Any]:
-    """Alpaca: `instruction` (+ `input`, joined with a newline) -> `output`, optional `system` and `history`
-    ([[instruction, output], ...] of earlier turns, which train like the last one). A row with its answer under
-    another name (Dolly's `instruction`, `context`, `response`) is refused with the columns that read it all."""
-    for key in ("messages", "conversations", "prompt", "text"):
-        if row.get(key) is not None:
-            raise ShapeError(f"{where}: the row has both 'instruction' and '{key}', two shapes that are not one "
+def _from_roles(row: dict[str, Any], keys: dict[str, str], where: str, original: list[str],
+               roles: dict[str, str] | None = None) -> dict[str, Any]:
+    """One exchange read by the roles of its keys (`keys`: role -> key, a SHAPES row of toolkit/data/roles.py):
+    the system, then the history ([[prompt, answer], ...] of earlier turns, which train like the last one), then the
+    prompt (its context joined after a newline) and the answer (`_answer`: JSON tool calls become tool calls), the
+    reasoning the answer's reasoning_content. A row with the prompt but its answer under another name (Dolly's
+    `instruction`, `context`, `response`), or its context under another name, is refused with the columns that read
+    it all; a second shape beside the exchange is refused, naming it."""
+    asked, answered, context = keys["prompt"], keys["answer"], keys.get("context")
+    for key in OTHER_SHAPES:
+        if key not in keys.values() and row.get(key) is not None:
+            raise ShapeError(f"{where}: the row has both '{asked}' and '{key}', two shapes that are not one "
                              f"dialog twice (the row has keys {original}); keep one: columns: {{{key}: {key}}} "
                              f"trains '{key}', or drop it knowingly.", {"ignore": [key]})
-    textual = [k for k, v in row.items() if k not in ALPACA_KEYS and k not in READ_ROW_KEYS
-               and not no_content_name(k) and (isinstance(v, str) or holds_content(k, v))]
-    if row.get("output") is None:  # the answer under another name (Dolly's `response`): its roles give the entry
-        _no_shape(row, where, original, [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)])
-    unread = [k for k in textual if holds_content(k, row[k]) and "context" in vocab.named_roles(k)]
-    if unread and not row.get("input"):
-        fix = {"columns": {"input": unread[0]}, **({"ignore": unread[1:]} if unread[1:] else {})}
-        raise ShapeError(f"{where}: the Alpaca row's '{unread[0]}' holds content ({_kind(row[unread[0]])}) that no "
-                         f"field reads (the row has keys {original}); Alpaca's 'input' reads a passage after the "
-                         "instruction.", fix)
-    out = _from_exchange(row, where, ("instruction", "input", "output"), "instruction", "output")
-    if row.get("input"):
-        out["messages"][-2]["content"] += f"\n{row['input']}"
-    return out
-
-
-def _from_query_response(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """ms-swift's `query` -> `response` rows, optional `system` and `history` ([[query, response], ...])."""
-    for key in ("query", "response"):
-        if row.get(key) is None:
-            raise ToolkitError(f"{where}: the row has '{'response' if key == 'query' else 'query'}' but no '{key}' "
-                               "(ms-swift's query/response rows need both).")
-    return _from_exchange(row, where, ("query", "response"), "query", "response")
-
-
-def _from_exchange(row: dict[str, Any], where: str, keys: tuple[str, ...], asked: str, answered: str
-                   ) -> dict[str, Any]:
-    """One exchange (row[asked] -> row[answered]) after an optional `system` and `history` of [asked, answered]
-    pairs (which train like the last answer)."""
-    for key in (*keys, "system"):
-        if row.get(key) is not None and not isinstance(row[key], str):
+    if row.get(answered) is None:  # the answer under another name (Dolly's `response`): its roles give the entry
+        _no_shape(row, where, original, [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)],
+                  roles)
+    if context is not None and not row.get(context):  # the context under another name (Dolly's `context`)
+        unread = [k for k, v in row.items() if k not in keys.values() and k not in READ_ROW_KEYS
+                  and not no_content_name(k) and holds_content(k, v) and "context" in vocab.named_roles(k)]
+        if unread:
+            fix = {"columns": {context: unread[0]}, **({"ignore": unread[1:]} if unread[1:] else {})}
+            raise ShapeError(f"{where}: the row's '{unread[0]}' holds content ({_kind(row[unread[0]])}) that no "
+                             f"field reads (the row has keys {original}); '{context}' reads a passage after the "
+                             f"'{asked}'.", fix)
+    system, history, reasoning = keys.get("system"), keys.get("history"), keys.get("reasoning")
+    for key in (asked, context, answered, system):
+        if key is not None and row.get(key) is not None and not isinstance(row[key], str):
             raise ToolkitError(f"{where}: '{key}' must be a string.")
-    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []  # "": none (OpenOrca)
-    history = row.get("history") or []
-    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
-        raise ToolkitError(f"{where}: 'history' must be a list of [{asked}, {answered}] pairs.")
-    for query, answer in history:
+    messages = [{"role": "system", "content": row[system]}] if system and row.get(system) else []  # "": none
+    past = (row.get(history) if history else None) or []
+    if not isinstance(past, list) or not all(isinstance(h, list) and len(h) == 2 for h in past):
+        raise ToolkitError(f"{where}: '{history}' must be a list of [{asked}, {answered}] pairs.")
+    for query, answer in past:
         messages += [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
-    messages += [{"role": "user", "content": row[asked]}, _answer(row[answered])]
-    if isinstance(row.get("reasoning"), str):
-        messages[-1]["reasoning_content"] = row["reasoning"]
-    out = {k: v for k, v in row.items() if k not in (*keys, "system", "history", "reasoning")}
+    messages += [{"role": "user", "content": row[asked] + (f"\n{row[context]}" if context and row.get(context)
+                                                           else "")}, _answer(row[answered])]
+    if reasoning and isinstance(row.get(reasoning), str):
+        messages[-1]["reasoning_content"] = row[reasoning]
+    out = {k: v for k, v in row.items() if k not in keys.values()}
     out["messages"] = _placeholders(messages, out, where)
     return out
 

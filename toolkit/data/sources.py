@@ -48,8 +48,8 @@ from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
 from toolkit.data.pairs import pair_rows
-from toolkit.data.roles import flat_message, is_turns
-from toolkit.data.shapes import message_trees, threads, to_messages
+from toolkit.data.roles import SAMPLE_ROWS, file_roles, flat_message, is_turns
+from toolkit.data.shapes import holds_content, message_trees, threads, to_messages
 from toolkit.errors import ToolkitError
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
@@ -78,6 +78,7 @@ class Source:
     tables: list[Any] = field(default_factory=list)  # opened datasets.Dataset per file (table formats)
     arrays: list[list[Any]] = field(default_factory=list)  # parsed JSON arrays (format json)
     registry: dict[str, Any] | None = None  # a registry entry's own record (`dataset` entries)
+    roles: dict[int, dict[str, str]] = field(default_factory=dict, compare=False, repr=False)  # `file_roles_of`
 
     def where(self, file_index: int, number: int) -> str:
         """How an error names row `number` of file `file_index`: `file:line` for JSON Lines, `file row N` else."""
@@ -503,6 +504,7 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
             sized = [(n, r, len(json.dumps(r, ensure_ascii=False).encode()) if isinstance(r, dict) else 0)
                      for n, r in raw]
             raw = [(n, Oversize(size, cap) if size > cap else r) for n, r, size in sized]
+    roles = None if piece.whole or pairs else file_roles_of(source, piece.file_index)
     for number, row in raw:
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
@@ -513,10 +515,49 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         else:
             if not isinstance(row, dict):  # a bare list of turns is the row's chat (toolkit/data/roles.py)
                 row = {"messages": row}
-            got = list(pair_rows(row, source, where)) if pairs else threads(to_messages(row, source, where))
+            got = (list(pair_rows(row, source, where)) if pairs
+                   else threads(to_messages(row, source, where, roles=roles)))
         rows += got
         numbers += [number] * len(got)
     return rows, numbers
+
+
+SAMPLE_LINE_BYTES = 1 << 20
+"""The longest JSON Lines line a file's role sample parses (`sample_rows`)."""
+
+
+def sample_rows(source: Source, file_index: int, n: int = SAMPLE_ROWS) -> list[Any]:
+    """A file's first `n` rows as stored (JSON Lines lines that parse, each under SAMPLE_LINE_BYTES: a longer line is
+    skipped unparsed, in pieces of that size, so a huge row costs the sample no memory; array items; table rows), a
+    bare list of turns as `{"messages": list}`: the sample its column roles are inferred from."""
+    rows: list[Any] = []
+    if source.fmt == "jsonl":
+        with source.files[file_index].open("rb") as f:
+            long = False  # inside a line over SAMPLE_LINE_BYTES
+            for line in iter(lambda: f.readline(SAMPLE_LINE_BYTES), b""):
+                if len(rows) >= n:
+                    break
+                whole = line.endswith(b"\n")
+                if long or (not whole and len(line) >= SAMPLE_LINE_BYTES):
+                    long = not whole
+                    continue
+                with contextlib.suppress(ValueError):
+                    if line.strip():
+                        rows.append(json.loads(line))
+    else:
+        open_source(source)
+        size = len(source.arrays[file_index] if source.fmt == "json" else source.tables[file_index])
+        rows = [r for _, r in raw_rows(source, Piece(file_index, 0, min(n, size)), lambda: 1 << 20)
+                if not isinstance(r, Oversize)]  # a row over the floor's cap is not made Python objects
+    return [{"messages": r} if isinstance(r, list) and is_turns(r) else r for r in rows]
+
+
+def file_roles_of(source: Source, file_index: int) -> dict[str, str]:
+    """The roles of a file's columns (toolkit/data/roles.py `file_roles`), inferred once per file from its first
+    rows and kept on the source: training's reader, its refusals and `toolkit inspect-data` use the same."""
+    if file_index not in source.roles:
+        source.roles[file_index] = file_roles(sample_rows(source, file_index), holds_content)
+    return source.roles[file_index]
 
 
 def raw_rows(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None
