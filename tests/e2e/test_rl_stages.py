@@ -110,14 +110,17 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
 
 
 CURRICULUM = ("stages.0.max_steps=1", "stages.1.rl={num_generations: 2, max_completion_length: 8, "
-              "dynamic_sampling: true, max_resample: 2, prioritize: failure_rate}", "checkpoint.keep_last=10")
+              "dynamic_sampling: true, max_resample: 2, prioritize: failure_rate, beta: 0.04}",
+              "checkpoint.keep_last=10")
 
 
 @pytest.mark.timeout(600)
 def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactly(tmp_path: Path) -> None:
     """rl.prioritize and rl.dynamic_sampling on the letters task (`contains`: binary correctness): groups all right
-    or all wrong are dropped and prompts drawn again by failure rate; 2 processes (DDP, ZeRO-3) draw and train the
-    same, and a resume inside the grpo stage (the success rates from the checkpoint) draws and trains what the first
+    or all wrong are dropped and prompts drawn again by failure rate; with rl.beta the KL to the policy as it entered
+    the stage (0 at its first step, then not; the warmup's first lr is 0); 2 processes (DDP, ZeRO-3: the reference
+    swapped into the gathered weights) draw and train the same, and a resume inside the grpo stage (the success
+    rates from the checkpoint, the reference read back from the first run's folder) draws and trains what the first
     run did."""
     one = tmp_path / "one"
     train_forked("single", 1, one, *CURRICULUM, recipe=RECIPE, dummy_samples=32)
@@ -131,6 +134,7 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
         assert r["frac_reward_zero_std"] == r["rl/filled"] / 2, r  # contains is binary: exactly the filled groups
         assert r["pass_rate/zero"] + r["pass_rate/mixed"] + r["pass_rate/all"] == pytest.approx(1.0)
     assert sum(steps[s]["rl/dropped"] for s in (2, 3, 4)) > 0  # something was dropped and drawn again
+    assert abs(steps[2]["kl"]) < 1e-9 and steps[4]["kl"] > 1e-6  # the entry policy, then moved away from it
     drawn = rollouts(one)
     assert [r["step"] for r in drawn] == [2] * 4 + [3] * 4 + [4] * 4
     assert len({r["prompt"] for r in drawn}) > 2
@@ -148,6 +152,8 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
             for key in ("rl/drawn", "rl/dropped", "rl/filled", "pass_rate/mixed", "reward"):
                 if key in r:
                     assert theirs[s][key] == pytest.approx(r[key], rel=1e-6), (strategy, s, key)
+            if "kl" in r:  # the grpo stage's steps
+                assert theirs[s]["kl"] == pytest.approx(r["kl"], rel=1e-3, abs=1e-9), (strategy, s)
 
     resumed = tmp_path / "from-2"
     checkpoint = one / "checkpoints" / "step-00000002"
@@ -158,7 +164,7 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
     again = by_step(resumed)
     assert sorted(again) == [3, 4]
     for s in (3, 4):
-        for key in (*EXACT_KEYS, "rl/drawn", "rl/dropped", "pass_rate/mixed", "reward"):
+        for key in (*EXACT_KEYS, "rl/drawn", "rl/dropped", "pass_rate/mixed", "reward", "kl"):
             assert again[s].get(key) == steps[s].get(key), (s, key)
     assert [(r["prompt"], r["completion"]) for r in rollouts(resumed)] == \
         [(r["prompt"], r["completion"]) for r in drawn if r["step"] > 2]

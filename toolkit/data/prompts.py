@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.data.encoding import DataStats, check_messages
-from toolkit.data.plan import TrainingSet
+from toolkit.data.plan import TrainingSet, drop_counts
 from toolkit.data.shapes import prepare_row
 from toolkit.data.sources import Source, open_source, pieces, raw_rows
 from toolkit.errors import ToolkitError
@@ -131,7 +131,8 @@ def prompt_set(stage: Any, sources: list[Source], tokenizer: Any, *, thinking: s
     """An RL stage's prompts (`stage`: a ResolvedStage with objective grpo) over its entries' `sources`: each row
     read (`prompt_row`), checked against the rewards that need a reference, and rendered (`render_prompt`); a
     prompt that leaves no room for `rl.max_completion_length` tokens under the stage's max_seq_len is dropped and
-    counted. Samples are dicts: `prompt_ids`, `prompt` (the row's prompt), `reference`, `columns`, `where`."""
+    counted. Samples are dicts: `prompt_ids`, `prompt` (the row's prompt), `reference`, `columns`, `where`. A
+    `drop` (by pass rate) is counted here, its rows chosen by the rollouts at the stage's entry."""
     rl = stage.rl
     enable_thinking = None if thinking == "none" else False
     room = stage.max_seq_len - rl.max_completion_length
@@ -155,4 +156,7 @@ def prompt_set(stage: Any, sources: list[Source], tokenizer: Any, *, thinking: s
         sizes.append(kept)
     stats.kept = len(samples)
     lengths = np.array([len(s["prompt_ids"]) for s in samples], dtype=np.int64)
-    return TrainingSet(samples, sizes, None, lengths, stats)
+    rows = TrainingSet(samples, sizes, None, lengths, stats)
+    if stage.drop is not None:  # by the pass rates (the recipe allows no other drop here), measured at the entry
+        rows.dropped_by_score = drop_counts(len(samples), easiest=stage.drop.easiest, hardest=stage.drop.hardest)
+    return rows
