@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,6 +26,7 @@ from safetensors.torch import load_file
 from tests.conftest import REPO, dummy_run_args, free_port, relaunch, run_launch, train_forked
 from tests.e2e.test_preference_stages import header_launch_line
 from tests.e2e.test_resume import EXACT_KEYS
+from toolkit.data.plan import kept_by_rank
 from toolkit.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -111,17 +113,19 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
 
 CURRICULUM = ("stages.0.max_steps=1", "stages.1.rl={num_generations: 2, max_completion_length: 8, "
               "dynamic_sampling: true, max_resample: 2, prioritize: failure_rate, beta: 0.04}",
+              "stages.1.difficulty={by: pass_rate, model: current, samples: 3}", "stages.1.drop={easiest: 0.25}",
               "checkpoint.keep_last=10")
 
 
 @pytest.mark.timeout(600)
 def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactly(tmp_path: Path) -> None:
     """rl.prioritize and rl.dynamic_sampling on the letters task (`contains`: binary correctness): groups all right
-    or all wrong are dropped and prompts drawn again by failure rate; with rl.beta the KL to the policy as it entered
+    or all wrong are dropped and prompts drawn again by failure rate, among the prompts a drop by pass rate keeps
+    (measured by the policy entering the stage); with rl.beta the KL to the policy as it entered
     the stage (0 at its first step, then not; the warmup's first lr is 0); 2 processes (DDP, ZeRO-3: the reference
     swapped into the gathered weights) draw and train the same, and a resume inside the grpo stage (the success
-    rates from the checkpoint, the reference read back from the first run's folder) draws and trains what the first
-    run did."""
+    rates from the checkpoint, the pass rates and the reference read back from the first run's folder) draws and
+    trains what the first run did."""
     one = tmp_path / "one"
     train_forked("single", 1, one, *CURRICULUM, recipe=RECIPE, dummy_samples=32)
     steps = by_step(one)
@@ -138,6 +142,13 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
     drawn = rollouts(one)
     assert [r["step"] for r in drawn] == [2] * 4 + [3] * 4 + [4] * 4
     assert len({r["prompt"] for r in drawn}) > 2
+    # The pass rates at the stage's entry (3 completions a prompt): the most solved quarter is never drawn.
+    (rates,) = (one / "scores").glob("scores-*.npz")
+    with np.load(rates) as kept:
+        failure, done = kept["loss"] / kept["tokens"], kept["done"]
+    assert done.all() and len(set(failure.tolist())) > 1
+    never = set(np.flatnonzero(~kept_by_rank(failure, len(failure) // 4, 0)).tolist())
+    assert len(never) == len(failure) // 4 and not never & {r["prompt"] for r in drawn}
     meta = json.loads((one / "checkpoints" / "step-00000002" / "meta.json").read_text())
     assert sum(meta["rl_rates"]["1"]["attempts"]) == 2 * steps[2]["rl/drawn"]  # every drawn completion counted
 

@@ -88,7 +88,7 @@ def test_num_generations_must_divide_the_global_batch_and_its_advice_fits(tmp_pa
 def _stage(rows: int, order: list[int], index: int = 1) -> Any:
     """What `draw_prompts` and `RlState.rates_of` read of a stage: its rows and its sampler's batch."""
     return SimpleNamespace(index=index, data=SimpleNamespace(samples=[{}] * rows),
-                           sampler=SimpleNamespace(batch=lambda step: list(order)))
+                           sampler=SimpleNamespace(batch=lambda step: list(order), kept=None))
 
 
 def test_correctness_is_the_first_reward_above_one_half_and_none_is_wrong() -> None:
@@ -117,6 +117,20 @@ def test_prompts_are_drawn_by_failure_rate_the_same_for_the_same_state_and_key()
         for i in draw_prompts(stage, weighted, 1, seed=0, step=step, step_in_stage=0, draw=0):
             counts[i] += 1
     assert counts[0] == pytest.approx(3000 * 0.1 / 5.1, rel=0.3) and counts[1] == pytest.approx(3000 / 5.1, rel=0.1)
+
+
+def test_prompts_a_drop_leaves_out_are_never_drawn() -> None:
+    """With a `drop` (by pass rate), prioritised draws and dynamic sampling's later draws pick kept prompts only."""
+    stage = _stage(6, [1, 3])
+    stage.sampler.kept = np.array([1, 3, 5])
+    rates = SuccessRates(6)
+    rates.record([1, 1, 3, 3], [1, 1, 1, 0])  # 1 always right: the others come first
+    for step in range(20):
+        for draw in (0, 1):
+            got = draw_prompts(stage, rates, 2, seed=0, step=step, step_in_stage=0, draw=draw)
+            assert len(set(got)) == 2 and set(got) <= {3, 5}
+            assert set(draw_prompts(stage, None, 4, seed=0, step=step, step_in_stage=0, draw=1 + draw)) <= {1, 3, 5}
+    assert sorted(draw_prompts(stage, rates, 3, seed=0, step=0, step_in_stage=0, draw=0)) == [1, 3, 5]
 
 
 def test_a_stage_s_rates_come_from_the_checkpoint_and_go_back_to_it() -> None:
@@ -164,7 +178,8 @@ def test_num_iterations_trains_one_rollout_twice_against_its_kept_logps(models: 
     samples = [{"prompt_ids": i, "prompt": "q", "reference": "4", "columns": {}, "where": f"p.jsonl:{n + 1}"}
                for n, i in enumerate(ids)]
     stage = SimpleNamespace(index=0, name="rl", resolved=resolved, plan=SimpleNamespace(micro_batch=4),
-                            data=SimpleNamespace(samples=samples), sampler=SimpleNamespace(batch=lambda s: [s % 2]))
+                            data=SimpleNamespace(samples=samples),
+                            sampler=SimpleNamespace(batch=lambda s: [s % 2], kept=None))
     run = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, recipe=recipe,
                           rl=RlState(recipe_dir=tmp_path, tokenizer=tokenizer))
     objective = GrpoObjective()
@@ -228,7 +243,8 @@ def test_beta_takes_the_kl_to_the_policy_at_the_stage_s_entry_and_a_resume_reads
     samples = [{"prompt_ids": i, "prompt": "q", "reference": "4", "columns": {}, "where": f"p.jsonl:{n + 1}"}
                for n, i in enumerate(ids)]
     stage = SimpleNamespace(index=0, name="rl", resolved=resolved, plan=SimpleNamespace(micro_batch=4, start_step=0),
-                            data=SimpleNamespace(samples=samples), sampler=SimpleNamespace(batch=lambda s: [s % 2]))
+                            data=SimpleNamespace(samples=samples),
+                            sampler=SimpleNamespace(batch=lambda s: [s % 2], kept=None))
     identity = SimpleNamespace(base_model=models["text"], invariants={}, state="s", recipe_hash="h", data_stores=[],
                                stage_batches=[])
 

@@ -183,19 +183,22 @@ def draw_prompts(stage: Stage, rates: SuccessRates | None, count: int, *, seed: 
     """A step's `count` prompts (stage row indices) for its `draw`-th draw: the stage sampler's batch first, then
     (dynamic sampling's later draws) `count` prompts uniformly from a generator of (seed, step, draw); with
     rl.prioritize, in proportion to 1 - success rate (`SuccessRates.sample`, by chunks of the stage's size when a
-    step asks more prompts than it has). The same on every rank and after a resume."""
-    n = len(stage.data.samples)
+    step asks more prompts than it has). Only prompts a `drop` keeps are drawn. The same on every rank and after a
+    resume."""
+    kept = stage.sampler.kept
+    n = len(stage.data.samples) if kept is None else len(kept)
     if rates is not None:
         out: list[int] = []
         while len(out) < count:
             part = len(out) // n
-            out += rates.sample(min(n, count - len(out)), seed=seed, step=step,
-                                draw=draw + part * 1_000_003).tolist()
+            out += rates.sample(min(n, count - len(out)), seed=seed, step=step, draw=draw + part * 1_000_003,
+                                among=kept).tolist()
         return [int(i) for i in out]
     if draw == 0:
         return [int(i) for i in stage.sampler.batch(step_in_stage)]
     rng = np.random.default_rng([seed, step, draw])
-    return [int(i) for i in rng.choice(n, size=count, replace=count > n)]
+    picked = rng.choice(n, size=count, replace=count > n)
+    return [int(i) for i in (picked if kept is None else kept[picked])]
 
 
 @dataclass
