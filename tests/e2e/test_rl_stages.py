@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from tests.conftest import REPO, dummy_run_args, free_port, relaunch, run_launch, train_forked
 from tests.e2e.test_preference_stages import header_launch_line
 from tests.e2e.test_resume import EXACT_KEYS
+from tests.metrics.test_report import page_data
 from toolkit.data.plan import kept_by_rank
 from toolkit.metrics.log import read_metrics
 
@@ -149,6 +150,14 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
     assert done.all() and len(set(failure.tolist())) > 1
     never = set(np.flatnonzero(~kept_by_rank(failure, len(failure) // 4, 0)).tolist())
     assert len(never) == len(failure) // 4 and not never & {r["prompt"] for r in drawn}
+    # The run page shows each step's groups: the prompt as the rollout fed it, its completions with their rewards.
+    shown = page_data((one / "report.html").read_text())["runs"][0]["completions"]
+    prompts = [q for q in shown["prompts"] if q["eval"] == "rollout grpo"]
+    assert {q["row"] for q in prompts} == {r["prompt"] for r in drawn}
+    assert all("<|im_start|>user" in q["prompt"] and q["reference"] for q in prompts)
+    at_2 = next(f for f in shown["files"] if f["file"] == "rollouts/grpo.jsonl" and f["step"] == 2)
+    assert [(row["output"], row["score"]["contains"]) for row in at_2["rows"]] == \
+        [(r["completion"], r["rewards"][0]) for r in drawn if r["step"] == 2]
     meta = json.loads((one / "checkpoints" / "step-00000002" / "meta.json").read_text())
     assert sum(meta["rl_rates"]["1"]["attempts"]) == 2 * steps[2]["rl/drawn"]  # every drawn completion counted
 

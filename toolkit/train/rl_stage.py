@@ -349,7 +349,9 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
         olds.append(_pad_logps([old_logps[c] for c in js], c_mask.shape[1]))
     records = [{"step": step + 1, "stage": stage.name, "slot": p * g + j, "prompt": int(chosen[p]), "sample": j,
                 "where": rows[p]["where"], "completion": texts_all[p * g + j], "rewards": table[p * g + j].tolist(),
-                "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j]}
+                "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j],
+                **({"prompt_text": tokenizer.decode(rows[p]["prompt_ids"]), "reference": rows[p]["reference"]}
+                   if j == 0 else {})}  # the group's first completion carries its prompt for the run page
                for p in mine for j in range(g)]
     refs = (reference_logps(run, run.rl.references[stage.index], [mb.batch for mb in micro_batches], masks,
                             rl.temperature) if rl.beta > 0 else [])
@@ -559,16 +561,18 @@ def order_by_pass_rate(run: Any, stage: Stage, step: int) -> np.ndarray | None:
 
 
 ROLLOUTS = "rollouts"
-"""The run folder's subfolder of RL stages' completions, `<stage>.jsonl` each (cut back to the step on a resume)."""
+"""The run folder's subfolder of RL stages' completions, `<stage>.jsonl` each (cut back to the step on a resume;
+`RunLayout.rollouts`)."""
 
 
 def write_rollouts(run: Any, stage: Stage, records: list[dict[str, Any]]) -> None:
     """The step's completions with their rewards and advantages, gathered to rank 0 and appended to
-    `<output_dir>/rollouts/<stage>.jsonl` (one line per completion, in slot order). Collective."""
+    `<output_dir>/rollouts/<stage>.jsonl` (one line per completion, in slot order; a group's first carries its
+    prompt as the rollout fed it, `prompt_text`, and the row's `reference`, for the run page). Collective."""
     everything = gather_object(records)
     if not run.accelerator.is_main_process:
         return
-    path = Path(run.recipe.output_dir) / ROLLOUTS / f"{stage.name}.jsonl"
+    path = RunLayout(Path(run.recipe.output_dir)).rollouts / f"{stage.name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = sorted(everything, key=lambda r: r["slot"])
     with path.open("a", encoding="utf-8") as f:
