@@ -226,7 +226,8 @@ def test_beta_takes_the_kl_to_the_policy_at_the_stage_s_entry_and_a_resume_reads
     the policy moved, a step's loss, its LoRA gradients and its `kl` equal `grpo_loss` with the reference log-probs
     of an independent frozen copy of the entry model (which tests/train/test_grpo.py checks against TRL's
     GRPOTrainer at beta 0.04, whose "ref" adapter is that same entry copy), within 1e-6. A resume inside the stage
-    reads the copy back from the run folder; one whose copy is gone is refused in one line."""
+    reads the copy back from the run folder (or, into a new output_dir, from the checkpoint's, copying it over); one
+    whose copy is gone is refused in one line."""
     (tmp_path / "kl_rewards.py").write_text("def length(prompts, completions, **kw):\n"
                                           "    return [float(len(c)) for c in completions]\n")
     recipe = grpo_recipe(tmp_path, micro=4, rl={"num_generations": 4, "max_completion_length": 5, "beta": 0.5},
@@ -294,6 +295,12 @@ def test_beta_takes_the_kl_to_the_policy_at_the_stage_s_entry_and_a_resume_reads
     objective.enter(resumed, stage, 2)
     for name, value in run.rl.references[0].items():
         assert torch.equal(resumed.rl.references[0][name], value)
+    moved = new_run()  # a resume into another output_dir takes the copy over from the checkpoint's run folder
+    moved.recipe = recipe.model_copy(update={"output_dir": str(tmp_path / "moved")})
+    moved.resumed_from = tmp_path / "out" / "checkpoints" / "step-00000002"
+    objective.enter(moved, stage, 2)
+    assert all(torch.equal(moved.rl.references[0][n], v) for n, v in run.rl.references[0].items())
+    assert len(list((tmp_path / "moved" / "scores").glob("reference-*.safetensors"))) == 1
     for kept_file in (tmp_path / "out" / "scores").glob("reference-*.safetensors"):
         kept_file.unlink()
     with pytest.raises(ToolkitError, match=r"stage 'rl' \(rl.beta 0.5\): its KL reference, the policy at the "

@@ -19,11 +19,13 @@ sharded or wrapped like the others.
 The copy is written to `<output_dir>/scores/reference-<key>.safetensors` (main process), the key binding it to
 the run's state at the stage's first step as the stage scores' keys do (toolkit/train/stage_scores.py
 `scorer_identity`): a resume inside the stage reads it back (from the checkpoint's run folder when resuming into a
-new output_dir) and never takes a later policy for the reference; a resume whose file is gone is refused in one line.
+new output_dir, copied into the new one) and never takes a later policy for the reference; a resume whose file is
+gone is refused in one line.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,8 +69,14 @@ def entry_reference(run: Any, stage: Stage, step: int) -> dict[str, torch.Tensor
         places = [path]
         if run.resumed_from is not None:
             places.append(RunLayout.of_checkpoint(Path(run.resumed_from)).scores / name)
-        found = next((str(p) for p in places if p.is_file()), None)
-    found = distributed.broadcast_from_main(acc, found)
+        found = next((p for p in places if p.is_file()), None)
+        if found is not None and found != path:  # taken over into this run's folder, for its own later resumes
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            shutil.copyfile(found, partial)
+            partial.replace(path)
+            found = path
+    found = distributed.broadcast_from_main(acc, None if found is None else str(found))
     if found is None:
         raise ToolkitError(f"stage '{stage.name}' (rl.beta {stage.resolved.rl.beta:g}): its KL reference, the policy "
                            f"at the stage's first step {stage.plan.start_step}, is missing ({path}), and this launch "
