@@ -122,11 +122,11 @@ CURRICULUM = ("stages.0.max_steps=1", "stages.1.rl={num_generations: 2, max_comp
 def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactly(tmp_path: Path) -> None:
     """rl.prioritize and rl.dynamic_sampling on the letters task (`contains`: binary correctness): groups all right
     or all wrong are dropped and prompts drawn again by failure rate, among the prompts a drop by pass rate keeps
-    (measured by the policy entering the stage); with rl.beta the KL to the policy as it entered
-    the stage (0 at its first step, then not; the warmup's first lr is 0); 2 processes (DDP, ZeRO-3: the reference
-    swapped into the gathered weights) draw and train the same, and a resume inside the grpo stage (the success
-    rates from the checkpoint, the pass rates and the reference read back from the first run's folder) draws and
-    trains what the first run did."""
+    (measured by the policy entering the stage); with rl.beta the KL to the policy as it entered the stage (0 at its
+    first step, then not; the warmup's first lr is 0); 2 processes (DDP, FSDP2, ZeRO-3: the reference swapped into
+    the gathered weights) draw and train the same, and a resume inside the grpo stage (the success rates from the
+    checkpoint, the pass rates and the reference read back from the first run's folder) draws and trains what the
+    first run did."""
     one = tmp_path / "one"
     train_forked("single", 1, one, *CURRICULUM, recipe=RECIPE, dummy_samples=32)
     steps = by_step(one)
@@ -161,7 +161,7 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
     meta = json.loads((one / "checkpoints" / "step-00000002" / "meta.json").read_text())
     assert sum(meta["rl_rates"]["1"]["attempts"]) == 2 * steps[2]["rl/drawn"]  # every drawn completion counted
 
-    for strategy in ("ddp", "zero3"):  # ZeRO-3: every draw gathers the full weights, ranks in lockstep
+    for strategy in ("ddp", "fsdp", "zero3"):  # FSDP2, ZeRO-3: every draw gathers the full weights, in lockstep
         two = tmp_path / strategy
         train_forked(strategy, 2, two, *CURRICULUM, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
         assert [(r["prompt"], r["completion"], r["rewards"]) for r in rollouts(two)] == \
