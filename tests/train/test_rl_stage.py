@@ -315,7 +315,7 @@ def test_pass_rate_orders_and_drops_prompts_by_rollouts_at_the_entry_and_a_resum
     each completion seeded by (run seed, the stage's first step or 0, PASS_RATE_KEYS + prompt, sample): recomputed
     here with `rollout` itself. The sampler then goes from the most solved to the least, without the most solved
     quarter (drop.easiest). A resume reads the kept rates without generating; one whose file is gone is refused."""
-    n, k = 8, 6
+    n, k = 8, 4
     rows = [json.loads(line) for line in write_dummy_letters(tmp_path, n, seed=0).read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(models["text"])
     model = lora_model(models["text"])
@@ -383,7 +383,7 @@ def test_pass_rate_orders_and_drops_prompts_by_rollouts_at_the_entry_and_a_resum
         for kept_file in (tmp_path / "out" / "scores").glob("scores-*.npz"):
             kept_file.unlink()
         stage, resumed = new_run("current")
-        with pytest.raises(ToolkitError, match=r"stage 'rl' pass rates \(6 completions a prompt by the current "
+        with pytest.raises(ToolkitError, match=r"stage 'rl' pass rates \(4 completions a prompt by the current "
                                                r"model\): .* is missing or incomplete, and this launch resumes past"):
             GrpoObjective().enter(resumed, stage, start + 2)
 
