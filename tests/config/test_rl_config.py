@@ -64,6 +64,12 @@ def test_a_grpo_stage_resolves_its_settings_and_binds_a_checkpoint(tmp_path: Pat
     ({"objective": "grpo", "rewards": [{"scorer": "exact"}], "rl": {"num_generations": 1}}, True, "num_generations"),
     ({"objective": "grpo", "rewards": [{"scorer": "exact"}], "rl": {"beta": 0.04}}, False,
      "rl.beta is 0.04 but lora.enabled is false"),
+    ({"objective": "grpo", "rewards": [{"scorer": "exact"}], "order": "easy_to_hard",
+      "difficulty": {"by": "pass_rate"}}, True, "difficulty.by is pass_rate: name the model whose rollouts"),
+    ({"objective": "grpo", "rewards": [{"scorer": "exact"}], "order": "easy_to_hard",
+      "difficulty": {"by": "pass_rate", "model": "models/scorer"}}, True, "base (the LoRA adapter off) or current"),
+    ({"order": "easy_to_hard", "difficulty": {"by": "length", "samples": 4}}, True,
+     "difficulty.samples is read only with by: pass_rate"),
 ])
 def test_rl_keys_that_do_not_fit_are_refused_naming_the_key(tmp_path: Path, stage: dict, lora: bool,
                                                              says: str) -> None:

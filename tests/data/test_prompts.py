@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from toolkit.config.schema import DataSource, RewardConfig, RlConfig
-from toolkit.config.stages import ResolvedStage
+from toolkit.config.schema import DataSource, DifficultyConfig, RewardConfig, RlConfig
+from toolkit.config.stages import ResolvedStage, difficulty_entries
 from toolkit.data.prompts import PromptRow, prompt_set, read_prompt_rows
 from toolkit.data.sources import resolve_source
 from toolkit.errors import ToolkitError
@@ -127,3 +128,25 @@ def test_rows_without_a_prompt_or_with_images_are_refused_naming_the_row(tmp_pat
         with pytest.raises(ToolkitError, match=re.escape(says)) as e:
             rows_of(path)
         assert str(e.value).startswith(f"{path}:1: ")
+
+
+def test_prompts_carry_their_rows_difficulty_and_by_field_needs_it_in_every_row(tmp_path: Path, tok: Any) -> None:
+    """A prompt's `difficulty` (dummy:letters' letter rarity, or `by: field`'s column) orders the stage as any
+    row's does; `by: field` with a row without a number there is refused naming the row."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "level": lvl}) + "\n" for i, lvl in enumerate([0.5, 0.1])))
+    ordered = replace(stage([path], ["json_valid"]), order="easy_to_hard",
+                      difficulty=DifficultyConfig(by="field", field="level"))
+    entries = difficulty_entries(list(ordered.entries), ordered.difficulty)
+    src = prompt_set(ordered, [resolve_source(e, tmp_path) for e in entries], tok, thinking="auto")
+    assert src.difficulty.tolist() == [0.5, 0.1]
+    plain = replace(stage([path], ["json_valid"]), order="easy_to_hard")
+    assert prompt_set(plain, [resolve_source(e, tmp_path) for e in entries], tok,
+                      thinking="auto").difficulty.tolist() == [0.5, 0.1]  # unset: the rows' difficulty, as for rows
+    path.write_text(json.dumps({"prompt": "q0", "level": 0.5}) + "\n" + json.dumps({"prompt": "q1", "level": "hard"})
+                    + "\n")
+    with pytest.raises(ToolkitError, match=r"p.jsonl:2: stage 'rl' orders its prompts by difficulty.field 'level', "
+                                           r"and this row has no number there"):
+        prompt_set(ordered, [resolve_source(e, tmp_path) for e in entries], tok, thinking="auto")
+    assert prompt_set(plain, [resolve_source(e, tmp_path) for e in entries], tok,
+                      thinking="auto").difficulty is None  # not every row has a number: token length orders

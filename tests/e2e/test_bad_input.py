@@ -290,8 +290,18 @@ case("rl-reward-module-missing")(lambda c: c.train(
     "stages.0.objective=grpo", "stages.0.rewards=[{scorer: 'no_such_rewards:accuracy'}]", RL, rows=[PROMPT] * 8))
 case("rl-vision-language-model")(lambda c: c.train(f"model.name_or_path={c.models['vl']}", *GRPO, RL,
                                                    rows=[PROMPT] * 8))
-case("rl-not-trained-yet")(lambda c: c.train(
-    *GRPO, "stages.0.rl={num_generations: 2, max_completion_length: 16, beta: 0.04}", rows=[PROMPT] * 8))
+case("rl-beta-without-lora")(lambda c: c.train(
+    *GRPO, "lora.enabled=false", "stages.0.rl={num_generations: 2, max_completion_length: 16, beta: 0.04}",
+    rows=[PROMPT] * 8))
+PASS_RATE = ("stages.0.order=easy_to_hard", "stages.0.difficulty={by: pass_rate, model: current}")
+case("difficulty-pass-rate-not-grpo")(lambda c: c.train(*PASS_RATE))
+case("difficulty-row-measure-on-grpo")(lambda c: c.train(
+    *GRPO, RL, "stages.0.order=easy_to_hard", "stages.0.difficulty={by: loss, model: current}", rows=[PROMPT] * 8))
+case("drop-on-grpo-without-pass-rate")(lambda c: c.train(*GRPO, RL, "stages.0.drop={easiest: 0.25}",
+                                                         rows=[PROMPT] * 8))
+case("difficulty-pass-rate-base-without-lora")(lambda c: c.train(
+    *GRPO, RL, "lora.enabled=false", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: pass_rate, model: base}",
+    rows=[PROMPT] * 8))
 case("data-prompt-without-reference")(lambda c: c.train(*GRPO, RL, rows=[{"prompt": "2 + 2 =", "answer": "4"}] * 8))
 case("data-rl-row-without-prompt")(lambda c: c.train(*GRPO, RL, rows=[{"question": "2 + 2?", "answer": "4"}] * 8))
 case("data-pretokenised")(lambda c: c.train(rows=[{"text": "2 + 2 = 4.", "labels": [1, 2, 3]}]))

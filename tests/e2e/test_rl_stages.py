@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,6 +26,8 @@ from safetensors.torch import load_file
 from tests.conftest import REPO, dummy_run_args, free_port, relaunch, run_launch, train_forked
 from tests.e2e.test_preference_stages import header_launch_line
 from tests.e2e.test_resume import EXACT_KEYS
+from tests.metrics.test_report import page_data
+from toolkit.data.plan import kept_by_rank
 from toolkit.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -110,15 +113,20 @@ def test_sft_then_grpo_trains_agrees_on_two_processes_and_resumes_exactly(tmp_pa
 
 
 CURRICULUM = ("stages.0.max_steps=1", "stages.1.rl={num_generations: 2, max_completion_length: 8, "
-              "dynamic_sampling: true, max_resample: 2, prioritize: failure_rate}", "checkpoint.keep_last=10")
+              "dynamic_sampling: true, max_resample: 2, prioritize: failure_rate, beta: 0.04}",
+              "stages.1.difficulty={by: pass_rate, model: current, samples: 3}", "stages.1.drop={easiest: 0.25}",
+              "checkpoint.keep_last=10")
 
 
 @pytest.mark.timeout(600)
 def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactly(tmp_path: Path) -> None:
     """rl.prioritize and rl.dynamic_sampling on the letters task (`contains`: binary correctness): groups all right
-    or all wrong are dropped and prompts drawn again by failure rate; 2 processes (DDP, ZeRO-3) draw and train the
-    same, and a resume inside the grpo stage (the success rates from the checkpoint) draws and trains what the first
-    run did."""
+    or all wrong are dropped and prompts drawn again by failure rate, among the prompts a drop by pass rate keeps
+    (measured by the policy entering the stage); with rl.beta the KL to the policy as it entered the stage (0 at its
+    first step, then not; the warmup's first lr is 0); 2 processes (DDP, FSDP2, ZeRO-3: the reference swapped into
+    the gathered weights) draw and train the same, and a resume inside the grpo stage (the success rates from the
+    checkpoint, the pass rates and the reference read back from the first run's folder) draws and trains what the
+    first run did."""
     one = tmp_path / "one"
     train_forked("single", 1, one, *CURRICULUM, recipe=RECIPE, dummy_samples=32)
     steps = by_step(one)
@@ -131,13 +139,29 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
         assert r["frac_reward_zero_std"] == r["rl/filled"] / 2, r  # contains is binary: exactly the filled groups
         assert r["pass_rate/zero"] + r["pass_rate/mixed"] + r["pass_rate/all"] == pytest.approx(1.0)
     assert sum(steps[s]["rl/dropped"] for s in (2, 3, 4)) > 0  # something was dropped and drawn again
+    assert abs(steps[2]["kl"]) < 1e-9 and steps[4]["kl"] > 1e-6  # the entry policy, then moved away from it
     drawn = rollouts(one)
     assert [r["step"] for r in drawn] == [2] * 4 + [3] * 4 + [4] * 4
     assert len({r["prompt"] for r in drawn}) > 2
+    # The pass rates at the stage's entry (3 completions a prompt): the most solved quarter is never drawn.
+    (rates,) = (one / "scores").glob("scores-*.npz")
+    with np.load(rates) as kept:
+        failure, done = kept["loss"] / kept["tokens"], kept["done"]
+    assert done.all() and len(set(failure.tolist())) > 1
+    never = set(np.flatnonzero(~kept_by_rank(failure, len(failure) // 4, 0)).tolist())
+    assert len(never) == len(failure) // 4 and not never & {r["prompt"] for r in drawn}
+    # The run page shows each step's groups: the prompt as the rollout fed it, its completions with their rewards.
+    shown = page_data((one / "report.html").read_text())["runs"][0]["completions"]
+    prompts = [q for q in shown["prompts"] if q["eval"] == "rollout grpo"]
+    assert {q["row"] for q in prompts} == {r["prompt"] for r in drawn}
+    assert all("<|im_start|>user" in q["prompt"] and q["reference"] for q in prompts)
+    at_2 = next(f for f in shown["files"] if f["file"] == "rollouts/grpo.jsonl" and f["step"] == 2)
+    assert [(row["output"], row["score"]["contains"]) for row in at_2["rows"]] == \
+        [(r["completion"], r["rewards"][0]) for r in drawn if r["step"] == 2]
     meta = json.loads((one / "checkpoints" / "step-00000002" / "meta.json").read_text())
     assert sum(meta["rl_rates"]["1"]["attempts"]) == 2 * steps[2]["rl/drawn"]  # every drawn completion counted
 
-    for strategy in ("ddp", "zero3"):  # ZeRO-3: every draw gathers the full weights, ranks in lockstep
+    for strategy in ("ddp", "fsdp", "zero3"):  # FSDP2, ZeRO-3: every draw gathers the full weights, in lockstep
         two = tmp_path / strategy
         train_forked(strategy, 2, two, *CURRICULUM, "train.grad_accum=1", recipe=RECIPE, dummy_samples=32)
         assert [(r["prompt"], r["completion"], r["rewards"]) for r in rollouts(two)] == \
@@ -148,6 +172,8 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
             for key in ("rl/drawn", "rl/dropped", "rl/filled", "pass_rate/mixed", "reward"):
                 if key in r:
                     assert theirs[s][key] == pytest.approx(r[key], rel=1e-6), (strategy, s, key)
+            if "kl" in r:  # the grpo stage's steps
+                assert theirs[s]["kl"] == pytest.approx(r["kl"], rel=1e-3, abs=1e-9), (strategy, s)
 
     resumed = tmp_path / "from-2"
     checkpoint = one / "checkpoints" / "step-00000002"
@@ -158,7 +184,7 @@ def test_prioritized_dynamic_sampling_agrees_on_two_processes_and_resumes_exactl
     again = by_step(resumed)
     assert sorted(again) == [3, 4]
     for s in (3, 4):
-        for key in (*EXACT_KEYS, "rl/drawn", "rl/dropped", "pass_rate/mixed", "reward"):
+        for key in (*EXACT_KEYS, "rl/drawn", "rl/dropped", "pass_rate/mixed", "reward", "kl"):
             assert again[s].get(key) == steps[s].get(key), (s, key)
     assert [(r["prompt"], r["completion"]) for r in rollouts(resumed)] == \
         [(r["prompt"], r["completion"]) for r in drawn if r["step"] > 2]

@@ -25,7 +25,8 @@ def _long_run(root: Path) -> Path:
     root.mkdir()
     layout.run_json.write_text(json.dumps({"run_name": "long", "stages": [
         {"index": 0, "name": "only", "steps": LONG, "start_step": 0, "lr": 1e-4, "global_batch": 8}]}))
-    layout.recipe.write_text("stages:\n- name: only\n  data: [a.jsonl]\n")
+    layout.recipe.write_text("stages:\n- name: only\n  data: [a.jsonl]\n  objective: grpo\n"
+                             "  rewards: [{scorer: contains}]\n")
     lines = [f'{{"step":{s},"stage_index":0,"loss":{2.0 / (1 + s / 1000) + (s % 7) / 100:.6g}}}\n'
              for s in range(1, LONG + 1)]
     many = {"step": LONG, "stage_index": 0, "eval_loss": 1.0} | {f"k{i}": float(i) for i in range(200)}
@@ -35,13 +36,20 @@ def _long_run(root: Path) -> Path:
     path.parent.mkdir(parents=True)
     path.write_text(to_json_line({"eval": "facts", "eval_stage": "only", "row": 0, "prompt": EVIL, "output": EVIL,
                                   "reference": EVIL, "score": {"exact": 0.0}}))
+    rollouts = layout.rollouts / "only.jsonl"  # a grpo stage's group of 2 completions, as rl_stage writes it
+    rollouts.parent.mkdir()
+    rollouts.write_text("".join(to_json_line(
+        {"step": LONG, "stage": "only", "slot": j, "prompt": 3, "sample": j, "where": "p.jsonl:4",
+         "completion": EVIL if j == 0 else "plain", "rewards": [float(j == 0)], "advantage": 0.7 - 1.4 * j,
+         "truncated": False, **({"prompt_text": EVIL, "reference": "e"} if j == 0 else {})}) for j in range(2)))
     return root
 
 
 def test_a_150k_step_run_an_html_completion_and_200_metric_keys_in_chromium(tmp_path: Path) -> None:
     """A 150k-step run draws every chart without a script error, its loss path thinned for drawing (at most four
     points per pixel column) while the page's data keeps every step; a completion holding `<img onerror>` shows
-    as text and runs nothing; metric keys past MAX_CURVES are named on the page, not drawn."""
+    as text and runs nothing, in an eval's cell and in an RL stage's group of completions (one cell, each member
+    with its rewards by name and its advantage); metric keys past MAX_CURVES are named on the page, not drawn."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -70,6 +78,10 @@ def test_a_150k_step_run_an_html_completion_and_200_metric_keys_in_chromium(tmp_
             shown = tab.locator("[data-completion]").all_inner_texts()
             assert shown and all(EVIL in text for text in shown)  # the markup as text, whole
             assert tab.locator("#completions img, #completions #bold").count() == 0
+            group = tab.locator("[data-completion][data-group='2']")  # an RL prompt's group in one cell
+            assert group.count() == 1 and group.get_attribute("data-eval") == "rollout only"
+            assert all(t in group.inner_text() for t in ("plain", "contains 1", "contains 0", "advantage 0.7",
+                                                          "advantage -0.7"))
             assert tab.title() == title and "owned" not in title and errors == []
 
             note = tab.locator("[data-dropped-keys]")

@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from accelerate import Accelerator
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -45,6 +47,7 @@ from toolkit.train.grpo import (
     tokens_to_grid,
     truncated,
 )
+from toolkit.train.rl_reference import entry_reference, reference_logps
 
 G, L, TEMPERATURE, WEIGHTS = 4, 6, 0.7, (1.0, 0.5)
 PROMPTS = ["What is 2 + 2?", "Count to five, slowly."]  # different lengths: the prompts are left-padded
@@ -217,6 +220,55 @@ def test_loss_gradients_advantages_and_metrics_equal_trl_grpo_trainer(
                 assert ("kl" in metrics) == (beta > 0), case
                 clipped = max(clipped, metrics["clip_ratio/region_mean"])
     assert (clipped > 0) == (iterations > 1)  # the second iteration's ratios left the clip range
+
+
+def test_the_run_s_entry_copy_as_reference_gives_trl_s_loss_and_gradients(
+        trl: tuple[GRPOTrainer, dict[str, Any]], ours: tuple[PreTrainedModel, dict[str, torch.Tensor]],
+        tmp_path: Path) -> None:
+    """rl.beta > 0 in a run: the stage's reference is its trainable values copied at the stage's entry
+    (toolkit/train/rl_reference.py `entry_reference`, here through a one-process run) and swapped into the moved
+    policy for the reference forward (`reference_logps`). With those reference log-probs, the loss, every LoRA
+    gradient and `kl` equal TRL's GRPOTrainer's (whose "ref" adapter is its copy of the adapter at the start of
+    training) within 1e-6, at beta 0.04."""
+    trainer, saved = trl
+    model, entry_state = ours
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in entry_state:
+                param.copy_(entry_state[name])
+    tokenizer = saved["tokenizer"]
+    prompt_ids, prompt_mask = padded(saved["prompt_ids"], tokenizer.pad_token_id, left=True)
+    completion_ids, completion_mask = padded(COMPLETIONS, tokenizer.pad_token_id, left=False)
+    batch = policy_batch(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    identity = SimpleNamespace(base_model="tiny", invariants={}, state="s", recipe_hash="h", data_stores=[],
+                               stage_batches=[])
+    run = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, recipe=SimpleNamespace(output_dir=tmp_path),
+                          identity=identity, resumed_from=None)
+    stage = SimpleNamespace(index=0, name="rl", plan=SimpleNamespace(start_step=0),
+                            resolved=SimpleNamespace(rl=SimpleNamespace(beta=0.04)))
+    values = entry_reference(run, stage, 0)  # the stage's first step: the adapter as it enters
+    nudge(model)  # the policy moved during the stage
+    (ref,) = reference_logps(run, values, [batch], [completion_mask], TEMPERATURE)
+    model.train()
+    per_reward = torch.tensor([[math.nan if v is None else v for v in r] for r in REWARDS])
+    for loss_type in ("dapo",):  # TRL's default (every loss_type's arithmetic: the test above)
+        settings = GrpoSettings(loss_type=loss_type, num_generations=G, max_completion_length=L,
+                                temperature=TEMPERATURE, beta=0.04, epsilon=0.2, epsilon_high=0.28)
+        expected, expected_grads, _, expected_metrics = trl_run(trainer, saved, settings)
+        advantages, _ = group_advantages(combined_rewards(per_reward, WEIGHTS), G, settings.scale_rewards)
+        model.zero_grad(set_to_none=True)
+        logps, _ = completion_logps(model, batch, completion_mask, TEMPERATURE)
+        divisor = normaliser(loss_type, tokens=float(completion_mask.sum()), sequences=len(COMPLETIONS),
+                             max_completion_length=L)
+        loss, terms = grpo_loss(logps, completion_mask, advantages, settings, divisor=divisor, ref_logps=ref)
+        loss.backward()
+        assert abs(float(loss) - expected) <= 1e-6, (loss_type, float(loss), expected)
+        grads = lora_grads(model)
+        assert set(grads) == set(expected_grads) and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-6, msg=f"{loss_type}: {name}")
+        kl = metric_means(metric_sums(terms, advantages, completion_mask, settings))["kl"]
+        assert kl == pytest.approx(expected_metrics["kl"], abs=1e-6) and kl > 1e-4, loss_type
 
 
 def test_advantages_scale_by_group_or_batch_and_skip_unscorable() -> None:

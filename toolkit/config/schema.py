@@ -567,7 +567,12 @@ per-token NLL (low is easy)."""
 
 
 SCORED_MEASURES = MODEL_MEASURES + PAIR_MEASURES
-"""Every difficulty a model scores (rows or pairs)."""
+"""Every difficulty a model scores by a forward pass (rows or pairs)."""
+
+
+RL_MEASURES = ("pass_rate",)
+"""Difficulty of a grpo stage's prompt measured by rollouts (toolkit/train/rl_stage.py `order_by_pass_rate`): the
+share of `samples` completions its first reward finds wrong, drawn by the base or the current model."""
 
 
 SCORERS = ("base", "current")
@@ -590,13 +595,14 @@ def scorer_path_problem(model: str) -> str | None:
 
 
 class DifficultyConfig(_Section):
-    by: Literal["length", "frames", "field", "loss", "perplexity", "ifd", "margin", "chosen_loss"] = Field(
+    by: Literal["length", "frames", "field", "loss", "perplexity", "ifd", "margin", "chosen_loss", "pass_rate"] = Field(
         ..., description="What a row's difficulty is: its token length, its videos' sampled frames (as the "
         "stage's video settings sample them: a short-to-long video curriculum), a number in the row's key `field`, "
         "or a "
         "model's score of it: loss (mean label-token cross-entropy), perplexity, ifd (loss given the prompt over "
         "the response's loss alone); of a preference pair: margin (chosen minus rejected summed log-prob, large "
-        "is easy) or chosen_loss (the chosen side's mean per-token NLL, low is easy).")
+        "is easy) or chosen_loss (the chosen side's mean per-token NLL, low is easy); of a grpo stage's prompt: "
+        "pass_rate (the share of `samples` sampled completions its first reward finds right, high is easy).")
     field: str | None = Field(None, min_length=1, description="The row key holding the difficulty (by: field).")
     model: str | None = Field(None, min_length=1, description="The scorer of by: loss | perplexity | ifd: base "
                               "(the run's model before training), current (the policy as it enters the stage), or "
@@ -605,6 +611,8 @@ class DifficultyConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow a separate scorer's own Python code (its config's "
                                     "auto_map) to run. The scorer's own consent: model.trust_remote_code covers the "
                                     "policy only.")
+    samples: int | None = Field(None, ge=1, description="by: pass_rate: completions drawn per prompt to measure it "
+                                "(default: the stage's rl.num_generations).")
 
     @model_validator(mode="after")
     def _field_with_by_field(self) -> DifficultyConfig:
@@ -615,10 +623,16 @@ class DifficultyConfig(_Section):
         if self.by in MODEL_MEASURES and self.model is None:
             raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model (base, current, or "
                              "a scorer model's folder or hub id)")
+        if self.by in RL_MEASURES and self.model not in SCORERS:
+            raise ValueError(f"difficulty.by is {self.by}: name the model whose rollouts measure it with "
+                             "difficulty.model: base (the LoRA adapter off) or current (the policy as it enters the "
+                             "stage)")
+        if self.samples is not None and self.by not in RL_MEASURES:
+            raise ValueError(f"difficulty.samples is read only with by: pass_rate, not by: {self.by}")
         if self.by in PAIR_MEASURES and self.model not in SCORERS:
             raise ValueError(f"difficulty.by is {self.by}: name the scorer with difficulty.model: base or current "
                              "(a pair's scores come from the run's own model)")
-        if self.by not in SCORED_MEASURES and self.model is not None:
+        if self.by not in SCORED_MEASURES + RL_MEASURES and self.model is not None:
             raise ValueError(f"difficulty.model scores rows only with by: loss, perplexity or ifd (pairs: margin or "
                              f"chosen_loss), not by: {self.by}")
         if self.model is not None and self.model not in SCORERS and scorer_path_problem(self.model) is not None:
@@ -774,6 +788,20 @@ class StageConfig(_Section):
             names = [r.metric for r in self.rewards]
             if dupes := sorted({n for n in names if names.count(n) > 1}):
                 raise ValueError(f"reward names must be unique, repeated: {dupes} (give one a name:)")
+            by = self.difficulty.by if self.difficulty is not None else None
+            if by in SCORED_MEASURES:
+                raise ValueError(f"difficulty.by {by} scores rows with responses, and a grpo stage's rows are prompts; "
+                                 "order them by the model's rollouts: difficulty: {by: pass_rate, model: current}")
+            if by == "frames":
+                raise ValueError("difficulty.by frames orders video rows, and a grpo stage's prompts hold no video "
+                                 "(vision prompts are refused there); use by: pass_rate, length or field")
+            if self.drop is not None and by not in RL_MEASURES:
+                raise ValueError("drop on a grpo stage ranks its prompts by their pass rate only; set difficulty: "
+                                 "{by: pass_rate, model: current} or remove drop")
+        elif self.difficulty is not None and self.difficulty.by in RL_MEASURES:
+            raise ValueError(f"difficulty.by pass_rate measures prompts by rollouts, and this stage's objective is "
+                             f"{self.objective}; use it on an objective: grpo stage, or order rows by loss, "
+                             "perplexity, ifd (pairs: margin, chosen_loss), length or a field")
         if self.objective == "sft" and self.preference is not None:
             raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
                              "simpo) or remove preference")
@@ -991,6 +1019,10 @@ class Recipe(_Section):
                              "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
         for i, stage in enumerate(self.stages):
             where = f"stages.{i} ('{stage.name}')"
+            how = stage.difficulty
+            if how is not None and how.by in RL_MEASURES and how.model == "base" and not self.lora.enabled:
+                raise ValueError(f"{where}: difficulty.model is base for by: pass_rate, which rolls out the model with "
+                                 "its LoRA adapter off, but lora.enabled is false; use model: current")
             if stage.objective == "grpo" and stage.rl is not None and stage.rl.beta > 0 and not self.lora.enabled:
                 raise ValueError(f"{where}: rl.beta is {stage.rl.beta:g} but lora.enabled is false: the KL reference "
                                  "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "

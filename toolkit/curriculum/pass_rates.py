@@ -49,20 +49,21 @@ class SuccessRates:
         rates = self.rates
         return np.where(np.isnan(rates), 1.0, 1.0 - rates)
 
-    def sample(self, k: int, *, seed: int, step: int, draw: int = 0) -> np.ndarray:
+    def sample(self, k: int, *, seed: int, step: int, draw: int = 0, among: np.ndarray | None = None) -> np.ndarray:
         """``k`` distinct prompts drawn in proportion to ``weights`` (prompts every completion of which was right
         come last, uniformly, only when fewer than ``k`` others have weight), from a generator seeded by
         (seed, step), and ``draw`` when above 0 (a step's later draws: dynamic sampling's): the same on every rank,
-        and again after a resume."""
-        n = len(self.attempts)
+        and again after a resume. ``among``: the prompts that may be drawn (a stage's ``drop`` keeps; None: all)."""
+        candidates = np.arange(len(self.attempts)) if among is None else np.asarray(among, dtype=np.int64)
+        n = len(candidates)
         if not 0 < k <= n:
             raise ValueError(f"cannot draw {k} of {n} prompts")
         rng = np.random.default_rng([seed, step, draw] if draw else [seed, step])
         weights = self.weights()
-        live = np.flatnonzero(weights > 0)
+        live = candidates[weights[candidates] > 0]
         if len(live) >= k:
             return rng.choice(live, size=k, replace=False, p=weights[live] / weights[live].sum())
-        rest = np.flatnonzero(weights <= 0)
+        rest = candidates[weights[candidates] <= 0]
         return np.concatenate([rng.permutation(live), rng.choice(rest, size=k - len(live), replace=False)])
 
     def state_dict(self) -> dict[str, Any]:

@@ -160,6 +160,11 @@ class StageSampler:
         return StageSampler(difficulty=difficulty, keep=keep, **self._settings)
 
     @property
+    def kept(self) -> np.ndarray | None:
+        """The indices of the samples a drop keeps (None: every sample): what draws outside the order pick from."""
+        return self._kept
+
+    @property
     def num_samples(self) -> int:
         """Samples in the stage (all datasets concatenated)."""
         return self._n

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from toolkit.config.schema import ORDERED
 from toolkit.data.encoding import DataStats, check_messages
-from toolkit.data.plan import TrainingSet
+from toolkit.data.plan import TrainingSet, drop_counts
 from toolkit.data.shapes import prepare_row
 from toolkit.data.sources import Source, open_source, pieces, raw_rows
 from toolkit.errors import ToolkitError
@@ -127,11 +128,32 @@ def render_prompt(tokenizer: Any, row: PromptRow, *, enable_thinking: bool | Non
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _difficulty(stage: Any, samples: list[dict[str, Any]]) -> np.ndarray | None:
+    """The prompts' own difficulty, as a stage of rows reads it: the rows' `difficulty` (a `by: field` name is
+    mapped to it, toolkit/config/stages.py `difficulty_entries`) when the stage is ordered, every row has a number
+    there and the stage orders by no other measure; else None (token length orders, or the pass rates at the
+    entry). `by: field` with a row without one is refused, naming the row."""
+    how = stage.difficulty
+    if stage.order not in ORDERED or (how is not None and how.by != "field"):
+        return None
+    values = [s["columns"].get("difficulty") for s in samples]
+    numbers = [isinstance(v, int | float) and not isinstance(v, bool) for v in values]
+    if samples and all(numbers):
+        return np.asarray(values, dtype=np.float64)
+    if how is not None and samples:
+        bad = samples[numbers.index(False)]
+        raise ToolkitError(f"{bad['where']}: stage '{stage.name}' orders its prompts by difficulty.field "
+                           f"'{how.field}', and this row has no number there; give every row one, or use "
+                           "difficulty: {by: pass_rate, model: current}.")
+    return None
+
+
 def prompt_set(stage: Any, sources: list[Source], tokenizer: Any, *, thinking: str) -> TrainingSet:
     """An RL stage's prompts (`stage`: a ResolvedStage with objective grpo) over its entries' `sources`: each row
     read (`prompt_row`), checked against the rewards that need a reference, and rendered (`render_prompt`); a
     prompt that leaves no room for `rl.max_completion_length` tokens under the stage's max_seq_len is dropped and
-    counted. Samples are dicts: `prompt_ids`, `prompt` (the row's prompt), `reference`, `columns`, `where`."""
+    counted. Samples are dicts: `prompt_ids`, `prompt` (the row's prompt), `reference`, `columns`, `where`. A
+    `drop` (by pass rate) is counted here, its rows chosen by the rollouts at the stage's entry."""
     rl = stage.rl
     enable_thinking = None if thinking == "none" else False
     room = stage.max_seq_len - rl.max_completion_length
@@ -155,4 +177,7 @@ def prompt_set(stage: Any, sources: list[Source], tokenizer: Any, *, thinking: s
         sizes.append(kept)
     stats.kept = len(samples)
     lengths = np.array([len(s["prompt_ids"]) for s in samples], dtype=np.int64)
-    return TrainingSet(samples, sizes, None, lengths, stats)
+    rows = TrainingSet(samples, sizes, _difficulty(stage, samples), lengths, stats)
+    if stage.drop is not None:  # by the pass rates (the recipe allows no other drop here), measured at the entry
+        rows.dropped_by_score = drop_counts(len(samples), easiest=stage.drop.easiest, hardest=stage.drop.hardest)
+    return rows

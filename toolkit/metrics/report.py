@@ -238,8 +238,43 @@ def _timeline(run_json: dict[str, Any], recipe: dict[str, Any], records: list[di
     return out
 
 
-def _completions(reader: _Reader, budget: int) -> dict[str, Any]:
-    """Every completions file of the run: prompts once, then each file's rows (texts cut evenly past `budget`)."""
+def _rollouts(reader: _Reader, recipe: dict[str, Any]) -> list[tuple[Path, int, str, list[dict[str, Any]]]]:
+    """RL stages' completions (`rollouts/<stage>.jsonl`) as the generation evals' rows: per stage and step, each
+    completion of each prompt's group (eval `rollout <stage>`, row: the prompt's index in the stage), its rewards
+    by the stage's reward names (the recipe's) as scores, and its advantage."""
+    folder = reader.layout.rollouts
+    if not folder.is_dir():
+        return []
+    names: dict[str, list[str]] = {}
+    for cfg in recipe.get("stages") or []:
+        if isinstance(cfg, dict) and cfg.get("rewards"):
+            try:
+                names[str(cfg.get("name"))] = [RewardConfig.model_validate(r).metric for r in cfg["rewards"]]
+            except (ValueError, TypeError):
+                continue
+    out = []
+    for path in sorted(p for p in folder.glob("*.jsonl") if reader.ok(p)):
+        try:
+            records = [r for r in reader.records(path) if _whole(r.get("prompt", 0)) and "step" in r]
+        except ToolkitError:
+            records = []
+        by_step: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for r in records:
+            stage = str(r.get("stage", path.stem))
+            rewards = r.get("rewards") if isinstance(r.get("rewards"), list) else []
+            labels = names.get(stage) or [f"reward {i}" for i in range(len(rewards))]
+            by_step.setdefault((int(r["step"]), stage), []).append({
+                "eval": f"rollout {stage}", "row": int(r.get("prompt", 0)), "stage": stage,
+                "prompt": r.get("prompt_text"), "where": r.get("where"), "reference": r.get("reference"),
+                "output": r.get("completion", ""), "score": dict(zip(labels, rewards, strict=False)),
+                "advantage": r.get("advantage")})
+        out += [(path, step, stage, rows) for (step, stage), rows in by_step.items()]
+    return out
+
+
+def _completions(reader: _Reader, budget: int, recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every completions file of the run: the generation evals' (`evals/<stage>/step-N.jsonl`) and the RL stages'
+    rollouts (`_rollouts`), prompts once, then each file's rows (texts cut evenly past `budget`)."""
     layout = reader.layout
     files = sorted(p for p in layout.evals.glob("*/step-*.jsonl") if reader.ok(p)) if layout.evals.is_dir() else []
     loaded = []
@@ -252,13 +287,20 @@ def _completions(reader: _Reader, budget: int) -> dict[str, Any]:
         step = int(number) if number.isdigit() else 0
         stage = next((str(r["stage"]) for r in rows if "stage" in r), path.parent.name)
         loaded.append((path, step, stage, rows))
+    loaded += _rollouts(reader, recipe or {})
     loaded.sort(key=lambda item: (item[1], item[2]))
     prompts: dict[tuple[str, int], dict[str, Any]] = {}
     for _, _, _, rows in loaded:
         for r in rows:
             key = (str(r.get("eval")), int(r.get("row", 0)))
-            prompts.setdefault(key, {"eval": key[0], "row": key[1], "eval_stage": r.get("eval_stage"),
-                                     "prompt": str(r.get("prompt", "")), "reference": r.get("reference")})
+            prompt = prompts.setdefault(key, {"eval": key[0], "row": key[1], "eval_stage": r.get("eval_stage"),
+                                              "prompt": r.get("prompt"), "reference": r.get("reference")})
+            if prompt["prompt"] is None:  # a rollout group's prompt rides on its first completion only
+                prompt["prompt"], prompt["reference"] = r.get("prompt"), r.get("reference")
+            prompt.setdefault("where", r.get("where"))
+    for prompt in prompts.values():  # a rollout without its prompt's text (an older run): where the row is
+        where = prompt.pop("where", None)
+        prompt["prompt"] = str(prompt["prompt"] if prompt["prompt"] is not None else where or "")
     texts = [p["prompt"] for p in prompts.values()] + [str(p["reference"] or "") for p in prompts.values()] + [
         str(r.get("output", "")) for *_, rows in loaded for r in rows]
     total = sum(len(t) for t in texts)
@@ -279,7 +321,8 @@ def _completions(reader: _Reader, budget: int) -> dict[str, Any]:
         rel = _text(path.relative_to(layout.root).as_posix())
         out_files.append({"file": rel, "stage": stage, "step": step, "rows": [
             {"p": ids[(str(r.get("eval")), int(r.get("row", 0)))], "output": cut(str(r.get("output", "")), rel),
-             "score": {k: _round(v) for k, v in (r.get("score") or {}).items()}} for r in rows]})
+             "score": {k: _round(v) for k, v in (r.get("score") or {}).items()},
+             **({"advantage": _round(r["advantage"])} if r.get("advantage") is not None else {})} for r in rows]})
     return {"prompts": prompt_list, "files": out_files, "cut_to": limit}
 
 
@@ -341,7 +384,7 @@ def read_run(folder: str | Path) -> dict[str, Any]:
         "skipped": sum(int(r.get("skipped") or 0) for r in train if _whole(r.get("skipped") or 0)),
         "stages": _timeline(run_json, recipe, [r for r in records if "step" in r]),
         "train": _series(train, train_keys), "eval": _series(evals, eval_keys), "dropped_keys": dropped,
-        "matrix": matrix, "completions": _completions(reader, COMPLETIONS_BUDGET),
+        "matrix": matrix, "completions": _completions(reader, COMPLETIONS_BUDGET, recipe),
         "recipe": recipe_text, "recipe_flat": _flatten(recipe),
         "card": card, "not_read": reader.not_read,
     }

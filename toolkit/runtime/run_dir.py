@@ -149,6 +149,11 @@ class RunLayout:
         return self.evals / path_component(stage) / f"step-{step:08d}.jsonl"
 
     @property
+    def rollouts(self) -> Path:
+        """RL stages' completions with their rewards, `rollouts/<stage>.jsonl` (toolkit/train/rl_stage.py)."""
+        return self.root / "rollouts"
+
+    @property
     def eval_matrix(self) -> Path:
         """The forgetting matrix (eval.all_stages): one record per step, eval set and metric."""
         return self.evals / "matrix.jsonl"

@@ -13,6 +13,10 @@ why it gathers in `unwrap_model_for_generation`). So for the whole of an eval's 
 * DDP, ZeRO-1/2, one process: the weights are already whole on every rank.
 
 Memory: the full model (in its training dtype) is held on every rank for the duration of the eval.
+
+Inside the block the weights are plain whole tensors on every strategy, so `trainable_values` copies the trainable
+ones whole and `swapped_in` puts other values in their place for a few forwards (an RL stage's KL reference:
+toolkit/train/rl_reference.py). FSDP2 on one process keeps DTensors: their local shard is the whole tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from toolkit.errors import ToolkitError
 from toolkit.strategies import ds_config
 
 
@@ -73,3 +78,38 @@ def _fsdp_unsharded(model: torch.nn.Module) -> Iterator[None]:
             module.reshard()
         for group, info in zip(groups, saved, strict=True):
             group.post_forward_mesh_info = info
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor a parameter's values live in on this rank: a DTensor's local shard (FSDP2 on one process, where
+    it is the whole tensor), else the parameter's data."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param.data
+
+
+def trainable_values(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Host copies of the trainable parameters of `policy` (whole: call inside `full_weights_for_generation`)."""
+    return {name: _local(p).detach().to("cpu", copy=True).contiguous()
+            for name, p in policy.named_parameters() if p.requires_grad}
+
+
+@contextmanager
+def swapped_in(policy: torch.nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """`policy` with `values` (by parameter name) in place of its own, restored on leaving (whole weights)."""
+    params = dict(policy.named_parameters())
+    saved: dict[str, torch.Tensor] = {}
+    try:
+        with torch.no_grad():
+            for name, value in values.items():
+                local = _local(params[name]) if name in params else None
+                if local is None or local.shape != value.shape:
+                    raise ToolkitError(f"the KL reference's parameter '{name}' does not match the policy's (shape "
+                                       f"{None if local is None else tuple(local.shape)} for {tuple(value.shape)}); "
+                                       "the reference copy was taken of another model or adapter.")
+                saved[name] = local.clone()
+                local.copy_(value.to(local.device, local.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                _local(params[name]).copy_(value)

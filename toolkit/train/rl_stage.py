@@ -2,7 +2,7 @@
 
 Before anything heavy loads, `check_rl_stages` refuses what a grpo stage cannot train (a global batch of
 `micro_batch_size x grad_accum x data-parallel replicas` completions that is not whole groups of
-`rl.num_generations`, TRL's rule; vision prompts; Ulysses; settings this build does not train yet); the rewards are
+`rl.num_generations`, TRL's rule; vision prompts; Ulysses); the rewards are
 built, and user modules imported, with the generation evals' scorers (toolkit/evals/evaluator.py `import_scorers`).
 
 Each step (`rollout_step`): the stage sampler's prompts (with rl.prioritize, drawn by failure rate; with
@@ -16,7 +16,11 @@ go to the step record, the completions with their rewards to `<output_dir>/rollo
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,16 +30,26 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
+from toolkit.config.schema import ORDERED, RL_MEASURES
 from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.pass_rates import SuccessRates, pass_rate_buckets
 from toolkit.curriculum.stages import Stage
 from toolkit.data.batching import MicroBatch
+from toolkit.data.plan import kept_by_rank
 from toolkit.errors import ToolkitError
 from toolkit.evals.rewards import Reward, build_rewards, score_completions
 from toolkit.evals.rollout import rollout
+from toolkit.evals.scoring import RowSums, ScoreCache, score_key
 from toolkit.model.loss_head import loss_head_of
+from toolkit.runtime import process as distributed
+from toolkit.runtime.run_dir import RunLayout
 from toolkit.strategies.full_weights import full_weights_for_generation, shards_parameters
 from toolkit.train import grpo
+from toolkit.train.preference import adapter_disabled
+from toolkit.train.rl_reference import entry_reference, reference_logps
+from toolkit.train.stage_scores import ScoringStopped, scorer_identity, stop_for_signal
+
+log = logging.getLogger("toolkit")
 
 
 def check_rl_stages(stages: list[ResolvedStage], *, grad_accum: int, place: Any, vision: bool) -> None:
@@ -55,10 +69,6 @@ def check_rl_stages(stages: list[ResolvedStage], *, grad_accum: int, place: Any,
             raise ToolkitError(f"{where}: objective grpo on a vision-language model is not supported yet (its image "
                                "prompts' rollouts are not proven); train this stage on a text model, or make it sft "
                                "or dpo.")
-        rl = stage.rl
-        if rl.beta > 0:
-            raise ToolkitError(f"{where}: rl.beta is {rl.beta:g}, which this build does not train yet (the frozen "
-                               "reference adapter is not built); remove it (the default 0: no KL reference).")
         g = stage.rl.num_generations
         batch = stage.micro_batch_size * grad_accum * replicas
         if batch % g:
@@ -112,6 +122,7 @@ class StepRollout:
     metrics: dict[str, float]
     records: list[dict[str, Any]]
     old_logps: list[torch.Tensor] = field(default_factory=list)  # per micro-batch: the rollout's, [B, C]
+    ref_logps: list[torch.Tensor] = field(default_factory=list)  # per micro-batch: the KL reference's (rl.beta > 0)
 
 
 @dataclass
@@ -128,6 +139,7 @@ class RlState:
     tokenizer: Any = None  # the run's tokenizer: renders nothing, decodes completions and pads the policy batch
     rates: dict[int, SuccessRates] = field(default_factory=dict)  # rl.prioritize stages' success rates
     saved_rates: dict[str, Any] = field(default_factory=dict)  # a checkpoint's rates, loaded at the stage's first step
+    references: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # rl.beta > 0: the entry's values
 
     def rates_of(self, stage: Stage) -> SuccessRates:
         """The stage's success rates (rl.prioritize), from the checkpoint when the run resumed inside the stage."""
@@ -171,19 +183,22 @@ def draw_prompts(stage: Stage, rates: SuccessRates | None, count: int, *, seed: 
     """A step's `count` prompts (stage row indices) for its `draw`-th draw: the stage sampler's batch first, then
     (dynamic sampling's later draws) `count` prompts uniformly from a generator of (seed, step, draw); with
     rl.prioritize, in proportion to 1 - success rate (`SuccessRates.sample`, by chunks of the stage's size when a
-    step asks more prompts than it has). The same on every rank and after a resume."""
-    n = len(stage.data.samples)
+    step asks more prompts than it has). Only prompts a `drop` keeps are drawn. The same on every rank and after a
+    resume."""
+    kept = stage.sampler.kept
+    n = len(stage.data.samples) if kept is None else len(kept)
     if rates is not None:
         out: list[int] = []
         while len(out) < count:
             part = len(out) // n
-            out += rates.sample(min(n, count - len(out)), seed=seed, step=step,
-                                draw=draw + part * 1_000_003).tolist()
+            out += rates.sample(min(n, count - len(out)), seed=seed, step=step, draw=draw + part * 1_000_003,
+                                among=kept).tolist()
         return [int(i) for i in out]
     if draw == 0:
         return [int(i) for i in stage.sampler.batch(step_in_stage)]
     rng = np.random.default_rng([seed, step, draw])
-    return [int(i) for i in rng.choice(n, size=count, replace=count > n)]
+    picked = rng.choice(n, size=count, replace=count > n)
+    return [int(i) for i in (picked if kept is None else kept[picked])]
 
 
 @dataclass
@@ -199,11 +214,13 @@ class _Drawn:
     scoring: float
 
 
-def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], step: int) -> _Drawn:
-    """Complete and score `rows` by whole groups, prompt p by rank p mod world (`keys[p]` seeds its samples), and
-    gather the completions and rewards to every rank. Collective."""
+def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], step: int, *,
+          num_generations: int | None = None, base: bool = False, prompts_per_batch: int = 1) -> _Drawn:
+    """Complete and score `rows` by whole groups (of `num_generations`, default rl.num_generations), prompt p by
+    rank p mod world (`keys[p]` seeds its samples), `prompts_per_batch` groups a generate call, and gather the
+    completions and rewards to every rank. `base`: drawn with the LoRA adapter off. Collective."""
     acc, rl, tokenizer = run.accelerator, stage.resolved.rl, run.rl.tokenizer
-    g, world, rank = rl.num_generations, acc.num_processes, acc.process_index
+    g, world, rank = num_generations or rl.num_generations, acc.num_processes, acc.process_index
     mine = list(range(rank, len(rows), world))
     lockstep = shards_parameters(acc) and world > 1
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -211,13 +228,15 @@ def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], s
     drawn, scored, error = None, None, None
     started = time.perf_counter()
     if mine or lockstep:  # a rank with no prompt keeps the others company under sharded weights
-        with full_weights_for_generation(acc, run.model) as policy:
+        with full_weights_for_generation(acc, run.model) as policy, \
+                adapter_disabled(policy) if base else contextlib.nullcontext():
             stops = eos_ids(policy, tokenizer)
             asked = mine or [0]
             drawn = rollout(policy, [rows[p]["prompt_ids"] for p in asked], [keys[p] for p in asked],
                             num_generations=g, max_completion_length=rl.max_completion_length,
                             temperature=rl.temperature, top_p=rl.top_p, seed=run.recipe.train.seed, step=step,
-                            eos_ids=stops, pad_id=pad, prompts_per_batch=1, rounds=-(-len(rows) // world),
+                            eos_ids=stops, pad_id=pad, prompts_per_batch=prompts_per_batch,
+                            rounds=math.ceil(math.ceil(len(rows) / world) / prompts_per_batch),
                             lockstep=lockstep)
     generated = time.perf_counter()
     texts: list[str] = []
@@ -330,9 +349,14 @@ def rollout_step(run: Any, stage: Stage, step_in_stage: int, step: int) -> StepR
         olds.append(_pad_logps([old_logps[c] for c in js], c_mask.shape[1]))
     records = [{"step": step + 1, "stage": stage.name, "slot": p * g + j, "prompt": int(chosen[p]), "sample": j,
                 "where": rows[p]["where"], "completion": texts_all[p * g + j], "rewards": table[p * g + j].tolist(),
-                "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j]}
+                "advantage": float(advantages[p * g + j]), "truncated": truncated[p * g + j],
+                **({"prompt_text": tokenizer.decode(rows[p]["prompt_ids"]), "reference": rows[p]["reference"]}
+                   if j == 0 else {})}  # the group's first completion carries its prompt for the run page
                for p in mine for j in range(g)]
-    return StepRollout(micro_batches, advs, masks, float(kept.sum()), len(completion_ids), metrics, records, olds)
+    refs = (reference_logps(run, run.rl.references[stage.index], [mb.batch for mb in micro_batches], masks,
+                            rl.temperature) if rl.beta > 0 else [])
+    return StepRollout(micro_batches, advs, masks, float(kept.sum()), len(completion_ids), metrics, records, olds,
+                       refs)
 
 
 def _pad_logps(rows: list[list[float]], width: int) -> torch.Tensor:
@@ -395,7 +419,9 @@ class _GrpoLoss:
         advantages = self.rollout.advantages[j].to(device)
         # num_iterations > 1: the ratio against the rollout's per-token log-probs, kept for the batch's updates
         old = self.rollout.old_logps[j].to(device) if self.settings.num_iterations > 1 else None
-        loss, terms = grpo.grpo_loss(logps, mask, advantages, self.settings, divisor=self.divisor, old_logps=old)
+        ref = self.rollout.ref_logps[j].to(device) if self.settings.beta > 0 else None  # the policy at the entry
+        loss, terms = grpo.grpo_loss(logps, mask, advantages, self.settings, divisor=self.divisor, old_logps=old,
+                                     ref_logps=ref)
         sums = grpo.metric_sums(terms, advantages, mask, self.settings, entropies)
         self.sums[self.width:] += sums[self.picked].to(self.sums.dtype)
         return loss + 0.0 * out.loss  # the backward passes through the model's output (ZeRO-3 opens it there)
@@ -409,6 +435,10 @@ class GrpoObjective:
     def enter(self, run: Any, stage: Stage, step: int) -> None:
         if stage.resolved.prompts and stage.index not in run.rl.rewards:
             run.rl.rewards[stage.index] = stage_rewards(stage.resolved, run.rl.recipe_dir)
+        order_by_pass_rate(run, stage, step)  # difficulty by pass_rate: the sampler, before the stage's first step
+        rl = stage.resolved.rl
+        if rl is not None and rl.beta > 0 and stage.index not in run.rl.references:
+            run.rl.references[stage.index] = entry_reference(run, stage, step)  # the policy as it enters
 
     def micro_batches(self, run: Any, stage: Stage, step_in_stage: int, step: int) -> list[MicroBatch]:
         """The step's micro-batches: a new rollout every rl.num_iterations steps of the stage, trained that many
@@ -445,17 +475,104 @@ class GrpoObjective:
         return None
 
 
+# ------------------------------------------------------------------------------------ the pass-rate curriculum
+
+
+PASS_RATE_BLOCK = 8
+"""Prompts per process in one block of the pass-rate pass (kept in the run folder as each block ends)."""
+PASS_RATE_KEYS = 1 << 40
+"""Prompt i's samples in the pass-rate pass are seeded by key PASS_RATE_KEYS + i: apart from the training draws'."""
+
+
+def pass_rate_key(run: Any, stage: Stage, scorer: str, samples: int) -> str:
+    """What decides a stage's pass rates: its prompts (token ids and references), the model (`base`, or the run's
+    state at the stage's first step), the completions drawn (samples, temperature, top-p, length, seed) and the
+    reward that judges them (the stage's first)."""
+    rl = stage.resolved.rl
+    assert rl is not None
+    prompts = hashlib.sha256(json.dumps([[s["prompt_ids"], s["reference"]] for s in stage.data.samples],
+                                        default=str).encode()).hexdigest()
+    return score_key(rows=prompts, scorer=scorer_identity(run.identity, scorer, stage.plan.start_step),
+                     render="pass_rate", samples=samples, reward=stage.resolved.rewards[0].model_dump(),
+                     sampling=[rl.temperature, rl.top_p, rl.max_completion_length, run.recipe.train.seed])
+
+
+def order_by_pass_rate(run: Any, stage: Stage, step: int) -> np.ndarray | None:
+    """`difficulty: {by: pass_rate}`: each prompt's failure rate (the share of `difficulty.samples` completions,
+    default rl.num_generations, that the stage's first reward finds wrong, `correctness`), drawn at the stage's
+    entry by the current policy or the base (`model: base`: the LoRA adapter off), prompt p by rank p mod world
+    under the run's strategy as a training rollout is (`_draw`), each seeded by (run seed, the stage's first step
+    for current or 0 for base, PASS_RATE_KEYS + p, sample index): the same on any process count. The stage's
+    sampler is then ordered by it (`easy_to_hard`: the most solved first) and a `drop` leaves out the most and least
+    solved prompts. Kept in `<output_dir>/scores/scores-<key>.npz` block by block as the loss scores are
+    (toolkit/evals/scoring.py `ScoreCache`: failures as `loss`, samples as `tokens`): a pass stopped by a signal
+    goes on at the relaunch, a resume reads them back, and a resume past the current policy's entry whose file is
+    gone is refused in one line. Returns the failure rates, or None for a stage not so ordered. Collective."""
+    how, rl = stage.resolved.difficulty, stage.resolved.rl
+    if how is None or how.by not in RL_MEASURES or rl is None:
+        return None
+    if stage.resolved.order not in ORDERED and stage.resolved.drop is None:
+        return None
+    acc = run.accelerator
+    scorer = str(how.model)
+    k = how.samples or rl.num_generations
+    samples = stage.data.samples
+    key = pass_rate_key(run, stage, scorer, k)
+    folder = Path(run.recipe.output_dir) / "scores"
+    cache = ScoreCache(folder, key, len(samples), writer=acc.is_main_process)
+    if not cache.complete and run.resumed_from is not None:
+        theirs = ScoreCache(RunLayout.of_checkpoint(Path(run.resumed_from)).scores, key, len(samples), writer=False)
+        if theirs.complete and theirs.path != cache.path:
+            cache.record(np.arange(len(samples)), theirs.sums)
+    cache.sums, cache.done = distributed.broadcast_from_main(acc, (cache.sums, cache.done))
+    what = f"stage '{stage.name}' pass rates ({k} completions a prompt by the {scorer} model)"
+    base = scorer == "base"
+    at = 0 if base else stage.plan.start_step
+    if not cache.complete and not base and step != at:
+        raise ToolkitError(f"{what}: {cache.path} is missing or incomplete, and this launch resumes past the stage's "
+                           f"first step {at}, where they were measured; measuring now would use a later policy. "
+                           "Restore the file, or resume from a checkpoint at or before that step.")
+    preemption = getattr(run, "preemption", None)
+    stop = stop_for_signal(run, step) if preemption is not None and preemption.started else None
+    todo = np.flatnonzero(~cache.done)
+    if len(todo):
+        log.info("%s: %d of %d prompts to measure", what, len(todo), len(samples))
+    block = PASS_RATE_BLOCK * acc.num_processes
+    for start in range(0, len(todo), block):
+        index = todo[start:start + block]
+        drawn = _draw(run, stage, [samples[int(i)] for i in index], [PASS_RATE_KEYS + int(i) for i in index], at,
+                      num_generations=k, base=base, prompts_per_batch=PASS_RATE_BLOCK)
+        wrong = k - correctness(drawn.table).view(-1, k).sum(dim=1).numpy()
+        cache.record(index, RowSums(wrong.astype(np.float64), np.full(len(index), k, dtype=np.int64)))
+        if stop is not None and stop():
+            raise ScoringStopped(what)
+    failure = cache.sums.loss / np.maximum(cache.sums.tokens, 1)
+    keep = None
+    if stage.data.dropped_by_score is not None:
+        keep = kept_by_rank(failure, *stage.data.dropped_by_score)
+        easy, hard = stage.data.dropped_by_score
+        log.info("stage '%s': dropped the %d most and the %d least solved of its %d prompts (%d kept)", stage.name,
+                 easy, hard, len(failure), int(keep.sum()))
+    stage.data.difficulty = failure
+    stage.sampler = stage.sampler.with_difficulty(failure, keep)
+    log.info("%s: solved %.3g on average; %d never, %d always", what, float(1 - failure.mean()),
+             int((failure == 1).sum()), int((failure == 0).sum()))
+    return failure
+
+
 ROLLOUTS = "rollouts"
-"""The run folder's subfolder of RL stages' completions, `<stage>.jsonl` each (cut back to the step on a resume)."""
+"""The run folder's subfolder of RL stages' completions, `<stage>.jsonl` each (cut back to the step on a resume;
+`RunLayout.rollouts`)."""
 
 
 def write_rollouts(run: Any, stage: Stage, records: list[dict[str, Any]]) -> None:
     """The step's completions with their rewards and advantages, gathered to rank 0 and appended to
-    `<output_dir>/rollouts/<stage>.jsonl` (one line per completion, in slot order). Collective."""
+    `<output_dir>/rollouts/<stage>.jsonl` (one line per completion, in slot order; a group's first carries its
+    prompt as the rollout fed it, `prompt_text`, and the row's `reference`, for the run page). Collective."""
     everything = gather_object(records)
     if not run.accelerator.is_main_process:
         return
-    path = Path(run.recipe.output_dir) / ROLLOUTS / f"{stage.name}.jsonl"
+    path = RunLayout(Path(run.recipe.output_dir)).rollouts / f"{stage.name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = sorted(everything, key=lambda r: r["slot"])
     with path.open("a", encoding="utf-8") as f:

@@ -462,8 +462,10 @@
 
   // --- completions ---------------------------------------------------------------------------------------------
   const cp = section("completions", "Completions by stage and step",
-    "Each generation eval's prompts (rows) at every evaluation (columns), from evals/<stage>/step-N.jsonl: " +
-    "green where every scorer gave 1, red where every scorer gave 0, amber in between. Filter by eval and score.");
+    "Each generation eval's prompts (rows) at every evaluation (columns), from evals/<stage>/step-N.jsonl, and " +
+    "each RL stage's prompts at every step that drew them (eval \"rollout <stage>\", from rollouts/<stage>.jsonl: " +
+    "the prompt's group of completions, each with its rewards and advantage): green where every scorer gave 1, " +
+    "red where every scorer gave 0, amber in between. Filter by eval and score.");
   const controls = el("div", { class: "controls" }, cp);
   let runSelect = null;
   if (MULTI) {
@@ -516,10 +518,13 @@
       countLine.textContent = "";
       return;
     }
-    const cells = {};  // prompt id -> file index -> row
-    c.files.forEach((f, fi) => f.rows.forEach((r) => { (cells[r.p] = cells[r.p] || {})[fi] = r; }));
+    const cells = {};  // prompt id -> file index -> its rows there (an RL prompt's group: several)
+    c.files.forEach((f, fi) => f.rows.forEach((r) => {
+      const at = (cells[r.p] = cells[r.p] || {});
+      (at[fi] = at[fi] || []).push(r);
+    }));
     const shownPrompts = c.prompts.map((p, i) => [p, i]).filter(([p, i]) => (ev === "all" || p.eval === ev) &&
-      Object.values(cells[i] || {}).some(match));
+      Object.values(cells[i] || {}).some((rows) => rows.some(match)));
     const shownFiles = c.files.map((f, fi) => [f, fi]).filter(([, fi]) => shownPrompts.some(([, i]) => (cells[i] || {})[fi]));
     const table = el("table", { class: "grid" }, gridBox);
     const h = el("tr", {}, el("thead", {}, table));
@@ -541,14 +546,19 @@
       el("pre", { title: p.prompt }, ptd, readable(p.prompt));
       el("td", { class: "ref" }, tr, p.reference ?? "");
       for (const [f, fi] of shownFiles) {
-        const r = (cells[i] || {})[fi];
-        if (!r) { el("td", { class: "empty" }, tr, "—"); continue; }
-        const ok = match(r);
-        shown += ok ? 1 : 0;
-        const td = el("td", { class: `out ${verdict(r.score)}${ok ? "" : " dim"}`, "data-completion": "",
-          "data-file": f.file, "data-eval": p.eval, "data-row": p.row }, tr);
-        el("pre", {}, td, r.output);
-        el("div", { class: "score" }, td, Object.entries(r.score || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(" · "));
+        const rows = (cells[i] || {})[fi];
+        if (!rows) { el("td", { class: "empty" }, tr, "—"); continue; }
+        const ok = rows.filter(match).length;
+        shown += ok;
+        const kinds = new Set(rows.map((r) => verdict(r.score)));
+        const kind = kinds.size === 1 ? [...kinds][0] : "part";
+        const td = el("td", { class: `out ${kind}${ok ? "" : " dim"}`, "data-completion": "",
+          "data-file": f.file, "data-eval": p.eval, "data-row": p.row, "data-group": rows.length }, tr);
+        for (const r of rows) {
+          el("pre", { class: rows.length > 1 ? `member ${verdict(r.score)}` : null }, td, r.output);
+          el("div", { class: "score" }, td, Object.entries(r.score || {}).map(([k, v]) => `${k} ${fmt(v)}`)
+            .concat(r.advantage !== undefined ? [`advantage ${fmt(r.advantage)}`] : []).join(" · "));
+        }
       }
     }
     countLine.textContent = `${total} completions in ${c.files.length} files; ${shown} match` +
