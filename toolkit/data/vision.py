@@ -56,7 +56,7 @@ from toolkit.data.encoding import (
     row_shape,
     span_mask,
 )
-from toolkit.data.frames import VideoSettings, frames
+from toolkit.data.frames import ImageStore, VideoSettings, frames
 from toolkit.data.render import Unrendered
 from toolkit.errors import ToolkitError
 from toolkit.templates import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, VISION_TOKENS
@@ -421,15 +421,65 @@ def encode_vl_row(row: dict[str, Any], processor: Any, *, train_on: str, max_seq
 
 
 def process_images(processor: Any, paths: list[str], *, min_pixels: int | None = None,
-                   max_pixels: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel_values, image_grid_thw) of image files, decoded and resized within the pixel bounds."""
-    images = [_load_image(Path(p), p) for p in paths]
+                   max_pixels: int | None = None, store: ImageStore | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, image_grid_thw) of image files, decoded and resized within the pixel bounds; with `store`
+    (and a processor `caches_resized` allows), each image's resize comes from the image cache, decoded and resized
+    there once (see `resized_image`)."""
+    ip = processor.image_processor
     kwargs = {}
     if min_pixels is not None or max_pixels is not None:
-        low, high = _pixel_bounds(processor.image_processor, min_pixels, max_pixels)
+        low, high = _pixel_bounds(ip, min_pixels, max_pixels)
         kwargs["size"] = {"shortest_edge": low, "longest_edge": high}
-    out = processor.image_processor(images=images, return_tensors="pt", **kwargs)
+    if store is None or not caches_resized(ip):
+        out = ip(images=[_load_image(Path(p), p) for p in paths], return_tensors="pt", **kwargs)
+        return out["pixel_values"], out["image_grid_thw"]
+    settings = resize_settings(ip, min_pixels, max_pixels)
+    resized = []
+    for p in paths:
+        _check_image(Path(p), p)
+        resized.append(store.image(Path(p), settings, lambda p=p: resized_image(ip, Path(p), min_pixels,
+                                                                                 max_pixels)))
+    # The rest of the processor's own path on the resized pixels: rescale, normalise, patchify.
+    out = ip(images=resized, do_resize=False, input_data_format="channels_last", return_tensors="pt", **kwargs)
     return out["pixel_values"], out["image_grid_thw"]
+
+
+def caches_resized(image_processor: Any) -> bool:
+    """Whether an image's resize can be cached as uint8 pixels exactly: the processor is transformers' PIL backend
+    of Qwen2-VL's image processor (Qwen2.5-VL's and Qwen3-VL's), which converts to RGB and resizes uint8 pixels
+    with PIL (`transformers.image_transforms.resize`: a uint8 array in, a uint8 array out) and rescales,
+    normalises and cuts patches only after. Caching its resize output and running the rest with do_resize=False is
+    then the same computation, bit for bit (tests/data/test_image_cache.py). The torchvision backend (installed
+    with torchvision) resizes tensors in its own way; it is not cached (measured here: no torchvision)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return isinstance(image_processor, Qwen2VLImageProcessorPil) and getattr(image_processor, "backend", "") == "pil"
+
+
+def resize_settings(image_processor: Any, min_pixels: int | None, max_pixels: int | None) -> dict[str, Any]:
+    """What an image's resize depends on besides its content: the image cache's key."""
+    ip = image_processor
+    return {"pixels": list(_pixel_bounds(ip, min_pixels, max_pixels)), "patch": ip.patch_size,
+            "merge": ip.merge_size, "resample": int(ip.resample), "rgb": bool(ip.do_convert_rgb),
+            "resize": bool(ip.do_resize), "processor": type(ip).__name__}
+
+
+def resized_image(image_processor: Any, path: Path, min_pixels: int | None, max_pixels: int | None) -> np.ndarray:
+    """An image file decoded and resized exactly as `image_processor` does it before rescaling (uint8 [H, W, 3]):
+    the processor's own `process_image` and `resize` (smart_resize within the pixel bounds, its resample filter)."""
+    from transformers.image_utils import SizeDict
+
+    ip = image_processor
+    image = ip.process_image(_load_image(path, str(path)), do_convert_rgb=ip.do_convert_rgb)  # [3, H, W] uint8
+    if ip.do_resize:
+        low, high = _pixel_bounds(ip, min_pixels, max_pixels)
+        image = ip.resize(image, size=SizeDict(shortest_edge=low, longest_edge=high), resample=ip.resample,
+                          factor=ip.patch_size * ip.merge_size)
+    if image.dtype != np.uint8:
+        raise ToolkitError(f"image {path}: the image processor resized it to {image.dtype}, not uint8; set "
+                           "data.image_cache: none.")
+    return np.moveaxis(image, 0, -1)
 
 
 def process_videos(processor: Any, refs: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
