@@ -18,7 +18,7 @@ from transformers import AutoProcessor
 from toolkit.builtin.models import TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, materialize_builtin
 from toolkit.data import frames
 from toolkit.data.collate import VLCollator
-from toolkit.data.frames import IMAGE_PREFIX, ImageStore, writable_store
+from toolkit.data.frames import IMAGE_PREFIX, ImageStore
 from toolkit.data.vision import caches_resized, image_grid, process_images
 from toolkit.templates import IMAGE_PAD, VISION_END, VISION_START
 
@@ -128,7 +128,7 @@ def test_corrupt_entries_are_rebuilt(processors: dict[str, Any], images: list[st
     assert frames.RESIZES["images"] - before == 1
 
 
-def test_budget_and_unwritable_store(processors: dict[str, Any], images: list[str], tmp_path: Path,
+def test_a_full_cache_resizes_the_rest(processors: dict[str, Any], images: list[str], tmp_path: Path,
                                      caplog: pytest.LogCaptureFixture) -> None:
     processor = processors["qwen2.5-vl"]
     plain = process_images(processor, images)
@@ -139,7 +139,27 @@ def test_budget_and_unwritable_store(processors: dict[str, Any], images: list[st
     assert equal(got, plain)
     assert 0 < ImageStore(store, budget).used() <= budget
     assert sum("is full" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_run_chooses_its_image_cache(processors: dict[str, Any], tmp_path: Path,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """data.image_cache and data.cache_dir decide; a store that cannot be written turns the cache off, said once."""
+    from toolkit.config.identity import resume_invariants
+    from toolkit.config.load import load_recipe
+    from toolkit.train.setup import image_store
+
+    processor = processors["qwen3-vl"]
+    out = f"output_dir={tmp_path / 'run'}"
+    store = image_store(load_recipe(None, [out, f"data.cache_dir={tmp_path / 'cache'}", "data.image_cache_gb=0.5"]),
+                        processor)
+    assert store is not None and store.store == tmp_path / "cache" / "frames" and store.budget == 500_000_000
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    assert writable_store(blocked / "frames") is not None
-    assert writable_store(tmp_path / "fresh" / "frames") is None
+    with caplog.at_level(logging.INFO, logger="toolkit"):
+        assert image_store(load_recipe(None, [out, "data.image_cache=none"]), processor) is None
+        assert image_store(load_recipe(None, [out, "data.cache_dir=none"]), processor) is None
+        assert image_store(load_recipe(None, [out, f"data.cache_dir={blocked}"]), processor) is None
+    assert not {"image_cache", "image_cache_gb"} & set(resume_invariants(load_recipe(None))["data"])  # exact: a
+    # resume may switch it
+    said = [r.getMessage() for r in caplog.records if "image cache off" in r.getMessage()]
+    assert len(said) == 2 and "data.cache_dir is none" in said[0] and str(blocked) in said[1]

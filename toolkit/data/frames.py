@@ -41,6 +41,8 @@ VIDEO_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_p
               "sample_fps")
 """The settings of a video, named as qwen-vl-utils names them (per video part, per data entry, per stage)."""
 
+log = logging.getLogger("toolkit")
+
 DECODES = {"files": 0}
 """Videos decoded by this process (a frame store miss each): the proof that a warm relaunch decodes nothing."""
 
@@ -344,7 +346,7 @@ class ImageStore:
             return True
         if not self._full_said:
             self._full_said = True
-            logging.getLogger("toolkit").info(
+            log.info(
                 "image cache %s is full (%.2f of its %.2f GB budget, data.image_cache_gb): further images are "
                 "resized every time", self.store, self._total / 1e9, self.budget / 1e9)
         return False
@@ -371,10 +373,12 @@ class ImageStore:
             tmp.mkdir(parents=True, exist_ok=True)
             np.save(tmp / "frames.npy", pixels[None])
             (tmp / "meta.json").write_text(json.dumps(meta))
-            if folder.exists():  # corrupt (it was not read back): ours by its name in our store
+            if folder.exists() and _read_image(folder, key) is None:  # corrupt: ours by its name in our store
                 aside = self.store / f".{folder.name}.{os.getpid()}.bad"
                 folder.rename(aside)
                 shutil.rmtree(aside, ignore_errors=True)
+            if folder.exists():  # another process stored the same image meanwhile
+                raise FileExistsError(folder)
             tmp.rename(folder)
         except OSError:  # read-only, full, or another process stored the same image first (the same content)
             shutil.rmtree(tmp, ignore_errors=True)
