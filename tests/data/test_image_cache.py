@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor
 
 from toolkit.builtin.models import TINY_QWEN3_VL_MODEL, TINY_VL_MODEL, materialize_builtin
 from toolkit.data import frames
 from toolkit.data.collate import VLCollator
 from toolkit.data.frames import IMAGE_PREFIX, ImageStore
 from toolkit.data.vision import caches_resized, image_grid, process_images
+from toolkit.model.load import load_processor
 from toolkit.templates import IMAGE_PAD, VISION_END, VISION_START
 
 GB = 1 << 30
@@ -28,7 +28,7 @@ GB = 1 << 30
 @pytest.fixture(scope="module")
 def processors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cache = tmp_path_factory.mktemp("models")
-    return {name: AutoProcessor.from_pretrained(materialize_builtin(model, cache))
+    return {name: load_processor(materialize_builtin(model, cache), trust_remote_code=False, chat_template=None)
             for name, model in (("qwen2.5-vl", TINY_VL_MODEL), ("qwen3-vl", TINY_QWEN3_VL_MODEL))}
 
 

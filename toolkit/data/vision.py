@@ -435,22 +435,48 @@ def process_images(processor: Any, paths: list[str], *, min_pixels: int | None =
         out = ip(images=[_load_image(Path(p), p) for p in paths], return_tensors="pt", **kwargs)
         return out["pixel_values"], out["image_grid_thw"]
     settings = resize_settings(ip, min_pixels, max_pixels)
-    resized = []
+    table = value_table(ip)
+    patches, grids = [], []
     for p in paths:
         _check_image(Path(p), p)
-        resized.append(store.image(Path(p), settings, lambda p=p: resized_image(ip, Path(p), min_pixels,
-                                                                                 max_pixels)))
-    # The rest of the processor's own path on the resized pixels: rescale, normalise, patchify.
-    out = ip(images=resized, do_resize=False, input_data_format="channels_last", return_tensors="pt", **kwargs)
-    return out["pixel_values"], out["image_grid_thw"]
+        resized = store.image(Path(p), settings, lambda p=p: resized_image(ip, Path(p), min_pixels, max_pixels))
+        chw = np.moveaxis(resized, -1, 0)
+        values = np.stack([table[c][chw[c]] for c in range(chw.shape[0])])
+        cut, gh, gw = ip.patchify(values, patch_size=ip.patch_size, merge_size=ip.merge_size,
+                                  temporal_patch_size=ip.temporal_patch_size)
+        patches.append(cut)
+        grids.append([1, gh, gw])
+    return torch.from_numpy(np.concatenate(patches)), torch.tensor(grids, dtype=torch.long)
+
+
+def value_table(image_processor: Any) -> np.ndarray:
+    """float32 [3, 256]: what the processor's own rescale and normalise make of each uint8 value of each channel.
+    Both are elementwise per channel (transformers' `rescale`: float64 x scale, cast to float32; `normalize`:
+    (x - mean) / std in float32), so looking a resized pixel up here gives their output bit for bit, about 4x
+    faster than computing it over the image (measured on a 1316x728 image: 53 ms against 217-263 ms)."""
+    ip = image_processor
+    key = (ip.do_rescale, ip.rescale_factor, ip.do_normalize, tuple(ip.image_mean), tuple(ip.image_std))
+    if key not in _TABLES:
+        ramp = np.tile(np.arange(256, dtype=np.uint8), (3, 1, 1))  # [3, 1, 256]: every value in every channel
+        values: np.ndarray = ramp
+        if ip.do_rescale:
+            values = ip.rescale(values, ip.rescale_factor)
+        if ip.do_normalize:
+            values = ip.normalize(values, ip.image_mean, ip.image_std)
+        _TABLES[key] = np.asarray(values, dtype=np.float32)[:, 0, :]  # as patchify casts it
+    return _TABLES[key]
+
+
+_TABLES: dict[tuple[Any, ...], np.ndarray] = {}
 
 
 def caches_resized(image_processor: Any) -> bool:
     """Whether an image's resize can be cached as uint8 pixels exactly: the processor is transformers' PIL backend
     of Qwen2-VL's image processor (Qwen2.5-VL's and Qwen3-VL's), which converts to RGB and resizes uint8 pixels
     with PIL (`transformers.image_transforms.resize`: a uint8 array in, a uint8 array out) and rescales,
-    normalises and cuts patches only after. Caching its resize output and running the rest with do_resize=False is
-    then the same computation, bit for bit (tests/data/test_image_cache.py). The torchvision backend (installed
+    normalises and cuts patches only after, elementwise (`value_table`), with its own `patchify`. Caching its
+    resize output and running the rest on it is then the same computation, bit for bit
+    (tests/data/test_image_cache.py). The torchvision backend (installed
     with torchvision) resizes tensors in its own way; it is not cached (measured here: no torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
