@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shutil
+import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -310,10 +311,12 @@ class ImageStore:
     (`<store>/img-<key>/frames.npy`, uint8 [1, H, W, 3] at the size the processor resizes it to, and `meta.json`).
 
     The key is the image file's content digest and `settings` (the processor's resize settings), so an edited image
-    or other settings make another entry. An entry is read back only when its shape and its pixels' blake2b digest
-    are those `meta.json` records; any other entry (a killed write, a truncated or altered file) is rebuilt, never
-    misread. Images are added while the store's image entries total under `budget` bytes; past it they are resized
-    every time (exact either way). Plain data: it pickles to DataLoader workers, each counting its own writes."""
+    or other settings make another entry. An entry is read back only when its shape and its pixels' crc32 are
+    those `meta.json` records; any other entry (a killed write, a truncated or altered file) is rebuilt, never
+    misread. crc32 finds damage (a disk's, a killed write's) at several GB/s; it guards against damage, not
+    forgery, as the cache is the user's own folder. Images are added while the store's image entries total under
+    `budget` bytes; past it they are resized every time (exact either way). Plain data: it pickles to DataLoader
+    workers, each counting its own writes."""
 
     store: Path
     budget: int
@@ -367,7 +370,7 @@ class ImageStore:
         aside first); a store that cannot be written is left as it is."""
         h, w = pixels.shape[:2]
         meta = {"key": key, "source": source, "size": [h, w], "frames": 1, "bytes": pixels.nbytes,
-                "blake2b": hashlib.blake2b(pixels.tobytes()).hexdigest()}
+                "crc32": zlib.crc32(pixels)}
         tmp = self.store / f".{folder.name}.{os.getpid()}.tmp"
         try:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -389,7 +392,7 @@ class ImageStore:
 
 
 def _read_image(folder: Path, key: dict[str, Any]) -> np.ndarray | None:
-    """The stored image of an entry whose meta, shape and pixel digest agree; None for a missing or corrupt one."""
+    """The stored image of an entry whose meta, shape and pixels' crc32 agree; None for a missing or corrupt one."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
         h, w = meta["size"]
@@ -397,7 +400,7 @@ def _read_image(folder: Path, key: dict[str, Any]) -> np.ndarray | None:
     except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None
     if (meta.get("key") != key or pixels.dtype != np.uint8 or pixels.shape != (1, h, w, 3)
-            or hashlib.blake2b(pixels.tobytes()).hexdigest() != meta.get("blake2b")):
+            or zlib.crc32(pixels) != meta.get("crc32")):
         return None
     return pixels[0]
 

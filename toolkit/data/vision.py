@@ -20,7 +20,8 @@ processor resizes to a multiple of patch x merge within its pixel bounds (`smart
 the size from the file's header. The rendering's `<|image_pad|>` is expanded to that many tokens, as the processor
 does, and the rows tokenised in one batch. Pixels are decoded and resized when a batch is built, in DataLoader
 workers (`toolkit.data.collate.VLCollator`), which checks that each image still gives the grid its row was prepared
-with.
+with; with the image cache (`toolkit.data.frames.ImageStore`, `process_images`) only the first batch that uses an
+image decodes and resizes it.
 """
 
 from __future__ import annotations
