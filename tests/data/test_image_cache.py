@@ -19,6 +19,7 @@ from toolkit.data import frames
 from toolkit.data.collate import VLCollator
 from toolkit.data.frames import IMAGE_PREFIX, ImageStore
 from toolkit.data.vision import caches_resized, image_grid, process_images
+from toolkit.errors import ToolkitError
 from toolkit.model.load import load_processor
 from toolkit.templates import IMAGE_PAD, VISION_END, VISION_START
 
@@ -98,6 +99,12 @@ def test_collator_second_epoch_resizes_nothing(processors: dict[str, Any], image
     for batch in (first, second):
         assert batch.keys() == plain.keys()
         assert all(torch.equal(batch[k], plain[k]) for k in plain)
+    changed = tmp_path / "changed.png"
+    Image.open(images[0]).save(changed)
+    cached([{**rows[0], "images": [str(changed)]}])
+    Image.new("RGB", (300, 40)).save(changed)  # edited in place: another content, another entry, another grid
+    with pytest.raises(ToolkitError, match=r"changed\.png no longer has the size it was tokenised with"):
+        cached([{**rows[0], "images": [str(changed)]}])
 
 
 def test_corrupt_entries_are_rebuilt(processors: dict[str, Any], images: list[str], tmp_path: Path) -> None:
