@@ -325,8 +325,8 @@ class ImageStore:
     _full_said: bool = False
 
     def image(self, path: Path, settings: dict[str, Any], make: Any) -> np.ndarray:
-        """The resized image (uint8 [H, W, 3]) of the file at `path`: from the store, or `make()` (which decodes
-        and resizes it) stored first when missing, corrupt, or when the store has room."""
+        """The resized image (uint8 [H, W, 3]) of the file at `path`, keyed by its content and `settings`: from the
+        store, else (missing or corrupt) `make()`, which decodes and resizes it, stored where the budget has room."""
         from toolkit.data.sources import content_digest
 
         digest = content_digest(path, self.store.parent)
