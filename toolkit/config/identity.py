@@ -35,8 +35,10 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads", "video"):
                 if isinstance(entry, dict) and entry.get(key) is None:
                     entry.pop(key, None)
-    for key in ("num_proc", "num_workers", "renderer"):  # how data is prepared and fed, not what trains (the
-        # direct renderer writes the Jinja template's text byte for byte: tests/data/test_render.py)
+    for key in ("num_proc", "num_workers", "renderer", "image_cache", "image_cache_gb"):  # how data is prepared
+        # and fed, not what trains (the direct renderer writes the Jinja template's text byte for byte:
+        # tests/data/test_render.py; cached images are the processor's pixels bit for bit:
+        # tests/data/test_image_cache.py)
         del tree["data"][key]
     for key, default in (("empty_answers", "error"), ("identical_pairs", "error"), ("completion_newline", False)):
         if tree["data"].get(key) == default:  # the default leaves earlier checkpoints' hashes as they were

@@ -174,6 +174,13 @@ class DataConfig(_Section):
                                    "in pixels (default: the processor's).")
     max_pixels: int | None = Field(None, gt=0, description="Vision models: largest image area after resizing, "
                                    "in pixels (bounds image tokens; default: the processor's).")
+    image_cache: Literal["auto", "none"] = Field(
+        "auto", description="Vision models: 'auto' caches each image's resized pixels (uint8, at the size the "
+        "processor resizes to) by content in the frame store under data.cache_dir, so a second epoch, stage or "
+        "relaunch decodes and resizes no image again (the batches are the same, bit for bit); 'none' decodes and "
+        "resizes every image at every batch.")
+    image_cache_gb: float = Field(20.0, gt=0, description="Vision models: the image cache's budget in GB (10^9 "
+                                  "bytes); past it, further images are resized every time.")
 
     @field_validator("chat_template")
     @classmethod

@@ -3,7 +3,8 @@ transformers' seq2seq collator) or flattened when packed (`toolkit.data.packing.
 go through `VLCollator`, which pads tokenised VL rows and loads their images, ZeRO-3/FSDP-safe, or when packed
 through `VLPackedCollator` (one flattened row, multimodal rotary ids per sample). A preference stage's pair rows go
 through `pair_collator` over the run's collator: each pair's two sides as two sequences. Collators run in the
-DataLoader's worker processes (toolkit/data/batching.py), so images are decoded there.
+DataLoader's worker processes (toolkit/data/batching.py), so images are decoded there, once per content and
+resize settings when the image cache is on (`toolkit.data.frames.ImageStore`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from PIL import Image
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from toolkit.data.encoding import IGNORE_INDEX
+from toolkit.data.frames import ImageStore
 from toolkit.data.packing import PackedCollator, unpack_row
 from toolkit.data.vision import VIDEO_REF, process_images, process_videos, video_patches
 from toolkit.errors import ToolkitError
@@ -44,9 +46,10 @@ class VLCollator:
     """
 
     def __init__(self, processor: Any, *, dummy_image: bool = True, min_pixels: int | None = None,
-                 max_pixels: int | None = None, videos: bool = False) -> None:
+                 max_pixels: int | None = None, videos: bool = False, image_store: ImageStore | None = None) -> None:
         self.processor = processor
         self.pad_to_multiple_of: int | None = None  # a preference stage's sides: PAIR_PAD_MULTIPLE (sides_collator)
+        self.image_store = image_store  # resized images cached by content (toolkit.data.frames.ImageStore)
         self.dummy_image = dummy_image
         self.videos = videos
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
@@ -105,7 +108,8 @@ class VLCollator:
     def images(self, paths: list[str], grids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, image_grid_thw) of the images, decoded and resized; each must give the grid its row was
         prepared with."""
-        pixels, got = process_images(self.processor, paths, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        pixels, got = process_images(self.processor, paths, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+                                     store=self.image_store)
         if got.tolist() != grids:
             changed = next(p for p, g, e in zip(paths, got.tolist(), grids, strict=True) if g != e)
             raise ToolkitError(f"Image {changed} no longer has the size it was tokenised with: it changed since its "
@@ -315,12 +319,14 @@ def padding_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2S
 
 
 def batch_collator(processor: Any, *, vision: bool, packing: bool, min_pixels: int | None = None,
-                   max_pixels: int | None = None, model_config: Any = None, videos: bool = False) -> Any:
+                   max_pixels: int | None = None, model_config: Any = None, videos: bool = False,
+                   image_store: ImageStore | None = None) -> Any:
     """A run's collator: the VL collator (`processor` is the VL processor; packed: with the model's config for its
-    rotary ids; `videos`: the run has video rows), the packing collator (flattened rows), or plain padding
-    (`processor` is the tokenizer)."""
+    rotary ids; `videos`: the run has video rows; `image_store`: the image cache), the packing collator (flattened
+    rows), or plain padding (`processor` is the tokenizer)."""
+    vl = {"min_pixels": min_pixels, "max_pixels": max_pixels, "videos": videos, "image_store": image_store}
     if vision and packing:
-        return VLPackedCollator(processor, model_config, min_pixels=min_pixels, max_pixels=max_pixels, videos=videos)
+        return VLPackedCollator(processor, model_config, **vl)
     if vision:
-        return VLCollator(processor, min_pixels=min_pixels, max_pixels=max_pixels, videos=videos)
+        return VLCollator(processor, **vl)
     return PackedCollator() if packing else padding_collator(processor)

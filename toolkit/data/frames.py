@@ -15,10 +15,14 @@ converted to RGB and resized; decoding stops after the last one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
+import shutil
+import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,8 @@ QWEN_VIDEO_DEFAULTS = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "sample_f
 VIDEO_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
               "sample_fps")
 """The settings of a video, named as qwen-vl-utils names them (per video part, per data entry, per stage)."""
+
+log = logging.getLogger("toolkit")
 
 DECODES = {"files": 0}
 """Videos decoded by this process (a frame store miss each): the proof that a warm relaunch decodes nothing."""
@@ -284,3 +290,128 @@ def frames(video: str | list[str], base_dir: Path, settings: VideoSettings, fact
             f.unlink()
         tmp.rmdir()
     return Frames(folder, json.loads((folder / "meta.json").read_text()))
+
+
+IMAGE_PREFIX = "img-"
+"""The folder-name prefix of an image's entry in the frame store, so the image cache's size is summed without
+reading any entry."""
+
+RESIZES = {"images": 0}
+"""Images decoded and resized by this process (`ImageStore.image` misses): the proof that a second epoch, stage or
+relaunch resizes nothing."""
+
+RESCAN_BYTES = 64 << 20
+"""An `ImageStore` re-sums the store's image entries after writing this many bytes, so processes filling one store
+at once overshoot its budget by at most this much each."""
+
+
+@dataclass
+class ImageStore:
+    """Resized images cached by content in the frame store: an image is a video of one frame there
+    (`<store>/img-<key>/frames.npy`, uint8 [1, H, W, 3] at the size the processor resizes it to, and `meta.json`).
+
+    The key is the image file's content digest and `settings` (the processor's resize settings), so an edited image
+    or other settings make another entry. An entry is read back only when its shape and its pixels' crc32 are
+    those `meta.json` records; any other entry (a killed write, a truncated or altered file) is rebuilt, never
+    misread. crc32 finds damage (a disk's, a killed write's) at several GB/s; it guards against damage, not
+    forgery, as the cache is the user's own folder. Images are added while the store's image entries total under
+    `budget` bytes; past it they are resized every time (exact either way). Plain data: it pickles to DataLoader
+    workers, each counting its own writes."""
+
+    store: Path
+    budget: int
+    _total: int | None = None
+    _since_scan: int = 0
+    _full_said: bool = False
+
+    def image(self, path: Path, settings: dict[str, Any], make: Any) -> np.ndarray:
+        """The resized image (uint8 [H, W, 3]) of the file at `path`, keyed by its content and `settings`: from the
+        store, else (missing or corrupt) `make()`, which decodes and resizes it, stored where the budget has room."""
+        from toolkit.data.sources import content_digest
+
+        digest = content_digest(path, self.store.parent)
+        key = {"version": FRAME_STORE_VERSION, "kind": "image", "content": digest, "settings": settings}
+        name = IMAGE_PREFIX + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        folder = self.store / name
+        cached = _read_image(folder, key)
+        if cached is not None:
+            return cached
+        RESIZES["images"] += 1
+        pixels = np.ascontiguousarray(make(), dtype=np.uint8)
+        if self._room(pixels.nbytes):
+            self._write(folder, key, pixels, str(path))
+        return pixels
+
+    def _room(self, size: int) -> bool:
+        if self._total is None or self._since_scan >= RESCAN_BYTES:
+            self._total, self._since_scan = self.used(), 0
+        if self._total + size <= self.budget:
+            return True
+        if not self._full_said:
+            self._full_said = True
+            log.info(
+                "image cache %s is full (%.2f of its %.2f GB budget, data.image_cache_gb): further images are "
+                "resized every time", self.store, self._total / 1e9, self.budget / 1e9)
+        return False
+
+    def used(self) -> int:
+        """Bytes of the store's image entries."""
+        total = 0
+        if not self.store.is_dir():
+            return 0
+        for entry in os.scandir(self.store):
+            if entry.name.startswith(IMAGE_PREFIX):
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(entry.path, "frames.npy")).st_size
+        return total
+
+    def _write(self, folder: Path, key: dict[str, Any], pixels: np.ndarray, source: str) -> None:
+        """The entry written to a temporary folder and renamed into place (a corrupt one it replaces is moved
+        aside first); a store that cannot be written is left as it is."""
+        h, w = pixels.shape[:2]
+        meta = {"key": key, "source": source, "size": [h, w], "frames": 1, "bytes": pixels.nbytes,
+                "crc32": zlib.crc32(pixels)}
+        tmp = self.store / f".{folder.name}.{os.getpid()}.tmp"
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            np.save(tmp / "frames.npy", pixels[None])
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            if folder.exists() and _read_image(folder, key) is None:  # corrupt: ours by its name in our store
+                aside = self.store / f".{folder.name}.{os.getpid()}.bad"
+                folder.rename(aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            if folder.exists():  # another process stored the same image meanwhile
+                raise FileExistsError(folder)
+            tmp.rename(folder)
+        except OSError:  # read-only, full, or another process stored the same image first (the same content)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        self._since_scan += pixels.nbytes
+        if self._total is not None:
+            self._total += pixels.nbytes
+
+
+def _read_image(folder: Path, key: dict[str, Any]) -> np.ndarray | None:
+    """The stored image of an entry whose meta, shape and pixels' crc32 agree; None for a missing or corrupt one."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        h, w = meta["size"]
+        pixels = np.load(folder / "frames.npy", allow_pickle=False)
+    except (OSError, ValueError, KeyError, TypeError, EOFError):
+        return None
+    if (meta.get("key") != key or pixels.dtype != np.uint8 or pixels.shape != (1, h, w, 3)
+            or zlib.crc32(pixels) != meta.get("crc32")):
+        return None
+    return pixels[0]
+
+
+def writable_store(store: Path) -> str | None:
+    """Why the frame store at `store` cannot be written (None: it can): the image cache then stays off."""
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        probe = store / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return str(e)
+    return None

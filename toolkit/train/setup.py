@@ -37,7 +37,15 @@ from toolkit.config.stages import ResolvedStage
 from toolkit.curriculum.stages import Curriculum, StagePlan, build_curriculum
 from toolkit.data.batching import StageBatches
 from toolkit.data.collate import batch_collator
-from toolkit.data.stages import holds_videos, load_curriculum_data, store_checksums, uses_dummy_data
+from toolkit.data.frames import ImageStore, writable_store
+from toolkit.data.stages import (
+    holds_videos,
+    load_curriculum_data,
+    store_checksums,
+    tokenized_cache_dir,
+    uses_dummy_data,
+)
+from toolkit.data.vision import caches_resized
 from toolkit.errors import ToolkitError
 from toolkit.evals.evaluator import Evaluator, GenerationPlan
 from toolkit.evals.forgetting import prune_after
@@ -386,7 +394,23 @@ def build_collator(recipe: Recipe, model_path: str, processing: Any, curriculum:
                                                                 [s.eval_rows for s in curriculum.stages])
     return batch_collator(processing, vision=vision, packing=recipe.data.packing, min_pixels=recipe.data.min_pixels,
                           max_pixels=recipe.data.max_pixels, model_config=model_config if vision else None,
-                          videos=videos)
+                          videos=videos, image_store=image_store(recipe, processing) if vision else None)
+
+
+def image_store(recipe: Recipe, processor: Any) -> ImageStore | None:
+    """The image cache of a vision run (data.image_cache, toolkit/data/frames.py `ImageStore`) in the frame store
+    beside the token store; None, said once, where it is off: data.image_cache none, data.cache_dir none, a
+    processor whose resize is not cached exactly (`caches_resized`), or a store that cannot be written."""
+    if recipe.data.image_cache == "none":
+        return None
+    cache = tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir)
+    why = ("data.cache_dir is none" if cache is None
+           else f"{type(processor.image_processor).__name__} is not a processor whose resize is cached exactly"
+           if not caches_resized(processor.image_processor) else writable_store(cache / "frames"))
+    if cache is None or why is not None:
+        log.info("image cache off (%s): images are decoded and resized at every batch", why)
+        return None
+    return ImageStore(cache / "frames", int(recipe.data.image_cache_gb * 1e9))
 
 
 def model_card(recipe: Recipe, config: str | None, curriculum: Curriculum, layout: RunLayout, processor: Any,
