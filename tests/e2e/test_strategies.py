@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -45,6 +46,7 @@ from tests.conftest import (
 )
 from tests.helpers.portable import adam_steps, check_portable_files, portable_state
 from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL, builtin_dir
+from toolkit.curriculum.sampling import StageSampler
 from toolkit.metrics.log import read_metrics
 from toolkit.model.loss_head import liger_available, triton_interpreted
 
@@ -477,6 +479,18 @@ def check_video_stage(output: str) -> None:
     tokens each)."""
     line = next((x for x in output.splitlines() if VIDEO_LINE in x), "")
     assert line.endswith("384 video tokens (192 frames) in its kept rows"), line or output[-3000:]
+
+
+def videos_trained(run: Path) -> int:
+    """How many of the samples a padded run's stage 'instruct' trained hold a video: its sampler's draws (the
+    recipe's shuffle, seed 7, over vl_stage2's 64 rows then vl_video's 64), looked up in the run's generated files
+    (16 of the 32)."""
+    rows = [json.loads(line) for name in ("vl_stage2", "vl_video")
+            for line in (run / "dummy_data" / f"{name}.jsonl").read_text().splitlines()]
+    assert len(rows) == 128
+    sampler = StageSampler(sizes=[64, 64], weights=None, replacement=False, order="shuffle", difficulty=None,
+                           lengths=np.ones(128), pacing=None, seed=7, stage_index=1, global_batch=8, total_steps=4)
+    return sum(bool(rows[i].get("videos")) for step in range(4) for i in sampler.batch(step))
 # Liger's fused loss head runs in the ZeRO-3 launch, its kernels in Triton's interpreter (tests/conftest.py).
 LIGER = liger_available() and triton_interpreted()
 
@@ -485,6 +499,7 @@ LIGER = liger_available() and triton_interpreted()
 def vl_reference(runs: Path) -> Path:
     out = runs / "vl-single"
     check_video_stage(train_forked("single", 1, out, *REFERENCE_OVERRIDES, WITH_VIDEO, recipe=VL).stderr)
+    assert videos_trained(out) > 0
     return out
 
 
