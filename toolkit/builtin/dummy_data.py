@@ -300,10 +300,8 @@ def _clip(folder: Path, rng: random.Random) -> tuple[list[str], str, str]:
         img = Image.new("RGB", (56, 56), (128, 128, 128))
         x = 4 + k * 32 // (n - 1) if direction == "right" else 36 - k * 32 // (n - 1)
         ImageDraw.Draw(img).rectangle((x, 18, x + 16, 34), fill=_COLOURS[colour])
-        name = f"{folder.name}/{k}.png"
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / f"{k}.png", lambda f, img=img: img.save(f, format="PNG"))
-        paths.append(f"videos/{name}")
+        write_atomic(folder / f"{k}.png", lambda f, img=img: img.save(f, format="PNG"))  # makes the folder
+        paths.append(f"videos/{folder.name}/{k}.png")
     return paths, colour, direction
 
 
@@ -382,7 +380,8 @@ def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
-    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
+    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text and video ones for a VL
+    model."""
     write_dummy_data(dummy_dir, num_samples, seed=seed)
     write_dummy_facts(dummy_dir, num_samples)
     write_dummy_pairs(dummy_dir, num_samples, seed=seed)
