@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from toolkit.builtin.dummy_data import write_dummy_data
+from toolkit.builtin.dummy_data import _COLOURS as COLOURS
+from toolkit.builtin.dummy_data import write_dummy_data, write_dummy_vl_video
 
 ROLES = {"system", "user", "assistant"}
 
@@ -160,3 +163,51 @@ def test_use_dummy_data_gives_rl_stages_the_letters() -> None:
     stages = [SimpleNamespace(paths=["x.jsonl"], data=["x.jsonl"], objective=o) for o in ("sft", "grpo", "dpo")]
     use_dummy_data(stages, vision=False)  # type: ignore[arg-type]
     assert [s.data for s in stages] == [["dummy:stage1"], ["dummy:letters"], ["dummy:pairs"]]
+
+
+def test_dummy_video_rows_are_prepared_without_a_video_decoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """`dummy:vl_video` (the strategy matrix's video rows): deterministic; a video, an image and a video in one turn,
+    an image in each of two turns, a video then an image; its videos are frame lists, so they are prepared where
+    PyAV is not installed (the lean install) and nothing is decoded; 4 frames of 56x56 (2 frame pairs of 4 tokens),
+    whose square moves the way the answer says."""
+    from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
+    from toolkit.data import frames
+    from toolkit.data.vision import VIDEO_REF, VLEncoder, tokens_per_second
+    from toolkit.model.load import load_processor
+
+    path = write_dummy_vl_video(tmp_path / "a", 8, seed=7)
+    assert path == tmp_path / "a" / "vl_video.jsonl"
+    assert path.read_bytes() == write_dummy_vl_video(tmp_path / "b", 8, seed=7).read_bytes()
+    assert path.read_bytes() != write_dummy_vl_video(tmp_path / "c", 8, seed=8).read_bytes()
+    processor = load_processor(materialize_builtin(TINY_VL_MODEL, tmp_path / "models"), trust_remote_code=False,
+                               chat_template=None)
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError, as without the video extra
+    decoded = frames.DECODES["files"]
+    rows = _rows(path)
+    encoder = VLEncoder(processor, train_on="assistant", frame_store=tmp_path / "frames",
+                        tokens_per_second=tokens_per_second(processor))
+    batch = encoder.encode(rows, list(range(len(rows))), lambda i: f"vl_video.jsonl:{i + 1}", path.parent)
+    assert frames.DECODES["files"] == decoded
+    kinds = [["video" if m.startswith(VIDEO_REF) else "image" for m in batch.sample(i)["images"]]
+             for i in range(len(rows))]
+    assert kinds == [["video"], ["image", "video"], ["image", "image"], ["video", "image"]] * 2
+    assert [sum(m["role"] == "user" for m in r["messages"]) for r in rows] == [1, 1, 2, 2] * 2
+
+    def square(frame: np.ndarray) -> tuple[float, str]:
+        """The column the square's pixels (those off the grey background) centre on, and its colour's name."""
+        ys, xs = np.nonzero(np.abs(frame.astype(int) - 128).sum(-1) > 30)
+        rgb = np.median(frame[ys, xs], axis=0)
+        return float(xs.mean()), min(COLOURS, key=lambda c: float(np.abs(rgb - COLOURS[c]).sum()))
+
+    for i, row in enumerate(rows):
+        sample = batch.sample(i)
+        for ref, grid in zip(sample["images"], sample["image_grid_thw"], strict=True):
+            if not ref.startswith(VIDEO_REF):
+                continue
+            pixels = np.load(Path(ref.removeprefix(VIDEO_REF)) / "frames.npy")
+            assert pixels.shape == (4, 56, 56, 3) and list(grid) == [2, 4, 4]
+            (first, colour), (last, _) = square(pixels[0]), square(pixels[-1])
+            answer = row["messages"][1]["content"]
+            assert f"square is {colour}." in answer or f"both are {colour}." in answer or \
+                f"The {colour} square moves {'right' if last > first else 'left'}." == answer, (i, answer)

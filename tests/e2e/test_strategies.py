@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -45,6 +46,7 @@ from tests.conftest import (
 )
 from tests.helpers.portable import adam_steps, check_portable_files, portable_state
 from toolkit.builtin.models import TINY_MODEL, TINY_VL_MODEL, builtin_dir
+from toolkit.curriculum.sampling import StageSampler
 from toolkit.metrics.log import read_metrics
 from toolkit.model.loss_head import liger_available, triton_interpreted
 
@@ -465,6 +467,30 @@ def test_shipped_multinode_zero3_verbatim_bf16(tmp_path: Path, curriculum_bf16_r
 
 
 VL = "recipes/smoke_vl.yaml"  # stage 'align': projector only; stage 'instruct': LoRA + projector
+# Stage 'instruct' also reads the dummy video rows: frame-list videos, an image and a video in one turn, images across
+# turns, a video then an image (toolkit/builtin/dummy_data.py write_dummy_vl_video), beside vl_stage2's text-only,
+# one-image and two-image rows, shuffled together: every strategy below trains on video rows with no launch of its own.
+WITH_VIDEO = "stages.1.data=[dummy:vl_stage2, dummy:vl_video]"
+VIDEO_LINE = "stage 'instruct' data: 128 rows, 128 kept"  # 64 + 64 rows; its video tokens follow on the line
+
+
+def check_video_stage(output: str) -> None:
+    """The run's stage 'instruct' held the video rows (48 of its 128 rows hold a 4-frame video: 2 frame pairs of 4
+    tokens each)."""
+    line = next((x for x in output.splitlines() if VIDEO_LINE in x), "")
+    assert line.endswith("384 video tokens (192 frames) in its kept rows"), line or output[-3000:]
+
+
+def videos_trained(run: Path) -> int:
+    """How many of the samples a padded run's stage 'instruct' trained hold a video: its sampler's draws (the
+    recipe's shuffle, seed 7, over vl_stage2's 64 rows then vl_video's 64), looked up in the run's generated files
+    (16 of the 32)."""
+    rows = [json.loads(line) for name in ("vl_stage2", "vl_video")
+            for line in (run / "dummy_data" / f"{name}.jsonl").read_text().splitlines()]
+    assert len(rows) == 128
+    sampler = StageSampler(sizes=[64, 64], weights=None, replacement=False, order="shuffle", difficulty=None,
+                           lengths=np.ones(128), pacing=None, seed=7, stage_index=1, global_batch=8, total_steps=4)
+    return sum(bool(rows[i].get("videos")) for step in range(4) for i in sampler.batch(step))
 # Liger's fused loss head runs in the ZeRO-3 launch, its kernels in Triton's interpreter (tests/conftest.py).
 LIGER = liger_available() and triton_interpreted()
 
@@ -472,18 +498,21 @@ LIGER = liger_available() and triton_interpreted()
 @pytest.fixture(scope="module")
 def vl_reference(runs: Path) -> Path:
     out = runs / "vl-single"
-    train_forked("single", 1, out, *REFERENCE_OVERRIDES, recipe=VL)
+    check_video_stage(train_forked("single", 1, out, *REFERENCE_OVERRIDES, WITH_VIDEO, recipe=VL).stderr)
+    assert videos_trained(out) > 0
     return out
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_reference: Path) -> None:
-    """Tiny Qwen2.5-VL, text-only and image rows mixed: single-process losses; LoRA frozen in stage 1; the
-    projector trains in full in both stages and is saved with the adapter."""
+    """Tiny Qwen2.5-VL, padded rows, text-only, image, multi-image and video rows mixed (`WITH_VIDEO`):
+    single-process losses; LoRA frozen in stage 1; the projector trains in full in both stages and is saved with the
+    adapter."""
     out = runs / f"vl-{strategy}"
     liger = ("model.loss_head=liger",) if strategy == "zero3" and LIGER else ()  # Triton's interpreter on CPU
-    proc = train_forked(strategy, 2, out, *liger, recipe=VL)
+    proc = train_forked(strategy, 2, out, *liger, WITH_VIDEO, recipe=VL)
     assert bool(liger) == ("loss head: liger" in proc.stderr)
+    check_video_stage(proc.stderr)
     assert losses(out) == pytest.approx(losses(vl_reference), rel=1e-4)  # the reference's head is the chunked one
     first = portable_state(out, 4)
     lora_b = [k for k in first if k.startswith("param/") and "lora_B" in k]
@@ -506,19 +535,32 @@ def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_refe
 
 
 QWEN3_VL = "model.name_or_path=builtin:tiny-qwen3-vl"
+# Packed rows are ~4x the padded batches' tokens here (8 samples a row): one micro-batch a step keeps the launches'
+# time near the padded ones'.
+QWEN3_VL_PACKED = (QWEN3_VL, PACKED, "train.grad_accum=1")
 
 
 @pytest.fixture(scope="module")
 def qwen3_vl_reference(runs: Path) -> Path:
     out = runs / "qwen3-vl-single"
-    train_forked("single", 1, out, QWEN3_VL, *REFERENCE_OVERRIDES, recipe=VL)
+    check_video_stage(train_forked("single", 1, out, *QWEN3_VL_PACKED, *REFERENCE_OVERRIDES, WITH_VIDEO,
+                                   recipe=VL).stderr)
     return out
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
 def test_qwen3_vl_curriculum_matches_single_process(strategy: str, runs: Path, qwen3_vl_reference: Path) -> None:
-    """The same VL curriculum on a tiny Qwen3-VL (DeepStack features, 16-px patches) under the sharding strategies."""
+    """The same VL curriculum, video rows included, on a tiny Qwen3-VL (DeepStack features, 16-px patches, a
+    timestamp before each frame pair) under the sharding strategies, packed (`data.packing`: whole samples per row,
+    each with its own rotary ids), where the Qwen2.5-VL matrix above is padded: the single process's losses and
+    final adapter."""
     out = runs / f"qwen3-vl-{strategy}"
-    train_forked(strategy, 2, out, QWEN3_VL, recipe=VL)
+    proc = train_forked(strategy, 2, out, *QWEN3_VL_PACKED, WITH_VIDEO, recipe=VL)
+    assert "packed into" in proc.stderr and "attention: sdpa_packed" in proc.stderr
+    check_video_stage(proc.stderr)
     assert losses(out) == pytest.approx(losses(qwen3_vl_reference), rel=1e-4)
-    assert any("visual.merger" in k for k in adapter(out)) and all(t.numel() > 0 for t in adapter(out).values())
+    final, ref_final = adapter(out), adapter(qwen3_vl_reference)
+    assert any("visual.merger" in k for k in final) and all(t.numel() > 0 for t in final.values())
+    assert final.keys() == ref_final.keys()
+    for k in ref_final:
+        torch.testing.assert_close(final[k], ref_final[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")

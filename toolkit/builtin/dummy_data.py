@@ -5,9 +5,10 @@ Smoke runs need two stages of easy-to-learn chat data without downloads: stage 1
 arithmetic; stage 2 is longer, partly multi-turn, partly system-prompted text with a long tail of
 lengths (to exercise packing/bucketing). Each row carries a ``difficulty`` that grows with problem size
 so difficulty-ordered curricula have something to sort on. The image-text stages ask about small generated
-PNGs (colours and shapes), mixed with text-only rows. A preference stage gets arithmetic pairs: the right answer
-chosen, a wrong one rejected (`write_dummy_pairs`). An RL stage gets prompts with references that a tiny random
-model can learn to satisfy (`write_dummy_letters`).
+PNGs (colours and shapes), mixed with text-only rows; `vl_video` adds rows with videos (frame lists of PNGs, which
+need no video decoder) and images across turns (`write_dummy_vl_video`). A preference stage gets arithmetic pairs:
+the right answer chosen, a wrong one rejected (`write_dummy_pairs`). An RL stage gets prompts with references that
+a tiny random model can learn to satisfy (`write_dummy_letters`).
 """
 
 from __future__ import annotations
@@ -281,6 +282,81 @@ def write_dummy_vl_data(out_dir: str | Path, num_samples: int, *, seed: int = 0)
     return paths
 
 
+_DIRECTIONS = ("right", "left")
+VIDEO_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 64 * 64}
+"""Each dummy video's own frame size bounds (qwen-vl-utils' per-video settings): its 56x56 frames stay 56x56 on
+Qwen2.5-VL (28-px merged patches) and become 64x64 on Qwen3-VL (32-px), 4 tokens a frame pair, instead of
+qwen-vl-utils' default floor of 128 tokens a frame pair, so the rows fit a smoke recipe's max_seq_len."""
+
+
+def _clip(folder: Path, rng: random.Random) -> tuple[list[str], str, str]:
+    """A frame-list video (ms-swift's and qwen-vl-utils' list of frame images; PNGs, so no video decoder is needed):
+    3 or 4 frames of 56x56 px, a coloured square crossing a grey background left to right or right to left.
+    Returns the frame paths (relative to the data folder), the colour and the direction."""
+    colour, direction = rng.choice(list(_COLOURS)), rng.choice(_DIRECTIONS)
+    n = rng.choice((3, 4))  # an odd count is padded with its last frame (qwen-vl-utils' rule)
+    paths = []
+    for k in range(n):
+        img = Image.new("RGB", (56, 56), (128, 128, 128))
+        x = 4 + k * 32 // (n - 1) if direction == "right" else 36 - k * 32 // (n - 1)
+        ImageDraw.Draw(img).rectangle((x, 18, x + 16, 34), fill=_COLOURS[colour])
+        write_atomic(folder / f"{k}.png", lambda f, img=img: img.save(f, format="PNG"))  # makes the folder
+        paths.append(f"videos/{folder.name}/{k}.png")
+    return paths, colour, direction
+
+
+def write_dummy_vl_video(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> Path:
+    """`vl_video.jsonl`: rows with videos, and images across turns, in equal shares: a video; an image and a video in
+    one turn; an image in each of two user turns; a video in the first turn and an image in the second. Videos are
+    frame lists under `out_dir/videos` (each with `VIDEO_PIXELS`), images go to `out_dir/images`. Multi-image rows
+    in one turn are `vl_stage2`'s. Returns the JSONL path."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed + 1)  # not vl_stage2's stream: that file keeps its rows
+
+    def clip(i: int) -> tuple[dict[str, Any], str, str]:
+        frames, colour, direction = _clip(out / "videos" / f"v{i:05d}", rng)
+        return {"video": frames, **VIDEO_PIXELS}, colour, direction
+
+    def image(name: str) -> tuple[str, str, str]:
+        colour, shape = _draw(out / "images" / name, rng)
+        return f"images/{name}", colour, shape
+
+    def turn(parts: tuple[str, ...], text: str) -> dict[str, Any]:
+        return {"role": "user", "content": [*({"type": p} for p in parts), {"type": "text", "text": text}]}
+
+    def said(text: str) -> dict[str, str]:
+        return {"role": "assistant", "content": text}
+
+    where = "Where does the square go?"
+    rows = []
+    for i in range(num_samples):
+        kind = i % 4
+        if kind == 0:
+            video, colour, direction = clip(i)
+            rows.append({"messages": [turn(("video",), where), said(f"The {colour} square moves {direction}.")],
+                         "videos": [video], "difficulty": 2.0})
+        elif kind == 1:
+            (path, c0, _), (video, c1, _) = image(f"v{i:05d}_0.png"), clip(i)
+            answer = f"Yes, both are {c0}." if c0 == c1 else f"No: the picture is {c0} and the square is {c1}."
+            rows.append({"messages": [turn(("image", "video"), "Is the square in the clip the picture's colour?"),
+                                      said(answer)], "images": [path], "videos": [video], "difficulty": 3.0})
+        elif kind == 2:
+            (p0, c0, _), (p1, c1, _) = image(f"v{i:05d}_0.png"), image(f"v{i:05d}_1.png")
+            rows.append({"messages": [turn(("image",), "What colour is this?"), said(f"It is {c0}."),
+                                      turn(("image",), "And this one?"), said(f"It is {c1}.")],
+                         "images": [p0, p1], "difficulty": 3.0})
+        else:
+            (video, colour, direction), (path, _, shape) = clip(i), image(f"v{i:05d}_0.png")
+            rows.append({"messages": [turn(("video",), where), said(f"The {colour} square moves {direction}."),
+                                      turn(("image",), "What shape is in this picture?"),
+                                      said(f"A {shape}." if shape != "solid" else "None, it is one colour.")],
+                         "images": [path], "videos": [video], "difficulty": 4.0})
+    path = out / "vl_video.jsonl"
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 DUMMY_PREFIX = "dummy:"
 """A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
 DUMMY_PAIRS = DUMMY_PREFIX + "pairs"
@@ -304,10 +380,12 @@ def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
 
 
 def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: bool) -> None:
-    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text ones for a VL model."""
+    """The generated dummy data files (`dummy:NAME` entries): text ones, and image-text and video ones for a VL
+    model."""
     write_dummy_data(dummy_dir, num_samples, seed=seed)
     write_dummy_facts(dummy_dir, num_samples)
     write_dummy_pairs(dummy_dir, num_samples, seed=seed)
     write_dummy_letters(dummy_dir, num_samples, seed=seed)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
+        write_dummy_vl_video(dummy_dir, num_samples, seed=seed)
