@@ -141,10 +141,11 @@ def test_video_curriculum_resumes_exactly_from_every_checkpoint(tmp_path: Path) 
 
 
 def assert_exact_from_every_checkpoint(strategy: str | Path, reference: Path, argv: list[str], *, steps: int,
-                                       mixed_precision: str | None) -> None:
+                                       mixed_precision: str | None, keys: tuple[str, ...] = EXACT_KEYS) -> list[Path]:
     """Resume `reference` (a run of `argv` with a checkpoint after each of its `steps` steps) from each checkpoint
-    into a new output_dir: every later step's loss, applied lr, gradient norm, token and sample counts, the stage
-    summaries and the final adapter must equal the uninterrupted run's, to the last bit, and the log say exact."""
+    into a new output_dir: every later step's `keys` (loss, applied lr, gradient norm, token and sample counts by
+    default), the stage summaries and the final adapter must equal the uninterrupted run's, to the last bit, and
+    the log say exact. Returns the resumed runs' folders, oldest checkpoint first, for further comparison."""
     checkpoints = committed_checkpoints(reference / "checkpoints")
     assert [read_meta(c)["step"] for c in checkpoints] == list(range(1, steps + 1))
     outs = [reference.parent / f"{reference.name}-from-{read_meta(c)['step']}" for c in checkpoints]
@@ -162,7 +163,7 @@ def assert_exact_from_every_checkpoint(strategy: str | Path, reference: Path, ar
         assert [r["step"] for r in got] == list(range(start + 1, steps + 1)), f"from {ckpt.name}"
         for r in got:
             want = expected[r["step"]]
-            diffs = {k: (r.get(k), want.get(k)) for k in EXACT_KEYS if r.get(k) != want.get(k)}
+            diffs = {k: (r.get(k), want.get(k)) for k in keys if r.get(k) != want.get(k)}
             assert not diffs, f"{strategy} resumed from step {start}: step {r['step']} differs (got, want): {diffs}"
         ends = [r for r in records(out, "event") if r["event"] == "stage_end"]
         assert [{k: e[k] for k in EXACT_EVENT_KEYS} for e in ends] == [
@@ -171,6 +172,7 @@ def assert_exact_from_every_checkpoint(strategy: str | Path, reference: Path, ar
         assert adapter.keys() == final.keys()
         unequal = [k for k in final if not torch.equal(adapter[k], final[k])]
         assert not unequal, f"{strategy} resumed from step {start}: final adapter differs in {unequal[:3]}"
+    return outs
 
 
 # --- kill and resume ------------------------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ reference. Checked against it, in one launch set:
   final adapter;
 * an exact resume from the checkpoint inside the GRPO stage: every later step and the final adapter to the bit;
 * `advance_when` on the reward ends the stage at the logged step that meets it.
+
+And an exact resume from every checkpoint of `[sft, grpo]` with the whole RL curriculum on
+(test_sft_then_grpo_resumes_exactly_from_every_checkpoint).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, dummy_run_args, free_port, relaunch, run_launch, train_forked
 from tests.e2e.test_preference_stages import header_launch_line
-from tests.e2e.test_resume import EXACT_KEYS
+from tests.e2e.test_resume import EXACT_KEYS, assert_exact_from_every_checkpoint
 from tests.metrics.test_report import page_data
 from toolkit.data.plan import kept_by_rank
 from toolkit.metrics.log import read_metrics
@@ -239,3 +242,39 @@ def test_num_iterations_reuses_each_rollout_and_resumes_exactly_between_rollouts
     assert all(torch.equal(final[k], b[k]) for k in b)
     assert codes[1] != 0 and ("error: stages.1 ('grpo'): the checkpoint is at step 1 of the stage, inside the 2 "
                               "updates (rl.num_iterations) of one rollout batch") in logs[1][1].read_text()
+
+
+EVERY_CHECKPOINT = ("stages.0.max_steps=2", "stages.1.max_steps=3", *CURRICULUM[1:])
+RL_EXACT_KEYS = (*EXACT_KEYS, "reward", "reward_std", "frac_reward_zero_std", "rewards/contains/mean", "kl",
+                 "entropy", "completions/mean_length", "completions/clipped_ratio", "rl/drawn", "rl/dropped",
+                 "rl/filled", "pass_rate/zero", "pass_rate/mixed", "pass_rate/all")
+"""What a resumed `[sft, grpo]` run must reproduce of each later step, to the bit: the sft keys and the grpo
+stage's rewards, KL to the entry policy, entropy, completion lengths, what dynamic sampling drew, dropped and
+filled, and the pass-rate buckets."""
+
+
+@pytest.mark.timeout(600)  # one launch and 5 resumes, forked: well under a minute and a half on a quiet machine
+def test_sft_then_grpo_resumes_exactly_from_every_checkpoint(tmp_path: Path) -> None:
+    """`[sft, grpo]` (2 sft steps, 3 grpo steps; a checkpoint after each) with rl.dynamic_sampling, rl.prioritize
+    (failure_rate), rl.beta 0.04 and a pass-rate difficulty with a drop, resumed from each of its 5 checkpoints
+    (fp32, one process; step 2's is the stage boundary, so that resume enters the grpo stage itself: its pass-rate
+    pass, its frozen reference adapter): every later step's loss, lr, gradient norm, rewards, KL, draws and drops,
+    every completion with its rewards (rollouts/grpo.jsonl) and the final adapter equal the uninterrupted run's, to
+    the last bit. A state that a resume loses (the rollout seed, the success rates behind the prioritised draws, the
+    groups dynamic sampling set aside, the reference adapter, the pass-rate cache) fails it at the steps after."""
+    reference = tmp_path / "one"
+    train_forked("single", 1, reference, *EVERY_CHECKPOINT, recipe=RECIPE, dummy_samples=32)
+    steps = by_step(reference)
+    assert [steps[s]["stage"] for s in sorted(steps)] == ["sft"] * 2 + ["grpo"] * 3
+    assert sum(steps[s]["rl/dropped"] for s in (3, 4, 5)) > 0 and steps[5]["kl"] > 1e-6  # the states are in play
+    argv = dummy_run_args(*EVERY_CHECKPOINT, recipe=RECIPE, dummy_samples=32)
+    outs = assert_exact_from_every_checkpoint("single", reference, argv, steps=5, mixed_precision="no",
+                                              keys=RL_EXACT_KEYS)
+    drawn = rollouts(reference)
+
+    def unplaced(rows: list[dict]) -> list[dict]:  # the dummy files live in each run's own folder
+        return [{k: v for k, v in r.items() if k != "where"} for r in rows]
+
+    for start, out in enumerate(outs, 1):
+        again = rollouts(out) if (out / "rollouts" / "grpo.jsonl").is_file() else []
+        assert unplaced(again) == unplaced([r for r in drawn if r["step"] > start]), f"resumed from step {start}"
