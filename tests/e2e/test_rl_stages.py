@@ -260,8 +260,8 @@ def test_sft_then_grpo_resumes_exactly_from_every_checkpoint(tmp_path: Path) -> 
     (fp32, one process; step 2's is the stage boundary, so that resume enters the grpo stage itself: its pass-rate
     pass, its frozen reference adapter): every later step's loss, lr, gradient norm, rewards, KL, draws and drops,
     every completion with its rewards (rollouts/grpo.jsonl) and the final adapter equal the uninterrupted run's, to
-    the last bit. A state that a resume loses (the rollout seed, the success rates behind the prioritised draws, the
-    groups dynamic sampling set aside, the reference adapter, the pass-rate cache) fails it at the steps after."""
+    the last bit. A state that a resume loses (the rollout seed, the success rates behind the prioritised draws and
+    the pass-rate buckets, the reference adapter, the pass-rate cache) fails it at the steps after."""
     reference = tmp_path / "one"
     train_forked("single", 1, reference, *EVERY_CHECKPOINT, recipe=RECIPE, dummy_samples=32)
     steps = by_step(reference)
