@@ -204,6 +204,16 @@ def test_the_sft_dpo_grpo_recipe_s_header_lines_name_it_and_it_is_estimated(tmp_
     report = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=4, gpu_memory_gb=80,
                        scan_data=False)
     assert "  grpo  micro batch 8 x 2048 tokens: activations" in report and "  dpo   micro batch 2 pairs" in report
+    # Its rollouts' KV cache, Qwen3-8B's shape in bf16 (tests/model/test_memory.py checks the formula on a real cache).
+    assert ("  grpo: a step's rollout: 1 prompt x rl.num_generations 8 = 8 sequences x 2048 tokens x 36 layers x 2 "
+            "(k, v) x 8 kv heads x 128 x 2 bytes: 2.25 GiB") in report
+    pass_rate = load_recipe(path, [f"output_dir={tmp_path / 'run'}",
+                                   "stages.2.difficulty={by: pass_rate, model: current, samples: 4}",
+                                   "stages.2.order=easy_to_hard"])
+    report = preflight(pass_rate, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=4, gpu_memory_gb=80,
+                       scan_data=False)
+    assert ("  grpo: its pass-rate pass: 8 prompts x 4 samples = 32 sequences x 2048 tokens x 36 layers x 2 (k, v) x "
+            "8 kv heads x 128 x 2 bytes: 9.00 GiB") in report
 
 
 def test_a_video_curriculum_s_stages_count_their_video_tokens_and_a_budget_over_a_stage_is_refused(

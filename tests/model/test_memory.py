@@ -257,3 +257,28 @@ def test_partial_checkpointing_and_sequence_parallel_slices(tiny: Qwen3Config) -
     sliced = {s: estimate(tiny, strategy=s, num_gpus=2, lora_r=None, param_bytes=4, micro_batch=2, seq_len=16,
                           grad_ckpt=False, sp_size=2, **standard)["activations"] for s in ("zero3", "ddp")}
     assert sliced == {"zero3": 16 * (2 * 2688 + 320 + 10240), "ddp": _est(tiny, "ddp", **standard)["activations"]}
+
+
+def test_kv_cache_estimate_is_the_formula_and_what_generate_holds(models: dict[str, str]) -> None:
+    """The KV cache of a generate call (preflight's line for grpo stages): rows x positions x layers x 2 (k, v) x
+    kv heads x head dim x bytes, equal to what transformers' cache holds after a real generate of the built-in tiny
+    Qwen3 (2 layers, 2 kv heads of 16; the last new token's k/v are never computed), and Qwen3-8B's shape (36
+    layers, 8 kv heads of 128): 8 completions of 2048 tokens in bf16 are 2.25 GiB."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.model.memory import GIB, kv_cache_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(models["text"], dtype=torch.float32)
+    config = model.config
+    assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (2, 2, 16)
+    assert kv_cache_bytes(config, sequences=3, tokens=10, dtype_bytes=4) == 3 * 10 * 2 * 2 * 2 * 16 * 4
+    rows, width, new = 3, 5, 6
+    ids = torch.randint(10, 100, (rows, width), generator=torch.Generator().manual_seed(0))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False, use_cache=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
+    assert held == kv_cache_bytes(config, sequences=rows, tokens=width + new - 1, dtype_bytes=4)
+    qwen3 = load_model_config("Qwen/Qwen3-8B")
+    assert kv_cache_bytes(qwen3, sequences=8, tokens=2048, dtype_bytes=2) == 8 * 2048 * 36 * 2 * 8 * 128 * 2
+    assert kv_cache_bytes(qwen3, sequences=8, tokens=2048, dtype_bytes=2) / GIB == 2.25

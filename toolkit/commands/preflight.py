@@ -24,7 +24,7 @@ from toolkit.config.schema import MODEL_MEASURES, SCORERS, DataConfig, Recipe
 from toolkit.config.stages import ResolvedStage, resolve_stages
 from toolkit.data.sources import resolve_data_paths
 from toolkit.model.fused_layers import resolve_fused_layers
-from toolkit.model.memory import GIB, estimate_all, format_table, load_model_config
+from toolkit.model.memory import GIB, estimate_all, format_table, kv_cache_bytes, load_model_config
 from toolkit.runtime.run_dir import RunLayout
 from toolkit.strategies import strategy_of_config
 
@@ -189,6 +189,37 @@ def scoring_passes(stages: list[Any]) -> list[str]:
             *lines] if lines else []
 
 
+def rollout_lines(stages: list[ResolvedStage], config: Any, *, dtype_bytes: int) -> list[str]:
+    """The KV cache of each grpo stage's largest `generate` call (toolkit/evals/rollout.py), per GPU: a step's
+    rollout generates one prompt's rl.num_generations completions a call, the pass-rate pass (difficulty by
+    pass_rate) PASS_RATE_BLOCK prompts x its samples; each row is at most the stage's max_seq_len (a prompt that
+    leaves no room for max_completion_length is dropped). It lives between training steps, when no activations do,
+    beside the weights (whole on every GPU under ZeRO-3 and FSDP2 while generating): not in the training peak."""
+    from toolkit.train.rl_stage import PASS_RATE_BLOCK
+
+    c = config.get_text_config()
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    lines = []
+    for stage in stages:
+        if stage.objective != "grpo" or stage.rl is None:
+            continue
+        calls = [(stage.rl.num_generations, f"a step's rollout: 1 prompt x rl.num_generations "
+                                            f"{stage.rl.num_generations}")]
+        if stage.difficulty is not None and stage.difficulty.by == "pass_rate":
+            k = stage.difficulty.samples or stage.rl.num_generations
+            calls.append((PASS_RATE_BLOCK * k, f"its pass-rate pass: {PASS_RATE_BLOCK} prompts x {k} samples"))
+        for sequences, what in calls:
+            size = kv_cache_bytes(config, sequences=sequences, tokens=stage.max_seq_len, dtype_bytes=dtype_bytes)
+            lines.append(f"  {stage.name}: {what} = {sequences} sequences x {stage.max_seq_len} tokens x "
+                         f"{c.num_hidden_layers} layers x 2 (k, v) x {kv_heads} kv heads x {head_dim} x "
+                         f"{dtype_bytes} bytes: {size / GIB:.2f} GiB")
+    return ["generation KV cache per GPU (grpo stages; the largest generate call, between training steps, beside "
+            "the weights, gathered whole under ZeRO-3 and FSDP2; not in the training peak above):",
+            *lines] if lines else []
+
+
 PIXEL_BYTES = 4
 """Bytes of a pixel value as the processor hands it over (fp32 `pixel_values_videos`)."""
 
@@ -303,6 +334,9 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     scored = scoring_passes(stages)
     if scored:
         lines += ["", *scored]
+    generation = rollout_lines(stages, config, dtype_bytes=precision["activation_bytes"])
+    if generation:
+        lines += ["", *generation]
     if scan_data and getattr(config, "vision_config", None) is not None:
         lines += ["", *vision_stage_lines(recipe, stages, config, activation_bytes=precision["activation_bytes"])]
     elif scan_data:

@@ -201,6 +201,18 @@ def loss_bytes(config: Any, *, tokens: int, activation_bytes: int, loss_head: st
     return chunk * per_token + tokens * hidden * 4
 
 
+def kv_cache_bytes(config: Any, *, sequences: int, tokens: int, dtype_bytes: int) -> int:
+    """Bytes of the KV cache one `generate` call holds at its end: `sequences` rows of `tokens` positions each
+    (left-padded prompt + completion: at most the stage's max_seq_len), every decoder layer keeping a key and a
+    value of kv_heads x head_dim per position, in the dtype the k/v projections compute in (`dtype_bytes`: 2 under
+    bf16 autocast or a 16-bit base, else 4). transformers' DynamicCache grows to exactly this, padding included."""
+    c = config.get_text_config()
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    return sequences * tokens * int(c.num_hidden_layers) * 2 * kv_heads * head_dim * dtype_bytes
+
+
 def estimate(config: Any, *, strategy: str, num_gpus: int, lora_r: int | None, param_bytes: int,
              micro_batch: int, seq_len: int, grad_ckpt: bool | int, lora_targets: str | Iterable[str] = "all-linear",
              activation_bytes: int = 2, persistence_threshold: int | None = None, loss_head: str = "chunked",
