@@ -372,14 +372,93 @@ def test_vision_pairs_share_their_prompt_s_images_and_what_is_not_built_is_refus
         load_stage(text_stage, text_recipe.data, run_stores([text_stage], text_recipe.data, tok, None, tmp_path, None))
     [row, _] = [json.loads(line) for line in trl.read_text().splitlines()]
     two = dict(row, images=["images/rlaif_v_0.png", "images/sky.png"])
-    video = dict(row, videos=["clip.mp4"])
     shown = dict(row, chosen=[{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "So."}]}])
     for name, bad, said in (
             ("count", two, r"count\.jsonl:1: 1 \{\"type\": \"image\"\} placeholder\(s\) \(or '<image>' tags\) in "
                            r"'messages' but 2 path\(s\) in 'images'"),
-            ("video", video, r"video\.jsonl:1: the row has 'videos': preference pairs with videos are not built yet"),
-            ("shown", shown, r"shown\.jsonl:1: the chosen completion holds an image: a pair's images belong to its "
-                             r"prompt")):
+            ("shown", shown, r"shown\.jsonl:1: the chosen completion holds an image: a pair's images and videos "
+                             r"belong to its prompt")):
+        path = write(folder / f"{name}.jsonl", [bad])
+        with pytest.raises(ToolkitError, match=said):
+            load_stage(dataclasses.replace(stage, entries=(DataEntry(str(path)),)), recipe.data, stores)
+
+
+VIDEO_DATA = {"video": {"min_pixels": 3136, "max_pixels": 12544}}  # 56x56 frames: 4 tokens a frame pair
+
+
+def video_pair_folder(tmp: Path) -> Path:
+    """Video pairs in the shapes users have, beside the files they name (written here: a 2 s clip whose frame k is a
+    flat grey of level 10k, a frame list, a PNG). `lf.json`: LLaMA-Factory's sharegpt ranking shape (its RLHF-V
+    entry's columns, plus `videos`), the prompt and chosen answer of its data/mllm_video_demo.json row 1
+    (tests/assets/wild/llamafactory_mllm_video_demo.json), the rejected answer ours. `trl.jsonl`: TRL's
+    conversational vision DPO shape (tests/assets/wild/trl_vision_dpo.jsonl) with `{"type": "video"}` parts and
+    `videos`: a frame list (Qwen2.5-VL README's video-as-frames form), and the clip shown with an image. The clip is
+    in two pairs, so a micro-batch of all three shows it four times."""
+    from tests.helpers.video_files import write_frames, write_video
+
+    folder = tmp / "video_pairs"
+    write_video(folder / "mllm_demo_data" / "1.mp4", 16, fps=8)
+    write_frames([folder / "frames" / f"{k}.png" for k in range(4)], size=(56, 56))
+    (folder / "images").mkdir()
+    Image.new("RGB", (84, 56), (40, 90, 220)).save(folder / "images" / "sky.png")
+    (folder / "lf.json").write_text(json.dumps([{
+        "conversations": [{"from": "human", "value": "<video>Why is this video funny?"}],
+        "chosen": {"from": "gpt", "value": "Because a baby is reading, and he is so cute!"},
+        "rejected": {"from": "gpt", "value": "Because a dog is dancing."},
+        "videos": ["mllm_demo_data/1.mp4"]}]))
+    (folder / "dataset_info.json").write_text(json.dumps({
+        "video_pairs": {"file_name": "lf.json", "ranking": True, "formatting": "sharegpt",
+                        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
+                                    "videos": "videos"}}}))
+
+    def trl(parts: list[dict[str, Any]], question: str, good: str, bad: str, **media: Any) -> dict[str, Any]:
+        return {**media, "prompt": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}],
+                "chosen": [{"role": "assistant", "content": [{"type": "text", "text": good}]}],
+                "rejected": [{"role": "assistant", "content": [{"type": "text", "text": bad}]}]}
+
+    write(folder / "trl.jsonl", [
+        trl([{"type": "video"}], "Does it get brighter?", "Yes, frame by frame.", "No, it stays dark.",
+            videos=[[f"frames/{k}.png" for k in range(4)]]),
+        trl([{"type": "image"}, {"type": "video"}], "Is the sky in the video?", "No, only greys.", "Yes.",
+            images=["images/sky.png"], videos=["mllm_demo_data/1.mp4"])])
+    return folder
+
+
+def video_pair_entries(folder: Path) -> tuple[DataEntry, DataEntry]:
+    return DataEntry(None, dataset="video_pairs", dataset_dir=str(folder)), DataEntry(str(folder / "trl.jsonl"))
+
+
+def test_video_pairs_share_their_prompt_s_video_from_the_frame_store(tmp_path: Path, models: dict[str, str]) -> None:
+    """A pair whose prompt holds a video (a file or a frame list, beside an image or not) gives both sides the same
+    stored video (one frame store folder, one grid) in the same prompt tokens; `<video>` placeholders that do not
+    match `videos`, and a video in a completion, are refused in one line naming the row."""
+    from toolkit.data.vision import VIDEO_REF
+
+    processor = load_processing(models["vl"], vision=True, trust_remote_code=False, chat_template=None)[0]
+    folder = video_pair_folder(tmp_path)
+    stage, recipe = stage_of(tmp_path, models["vl"], [folder / "trl.jsonl"], **VIDEO_DATA)
+    stores = run_stores([stage], recipe.data, processor.tokenizer, processor, tmp_path, None)
+    got = load_stage(dataclasses.replace(stage, entries=video_pair_entries(folder)), recipe.data, stores)
+    assert got.stats.kept == 3
+    sides = PairSides(got.samples.parts)
+    refs = []
+    for k in range(3):
+        chosen, rejected = sides[2 * k], sides[2 * k + 1]
+        assert chosen["images"] == rejected["images"] and chosen["image_grid_thw"] == rejected["image_grid_thw"]
+        assert chosen["input_ids"][:prompt_length(chosen)] == rejected["input_ids"][:prompt_length(rejected)]
+        assert completion(chosen, processor.tokenizer) != completion(rejected, processor.tokenizer)
+        refs.append([r for r in chosen["images"] if r.startswith(VIDEO_REF)])
+    assert [len(r) for r in refs] == [1, 1, 1] and len(sides[4]["images"]) == 2  # the last: its image, then the clip
+    assert refs[0] == refs[2] != refs[1]  # the clip of LLaMA-Factory's row and of the image + video row: one folder
+    assert completion(sides[0], processor.tokenizer).startswith("Because a baby is reading")
+    [_, mixed] = [json.loads(line) for line in (folder / "trl.jsonl").read_text().splitlines()]
+    two = dict(mixed, videos=["mllm_demo_data/1.mp4", "mllm_demo_data/1.mp4"])
+    shown = dict(mixed, rejected=[{"role": "assistant", "content": "<video>This."}])
+    for name, bad, said in (
+            ("count", two, r"count\.jsonl:1: 1 \{\"type\": \"video\"\} placeholder\(s\) \(or '<video>' tags\) in "
+                           r"'messages' but 2 video\(s\) in 'videos'"),
+            ("shown", shown, r"shown\.jsonl:1: the rejected completion holds a video: a pair's images and videos "
+                             r"belong to its prompt")):
         path = write(folder / f"{name}.jsonl", [bad])
         with pytest.raises(ToolkitError, match=said):
             load_stage(dataclasses.replace(stage, entries=(DataEntry(str(path)),)), recipe.data, stores)

@@ -274,8 +274,11 @@ case("data-pair-with-images")(lambda c: c.train("stages.0.objective=dpo", rows=[
 VISION_PAIR = {"images": ["images/a.png"], "prompt": [{"role": "user", "content": "<image>What colour is it?"}],
                "chosen": [{"role": "assistant", "content": "Red."}], "rejected": [{"role": "assistant",
                                                                                 "content": "Blue."}]}
-case("data-vision-pair-video")(lambda c: c.train("stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
-                                                 rows=[dict(VISION_PAIR, videos=["clip.mp4"])]))
+case("data-vision-pair-video-count")(lambda c: c.train(
+    "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}", rows=[dict(VISION_PAIR, videos=["clip.mp4"])]))
+case("data-vision-pair-video-in-answer")(lambda c: c.train(
+    "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
+    rows=[dict(VISION_PAIR, videos=["clip.mp4"], chosen=[{"role": "assistant", "content": "<video>Red."}])]))
 case("data-vision-pair-image-in-answer")(lambda c: c.train(
     "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
     rows=[dict(VISION_PAIR, rejected=[{"role": "assistant", "content": "<image>Blue."}])]))

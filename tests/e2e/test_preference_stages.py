@@ -33,7 +33,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, dummy_run_args, free_port, run_launch, train_forked
+from tests.conftest import REPO, dummy_run_args, free_port, relaunch, run_launch, train_forked
 from tests.e2e.test_resume import assert_exact_from_every_checkpoint
 from tests.e2e.test_strategies import two_machines_on_loopback
 from toolkit.checkpoint.portable import portable_lora_file
@@ -355,30 +355,49 @@ def vision_pairs(folder: Path) -> list[Path]:
 
 @pytest.mark.timeout(600)
 def test_vision_pairs_train_dpo_orpo_simpo_alike_on_one_and_two_processes(tmp_path: Path) -> None:
-    """Issues 50 and 51: preference pairs whose prompt holds an image, on the built-in tiny Qwen2.5-VL, in a dpo
-    (its reference pass included), an orpo and a simpo stage of one launch. The step passes each pair's image once
-    (one tower run for both sides) and the reference pass scores each side alone with its image: the first dpo step
-    is still ln 2 with rewards exactly 0. 2 processes under DDP (gloo) train as 1: the same reference log-probs,
-    losses, TRL's metrics and final adapter (fp32)."""
+    """Issues 50 and 51: preference pairs whose prompt holds an image or a video (a clip, a frame list, an image
+    beside a video: tests/data/test_pair_data.py `video_pair_folder`), on the built-in tiny Qwen2.5-VL, in a dpo
+    (its reference pass and eval included), an orpo and a simpo stage of one launch. The step passes each pair's
+    image and video once (one tower run for both sides) and the reference pass scores each side alone with its
+    media: the first dpo step is still ln 2 with rewards exactly 0. 2 processes under DDP (gloo) train as 1: the
+    same reference log-probs, losses, TRL's metrics and final adapter (fp32). The stages read the recipe's files
+    (no generated data)."""
+    from tests.data.test_pair_data import VIDEO_DATA, video_pair_folder
+
     trl, colours, registry = vision_pairs(tmp_path)
-    data = [str(trl), str(colours), {"dataset": "rlhf_v", "dataset_dir": str(registry)}]
+    videos = video_pair_folder(tmp_path)
+    data = [str(trl), str(colours), {"dataset": "rlhf_v", "dataset_dir": str(registry)}, str(videos / "trl.jsonl"),
+            {"dataset": "video_pairs", "dataset_dir": str(videos)}]
     stage = {"data": data, "max_steps": 1, "lr": 1.0e-3}
     recipe = tmp_path / "vision_pairs.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"name_or_path": "builtin:tiny-qwen2.5-vl"}, "lora": {"r": 8, "alpha": 16},
-        "data": {"max_seq_len": 128},
-        "stages": [{"name": "dpo", "objective": "dpo", **stage, "max_steps": 2, "eval": [str(trl)]},
+        "data": {"max_seq_len": 128, **VIDEO_DATA},
+        "stages": [{"name": "dpo", "objective": "dpo", **stage, "max_steps": 3,  # 12 draws of its 11 pairs
+                    "eval": [str(trl), str(videos / "trl.jsonl")]},
                    {"name": "orpo", "objective": "orpo", **stage}, {"name": "simpo", "objective": "simpo", **stage}],
         "schedule": {"warmup_ratio": 0.0}, "train": {"micro_batch_size": 2, "grad_accum": 2, "seed": 7},
         "eval": {"every_steps": 2}, "checkpoint": {"save_steps": 2}, "logging": {"progress_bar": False}}))
     one, two = tmp_path / "one", tmp_path / "two"
-    proc = train_forked("single", 1, one, recipe=str(recipe), dummy_samples=8)
-    assert "stage 'dpo' data (dpo): 8 pairs, 8 kept" in proc.stderr, proc.stderr[-3000:]
+    said = train_on_files("single", 1, one, recipe)
+    assert "stage 'dpo' data (dpo): 11 pairs, 11 kept" in said, said[-3000:]
+    assert "stage 'dpo': entry-policy reference log-probs of 11 pairs and 4 eval pairs" in said, said[-3000:]
     steps = by_step(one)
-    assert [steps[s]["stage"] for s in sorted(steps)] == ["dpo", "dpo", "orpo", "simpo"]
+    assert [steps[s]["stage"] for s in sorted(steps)] == ["dpo", "dpo", "dpo", "orpo", "simpo"]
     assert steps[1]["loss"] == pytest.approx(LN2, abs=1e-12)  # the shared-image step is its per-side reference
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert steps[1][key] == 0.0, key
     assert steps[2]["loss"] != pytest.approx(LN2, abs=1e-5)
-    train_forked("ddp", 2, two, "train.grad_accum=1", recipe=str(recipe), dummy_samples=8)
+    train_on_files("ddp", 2, two, recipe, "train.grad_accum=1")
     assert_same_training(two, one, "ddp x2, vision pairs")
+
+
+def train_on_files(strategy: str, num_processes: int, out: Path, recipe: Path, *overrides: str) -> str:
+    """`train_forked` on the recipe's own data files (no `--create_dummy_data`, which would put the generated text
+    pairs in place of a preference stage's files); the run's whole output."""
+    log = out.with_name(f"{out.name}.log")
+    (code,) = relaunch(strategy, [(["--config", str(recipe), f"output_dir={out}", *overrides], log)],
+                       mixed_precision="no", num_processes=num_processes)
+    output = log.read_text()
+    assert code == 0, f"{strategy} failed (rc={code}):\n{output[-6000:]}"
+    return output

@@ -30,6 +30,9 @@ SHARED_IMAGES = "shared_images"
 each occurrence in `image_grid_thw`, `[index of its image in pixel_values, t, h, w]`, plain ints (the loop's device
 copy leaves them on the host, so reading them waits for nothing). Not a model input: the forward takes it off
 (toolkit/model/shared_media.py)."""
+SHARED_VIDEOS = "shared_videos"
+"""As `SHARED_IMAGES`, for videos: each distinct video's frames are passed once in `pixel_values_videos`, and for each
+occurrence in `video_grid_thw` (and `second_per_grid_ts`), `[index of its video, t, h, w]`."""
 
 
 class VLCollator:
@@ -117,15 +120,30 @@ class VLCollator:
                                "stores/) so it is prepared again.")
         return pixels, got
 
+    def stored_videos(self, refs: list[str], grids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """`pixel_values_videos`, `video_grid_thw` and, for a model whose processor takes it (Qwen2.5-VL),
+        `second_per_grid_ts` of stored videos (`VIDEO_REF` refs) from the frame store; each must give the grid its
+        row was tokenised with."""
+        pixels, got, seconds = process_videos(self.processor, refs)
+        if got.tolist() != grids:
+            raise ToolkitError("A stored video's frames no longer give the grid its row was tokenised with; "
+                               "delete the data's token store (data.cache_dir, stores/) so it is prepared again.")
+        out = {"pixel_values_videos": pixels, "video_grid_thw": got}
+        if "second_per_grid_ts" in self.processor.model_input_names:
+            out["second_per_grid_ts"] = seconds
+        return out
+
     def media(self, refs: list[str], grids: list[list[int]], *, share: bool = False) -> dict[str, Any]:
         """The batch's vision inputs of stored media in text order (image paths and `VIDEO_REF` videos): images as
         `images`, videos from the frame store (`toolkit.data.vision.process_videos`) with their grids and, for a
         model whose processor takes it (Qwen2.5-VL), `second_per_grid_ts`. With `share` (a preference stage's
-        pairs, whose two sides show the same images), an image that occurs more than once is decoded and passed
+        pairs, whose two sides show the same media), an image that occurs more than once is decoded and passed
         once: `pixel_values` holds each distinct image (file and grid) once, `image_grid_thw` every occurrence in
         text order (the rotary ids need them all) and `SHARED_IMAGES` which distinct image each occurrence shows
         (toolkit/model/shared_media.py runs the vision tower once on them and gives each occurrence its image's
-        embeddings)."""
+        embeddings). Videos alike: `pixel_values_videos` holds each distinct video's frames (stored video and grid)
+        once, `video_grid_thw` and `second_per_grid_ts` every occurrence, and `SHARED_VIDEOS` which video each
+        occurrence shows."""
         out: dict[str, Any] = {}
         images = [(r, g) for r, g in zip(refs, grids, strict=True) if not r.startswith(VIDEO_REF)]
         videos = [(r, g) for r, g in zip(refs, grids, strict=True) if r.startswith(VIDEO_REF)]
@@ -140,14 +158,18 @@ class VLCollator:
                 images = []
         if images:
             out["pixel_values"], out["image_grid_thw"] = self.images([r for r, _ in images], [g for _, g in images])
+        if videos and share:
+            distinct_videos: dict[tuple[str, tuple[int, ...]], int] = {}
+            owners = [distinct_videos.setdefault((r, tuple(g)), len(distinct_videos)) for r, g in videos]
+            if len(distinct_videos) < len(videos):
+                out.update(self.stored_videos([r for r, _ in distinct_videos], [list(g) for _, g in distinct_videos]))
+                out["video_grid_thw"] = torch.tensor([g for _, g in videos], dtype=torch.long)
+                if "second_per_grid_ts" in out:  # per occurrence: the rotary ids read one per video in the text
+                    out["second_per_grid_ts"] = out["second_per_grid_ts"][torch.tensor(owners)]
+                out[SHARED_VIDEOS] = [[u, *g] for u, (_, g) in zip(owners, videos, strict=True)]
+                videos = []
         if videos:
-            pixels, got, seconds = process_videos(self.processor, [r for r, _ in videos])
-            if got.tolist() != [g for _, g in videos]:
-                raise ToolkitError("A stored video's frames no longer give the grid its row was tokenised with; "
-                                   "delete the data's token store (data.cache_dir, stores/) so it is prepared again.")
-            out["pixel_values_videos"], out["video_grid_thw"] = pixels, got
-            if "second_per_grid_ts" in self.processor.model_input_names:
-                out["second_per_grid_ts"] = seconds
+            out.update(self.stored_videos([r for r, _ in videos], [g for _, g in videos]))
         return out
 
     def __call__(self, rows: list[dict[str, Any]], *, share: bool = False) -> dict[str, torch.Tensor]:
@@ -263,8 +285,8 @@ class PairCollator:
     indices, a list of ints (the loop's device copy leaves it alone). Plain data: it pickles to DataLoader
     workers.
 
-    A vision pair's sides show the same images (its prompt's): the VL collator passes them once (`share`, see
-    `VLCollator.media`), so the vision tower runs once per pair in the step, not once per side."""
+    A vision pair's sides show the same images and videos (its prompt's): the VL collator passes them once (`share`,
+    see `VLCollator.media`), so the vision tower runs once per pair in the step, not once per side."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = sides_collator(inner)

@@ -40,12 +40,9 @@ NOT_A_PAIR = ("the stage trains on preference pairs (objective dpo, orpo or simp
               "has 'chosen' and 'rejected' (TRL, LLaMA-Factory ranking, axolotl) or 'messages' with "
               "'rejected_response' / 'rejected_messages' (ms-swift); see docs/preference.md for the shapes")
 """Why a row of a preference stage that is no pair is refused."""
-VIDEO_PAIRS = ("preference pairs with videos are not built yet (pairs with images are: both sides share the prompt's "
-               "images); train video rows in a stage of rows (objective: sft), or give the pair images (frames)")
-"""Why a pair with videos is refused."""
-MEDIA_IN_COMPLETION = ("a pair's images belong to its prompt, which both sides share; a completion that shows an "
-                       "image is no pair of answers to one question: move the image into the prompt")
-"""Why a pair whose chosen or rejected side holds an image placeholder is refused."""
+MEDIA_IN_COMPLETION = ("a pair's images and videos belong to its prompt, which both sides share; a completion that "
+                       "shows one is no pair of answers to one question: move it into the prompt")
+"""Why a pair whose chosen or rejected side holds an image or video placeholder is refused."""
 
 
 PAIR_SHAPES = {
@@ -233,32 +230,33 @@ def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, 
 def pair_rows(row: dict[str, Any], source: Source, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A preference stage's source row as its chosen and rejected rows, each mapped as any row is
     (`toolkit.data.shapes.shape_row`) after the entry's columns and ignore keys (`prepare_row`): what its store
-    encodes, two rows per source row. A row that is no pair is refused in one line, and so is a pair with videos
-    (not built) or with an image placeholder in a completion (images are the shared prompt's). A vision pair's
-    `images` go to both sides (`_sides` keeps the row's other keys on each): the encoder checks that the prompt's
-    `<image>` placeholders match them, side by side, and the collator passes their pixels once per pair
-    (toolkit/data/collate.py `PairCollator`)."""
+    encodes, two rows per source row. A row that is no pair is refused in one line, and so is a pair with an image
+    or video placeholder in a completion (media are the shared prompt's). A vision pair's `images` and `videos` go
+    to both sides (`_sides` keeps the row's other keys on each): the encoder checks that the prompt's `<image>` /
+    `<video>` placeholders match them, side by side (a video's frames come from the frame store, sampled once), and
+    the collator passes their pixels once per pair (toolkit/data/collate.py `PairCollator`)."""
     row, original = prepare_row(row, source, where)
     if not is_pair(row):
         raise ToolkitError(f"{where}: {NOT_A_PAIR}; the row has keys {original}.")
-    if row.get("videos") not in (None, []):
-        raise ToolkitError(f"{where}: the row has 'videos': {VIDEO_PAIRS}.")
     chosen, rejected = to_pair(row, where)
-    if row.get("images") not in (None, []):
-        for side, name in ((chosen, "chosen"), (rejected, "rejected")):
-            if _shows_image(side["completion"]):
-                raise ToolkitError(f"{where}: the {name} completion holds an image: {MEDIA_IN_COMPLETION}.")
+    for kind in ("image", "video"):
+        if row.get(f"{kind}s") not in (None, []):
+            for side, name in ((chosen, "chosen"), (rejected, "rejected")):
+                if _shows(side["completion"], kind):
+                    raise ToolkitError(f"{where}: the {name} completion holds {'an' if kind == 'image' else 'a'} "
+                                       f"{kind}: {MEDIA_IN_COMPLETION}.")
     return (shape_row(chosen, source, where, original, tags={}),
             shape_row(rejected, source, where, original, tags={}))
 
 
-def _shows_image(completion: list[dict[str, Any]] | str) -> bool:
-    """Whether a completion holds an image: an `<image>` tag in its text or an image part in its content."""
+def _shows(completion: list[dict[str, Any]] | str, kind: str) -> bool:
+    """Whether a completion holds an image or a video (`kind`): its `<image>` / `<video>` tag in its text or its
+    part (`image` / `image_url`, `video` / `video_url`) in its content."""
     def shows(content: Any) -> bool:
         if isinstance(content, str):
-            return "<image>" in content
+            return f"<{kind}>" in content
         return isinstance(content, list) and any(
-            isinstance(p, dict) and (p.get("type") in ("image", "image_url") or shows(p.get("text"))) for p in content)
+            isinstance(p, dict) and (p.get("type") in (kind, f"{kind}_url") or shows(p.get("text"))) for p in content)
 
     if isinstance(completion, str):
         return shows(completion)

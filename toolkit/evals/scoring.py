@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from toolkit.atomic import write_atomic
-from toolkit.data.collate import SHARED_IMAGES
+from toolkit.data.collate import SHARED_IMAGES, SHARED_VIDEOS
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.model.loss_head import loss_head_of, shifted_labels
-from toolkit.model.shared_media import shared_images
+from toolkit.model.shared_media import shared_media
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,17 @@ def _forward_sums(model: torch.nn.Module, batch: dict[str, Any], device: torch.d
     Ulysses slice (it carries `shift_labels`) takes its segments shifted over the whole row and sliced like them
     (toolkit/strategies/sequence_parallel.py `shard_segments`): this process's share of each segment's sums."""
     seg, count = segments if segments is not None else segment_ids(batch)
-    shared = batch.get(SHARED_IMAGES)  # a vision pair's images, passed once for both sides
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != SHARED_IMAGES}
+    # a vision pair's images and videos, passed once for both sides: the tower's calls in the forward's order
+    shared = ([batch.get(SHARED_IMAGES)] if "pixel_values" in batch else []) + (
+        [batch.get(SHARED_VIDEOS)] if "pixel_values_videos" in batch else [])
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+             if k not in (SHARED_IMAGES, SHARED_VIDEOS)}
     head = loss_head_of(model)
     if head is None:
-        with shared_images(model, shared):
+        with shared_media(model, shared):
             return _full_logit_sums(model, batch, seg.to(device), count)
     with head.per_segment(seg.to(device), count, preshifted="shift_labels" in batch) as sums, \
-            shared_images(model, shared):
+            shared_media(model, shared):
         out = model(**batch, num_items_in_batch=torch.ones((), device=device))
     if sums.loss is None or sums.tokens is None:  # no label token in the micro-batch
         return (torch.zeros(count, dtype=torch.float64, device=device),
