@@ -211,7 +211,7 @@ def test_at_a_stage_s_entry_the_step_gives_its_reference_exactly(models: dict[st
         assert rejected.detach().numpy().tolist() == ref_rejected.tolist(), micro
         logps = PairLogps(chosen, rejected, torch.from_numpy(ref_chosen), torch.from_numpy(ref_rejected), c_tokens,
                           r_tokens)
-        sums = metric_sums(preference_terms(PreferenceSettings(), logps), logps).tolist()
+        sums = metric_sums(preference_terms(PreferenceSettings(), logps)).tolist()
         assert sums[:4] == [0.0, 0.0, 0.0, 0.0], micro  # rewards, accuracies (a count), margins
 
 

@@ -268,7 +268,7 @@ def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int,
     return scaled[0], scaled[1]
 
 
-def metric_sums(terms: PreferenceTerms, logps: PairLogps) -> torch.Tensor:
+def metric_sums(terms: PreferenceTerms) -> torch.Tensor:
     """A micro-batch's METRICS sums over its pairs, then the pair count (float64, detached): summed over the
     global batch's micro-batches and ranks, then divided by the count, they are TRL's means."""
     chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()
@@ -280,8 +280,8 @@ def metric_sums(terms: PreferenceTerms, logps: PairLogps) -> torch.Tensor:
 def pair_metrics(accelerator: Accelerator, parts: Sequence[tuple[PreferenceTerms, PairLogps]]) -> dict[str, float]:
     """METRICS over every pair of the global batch (this rank's micro-batches `parts`, one all-reduce)."""
     sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
-    for terms, logps in parts:
-        sums += metric_sums(terms, logps).to(sums.device)
+    for terms, _ in parts:
+        sums += metric_sums(terms).to(sums.device)
     if accelerator.num_processes > 1:
         sums = accelerator.reduce(sums, reduction="sum")
     values = sums.tolist()
