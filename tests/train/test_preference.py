@@ -211,7 +211,7 @@ def test_at_a_stage_s_entry_the_step_gives_its_reference_exactly(models: dict[st
         assert rejected.detach().numpy().tolist() == ref_rejected.tolist(), micro
         logps = PairLogps(chosen, rejected, torch.from_numpy(ref_chosen), torch.from_numpy(ref_rejected), c_tokens,
                           r_tokens)
-        sums = metric_sums(preference_terms(PreferenceSettings(), logps), logps).tolist()
+        sums = metric_sums(preference_terms(PreferenceSettings(), logps)).tolist()
         assert sums[:4] == [0.0, 0.0, 0.0, 0.0], micro  # rewards, accuracies (a count), margins
 
 
@@ -290,6 +290,29 @@ def test_grad_accumulation_gives_the_global_batch_loss_gradients_and_metrics(mod
     assert metrics_one["rewards/chosen"] != 0
 
 
+def reference_free_settings(objective: str) -> PreferenceSettings:
+    """Our side of `reference_free_trainer`: ORPO's beta 0.1 (its NLL compared apart), SimPO's beta 2 and gamma 0.5."""
+    return (PreferenceSettings(("orpo",), beta=0.1) if objective == "orpo"
+            else PreferenceSettings(("simpo",), beta=2.0, simpo_gamma=0.5))
+
+
+def reference_free_trainer(models: dict[str, str], tokenizer: Any, objective: str, **args: Any) -> Any:
+    """TRL 1.16's ORPOTrainer, or CPOTrainer as SimPO (loss_type simpo, cpo_alpha 0), on PAIRS with the seeded LoRA
+    of `lora_model`, the settings of `reference_free_settings`. Both live in `trl.experimental` (`from trl import
+    ORPOTrainer` fails in TRL 1.16)."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    common = {"report_to": [], "use_cpu": True, "gradient_checkpointing": False} | args
+    if objective == "orpo":
+        return ORPOTrainer(model=lora_model(models), args=ORPOConfig(beta=0.1, **common), train_dataset=data,
+                           processing_class=tokenizer)
+    return CPOTrainer(model=lora_model(models), args=CPOConfig(loss_type="simpo", beta=2.0, simpo_gamma=0.5,
+                                                               cpo_alpha=0.0, **common),
+                      train_dataset=data, processing_class=tokenizer)
+
+
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])
 def test_orpo_and_simpo_end_to_end_equal_trl_s_trainers(models: dict[str, str], tokenizer: Any, tmp_path: Any,
                                                         objective: str) -> None:
@@ -299,21 +322,9 @@ def test_orpo_and_simpo_end_to_end_equal_trl_s_trainers(models: dict[str, str], 
     loss and LoRA gradients within 1e-6. One difference is named, not hidden: TRL's ORPOTrainer takes its NLL over the
     chosen prompt and completion (its code: "orpo chosen nll loss is computed over the full prompt and response"),
     our `sft` term over the completion, as TRL's DPO `sft`; ORPO's pair term is compared with that NLL added."""
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
-    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
-    common = {"output_dir": str(tmp_path / objective), "per_device_train_batch_size": len(PAIRS), "report_to": [],
-              "use_cpu": True, "gradient_checkpointing": False}
-    if objective == "orpo":
-        settings = PreferenceSettings(("orpo",), beta=0.1)
-        trainer: Any = ORPOTrainer(model=lora_model(models), args=ORPOConfig(beta=0.1, **common), train_dataset=data,
-                                   processing_class=tokenizer)
-    else:
-        settings = PreferenceSettings(("simpo",), beta=2.0, simpo_gamma=0.5)
-        trainer = CPOTrainer(model=lora_model(models), args=CPOConfig(loss_type="simpo", beta=2.0, simpo_gamma=0.5,
-                                                                      cpo_alpha=0.0, **common),
-                             train_dataset=data, processing_class=tokenizer)
+    settings = reference_free_settings(objective)
+    trainer = reference_free_trainer(models, tokenizer, objective, output_dir=str(tmp_path / objective),
+                                     per_device_train_batch_size=len(PAIRS))
     rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
     nudge(trainer.model)
     trainer.model.train()
@@ -344,6 +355,72 @@ def test_orpo_and_simpo_end_to_end_equal_trl_s_trainers(models: dict[str, str], 
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-6, msg=name)
     assert any(float(g.abs().max()) > 1e-4 for g in grads.values())  # gradients that could differ
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_orpo_and_simpo_train_step_by_step_as_trl_s_trainers(models: dict[str, str], tokenizer: Any, tmp_path: Any,
+                                                             objective: str) -> None:
+    """A few optimizer steps, not one loss: TRL's own `train()` (ORPOTrainer; CPOTrainer as SimPO) on the 4 pairs in
+    order (sequential sampler), 2 pairs a step, 4 steps (two epochs), AdamW at a constant lr 5e-3, clipping at 0.25,
+    fp32 (`bf16=False`: TRL's configs default to bf16 autocast, on the CPU too), against our pair losses on TRL's
+    tokens from the same LoRA with torch's AdamW and the same clipping. Per step: the loss, grad norm and TRL's
+    logged metrics (`pair_metrics`; for ORPO and SimPO TRL logs the average log-probs as `logps/*`, beta times them
+    as the rewards) within 1e-6 relative (fp32 averages of up to 30 token log-probs: a few 1e-7 apart by summation
+    order), then the trained adapter within 1e-6. ORPO adds TRL's NLL over the chosen prompt and completion to
+    our pair term, the one definition that differs (docs/preference.md)."""
+    steps, pairs_per_step, lr, clip = 4, 2, 5e-3, 0.25
+    trainer = reference_free_trainer(models, tokenizer, objective, output_dir=str(tmp_path / objective),
+                                     per_device_train_batch_size=pairs_per_step, max_steps=steps, learning_rate=lr,
+                                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                                     optim="adamw_torch", max_grad_norm=clip, bf16=False, logging_steps=1,
+                                     save_strategy="no", train_sampling_strategy="sequential", seed=0)
+    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    trained = {n.replace(".default", ""): p.detach().clone() for n, p in trainer.model.named_parameters()
+               if "lora_" in n}
+
+    settings = reference_free_settings(objective)
+    model = lora_model(models)
+    install_loss_head(model, "chunked", chunk_tokens=7)
+    model.train()
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    accelerator = distributed.build_accelerator(1, 10)
+    collate = padding_collator(tokenizer)
+    ours = []
+    for step in range(steps):
+        at = step * pairs_per_step % len(PAIRS)
+        part = rows[at:at + pairs_per_step]
+        sequences = [{"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]}
+                     for row in part for side in ("chosen", "rejected")]
+        chosen, rejected, c_tokens, r_tokens = policy_logps(model, collate(sequences), len(part), torch.device("cpu"))
+        zeros = torch.zeros_like(chosen)
+        logps = PairLogps(chosen, rejected, zeros, zeros, c_tokens, r_tokens)
+        terms = preference_terms(settings, logps)
+        loss = preference_loss(settings, terms, len(part), float(c_tokens.sum()))
+        if objective == "orpo":  # TRL's NLL: every chosen token after the first, prompt included
+            whole = [{"input_ids": row["chosen_input_ids"], "labels": row["chosen_input_ids"]} for row in part]
+            sums, tokens = forward_sums(model, collate(whole), torch.device("cpu"))
+            loss = loss + sums.sum() / tokens.sum()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics = pair_metrics(accelerator, [(terms, logps)])
+        ours.append({"loss": float(loss.detach()), "grad_norm": float(norm)} | metrics)
+
+    assert len(logged) == steps
+    for step, (mine, theirs) in enumerate(zip(ours, logged, strict=True)):
+        for key in ("loss", "grad_norm", *METRICS):
+            assert abs(mine[key] - theirs[key]) <= 1e-6 * max(1.0, abs(theirs[key])), (step, key, mine[key],
+                                                                                          theirs[key])
+    assert min(step["grad_norm"] for step in ours) > clip  # the clipping acts, so it is compared too
+    assert abs(ours[-1]["loss"] - ours[1]["loss"]) > 1e-3  # the steps moved the adapter: rows 2-3 again, lower
+    for name, value in model.named_parameters():
+        if "lora_" in name:
+            torch.testing.assert_close(value.detach(), trained[name.replace(".default", "")], rtol=0, atol=1e-6,
+                                       msg=name)
 
 
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])

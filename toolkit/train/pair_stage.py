@@ -204,7 +204,7 @@ def pair_micro_loss(run: Any, stage: Stage, model: Any, batch: dict[str, Any], *
     logps = PairLogps(chosen, rejected, ref_chosen, ref_rejected, c_tokens, r_tokens)
     terms = preference_terms(settings, logps)
     loss = preference_loss(settings, terms, pairs, chosen_tokens)
-    return loss, metric_sums(terms, logps)
+    return loss, metric_sums(terms)
 
 
 @torch.no_grad()

@@ -58,7 +58,8 @@ LOSSES = (*PAIR_LOSSES, *REFERENCE_FREE, "sft")
 DEFAULT_BETA = 0.1
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-"""The step metrics, named as TRL's DPOTrainer logs them: means over the global batch's pairs."""
+"""The step metrics, named as TRL's trainers log them: means over the global batch's pairs (`logps/*`: the summed
+log-probs, as DPOTrainer; for orpo / simpo the per-token averages, as ORPOTrainer and CPOTrainer)."""
 
 
 @dataclass(frozen=True)
@@ -126,12 +127,16 @@ class PairLogps:
 class PreferenceTerms:
     """A micro-batch's summed terms: `pairs_loss` is the weighted pair losses summed over its pairs (divide by the
     global batch's pair count), `sft_nll` the chosen tokens' summed NLL (divide by the global chosen-token count,
-    times the sft weight); `rewards` the per-pair chosen / rejected rewards (beta times the log-ratio, detached)."""
+    times the sft weight); `rewards` the per-pair chosen / rejected rewards (beta times the log-ratio, detached);
+    `logps` the per-pair log-probs the metrics log as TRL's trainer does (detached): DPOTrainer's summed ones,
+    ORPOTrainer's and CPOTrainer's (simpo) per-token averages, the log-probs their losses and rewards read."""
 
     pairs_loss: torch.Tensor
     sft_nll: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
 
 
 def preference_terms(settings: PreferenceSettings, logps: PairLogps) -> PreferenceTerms:
@@ -162,9 +167,12 @@ def preference_terms(settings: PreferenceSettings, logps: PairLogps) -> Preferen
         else:  # sft: normalised by tokens, not pairs (below)
             continue
         total = total + weight * per_pair.sum()
-    if settings.reference_free:  # TRL's ORPO / CPO log beta times the average log-probs as the rewards
-        return PreferenceTerms(total, -logps.chosen.sum(), beta * chosen_mean.detach(), beta * rejected_mean.detach())
-    return PreferenceTerms(total, -logps.chosen.sum(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+    if settings.reference_free:  # TRL's ORPO / CPO log the average log-probs, and beta times them as the rewards
+        chosen_mean, rejected_mean = chosen_mean.detach(), rejected_mean.detach()
+        return PreferenceTerms(total, -logps.chosen.sum(), beta * chosen_mean, beta * rejected_mean, chosen_mean,
+                               rejected_mean)
+    return PreferenceTerms(total, -logps.chosen.sum(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach(),
+                           logps.chosen.detach(), logps.rejected.detach())
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -260,20 +268,20 @@ def global_normalisers(accelerator: Accelerator, pairs: int, chosen_tokens: int,
     return scaled[0], scaled[1]
 
 
-def metric_sums(terms: PreferenceTerms, logps: PairLogps) -> torch.Tensor:
+def metric_sums(terms: PreferenceTerms) -> torch.Tensor:
     """A micro-batch's METRICS sums over its pairs, then the pair count (float64, detached): summed over the
     global batch's micro-batches and ranks, then divided by the count, they are TRL's means."""
     chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()
     return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(), (chosen - rejected).sum(),
-                        logps.chosen.detach().double().sum(), logps.rejected.detach().double().sum(),
+                        terms.chosen_logps.double().sum(), terms.rejected_logps.double().sum(),
                         torch.tensor(float(len(chosen)), dtype=torch.float64, device=chosen.device)])
 
 
 def pair_metrics(accelerator: Accelerator, parts: Sequence[tuple[PreferenceTerms, PairLogps]]) -> dict[str, float]:
     """METRICS over every pair of the global batch (this rank's micro-batches `parts`, one all-reduce)."""
     sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
-    for terms, logps in parts:
-        sums += metric_sums(terms, logps).to(sums.device)
+    for terms, _ in parts:
+        sums += metric_sums(terms).to(sums.device)
     if accelerator.num_processes > 1:
         sums = accelerator.reduce(sums, reduction="sum")
     values = sums.tolist()
