@@ -19,6 +19,7 @@ from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import NOT_READ, TextEncoder
 from toolkit.data.pairs import VISION_PAIRS
 from toolkit.data.plan import (
+    KtoRows,
     PairRows,
     Selection,
     SourceRows,
@@ -101,11 +102,13 @@ def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> d
     return dict(sorted(out.items()))
 
 
-def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pairs: bool = False) -> Any:
+def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pairs: bool = False,
+                kto: bool = False) -> Any:
     """What turns the run's rows into tokens: the text encoder, or for a vision-language model (`processor`
     given) the processor's encoder. With `pairs`, a preference stage's: each source row a pair, stored as its
-    chosen and rejected rows (`TextEncoder`; vision pairs are refused in one line, not proven yet)."""
-    if pairs and processor is not None:
+    chosen and rejected rows (`TextEncoder`; vision pairs are refused in one line, not proven yet). With `kto`, a
+    kto stage's: each row stored with its true/false `label`."""
+    if (pairs or kto) and processor is not None:
         raise ToolkitError(f"A preference stage on a vision-language model: {VISION_PAIRS}.")
     if processor is not None:
         from toolkit.data.frames import VideoSettings
@@ -117,7 +120,7 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
                          renderer=data.renderer, video=video, tokens_per_second=tokens_per_second(processor))
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
                        empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline,
-                       renderer=data.renderer)
+                       renderer=data.renderer, kto=kto)
 
 
 def num_proc(data: DataConfig) -> int:
@@ -143,15 +146,18 @@ class Stores:
     toolkit/data/store.py, the size guard)."""
 
     def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int,
-                 max_tokens: int | None = None, pair_encoder: Any | None = None) -> None:
+                 max_tokens: int | None = None, pair_encoder: Any | None = None, kto_encoder: Any | None = None
+                 ) -> None:
         self.encoder, self.dummy_dir, self.cache, self.processes = encoder, dummy_dir, cache, processes
         self.max_tokens = max_tokens
         self.pair_encoder = pair_encoder
-        self._open: dict[tuple[DataEntry, bool], Store] = {}
+        self.kto_encoder = kto_encoder  # a kto stage's rows, each with its label (None: refused when asked for)
+        self._open: dict[tuple[DataEntry, bool | str], Store] = {}
 
-    def __call__(self, entry: DataEntry, *, pairs: bool = False) -> Store:
-        if (entry, pairs) not in self._open:
-            encoder = self.encoder if not pairs else self.pair_encoder
+    def __call__(self, entry: DataEntry, *, pairs: bool = False, kto: bool = False) -> Store:
+        mode: bool | str = "kto" if kto else pairs
+        if (entry, mode) not in self._open:
+            encoder = self.kto_encoder if kto else self.encoder if not pairs else self.pair_encoder
             if encoder is None:
                 raise ToolkitError(f"{entry.name}: preference pairs on a vision-language model: {VISION_PAIRS}.")
             source = resolve_source(entry, self.dummy_dir)
@@ -159,9 +165,9 @@ class Stores:
                 if encoder.frame_store is None and self.cache is not None:
                     encoder.frame_store = self.cache / "frames"
                 encoder = encoder.with_video(dict(entry.video), f"{entry.name}: video")
-            self._open[entry, pairs] = open_store(source, encoder, self.cache, num_proc=self.processes,
-                                                  max_tokens=self.max_tokens)
-        return self._open[entry, pairs]
+            self._open[entry, mode] = open_store(source, encoder, self.cache, num_proc=self.processes,
+                                                 max_tokens=self.max_tokens)
+        return self._open[entry, mode]
 
 
 def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
@@ -169,8 +175,10 @@ def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, pr
     """The stores of a run's stages: its encoder (`row_encoder`), cache and processes, and the size guard's cap (the
     longest max_seq_len of the stages)."""
     pair_encoder = None if processor is not None else row_encoder(data, tokenizer, None, pairs=True)
+    kto_encoder = None if processor is not None else row_encoder(data, tokenizer, None, kto=True)
     return Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data),
-                  max_tokens=max((s.max_seq_len for s in stages), default=None), pair_encoder=pair_encoder)
+                  max_tokens=max((s.max_seq_len for s in stages), default=None), pair_encoder=pair_encoder,
+                  kto_encoder=kto_encoder)
 
 
 def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> TrainingSet:
@@ -192,7 +200,7 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
                            "length or field.")
     picked = []
     for entry in stage.entries:
-        store = stores(entry, pairs=stage.pairs)
+        store = stores(entry, pairs=stage.pairs, kto=stage.kto)
         if stage.pairs:
             selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength,
                                      identical=data.identical_pairs)
@@ -212,9 +220,10 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
         masks = drop_by_difficulty(keys, easiest=stage.drop.easiest, hardest=stage.drop.hardest)
         picked = [(store, kept_subset(sel, keep), None if v is None else v[keep])
                   for (store, sel, v), keep in zip(picked, masks, strict=True)]
-    parts: list[SourceRows | PairRows] = [
+    parts: list[SourceRows | PairRows | KtoRows] = [
         PairRows(store, selection, difficulty=values if ordered else None) if stage.pairs else
-        SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
+        KtoRows(store, selection, chunk=stage.micro_batch_size, difficulty=values if ordered else None) if stage.kto
+        else SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
         for store, selection, values in picked]
     rows = training_set(parts, needs_difficulty=ordered)
     if scored_drop and stage.drop is not None:
@@ -277,8 +286,8 @@ def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:
     unread: Counter[str] = Counter()
     notes: Counter[str] = Counter()
     for entry in stage.entries:
-        unread.update(stores(entry, pairs=stage.pairs).unread_keys)
-        notes.update(stores(entry, pairs=stage.pairs).notes)
+        unread.update(stores(entry, pairs=stage.pairs, kto=stage.kto).unread_keys)
+        notes.update(stores(entry, pairs=stage.pairs, kto=stage.kto).notes)
     lines = []
     if unread:
         lines.append(f"stage '{stage.name}' data: messages carry keys not read: "
