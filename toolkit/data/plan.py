@@ -325,6 +325,14 @@ class PairRows(Sequence[dict[str, Any]]):
         return packed_row(list(self.sides(int(k) % len(self))))
 
 
+def kl_partner(k: int, rows: int, chunk: int) -> int:
+    """Of `rows` rows in chunks of `chunk`, the row whose completion row k's KL side takes: the previous one in its
+    chunk, the chunk's last for its first (TRL's `[completions[-1]] + completions[:-1]` per batch)."""
+    start = k - k % chunk
+    end = min(start + chunk, rows)
+    return end - 1 if k == start else k - 1
+
+
 class KtoRows(Sequence[dict[str, Any]]):
     """One source's kept rows for a kto stage (a kto store, whose rows carry their `desirable` label, and its
     `select_rows` selection): item k is kept row k as one packed row of two sides, the row itself then its KL side,
@@ -352,10 +360,8 @@ class KtoRows(Sequence[dict[str, Any]]):
         return len(self.selection.index)
 
     def partner(self, k: int) -> int:
-        """The kept row whose completion row k's KL side takes: the previous one in its chunk (the first: the last)."""
-        start = k - k % self.chunk
-        end = min(start + self.chunk, len(self))
-        return end - 1 if k == start else k - 1
+        """The kept row whose completion row k's KL side takes (`kl_partner`)."""
+        return kl_partner(k, len(self), self.chunk)
 
     def sides(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Kept row k (`input_ids`, `labels`, cut to the selection's limit) and its KL side."""
