@@ -84,7 +84,7 @@ def describe_objective(stage: ResolvedStage) -> str:
     """The stage's objective as the model card names it: `sft`, or e.g. `dpo (sigmoid; beta 0.1; reference: the
     policy at the stage's entry)` (toolkit/config/schema.py `describe_objective`, which the run page reads too)."""
     objective = getattr(stage, "objective", "sft")
-    if stage.pairs:
+    if stage.pairs or getattr(stage, "kto", False):
         return describe(objective, stage.preference)
     return describe(objective, None, getattr(stage, "rl", None), getattr(stage, "rewards", ()))
 
