@@ -134,3 +134,20 @@ def test_at_the_reference_each_row_loses_half_its_weight_and_the_baseline_is_cla
     assert len(KTO_SUMS) == 8
     with pytest.raises(ToolkitError, match="beta is 0"):
         KtoSettings(beta=0)
+
+
+def test_a_kto_stage_under_ulysses_is_refused_before_the_data_work() -> None:
+    """Its KL sides are not summed over a sequence-parallel group's slices: one line, before any model or data."""
+    from types import SimpleNamespace
+
+    from toolkit.config.load import load_recipe
+    from toolkit.config.stages import resolve_stages
+    from toolkit.train.setup import check_sequence_parallel
+
+    recipe = load_recipe(None, ["stages.0.objective=kto"])
+    accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2), num_processes=2, process_index=0)
+    with pytest.raises(ToolkitError, match=r"objective kto\) under Ulysses sequence parallelism is not supported"):
+        check_sequence_parallel(accelerator, resolve_stages(recipe), "unread", vision=False, trust_remote_code=False)
+    plain = SimpleNamespace(parallelism_config=None, num_processes=2, process_index=0)
+    assert check_sequence_parallel(plain, resolve_stages(recipe), "unread", vision=False,
+                                   trust_remote_code=False) is None
