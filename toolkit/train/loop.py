@@ -249,9 +249,9 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
                     "another rank", stopped, step)
         distributed.finish_trackers(run.accelerator)
         return PREEMPTED_EXIT_CODE
-    if scored is not None or stage.resolved.objective == "dpo":
-        # The entry's scoring pass (a dpo stage's reference, a model's difficulty scores; read back on a resume) is
-        # not training: left out of the first step's tokens/s and step time, and recorded apart for the run page.
+    if scored is not None or stage.resolved.objective in ("dpo", "kto"):
+        # The entry's scoring pass (a dpo or kto stage's reference, a model's difficulty scores; read back on a
+        # resume) is not training: left out of the first step's tokens/s and step time, recorded apart for the page.
         seconds = time.perf_counter() - started
         run.meter.exclude(seconds)
         run.log_record({**record_header(step, stage), "event": "stage_entry_pass", "seconds": round(seconds, 3)})
