@@ -563,6 +563,8 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
      "preference.reference is base (the model with its LoRA adapter off) but lora.enabled is false"),
     (["stages.0.objective=kto", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: margin, model: current}"],
      "difficulty.by margin on a kto stage is not supported"),
+    (["stages.0.objective=kto", "train.micro_batch_size=1"], "a kto stage's micro_batch_size is 1, so each row's "
+     "KL side would be the row itself"),
     (["stages.0.preference={beta: 0.2}"], "preference is set but the stage's objective is sft"),
     (["stages.0.objective=dpo", "stages.0.preference={beta: 0}"], "'stages.0.preference.beta'"),
     (["stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, dpo]}"], "'stages.0.preference.loss.1'"),

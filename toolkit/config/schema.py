@@ -1019,6 +1019,10 @@ class Recipe(_Section):
                                  "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "
                                  "fully fine-tuned model is not built; set rl.beta: 0 (TRL's default) or enable lora")
             if stage.objective in KTO_OBJECTIVES:
+                if (stage.micro_batch_size or self.train.micro_batch_size) < 2:
+                    raise ValueError(f"{where}: a kto stage's micro_batch_size is 1, so each row's KL side would be "
+                                     "the row itself (the KL baseline its own reward; TRL refuses it too): give the "
+                                     "stage micro_batch_size: 2 or more")
                 if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
                     raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) "
                                      "but lora.enabled is false; use reference: precompute")
