@@ -198,6 +198,23 @@ GENERATION = ("eval.every_steps=4", "eval.generation=[{name: facts, data: [dummy
 SPY = REPO / "tests" / "helpers" / "spy_generation.py"
 
 
+def cpu_kernel_family() -> str:
+    """The key of this machine's record in tests/assets/curriculum_losses.json: torch's CPU capability (the vector
+    width of its kernels), with "+AMX" on a CPU that has Intel's AMX tiles. The AVX-512 machines CI ran on changed
+    on 2026-11-29 from ones without AMX to ones with it (Sapphire Rapids class), and the fp32 GEMMs of torch's
+    BLAS there sum in another order: the last bits of a few losses moved with no change of the code (main ff08385,
+    which CI had passed, gave the new values on the new machine)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    with contextlib.suppress(OSError):
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "").split()
+        if "amx_tile" in flags:
+            return f"{capability}+AMX"
+    return capability
+
+
 def spy_dir(run: Path) -> Path:
     """Where tests/helpers/spy_generation.py wrote the per-rank counts of a curriculum run."""
     return run.parent / f"{run.name}-spy"

@@ -206,6 +206,47 @@ def test_the_sft_dpo_grpo_recipe_s_header_lines_name_it_and_it_is_estimated(tmp_
     assert "  grpo  micro batch 8 x 2048 tokens: activations" in report and "  dpo   micro batch 2 pairs" in report
 
 
+def test_a_video_curriculum_s_stages_count_their_video_tokens_and_a_budget_over_a_stage_is_refused(
+        tmp_path: Path) -> None:
+    """Preflight reads a video recipe's stages as training does: each stage's data line with its video tokens,
+    and its largest video row's frames, tokens and memory (the frames its own caps sample: 4, then 8, of 56x56 px:
+    4 tokens and 2 x 16 patches a frame pair). A first stage of 64 tokens given every frame (8 fps) is refused in
+    one line naming the row and the max_frames that fits; with it, preflight runs."""
+    import re
+
+    import yaml
+
+    from tests.helpers.video_files import video_recipe, write_video_dataset
+    from toolkit.errors import ToolkitError
+
+    tree = video_recipe(write_video_dataset(tmp_path / "data", 8), tmp_path / "run")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(tree))
+    config = REPO / "accelerate_configs" / "ddp.yaml"
+    report = preflight(load_recipe(tmp_path / "r.yaml"), config, num_gpus=1, gpu_memory_gb=80)
+    lines = report.split("stage data (the rows training reads; videos:")[1].splitlines()[1:]
+    assert lines[0].startswith("  stage 'short' data: 8 rows, 8 kept") and lines[0].endswith(
+        "; 48 video tokens (24 frames) in its kept rows")
+    patch = 3 * 2 * 14 * 14 * 4  # a patch's fp32 pixel values: 3 channels x 2 frames x 14 x 14
+    for line, frames in zip(lines[1::2], (4, 8), strict=True):
+        pairs = frames // 2
+        assert re.search(rf"largest video row .*videos.jsonl:1: {frames} frames, {4 * pairs} video tokens of its "
+                         rf"\d+ \(max_seq_len 384\); {16 * pairs} patches: pixel values "
+                         rf"{16 * pairs * patch / 1024:.1f} KiB, vision tower hidden states [\d.]+ KiB a block "
+                         r"\(2 blocks\)$", line), line
+
+    tree["stages"][0].update(max_seq_len=64, video={"fps": 8})  # every frame: the 5 s clip's 40 are 80 tokens
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(ToolkitError, match=r"videos.jsonl:2: its video frames alone are 80 tokens .* over stage "
+                                           r"'short''s max_seq_len \(64\); set video.max_frames to at most (\d+)"
+                       ) as refused:
+        preflight(load_recipe(tmp_path / "r.yaml"), config, num_gpus=1, gpu_memory_gb=80)
+    assert "\n" not in str(refused.value)
+    tree["stages"][0]["video"]["max_frames"] = int(re.search(r"at most (\d+)", str(refused.value)).group(1))
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(tree))
+    again = preflight(load_recipe(tmp_path / "r.yaml"), config, num_gpus=1, gpu_memory_gb=80)
+    assert "  stage 'short' data: 8 rows" in again  # the videos fit; rows over 64 tokens in all are dropped as usual
+
+
 def test_a_kto_stage_is_scanned_with_its_labels_and_counts_each_row_s_kl_side(tmp_path: Path) -> None:
     """A kto stage's rows carry a true/false label (read as a kto stage reads them, not refused as rows), its
     micro-batch holds each row and its KL side, and its reference pass is costed."""

@@ -547,6 +547,25 @@ case("video-no-frames")(lambda c: (c.tmp.joinpath("empty.mp4").write_bytes(b""),
                                    _video_case(c, _video_row("empty.mp4")))[1])
 case("video-over-max-seq-len")(lambda c: _video_case(c, _video_row("clip.mp4"), "data.max_seq_len=64",
                                                      "data.video.nframes=6", "data.video.min_pixels=25088"))
+
+
+@case("video-over-stage-max-seq-len")
+def _(c: Ctx) -> Call:
+    """A first stage of 64 tokens over the frames a second stage of 512 holds (6 frames of 25088 pixels)."""
+    from tests.helpers.video_files import write_video
+
+    def two_stages(tree: dict[str, Any]) -> None:
+        tree["data"]["max_seq_len"] = 512
+        tree["stages"] = [{**tree["stages"][0], "name": "short", "max_seq_len": 64}, {**tree["stages"][0],
+                                                                                      "name": "long"}]
+
+    write_video(c.tmp / "clip.mp4", 12)
+    return c.train(f"model.name_or_path={c.models['vl']}", "data.video.nframes=6", "data.video.min_pixels=25088",
+                   change=two_stages, rows=[CHAT, CHAT, _video_row("clip.mp4"), CHAT])
+
+
+case("difficulty-frames-without-video")(lambda c: c.train(change=lambda t: t["stages"][0].update(
+    order="easy_to_hard", difficulty={"by": "frames"})))
 case("video-tags-mismatch")(lambda c: _video_case(c, _video_row("clip.mp4", tags=2)))
 case("video-url")(lambda c: _video_case(c, _video_row("https://example.com/clip.mp4")))
 

@@ -116,6 +116,30 @@ def test_packed_vl_resume_from_every_checkpoint_is_exact(tmp_path: Path) -> None
     assert_exact_from_every_checkpoint("ddp", reference, argv, steps=9, mixed_precision="no")
 
 
+@pytest.mark.timeout(900)  # a launch and 4 resumes of the tiny Qwen2.5-VL on 16 video rows: well under a minute
+def test_video_curriculum_resumes_exactly_from_every_checkpoint(tmp_path: Path) -> None:
+    """A 2-stage short-to-long video curriculum (at most 4 then 8 frames a video; stage 'long' easy_to_hard by its
+    rows' sampled frames) over video, image + video, frame-list and text rows, a checkpoint after each of its 4
+    steps, resumed from each (fp32, one process): the later steps and the final adapter are the uninterrupted
+    run's, to the last bit. A resume reads the frame store the reference prepared, and decodes nothing."""
+    import yaml
+
+    from tests.helpers.video_files import video_recipe, write_video_dataset
+
+    recipe = video_recipe(write_video_dataset(tmp_path / "data", 16), tmp_path / "reference", steps=2)
+    recipe["stages"][1].update(order="easy_to_hard", difficulty={"by": "frames"})
+    recipe["checkpoint"] = {"save_steps": 1, "keep_last": 10}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    argv = ["--config", str(tmp_path / "recipe.yaml")]
+    reference = tmp_path / "reference"
+    assert relaunch("single", [(argv, tmp_path / "reference.log")], num_processes=1) == [0], \
+        (tmp_path / "reference.log").read_text()[-4000:]
+    assert "stage 'long' data:" in (tmp_path / "reference.log").read_text()
+    frames = sorted((tmp_path / ".toolkit-cache" / "tokenized" / "frames").iterdir())
+    assert_exact_from_every_checkpoint("single", reference, argv, steps=4, mixed_precision="no")
+    assert sorted((tmp_path / ".toolkit-cache" / "tokenized" / "frames").iterdir()) == frames
+
+
 def assert_exact_from_every_checkpoint(strategy: str | Path, reference: Path, argv: list[str], *, steps: int,
                                        mixed_precision: str | None) -> None:
     """Resume `reference` (a run of `argv` with a checkpoint after each of its `steps` steps) from each checkpoint

@@ -34,6 +34,7 @@ from tests.conftest import (
     LAUNCH_TIMEOUT_S,
     NO_THINK,
     REPO,
+    cpu_kernel_family,
     dummy_run_args,
     launch_cmd,
     run_env,
@@ -353,7 +354,7 @@ def test_three_stage_curriculum_matches_single_process(strategy: str, curriculum
 # Bit-exact per CPU kernel family: the vector width of torch's CPU kernels (AVX2, AVX-512) changes the order of the
 # sums inside a loss, so the last bits of a few losses differ between machines that are both right.
 GOLDEN_FILE = json.loads((REPO / "tests" / "assets" / "curriculum_losses.json").read_text())
-CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+CPU_CAPABILITY = cpu_kernel_family()
 GOLDEN = GOLDEN_FILE["by_cpu_capability"].get(CPU_CAPABILITY, GOLDEN_FILE["by_cpu_capability"]["AVX2"])
 # On a CPU family with no record: equal within this (a real change of the loop moves a loss by far more; the
 # resume bug of issue 23 moved one by 5e-6).

@@ -18,9 +18,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
 
-from tests.conftest import CURRICULUM, GENERATION, SPY, curriculum_args, spy_dir, train  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    CURRICULUM,
+    GENERATION,
+    SPY,
+    cpu_kernel_family,
+    curriculum_args,
+    spy_dir,
+    train,
+)
 from toolkit.metrics.log import read_metrics  # noqa: E402
 
 GOLDEN = REPO / "tests" / "assets" / "curriculum_losses.json"
@@ -39,15 +46,17 @@ def record(strategy: str, root: Path) -> dict[str, list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--note", required=True, help="the file's _note: what was recorded, when and why")
+    parser.add_argument("--append-note", action="store_true", help="add --note to the file's note, not replace it")
     parser.add_argument("--keep-other-families", action="store_true")
     args = parser.parse_args()
-    family = torch.backends.cpu.get_cpu_capability()
+    family = cpu_kernel_family()
     old = json.loads(GOLDEN.read_text())
     by_family = dict(old["by_cpu_capability"]) if args.keep_other_families else {}
     with tempfile.TemporaryDirectory() as tmp:
         by_family[family] = {s: record(s, Path(tmp)) for s in STRATEGIES}
         print(f"recorded {family}: " + ", ".join(f"{s} {v['loss'][-1]}" for s, v in by_family[family].items()))
-    GOLDEN.write_text(json.dumps({"_note": args.note, "by_cpu_capability": by_family}, indent=1) + "\n")
+    note = f"{old['_note']} {args.note}" if args.append_note else args.note
+    GOLDEN.write_text(json.dumps({"_note": note, "by_cpu_capability": by_family}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ each stage's data: rows, token-length percentiles, rows over max_seq_len and row
 
 from __future__ import annotations
 
+import copy
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,17 @@ from toolkit.strategies import strategy_of_config
 
 def _model_config(name_or_path: str) -> Any:
     if name_or_path in (TINY_MODEL, TINY_VL_MODEL, TINY_QWEN3_VL_MODEL):
-        from toolkit.builtin.models import materialize_builtin
-
-        with tempfile.TemporaryDirectory() as tmp:
-            return load_model_config(materialize_builtin(name_or_path, Path(tmp)))
+        return copy.deepcopy(_builtin_config(name_or_path))
     return load_model_config(name_or_path)
+
+
+@functools.lru_cache(maxsize=4)
+def _builtin_config(name_or_path: str) -> Any:
+    """A built-in tiny model's config, built once per process (a build writes its weights: seconds)."""
+    from toolkit.builtin.models import materialize_builtin
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_model_config(materialize_builtin(name_or_path, Path(tmp)))
 
 
 def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_len: int, train_on: str,
@@ -191,6 +199,74 @@ def scoring_passes(stages: list[Any]) -> list[str]:
             *lines] if lines else []
 
 
+PIXEL_BYTES = 4
+"""Bytes of a pixel value as the processor hands it over (fp32 `pixel_values_videos`)."""
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024 ** 2:.2f} MiB" if n >= 1024 ** 2 else f"{n / 1024:.1f} KiB"
+
+
+def vision_stage_lines(recipe: Recipe, stages: list[ResolvedStage], config: Any, *, activation_bytes: int
+                       ) -> list[str]:
+    """A vision-language recipe's stages as training reads them (`load_stage` over the stores training opens: the
+    processor's own token counts, every video sampled once into the run's data.cache_dir, as `toolkit inspect-data`
+    does, so the launch that follows decodes nothing), each with its video tokens and its largest video row: frames,
+    video tokens, and the memory its videos imply beside the decoder's activations above (which its tokens, within
+    max_seq_len, are part of): their pixel values (patches x channels x temporal patch x patch^2, fp32) and the
+    vision tower's hidden states (patches x the tower's hidden size, one block's; a tower that trains keeps one per
+    block). A frame budget a stage's max_seq_len cannot hold is refused here, as training refuses it before step 1.
+    Nothing is downloaded: a hub model's processor must be in the local cache."""
+    from toolkit.builtin.models import materialize_builtin
+    from toolkit.data.stages import load_stage, run_stores, stage_summary, tokenized_cache_dir
+    from toolkit.model.load import load_processor
+
+    layout = RunLayout(recipe.output_dir)
+    found = {}
+    for stage in stages:
+        files = resolve_data_paths([e.path for e in stage.entries if e.path is not None], layout.dummy_data)
+        found[stage.name] = "prompts not scanned" if stage.prompts else None if all(
+            f.exists() or not f.suffix for f in files) else f"data not found ({', '.join(map(str, files))})"
+    lines = ["stage data (the rows training reads; videos: the largest video row's frames, tokens and memory):"]
+    if all(found.values()):  # nothing to read: nothing built or written
+        return [*lines, *(f"  {name}: {why}" for name, why in found.items())]
+    try:  # a built-in model is built where training builds it (the cache beside the output dir), once
+        processor = load_processor(materialize_builtin(recipe.model.name_or_path, layout.cache),
+                                   trust_remote_code=recipe.model.trust_remote_code,
+                                   chat_template=recipe.data.chat_template, local_files_only=True)
+    except OSError:
+        return [f"data scan skipped: the processor of {recipe.model.name_or_path} is not in the local Hugging "
+                "Face cache (preflight does not download)."]
+    stores = run_stores(stages, recipe.data, processor.tokenizer, processor, layout.dummy_data,
+                        tokenized_cache_dir(recipe.data.cache_dir, recipe.output_dir))
+    ip, vision = processor.image_processor, config.vision_config
+    patch_values = 3 * ip.temporal_patch_size * ip.patch_size ** 2
+    hidden = int(getattr(vision, "hidden_size", 0) or getattr(vision, "embed_dim", 0))
+    depth = int(getattr(vision, "depth", 0) or getattr(vision, "num_hidden_layers", 0))
+    for stage in stages:
+        if found[stage.name]:
+            lines.append(f"  {stage.name}: {found[stage.name]}")
+            continue
+        src = load_stage(stage, recipe.data, stores)
+        lines.append(f"  {stage_summary(stage, src, recipe.data)}")
+        candidates = []  # per source holding videos: (video tokens, store, row) of its largest kept row
+        for part in src.samples.parts:
+            rows = part.selection.index * (2 if stage.pairs else 1)  # a pair's prompt media: its chosen row's
+            if part.store.videos and len(rows):
+                row = int(rows[np.argmax(part.store.video_counts()[0][rows])])
+                candidates.append((int(part.store.video_counts()[0][row]), part.store, row))
+        if not candidates:
+            continue
+        tokens, store, row = max(candidates, key=lambda c: c[0])
+        patches = sum(t * h * w for t, h, w in store.video_grids(row))
+        lines.append(f"  {stage.name}: largest video row {store.where(row)}: {store.video_counts()[1][row]} "
+                     f"frames, {tokens} video tokens of its {store.lengths[row]} (max_seq_len "
+                     f"{stage.max_seq_len}); {patches} patches: pixel values "
+                     f"{_size(patches * patch_values * PIXEL_BYTES)}, vision tower hidden states "
+                     f"{_size(patches * hidden * activation_bytes)} a block ({depth} blocks)")
+    return lines
+
+
 def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, gpu_memory_gb: float,
               scan_data: bool = True) -> str:
     """The preflight report as text."""
@@ -239,8 +315,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
     if scored:
         lines += ["", *scored]
     if scan_data and getattr(config, "vision_config", None) is not None:
-        lines += ["", "data scan skipped: image-text rows are not scanned by preflight (training reports each "
-                  "stage's kept, dropped and truncated rows at its start)."]
+        lines += ["", *vision_stage_lines(recipe, stages, config, activation_bytes=precision["activation_bytes"])]
     elif scan_data:
         from toolkit.builtin.models import materialize_builtin
         from toolkit.model.load import load_tokenizer

@@ -598,8 +598,10 @@ def scorer_path_problem(model: str) -> str | None:
 
 
 class DifficultyConfig(_Section):
-    by: Literal["length", "field", "loss", "perplexity", "ifd", "margin", "chosen_loss"] = Field(
-        ..., description="What a row's difficulty is: its token length, a number in the row's key `field`, or a "
+    by: Literal["length", "frames", "field", "loss", "perplexity", "ifd", "margin", "chosen_loss"] = Field(
+        ..., description="What a row's difficulty is: its token length, its videos' sampled frames (as the "
+        "stage's video settings sample them: a short-to-long video curriculum), a number in the row's key `field`, "
+        "or a "
         "model's score of it: loss (mean label-token cross-entropy), perplexity, ifd (loss given the prompt over "
         "the response's loss alone); of a preference pair: margin (chosen minus rejected summed log-prob, large "
         "is easy) or chosen_loss (the chosen side's mean per-token NLL, low is easy).")
@@ -726,7 +728,7 @@ class StageConfig(_Section):
         "shuffle", description="Sample order; easy_to_hard / hard_to_easy sort by the rows' difficulty (see "
         "difficulty; by default the rows' `difficulty` key when every row has one, else token length).")
     difficulty: DifficultyConfig | None = Field(None, description="What orders the rows (order easy_to_hard / "
-                                                "hard_to_easy) and what drop ranks by: {by: length | field | "
+                                                "hard_to_easy) and what drop ranks by: {by: length | frames | field | "
                                                 "loss | perplexity | ifd, field: NAME, model: base | current | "
                                                 "a scorer's folder or hub id}.")
     drop: DropConfig | None = Field(None, description="Drop the easiest / hardest shares of the stage's rows by "

@@ -180,6 +180,18 @@ def kept_difficulty(store: Store, selection: Selection) -> np.ndarray | None:
     return values
 
 
+def kept_frames(store: Store, selection: Selection) -> np.ndarray | None:
+    """The kept rows' sampled video frames (`difficulty: {by: frames}`), over all of a row's videos as the stage's
+    frame caps sampled them (0 for a row without a video: a text entry of a video stage comes first)."""
+    return store.video_counts()[1][selection.index].astype(np.float64)
+
+
+STORE_MEASURES = {"field": kept_difficulty, "frames": kept_frames}
+"""Each difficulty.by read from the rows' store, as its kept rows' values (None: the store has none); an unset
+`by` reads the `difficulty` key as `field` does. by: length is the selection's own lengths (the sampler's order when
+the values are None); a model's scores come at training (toolkit/train/stage_scores.py)."""
+
+
 def drop_by_difficulty(keys: list[np.ndarray], *, easiest: float, hardest: float) -> list[np.ndarray]:
     """Per source, which kept rows stay once the stage's `easiest` and `hardest` shares are dropped (stage.drop):
     the rows of all the stage's sources ranked together by `keys` (each source's kept rows' difficulty), ties by

@@ -19,6 +19,7 @@ from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import NOT_READ, TextEncoder
 from toolkit.data.pairs import VISION_PAIRS
 from toolkit.data.plan import (
+    STORE_MEASURES,
     KtoRows,
     PairRows,
     Selection,
@@ -185,12 +186,12 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     """A stage's training rows over its entries' stores: each entry's selection under the stage's length policy
     (data.max_seq_len, data.overlength), rows with nothing to train skipped, the stage's `drop` shares left out,
     packed with data.packing, and the difficulty easy_to_hard / hard_to_easy order by (`stage.difficulty`: the
-    rows' field, or token length; by default the `difficulty` key when every row has one; a model's scores are
-    set at training, toolkit/train/stage_scores.py, and the rows stand in length order until then; so does a drop
-    by them: its counts are set here, `TrainingSet.dropped_by_score`, the rows left out once the scores exist). A
-    preference stage (`stage.pairs`) reads its entries' pair stores: its rows are pairs (`select_pairs`,
-    `PairRows`), ordered by their length or difficulty field, never bin-packed. Training and `toolkit inspect-data`
-    both read a stage through this."""
+    rows' field, their sampled video frames, or token length, `STORE_MEASURES`; by default the `difficulty` key
+    when every row has one; a model's scores are set at training, toolkit/train/stage_scores.py, and the rows stand
+    in length order until then; so does a drop by them: its counts are set here, `TrainingSet.dropped_by_score`,
+    the rows left out once the scores exist). A preference stage (`stage.pairs`) reads its entries' pair stores:
+    its rows are pairs (`select_pairs`, `PairRows`), ordered by their length or difficulty field, never
+    bin-packed. Training and `toolkit inspect-data` both read a stage through this."""
     ordered = stage.order in ORDERED
     by = stage.difficulty.by if stage.difficulty is not None else None
     needs = (ordered or stage.drop is not None) and by not in ("length", *SCORED_MEASURES)  # scores: at training
@@ -198,21 +199,26 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
         raise ToolkitError(f"Stage '{stage.name}' (objective {stage.objective}) has difficulty.by {by}, a model's "
                            "score of rows, not of preference pairs; use difficulty.by: margin or chosen_loss, "
                            "length or field.")
+    measure = STORE_MEASURES.get(by or "field", kept_difficulty)
     picked = []
     for entry in stage.entries:
         store = stores(entry, pairs=stage.pairs, kto=stage.kto)
+        check_frame_budget(stage, store)
         if stage.pairs:
             selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength,
                                      identical=data.identical_pairs)
-            values = kept_difficulty(store, pair_rows(selection)) if needs else None
+            values = measure(store, pair_rows(selection)) if needs else None
         else:
             selection = select_rows(store, max_seq_len=stage.max_seq_len, overlength=data.overlength)
-            values = kept_difficulty(store, selection) if needs else None
+            values = measure(store, selection) if needs else None
         if by == "field" and values is None:
             field = stage.difficulty.field if stage.difficulty is not None else "difficulty"
             raise ToolkitError(f"{entry.name}: stage '{stage.name}' has difficulty.by field but no row has the key "
                                f"'{field}'; add it to every row or use difficulty.by: length.")
         picked.append((store, selection, values))
+    if by == "frames" and not any(store.videos for store, _, _ in picked):
+        raise ToolkitError(f"Stage '{stage.name}' has difficulty.by frames but none of its rows holds a video "
+                           f"({', '.join(e.name for e in stage.entries)}); order it by length or a field.")
     scored_drop = stage.drop is not None and by in SCORED_MEASURES  # by the scores: at training, over the rows
     if stage.drop is not None and not scored_drop:
         every = all(v is not None for _, _, v in picked)
@@ -229,6 +235,23 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     if scored_drop and stage.drop is not None:
         rows.dropped_by_score = drop_counts(len(rows.samples), easiest=stage.drop.easiest, hardest=stage.drop.hardest)
     return rows
+
+
+def check_frame_budget(stage: ResolvedStage, store: Store) -> None:
+    """Refuse a stage whose video settings sample more tokens of a row's videos than the stage's max_seq_len holds
+    (the store was checked against the longest max_seq_len of the run, toolkit/data/vision.py): the row could only
+    be dropped unseen, as a stage of a short-to-long curriculum given a long stage's frame caps would drop every
+    video row. The first such row is named, with the largest max_frames that fits."""
+    if not store.videos:
+        return
+    over = np.flatnonzero(store.video_counts()[0] > stage.max_seq_len)
+    if over.size:
+        from toolkit.data.vision import frame_budget_problem  # torch and the image processors: video stages only
+
+        row = int(over[0])
+        problem = frame_budget_problem(store.video_grids(row), store.video_merge, stage.max_seq_len,
+                                       f"stage '{stage.name}''s max_seq_len")
+        raise ToolkitError(f"{store.where(row)}: {problem}")
 
 
 def pair_rows(selection: Selection) -> Selection:

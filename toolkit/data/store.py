@@ -180,6 +180,7 @@ class Store:
         # Video rows (toolkit/data/vision.py VIDEO_REF entries among the media): their runs feed every batch a video.
         self.videos = self.vision and any(
             pc.any(pc.starts_with(pc.list_flatten(images), "video:")).as_py() for images, _ in self._images)
+        self._video_counts: tuple[np.ndarray, np.ndarray] | None = None  # video_counts, read once
         # Rows the size guard cut (toolkit/data/encoding.py SizeGuard): row -> its characters; their length is a
         # lower bound, over every max_seq_len the store was prepared for.
         self.capped = {int(k): int(v) for k, v in (meta.get("capped") or {}).get("rows", {}).items()}
@@ -226,23 +227,42 @@ class Store:
                 out["image_grid_thw"] = [flat[n:n + 3] for n in range(0, len(flat), 3)]
         return out
 
-    def video_tokens(self, rows: np.ndarray) -> tuple[int, int]:
-        """(video tokens, video frames) of `rows` (row indices): each stored video's grid t x h x w over the merge
-        of the encoder that stored it (frames: 2 per temporal patch)."""
+    @property
+    def video_merge(self) -> int:
+        """Patches per video token of the encoder that stored the rows (merge_size squared)."""
+        return int(self.meta.get("key", {}).get("encoding", {}).get("merge", 2)) ** 2
+
+    def video_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, (video tokens, sampled video frames) over all its videos (0 for a row without one): each stored
+        video's grid t x h x w over the merge of the encoder that stored it, frames 2 per temporal patch. Read from
+        the mapped columns once per store (by arrow's list kernels, not a row loop: a stage's data line and
+        `difficulty: {by: frames}` read it for every row)."""
+        if getattr(self, "_video_counts", None) is None:
+            tokens, frames = np.zeros(len(self), np.int64), np.zeros(len(self), np.int64)
+            if getattr(self, "videos", False):
+                merge = self.video_merge
+                for k, (images, grids) in enumerate(self._images):
+                    rows = _view(pc.list_parent_indices(images)).astype(np.int64) + int(self.starts[k])
+                    video = _view(pc.cast(pc.starts_with(pc.list_flatten(images), "video:"), pa.int8())) != 0
+                    thw = _view(pc.list_flatten(grids)).astype(np.int64).reshape(-1, 3)[video]
+                    np.add.at(tokens, rows[video], thw.prod(axis=1) // merge)
+                    np.add.at(frames, rows[video], 2 * thw[:, 0])
+            self._video_counts = tokens, frames
+        return self._video_counts
+
+    def video_grids(self, i: int) -> list[list[int]]:
+        """Row i's videos' grids (t, h, w), in text order."""
         if not getattr(self, "videos", False):
-            return 0, 0
-        merge = int(self.meta.get("key", {}).get("encoding", {}).get("merge", 2)) ** 2
-        tokens = frames = 0
-        for i in rows.tolist():
-            k, j = self._locate(int(i))
-            images, grids = self._images[k]
-            flat = grids[j].as_py()
-            for n, ref in enumerate(images[j].as_py() or []):
-                if ref.startswith("video:"):
-                    t, h, w = flat[3 * n:3 * n + 3]
-                    tokens += t * h * w // merge
-                    frames += 2 * t
-        return tokens, frames
+            return []
+        k, j = self._locate(i)
+        images, grids = self._images[k]
+        flat = grids[j].as_py() or []
+        return [flat[3 * n:3 * n + 3] for n, ref in enumerate(images[j].as_py() or []) if ref.startswith("video:")]
+
+    def video_tokens(self, rows: np.ndarray) -> tuple[int, int]:
+        """(video tokens, video frames) of `rows` (row indices), summed (`video_counts`)."""
+        tokens, frames = self.video_counts()
+        return int(tokens[rows].sum()), int(frames[rows].sum())
 
     def labels_within(self, i: int, limit: int) -> int:
         """Trained tokens among row i's first `limit` tokens."""

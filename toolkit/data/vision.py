@@ -287,19 +287,13 @@ class VLEncoder:
 
     def _check_frame_budget(self, refs: list[str], grids: list[list[int]], max_tokens: int, where: str) -> None:
         """Refuse a row whose videos alone are more tokens than the longest max_seq_len: no stage could train it,
-        and data.overlength would only drop it unseen. The advice is the largest max_frames that fits."""
-        merge = self.processor.image_processor.merge_size ** 2
+        and data.overlength would only drop it unseen (`frame_budget_problem`; a stage's own max_seq_len is
+        checked when the stage loads, toolkit/data/stages.py)."""
         videos = [g for r, g in zip(refs, grids, strict=True) if r.startswith(VIDEO_REF)]
-        total = sum(int(np.prod(g)) // merge for g in videos)
-        if total <= max_tokens:
-            return
-        per_pair = sum(g[1] * g[2] // merge for g in videos)
-        frames = 2 * (max_tokens // per_pair)
-        fix = (f"set video.max_frames to at most {frames} (the data entry's or the stage's video: settings), or "
-               "lower video.max_pixels" if frames >= 2 else "lower video.max_pixels (or total_pixels)")
-        raise ToolkitError(f"{where}: its video frames alone are {total} tokens ({sum(g[0] for g in videos) * 2} "
-                           f"frames, {per_pair} tokens per frame pair), over the longest max_seq_len ({max_tokens}); "
-                           f"{fix}, or raise max_seq_len.")
+        problem = frame_budget_problem(videos, self.processor.image_processor.merge_size ** 2, max_tokens,
+                                       "the longest max_seq_len")
+        if problem is not None:
+            raise ToolkitError(f"{where}: {problem}")
 
     def _check_temporal(self, sampled_fps: float, where: str, settings: VideoSettings) -> None:
         """Refuse a sampled fps whose frames would share temporal positions on this model: Qwen2.5-VL places the
@@ -315,6 +309,21 @@ class VLEncoder:
                                f"this model (tokens_per_second {self.tokens_per_second:g} x {tp} frames per patch / "
                                f"fps = {step:.2f} < 1 position per frame pair); set video fps to at most {most:g} "
                                f"(settings now: {settings.describe() or 'defaults'}).")
+
+
+def frame_budget_problem(videos: list[list[int]], merge: int, max_tokens: int, limit: str) -> str | None:
+    """What is wrong with a row whose videos (their grids t x h x w) alone are more tokens than `max_tokens` (None:
+    they fit): its frames, tokens per frame pair, and the largest max_frames that fits (`limit` names the max_seq_len
+    it is over)."""
+    total = sum(int(np.prod(g)) // merge for g in videos)
+    if total <= max_tokens:
+        return None
+    per_pair = sum(g[1] * g[2] // merge for g in videos)
+    frames = 2 * (max_tokens // per_pair)
+    fix = (f"set video.max_frames to at most {frames} (the data entry's or the stage's video: settings), or "
+           "lower video.max_pixels" if frames >= 2 else "lower video.max_pixels (or total_pixels)")
+    return (f"its video frames alone are {total} tokens ({sum(g[0] for g in videos) * 2} frames, {per_pair} tokens "
+            f"per frame pair), over {limit} ({max_tokens}); {fix}, or raise max_seq_len.")
 
 
 def tokens_per_second(processor: Any) -> float | None:

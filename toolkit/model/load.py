@@ -99,9 +99,11 @@ def is_vision_language(name_or_path: str, *, trust_remote_code: bool) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None) -> ProcessorMixin:
+def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template: str | None,
+                   local_files_only: bool = False) -> ProcessorMixin:
     """A vision-language model's processor, with an optional `data.chat_template` override resolved to its text
-    (`chatml`: the VL ChatML template, with {% generation %} markers)."""
+    (`chatml`: the VL ChatML template, with {% generation %} markers). `local_files_only`: a hub id is read from
+    the local cache only (OSError when it is not there: preflight never downloads)."""
     template = resolve_chat_template(chat_template, vision=True) if chat_template is not None else None
     if _saved_processor_class(name_or_path) in ("Qwen2_5_VLImageOnlyProcessor", "Qwen3VLImageOnlyProcessor"):
         # The tiny VL models' processor class: AutoProcessor finds it only registered (else it silently returns the
@@ -109,7 +111,8 @@ def load_processor(name_or_path: str, *, trust_remote_code: bool, chat_template:
         from toolkit.builtin.vl_model import register_image_only_processor
 
         register_image_only_processor()
-    processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                              local_files_only=local_files_only)
     if not isinstance(processor, ProcessorMixin):
         raise ToolkitError(f"model.name_or_path '{name_or_path}' is a vision-language model but AutoProcessor found "
                            f"no processor for it (got a {type(processor).__name__}); its processor_config.json must "
