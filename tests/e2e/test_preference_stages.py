@@ -331,23 +331,22 @@ def test_a_dpo_stage_ordered_by_margin_scores_once_and_resumes_exactly(tmp_path:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
-KTO = ("stages.1.objective=kto", "stages.1.data=[dummy:kto]", "stages.1.eval=[]", "checkpoint.save_steps=3",
-       "stages.1.preference={beta: 0.1, undesirable_weight: 1.5}")
+KTO_RECIPE = "recipes/sft_then_kto.yaml"
 KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins")
 
 
 @pytest.mark.timeout(600)
 def test_a_kto_stage_trains_alike_on_1_and_2_processes(tmp_path: Path) -> None:
-    """Issue 51: SFT then KTO (the recipe's second stage made kto, on `dummy:kto`: TRL's unpaired rows, two
-    desirable in three, standard and conversational; undesirable_weight 1.5). The KL baseline is the global batch's,
+    """Issue 51: recipes/sft_then_kto.yaml, SFT then KTO (on `dummy:kto`: TRL's unpaired rows, two desirable in
+    three, standard and conversational; undesirable_weight 1.5). The KL baseline is the global batch's,
     all-reduced before the step's first forward: one process with 2 micro-batches per step and 2 processes under
     DDP with one each give the same reference, losses, KL, TRL's metrics and final adapter (without the all-reduce
     each rank would take its own micro-batch's baseline, and they differ). The stage's first step is the policy at
     its reference: every reward is 0, and the loss is the batch's mean weight over 2."""
     one, two = tmp_path / "one", tmp_path / "ddp"
-    first = train_forked("single", 1, one, *KTO, recipe=RECIPE, dummy_samples=16)
-    assert "stage 'dpo': entry-policy reference log-probs of 16 pairs" in first.stderr
-    train_forked("ddp", 2, two, *KTO, "train.grad_accum=1", recipe=RECIPE, dummy_samples=16)
+    first = train_forked("single", 1, one, recipe=KTO_RECIPE, dummy_samples=16)
+    assert "stage 'kto': entry-policy reference log-probs of 16 pairs" in first.stderr
+    train_forked("ddp", 2, two, "train.grad_accum=1", recipe=KTO_RECIPE, dummy_samples=16)
     got, want = by_step(two), by_step(one)
     assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]
     entry = want[4]
@@ -365,5 +364,5 @@ def test_a_kto_stage_trains_alike_on_1_and_2_processes(tmp_path: Path) -> None:
     a, b = final_adapter(two), final_adapter(one)
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
-    assert "| dpo | kto (beta 0.1; desirable x1, undesirable x1.5; reference: the policy at the stage's entry) |" \
+    assert "| kto | kto (beta 0.1; desirable x1, undesirable x1.5; reference: the policy at the stage's entry) |" \
         in (one / "final" / "README.md").read_text()
