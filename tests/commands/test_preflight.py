@@ -254,11 +254,9 @@ def test_a_kto_stage_is_scanned_with_its_labels_and_counts_each_row_s_kl_side(tm
 
     run = tmp_path / "run"
     write_dummy_files(run / "dummy_data", 16, seed=0, vision=False)
-    recipe = load_recipe(REPO / "recipes" / "sft_then_dpo.yaml", [
-        f"output_dir={run}", "stages.1.objective=kto", "stages.1.data=[dummy:kto]", "stages.1.eval=[]",
-        "stages.1.preference={beta: 0.1}"])
+    recipe = load_recipe(REPO / "recipes" / "sft_then_kto.yaml", [f"output_dir={run}"])
     report = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=2, gpu_memory_gb=80)
     lines = report.split("stage data (tokens per row):")[1].splitlines()
-    assert lines[2].startswith("  dpo: 16 rows, p50"), lines
-    assert "  dpo: kto reference of the policy as it enters the stage, at the stage's first step" in report
-    assert "  dpo  micro batch 2 rows (4 sequences with their KL sides) x 96 tokens" in report, report
+    assert lines[2].startswith("  kto: 16 rows, p50"), lines
+    assert "  kto: kto reference of the policy as it enters the stage, at the stage's first step" in report
+    assert "  kto  micro batch 2 rows (4 sequences with their KL sides) x 96 tokens" in report, report
