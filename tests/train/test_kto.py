@@ -10,6 +10,7 @@ policy as it entered, our `reference: precompute`, which the scoring pass gives 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,10 +18,12 @@ import torch
 from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
+from tests.data.test_pair_data import stage_of
 from tests.train.test_preference import lora_grads, lora_model, nudge
 from toolkit.data.collate import padding_collator
 from toolkit.data.encoding import IGNORE_INDEX
-from toolkit.data.plan import kl_partner
+from toolkit.data.plan import PairSides, kl_partner
+from toolkit.data.stages import load_stage, run_stores
 from toolkit.errors import ToolkitError
 from toolkit.model.loss_head import install_loss_head
 from toolkit.runtime import process as distributed
@@ -69,6 +72,14 @@ def test_kto_loss_and_lora_gradients_equal_trl_kto_trainer(models: dict[str, str
     rows = [trainer.train_dataset[i] for i in range(len(ROWS))]
     for k, row in enumerate(rows):  # our KL sides are TRL's: the same rotation of the completions
         assert row["KL_completion_ids"] == rows[kl_partner(k, len(rows), len(rows))]["completion_ids"], k
+    # our data path (a kto store, KtoRows in chunks of the micro-batch) gives TRL's token ids: each row and its KL side
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "completion": c, "label": y}) + "\n" for p, c, y in ROWS))
+    stage, recipe = stage_of(tmp_path, models["text"], [path], objective="kto",
+                             stage={"micro_batch_size": len(ROWS)})
+    parts = load_stage(stage, recipe.data, run_stores([stage], recipe.data, tokenizer, None, tmp_path, None)
+                       ).samples.parts
+    assert list(PairSides(parts)) == kto_sequences(rows)
     batch = trainer.data_collator(rows)
     nudge(trainer.model)
     trainer.model.train()
@@ -110,12 +121,33 @@ def test_kto_loss_and_lora_gradients_equal_trl_kto_trainer(models: dict[str, str
 
 def test_the_kl_sides_rotate_within_each_batch_as_trl_s(models: dict[str, str], tokenizer: Any, tmp_path: Any) -> None:
     """TRL rotates the completions within each chunk of per_device_train_batch_size rows (4 and 2 of 6 here):
-    `kl_partner` with the stage's micro_batch_size picks the same rows."""
-    rows = trl_trainer(models, tokenizer, tmp_path, KtoSettings(), 4).train_dataset
+    `kl_partner` with the stage's micro_batch_size picks the same rows. On conversational rows, with
+    data.completion_newline our data path gives TRL's token ids and labels exactly, each row and its KL side;
+    without it, only each side's last label differs (the newline after <|im_end|>, untrained: docs/preference.md)."""
+    conversational = [{"prompt": [{"role": "user", "content": p}],
+                       "completion": [{"role": "assistant", "content": c.strip()}], "label": y} for p, c, y in ROWS]
+    args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                     gradient_checkpointing=False, max_length=None, dataset_num_proc=None)
+    rows = KTOTrainer(model=lora_model(models), args=args, train_dataset=Dataset.from_list(conversational),
+                      processing_class=tokenizer).train_dataset
     partners = [kl_partner(k, len(rows), 4) for k in range(len(rows))]
     assert partners == [3, 0, 1, 2, 5, 4]
     for k, j in enumerate(partners):
         assert rows[k]["KL_completion_ids"] == rows[j]["completion_ids"], k
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in conversational))
+    theirs = kto_sequences(list(rows))
+    for newline in (True, False):
+        stage, recipe = stage_of(tmp_path, models["text"], [path], objective="kto", completion_newline=newline,
+                                 stage={"micro_batch_size": 4, "objective": "kto"})
+        ours = list(PairSides(load_stage(stage, recipe.data, run_stores([stage], recipe.data, tokenizer, None,
+                                                                         tmp_path, None)).samples.parts))
+        assert [s["input_ids"] for s in ours] == [s["input_ids"] for s in theirs]
+        if newline:
+            assert ours == theirs
+        else:
+            assert all(o["labels"][:-1] == t["labels"][:-1] and o["labels"][-1] == IGNORE_INDEX
+                       and tokenizer.decode(t["labels"][-1]) == "\n" for o, t in zip(ours, theirs, strict=True))
 
 
 def test_at_the_reference_each_row_loses_half_its_weight_and_the_baseline_is_clamped() -> None:

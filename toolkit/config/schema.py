@@ -1013,7 +1013,7 @@ class Recipe(_Section):
         data.completion_newline shapes pairs only, so a recipe without a preference stage refuses it."""
         if self.data.completion_newline and all(stage.objective == "sft" for stage in self.stages):
             raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
-                             "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
+                             "their completions only); remove it or give a stage objective: dpo, orpo, simpo or kto")
         for i, stage in enumerate(self.stages):
             where = f"stages.{i} ('{stage.name}')"
             if stage.objective == "grpo" and stage.rl is not None and stage.rl.beta > 0 and not self.lora.enabled:
