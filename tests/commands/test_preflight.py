@@ -255,3 +255,18 @@ def test_a_video_curriculum_s_stages_count_their_video_tokens_and_a_budget_over_
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(tree))
     again = preflight(load_recipe(tmp_path / "r.yaml"), config, num_gpus=1, gpu_memory_gb=80)
     assert "  stage 'short' data: 8 rows" in again  # the videos fit; rows over 64 tokens in all are dropped as usual
+
+
+def test_a_kto_stage_is_scanned_with_its_labels_and_counts_each_row_s_kl_side(tmp_path: Path) -> None:
+    """A kto stage's rows carry a true/false label (read as a kto stage reads them, not refused as rows), its
+    micro-batch holds each row and its KL side, and its reference pass is costed."""
+    from toolkit.builtin.dummy_data import write_dummy_files
+
+    run = tmp_path / "run"
+    write_dummy_files(run / "dummy_data", 16, seed=0, vision=False)
+    recipe = load_recipe(REPO / "recipes" / "sft_then_kto.yaml", [f"output_dir={run}"])
+    report = preflight(recipe, REPO / "accelerate_configs" / "zero3.yaml", num_gpus=2, gpu_memory_gb=80)
+    lines = report.split("stage data (tokens per row):")[1].splitlines()
+    assert lines[2].startswith("  kto: 16 rows, p50"), lines
+    assert "  kto: kto reference of the policy as it enters the stage, at the stage's first step" in report
+    assert "  kto  micro batch 2 rows (4 sequences with their KL sides) x 96 tokens" in report, report

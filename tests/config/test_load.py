@@ -551,7 +551,20 @@ def test_gates_bind_their_evals_to_checkpoints() -> None:
      "difficulty.by is chosen_loss: name the scorer with difficulty.model: base or current"),
     (["stages.0.objective=dpo", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: margin, model: org/scorer}"],
      "difficulty.by is margin: name the scorer with difficulty.model: base or current"),
-    (["stages.0.objective=kto"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo', 'simpo' or 'grpo'"),
+    (["stages.0.objective=ppo"], "'stages.0.objective': Input should be 'sft', 'dpo', 'orpo', 'simpo', 'kto' or "
+     "'grpo'"),
+    (["stages.0.objective=kto", "stages.0.preference={loss: ipo}"], "preference.loss is set but a kto stage's loss is "
+     "KTO's"),
+    (["stages.0.objective=dpo", "stages.0.preference={desirable_weight: 1.3}"], "preference.desirable_weight is set "
+     "but the stage's objective is dpo; only kto stages"),
+    (["stages.0.objective=kto", "stages.0.preference={undesirable_weight: -1}"],
+     "'stages.0.preference.undesirable_weight'"),
+    (["stages.0.objective=kto", "stages.0.preference={reference: base}", "lora.enabled=false"],
+     "preference.reference is base (the model with its LoRA adapter off) but lora.enabled is false"),
+    (["stages.0.objective=kto", "stages.0.order=easy_to_hard", "stages.0.difficulty={by: margin, model: current}"],
+     "difficulty.by margin on a kto stage is not supported"),
+    (["stages.0.objective=kto", "train.micro_batch_size=1"], "a kto stage's micro_batch_size is 1, so each row's "
+     "KL side would be the row itself"),
     (["stages.0.preference={beta: 0.2}"], "preference is set but the stage's objective is sft"),
     (["stages.0.objective=dpo", "stages.0.preference={beta: 0}"], "'stages.0.preference.beta'"),
     (["stages.0.objective=dpo", "stages.0.preference={loss: [sigmoid, dpo]}"], "'stages.0.preference.loss.1'"),

@@ -504,7 +504,8 @@ def test_registry_ranking_entries_load_as_pairs(tmp_path: Path, models: dict[str
                                            r"in a preference stage: set the stage's objective: dpo"):
         load_stage(dataclasses.replace(stage, objective="sft", entries=(entry("dpo_en_demo"),)), recipe.data, stores)
     with pytest.raises(ToolkitError, match=r"entry 'kto' is a KTO dataset \(kto_tag\), which is not supported.*"
-                       r"TRL's KTOTrainer \(from trl import KTOTrainer\)"):
+                       r"TRL's unpaired rows \(prompt, completion, a true/false label\) to a stage with "
+                       r"objective: kto"):
         load_stage(dataclasses.replace(stage, entries=(entry("kto"),)), recipe.data, stores)
 
 

@@ -70,6 +70,10 @@ REFUSED2 = {
     # TRL's prompt-only rows train in an RL stage (tests/data/test_prompts.py); as SFT rows they have no answer
     "trl_prompt_only.jsonl": r"trl_prompt_only.jsonl:2: the row has a 'prompt' and no 'completion': TRL's "
                              r"prompt-only rows train in an RL stage \(objective: grpo\)",
+    # TRL's unpaired preference rows train in a kto stage (tests/data/test_kto_rows.py); as SFT rows they would
+    # learn the undesirable completions
+    "trl_unpaired_preference.jsonl": r"trl_unpaired_preference.jsonl:1: the row has a true/false 'label' \(KTO "
+                                     r"preference data\), which is not supported in a stage of rows.*objective: kto",
 }
 ROWS_TRAIN = {**TRAINS, **ROUND2}
 ALL_REFUSED = {**REFUSED, **REFUSED2}

@@ -283,6 +283,10 @@ case("data-vision-pair-image-in-answer")(lambda c: c.train(
     "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
     rows=[dict(VISION_PAIR, rejected=[{"role": "assistant", "content": "<image>Blue."}])]))
 case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
+case("data-kto-no-label")(lambda c: c.train("stages.0.objective=kto", rows=[
+    {"prompt": "2 + 2?", "completion": " 4.", "label": True}, {"prompt": "2 + 2?", "completion": " 5."}]))
+case("data-kto-label-not-boolean")(lambda c: c.train("stages.0.objective=kto", rows=[
+    {"prompt": "2 + 2?", "completion": " 4.", "label": "good"}]))
 GRPO = ("stages.0.objective=grpo", "stages.0.rewards=[{scorer: contains}]")
 RL = "stages.0.rl={num_generations: 2, max_completion_length: 16}"
 PROMPT = {"prompt": [{"role": "user", "content": "2 + 2?"}], "reference": "4"}

@@ -401,3 +401,40 @@ def train_on_files(strategy: str, num_processes: int, out: Path, recipe: Path, *
     output = log.read_text()
     assert code == 0, f"{strategy} failed (rc={code}):\n{output[-6000:]}"
     return output
+
+
+KTO_RECIPE = "recipes/sft_then_kto.yaml"
+KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins")
+
+
+@pytest.mark.timeout(600)
+def test_a_kto_stage_trains_alike_on_1_and_2_processes(tmp_path: Path) -> None:
+    """Issue 51: recipes/sft_then_kto.yaml, SFT then KTO (on `dummy:kto`: TRL's unpaired rows, two desirable in
+    three, standard and conversational; undesirable_weight 1.5). The KL baseline is the global batch's,
+    all-reduced before the step's first forward: one process with 2 micro-batches per step and 2 processes under
+    DDP with one each give the same reference, losses, KL, TRL's metrics and final adapter (without the all-reduce
+    each rank would take its own micro-batch's baseline, and they differ). The stage's first step is the policy at
+    its reference: every reward is 0, and the loss is the batch's mean weight over 2."""
+    one, two = tmp_path / "one", tmp_path / "ddp"
+    first = train_forked("single", 1, one, recipe=KTO_RECIPE, dummy_samples=16)
+    assert "stage 'kto': entry-policy reference log-probs of 16 pairs" in first.stderr
+    train_forked("ddp", 2, two, "train.grad_accum=1", recipe=KTO_RECIPE, dummy_samples=16)
+    got, want = by_step(two), by_step(one)
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]
+    entry = want[4]
+    assert entry["rewards/chosen"] == entry["rewards/rejected"] == entry["kl"] == 0.0
+    assert entry["loss"] in {w / 2 for w in (1.0, 1.125, 1.25, 1.375, 1.5)}  # 4 rows of weight 1 or 1.5, halved
+    assert any(want[s]["kl"] > 0 for s in (5, 6))  # a baseline that is not clamped to 0 takes part
+    for step, r in want.items():
+        assert got[step]["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7), step
+        for key in KTO_METRICS:
+            if key in r:
+                assert got[step][key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), (step, key)
+    for name, arrays in references(one).items():
+        for key, value in arrays.items():
+            np.testing.assert_allclose(references(two)[name][key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+    a, b = final_adapter(two), final_adapter(one)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+    assert "| kto | kto (beta 0.1; desirable x1, undesirable x1.5; reference: the policy at the stage's entry) |" \
+        in (one / "final" / "README.md").read_text()

@@ -149,6 +149,29 @@ def write_dummy_pairs(out_dir: str | Path, num_samples: int, *, seed: int = 0) -
     return path
 
 
+def write_dummy_kto(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> Path:
+    """Write ``kto.jsonl``: ``num_samples`` unpaired rows for a kto stage (`dummy:kto`), TRL's `{prompt, completion,
+    label}`: the k-th pair of `_pair_row` gives its chosen answer (label true) for two k in three and its rejected
+    one (false) for the third, conversational, and every fourth row in the standard (string) shape; return its
+    path."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"kto-{seed}")
+    rows = []
+    for k in range(num_samples):
+        pair = _pair_row(rng)
+        desirable = k % 3 != 2
+        prompt, completion = pair["prompt"], pair["chosen" if desirable else "rejected"]
+        if k % 4 == 3:  # standard: the texts alone
+            prompt, completion = prompt[0]["content"], " " + completion[0]["content"]
+        rows.append({"prompt": prompt, "completion": completion, "label": desirable})
+    path = out / "kto.jsonl"
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 # --- RL prompts with references: a task the tiny random model can learn --------------------------------------------
 
 LETTERS_BY_FREQUENCY = "etaoinshrdlcumwfgypbvkjxqz"
@@ -360,6 +383,7 @@ def write_dummy_vl_video(out_dir: str | Path, num_samples: int, *, seed: int = 0
 DUMMY_PREFIX = "dummy:"
 """A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
 DUMMY_PAIRS = DUMMY_PREFIX + "pairs"
+DUMMY_KTO = DUMMY_PREFIX + "kto"
 DUMMY_LETTERS = DUMMY_PREFIX + "letters"
 """The generated preference pairs (`write_dummy_pairs`), a preference stage's dummy data."""
 
@@ -367,15 +391,16 @@ DUMMY_LETTERS = DUMMY_PREFIX + "letters"
 def use_dummy_data(stages: list[StageConfig], *, vision: bool) -> None:
     """`--create_dummy_data`: stages not already on dummy data train on the generated files (image-text ones for a
     vision-language model), stage 1 on the first file, later stages on the second, a preference stage
-    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`) and an RL stage (grpo) on the letters
+    (objective dpo, orpo, simpo) on the pairs (`dummy:pairs`), a kto stage on unpaired rows (`dummy:kto`) and an RL
+    stage (grpo) on the letters
     (`dummy:letters`). Changes the recipe's stages, so the saved recipe.yaml
     names the files the run read."""
     first, second = ("dummy:vl_stage1", "dummy:vl_stage2") if vision else ("dummy:stage1", "dummy:stage2")
     for i, stage in enumerate(stages):
         if not all(path.startswith(DUMMY_PREFIX) for path in stage.paths):
             objective = getattr(stage, "objective", "sft")
-            chosen = DUMMY_LETTERS if objective == "grpo" else DUMMY_PAIRS if objective != "sft" else \
-                first if i == 0 else second
+            chosen = DUMMY_LETTERS if objective == "grpo" else DUMMY_KTO if objective == "kto" else \
+                DUMMY_PAIRS if objective != "sft" else first if i == 0 else second
             stage.data = [chosen]  # type: ignore[list-item]
 
 
@@ -385,6 +410,7 @@ def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: b
     write_dummy_data(dummy_dir, num_samples, seed=seed)
     write_dummy_facts(dummy_dir, num_samples)
     write_dummy_pairs(dummy_dir, num_samples, seed=seed)
+    write_dummy_kto(dummy_dir, num_samples, seed=seed)
     write_dummy_letters(dummy_dir, num_samples, seed=seed)
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)

@@ -45,17 +45,20 @@ def _builtin_config(name_or_path: str) -> Any:
 
 
 def scan_stage(entries: list[Any], tokenizer: Any, dummy_dir: Path, *, max_seq_len: int, train_on: str,
-               thinking: str = "auto", chat_template: str | None = None, pairs: bool = False) -> dict[str, Any]:
+               thinking: str = "auto", chat_template: str | None = None, pairs: bool = False,
+               kto: bool = False) -> dict[str, Any]:
     """Length statistics of a stage's rows, before any over-length policy (tokenised in memory, on every core).
     `chat_template`: the recipe's data.chat_template that `tokenizer` carries (named by refusals). `pairs`: a
     preference stage's, whose rows are pairs: each side is a sequence (counted as rows here), and `pairs` counts
-    them."""
+    them. `kto`: a kto stage's, whose rows carry a true/false label (each row counted once; its KL side, another
+    row's completion after its prompt, is about as long)."""
     from toolkit.data.encoding import TextEncoder
     from toolkit.data.sources import resolve_source
     from toolkit.data.stages import num_proc
     from toolkit.data.store import open_store
 
-    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template, pairs=pairs)
+    encoder = TextEncoder(tokenizer, train_on=train_on, thinking=thinking, chat_template=chat_template, pairs=pairs,
+                          kto=kto)
     processes = num_proc(DataConfig())
     stores = [open_store(resolve_source(e, dummy_dir), encoder, None, num_proc=processes, max_tokens=max_seq_len)
               for e in entries]  # the size guard: a row far over max_seq_len is counted over it, not tokenised whole
@@ -107,7 +110,8 @@ def stage_estimates(recipe: Recipe, config: Any, stages: list[ResolvedStage], *,
     `grad_ckpt`: checkpointed layers other than the recipe's (preflight's proposal)."""
     lora = recipe.lora.enabled
     return [estimate_all(config, num_gpus=num_gpus, lora_r=recipe.lora.r if lora else None, param_bytes=param_bytes,
-                         micro_batch=stage.micro_batch_size * (2 if stage.pairs else 1), seq_len=stage.max_seq_len,
+                         micro_batch=stage.micro_batch_size * (2 if stage.pairs or stage.kto else 1),
+                         seq_len=stage.max_seq_len,
                          grad_ckpt=recipe.model.gradient_checkpointing if grad_ckpt is None else grad_ckpt,
                          lora_targets=recipe.lora.target_modules, sp_size=sp_size,
                          loss_head=recipe.model.loss_head, loss_chunk_size=recipe.model.loss_chunk_size,
@@ -185,6 +189,12 @@ def scoring_passes(stages: list[Any]) -> list[str]:
             lines.append(f"  {stage.name}: dpo reference of {scorer}, at the stage's first step: one no-grad forward "
                          "over both sides of its train and eval pairs, about 1/3 of an epoch's training compute; "
                          "16 bytes per pair kept in <output_dir>/scores/ (float64 chosen and rejected log-probs)")
+        if stage.objective == "kto":
+            scorer = ("the model with its adapter off" if stage.preference is not None
+                      and stage.preference.reference == "base" else "the policy as it enters the stage")
+            lines.append(f"  {stage.name}: kto reference of {scorer}, at the stage's first step: one no-grad forward "
+                         "over each train row and its KL side; each step then runs one more no-grad forward of its "
+                         "rows and KL sides (the KL baseline); 16 bytes per row kept in <output_dir>/scores/")
     return ["scoring passes (difficulty by a model's score, a dpo stage's reference; toolkit/evals/scoring.py):",
             *lines] if lines else []
 
@@ -313,7 +323,8 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                  f"; GiB per GPU under {shown}{note}):"]
     for stage, rows in zip(stages, estimates, strict=True):
         est = rows[shown]
-        unit = f" pairs ({2 * stage.micro_batch_size} sequences)" if stage.pairs else ""
+        unit = (f" pairs ({2 * stage.micro_batch_size} sequences)" if stage.pairs else
+                f" rows ({2 * stage.micro_batch_size} sequences with their KL sides)" if stage.kto else "")
         per_stage.append(f"  {stage.name.ljust(width)}  micro batch {stage.micro_batch_size}{unit} x "
                          f"{stage.max_seq_len} tokens: activations {est['activations'] / GIB:.2f}, "
                          f"peak {est['total'] / GIB:.2f}"
@@ -360,7 +371,7 @@ def preflight(recipe: Recipe, accelerate_config: Path, *, num_gpus: int | None, 
                     continue
                 st = scan_stage(list(stage.entries), tokenizer, dummy_dir, max_seq_len=stage.max_seq_len,
                                 train_on=recipe.data.train_on, thinking=recipe.data.thinking,
-                                chat_template=recipe.data.chat_template, pairs=stage.pairs)
+                                chat_template=recipe.data.chat_template, pairs=stage.pairs, kto=stage.kto)
                 if stage.difficulty is not None and stage.difficulty.by in MODEL_MEASURES:
                     passes = 2 if stage.difficulty.by == "ifd" else 1
                     lines.append(f"  {stage.name}: its scoring pass runs {passes * st['tokens']} tokens forward "

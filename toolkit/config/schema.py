@@ -428,6 +428,10 @@ class AdvanceWhen(_Section):
 
 PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
 """Stage objectives that train on preference pairs (`stages[].objective`; the default, sft, trains on rows)."""
+KTO_OBJECTIVES = ("kto",)
+"""Stage objectives that train on unpaired feedback: TRL's `{prompt, completion, label}` rows (docs/preference.md)."""
+PAIR_ONLY_KEYS = ("loss", "loss_weights", "label_smoothing", "simpo_gamma")
+"""`preference` keys of pair losses, which a kto stage does not take."""
 
 
 class PreferenceConfig(_Section):
@@ -441,8 +445,12 @@ class PreferenceConfig(_Section):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Label noise of the robust loss, in [0, 0.5).")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin (simpo stages only).")
     reference: Literal["precompute", "base"] | None = Field(
-        None, description="precompute (default for dpo): the policy as it enters the stage; base: the model with "
-        "the LoRA adapter off. orpo and simpo take none.")
+        None, description="precompute (default for dpo and kto): the policy as it enters the stage; base: the model "
+        "with the LoRA adapter off. orpo and simpo take none.")
+    desirable_weight: float = Field(1.0, ge=0, description="kto: the weight of the desirable rows' losses "
+                                    "(TRL's KTOConfig.desirable_weight).")
+    undesirable_weight: float = Field(1.0, ge=0, description="kto: the weight of the undesirable rows' losses "
+                                      "(TRL's KTOConfig.undesirable_weight).")
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -700,6 +708,11 @@ def describe_objective(objective: str, pref: PreferenceConfig | None, rl: RlConf
     gamma and reference), or e.g. `grpo (dapo; 8 generations; beta 0; rewards: math)`."""
     if objective == "sft":
         return "sft"
+    if objective == "kto":
+        pref = pref or PreferenceConfig()
+        return (f"kto (beta {pref.beta:g}; desirable x{pref.desirable_weight:g}, undesirable "
+                f"x{pref.undesirable_weight:g}; reference: "
+                + ("the base model (adapter off))" if pref.reference == "base" else "the policy at the stage's entry)"))
     if objective == "grpo":
         rl = rl or RlConfig()
         named = ", ".join((r.scorer if isinstance(r.scorer, str) else str(r.scorer.get("kind")))
@@ -765,14 +778,15 @@ class StageConfig(_Section):
                                                           "(default: eval.generation).")
     advance_when: AdvanceWhen | None = Field(None, description="Mastery gate: end the stage once an eval metric "
                                              "reaches a threshold (max_steps / epochs stay the ceiling).")
-    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = Field(
-        "sft", description="What the stage trains: sft on rows, dpo / orpo / simpo on preference pairs, or grpo "
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = Field(
+        "sft", description="What the stage trains: sft on rows, dpo / orpo / simpo on preference pairs, kto on "
+        "unpaired rows marked desirable or not (TRL's prompt, completion, label), or grpo "
         "(GRPO / DAPO / Dr. GRPO by rl.loss_type) on prompts with rewards.")
     rl: RlConfig | None = Field(None, description="A grpo stage's settings, TRL's GRPOConfig names and defaults.")
     rewards: list[RewardConfig] | None = Field(None, description="A grpo stage's rewards: [{scorer, weight}], "
                                                "summed with their weights.")
-    preference: PreferenceConfig | None = Field(None, description="A dpo / orpo / simpo stage's loss and reference "
-                                                "(default: sigmoid, beta 0.1, reference precompute).")
+    preference: PreferenceConfig | None = Field(None, description="A dpo / orpo / simpo / kto stage's loss and "
+                                                "reference (default: sigmoid, beta 0.1, reference precompute).")
 
     @model_validator(mode="after")
     def _consistent(self) -> StageConfig:
@@ -811,9 +825,20 @@ class StageConfig(_Section):
                              "perplexity, ifd (pairs: margin, chosen_loss), length or a field")
         if self.objective == "sft" and self.preference is not None:
             raise ValueError("preference is set but the stage's objective is sft; set objective: dpo (or orpo, "
-                             "simpo) or remove preference")
+                             "simpo, kto) or remove preference")
         pref = self.preference
-        if self.objective != "sft":
+        if pref is not None and self.objective == "kto":
+            given = [k for k in PAIR_ONLY_KEYS if k in pref.model_fields_set]
+            if given:
+                raise ValueError(f"preference.{given[0]} is set but a kto stage's loss is KTO's (TRL's KTOTrainer, "
+                                 "loss_type kto): it takes beta, desirable_weight, undesirable_weight and reference; "
+                                 f"remove {given[0]}")
+        elif pref is not None:
+            given = [k for k in ("desirable_weight", "undesirable_weight") if k in pref.model_fields_set]
+            if given:
+                raise ValueError(f"preference.{given[0]} is set but the stage's objective is {self.objective}; only "
+                                 "kto stages weigh desirable and undesirable rows")
+        if self.objective not in ("sft", "kto"):
             pair_losses(self.objective, pref)  # raises on a loss list the objective does not take
         if pref is not None and "simpo_gamma" in pref.model_fields_set and self.objective != "simpo":
             raise ValueError(f"preference.simpo_gamma is set but the stage's objective is {self.objective}; only "
@@ -1023,7 +1048,7 @@ class Recipe(_Section):
         data.completion_newline shapes pairs only, so a recipe without a preference stage refuses it."""
         if self.data.completion_newline and all(stage.objective == "sft" for stage in self.stages):
             raise ValueError("data.completion_newline is true but no stage trains on preference pairs (it shapes "
-                             "their completions only); remove it or give a stage objective: dpo, orpo or simpo")
+                             "their completions only); remove it or give a stage objective: dpo, orpo, simpo or kto")
         for i, stage in enumerate(self.stages):
             where = f"stages.{i} ('{stage.name}')"
             how = stage.difficulty
@@ -1034,6 +1059,19 @@ class Recipe(_Section):
                 raise ValueError(f"{where}: rl.beta is {stage.rl.beta:g} but lora.enabled is false: the KL reference "
                                  "is a frozen copy of the LoRA adapter at the stage's entry, and a second copy of a "
                                  "fully fine-tuned model is not built; set rl.beta: 0 (TRL's default) or enable lora")
+            if stage.objective in KTO_OBJECTIVES:
+                if (stage.micro_batch_size or self.train.micro_batch_size) < 2:
+                    raise ValueError(f"{where}: a kto stage's micro_batch_size is 1, so each row's KL side would be "
+                                     "the row itself (the KL baseline its own reward; TRL refuses it too): give the "
+                                     "stage micro_batch_size: 2 or more")
+                if stage.preference is not None and stage.preference.reference == "base" and not self.lora.enabled:
+                    raise ValueError(f"{where}: preference.reference is base (the model with its LoRA adapter off) "
+                                     "but lora.enabled is false; use reference: precompute")
+                if stage.difficulty is not None and stage.difficulty.by in SCORED_MEASURES:
+                    raise ValueError(f"{where}: difficulty.by {stage.difficulty.by} on a kto stage is not supported "
+                                     "(a model's scores of its rows are not built for kto); order its rows by length "
+                                     "or a row field")
+                continue
             if stage.objective not in PREFERENCE_OBJECTIVES:
                 if stage.difficulty is not None and stage.difficulty.by in PAIR_MEASURES:
                     raise ValueError(f"{where}: difficulty.by {stage.difficulty.by} scores preference pairs, and "

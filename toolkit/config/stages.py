@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from toolkit.config.schema import (
+    KTO_OBJECTIVES,
     LORA_KEYWORD,
     PREFERENCE_OBJECTIVES,
     RL_OBJECTIVES,
@@ -68,6 +69,12 @@ class ResolvedStage:
     def prompts(self) -> bool:
         """Whether the stage trains on prompts by RL (objective grpo): its rows are prompts with their columns."""
         return self.objective in RL_OBJECTIVES
+
+    @property
+    def kto(self) -> bool:
+        """Whether the stage trains KTO on unpaired rows marked desirable or not (its rows carry a `label`): each row
+        with its KL side, batched and referenced as pairs are (toolkit/data/plan.py KtoRows)."""
+        return self.objective in KTO_OBJECTIVES
 
     @property
     def pairs(self) -> bool:

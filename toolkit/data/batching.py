@@ -182,7 +182,9 @@ class StageBatches:
                                        end=stage.plan.steps, micro_batch_size=stage.plan.micro_batch,
                                        world_size=self.place.dp_size, grad_accum=self.accum,
                                        group_by_length=self.group_by_length)
-            collate = pair_collator(self.collate) if stage.resolved.pairs else self.collate  # pairs: two sides each
+            # pairs (and kto rows, each with its KL side): two sides each
+            kto = getattr(stage.resolved, "kto", False)
+            collate = pair_collator(self.collate) if stage.resolved.pairs or kto else self.collate
             self._it = iter(stage_loader(self.accelerator, stage.data.samples, sampler, collate,
                                          num_workers=self.num_workers, seed=(stage.index << 32) + step_in_stage,
                                          place=self.place))

@@ -301,6 +301,8 @@ class PairCollator:
         vision = isinstance(self.inner, VLCollator)
         batch = dict(self.inner(samples, share=True) if vision else self.inner(samples))
         batch["pair_index"] = [int(row["pair_index"]) for row in rows]
+        if rows and "desirable" in rows[0]:  # a kto stage's rows (toolkit/data/plan.py KtoRows): their labels
+            batch["desirable"] = [bool(row["desirable"]) for row in rows]
         return batch
 
 

@@ -477,6 +477,22 @@ REFUSED_ROW_KEYS = {
 """Row keys that would change what trains but that no row shape reads: refused, never dropped."""
 
 
+KTO_LABEL = "_desirable"
+"""Where a kto stage's row carries its `label` once read (toolkit/data/sources.py `kto_row`), to the store."""
+
+
+def kto_label(row: dict[str, Any], where: str) -> bool:
+    """A kto stage's row's desirable (true) / undesirable (false) mark, TRL's `label`; one line when it is missing or
+    not a boolean."""
+    if "label" not in row or row["label"] is None:
+        raise ToolkitError(f"{where}: a kto stage's row needs 'label': true (a desirable completion) or false (an "
+                           f"undesirable one), TRL's unpaired preference shape; the row has keys {sorted(row)}.")
+    if not isinstance(row["label"], bool):
+        raise ToolkitError(f"{where}: 'label' is {row['label']!r}, but a kto stage's label must be true or false "
+                           "(JSON booleans: desirable or undesirable); write true / false.")
+    return row["label"]
+
+
 def _present(row: dict[str, Any], key: str) -> bool:
     return row.get(key) is not None  # a null column of a mixed-shape table is no key at all
 
@@ -490,9 +506,9 @@ def row_shape(row: dict[str, Any], where: str, *, vision: bool = False) -> str:
             raise ToolkitError(f"{where}: the row has '{key}': {why}.")
     if isinstance(row.get("label"), bool):  # KTO's desirable / undesirable mark (another 'label' is an extra)
         raise ToolkitError(f"{where}: the row has a true/false 'label' (KTO preference data), which is not "
-                           "supported: rows train supervised, so an undesirable answer would be learned; train "
-                           "unpaired KTO with TRL's KTOTrainer (from trl import KTOTrainer) or LLaMA-Factory's "
-                           "stage: kto, or keep only rows to learn, without the label.")
+                           "supported in a stage of rows: they train supervised, so an undesirable answer would be "
+                           "learned; train it in a stage with objective: kto (docs/preference.md), or keep only rows "
+                           "to learn, without the label.")
     shapes = [name for name, keys in SHAPES.items() if any(_present(row, k) for k in keys)]
     if len(shapes) > 1:
         keys = [k for name in shapes for k in SHAPES[name] if _present(row, k)]
@@ -542,6 +558,7 @@ class EncodedBatch:
     images: list[list[str]] | None = None
     grids: list[list[list[int]]] | None = None
     capped: dict[int, int] = field(default_factory=dict)  # rows cut by the size guard: row -> its characters
+    desirable: list[bool | None] | None = None  # a kto stage's rows: each row's true/false `label` (None: unread)
 
     @classmethod
     def join(cls, parts: Sequence[EncodedBatch]) -> EncodedBatch:
@@ -556,7 +573,9 @@ class EncodedBatch:
                    [i for p in parts for i in p.images or []] if vision else None,
                    [g for p in parts for g in p.grids or []] if vision else None,
                    {int(start) + r: c for start, p in zip(np.cumsum([0, *(len(p.lengths) for p in parts)])[:-1],
-                                                          parts, strict=True) for r, c in p.capped.items()})
+                                                          parts, strict=True) for r, c in p.capped.items()},
+                   [d for p in parts for d in (p.desirable if p.desirable is not None else [None] * len(p.lengths))]
+                   if any(p.desirable is not None for p in parts) else None)
 
     def sample(self, i: int) -> dict[str, Any]:
         """Row i as a sample: `input_ids` and `labels` lists (and its images and grids)."""
@@ -583,14 +602,15 @@ class TextEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, train_on: str, thinking: str = "auto",
                  chat_template: str | None = None, empty_answers: str = "error", pairs: bool = False,
-                 completion_newline: bool = False, renderer: str = "auto") -> None:
+                 completion_newline: bool = False, renderer: str = "auto", kto: bool = False) -> None:
         self.tokenizer, self.train_on, self.thinking = tokenizer, train_on, thinking
         self.renderer = renderer  # data.renderer: 'auto' (direct where the template is a stock one) or 'jinja'
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             chosen_renderer(tokenizer.chat_template, renderer)  # said once, in the process that builds the encoder
         self.pairs = pairs  # a preference stage's: each source row is a pair, stored as its chosen and rejected rows
         # data.completion_newline (pairs only): a trained turn also trains the newline its template writes after it
-        self.completion_newline = completion_newline and pairs
+        self.completion_newline = completion_newline and (pairs or kto)
+        self.kto = kto  # a kto stage's: each source row carries a true/false `label`, stored beside its tokens
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
@@ -600,6 +620,7 @@ class TextEncoder:
         return {"kind": "text", "train_on": self.train_on, "thinking": self.thinking,
                 **({"empty_answers": self.empty_answers} if self.empty_answers != "error" else {}),
                 **({"pairs": True} if self.pairs else {}),
+                **({"kto": True} if self.kto else {}),
                 **({"completion_newline": True} if self.completion_newline else {}),
                 **({"renderer": "jinja"} if self.renderer == "jinja" else {})}  # forced: its own store
 
@@ -676,7 +697,8 @@ class TextEncoder:
             np.concatenate(ids_parts).astype(np.int32) if ids_parts else np.zeros(0, np.int32),
             np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
             np.array([len(i) for i in ids_parts], dtype=np.int64), np.array(numbers, dtype=np.int64),
-            [row.get("difficulty") for row in rows], capped=capped)
+            [row.get("difficulty") for row in rows], capped=capped,
+            desirable=[row.get(KTO_LABEL) for row in rows] if self.kto else None)
 
     def _render(self, row: dict[str, Any], where: str) -> tuple[str, list[tuple[int, int]], bool]:
         """(rendering, character spans of the turns that train, whether spans are {% generation %} blocks)."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.atomic import write_atomic
-from toolkit.data.encoding import DataStats, overlength_message
+from toolkit.data.encoding import IGNORE_INDEX, DataStats, overlength_message
 from toolkit.data.packing import pack_best_fit_decreasing, pack_row
 from toolkit.data.pairs import PairStats, fit_pair
 from toolkit.data.sources import oversize_message
@@ -338,6 +338,64 @@ class PairRows(Sequence[dict[str, Any]]):
         if not -len(self) <= k < len(self):
             raise IndexError(k)
         return packed_row(list(self.sides(int(k) % len(self))))
+
+
+def kl_partner(k: int, rows: int, chunk: int) -> int:
+    """Of `rows` rows in chunks of `chunk`, the row whose completion row k's KL side takes: the previous one in its
+    chunk, the chunk's last for its first (TRL's `[completions[-1]] + completions[:-1]` per batch)."""
+    start = k - k % chunk
+    end = min(start + chunk, rows)
+    return end - 1 if k == start else k - 1
+
+
+class KtoRows(Sequence[dict[str, Any]]):
+    """One source's kept rows for a kto stage (a kto store, whose rows carry their `desirable` label, and its
+    `select_rows` selection): item k is kept row k as one packed row of two sides, the row itself then its KL side,
+    which the stage's pair machinery treats as a pair (`pairs`: the pair collator, the reference pass over
+    `PairSides`, `pair_index`). The KL side is the row's prompt with another row's completion, spliced as token ids
+    as TRL's KTOTrainer splices them (`prompt_ids + KL_completion_ids`): TRL rotates the completions by one within
+    each chunk of `per_device_train_batch_size` rows of the dataset, (x1, y1) ... (xn, yn) -> (x1, yn), (x2, y1),
+    ..., (xn, yn-1); here within each chunk of `chunk` (the stage's micro_batch_size) kept rows of the source, so
+    rows in their file order batch exactly as TRL's sequential sampler batches them. A KL side over the limit loses
+    its completion's end (TRL's right truncation)."""
+
+    pairs = True
+
+    def __init__(self, store: Store, selection: Selection, *, chunk: int, difficulty: np.ndarray | None = None
+                 ) -> None:
+        if store.desirable is None:
+            raise ValueError(f"{store.source.name}: not a kto store (its rows carry no label)")
+        self.store, self.selection, self.chunk = store, selection, max(int(chunk), 1)
+        self.bins: tuple[np.ndarray, np.ndarray] | None = None
+        self.difficulty = difficulty
+        self.lengths = selection.lengths
+        self.desirable = store.desirable[selection.index].astype(bool)
+
+    def __len__(self) -> int:
+        return len(self.selection.index)
+
+    def partner(self, k: int) -> int:
+        """The kept row whose completion row k's KL side takes (`kl_partner`)."""
+        return kl_partner(k, len(self), self.chunk)
+
+    def sides(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Kept row k (`input_ids`, `labels`, cut to the selection's limit) and its KL side."""
+        limit = self.selection.limit
+        own = self.store.sample(int(self.selection.index[k]), limit)
+        other = self.store.sample(int(self.selection.index[self.partner(k)]), limit)
+        cut = next(i for i, y in enumerate(own["labels"]) if y != IGNORE_INDEX)  # the prompt's tokens
+        at = next(i for i, y in enumerate(other["labels"]) if y != IGNORE_INDEX)
+        kl = {"input_ids": (own["input_ids"][:cut] + other["input_ids"][at:])[:limit],
+              "labels": ([IGNORE_INDEX] * cut + other["labels"][at:])[:limit]}
+        return own, kl
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        k = int(k) % len(self)
+        return {**packed_row(list(self.sides(k))), "desirable": bool(self.desirable[k])}
 
 
 class PairSides(Sequence[dict[str, Any]]):

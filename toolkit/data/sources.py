@@ -47,6 +47,7 @@ from toolkit.atomic import read_own_text, write_atomic
 from toolkit.builtin.dummy_data import DUMMY_PREFIX
 from toolkit.config.schema import TAG_KEYS
 from toolkit.config.schema import DataEntry as Entry
+from toolkit.data.encoding import KTO_LABEL, kto_label
 from toolkit.data.pairs import pair_rows
 from toolkit.data.roles import SAMPLE_ROWS, file_roles, flat_message, is_turns
 from toolkit.data.shapes import holds_content, message_trees, threads, to_messages
@@ -217,9 +218,10 @@ def resolve_registry(entry: Entry) -> tuple[Entry, dict[str, Any]]:
     if not isinstance(columns, dict) or not isinstance(tags, dict):
         raise ToolkitError(f"{here}: columns and tags must be objects.")
     if "kto_tag" in columns or "kto_tag" in tags:
-        raise ToolkitError(f"{here} is a KTO dataset (kto_tag), which is not supported: rows train supervised, so "
-                           "an undesirable answer would be learned; train KTO with LLaMA-Factory's stage: kto or TRL's "
-                           "KTOTrainer (from trl import KTOTrainer), or use an SFT dataset.")
+        raise ToolkitError(f"{here} is a KTO dataset (kto_tag), which is not supported: LLaMA-Factory's KTO "
+                           "entries are not read (rows would train supervised, learning the undesirable answers); "
+                           "give the file as TRL's unpaired rows (prompt, completion, a true/false label) to a stage "
+                           "with objective: kto, or use an SFT dataset.")
     if info.get("num_samples") is not None:
         raise ToolkitError(f"{here} has num_samples, which is not supported (it samples the dataset); cut the file "
                            "to the rows to train.")
@@ -486,14 +488,24 @@ def _jsonl_piece_bytes(per_row: int, target_rows: int) -> int:
     return max(1 << 16, per_row * target_rows)
 
 
-def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None, *, pairs: bool = False
-               ) -> tuple[list[dict[str, Any] | Oversize], list[int]]:
+def kto_row(row: dict[str, Any], source: Source, where: str) -> list[dict[str, Any]]:
+    """A kto stage's row (TRL's `prompt`, `completion`, `label`; standard or conversational) as one row of the
+    toolkit's shapes, its label kept under KTO_LABEL (a missing or non-boolean label refused in one line)."""
+    desirable = kto_label(row, where)
+    got = threads(to_messages({k: v for k, v in row.items() if k != "label"}, source, where))
+    if len(got) != 1:
+        raise ToolkitError(f"{where}: a kto stage's row must be one completion; this row holds {len(got)} threads.")
+    return [{**got[0], KTO_LABEL: desirable}]
+
+
+def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None = None, *, pairs: bool = False,
+               kto: bool = False) -> tuple[list[dict[str, Any] | Oversize], list[int]]:
     """The rows of a piece, mapped to the toolkit's shapes (`to_messages`), and their numbers (JSON Lines: line
     numbers; else 1-based row numbers in the file). A malformed row is an error naming it. `max_chars` (the size
     guard's limit, asked only of a line over ROW_BYTES_FLOOR) caps a JSON Lines row's (a table row's) bytes: a row over
     `row_byte_cap` comes as an `Oversize`, unread. With `pairs` (a preference stage) each row is a pair and comes
     as two rows, its chosen and its rejected one (`toolkit.data.pairs.pair_rows`), both with the row's number (an
-    Oversize twice)."""
+    Oversize twice). With `kto` (a kto stage) each row carries a true/false `label`, read apart (`kto_row`)."""
     rows: list[dict[str, Any] | Oversize] = []
     numbers = []
     raw = raw_rows(source, piece, max_chars)
@@ -515,7 +527,7 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         else:
             if not isinstance(row, dict):  # a bare list of turns is the row's chat (toolkit/data/roles.py)
                 row = {"messages": row}
-            got = (list(pair_rows(row, source, where)) if pairs
+            got = (list(pair_rows(row, source, where)) if pairs else kto_row(row, source, where) if kto
                    else threads(to_messages(row, source, where, roles=roles)))
         rows += got
         numbers += [number] * len(got)

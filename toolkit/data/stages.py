@@ -19,6 +19,7 @@ from toolkit.config.stages import ResolvedStage
 from toolkit.data.encoding import NOT_READ, TextEncoder
 from toolkit.data.plan import (
     STORE_MEASURES,
+    KtoRows,
     PairRows,
     Selection,
     SourceRows,
@@ -101,10 +102,15 @@ def store_checksums(training_sets: list[TrainingSet], eval_rows: list[Any]) -> d
     return dict(sorted(out.items()))
 
 
-def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pairs: bool = False) -> Any:
+def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pairs: bool = False,
+                kto: bool = False) -> Any:
     """What turns the run's rows into tokens: the text encoder, or for a vision-language model (`processor`
     given) the processor's encoder. With `pairs`, a preference stage's: each source row a pair, stored as its
-    chosen and rejected rows (a vision pair's images on both, toolkit/data/pairs.py)."""
+    chosen and rejected rows (a vision pair's images on both, toolkit/data/pairs.py). With `kto`, a kto stage's:
+    each row stored with its true/false `label` (text only: kto rows with images are not built)."""
+    if kto and processor is not None:
+        raise ToolkitError("A kto stage on a vision-language model: kto rows with images or video are not built "
+                           "yet; train the kto stage on a text model, or use a dpo, orpo or simpo stage of pairs.")
     if processor is not None:
         from toolkit.data.frames import VideoSettings
         from toolkit.data.vision import VLEncoder, tokens_per_second
@@ -116,7 +122,7 @@ def row_encoder(data: DataConfig, tokenizer: Any, processor: Any | None, *, pair
                          pairs=pairs)
     return TextEncoder(tokenizer, train_on=data.train_on, thinking=data.thinking, chat_template=data.chat_template,
                        empty_answers=data.empty_answers, pairs=pairs, completion_newline=data.completion_newline,
-                       renderer=data.renderer)
+                       renderer=data.renderer, kto=kto)
 
 
 def num_proc(data: DataConfig) -> int:
@@ -141,23 +147,29 @@ class Stores:
     row far longer than it is stored cut (see toolkit/data/store.py, the size guard)."""
 
     def __init__(self, encoder: Any, dummy_dir: Path, cache: Path | None, processes: int,
-                 max_tokens: int | None = None, pair_encoder: Any = None) -> None:
+                 max_tokens: int | None = None, pair_encoder: Any | None = None, kto_encoder: Any | None = None
+                 ) -> None:
         self.encoder, self.dummy_dir, self.cache, self.processes = encoder, dummy_dir, cache, processes
         self.max_tokens = max_tokens
         self.pair_encoder = pair_encoder
-        self._open: dict[tuple[DataEntry, bool], Store] = {}
+        self.kto_encoder = kto_encoder  # a kto stage's rows, each with its label (None: refused when asked for)
+        self._open: dict[tuple[DataEntry, bool | str], Store] = {}
 
-    def __call__(self, entry: DataEntry, *, pairs: bool = False) -> Store:
-        if (entry, pairs) not in self._open:
-            encoder = self.encoder if not pairs else self.pair_encoder
+    def __call__(self, entry: DataEntry, *, pairs: bool = False, kto: bool = False) -> Store:
+        mode: bool | str = "kto" if kto else pairs
+        if (entry, mode) not in self._open:
+            encoder = self.kto_encoder if kto else self.encoder if not pairs else self.pair_encoder
+            if encoder is None:
+                raise ToolkitError(f"{entry.name}: a kto stage on a vision-language model: kto rows with images or "
+                                   "video are not built yet; use a dpo, orpo or simpo stage of pairs.")
             source = resolve_source(entry, self.dummy_dir)
             if hasattr(encoder, "with_video"):  # a VL encoder: frames beside the stores, the entry's video settings
                 if encoder.frame_store is None and self.cache is not None:
                     encoder.frame_store = self.cache / "frames"
                 encoder = encoder.with_video(dict(entry.video), f"{entry.name}: video")
-            self._open[entry, pairs] = open_store(source, encoder, self.cache, num_proc=self.processes,
-                                                  max_tokens=self.max_tokens)
-        return self._open[entry, pairs]
+            self._open[entry, mode] = open_store(source, encoder, self.cache, num_proc=self.processes,
+                                                 max_tokens=self.max_tokens)
+        return self._open[entry, mode]
 
 
 def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, processor: Any | None,
@@ -165,8 +177,10 @@ def run_stores(stages: list[ResolvedStage], data: DataConfig, tokenizer: Any, pr
     """The stores of a run's stages: its encoder (`row_encoder`), cache and processes, and the size guard's cap (the
     longest max_seq_len of the stages)."""
     pair_encoder = row_encoder(data, tokenizer, processor, pairs=True)
+    kto_encoder = None if processor is not None else row_encoder(data, tokenizer, None, kto=True)
     return Stores(row_encoder(data, tokenizer, processor), dummy_dir, cache, num_proc(data),
-                  max_tokens=max((s.max_seq_len for s in stages), default=None), pair_encoder=pair_encoder)
+                  max_tokens=max((s.max_seq_len for s in stages), default=None), pair_encoder=pair_encoder,
+                  kto_encoder=kto_encoder)
 
 
 def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> TrainingSet:
@@ -189,7 +203,7 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
     measure = STORE_MEASURES.get(by or "field", kept_difficulty)
     picked = []
     for entry in stage.entries:
-        store = stores(entry, pairs=stage.pairs)
+        store = stores(entry, pairs=stage.pairs, kto=stage.kto)
         check_frame_budget(stage, store)
         if stage.pairs:
             selection = select_pairs(store, max_seq_len=stage.max_seq_len, overlength=data.overlength,
@@ -213,9 +227,10 @@ def load_stage(stage: ResolvedStage, data: DataConfig, stores: Stores) -> Traini
         masks = drop_by_difficulty(keys, easiest=stage.drop.easiest, hardest=stage.drop.hardest)
         picked = [(store, kept_subset(sel, keep), None if v is None else v[keep])
                   for (store, sel, v), keep in zip(picked, masks, strict=True)]
-    parts: list[SourceRows | PairRows] = [
+    parts: list[SourceRows | PairRows | KtoRows] = [
         PairRows(store, selection, difficulty=values if ordered else None) if stage.pairs else
-        SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
+        KtoRows(store, selection, chunk=stage.micro_batch_size, difficulty=values if ordered else None) if stage.kto
+        else SourceRows(store, selection, packing=data.packing, difficulty=values if ordered else None)
         for store, selection, values in picked]
     rows = training_set(parts, needs_difficulty=ordered)
     if scored_drop and stage.drop is not None:
@@ -295,8 +310,8 @@ def unread_keys_summary(stage: ResolvedStage, stores: Stores) -> str | None:
     unread: Counter[str] = Counter()
     notes: Counter[str] = Counter()
     for entry in stage.entries:
-        unread.update(stores(entry, pairs=stage.pairs).unread_keys)
-        notes.update(stores(entry, pairs=stage.pairs).notes)
+        unread.update(stores(entry, pairs=stage.pairs, kto=stage.kto).unread_keys)
+        notes.update(stores(entry, pairs=stage.pairs, kto=stage.kto).notes)
     lines = []
     if unread:
         lines.append(f"stage '{stage.name}' data: messages carry keys not read: "

@@ -2,7 +2,8 @@
 maps read-only.
 
 A store holds, per row of the source: `input_ids` (int32) and `mask` (uint8, 1 where the token carries loss),
-`length`, `label_tokens`, the row's `number` and `file` in its source (for errors), `difficulty`, and for vision-
+`length`, `label_tokens`, the row's `number` and `file` in its source (for errors), `difficulty`, a kto store's
+`desirable` (each row's true/false `label`), and for vision-
 language rows the image paths, their grids and how many leading tokens may not be cut. It is the full encoding,
 before any length policy: `max_seq_len`, `overlength`, packing and ordering are index arrays computed from its
 columns (toolkit/data/plan.py), so stages with other lengths share it. Ranks share its pages; what a rank keeps
@@ -170,6 +171,8 @@ class Store:
         self.bad_difficulty = {int(self.starts[k]) + j: value for k, b in enumerate(batches)
                                for j, value in _non_null(b.column("bad_difficulty"))}
         self.has_difficulty = bool(batches) and any(b.column("difficulty").null_count < b.num_rows for b in batches)
+        # a kto store's (toolkit/data/encoding.py `kto_label`): 1 desirable, 0 undesirable, -1 unread; else None
+        self.desirable = col("desirable", np.int8) if "desirable" in table.column_names else None
         self.vision = bool(batches) and "images" in table.column_names
         if self.vision:
             self.uncuttable = col("uncuttable", np.int64)
@@ -421,7 +424,8 @@ def _encode_piece(piece: Piece) -> Encoded:
     source, encoder, max_tokens = _WORK
     guard = SizeGuard(encoder, max_tokens)  # its limit also caps a JSON Lines row's bytes (sources.row_byte_cap)
     pairs = bool(getattr(encoder, "pairs", False))  # two rows per source row: its chosen and rejected sides
-    got, numbers = read_piece(source, piece, None if max_tokens is None else lambda: guard.limit or 0, pairs=pairs)
+    got, numbers = read_piece(source, piece, None if max_tokens is None else lambda: guard.limit or 0, pairs=pairs,
+                              kto=bool(getattr(encoder, "kto", False)))
     kw = {} if max_tokens is None else {"max_tokens": max_tokens}
 
     def encode(rows: list[dict[str, Any]], numbers: list[int]) -> EncodedBatch:
@@ -444,6 +448,8 @@ def _encode_piece(piece: Piece) -> Encoded:
                                           *((np.zeros(1, np.int64), [[]], [[]]) if vision else ())))
             run = r + 1
         batch = EncodedBatch.join(parts)
+    if getattr(encoder, "kto", False) and batch.desirable is None:  # every row unread: the column all the same
+        batch.desirable = [None] * len(batch.lengths)
     counted = rows[::2] if pairs else rows  # a pair's notes once, from its chosen side
     unread = dict(Counter(k for row in counted for k in unread_message_keys(row)))
     notes = dict(Counter(n for row in counted for n in row_notes(row, encoder.empty_answers)))
@@ -471,6 +477,8 @@ def record_batch(batch: EncodedBatch, file_index: int) -> pa.RecordBatch:
         "difficulty": pa.array(difficulty, pa.float64()),
         "bad_difficulty": pa.array(bad, pa.string()),
     }
+    if batch.desirable is not None:  # a kto store's labels: 1 desirable, 0 undesirable, -1 unread (over the cap)
+        columns["desirable"] = pa.array(np.array([-1 if d is None else int(d) for d in batch.desirable], np.int8))
     if batch.images is not None:
         columns["uncuttable"] = pa.array(np.asarray(batch.uncuttable, np.int32))
         columns["images"] = pa.array(batch.images, pa.list_(pa.string()))

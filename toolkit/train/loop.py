@@ -250,10 +250,10 @@ def enter_stage(run: Run, stage: Stage, step: int) -> int | None:
         distributed.finish_trackers(run.accelerator)
         return PREEMPTED_EXIT_CODE
     by = stage.resolved.difficulty.by if stage.resolved.difficulty is not None else None
-    if scored is not None or stage.resolved.objective == "dpo" or by == "pass_rate":
-        # The entry's scoring pass (a dpo stage's reference, a model's difficulty scores or a grpo stage's pass
-        # rates; read back on a resume) is not training: left out of the first step's tokens/s and step time, and
-        # recorded apart for the run page.
+    if scored is not None or stage.resolved.objective in ("dpo", "kto") or by == "pass_rate":
+        # The entry's scoring pass (a dpo or kto stage's reference, a model's difficulty scores or a grpo stage's
+        # pass rates; read back on a resume) is not training: left out of the first step's tokens/s and step time,
+        # and recorded apart for the run page.
         seconds = time.perf_counter() - started
         run.meter.exclude(seconds)
         run.log_record({**record_header(step, stage), "event": "stage_entry_pass", "seconds": round(seconds, 3)})

@@ -14,8 +14,9 @@ loss on preference pairs lives here, behind one small protocol:
   names in the step record.
 * `Objective.evaluate`: its eval rows under the policy now (None: the evaluator's own eval loss serves).
 
-Rows become batches on the data side: `stage.resolved.pairs` picks the pair collator (toolkit/data/batching.py),
-which the pair objective's `micro` reads (`pair_index`, two sides per pair).
+Rows become batches on the data side: `stage.resolved.pairs` (and `kto`) picks the pair collator
+(toolkit/data/batching.py), which the pair objective's `micro` reads (`pair_index`, two sides per pair; a kto
+stage's rows are each a row and its KL side, with `desirable`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from toolkit.data.batching import MicroBatch
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.evals.scoring import segment_ids
 from toolkit.strategies import sequence_parallel
+from toolkit.train.kto import KTO_SUMS, KtoSettings, kl_baseline, kto_losses, kto_metrics, kto_sums
 from toolkit.train.pair_stage import METRIC_SUMS, enter_pair_stage, evaluate_pairs, pair_micro_loss, pair_normalisers
-from toolkit.train.preference import global_normalisers
+from toolkit.train.preference import global_normalisers, policy_logps
 from toolkit.train.rl_stage import GrpoObjective
 
 
@@ -174,12 +176,89 @@ class PairObjective(_StageRows):
         return evaluate_pairs(run, model, stage)
 
 
-SFT, PAIR, GRPO = SftObjective(), PairObjective(), GrpoObjective()
-OBJECTIVES: tuple[Objective, ...] = (SFT, PAIR, GRPO)
+def kto_settings(stage: Stage) -> KtoSettings:
+    """A kto stage's beta and weights (`stages[].preference`; TRL's defaults where absent)."""
+    pref = stage.resolved.preference
+    if pref is None:
+        return KtoSettings()
+    return KtoSettings(beta=pref.beta, desirable_weight=pref.desirable_weight,
+                       undesirable_weight=pref.undesirable_weight)
+
+
+def _on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class _KtoLoss:
+    """A kto stage's step (toolkit/train/kto.py): the KL baseline and row count of the global batch, taken before
+    the first forward, then each micro-batch's rows' losses. A micro-batch holds each row and its KL side in pair
+    order (toolkit/data/plan.py KtoRows), `pair_index` (their references) and `desirable` (their labels)."""
+
+    dtype = torch.float64
+
+    def __init__(self, run: Any, stage: Stage, whole: Sequence[dict[str, Any]], divisor: int) -> None:
+        self.run, self.stage, self.settings = run, stage, kto_settings(stage)
+        device = run.accelerator.device
+        self.reference = run.pairs.train[stage.index]
+        self.segments = [segment_ids(b) for b in whole]  # on the host, as the pair step reads them
+        # The KL sides' log-ratios under the policy as it is now, without gradients (TRL's `_compute_kl_logps`
+        # runs under no_grad): every micro-batch's, so the baseline is the global batch's before any loss.
+        self.kl_ratios: list[torch.Tensor] = []
+        kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+        rows = 0
+        with torch.no_grad():
+            for b, segments in zip(whole, self.segments, strict=True):
+                batch = {k: v for k, v in b.items() if k not in ("pair_index", "desirable")}
+                index = b["pair_index"]
+                _, kl_side, _, _ = policy_logps(run.model, _on_device(batch, device), len(index), device, segments)
+                ratio = kl_side.double() - self.reference.of(index, device)[1]
+                self.kl_ratios.append(ratio)
+                kl_sum, rows = kl_sum + ratio.sum(), rows + len(index)
+        self.kl, self.rows = kl_baseline(run.accelerator, kl_sum, torch.tensor(float(rows)), divisor)
+        self.sums = torch.zeros(len(KTO_SUMS), dtype=torch.float64, device=device)
+
+    def micro(self, model: Any, j: int, batch: dict[str, Any]) -> torch.Tensor:
+        device = self.run.accelerator.device
+        batch = dict(batch)
+        index = batch.pop("pair_index")
+        desirable = torch.tensor(batch.pop("desirable"), dtype=torch.bool, device=device)
+        logps, _, _, _ = policy_logps(model, batch, len(index), device, self.segments[j])
+        ref = self.reference.of(index, device)[0]
+        self.sums += kto_sums(self.settings, logps, ref, desirable, self.kl_ratios[j])
+        return kto_losses(self.settings, logps, ref, desirable, self.kl).sum() / self.rows
+
+
+class KtoObjective(_StageRows):
+    """kto on unpaired rows marked desirable or not (toolkit/train/kto.py); its reference is taken as a dpo
+    stage's is (toolkit/train/pair_stage.py), over each row and its KL side."""
+
+    name = "kto"
+
+    def enter(self, run: Any, stage: Stage, step: int) -> None:
+        enter_pair_stage(run, stage, step)
+
+    def begin(self, run: Any, stage: Stage, batches: Sequence[dict[str, Any]], divisor: int, *,
+              whole: Sequence[dict[str, Any]]) -> StepLoss:
+        return _KtoLoss(run, stage, whole, divisor)
+
+    def add_sums(self, run: Any, summed: Sequence[float]) -> None:
+        run.pairs.kto_pending = [a + b for a, b in zip(run.pairs.kto_pending, summed, strict=True)]
+
+    def record(self, run: Any) -> dict[str, float]:
+        out = kto_metrics(run.pairs.kto_pending)
+        run.pairs.kto_pending = [0.0] * len(KTO_SUMS)
+        return out
+
+    def evaluate(self, run: Any, model: Any, stage: Stage) -> dict[str, Any] | None:
+        return None  # its eval files are scored as rows (the evaluator's eval_loss)
+
+
+SFT, PAIR, KTO, GRPO = SftObjective(), PairObjective(), KtoObjective(), GrpoObjective()
+OBJECTIVES: tuple[Objective, ...] = (SFT, PAIR, KTO, GRPO)
 """Every objective, once: `after_step` asks each for its interval's metrics (a stage's last sums may be logged in
 the next stage's record)."""
 
 
 def objective_of(stage: Stage) -> Objective:
     """The stage's objective (`stages[].objective`)."""
-    return PAIR if stage.resolved.pairs else GRPO if stage.resolved.prompts else SFT
+    return PAIR if stage.resolved.pairs else KTO if stage.resolved.kto else GRPO if stage.resolved.prompts else SFT

@@ -41,6 +41,7 @@ from toolkit.data.plan import PairSides
 from toolkit.evals.scoring import row_sums
 from toolkit.runtime.run_dir import RunLayout
 from toolkit.strategies.sequence_parallel import Layout
+from toolkit.train.kto import KTO_SUMS
 from toolkit.train.preference import (
     METRICS,
     PairLogps,
@@ -83,14 +84,15 @@ def describe_objective(stage: ResolvedStage) -> str:
     """The stage's objective as the model card names it: `sft`, or e.g. `dpo (sigmoid; beta 0.1; reference: the
     policy at the stage's entry)` (toolkit/config/schema.py `describe_objective`, which the run page reads too)."""
     objective = getattr(stage, "objective", "sft")
-    if stage.pairs:
+    if stage.pairs or getattr(stage, "kto", False):
         return describe(objective, stage.preference)
     return describe(objective, None, getattr(stage, "rl", None), getattr(stage, "rewards", ()))
 
 
 def takes_reference(stage: ResolvedStage) -> bool:
-    """A dpo stage scores its reference; orpo and simpo take none."""
-    return stage.objective == "dpo"
+    """A dpo stage scores its reference, and so does a kto stage (each row and its KL side); orpo and simpo take
+    none."""
+    return stage.objective in ("dpo", "kto")
 
 
 def reference_is_base(stage: ResolvedStage) -> bool:
@@ -118,6 +120,7 @@ class PairState:
     train: dict[int, Reference] = field(default_factory=dict)
     evals: dict[int, Reference] = field(default_factory=dict)
     pending: list[float] = field(default_factory=lambda: [0.0] * METRIC_SUMS)
+    kto_pending: list[float] = field(default_factory=lambda: [0.0] * len(KTO_SUMS))  # a kto stage's (KTO_SUMS)
 
     def add(self, sums: Sequence[float]) -> None:
         self.pending = [a + b for a, b in zip(self.pending, sums, strict=True)]
@@ -141,11 +144,14 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
     what = f"stage '{stage.name}' {role} reference log-probs ({scorer} at step {at})"
     stop = stop_for_signal(run, step) if run.preemption.started and step is not None else None
     sides = PairSides(rows.parts)
+    # a kto stage's sides are its rows and their KL sides, which its micro-batch size decides (KtoRows.chunk)
+    render = f"kto-{stage.resolved.micro_batch_size}" if stage.resolved.kto else "pairs"
     with adapter_disabled(run.model) if base else contextlib.nullcontext():
         sums = stage_entry_scores(run.accelerator, run.model, sides, sides_collator(run.collate),
                                   stage.resolved.eval_micro_batch_size
                                   if role == "eval" else stage.plan.micro_batch, folder=folder,
-                                  key=pair_sides_key(run, rows.parts, "current", at, adapter_off=base),
+                                  key=pair_sides_key(run, rows.parts, "current", at, adapter_off=base,
+                                                     render=render),
                                   may_score=step == at, what=what, elsewhere=elsewhere, should_stop=stop,
                                   **kept_digests(run))
     if sums is None:
@@ -155,9 +161,10 @@ def _reference(run: Any, stage: Stage, step: int | None, rows: Any, *, role: str
 
 
 def enter_pair_stage(run: Any, stage: Stage, step: int) -> None:
-    """At a dpo stage's first step (or the first after a resume): its train and eval references, scored now or
-    read back. Raises `ScoringStopped` when a stop signal ends the pass (its blocks kept)."""
-    if not stage.resolved.pairs or not takes_reference(stage.resolved):
+    """At a dpo or kto stage's first step (or the first after a resume): its train and eval references (a kto
+    stage's eval rows are scored as rows: no eval reference), scored now or read back. Raises `ScoringStopped`
+    when a stop signal ends the pass (its blocks kept)."""
+    if not (stage.resolved.pairs or stage.resolved.kto) or not takes_reference(stage.resolved):
         return
     pairs: PairState = run.pairs
     if stage.index not in pairs.train:
@@ -165,7 +172,7 @@ def enter_pair_stage(run: Any, stage: Stage, step: int) -> None:
         if ref is None:
             raise ScoringStopped(f"stage '{stage.name}' reference log-probs")
         pairs.train[stage.index] = ref
-    if stage.eval_rows and stage.index not in pairs.evals:
+    if stage.eval_rows and stage.resolved.pairs and stage.index not in pairs.evals:
         ref = _reference(run, stage, step, stage.eval_rows, role="eval")
         if ref is None:
             raise ScoringStopped(f"stage '{stage.name}' eval reference log-probs")

@@ -361,6 +361,11 @@ def check_sequence_parallel(accelerator: Accelerator, resolved: list[ResolvedSta
     place = sequence_parallel.layout(accelerator)
     if not place.sequence_parallel:
         return None
+    kto = [s.name for s in resolved if s.kto]
+    if kto:
+        raise ToolkitError(f"Stage '{kto[0]}' (objective kto) under Ulysses sequence parallelism is not supported: "
+                           "its KL sides and their baseline are not summed over a group's slices; train it without "
+                           "parallelism_config's sp_size (DDP, FSDP2 or ZeRO).")
     text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
     sequence_parallel.check_model(place.sp_size, heads=text.num_attention_heads,
                                   kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,

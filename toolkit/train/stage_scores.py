@@ -152,12 +152,14 @@ def scorer_identity(identity: Any, scorer: str, at_step: int) -> dict[str, Any]:
             "batches": identity.stage_batches, "state": identity.state, "base": identity.base_model}
 
 
-def pair_sides_key(run: Any, parts: Sequence[Any], scorer: str, at: int, *, adapter_off: bool) -> str:
+def pair_sides_key(run: Any, parts: Sequence[Any], scorer: str, at: int, *, adapter_off: bool,
+                   render: str = "pairs") -> str:
     """The scores key of a preference stage's pairs' sides (`PairSides` over `parts`) scored by the run's `scorer`
     (`base` | `current`) at step `at`, with the LoRA adapter off or not: a dpo stage's reference pass and a pair
     stage's difficulty by margin | chosen_loss share it, so a dpo stage whose difficulty is the current model's
-    reads its reference's own scores (one pass, never two)."""
-    return score_key(rows=rows_identity(parts), scorer=scorer_identity(run.identity, scorer, at), render="pairs",
+    reads its reference's own scores (one pass, never two). `render`: how the sides are made (a kto stage's
+    names its KL sides' chunk)."""
+    return score_key(rows=rows_identity(parts), scorer=scorer_identity(run.identity, scorer, at), render=render,
                      base=adapter_off, pad_to=PAIR_PAD_MULTIPLE)
 
 
