@@ -29,8 +29,9 @@ def resume_invariants(recipe: Recipe) -> dict[str, Any]:
             # A scorer's consent to run its own code changes which code may run, not what trains (its weights and
             # config are hashed into the scores' key): never bound, so earlier hashes stay as they were.
             stage["difficulty"].pop("trust_remote_code", None)
-            if stage["difficulty"].get("model") is None:
-                del stage["difficulty"]["model"]  # by length / field: as before difficulty.model existed
+            for key in ("model", "samples"):  # by length / field: as before these keys existed
+                if stage["difficulty"].get(key) is None:
+                    stage["difficulty"].pop(key, None)
         for entry in stage["data"]:  # unset new entry keys leave earlier checkpoints' hashes as they were
             for key in ("split", "columns", "tags", "dataset", "dataset_dir", "ignore", "threads", "video"):
                 if isinstance(entry, dict) and entry.get(key) is None:
