@@ -42,3 +42,9 @@ def test_rise_is_measured_against_the_seed_spread() -> None:
     assert r["start_std"] == pytest.approx(0.02) and r["end_std"] == pytest.approx(0.03)
     assert r["rise_over_noise"] == pytest.approx(0.21 / 0.03)  # the larger of the two spreads
     assert math.isinf(bench.rise([{1: 0.1, 2: 0.3}])["rise_over_noise"])  # one seed: no spread to compare with
+
+
+def test_window_means_take_the_first_and_last_quarter() -> None:
+    curve = {s: float(s) for s in range(1, 9)}  # 8 steps: quarters of 2
+    assert bench.window_means(curve) == {0: 1.5, 1: 7.5}
+    assert bench.window_means({1: 0.2, 2: 0.4}) == {0: 0.2, 1: 0.4}  # at least one step each
