@@ -126,17 +126,30 @@ def run_one(args: argparse.Namespace, config: str, seed: int, work: Path, eval_f
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"error: {config} seed {seed} exited {done.returncode}: {done.stderr[-2000:]}")
+    run = read_run(out, config, seed, args.prompts)
+    print(f"{config} seed {seed}: {wall:.0f} s, eval {run['eval_reward']}", file=sys.stderr)
+    return {**run, "wall_s": round(wall, 1)}
+
+
+def read_run(out: Path, config: str, seed: int, prompts: int) -> dict:
+    """One launch's grpo curves from its metrics.jsonl, by the stage's own step (1-based): the training `reward`,
+    the held-out eval's `letters.contains`, and the groups each step drew (`rl/drawn` under dynamic sampling, else
+    the step's prompts)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     grpo = [r for r in records if r.get("stage") == "grpo"]
     first = min(r["step"] for r in grpo if "step_time" in r)  # the stage's first training step
-    rel = lambda r: r["step"] - first + 1  # noqa: E731  (the stage's own step, 1-based)
+    rel = lambda r: r["step"] - first + 1  # noqa: E731
     train = {rel(r): r["reward"] for r in grpo if "reward" in r}
     evals = {rel(r): r["letters.contains"] for r in grpo if "letters.contains" in r}
+    drawn = {rel(r): int(r.get("rl/drawn", prompts)) for r in grpo if "reward" in r}
     draws = {k: sum(r.get(k, 0) for r in grpo) for k in ("rl/drawn", "rl/dropped", "rl/filled")}
-    print(f"{config} seed {seed}: {wall:.0f} s, eval {evals}", file=sys.stderr)
-    return {"config": config, "seed": seed, "wall_s": round(wall, 1), "train_reward": train, "eval_reward": evals,
-            "draws": draws if config == "curriculum" else None,
-            "first_grpo_global_step": first}
+    return {"config": config, "seed": seed, "train_reward": train, "eval_reward": evals, "groups_drawn": drawn,
+            "draws": draws if config == "curriculum" else None, "first_grpo_global_step": first}
+
+
+def drawn_until(drawn: dict[int, int], step: int | None) -> int | None:
+    """Groups drawn by the steps up to `step` (None: the target was not reached)."""
+    return None if step is None else sum(n for s, n in drawn.items() if s <= step)
 
 
 def summarise(runs: list[dict], target: float | None) -> dict:
@@ -153,7 +166,11 @@ def summarise(runs: list[dict], target: float | None) -> dict:
     for config, rs in by.items():
         mean = {s: v["mean"] for s, v in out[config]["eval_curve"].items()}
         out[config]["steps_to_target_mean_curve"] = steps_to_target(mean, goal)
-        out[config]["steps_to_target_per_seed"] = [steps_to_target(r["eval_reward"], goal) for r in rs]
+        per_seed = [steps_to_target(r["eval_reward"], goal) for r in rs]
+        out[config]["steps_to_target_per_seed"] = per_seed
+        out[config]["groups_drawn_to_target_per_seed"] = [drawn_until(r["groups_drawn"], s)
+                                                          for r, s in zip(rs, per_seed, strict=True)]
+        out[config]["groups_drawn_in_stage_per_seed"] = [sum(r["groups_drawn"].values()) for r in rs]
     return out
 
 
@@ -182,7 +199,7 @@ def main() -> None:
         path = Path(args.summarise)
         result = json.loads(path.read_text())
         for run in result["runs"]:  # JSON keys are strings: steps back to ints
-            for key in ("train_reward", "eval_reward"):
+            for key in ("train_reward", "eval_reward", "groups_drawn"):
                 run[key] = {int(k): v for k, v in run[key].items()}
         result["summary"] = summarise(result["runs"], args.target)
         path.write_text(json.dumps(result, indent=1) + "\n")

@@ -48,3 +48,9 @@ def test_window_means_take_the_first_and_last_quarter() -> None:
     curve = {s: float(s) for s in range(1, 9)}  # 8 steps: quarters of 2
     assert bench.window_means(curve) == {0: 1.5, 1: 7.5}
     assert bench.window_means({1: 0.2, 2: 0.4}) == {0: 0.2, 1: 0.4}  # at least one step each
+
+
+def test_groups_drawn_count_the_steps_up_to_the_target() -> None:
+    drawn = {1: 8, 2: 4, 3: 12, 4: 4}
+    assert bench.drawn_until(drawn, 2) == 12 and bench.drawn_until(drawn, 4) == 28
+    assert bench.drawn_until(drawn, None) is None
