@@ -93,7 +93,7 @@ def to_messages(row: dict[str, Any], source: Source, where: str, *, roles: dict[
     file from its first rows, by the stored names): a row that contradicts them is refused, and refusals advise by
     them, not by this row alone."""
     row, original = prepare_row(row, source, where)
-    pair = next((k for k in PAIR_KEYS if row.get(k) is not None), None)
+    pair = next((k for k in vocab.pair_side_keys() if row.get(k) is not None), None)
     if pair is not None:
         raise ToolkitError(f"{where}: the row has '{pair}': {PAIR_IN_SFT}.")
     return shape_row(row, source, where, original, roles=mapped_roles(roles, source))
@@ -107,9 +107,9 @@ def mapped_roles(roles: dict[str, str] | None, source: Source) -> dict[str, str]
     return {theirs.get(k, k): r for k, r in roles.items() if k not in source.entry.ignore}
 
 
-PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages", "preferred_output",
-             "non_preferred_output")
-"""Keys that make a row a preference pair (toolkit/data/pairs.py)."""
+PAIR_KEYS = vocab.pair_side_keys()
+"""Keys that make a row a preference pair: the preference sides of the pair shapes (toolkit/data/roles.py
+PAIR_SHAPES, read by toolkit/data/pairs.py)."""
 
 
 def prepare_row(row: dict[str, Any], source: Source, where: str) -> tuple[dict[str, Any], list[str]]:
