@@ -2,7 +2,9 @@
 
 A pair becomes a chosen row and a rejected row in TRL's prompt/completion shape (the shape `toolkit/data/shapes.py`
 already reads: a string prompt and completion, or lists of messages where only the completion trains), so each side
-is rendered and masked by the encoder like any other row. The shapes (docs/data.md):
+is rendered and masked by the encoder like any other row. The shapes are rows of the role table
+(toolkit/data/roles.py PAIR_SHAPES: role -> key, the roles that make the shape, its reader), read by one path
+(`to_pair`); they are (docs/preference.md):
 
 * TRL explicit: `prompt`, `chosen`, `rejected`; strings (standard) or lists of messages (conversational). A text
   `prompt` beside whole conversations (HuggingFaceH4/ultrafeedback_binarized: `chosen` and `rejected` start with

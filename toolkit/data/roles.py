@@ -27,7 +27,8 @@ VOCABULARY: dict[str, tuple[str, ...]] = {
                "request", "user_prompt", "user_input", "instructions", "task_input"),
     "context": ("input", "context", "passage", "document", "documents", "background", "knowledge", "article"),
     "answer": ("output", "response", "completion", "answer", "answers", "targets", "target", "solution", "reply",
-               "assistant", "gpt", "outputs", "output_text", "generation", "model_response", "responses"),
+               "assistant", "gpt", "outputs", "output_text", "generation", "model_response", "responses",
+               "ground_truth"),
     "reasoning": ("reasoning", "reasoning_content", "thinking", "think", "thought", "thoughts", "cot",
                   "complex_cot", "chain_of_thought", "rationale", "deepseek_reasoning", "reasoning_trace",
                   "explanation"),
@@ -181,10 +182,12 @@ def speaker(name: Any) -> str | None:
     return SPEAKERS.get(norm(name)) if isinstance(name, str) else None
 
 
-def turn_keys(turn: dict[str, Any]) -> tuple[str, str] | None:
+def turn_keys(turn: dict[str, Any], role: str | None = None) -> tuple[str, str] | None:
     """The (role key, content key) of a turn by the vocabulary, else by values: the key whose string is a known role
-    name, and the other string key with the longest text. None when it is no turn."""
-    role = next((k for k in turn if norm(k) in ROLE_KEYS and isinstance(turn[k], str)), None)
+    name (or `role`, a key the data entry's tags name), and the other string key with the longest text. None when
+    it is no turn."""
+    role = role if role in turn else None
+    role = role or next((k for k in turn if norm(k) in ROLE_KEYS and isinstance(turn[k], str)), None)
     role = role or next((k for k, v in turn.items() if speaker(v) is not None), None)
     if role is None:
         return None
