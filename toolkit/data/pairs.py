@@ -70,12 +70,12 @@ def is_pair(row: dict[str, Any]) -> bool:
 def _message(turn: Any, at: str, where: str) -> dict[str, Any]:
     """A turn as an OpenAI message: `{role, content}` as it is; other turn keys (ShareGPT's `from` / `value`, any
     role-like and content-like keys, toolkit/data/roles.py `turn_keys`) with a known role name mapped."""
-    keys = vocab.turn_keys(turn) if isinstance(turn, dict) else None
-    if keys == ("role", "content") or (isinstance(turn, dict) and "role" in turn and "content" in turn):
+    if isinstance(turn, dict) and "role" in turn and "content" in turn:
         return dict(turn)
+    keys = vocab.turn_keys(turn) if isinstance(turn, dict) else None
     name = turn.get(keys[0]) if keys is not None else None
     role = (ROLE_NAMES.get(name) or vocab.speaker(name)) if isinstance(name, str) else None
-    if keys is not None and role in ("system", "user", "assistant", "tool"):
+    if keys is not None and role is not None:
         rest = {k: v for k, v in turn.items() if k not in keys}
         return {"role": role, "content": turn[keys[1]], **rest}
     raise ToolkitError(f"{where}: {at} must be a message ({{\"role\", \"content\"}} or {{\"from\", \"value\"}}); "
