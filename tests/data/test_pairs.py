@@ -160,3 +160,45 @@ def test_the_prompt_is_cut_first_and_a_pair_without_a_completion_is_dropped(sour
 def test_an_unreadable_pair_is_refused_in_one_line(row: dict[str, Any], message: str) -> None:
     with pytest.raises(ToolkitError, match=message):
         to_pair(row, "pairs.jsonl:3")
+
+
+def test_the_role_table_decides_the_pair_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pair shapes are rows of the role table (toolkit/data/roles.py PAIR_SHAPES): a row of the table added for
+    stack-exchange-paired's `question` / `response_j` / `response_k` columns (lvwerra/stack-exchange-paired's card:
+    `response_j` the better answer) makes such a row a pair read by TRL's explicit reader, with no code path of its
+    own; without the row it is no pair, and refused as one."""
+    from toolkit.data import roles as vocab
+    from toolkit.data.pairs import pair_shape
+
+    row = {"qid": 7, "question": Q, "response_j": GOOD, "response_k": BAD, "metadata": ["https://example.org/q/7"]}
+    assert not is_pair(row) and pair_shape(list(row)) is None
+    with pytest.raises(ToolkitError, match=r"^x: the stage trains on preference pairs .* this row is no pair"):
+        to_pair(row, "x")
+    stack = ("stack-exchange-paired (a test's row)", {"prompt": "question", "chosen": "response_j",
+                                                       "rejected": "response_k"}, ("prompt", "chosen", "rejected"),
+             "prompt")
+    monkeypatch.setattr(vocab, "PAIR_SHAPES", (*vocab.PAIR_SHAPES, stack))
+    assert is_pair(row) and pair_shape(list(row)) == (stack[0], ["question", "response_j", "response_k"])
+    rest = {"qid": 7, "metadata": row["metadata"]}
+    assert to_pair(row, "x") == ({**rest, "prompt": Q, "completion": GOOD}, {**rest, "prompt": Q, "completion": BAD})
+    with pytest.raises(ToolkitError, match=r"^x: a preference pair needs 'response_j' and 'response_k' \(stack-"
+                                           r"exchange-paired .*\); 'response_k' is missing"):
+        to_pair({"question": Q, "response_j": GOOD}, "x")
+
+
+def test_a_pair_refusal_advises_by_the_files_roles() -> None:
+    """A pair whose prompt is under a name no pair shape reads is refused with the entry its role gives, by the
+    file's column roles (inferred once, `file_roles`) where the row's own name tells none; a turn's keys are read
+    by their values (role-like and content-like keys) in every pair shape."""
+    from toolkit.data.shapes import ShapeError
+
+    row = {"zq_ask": Q, "chosen": GOOD, "rejected": BAD}
+    with pytest.raises(ToolkitError, match=r"share no prompt") as info:
+        to_pair(row, "x")
+    assert not isinstance(info.value, ShapeError)
+    with pytest.raises(ShapeError, match=r"^x: the pair's prompt is 'zq_ask'") as said:
+        to_pair(row, "x", {"zq_ask": "prompt", "chosen": "chosen", "rejected": "rejected"})
+    assert said.value.fix == {"columns": {"instruction": "zq_ask"}}
+    speakers = {"messages": [{"speaker": "human", "text": Q}], "chosen": {"speaker": "bot", "text": GOOD},
+                "rejected": {"speaker": "bot", "text": BAD}}
+    assert to_pair(speakers, "x") == to_pair(CONVERSATIONAL["axolotl chat_template.default"], "x")

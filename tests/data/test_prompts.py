@@ -150,3 +150,20 @@ def test_prompts_carry_their_rows_difficulty_and_by_field_needs_it_in_every_row(
         prompt_set(ordered, [resolve_source(e, tmp_path) for e in entries], tok, thinking="auto")
     assert prompt_set(plain, [resolve_source(e, tmp_path) for e in entries], tok,
                       thinking="auto").difficulty is None  # not every row has a number: token length orders
+
+
+def test_the_role_table_names_a_prompt_rows_prompt_and_reference(tmp_path: Path) -> None:
+    """A prompt row's prompt and reference are told by the role table (toolkit/data/roles.py), not a list of its
+    own: names the table holds (`user_prompt`, `ground_truth`, as RLVR sets name them) give the entry that reads the
+    file, and a reward that compares names the reference column a row left unmapped."""
+    from toolkit.data.prompts import check_references
+
+    path = tmp_path / "rlvr.jsonl"
+    path.write_text(json.dumps({"user_prompt": "What is 2 + 2?", "ground_truth": "4", "source": "toy"}) + "\n")
+    (row,), applied = read_after_fix(path)
+    assert applied == {"prompt": "user_prompt", "reference": "ground_truth"}
+    assert row.prompt == "What is 2 + 2?" and row.reference == "4" and row.columns == {"source": "toy"}
+    (bare,) = rows_of(path, {"prompt": "user_prompt"})
+    with pytest.raises(ToolkitError, match=r"has none; map it: \{path: rlvr\.jsonl, columns: \{reference: "
+                                           r"ground_truth\}\}"):
+        check_references([bare], [("exact", "exact")], "rlvr.jsonl")

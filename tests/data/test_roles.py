@@ -576,3 +576,23 @@ def test_roles_are_inferred_once_per_file(tmp_path: Path, tok: Any) -> None:
                                                      "zqxv_note": "unknown"}
     assert _column_roles(str(empty_first)) == ["column roles (inferred once, from the first 64 rows): question: "
                                                "prompt, answer: answer, zqxv_note: no role the vocabulary names"]
+
+
+def test_turn_keys_are_inferred_from_the_turns_not_the_fields_name() -> None:
+    """A chat's turn keys come from its turns' values (role-like and content-like keys), whatever field holds them:
+    ShareGPT's from/value under `messages` and OpenAI's role/content under `conversations` read the same chat; a
+    tag naming one key leaves the other to the turns (here the content `utterance`, not the field's default), and
+    the key most turns give wins over one turn's odd keys, whose missing content is named."""
+    source = Source(Entry("t.jsonl"), "jsonl", [], "t.jsonl")
+    want = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}]
+    sharegpt = [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "Seven."}]
+    openai = [dict(m) for m in want]
+    assert to_messages({"messages": sharegpt}, source, "t:1")["messages"] == want
+    assert to_messages({"conversations": openai}, source, "t:2")["messages"] == want
+    tagged = Source(Entry("t.jsonl", tags=(("role_tag", "who_said"), ("user_tag", "customer"),
+                                           ("assistant_tag", "agent"))), "jsonl", [], "t.jsonl")
+    turns = [{"who_said": "customer", "utterance": "Name a prime."}, {"who_said": "agent", "utterance": "Seven."}]
+    assert to_messages({"conversations": turns}, tagged, "t:3")["messages"] == want
+    odd = [*sharegpt, {"from": "human"}]
+    with pytest.raises(ToolkitError, match=r"^t:4: conversations\[2\] has no 'value'"):
+        to_messages({"conversations": odd}, source, "t:4")

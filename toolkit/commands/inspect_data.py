@@ -32,7 +32,7 @@ from toolkit.builtin.dummy_data import DUMMY_PREFIX, write_dummy_files
 from toolkit.config.schema import DataEntry, Recipe
 from toolkit.config.stages import resolve_stages
 from toolkit.data.encoding import IGNORE_INDEX, PAIR_IN_SFT
-from toolkit.data.pairs import PAIR_SHAPES, pair_shape
+from toolkit.data.pairs import pair_shape
 from toolkit.data.plan import PairRows, StageRows, TrainingSet
 from toolkit.data.prompts import prompt_set
 from toolkit.data.sources import resolve_source
@@ -383,7 +383,7 @@ def inspect_file(path: str, overrides: list[str], *, rows: int = 2, colour: bool
                 if k not in entry.ignore]
     shape = _chat_shape(first, entry) or next(iter(closest_shapes(keys)), "none of the named shapes' keys")
     if pairs and (named := pair_shape(keys)) is not None:
-        shape = f"preference pairs, {named}: {', '.join(PAIR_SHAPES[named])}"
+        shape = f"preference pairs, {named[0]}: {', '.join(named[1])}"
     lines = [report, "", f"shape: {shape}", *_column_roles(path), "data entry to paste into a recipe stage:",
              entry_lines]
     lines += ["why:"] + [f"  - {w}" for w in why] if why else ["why: the rows train as they are; no key to map."]

@@ -2,7 +2,9 @@
 
 A pair becomes a chosen row and a rejected row in TRL's prompt/completion shape (the shape `toolkit/data/shapes.py`
 already reads: a string prompt and completion, or lists of messages where only the completion trains), so each side
-is rendered and masked by the encoder like any other row. The shapes (docs/data.md):
+is rendered and masked by the encoder like any other row. The shapes are rows of the role table
+(toolkit/data/roles.py PAIR_SHAPES: role -> key, the roles that make the shape, its reader), read by one path
+(`to_pair`); they are (docs/preference.md):
 
 * TRL explicit: `prompt`, `chosen`, `rejected`; strings (standard) or lists of messages (conversational). A text
   `prompt` beside whole conversations (HuggingFaceH4/ultrafeedback_binarized: `chosen` and `rejected` start with
@@ -28,9 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from toolkit.data import roles as vocab
 from toolkit.data.encoding import IGNORE_INDEX, overlength_message
 from toolkit.data.roles import split_dialog
-from toolkit.data.shapes import PAIR_KEYS, ROLE_NAMES, prepare_row, shape_row
+from toolkit.data.shapes import ROLE_NAMES, mapped_roles, prepare_row, shape_row
 from toolkit.errors import ToolkitError
 
 if TYPE_CHECKING:
@@ -45,37 +48,33 @@ MEDIA_IN_COMPLETION = ("a pair's images and videos belong to its prompt, which b
 """Why a pair whose chosen or rejected side holds an image or video placeholder is refused."""
 
 
-PAIR_SHAPES = {
-    "TRL explicit": ("prompt", "chosen", "rejected"),
-    "TRL implicit": ("chosen", "rejected"),
-    "LLaMA-Factory ranking, alpaca": ("instruction", "chosen", "rejected"),
-    "LLaMA-Factory ranking, sharegpt": ("conversations", "chosen", "rejected"),
-    "ms-swift": ("messages", "rejected_response"),
-    "ms-swift, whole rejected chat": ("messages", "rejected_messages"),
-    "axolotl chat_template.default": ("messages", "chosen", "rejected"),
-    "OpenAI preference fine-tuning": ("input", "preferred_output", "non_preferred_output"),
-}
-"""The pair shapes by the keys that make them (the module docstring), for naming a file's shape."""
-
-
-def pair_shape(keys: list[str]) -> str | None:
-    """The pair shape whose keys the row has, the most specific first; None for a row that is no pair."""
-    fits = [name for name, needs in PAIR_SHAPES.items() if set(needs) <= set(keys)]
-    return max(fits, key=lambda name: len(PAIR_SHAPES[name]), default=None)
+def pair_shape(keys: list[str]) -> tuple[str, list[str]] | None:
+    """The pair shape (toolkit/data/roles.py PAIR_SHAPES) that reads a row of these keys, and the keys that make it;
+    None for a row that is no pair."""
+    found = vocab.pair_shape_of(dict.fromkeys(keys, True))
+    if found is None:
+        return None
+    name, roles, _ = found
+    made = next(m for n, _, m, _ in vocab.PAIR_SHAPES if n == name)
+    return name, [roles[r] for r in made]
 
 
 def is_pair(row: dict[str, Any]) -> bool:
-    """Whether the row is a preference pair (has one of PAIR_KEYS)."""
-    return any(row.get(k) is not None for k in PAIR_KEYS)
+    """Whether the row is a preference pair (holds a preference side of some pair shape, PAIR_KEYS)."""
+    return any(row.get(k) is not None for k in vocab.pair_side_keys())
 
 
 def _message(turn: Any, at: str, where: str) -> dict[str, Any]:
-    """An OpenAI `{role, content}` or ShareGPT `{from, value}` turn as an OpenAI message."""
+    """A turn as an OpenAI message: `{role, content}` as it is; other turn keys (ShareGPT's `from` / `value`, any
+    role-like and content-like keys, toolkit/data/roles.py `turn_keys`) with a known role name mapped."""
     if isinstance(turn, dict) and "role" in turn and "content" in turn:
         return dict(turn)
-    if isinstance(turn, dict) and "from" in turn and "value" in turn and turn["from"] in ROLE_NAMES:
-        rest = {k: v for k, v in turn.items() if k not in ("from", "value")}
-        return {"role": ROLE_NAMES[turn["from"]], "content": turn["value"], **rest}
+    keys = vocab.turn_keys(turn) if isinstance(turn, dict) else None
+    name = turn.get(keys[0]) if keys is not None else None
+    role = (ROLE_NAMES.get(name) or vocab.speaker(name)) if isinstance(name, str) else None
+    if keys is not None and role is not None:
+        rest = {k: v for k, v in turn.items() if k not in keys}
+        return {"role": role, "content": turn[keys[1]], **rest}
     raise ToolkitError(f"{where}: {at} must be a message ({{\"role\", \"content\"}} or {{\"from\", \"value\"}}); "
                        f"found {str(turn)[:80]!r}.")
 
@@ -114,8 +113,9 @@ def _text_prefix(chosen: str, rejected: str) -> int:
     return at - 1 if at > 0 and chosen[at - 1] == " " else at
 
 
-def _implicit(row: dict[str, Any], where: str, rest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    chosen, rejected = row["chosen"], row["rejected"]
+def _implicit(chosen: Any, rejected: Any, where: str, rest: dict[str, Any]
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Whole conversations (or texts) whose shared start is the prompt (TRL's extract_prompt)."""
     if isinstance(chosen, str) and isinstance(rejected, str):
         at = _text_prefix(chosen, rejected)
         if at == 0 or at >= min(len(chosen), len(rejected)):
@@ -130,48 +130,48 @@ def _implicit(row: dict[str, Any], where: str, rest: dict[str, Any]) -> tuple[di
     return _sides(c[:at], c[at:], r[at:], rest)
 
 
-def _alpaca_prompt(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """LLaMA-Factory alpaca ranking: system, history ([[query, answer], ...], context), instruction + input."""
-    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    for i, turn in enumerate(row.get("history") or []):
+def _exchange_prompt(row: dict[str, Any], keys: dict[str, str], where: str) -> list[dict[str, Any]]:
+    """The prompt of an exchange (LLaMA-Factory's alpaca ranking): system, history ([[query, answer], ...]), the
+    prompt with its context."""
+    messages = [{"role": "system", "content": row[keys["system"]]}] if row.get(keys["system"]) else []
+    for i, turn in enumerate(row.get(keys["history"]) or []):
         if not (isinstance(turn, list) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
-            raise ToolkitError(f"{where}: history[{i}] must be a [query, answer] pair of strings.")
+            raise ToolkitError(f"{where}: {keys['history']}[{i}] must be a [query, answer] pair of strings.")
         messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
-    if not isinstance(row.get("instruction"), str):
-        raise ToolkitError(f"{where}: 'instruction' must be a string (LLaMA-Factory's alpaca ranking shape).")
-    query = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
+    if not isinstance(row.get(keys["prompt"]), str):
+        raise ToolkitError(f"{where}: '{keys['prompt']}' must be a string (LLaMA-Factory's alpaca ranking shape).")
+    context = row.get(keys["context"])
+    query = row[keys["prompt"]] + (f"\n{context}" if context else "")
     return [*messages, {"role": "user", "content": query}]
 
 
-def _openai(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """OpenAI's preference fine-tuning row (`input`: {messages, tools, parallel_tool_calls}, `preferred_output` and
-    `non_preferred_output`: one assistant message each, in a list) as the axolotl shape: `messages` (the prompt),
-    `chosen`, `rejected`, and the input's `tools`."""
-    given = row.get("input")
+def _from_input_object(row: dict[str, Any], keys: dict[str, str], where: str) -> dict[str, Any]:
+    """OpenAI's preference fine-tuning row (the prompt an object: {messages, tools, parallel_tool_calls}; each side
+    one assistant message, in a list) as the row of the turns' shape: `messages` (the prompt), `chosen`, `rejected`,
+    and the object's `tools`."""
+    given, name = row.get(keys["prompt"]), "OpenAI's preference format"
     if not isinstance(given, dict) or not isinstance(given.get("messages"), list):
-        raise ToolkitError(f"{where}: 'input' must be an object with 'messages' (OpenAI's preference format).")
+        raise ToolkitError(f"{where}: '{keys['prompt']}' must be an object with 'messages' ({name}).")
     sides = {}
-    for key in ("preferred_output", "non_preferred_output"):
-        value = row.get(key)
+    for side in ("chosen", "rejected"):
+        value = row.get(keys[side])
         if not isinstance(value, list) or len(value) != 1:
-            raise ToolkitError(f"{where}: '{key}' must be a list of one assistant message (OpenAI's preference "
-                               "format).")
-        sides[key] = value
-    rest = {k: v for k, v in row.items() if k not in ("input", *sides)}
+            raise ToolkitError(f"{where}: '{keys[side]}' must be a list of one assistant message ({name}).")
+        sides[side] = value
+    rest = {k: v for k, v in row.items() if k not in keys.values()}
     tools = given.get("tools")
-    return {**rest, **({"tools": tools} if tools else {}), "messages": given["messages"],
-            "chosen": sides["preferred_output"], "rejected": sides["non_preferred_output"]}
+    return {**rest, **({"tools": tools} if tools else {}), "messages": given["messages"], **sides}
 
 
-def _by_roles(row: dict[str, Any], where: str) -> None:
+def _by_roles(row: dict[str, Any], where: str, roles: dict[str, str] | None) -> None:
     """A pair whose prompt (and system) are under other names (Intel/orca_dpo_pairs' `system` / `question`) is
-    refused with the entry that reads it by their roles (toolkit/data/roles.py): the question as LLaMA-Factory's
-    alpaca ranking `instruction`, its `system` read beside it."""
-    from toolkit.data.roles import infer_roles
+    refused with the entry that reads it by their roles (the file's, toolkit/data/roles.py `file_roles`, else the
+    row's): the question as LLaMA-Factory's alpaca ranking `instruction`, its `system` read beside it."""
     from toolkit.data.shapes import ShapeError, holds_content
 
-    rest = {k: v for k, v in row.items() if k not in (*PAIR_KEYS, "system") and not k.startswith("_")}
-    roles = infer_roles(rest, holds_content)
+    rest = {k: v for k, v in row.items() if k not in (*vocab.pair_side_keys(), "system") and not k.startswith("_")}
+    mine = vocab.infer_roles(rest, holds_content)
+    roles = {k: (roles or {}).get(k, r) for k, r in mine.items()}
     asked = [k for k, r in roles.items() if r in ("prompt", "turns")]
     if len(asked) == 1 and roles[asked[0]] == "prompt" and isinstance(row[asked[0]], str):
         raise ShapeError(f"{where}: the pair's prompt is '{asked[0]}' (a {roles[asked[0]]} by its name), which no pair "
@@ -180,65 +180,91 @@ def _by_roles(row: dict[str, Any], where: str) -> None:
                          {"columns": {"instruction": asked[0]}})
 
 
-def to_pair(row: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The (chosen, rejected) rows of a pair row in any of the module's shapes; an unreadable pair gets one line."""
-    if row.get("preferred_output") is not None or row.get("non_preferred_output") is not None:
-        row = _openai(row, where)
-    taken = {*PAIR_KEYS, "prompt", "messages", "conversations", "instruction", "input", "system", "history"}
+def _one_side(row: dict[str, Any], where: str) -> None:
+    """Refuse a row that holds a preference side of some pair shape but not all of its keys: the shape that misses
+    the fewest, naming what is missing."""
+    near = [(sum(row.get(keys[r]) is None for r in made), name, keys, made) for name, keys, made, _ in vocab.PAIR_SHAPES
+            if any(row.get(keys[r]) is not None for r in ("chosen", "rejected") if r in keys)]
+    if not near:
+        raise ToolkitError(f"{where}: {NOT_A_PAIR}; the row has keys {sorted(row)}.")
+    _, name, keys, made = min(near, key=lambda n: n[0])
+    missing = next(keys[r] for r in made if row.get(keys[r]) is None)
+    sides = " and ".join(f"'{keys[r]}'" for r in ("chosen", "rejected") if r in keys)
+    raise ToolkitError(f"{where}: a preference pair needs {sides} ({name}: {', '.join(keys[r] for r in made)}); "
+                       f"'{missing}' is missing.")
+
+
+def to_pair(row: dict[str, Any], where: str, roles: dict[str, str] | None = None
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (chosen, rejected) rows of a pair row, read by the roles of its pair shape (toolkit/data/roles.py
+    PAIR_SHAPES: the first row of the table whose making keys the row holds decides the keys and the reader), one
+    path for every shape; an unreadable pair gets one line. `roles` are the file's column roles (`file_roles`),
+    which the refusal of a prompt under another name advises by."""
+    shape = vocab.pair_shape_of(row)
+    if shape is None:
+        _one_side(row, where)
+    _, keys, reader = shape  # type: ignore[misc]
+    if reader == "input object":
+        return to_pair(_from_input_object(row, keys, where), where, roles)
+    taken = {k for _, ks, _, _ in vocab.PAIR_SHAPES for k in ks.values()}
     rest = {k: v for k, v in row.items() if k not in taken}
-    if row.get("rejected_response") is not None or row.get("rejected_messages") is not None:  # ms-swift
-        messages = _messages(row.get("messages"), "messages", where)
-        if messages[-1]["role"] != "assistant":
-            raise ToolkitError(f"{where}: 'messages' must end with the chosen assistant turn (ms-swift's shape).")
-        if row.get("rejected_messages") is not None:
-            rejected = _messages(row["rejected_messages"], "rejected_messages", where)
-            if rejected[:-1] != messages[:-1] or rejected[-1]["role"] != "assistant":
-                raise ToolkitError(f"{where}: 'rejected_messages' must be 'messages' with another last assistant "
-                                   "turn (ms-swift's shape).")
-            return _sides(messages[:-1], messages[-1:], rejected[-1:], rest)
-        if not isinstance(row["rejected_response"], str):
-            raise ToolkitError(f"{where}: 'rejected_response' must be a string (ms-swift's shape).")
-        return _sides(messages[:-1], messages[-1:], row["rejected_response"], rest)
-    if row.get("chosen") is None or row.get("rejected") is None:
-        missing = "chosen" if row.get("chosen") is None else "rejected"
-        raise ToolkitError(f"{where}: a preference pair needs 'chosen' and 'rejected'; '{missing}' is missing.")
-    dialogs = [split_dialog(row[k]) for k in ("chosen", "rejected")]
+    if reader == "last turn":  # the turns end with the chosen answer; the rejected side replaces it
+        turns = _messages(row.get(keys["turns"]), keys["turns"], where)
+        if turns[-1]["role"] != "assistant":
+            raise ToolkitError(f"{where}: '{keys['turns']}' must end with the chosen assistant turn (ms-swift's "
+                               "shape).")
+        other = row[keys["rejected"]]
+        if isinstance(other, list):  # the whole rejected chat
+            rejected = _messages(other, keys["rejected"], where)
+            if rejected[:-1] != turns[:-1] or rejected[-1]["role"] != "assistant":
+                raise ToolkitError(f"{where}: '{keys['rejected']}' must be '{keys['turns']}' with another last "
+                                   "assistant turn (ms-swift's shape).")
+            return _sides(turns[:-1], turns[-1:], rejected[-1:], rest)
+        if not isinstance(other, str):
+            raise ToolkitError(f"{where}: '{keys['rejected']}' must be a string (ms-swift's shape).")
+        return _sides(turns[:-1], turns[-1:], other, rest)
+    given = [row[keys["chosen"]], row[keys["rejected"]]]
+    dialogs = [split_dialog(v) for v in given]
     if all(dialogs):  # Anthropic HH: whole dialogs in one string each (`Human:` / `Assistant:`), read as turns
-        row = {**row, "chosen": dialogs[0], "rejected": dialogs[1]}
-    chosen = _completion(row["chosen"], "chosen", where)
-    rejected = _completion(row["rejected"], "rejected", where)
-    if row.get("prompt") is not None:  # TRL explicit
-        if isinstance(row["prompt"], str) and all(isinstance(c, list) and c[0]["role"] != "assistant"
-                                                  for c in (chosen, rejected)):
+        given = dialogs
+    if reader == "shared start":
+        _by_roles(row, where, roles)
+        return _implicit(*given, where, rest)
+    chosen, rejected = _completion(given[0], "chosen", where), _completion(given[1], "rejected", where)
+    if reader == "prompt":
+        prompt = row[keys["prompt"]]
+        if isinstance(prompt, str) and all(isinstance(c, list) and c[0]["role"] != "assistant"
+                                           for c in (chosen, rejected)):
             # whole conversations beside a text prompt (HuggingFaceH4/ultrafeedback_binarized): TRL's
             # maybe_extract_prompt reads the prompt off the conversations, as for the implicit shape
-            return _implicit(row, where, rest)
-        prompt = row["prompt"] if isinstance(row["prompt"], str) else _messages(row["prompt"], "prompt", where)
+            return _implicit(*given, where, rest)
+        prompt = prompt if isinstance(prompt, str) else _messages(prompt, keys["prompt"], where)
         return _sides(prompt, chosen, rejected, rest)
-    for key in ("messages", "conversations"):  # axolotl chat_template.default, LLaMA-Factory sharegpt
-        if row.get(key) is not None:
-            prompt = _messages(row[key], key, where)
-            if row.get("system") and prompt[0]["role"] != "system":
-                prompt = [{"role": "system", "content": row["system"]}, *prompt]
-            return _sides(prompt, chosen, rejected, rest)
-    if row.get("instruction") is not None:  # LLaMA-Factory alpaca
-        return _sides(_alpaca_prompt(row, where), chosen, rejected, rest)
-    _by_roles(row, where)
-    return _implicit(row, where, rest)
+    if reader == "turns":  # the chat before the answers, its system first
+        prompt = _messages(row[keys["turns"]], keys["turns"], where)
+        system = row.get(keys["system"]) if "system" in keys else None
+        if system and prompt[0]["role"] != "system":
+            prompt = [{"role": "system", "content": system}, *prompt]
+        return _sides(prompt, chosen, rejected, rest)
+    if reader == "exchange":
+        return _sides(_exchange_prompt(row, keys, where), chosen, rejected, rest)
+    raise ValueError(f"pair shape reader {reader!r} is not one of toolkit/data/pairs.py's")
 
 
-def pair_rows(row: dict[str, Any], source: Source, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def pair_rows(row: dict[str, Any], source: Source, where: str, roles: dict[str, str] | None = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A preference stage's source row as its chosen and rejected rows, each mapped as any row is
     (`toolkit.data.shapes.shape_row`) after the entry's columns and ignore keys (`prepare_row`): what its store
     encodes, two rows per source row. A row that is no pair is refused in one line, and so is a pair with an image
     or video placeholder in a completion (media are the shared prompt's). A vision pair's `images` and `videos` go
     to both sides (`_sides` keeps the row's other keys on each): the encoder checks that the prompt's `<image>` /
     `<video>` placeholders match them, side by side (a video's frames come from the frame store, sampled once), and
-    the collator passes their pixels once per pair (toolkit/data/collate.py `PairCollator`)."""
+    the collator passes their pixels once per pair (toolkit/data/collate.py `PairCollator`). `roles` are the file's
+    column roles (`file_roles`, by its stored names), which refusals advise by."""
     row, original = prepare_row(row, source, where)
     if not is_pair(row):
         raise ToolkitError(f"{where}: {NOT_A_PAIR}; the row has keys {original}.")
-    chosen, rejected = to_pair(row, where)
+    chosen, rejected = to_pair(row, where, mapped_roles(roles, source))
     for kind in ("image", "video"):
         if row.get(f"{kind}s") not in (None, []):
             for side, name in ((chosen, "chosen"), (rejected, "rejected")):

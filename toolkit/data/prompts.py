@@ -3,7 +3,9 @@
 A prompt row is TRL's prompt-only shape, standard (`{"prompt": "The sky is"}`: raw text, completed as it is) or
 conversational (`{"prompt": [{"role": "user", ...}]}`: rendered with the chat template and a generation prompt).
 Datasets that name their columns otherwise map them with the data entry's `columns`, as every other row shape does:
-GSM8K's `{prompt: question, reference: answer}`, NuminaMath's `{prompt: problem, reference: solution}`.
+GSM8K's `{prompt: question, reference: answer}`, NuminaMath's `{prompt: problem, reference: solution}`; a row
+without a `prompt` is refused with that entry, its prompt and reference told by the role table
+(toolkit/data/roles.py: a prompt and an answer by their names), not a list of its own.
 
 Every other column of the row stays with it (`PromptRow.columns`) and is handed to the rewards, as TRL hands a
 reward function the dataset's columns; `reference` is what the built-in rewards that compare (exact, contains,
@@ -20,17 +22,12 @@ from typing import Any
 import numpy as np
 
 from toolkit.config.schema import ORDERED
+from toolkit.data import roles as vocab
 from toolkit.data.encoding import DataStats, check_messages
 from toolkit.data.plan import TrainingSet, drop_counts
-from toolkit.data.shapes import prepare_row
+from toolkit.data.shapes import holds_content, prepare_row
 from toolkit.data.sources import Source, open_source, pieces, raw_rows
 from toolkit.errors import ToolkitError
-
-PROMPT_ALIASES = ("question", "problem", "query", "instruction", "input")
-"""Column names that hold a prompt in well-known datasets (GSM8K, NuminaMath, ...): a row with one of them but no
-`prompt` is refused with the `columns` that read it."""
-REFERENCE_ALIASES = ("answer", "solution", "reference", "ground_truth", "output", "response")
-"""Column names that hold the reference answer in the same datasets (the refusal's suggested `reference`)."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +45,19 @@ class PromptRow:
         return not isinstance(self.prompt, str)
 
 
+def _keys_of(row: dict[str, Any], role: str, but: str | None = None) -> list[str]:
+    """The row's keys of a role by the role table (toolkit/data/roles.py `infer_roles`: GSM8K's `question`, NuminaMath's
+    `problem` a prompt; their `answer` / `solution` an answer, the reference an RL row compares with), in the table's
+    order; a prompt only where it is text."""
+    roles = vocab.infer_roles({k: v for k, v in row.items() if k != but and not k.startswith("_")}, holds_content)
+    return [k for k, r in roles.items() if r == role and (role != "prompt" or isinstance(row[k], str))]
+
+
 def _columns_hint(row: dict[str, Any], source: str) -> str:
-    asked = next((k for k in PROMPT_ALIASES if isinstance(row.get(k), str)), None)
+    asked = next(iter(_keys_of(row, "prompt")), None)
     if asked is None:
         return ""
-    answered = next((k for k in REFERENCE_ALIASES if k in row and k != asked), None)
+    answered = next(iter(_keys_of(row, "answer", but=asked)), None)
     mapping = f"prompt: {asked}" + (f", reference: {answered}" if answered else "")
     return f"; map its columns in the data entry: {{path: {source}, columns: {{{mapping}}}}}"
 
@@ -105,7 +110,7 @@ def check_references(rows: list[PromptRow], rewards: list[tuple[str, str]], sour
     if missing is None:
         return
     key, scorer = rewards[0]
-    named = next((k for k in REFERENCE_ALIASES if k in missing.columns), None)
+    named = next(iter(_keys_of(missing.columns, "answer")), None)
     fix = (f"map it: {{path: {source}, columns: {{reference: {named}}}}}" if named else
            "give every row a 'reference' (or map the column that holds it with columns: {reference: NAME})")
     raise ToolkitError(f"{missing.where}: reward {key} ({scorer}) compares each completion with the row's reference, "

@@ -27,7 +27,8 @@ VOCABULARY: dict[str, tuple[str, ...]] = {
                "request", "user_prompt", "user_input", "instructions", "task_input"),
     "context": ("input", "context", "passage", "document", "documents", "background", "knowledge", "article"),
     "answer": ("output", "response", "completion", "answer", "answers", "targets", "target", "solution", "reply",
-               "assistant", "gpt", "outputs", "output_text", "generation", "model_response", "responses"),
+               "assistant", "gpt", "outputs", "output_text", "generation", "model_response", "responses",
+               "ground_truth"),
     "reasoning": ("reasoning", "reasoning_content", "thinking", "think", "thought", "thoughts", "cot",
                   "complex_cot", "chain_of_thought", "rationale", "deepseek_reasoning", "reasoning_trace",
                   "explanation"),
@@ -112,6 +113,51 @@ def shape_of(row: dict[str, Any]) -> tuple[str, dict[str, str], str] | None:
     return None
 
 
+PAIR_SHAPES: tuple[tuple[str, dict[str, str], tuple[str, ...], str], ...] = (
+    ("OpenAI preference fine-tuning", {"prompt": "input", "chosen": "preferred_output",
+                                       "rejected": "non_preferred_output"}, ("prompt", "chosen", "rejected"),
+     "input object"),
+    ("ms-swift, whole rejected chat", {"turns": "messages", "rejected": "rejected_messages"}, ("turns", "rejected"),
+     "last turn"),
+    ("ms-swift", {"turns": "messages", "rejected": "rejected_response"}, ("turns", "rejected"), "last turn"),
+    ("TRL explicit", {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+     ("prompt", "chosen", "rejected"), "prompt"),
+    ("axolotl chat_template.default", {"turns": "messages", "system": "system", "chosen": "chosen",
+                                       "rejected": "rejected"}, ("turns", "chosen", "rejected"), "turns"),
+    ("LLaMA-Factory ranking, sharegpt", {"turns": "conversations", "system": "system", "chosen": "chosen",
+                                         "rejected": "rejected"}, ("turns", "chosen", "rejected"), "turns"),
+    ("LLaMA-Factory ranking, alpaca", {"prompt": "instruction", "context": "input", "system": "system",
+                                       "history": "history", "chosen": "chosen", "rejected": "rejected"},
+     ("prompt", "chosen", "rejected"), "exchange"),
+    ("TRL implicit", {"chosen": "chosen", "rejected": "rejected"}, ("chosen", "rejected"), "shared start"),
+)
+"""The preference pair shapes read without a data entry, as rows of the role table (as SHAPES): (name, role ->
+the key that holds it, the roles whose keys make a row this shape, its reader), tried in order; the first whose
+making keys the row holds reads it (`pair_shape_of`). Roles: `chosen` / `rejected`, the preference sides (a string,
+one assistant turn or a list of turns; a dialog in one string, Anthropic HH's, is split into turns); `prompt`;
+`turns`, the prompt as a chat; `system`; `context` and `history` (Alpaca's). Readers (toolkit/data/pairs.py):
+`input object`, the prompt an object of the chat's `messages` (and `tools`), read again as the turns' shape;
+`last turn`, the turns end with the chosen answer and the rejected side replaces it (a string, or the whole rejected
+chat); `prompt`, TRL's prompt (text or turns; a text prompt beside whole conversations is their shared start);
+`turns`, the chat before the answers (its system first); `exchange`, the system, history and prompt with its
+context; `shared start`, whole conversations (or texts) whose shared start is the prompt (TRL's extract_prompt)."""
+
+
+def pair_shape_of(row: dict[str, Any]) -> tuple[str, dict[str, str], str] | None:
+    """The first PAIR_SHAPES row whose making keys the row holds (not None): its name, role -> key map and
+    reader; None when no pair shape reads the row."""
+    for name, keys, made, reader in PAIR_SHAPES:
+        if all(row.get(keys[role]) is not None for role in made):
+            return name, dict(keys), reader
+    return None
+
+
+def pair_side_keys() -> tuple[str, ...]:
+    """The keys that hold a preference side in some pair shape (PAIR_SHAPES' `chosen` / `rejected` keys): a row
+    holding one is a pair."""
+    return tuple(dict.fromkeys(keys[r] for _, keys, _, _ in PAIR_SHAPES for r in ("chosen", "rejected") if r in keys))
+
+
 FIELDS = {"turns": "messages", "system": "system", "prompt": "instruction", "context": "input", "answer": "output",
           "reasoning": "reasoning", "tools": "tools", "media": "images"}
 """Role -> the row field (a data entry's `columns` key) that reads it."""
@@ -136,10 +182,12 @@ def speaker(name: Any) -> str | None:
     return SPEAKERS.get(norm(name)) if isinstance(name, str) else None
 
 
-def turn_keys(turn: dict[str, Any]) -> tuple[str, str] | None:
+def turn_keys(turn: dict[str, Any], role: str | None = None) -> tuple[str, str] | None:
     """The (role key, content key) of a turn by the vocabulary, else by values: the key whose string is a known role
-    name, and the other string key with the longest text. None when it is no turn."""
-    role = next((k for k in turn if norm(k) in ROLE_KEYS and isinstance(turn[k], str)), None)
+    name (or `role`, a key the data entry's tags name), and the other string key with the longest text. None when
+    it is no turn."""
+    role = role if role in turn else None
+    role = role or next((k for k in turn if norm(k) in ROLE_KEYS and isinstance(turn[k], str)), None)
     role = role or next((k for k, v in turn.items() if speaker(v) is not None), None)
     if role is None:
         return None

@@ -78,7 +78,8 @@ ROLE_KEY_HINTS = ("speaker", "author", "sender", "who", "role_name", "type", "na
 CONTENT_KEY_HINTS = ("text", "message", "utterance", "body", "msg", "content_text")
 """Key names that suggest a turn's role or content, for the hint of a turn with unknown keys."""
 TURN_KEYS = {"conversations": ("from", "value"), "messages": ("role", "content")}
-"""The keys of a turn, by the field that holds the turns (unless the turns or the entry's tags say otherwise)."""
+"""The turn keys of ShareGPT's and OpenAI's chats: turns that give no role and content by their values read by the
+pair whose keys they hold (`_turn_keys`); a field of turns that are no objects is refused naming its shape's."""
 
 
 def to_messages(row: dict[str, Any], source: Source, where: str, *, roles: dict[str, str] | None = None
@@ -93,7 +94,7 @@ def to_messages(row: dict[str, Any], source: Source, where: str, *, roles: dict[
     file from its first rows, by the stored names): a row that contradicts them is refused, and refusals advise by
     them, not by this row alone."""
     row, original = prepare_row(row, source, where)
-    pair = next((k for k in PAIR_KEYS if row.get(k) is not None), None)
+    pair = next((k for k in vocab.pair_side_keys() if row.get(k) is not None), None)
     if pair is not None:
         raise ToolkitError(f"{where}: the row has '{pair}': {PAIR_IN_SFT}.")
     return shape_row(row, source, where, original, roles=mapped_roles(roles, source))
@@ -107,9 +108,9 @@ def mapped_roles(roles: dict[str, str] | None, source: Source) -> dict[str, str]
     return {theirs.get(k, k): r for k, r in roles.items() if k not in source.entry.ignore}
 
 
-PAIR_KEYS = ("chosen", "rejected", "rejected_response", "rejected_messages", "preferred_output",
-             "non_preferred_output")
-"""Keys that make a row a preference pair (toolkit/data/pairs.py)."""
+PAIR_KEYS = vocab.pair_side_keys()
+"""Keys that make a row a preference pair: the preference sides of the pair shapes (toolkit/data/roles.py
+PAIR_SHAPES, read by toolkit/data/pairs.py)."""
 
 
 def prepare_row(row: dict[str, Any], source: Source, where: str) -> tuple[dict[str, Any], list[str]]:
@@ -740,24 +741,28 @@ def _json_cell(value: str, key: str, where: str) -> Any:
 
 
 def _turn_keys(turns: list[Any], name: str, where: str, tags: dict[str, str]) -> tuple[str, str]:
-    """The (role, content) keys of a list of turns: the entry's tags, else the keys the turns use (from/value or
-    role/content, whichever field holds them). Turns with neither are another tool's shape: the error names the
-    keys it saw and the tags that map them."""
-    default = TURN_KEYS.get(name, TURN_KEYS["messages"])
-    if "role_tag" in tags or "content_tag" in tags:
-        return tags.get("role_tag", default[0]), tags.get("content_tag", default[1])
+    """The (role, content) keys of a list of turns, inferred from the turns whatever field holds them: each turn's
+    role-like key (a key named as one, toolkit/data/roles.py ROLE_KEYS, else one whose value is a role name) and
+    content-like key beside it (`vocab.turn_keys`), the pair most turns give (OpenAI's role/content, ShareGPT's
+    from/value, OASST's role/text); turns of which none gives one, the pair of TURN_KEYS they hold most keys of (a
+    turn missing its content is refused naming it). The entry's tags name either key over the inferred one. Turns
+    with neither are another tool's shape: the error names the keys it saw and the tags that map them."""
     dicts = [t for t in turns if isinstance(t, dict)]
-    for keys in (default, *(k for n, k in TURN_KEYS.items() if k != default)):
-        if dicts and all(k in t for t in dicts for k in keys):
-            return keys
-    inferred = {vocab.turn_keys(t) for t in dicts}  # another tool's keys (OASST's role/text): the vocabulary's
-    if len(inferred) == 1 and None not in inferred:
-        return inferred.pop()  # type: ignore[return-value]
-    for keys in (default, *(k for n, k in TURN_KEYS.items() if k != default)):
-        if any(k in t for t in dicts for k in keys):
-            return keys
-    if not dicts:
-        return default
+    inferred = [k for k in (vocab.turn_keys(t, tags.get("role_tag")) for t in dicts) if k is not None]
+    held = max(TURN_KEYS.values(), key=lambda ks: sum(k in t for t in dicts for k in ks))
+    if inferred:
+        found = max(dict.fromkeys(inferred), key=inferred.count)  # the most turns' pair, the first on a tie
+    elif any(k in t for t in dicts for k in held):
+        found = held
+    else:
+        found = None
+    if "role_tag" in tags or "content_tag" in tags:
+        default = found or TURN_KEYS["messages"]
+        return tags.get("role_tag", default[0]), tags.get("content_tag", default[1])
+    if found is not None:
+        return found
+    if not dicts:  # no turn is an object: the keys the field's own shape uses, named in its error
+        return TURN_KEYS.get(name, TURN_KEYS["messages"])
     strings = {k for t in dicts for k, v in t.items() if isinstance(v, str)}
     if len(strings) < 2:
         raise ToolkitError(f"{where}: {name}[0] has keys {sorted(dicts[0])}, none a role and a content; each turn "

@@ -516,7 +516,7 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
             sized = [(n, r, len(json.dumps(r, ensure_ascii=False).encode()) if isinstance(r, dict) else 0)
                      for n, r in raw]
             raw = [(n, Oversize(size, cap) if size > cap else r) for n, r, size in sized]
-    roles = None if piece.whole or pairs else file_roles_of(source, piece.file_index)
+    roles = None if piece.whole and not pairs else file_roles_of(source, piece.file_index)
     for number, row in raw:
         where = source.where(piece.file_index, number)
         if isinstance(row, Oversize):
@@ -527,7 +527,7 @@ def read_piece(source: Source, piece: Piece, max_chars: Callable[[], int] | None
         else:
             if not isinstance(row, dict):  # a bare list of turns is the row's chat (toolkit/data/roles.py)
                 row = {"messages": row}
-            got = (list(pair_rows(row, source, where)) if pairs else kto_row(row, source, where) if kto
+            got = (list(pair_rows(row, source, where, roles)) if pairs else kto_row(row, source, where) if kto
                    else threads(to_messages(row, source, where, roles=roles)))
         rows += got
         numbers += [number] * len(got)
