@@ -48,7 +48,7 @@ def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, settings:
     args = KTOConfig(output_dir=str(tmp_path / "trl"), beta=settings.beta, desirable_weight=settings.desirable_weight,
                      undesirable_weight=settings.undesirable_weight, per_device_train_batch_size=batch,
                      report_to=[], use_cpu=True, gradient_checkpointing=False, max_length=None,
-                     dataset_num_proc=None)
+                     dataset_num_proc=None, bf16=False)  # fp32 as ours (tests/train/test_preference.py, above trl_trainer)
     return KTOTrainer(model=lora_model(models), args=args, train_dataset=data, processing_class=tokenizer)
 
 
@@ -127,7 +127,7 @@ def test_the_kl_sides_rotate_within_each_batch_as_trl_s(models: dict[str, str], 
     conversational = [{"prompt": [{"role": "user", "content": p}],
                        "completion": [{"role": "assistant", "content": c.strip()}], "label": y} for p, c, y in ROWS]
     args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                     gradient_checkpointing=False, max_length=None, dataset_num_proc=None)
+                     gradient_checkpointing=False, max_length=None, dataset_num_proc=None, bf16=False)
     rows = KTOTrainer(model=lora_model(models), args=args, train_dataset=Dataset.from_list(conversational),
                       processing_class=tokenizer).train_dataset
     partners = [kl_partner(k, len(rows), 4) for k in range(len(rows))]

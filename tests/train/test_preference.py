@@ -81,12 +81,17 @@ def nudge(model: torch.nn.Module) -> None:
                 param.add_(torch.randn(param.shape, generator=gen) * 0.05)
 
 
+# TRL's configs default to bf16 autocast, even on CPU: every TRL trainer here is built with bf16=False, to compare
+# with our fp32 losses, and because accelerate's process-wide state, once built with bf16, makes every later
+# Accelerator of the test session compute in bf16 (tests/train/test_pair_difficulty.py failed after this file).
+
 def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, loss: list[str],
                 weights: list[float] | None, label_smoothing: float) -> DPOTrainer:
     data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
     args = DPOConfig(output_dir=str(tmp_path / "trl"), loss_type=loss, loss_weights=weights, beta=0.1,
                      label_smoothing=label_smoothing, per_device_train_batch_size=len(PAIRS), report_to=[],
-                     use_cpu=True, gradient_checkpointing=False, max_length=None, dataset_num_proc=None)
+                     use_cpu=True, gradient_checkpointing=False, max_length=None, dataset_num_proc=None,
+                     bf16=False)  # TRL's default is bf16 autocast (see below)
     return DPOTrainer(model=lora_model(models), args=args, train_dataset=data, processing_class=tokenizer)
 
 
@@ -304,7 +309,7 @@ def reference_free_trainer(models: dict[str, str], tokenizer: Any, objective: st
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
-    common = {"report_to": [], "use_cpu": True, "gradient_checkpointing": False} | args
+    common = {"report_to": [], "use_cpu": True, "gradient_checkpointing": False, "bf16": False} | args
     if objective == "orpo":
         return ORPOTrainer(model=lora_model(models), args=ORPOConfig(beta=0.1, **common), train_dataset=data,
                            processing_class=tokenizer)
