@@ -48,7 +48,7 @@ def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, settings:
     args = KTOConfig(output_dir=str(tmp_path / "trl"), beta=settings.beta, desirable_weight=settings.desirable_weight,
                      undesirable_weight=settings.undesirable_weight, per_device_train_batch_size=batch,
                      report_to=[], use_cpu=True, gradient_checkpointing=False, max_length=None,
-                     dataset_num_proc=None, bf16=False)  # fp32 as ours (tests/train/test_preference.py, above trl_trainer)
+                     dataset_num_proc=None, bf16=False)  # fp32 (test_preference.py, above trl_trainer)
     return KTOTrainer(model=lora_model(models), args=args, train_dataset=data, processing_class=tokenizer)
 
 

@@ -85,6 +85,7 @@ def nudge(model: torch.nn.Module) -> None:
 # with our fp32 losses, and because accelerate's process-wide state, once built with bf16, makes every later
 # Accelerator of the test session compute in bf16 (tests/train/test_pair_difficulty.py failed after this file).
 
+
 def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, loss: list[str],
                 weights: list[float] | None, label_smoothing: float) -> DPOTrainer:
     data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
