@@ -17,9 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 from accelerate.utils import gather_object
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from tests.helpers.seeded_lora import seeded_lora
 from toolkit.evals.rewards import build_rewards, score_completions
 from toolkit.evals.rollout import rollout
 from toolkit.model.loss_head import install_loss_head
@@ -42,15 +42,7 @@ def main(model_path: str, out: str) -> None:
     accelerator = distributed.build_accelerator(1, 5)
     world, rank = accelerator.num_processes, accelerator.process_index
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    base = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
-    torch.manual_seed(0)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    model = seeded_lora(model_path, use_cache=True)  # the policy tests/train/test_grpo.py compares with TRL's
     install_loss_head(model, "chunked", chunk_tokens=5)
     model = accelerator.prepare(model)
     settings = GrpoSettings(num_generations=G, max_completion_length=LENGTH, epsilon_high=0.28)

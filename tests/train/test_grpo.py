@@ -27,6 +27,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.helpers.seeded_lora import seeded_lora
 from toolkit.builtin.dummy_data import write_dummy_letters
 from toolkit.errors import ToolkitError
 from toolkit.evals.rewards import build_rewards, score_completions
@@ -61,18 +62,8 @@ REWARDS: list[tuple[float | None, float | None]] = [(1.0, 0.2), (0.0, None), (1.
 
 
 def lora_model(path: str) -> PreTrainedModel:
-    """The tiny Qwen3 with a LoRA adapter whose B matrices are not zero (seeded: the same on every call)."""
-    base = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-    base.config.use_cache = False
-    torch.manual_seed(0)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    return model
+    """The tiny Qwen3 with a seeded LoRA adapter whose B matrices are not zero (tests/helpers/seeded_lora.py)."""
+    return seeded_lora(path)
 
 
 def nudge(model: torch.nn.Module) -> None:

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import DPOConfig, DPOTrainer
 
+from tests.helpers.seeded_lora import seeded_lora
 from toolkit.data.collate import padding_collator, pair_collator, sides_collator
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.packing import PackedCollator
@@ -57,19 +57,9 @@ def tokenizer(models: dict[str, str]) -> Any:
 
 
 def lora_model(models: dict[str, str], attn: str = "sdpa") -> PreTrainedModel:
-    """The tiny Qwen3 with a LoRA adapter whose B matrices are not zero (seeded: the same on every call)."""
+    """The tiny Qwen3 with a seeded LoRA adapter whose B matrices are not zero (tests/helpers/seeded_lora.py)."""
     register_kernels()
-    base = AutoModelForCausalLM.from_pretrained(models["text"], attn_implementation=attn, dtype=torch.float32)
-    base.config.use_cache = False
-    torch.manual_seed(0)  # lora_A's initialisation
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    return model
+    return seeded_lora(models["text"], attn)
 
 
 def nudge(model: torch.nn.Module) -> None:
