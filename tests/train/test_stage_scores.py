@@ -87,3 +87,15 @@ def test_the_current_scorer_is_the_run_at_a_step_and_the_base_scorer_is_not() ->
     other = SimpleNamespace(**{**vars(run), "recipe_hash": "r2"})
     assert scorer_identity(other, "current", 3) != scorer_identity(run, "current", 3)
     assert scorer_identity(other, "base", 0) == scorer_identity(run, "base", 0)  # the base model did not change
+
+
+def test_fp32_and_bf16_passes_never_share_a_scores_file() -> None:
+    """Issue 51: the launch's mixed precision is part of the scorer's identity (a bf16 pass sums other numbers),
+    for both scorers; an fp32 launch's identity is the one it had before the precision was added (its files stay)."""
+    run = SimpleNamespace(base_model="m", invariants={"model": {"name_or_path": "m"}}, state={"a": "1"},
+                          recipe_hash="r", data_stores={"s": "x"}, stage_batches=[4, 4])
+    for scorer in ("base", "current"):
+        fp32 = scorer_identity(run, scorer, 3)
+        assert scorer_identity(run, scorer, 3, precision="no") == fp32 and "precision" not in fp32
+        assert scorer_identity(run, scorer, 3, precision="bf16") != fp32
+        assert scorer_identity(run, scorer, 3, precision="bf16") != scorer_identity(run, scorer, 3, precision="fp16")

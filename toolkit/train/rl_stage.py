@@ -492,7 +492,8 @@ def pass_rate_key(run: Any, stage: Stage, scorer: str, samples: int) -> str:
     assert rl is not None
     prompts = hashlib.sha256(json.dumps([[s["prompt_ids"], s["reference"]] for s in stage.data.samples],
                                         default=str).encode()).hexdigest()
-    return score_key(rows=prompts, scorer=scorer_identity(run.identity, scorer, stage.plan.start_step),
+    return score_key(rows=prompts, scorer=scorer_identity(run.identity, scorer, stage.plan.start_step,
+                                                          precision=run.accelerator.mixed_precision),
                      render="pass_rate", samples=samples, reward=stage.resolved.rewards[0].model_dump(),
                      sampling=[rl.temperature, rl.top_p, rl.max_completion_length, run.recipe.train.seed])
 

@@ -143,13 +143,16 @@ def rows_identity(parts: Sequence[Any]) -> list[dict[str, Any]]:
             for part in parts]
 
 
-def scorer_identity(identity: Any, scorer: str, at_step: int) -> dict[str, Any]:
-    """What decides a scorer's weights: the base model (`base`), or the run's state at `at_step` (`current`),
-    a function of the run's resume identity and the step."""
-    if scorer == "base":
-        return {"base": identity.base_model, "model": identity.invariants.get("model"), "state": identity.state}
-    return {"current": at_step, "recipe": identity.recipe_hash, "stores": identity.data_stores,
-            "batches": identity.stage_batches, "state": identity.state, "base": identity.base_model}
+def scorer_identity(identity: Any, scorer: str, at_step: int, *, precision: str = "no") -> dict[str, Any]:
+    """What decides a scorer's sums: its weights, the base model (`base`) or the run's state at `at_step`
+    (`current`, a function of the run's resume identity and the step), and the launch's mixed precision (a bf16
+    pass sums other numbers than an fp32 one: the two never share a scores file; "no" leaves the keys of fp32 runs
+    as they were)."""
+    weights = ({"base": identity.base_model, "model": identity.invariants.get("model"), "state": identity.state}
+               if scorer == "base" else
+               {"current": at_step, "recipe": identity.recipe_hash, "stores": identity.data_stores,
+                "batches": identity.stage_batches, "state": identity.state, "base": identity.base_model})
+    return weights if precision == "no" else {**weights, "precision": precision}
 
 
 def pair_sides_key(run: Any, parts: Sequence[Any], scorer: str, at: int, *, adapter_off: bool,
@@ -159,7 +162,9 @@ def pair_sides_key(run: Any, parts: Sequence[Any], scorer: str, at: int, *, adap
     stage's difficulty by margin | chosen_loss share it, so a dpo stage whose difficulty is the current model's
     reads its reference's own scores (one pass, never two). `render`: how the sides are made (a kto stage's
     names its KL sides' chunk)."""
-    return score_key(rows=rows_identity(parts), scorer=scorer_identity(run.identity, scorer, at), render=render,
+    return score_key(rows=rows_identity(parts), scorer=scorer_identity(run.identity, scorer, at,
+                                                                       precision=run.accelerator.mixed_precision),
+                     render=render,
                      base=adapter_off, pad_to=PAIR_PAD_MULTIPLE)
 
 
@@ -244,7 +249,7 @@ def _scores(run: Any, stage: Stage, scorer: str, rows: KeptRows, at: int, step: 
     separate = scorer not in SCORERS
     path = resolve_scorer(scorer, run.recipe.output_dir) if separate else None
     scorer_ident = weights_identity(path, run.recipe) if path is not None else scorer_identity(
-        run.identity, scorer, at)
+        run.identity, scorer, at, precision=run.accelerator.mixed_precision)
     ident = {"rows": rows_identity(rows.parts), "scorer": scorer_ident}
     folder = Path(run.recipe.output_dir) / "scores"
     elsewhere = None if run.resumed_from is None else RunLayout.of_checkpoint(run.resumed_from).scores
