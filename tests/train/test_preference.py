@@ -362,8 +362,8 @@ def test_orpo_and_simpo_train_step_by_step_as_trl_s_trainers(models: dict[str, s
     tokens from the same LoRA with torch's AdamW and the same clipping. Per step: the loss, grad norm and TRL's
     logged metrics (`pair_metrics`; for ORPO and SimPO TRL logs the average log-probs as `logps/*`, beta times them
     as the rewards) within 1e-6 relative, the margin on its rewards' scale (fp32 averages of up to 30 token
-    log-probs: a few 1e-7 apart by summation order), then the trained adapter within 1e-6. ORPO adds TRL's NLL over the chosen prompt and completion to
-    our pair term, the one definition that differs (docs/preference.md)."""
+    log-probs: a few 1e-7 apart by summation order), then the trained adapter within 1e-6. ORPO adds TRL's NLL over
+    the chosen prompt and completion to our pair term, the one definition that differs (docs/preference.md)."""
     steps, pairs_per_step, lr, clip = 4, 2, 5e-3, 0.25
     trainer = reference_free_trainer(models, tokenizer, objective, output_dir=str(tmp_path / objective),
                                      per_device_train_batch_size=pairs_per_step, max_steps=steps, learning_rate=lr,
