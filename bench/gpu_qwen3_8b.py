@@ -4,6 +4,7 @@
     python bench/gpu_qwen3_8b.py [--steps 20] [--warmup 5] [--out bench/results] [--profile]
     python bench/gpu_qwen3_8b.py --tiny     # the same pipeline on the tiny Qwen3, anywhere (what the tests run)
     bash bench/run_gpu_session.sh           # a lent GPU: every row, profiled, recorded in bench/results/
+    BENCH=grpo bash bench/run_gpu_session.sh  # a lent GPU: the grpo row (issue 49), one command of its own
 
 Rows (`ROWS`; `--variants` picks, in order): `default` (the toolkit's defaults), `no_overlap` (the default with the
 micro-batch copies in turn, not on the side stream: its loss checks the stream's event wait), `compile`
