@@ -4,6 +4,7 @@
     python bench/gpu_qwen3_8b.py [--steps 20] [--warmup 5] [--out bench/results] [--profile]
     python bench/gpu_qwen3_8b.py --tiny     # the same pipeline on the tiny Qwen3, anywhere (what the tests run)
     bash bench/run_gpu_session.sh           # a lent GPU: every row, profiled, recorded in bench/results/
+    BENCH=grpo bash bench/run_gpu_session.sh  # a lent GPU: the grpo row (issue 49), one command of its own
 
 Rows (`ROWS`; `--variants` picks, in order): `default` (the toolkit's defaults), `no_overlap` (the default with the
 micro-batch copies in turn, not on the side stream: its loss checks the stream's event wait), `compile`
@@ -32,6 +33,15 @@ markdown table on stderr. Target (issue 34): at least 45% MFU on an H100. `--pro
 micro-batch in turn before its forward (lever 1 off) in every profiled row: run with and without to compare the
 idle share. `--variants grad_ckpt long16k long32k` measures the long rows of issue 33 (packed rows of 4k, 16k and
 32k tokens on one GPU, checkpointed), each beside preflight's estimate of its peak.
+
+`--variants grpo` (issue 49) runs a GRPO stage instead (`objective: grpo` on prompt-only rows, `dummy:letters`'
+shape, with the `contains` reward against each row's reference: a verifiable reward that costs next to nothing):
+each step draws `GRPO_GENERATIONS` completions of `GRPO_PROMPTS` prompts, up to `--completion-length` tokens
+(default 256; tiny 16), with the KV cache, then trains on their group advantages. Besides the step's tokens/s and
+peak memory it reports, from the step log, the rollout's completion tokens/s (`completions/mean_length` x
+completions / `time/generation`), the seconds of generation, of scoring and of the rest of the step (training).
+Random weights rarely end a completion early, so the rollout runs to full length, and the rewards (near zero) say
+nothing: the row measures speed only, and is not in the losses check.
 """
 
 from __future__ import annotations
@@ -57,6 +67,8 @@ from throughput import machine_info, versions, worker_env, write_chat_data  # no
 MFU_TARGET = 0.45
 LOSS_RTOL = 5e-3  # bf16 noise: a final loss within 0.5% of the default row's (bf16 carries about 2.4 digits)
 ROWS_PER_STEP = 2  # packed rows per optimizer step in every row: micro 1 x 2 accumulation, or micro 2 x 1
+GRPO_PROMPTS = 4  # the grpo row's prompts per optimizer step ...
+GRPO_GENERATIONS = 8  # ... each sampled this many times (TRL's default): 32 completions a step, micro 8 x accum 4
 
 
 def _schema_has(section: str, key: str, value: str | None = None) -> bool:
@@ -107,9 +119,16 @@ ROWS: dict[str, tuple[dict[str, dict[str, Any]], Any]] = {
     # rows per step than the others (not in the losses check); each reports preflight's estimate of its peak.
     "long16k": ({"data": {"max_seq_len": 16384}, "model": {"gradient_checkpointing": True}}, None),
     "long32k": ({"data": {"max_seq_len": 32768}, "model": {"gradient_checkpointing": True}}, None),
+    # Issue 49: a GRPO stage (rollout, scoring, training) on prompt rows; the `stage` keys go to the bench stage.
+    # Not packed: a grpo stage trains its prompt + completion sequences as the rollout made them (docs/rl.md).
+    "grpo": ({"stage": {"objective": "grpo", "rl": {"num_generations": GRPO_GENERATIONS},
+                        "rewards": [{"scorer": {"kind": "contains", "lower": True}}]},
+              "data": {"packing": False},
+              "train": {"micro_batch_size": GRPO_GENERATIONS, "grad_accum": GRPO_PROMPTS}}, None),
 }
 LONG_ROWS = ["grad_ckpt", "long16k", "long32k"]
 OVERLAP_OFF_ROWS = {"no_overlap"}
+RL_ROWS = {"grpo"}
 LEVER_ROWS = ["default", "no_overlap", "compile", "lora_fused_on", "lora_fused_off", "micro2", "grad_ckpt", "fa4",
               "torch_varlen"]
 
@@ -165,10 +184,15 @@ def write_model(out: Path, *, tiny: bool) -> Path:
 
 
 def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: int,
-           peak_tflops: float | None = None, keys: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+           peak_tflops: float | None = None, keys: dict[str, dict[str, Any]] | None = None,
+           completion_length: int = 256) -> dict[str, Any]:
     """One stage of `steps` optimizer steps over packed rows, `ROWS_PER_STEP` rows a step; no checkpoints (they
-    would write the 16 GB base). `keys` holds recipe keys over the defaults, by section (a row's one change)."""
+    would write the 16 GB base). `keys` holds recipe keys over the defaults, by section (a row's one change); its
+    `stage` keys go to the stage (a grpo row: `completion_length` is its `rl.max_completion_length`)."""
     keys = keys or {}
+    stage = {"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4, **keys.get("stage", {})}
+    if "rl" in stage:
+        stage["rl"] = {**stage["rl"], "max_completion_length": completion_length}
     return {
         "output_dir": str(out),
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
@@ -176,7 +200,7 @@ def recipe(model_dir: Path, data: Path, out: Path, *, max_seq_len: int, steps: i
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", **keys.get("lora", {})},
         "data": {"max_seq_len": max_seq_len, "packing": True, "cache_dir": str(out.parent / "cache"),
                  **keys.get("data", {})},
-        "stages": [{"name": "bench", "data": [str(data)], "max_steps": steps, "lr": 1e-4}],
+        "stages": [stage],
         "train": {"micro_batch_size": 1, "grad_accum": ROWS_PER_STEP, "seed": 0, **keys.get("train", {})},
         "checkpoint": {"save_on_stage_end": False, "best_metric": None},
         "logging": {"logging_steps": 1, "progress_bar": False, "trackers": [], "peak_tflops": peak_tflops},
@@ -209,12 +233,29 @@ def estimated_peak_gb(recipe_file: Path, config: Any) -> float:
     return max(r["single"]["total"] for r in rows) / 2**30
 
 
+def rollout_figures(timed: list[dict[str, Any]], completions: int) -> dict[str, Any]:
+    """A grpo row's rollout figures from its timed step records: completion tokens per second of generation
+    (`completions/mean_length` x the step's completions / `time/generation`), and the mean seconds of generation,
+    of scoring, and of the rest of the step (the policy's forward and backward, the optimizer, the step's own
+    overhead)."""
+    def mean(key: str) -> float:
+        return sum(r[key] for r in timed) / len(timed)
+
+    generated = sum(r["completions/mean_length"] * completions for r in timed)
+    return {"completions_per_step": completions, "mean_completion_length": mean("completions/mean_length"),
+            "rollout_tokens_per_sec": generated / sum(r["time/generation"] for r in timed),
+            "generation_s": mean("time/generation"), "scoring_s": mean("time/scoring"),
+            "training_s": mean("step_time") - mean("time/generation") - mean("time/scoring"),
+            "reward": mean("reward"), "clipped_ratio": mean("completions/clipped_ratio")}
+
+
 def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: argparse.Namespace,
                 profile: bool = False) -> dict[str, Any]:
     """Train one row through train_curriculum.py and summarise its metrics after the warmup steps. With
     `profile`, two more steps run under torch.profiler (bench/profile_step.py) and are not timed. A row that
     cannot run here is skipped with the reason."""
     keys, missing = ROWS[name]
+    profile = profile and name not in RL_ROWS  # bench/profile_step.py profiles a training step, not a rollout
     reason = missing() if missing is not None else None
     if reason is not None:
         return {"status": "skipped", "note": reason, "keys": keys}
@@ -222,9 +263,11 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
     out = work / name
     path = work / f"{name}.yaml"
     extra = 2 if profile else 0
+    if name in RL_ROWS:
+        data = args.prompts
     path.write_text(yaml.safe_dump(recipe(model_dir, data, out, max_seq_len=args.max_seq_len,
                                           peak_tflops=args.peak_tflops, steps=args.warmup + args.steps + extra,
-                                          keys=keys)))
+                                          keys=keys, completion_length=args.completion_length)))
     overlap = name not in OVERLAP_OFF_ROWS and not (profile and args.no_overlap)
     script = REPO / ("bench/profile_step.py" if profile or not overlap else "train_curriculum.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -257,7 +300,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
         "mean_step_time_s": sum(r["step_time"] for r in timed) / len(timed),
         "mfu": sum(mfu) / len(mfu) if mfu else None,
         "mfu_nemo": (tokens_per_sec * nemo_automodel_flops_per_token(args.config, row_length(keys, args)) / args.peak
-                     if args.peak else None),
+                     if args.peak and name not in RL_ROWS else None),  # a grpo step's time is mostly rollout
         "row_length": row_length(keys, args),
         "estimated_peak_gb": estimated_peak_gb(path, args.config),
         "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
@@ -266,6 +309,7 @@ def run_variant(name: str, model_dir: Path, data: Path, work: Path, *, args: arg
         "final_loss": timed[-1]["loss"],
         "copy_overlap": overlap,
         "profile": profiled,
+        **({"rollout": rollout_figures(timed, GRPO_PROMPTS * GRPO_GENERATIONS)} if name in RL_ROWS else {}),
     }
 
 
@@ -291,6 +335,16 @@ def markdown_rows(summary: dict[str, Any]) -> str:
                      f"{result['peak_memory_gb']:.1f} GiB | {result['estimated_peak_gb']:.1f} GiB | "
                      f"{_pct(result['idle_share'])} | "
                      f"{result['final_loss']:.4f} |")
+    rl = {name: r["rollout"] for name, r in summary["variants"].items() if r["status"] == "ok" and "rollout" in r}
+    if rl:  # the grpo row's rollout (issue 49), under the table
+        lines += ["", "| date | device | row | completions/step | mean completion length | rollout tokens/s | "
+                  "generation | scoring | training | step time |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, r in rl.items():
+            step = summary["variants"][name]["mean_step_time_s"]
+            lines.append(f"| {date} | {gpu} | {name} | {r['completions_per_step']} | "
+                         f"{r['mean_completion_length']:.1f} | {r['rollout_tokens_per_sec']:.0f} | "
+                         f"{r['generation_s']:.2f} s | {r['scoring_s']:.3f} s | {r['training_s']:.2f} s | "
+                         f"{step:.2f} s |")
     return "\n".join(lines)
 
 
@@ -298,7 +352,7 @@ def losses_agree(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Whether every row's final loss is within `LOSS_RTOL` of the first row's (the same data, the same global
     batch: only bf16 rounding may differ). Rows of other lengths (`long16k`, `long32k`) train other batches."""
     losses = {name: v["final_loss"] for name, v in variants.items()
-              if v["status"] == "ok" and "data" not in v.get("keys", {})}
+              if v["status"] == "ok" and "data" not in v.get("keys", {}) and "stage" not in v.get("keys", {})}
     if not losses:
         return {"agree": None, "rtol": LOSS_RTOL, "max_rel_diff": None, "reference": None}
     reference = next(iter(losses))
@@ -322,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --profile: each profiled row copies its micro-batches in turn, blocking, before "
                         "each forward (PROFILE_OVERLAP=0), its timed steps too: run with and without to compare the "
                         "idle share")
+    parser.add_argument("--completion-length", type=int, default=None,
+                        help="the grpo row's rl.max_completion_length (default 256; tiny 16)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak for MFU (default: looked up from the GPU's name)")
     args = parser.parse_args(argv)
@@ -339,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
     """Both variants, the summary, and the results file; None when there is no GPU to run on."""
     args.max_seq_len = args.max_seq_len or (256 if args.tiny else 4096)
+    args.completion_length = args.completion_length or (16 if args.tiny else 256)
     if not args.tiny:
         import torch
 
@@ -358,6 +415,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         longest = max(row_length(ROWS[name][0], args) for name in args.variants)
         rows = 6 * ROWS_PER_STEP * (args.warmup + args.steps + 2) * -(-longest // args.max_seq_len) + 64
         write_chat_data(data, AutoTokenizer.from_pretrained(model_dir), rows, args.max_seq_len, seed=0)
+        # The grpo row's prompts (dummy:letters' rows: a prompt and the letter its completion should hold), enough
+        # for every step to draw new ones.
+        from toolkit.builtin.dummy_data import write_dummy_letters
+
+        args.prompts = write_dummy_letters(work / "prompts", GRPO_PROMPTS * (args.warmup + args.steps + 2) + 64)
         from transformers import AutoConfig
 
         config = args.config = AutoConfig.from_pretrained(model_dir)

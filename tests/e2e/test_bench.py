@@ -104,3 +104,47 @@ def test_data_scale_prepare_only_times_the_store_checksum(tmp_path: Path) -> Non
     assert out["rows"] == 50 and out["checksum_s"] >= 0 and out["checksum_gb_per_s"] >= 0
     assert {"cold_s", "warm_s", "warm_remembered_s", "store_gb"} <= set(out)
     assert len(list((tmp_path / "cache" / "stores").glob("*/verified.json"))) == 1
+
+
+def test_gpu_grpo_row_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    """bench/gpu_qwen3_8b.py's grpo row (issue 49) with --tiny: the GPU run's settings (bf16 base under bf16 mixed
+    precision, LoRA) through a grpo stage on prompt rows; its rollout figures come from the run's own step log. The
+    rollout runs under the launch's autocast: without it a bf16 base fed fp32 adapters and the row failed."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_qwen3_8b.py"), "--tiny", "--steps", "2",
+                           "--warmup", "1", "--peak-tflops", "1", "--out", str(tmp_path), "--variants", "grpo"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = json.loads(proc.stdout)
+    row = summary["variants"]["grpo"]
+    assert row["status"] == "ok" and row["timed_steps"] == 2 and row["profile"] is None, row
+    assert row["tokens_per_sec"] > 0 and row["peak_memory_gb"] > 0 and row["mfu_nemo"] is None
+    rollout = row["rollout"]
+    assert rollout["completions_per_step"] == 32  # 4 prompts x 8 generations
+    assert 0 < rollout["mean_completion_length"] <= 16  # --completion-length defaults to 16 with --tiny
+    assert rollout["rollout_tokens_per_sec"] > 0 and rollout["generation_s"] > 0 and rollout["scoring_s"] > 0
+    assert 0 < rollout["training_s"] < row["mean_step_time_s"]  # the step less its generation and scoring
+    assert rollout["generation_s"] + rollout["scoring_s"] < row["mean_step_time_s"]
+    assert 0 <= rollout["reward"] <= 1 and 0 <= rollout["clipped_ratio"] <= 1
+    assert summary["losses"]["agree"] is None  # a grpo loss is not comparable with the sft rows'
+    assert Path(summary["results_file"]).with_suffix(".md").read_text().count("| grpo | 32 |") == 1
+
+
+def test_gpu_video_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    """bench/gpu_qwen2_5_vl.py --tiny (issue 50): video rows written as MPEG-4 files, each frame cap a launch of
+    train_curriculum.py with the GPU run's settings on the tiny Qwen2.5-VL. The video tokens per row (the
+    encoder's count) grow with the frames sampled, and the run's own tokens per row exceed them by the same text
+    in both rows: the run trained the frames the encoder says."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_qwen2_5_vl.py"), "--tiny", "--steps", "2",
+                           "--warmup", "1", "--out", str(tmp_path)],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = json.loads(proc.stdout)
+    short, long = summary["variants"]["frames8"], summary["variants"]["frames32"]
+    for row in (short, long):
+        assert row["status"] == "ok" and row["timed_steps"] == 2, row
+        assert row["tokens_per_sec"] > 0 and row["mean_step_time_s"] > 0 and row["peak_memory_gb"] > 0
+        assert row["video_tokens_per_row"] > 0 and row["final_loss"] > 0
+    assert long["video_tokens_per_row"] == 4 * short["video_tokens_per_row"]  # 32 frames (16 s at 2 fps) against 8
+    text = long["tokens_per_row"] - long["video_tokens_per_row"]
+    assert text > 0 and short["tokens_per_row"] - short["video_tokens_per_row"] == text
+    assert Path(summary["results_file"]).with_suffix(".md").read_text().count("| frames") == 2

@@ -313,3 +313,15 @@ def test_a_required_gate_left_unmet_stops_the_run_and_its_resume(tmp_path: Path,
     rc, stderr = invoke(call, tmp_path, monkeypatch)  # the same command resumes at the stage end: it stops again
     assert rc == 2 and [line for line in stderr.splitlines() if line.startswith("error: ")] == errors
     assert (out / "metrics.jsonl").read_text() == before and not (out / "final").exists()
+
+
+def test_generation_evals_run_over_a_bf16_base_under_bf16_mixed_precision(tmp_path: Path) -> None:
+    """The GPU launch's precision (a bf16 base, fp32 adapters, bf16 autocast): the generation eval generates under
+    the launch's autocast, as the training forward runs. Outside it the adapters, whose input casts are off for
+    the run, were fed bf16 hidden states and the first eval failed ('expected m1 and m2 to have the same dtype')."""
+    out = tmp_path / "bf16"
+    proc = train_forked("single", 1, out, "model.dtype=bfloat16", "stages.0.max_steps=2", "stages.1.max_steps=1",
+                        "eval.every_steps=2", "logging.trackers=[]", recipe=str(REPO / GATED),
+                        mixed_precision="bf16", check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["facts.exact"] for r in records(out, "eval") if "facts.exact" in r], records(out, "eval")

@@ -197,7 +197,10 @@ class Evaluator:
         model.eval()
         out = {}
         try:
-            with full_weights_for_generation(acc, model) as unwrapped:
+            # Under the launch's mixed precision, as the training forward runs: `generate` calls the unwrapped model,
+            # outside the autocast accelerate wraps the prepared forward in, and the adapters' input casts are off
+            # for the run (`skip_adapter_input_casts`), so a 16-bit base would feed fp32 adapters 16-bit inputs.
+            with acc.autocast(), full_weights_for_generation(acc, model) as unwrapped:
                 for g in evals:
                     completions = generate(acc, unwrapped, g, plan.processing, vision=plan.vision, lockstep=lockstep,
                                            seed=self.seed, step=step, image_kwargs=plan.image_kwargs)

@@ -228,7 +228,10 @@ def _draw(run: Any, stage: Stage, rows: list[dict[str, Any]], keys: list[int], s
     drawn, scored, error = None, None, None
     started = time.perf_counter()
     if mine or lockstep:  # a rank with no prompt keeps the others company under sharded weights
-        with full_weights_for_generation(acc, run.model) as policy, \
+        # Under the launch's mixed precision, as the training forward runs: `generate` calls the unwrapped model,
+        # outside the autocast accelerate wraps the prepared forward in, and the adapters' input casts are off for
+        # the run (`skip_adapter_input_casts`), so a 16-bit base would feed its hidden states to fp32 adapters.
+        with acc.autocast(), full_weights_for_generation(acc, run.model) as policy, \
                 adapter_disabled(policy) if base else contextlib.nullcontext():
             stops = eos_ids(policy, tokenizer)
             asked = mine or [0]
