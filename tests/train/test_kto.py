@@ -19,7 +19,7 @@ from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
 from tests.data.test_pair_data import stage_of
-from tests.train.test_preference import lora_grads, lora_model, nudge
+from tests.train.test_preference import lora_grads, lora_model, nudge, pair_sequences
 from toolkit.data.collate import padding_collator
 from toolkit.data.encoding import IGNORE_INDEX
 from toolkit.data.plan import PairSides, kl_partner
@@ -55,12 +55,7 @@ def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, settings:
 def kto_sequences(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """TRL's tokenized rows as our pair-ordered sequences: each row (prompt + completion) then its KL side
     (prompt + KL completion), labels on the completions."""
-    out = []
-    for row in rows:
-        for key in ("completion_ids", "KL_completion_ids"):
-            out.append({"input_ids": row["prompt_ids"] + row[key],
-                        "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + row[key]})
-    return out
+    return pair_sequences(rows, ("completion_ids", "KL_completion_ids"))
 
 
 def test_kto_loss_and_lora_gradients_equal_trl_kto_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any

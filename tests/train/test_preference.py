@@ -86,11 +86,13 @@ def trl_trainer(models: dict[str, str], tokenizer: Any, tmp_path: Any, loss: lis
     return DPOTrainer(model=lora_model(models), args=args, train_dataset=data, processing_class=tokenizer)
 
 
-def pair_sequences(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """TRL's tokenized pairs as our pair-ordered sequences: prompt + completion, labels on the completion."""
+def pair_sequences(rows: list[dict[str, Any]], sides: tuple[str, str] = ("chosen_ids", "rejected_ids")
+                   ) -> list[dict[str, Any]]:
+    """TRL's tokenized rows as our pair-ordered sequences: prompt + each of the two `sides` (a pair's chosen and
+    rejected; a KTO row's completion and KL completion), labels on the completion."""
     out = []
     for row in rows:
-        for side in ("chosen_ids", "rejected_ids"):
+        for side in sides:
             out.append({"input_ids": row["prompt_ids"] + row[side],
                         "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + row[side]})
     return out
