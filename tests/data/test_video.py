@@ -383,11 +383,15 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
                                                        ) -> None:
     """Video, image + video, frame-list and text rows, a short-to-long curriculum (4 then 8 frames): 2 processes
     give the single process's losses and final adapter (fp32); the 2-process launch, sharing the reference's
-    cache, prepares nothing again (no frame is decoded: the frame store gains no entry)."""
+    cache, prepares nothing again (no frame is decoded: the frame store gains no entry). Under ZeRO-3, the most
+    demanding strategy, the 2-process run keeps a checkpoint after each of its 4 steps (across the stage boundary)
+    and is resumed from each on 2 processes: the later steps and the final adapter are the uninterrupted run's, to
+    the last bit (tests/e2e/test_resume.py's check), and no resume prepares or decodes anything."""
     import yaml
     from safetensors.torch import load_file
 
     from tests.conftest import relaunch
+    from tests.e2e.test_resume import assert_exact_from_every_checkpoint
     from tests.helpers.video_files import video_recipe, write_video_dataset
     from toolkit.metrics.log import read_metrics
 
@@ -404,10 +408,12 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
     stored = sorted(frames_dir.iterdir())
     out = root / strategy
     recipe = video_recipe(root / "data" / "videos.jsonl", out)
+    resumed = strategy == "zero3"
+    if resumed:  # what is saved does not change what trains: the run still equals the single process's
+        recipe["checkpoint"] = {"save_steps": 1, "keep_last": 10}
     (root / f"{strategy}.yaml").write_text(yaml.safe_dump(recipe))
-    log = root / f"{strategy}.log"
-    assert relaunch(strategy, [(["--config", str(root / f"{strategy}.yaml")], log)], num_processes=2) == [0], \
-        log.read_text()[-4000:]
+    argv, log = ["--config", str(root / f"{strategy}.yaml")], root / f"{strategy}.log"
+    assert relaunch(strategy, [(argv, log)], num_processes=2) == [0], log.read_text()[-4000:]
     assert sorted(frames_dir.iterdir()) == stored  # warm: nothing decoded again
 
     def losses(run: Path) -> list[float]:
@@ -418,3 +424,8 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
     assert final.keys() == ref.keys() and any("visual.merger" in k for k in final)
     for k in ref:
         torch.testing.assert_close(final[k], ref[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")
+    if resumed:
+        resumes = assert_exact_from_every_checkpoint(strategy, out, argv, steps=4, mixed_precision="no")
+        assert sorted(frames_dir.iterdir()) == stored  # the resumes decoded no video: the frame store is as it was
+        for run in resumes:  # and prepared no token store (each read the reference's, warm)
+            assert "data: prepared" not in run.with_suffix(".log").read_text(), run
