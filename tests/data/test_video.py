@@ -381,7 +381,8 @@ def test_a_video_curriculum_trains_and_a_warm_relaunch_decodes_nothing(tmp_path:
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_factory: pytest.TempPathFactory
                                                        ) -> None:
-    """Video, image + video, frame-list and text rows, a short-to-long curriculum (4 then 8 frames): 2 processes
+    """Video, image + video, frame-list and text rows, a short-to-long curriculum (4 then 8 frames, stage 'long'
+    easy_to_hard by its rows' sampled frames, as the 1-process resume test's): 2 processes
     give the single process's losses and final adapter (fp32); the 2-process launch, sharing the reference's
     cache, prepares nothing again (no frame is decoded: the frame store gains no entry). Under ZeRO-3, the most
     demanding strategy, the 2-process run keeps a checkpoint after each of its 4 steps (across the stage boundary)
@@ -395,11 +396,16 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
     from tests.helpers.video_files import video_recipe, write_video_dataset
     from toolkit.metrics.log import read_metrics
 
+    def curriculum(data: Path, out: Path) -> dict:
+        recipe = video_recipe(data, out)
+        recipe["stages"][1].update(order="easy_to_hard", difficulty={"by": "frames"})
+        return recipe
+
     root = tmp_path_factory.getbasetemp() / "video-matrix"
     reference = root / "single"
     if not (reference / "final").is_dir():
         data = write_video_dataset(root / "data", 16)
-        recipe = video_recipe(data, reference)
+        recipe = curriculum(data, reference)
         recipe["train"] = {**recipe["train"], "micro_batch_size": 4}  # 4 x 2 accum x 1 = 2 x 2 x 2 processes
         (root / "single.yaml").write_text(yaml.safe_dump(recipe))
         assert relaunch("single", [(["--config", str(root / "single.yaml")], root / "single.log")],
@@ -407,7 +413,7 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
     frames_dir = root / ".toolkit-cache" / "tokenized" / "frames"
     stored = sorted(frames_dir.iterdir())
     out = root / strategy
-    recipe = video_recipe(root / "data" / "videos.jsonl", out)
+    recipe = curriculum(root / "data" / "videos.jsonl", out)
     resumed = strategy == "zero3"
     if resumed:  # what is saved does not change what trains: the run still equals the single process's
         recipe["checkpoint"] = {"save_steps": 1, "keep_last": 10}
