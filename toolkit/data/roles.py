@@ -12,6 +12,7 @@ each role it could have, never dropped.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -163,8 +164,10 @@ FIELDS = {"turns": "messages", "system": "system", "prompt": "instruction", "con
 """Role -> the row field (a data entry's `columns` key) that reads it."""
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def norm(key: str) -> str:
-    """A key as the vocabulary spells names: lower case, runs of non-alphanumerics as `_`."""
+    """A key as the vocabulary spells names: lower case, runs of non-alphanumerics as `_`. Remembered: a file's
+    few key names are normalised once, not once per row and turn."""
     return re.sub(r"[^0-9a-z]+", "_", key.lower()).strip("_") if key.strip("_") else key.lower()
 
 
@@ -187,15 +190,23 @@ def turn_keys(turn: dict[str, Any], role: str | None = None) -> tuple[str, str] 
     name (or `role`, a key the data entry's tags name), and the other string key with the longest text. None when
     it is no turn."""
     role = role if role in turn else None
-    role = role or next((k for k in turn if norm(k) in ROLE_KEYS and isinstance(turn[k], str)), None)
+    named_roles, named_contents = _named_turn_keys(tuple(turn))
+    role = role or next((k for k in named_roles if isinstance(turn[k], str)), None)
     role = role or next((k for k, v in turn.items() if speaker(v) is not None), None)
     if role is None:
         return None
-    content = next((k for k in turn if k != role and norm(k) in CONTENT_KEYS), None)
+    content = next((k for k in named_contents if k != role), None)
     if content is None:
         texts = [k for k, v in turn.items() if k != role and isinstance(v, str | list)]
         content = max(texts, key=lambda k: len(str(turn[k])), default=None)
     return None if content is None else (role, content)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _named_turn_keys(keys: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of a turn's keys, in order, those the vocabulary names a role key and those it names a content key: once per
+    key set, not once per turn (a file's turns share a few)."""
+    return (tuple(k for k in keys if norm(k) in ROLE_KEYS), tuple(k for k in keys if norm(k) in CONTENT_KEYS))
 
 
 def exchange_keys(turn: dict[str, Any]) -> tuple[str, str] | None:
