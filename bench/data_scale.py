@@ -291,7 +291,8 @@ def ceiling(data: Path, tokenizer: Any, rows: int) -> dict[str, Any]:
     """Rows/s in one process on one core (TOKENIZERS_PARALLELISM=false, set by the caller before the tokenizer
     first ran): the toolkit's whole preparation of the file's first `rows` rows into an in-memory store (read,
     shapes, render, tokenise, masks) beside the bare batch call `tokenizer(texts)` on the same rendered texts (the
-    tokenizer alone: the ceiling), and today's Jinja path (data.renderer: jinja); with the reading alone (JSON Lines
+    tokenizer alone: the ceiling), the tokenizer's tiktoken twin alone on them (toolkit/data/bpe.py: what the
+    preparation tokenises with), and today's Jinja path (data.renderer: jinja); with the reading alone (JSON Lines
     parsed, shapes mapped) and the parser alone."""
     import json as std_json
 
@@ -322,6 +323,11 @@ def ceiling(data: Path, tokenizer: Any, rows: int) -> dict[str, Any]:
     lines = part.read_bytes().splitlines()
     texts = [encoder._render({"messages": std_json.loads(line)["messages"]}, "row")[0] for line in lines]
     timed("bare_tokenizer", lambda: tokenizer(texts))
+    from toolkit.data.bpe import BpeTwin
+
+    twin = BpeTwin.of(tokenizer)  # built above by the toolkit's preparation (over TWIN_MIN_ROWS rows)
+    if twin is not None:
+        timed("bare_twin", lambda: [twin.encode(text) for text in texts])
     open_source(source)
     timed("read", lambda: [read_piece(source, p) for p in pieces(source, 1000)])
     timed("parse_json", lambda: [std_json.loads(line) for line in lines])

@@ -5,7 +5,8 @@ micro-batch's pairs as separate sequences (padded or packed), and what is no pai
 where rows train, is refused in one line.
 
 Real rows (tests/assets/wild/, origins in its README): LLaMA-Factory's data/dpo_en_demo.json, ms-swift's DPO
-example, TRL's preference formats."""
+example and its multimodal DPO rows, TRL's preference formats and vision DPO rows, LLaMA-Factory's RLHF-V row, a
+VideoDPO row as a LLaMA-Factory user posted it."""
 
 from __future__ import annotations
 
@@ -322,13 +323,17 @@ def test_what_is_no_pair_where_pairs_train_and_a_pair_where_rows_train_are_refus
 
 
 def vision_folder(tmp: Path) -> Path:
-    """The wild vision pairs (TRL's vision DPO rows, LLaMA-Factory's RLHF-V row and its registry entry) beside the
-    small PNGs they name, written here (images of other sizes, so their grids differ)."""
+    """The wild vision pairs (TRL's vision DPO rows, LLaMA-Factory's RLHF-V row and its registry entry, ms-swift's
+    multimodal DPO rows and its image-preference rows) beside the small PNGs they name, written here (images of other
+    sizes, so their grids differ)."""
     folder = tmp / "vision"
     (folder / "images").mkdir(parents=True)
     for name, size, colour in (("rlaif_v_0", (56, 84), (200, 30, 30)), ("sky", (84, 56), (40, 90, 220))):
         Image.new("RGB", size, colour).save(folder / "images" / f"{name}.png")
-    shutil.copy(WILD / "trl_vision_dpo.jsonl", folder / "trl_vision_dpo.jsonl")
+    for name, size in (("kitten", (84, 84)), ("puppy", (56, 56))):
+        Image.new("RGB", size, "white").save(folder / f"{name}.png")
+    for name in ("trl_vision_dpo.jsonl", "ms_swift_vision_dpo.jsonl", "ms_swift_rejected_images.jsonl"):
+        shutil.copy(WILD / name, folder / name)
     shutil.copy(WILD / "llamafactory_rlhf_v.json", folder / "rlhf_v.json")
     (folder / "dataset_info.json").write_text(json.dumps({
         # LLaMA-Factory data/dataset_info.json's own entry for RLHF-V (its hf_hub_url as a local file_name)
@@ -346,7 +351,9 @@ def test_vision_pairs_share_their_prompt_s_images_and_what_is_not_built_is_refus
     stage, recipe = stage_of(tmp_path, models["vl"], [trl])
     stores = run_stores([stage], recipe.data, processor.tokenizer, processor, tmp_path, None)
     lf = DataEntry(None, dataset="rlhf_v", dataset_dir=str(folder))
-    for entry, pairs in ((DataEntry(str(trl)), 2), (lf, 1)):
+    swift = DataEntry(str(folder / "ms_swift_vision_dpo.jsonl"))  # `rejected_images`: the row's own image again
+    firsts = []  # each entry's first pair: its chosen and rejected completions
+    for entry, pairs in ((DataEntry(str(trl)), 2), (lf, 1), (swift, 2)):
         got = load_stage(dataclasses.replace(stage, entries=(entry,)), recipe.data, stores)
         assert got.stats.kept == pairs
         sides = PairSides(got.samples.parts)
@@ -356,8 +363,18 @@ def test_vision_pairs_share_their_prompt_s_images_and_what_is_not_built_is_refus
             assert chosen["image_grid_thw"] == rejected["image_grid_thw"]
             assert prompt_length(chosen) == prompt_length(rejected)
             assert chosen["input_ids"][:prompt_length(chosen)] == rejected["input_ids"][:prompt_length(rejected)]
-        first = completion(sides[0], processor.tokenizer)
-        assert first.startswith("A young man standing on stage wearing a white shirt"), first
+        firsts.append([completion(sides[k], processor.tokenizer) for k in range(2)])
+    assert firsts[0][0].startswith("A young man standing on stage wearing a white shirt"), firsts[0]
+    assert [c.split("<")[0] for c in firsts[2]] == ["This is a kitten.", "This is a puppy."]
+    assert sides[0]["images"][0].endswith("kitten.png") and sides[2]["images"] == sides[0]["images"]
+    # ms-swift's image-preference rows (one answer, another picture on the rejected side) are no pair of answers
+    rows = [json.loads(line) for line in (folder / "ms_swift_rejected_images.jsonl").read_text().splitlines()]
+    for k, row in enumerate(rows):
+        path = write(folder / f"other_media_{k}.jsonl", [row])
+        with pytest.raises(ToolkitError, match=rf"other_media_{k}\.jsonl:1: 'rejected_images' is not the row's "
+                                               r"'images' \(\['puppy.png'\] against \['kitten.png'\]\): a pair whose "
+                                               r"sides show different media is not built"):
+            load_stage(dataclasses.replace(stage, entries=(DataEntry(str(path)),)), recipe.data, stores)
     # over max_seq_len under truncate, a vision pair is dropped (the cut, prompt first, would take its image)
     (tmp_path / "short").mkdir()
     short, short_recipe = stage_of(tmp_path / "short", models["vl"], [trl], max_seq_len=24, overlength="truncate")
@@ -430,8 +447,10 @@ def video_pair_entries(folder: Path) -> tuple[DataEntry, DataEntry]:
 
 def test_video_pairs_share_their_prompt_s_video_from_the_frame_store(tmp_path: Path, models: dict[str, str]) -> None:
     """A pair whose prompt holds a video (a file or a frame list, beside an image or not) gives both sides the same
-    stored video (one frame store folder, one grid) in the same prompt tokens; `<video>` placeholders that do not
-    match `videos`, and a video in a completion, are refused in one line naming the row."""
+    stored video (one frame store folder, one grid) in the same prompt tokens, ms-swift's `rejected_videos` (the
+    row's own video again) included; `<video>` placeholders that do not match `videos`, a video in a completion,
+    VideoDPO's answers that are videos and a rejected side with another video are refused in one line naming the
+    row."""
     from toolkit.data.vision import VIDEO_REF
 
     processor = load_processing(models["vl"], vision=True, trust_remote_code=False, chat_template=None)[0]
@@ -457,6 +476,19 @@ def test_video_pairs_share_their_prompt_s_video_from_the_frame_store(tmp_path: P
     assert [len(r) for r in refs] == [1, 1, 1] and len(sides[4]["images"]) == 2  # the last: its image, then the clip
     assert refs[0] == refs[2] != refs[1]  # the clip of LLaMA-Factory's row and of the image + video row: one folder
     assert completion(sides[0], processor.tokenizer).startswith("Because a baby is reading")
+    # ms-swift's multimodal DPO row (tests/assets/wild/ms_swift_vision_dpo.jsonl), its media a video as its docs
+    # say videos go (`<video>`, `videos`, `rejected_videos`): the rejected side's video, the row's own, is shared
+    swift = json.loads((WILD / "ms_swift_vision_dpo.jsonl").read_text().splitlines()[0])
+    swift = json.loads(json.dumps(swift).replace("<image>", "<video>").replace('"kitten.png"', '"mllm_demo_data/1.mp4"')
+                       .replace('"images"', '"videos"').replace('"rejected_images"', '"rejected_videos"'))
+    path = write(folder / "swift_video.jsonl", [swift])
+    got = load_stage(dataclasses.replace(stage, entries=(DataEntry(str(path)),)), recipe.data, stores)
+    chosen, rejected = PairSides(got.samples.parts)[0], PairSides(got.samples.parts)[1]
+    assert chosen["images"] == rejected["images"] == refs[0]  # the clip's one frame store folder, on both sides
+    assert [completion(s, processor.tokenizer).split("<")[0] for s in (chosen, rejected)] == \
+        ["This is a kitten.", "This is a puppy."]
+    # VideoDPO's row (tests/assets/wild/videodpo_llamafactory.json): its answers are videos, given as `<image>` frames
+    videodpo = json.loads((WILD / "videodpo_llamafactory.json").read_text())[0]
     [_, mixed] = [json.loads(line) for line in (folder / "trl.jsonl").read_text().splitlines()]
     two = dict(mixed, videos=["mllm_demo_data/1.mp4", "mllm_demo_data/1.mp4"])
     shown = dict(mixed, rejected=[{"role": "assistant", "content": "<video>This."}])
@@ -464,7 +496,12 @@ def test_video_pairs_share_their_prompt_s_video_from_the_frame_store(tmp_path: P
             ("count", two, r"count\.jsonl:1: 1 \{\"type\": \"video\"\} placeholder\(s\) \(or '<video>' tags\) in "
                            r"'messages' but 2 video\(s\) in 'videos'"),
             ("shown", shown, r"shown\.jsonl:1: the rejected completion holds a video: a pair's images and videos "
-                             r"belong to its prompt")):
+                             r"belong to its prompt"),
+            ("videodpo", videodpo, r"videodpo\.jsonl:1: the chosen completion holds an image: a pair's images and "
+                                   r"videos belong to its prompt"),
+            ("other", dict(swift, rejected_videos=[[f"frames/{k}.png" for k in range(4)]]),
+             r"other\.jsonl:1: 'rejected_videos' is not the row's 'videos' .*: a pair whose sides show different "
+             r"media is not built")):
         path = write(folder / f"{name}.jsonl", [bad])
         with pytest.raises(ToolkitError, match=said):
             load_stage(dataclasses.replace(stage, entries=(DataEntry(str(path)),)), recipe.data, stores)

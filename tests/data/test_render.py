@@ -10,6 +10,7 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,13 @@ import pytest
 from transformers import AutoProcessor
 
 import toolkit.data.encoding as encoding
+import toolkit.data.sources as sources
+import toolkit.data.store as store_module
 from tests.conftest import stock_template
 from toolkit.builtin.dummy_data import write_dummy_vl_data
 from toolkit.builtin.models import TINY_VL_MODEL, materialize_builtin
 from toolkit.config.schema import DataConfig, DataEntry
+from toolkit.data.bpe import TWIN_MIN_ROWS, BpeTwin
 from toolkit.data.encoding import TextEncoder, chatml_assistant_spans, render_chat
 from toolkit.data.render import RENDERERS, Unrendered, direct_renderer
 from toolkit.data.sources import open_source, pieces, read_piece, resolve_source
@@ -194,21 +198,29 @@ def test_masks_equal_the_jinja_paths_on_every_asset_and_generated_row(toks: dict
                 continue
             ref = TextEncoder(tok, train_on=train_on, thinking=thinking, renderer="jinja")
             new = TextEncoder(tok, train_on=train_on, thinking=thinking)
+            twin = TextEncoder(tok, train_on=train_on, thinking=thinking)  # tokenised by the tiktoken twin
+            twin.prepare_for(TWIN_MIN_ROWS)
+            assert twin.twin is not None
             for where, row in [*rows, *generated]:
                 expected = _encoded(ref, row, where)
                 with monkeypatch.context() as m:
                     m.setattr(encoding, "render_chat", counted)
                     got = _encoded(new, row, where)
+                    by_twin = _encoded(twin, row, where)
                 assert got == expected, (name, thinking, where)
+                assert by_twin == expected, (name, thinking, where, "twin")
                 same += not isinstance(got, str)
     assert same > 500
     assert not jinja_calls  # no asset or generated row fell back to Jinja
 
 
 def test_a_forced_jinja_store_and_a_direct_one_are_the_same_bytes(toks: dict[str, Any], tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The token store of a chat file prepared by the direct renderer has the same sha256 as the one the Jinja
-    path prepares (data.renderer: jinja is its own store), and which renderer was chosen is said once."""
+    path prepares (data.renderer: jinja is its own store), and which renderer was chosen is said once. So has one
+    prepared by two worker processes that tokenise with the tiktoken twin (built before they fork, as for a large
+    file: the row threshold set to 0 here)."""
     data = tmp_path / "chat.jsonl"
     with data.open("w") as f:
         for seed in range(40):
@@ -229,6 +241,30 @@ def test_a_forced_jinja_store_and_a_direct_one_are_the_same_bytes(toks: dict[str
                     "data: chat rows rendered through the Jinja chat template (data.renderer: jinja)"]
     assert digests["auto"] == digests["jinja"]
     assert len(list((tmp_path / "cache" / "stores").glob("*/data.arrow"))) == 2
+    monkeypatch.setattr(store_module, "ROWS_PER_PROCESS", 10)  # two workers for 40 rows, in pieces of 10
+    monkeypatch.setattr(store_module, "PIECE_ROWS", 10)
+    monkeypatch.setattr(sources, "_jsonl_piece_bytes", lambda per_row, rows: per_row * rows)  # no 64 KB floor
+    users = tmp_path / "twin-users"  # the processes that tokenised by the twin (forked workers inherit the patch)
+    real_encode = BpeTwin.encode
+
+    def encode(self: BpeTwin, text: str) -> Any:
+        with users.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_encode(self, text)
+
+    monkeypatch.setattr(BpeTwin, "encode", encode)
+    split = {}
+    for threshold in (10**9, 0):  # the fast tokenizer alone, then the twin
+        monkeypatch.setattr(encoding, "TWIN_MIN_ROWS", threshold)
+        with caplog.at_level(logging.INFO, logger="toolkit.data.bpe"):
+            encoder = TextEncoder(toks["qwen3"], train_on="assistant", empty_answers="skip")
+            store = open_store(source, encoder, tmp_path / f"cache-{threshold}", num_proc=2)
+        assert (encoder.twin is not None) == (threshold == 0)
+        assert store.path is not None and store.meta["prepared"]["processes"] == 2
+        split[threshold] = hashlib.sha256((store.path / "data.arrow").read_bytes()).hexdigest()
+    assert "tiktoken twin (the same ids)" in caplog.text
+    assert split[0] == split[10**9]
+    assert len(set(users.read_text().split()) - {str(os.getpid())}) == 2  # both workers used the twin
 
 
 def test_vl_rows_with_images_equal_the_jinja_path(tmp_path: Path) -> None:

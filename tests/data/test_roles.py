@@ -39,9 +39,10 @@ PAIRS = {  # file -> the data entry keys its refusals give (a preference stage's
     "ms_swift_dpo.jsonl": {}, "trl_preference.jsonl": {}, "llamafactory_dpo_en_demo.json": {},
     "orca_dpo_pairs.jsonl": {"columns": {"instruction": "question"}}, "openai_preference.jsonl": {},
     "hh_rlhf.jsonl": {}, "ultrafeedback_binarized.jsonl": {}, "h4_orca_dpo_pairs.jsonl": {},
-    "trl_vision_dpo.jsonl": {}, "llamafactory_rlhf_v.json": {},
+    "trl_vision_dpo.jsonl": {}, "llamafactory_rlhf_v.json": {}, "ms_swift_vision_dpo.jsonl": {},
 }
-VISION_PAIRS = {"trl_vision_dpo.jsonl", "llamafactory_rlhf_v.json"}  # pairs whose prompt shows an image
+VISION_PAIRS = {"trl_vision_dpo.jsonl", "llamafactory_rlhf_v.json",  # pairs whose prompt shows an image
+                "ms_swift_vision_dpo.jsonl"}
 ROUND2 = {  # issue 47's files: file -> (model, the data entry keys its refusals give)
     **dict.fromkeys(("lmsys_chat.jsonl", "wildchat.jsonl", "oasst1_trees.jsonl", "sharegpt90k.json",
                      "openhermes.jsonl", "slimorca.jsonl", "capybara.jsonl", "bare_messages.jsonl",
@@ -64,6 +65,12 @@ ROUND2 = {  # issue 47's files: file -> (model, the data entry keys its refusals
                      "internvl_placeholder.jsonl"), ("vl", {})),
 }
 REFUSED2 = {
+    # ms-swift's image-preference rows (one answer, two pictures) and VideoDPO's (answers that are videos): a pair
+    # here is two answers to one prompt, whose media both sides share
+    "ms_swift_rejected_images.jsonl": r"ms_swift_rejected_images.jsonl:1: 'rejected_images' is not the row's "
+                                      r"'images' .*: a pair whose sides show different media is not built",
+    "videodpo_llamafactory.json": r"videodpo_llamafactory.json row 1: the chosen completion holds an image: a pair's "
+                                  r"images and videos belong to its prompt",
     "minicpmv_multi.json": r"the row has 'image' .* that is not a path or a list of paths",
     "qwen_vl_v1.json": r"the text holds '<img>assets/demo.jpeg</img>', image markup of another tool",
     "ms_swift_image_url.jsonl": r"the row's images include 'https://.*', a URL; images are read from files",

@@ -464,7 +464,7 @@ def test_registry_hub_entry_from_the_local_cache(tmp_path: Path, tok: PreTrained
 WILD = Path(__file__).parents[1] / "assets" / "wild"
 IMAGES = ("images/001.jpg", "cats/001.jpg", "cats/002.jpg", "image_path.png", "image_path1.png", "image_path2.png",
           "000000033471.jpg", "coco/train2017/000000000009.jpg", "path/to/image_0.jpg", "path/to/image_1.jpg",
-          "mllm_demo_data/1.jpg", "xxx/x.jpg", "images/rlaif_v_0.png", "images/sky.png")
+          "mllm_demo_data/1.jpg", "xxx/x.jpg", "images/rlaif_v_0.png", "images/sky.png", "kitten.png", "puppy.png")
 """The image files the corpus's rows name, written as small pictures beside a copy of the file."""
 VIDEOS = ("mllm_demo_data/1.mp4", "videos/005.mp4", "xxx/x.mp4", "academic_source/Charades/RW587.mp4")
 """The video files the corpus's rows name, written as small videos of known frames (tests/helpers/video_files.py)."""

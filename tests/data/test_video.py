@@ -381,21 +381,31 @@ def test_a_video_curriculum_trains_and_a_warm_relaunch_decodes_nothing(tmp_path:
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_factory: pytest.TempPathFactory
                                                        ) -> None:
-    """Video, image + video, frame-list and text rows, a short-to-long curriculum (4 then 8 frames): 2 processes
+    """Video, image + video, frame-list and text rows, a short-to-long curriculum (4 then 8 frames, stage 'long'
+    easy_to_hard by its rows' sampled frames, as the 1-process resume test's): 2 processes
     give the single process's losses and final adapter (fp32); the 2-process launch, sharing the reference's
-    cache, prepares nothing again (no frame is decoded: the frame store gains no entry)."""
+    cache, prepares nothing again (no frame is decoded: the frame store gains no entry). Under ZeRO-3, the most
+    demanding strategy, the 2-process run keeps a checkpoint after each of its 4 steps (across the stage boundary)
+    and is resumed from each on 2 processes: the later steps and the final adapter are the uninterrupted run's, to
+    the last bit (tests/e2e/test_resume.py's check), and no resume prepares or decodes anything."""
     import yaml
     from safetensors.torch import load_file
 
     from tests.conftest import relaunch
+    from tests.e2e.test_resume import assert_exact_from_every_checkpoint
     from tests.helpers.video_files import video_recipe, write_video_dataset
     from toolkit.metrics.log import read_metrics
+
+    def curriculum(data: Path, out: Path) -> dict:
+        recipe = video_recipe(data, out)
+        recipe["stages"][1].update(order="easy_to_hard", difficulty={"by": "frames"})
+        return recipe
 
     root = tmp_path_factory.getbasetemp() / "video-matrix"
     reference = root / "single"
     if not (reference / "final").is_dir():
         data = write_video_dataset(root / "data", 16)
-        recipe = video_recipe(data, reference)
+        recipe = curriculum(data, reference)
         recipe["train"] = {**recipe["train"], "micro_batch_size": 4}  # 4 x 2 accum x 1 = 2 x 2 x 2 processes
         (root / "single.yaml").write_text(yaml.safe_dump(recipe))
         assert relaunch("single", [(["--config", str(root / "single.yaml")], root / "single.log")],
@@ -403,11 +413,13 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
     frames_dir = root / ".toolkit-cache" / "tokenized" / "frames"
     stored = sorted(frames_dir.iterdir())
     out = root / strategy
-    recipe = video_recipe(root / "data" / "videos.jsonl", out)
+    recipe = curriculum(root / "data" / "videos.jsonl", out)
+    resumed = strategy == "zero3"
+    if resumed:  # what is saved does not change what trains: the run still equals the single process's
+        recipe["checkpoint"] = {"save_steps": 1, "keep_last": 10}
     (root / f"{strategy}.yaml").write_text(yaml.safe_dump(recipe))
-    log = root / f"{strategy}.log"
-    assert relaunch(strategy, [(["--config", str(root / f"{strategy}.yaml")], log)], num_processes=2) == [0], \
-        log.read_text()[-4000:]
+    argv, log = ["--config", str(root / f"{strategy}.yaml")], root / f"{strategy}.log"
+    assert relaunch(strategy, [(argv, log)], num_processes=2) == [0], log.read_text()[-4000:]
     assert sorted(frames_dir.iterdir()) == stored  # warm: nothing decoded again
 
     def losses(run: Path) -> list[float]:
@@ -418,3 +430,8 @@ def test_video_curriculum_on_two_processes_matches_one(strategy: str, tmp_path_f
     assert final.keys() == ref.keys() and any("visual.merger" in k for k in final)
     for k in ref:
         torch.testing.assert_close(final[k], ref[k], rtol=1e-3, atol=1e-5, msg=f"{strategy}: {k}")
+    if resumed:
+        resumes = assert_exact_from_every_checkpoint(strategy, out, argv, steps=4, mixed_precision="no")
+        assert sorted(frames_dir.iterdir()) == stored  # the resumes decoded no video: the frame store is as it was
+        for run in resumes:  # and prepared no token store (each read the reference's, warm)
+            assert "data: prepared" not in run.with_suffix(".log").read_text(), run

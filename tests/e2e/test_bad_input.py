@@ -282,6 +282,10 @@ case("data-vision-pair-video-in-answer")(lambda c: c.train(
 case("data-vision-pair-image-in-answer")(lambda c: c.train(
     "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
     rows=[dict(VISION_PAIR, rejected=[{"role": "assistant", "content": "<image>Blue."}])]))
+case("data-vision-pair-rejected-media")(lambda c: c.train(
+    "stages.0.objective=dpo", f"model.name_or_path={c.models['vl']}",
+    rows=[{"messages": [*VISION_PAIR["prompt"], *VISION_PAIR["chosen"]], "images": ["images/a.png"],
+           "rejected_response": "Blue.", "rejected_images": ["images/b.png"]}]))
 case("data-kto-label")(lambda c: c.train(rows=[{"prompt": "2 + 2?", "completion": "5.", "label": False}]))
 case("data-kto-no-label")(lambda c: c.train("stages.0.objective=kto", rows=[
     {"prompt": "2 + 2?", "completion": " 4.", "label": True}, {"prompt": "2 + 2?", "completion": " 5."}]))

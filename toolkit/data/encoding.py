@@ -46,6 +46,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from toolkit.data.bpe import TWIN_MIN_ROWS, BpeTwin
 from toolkit.data.render import Renderer, Unrendered, direct_renderer
 from toolkit.errors import ToolkitError
 from toolkit.templates import IM_END, IM_START, STOCK_FILES, TEMPLATE_NAMES, is_jinja_text, stock_template
@@ -614,6 +615,14 @@ class TextEncoder:
         self.empty_answers = empty_answers
         self.chat_template = chat_template  # the override the tokenizer carries (None: the model's own template)
         self.fingerprint: str | None = None  # the tokenizer's, once a store key needed it
+        self.twin: BpeTwin | None = None  # tiktoken's twin of the tokenizer, once a large preparation asked for it
+
+    def prepare_for(self, rows: int) -> None:
+        """Before encoding `rows` rows (in this process or in workers forked from it): build the tokenizer's
+        tiktoken twin (toolkit/data/bpe.py) where the preparation is large enough to repay it. Its ids are the
+        tokenizer's; `data.renderer: jinja` keeps the fast tokenizer alone, as before."""
+        if self.renderer != "jinja" and rows >= TWIN_MIN_ROWS and self.tokenizer is not None:
+            self.twin = BpeTwin.of(self.tokenizer)
 
     def options(self) -> dict[str, Any]:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""
@@ -655,7 +664,7 @@ class TextEncoder:
                 plans.append(("text", len(specials)))
                 specials.append(row["text"])
         guard = SizeGuard(self, max_tokens)
-        encoded, long_chats = guard.encode_with_offsets(chats, lazy=self.renderer != "jinja")
+        encoded, long_chats = guard.encode_with_offsets(chats, lazy=self.renderer != "jinja", twin=self.twin)
         with_specials, long_specials = guard.token_ids(specials, add_special_tokens=True)
         without, long_plain = guard.token_ids(plain, add_special_tokens=False)
         eos = tok.eos_token_id
@@ -666,7 +675,7 @@ class TextEncoder:
                 k, spans, overlap = plan
                 cut = k in long_chats
                 item = encoded[k]
-                if isinstance(item, Tokens):
+                if isinstance(item, Tokens | TwinTokens):
                     ids = item.ids
                     mask = (np.ones(len(ids), np.uint8) if self.train_on == "all"
                             else item.mask(spans, overlap=overlap))
@@ -835,12 +844,14 @@ class SizeGuard:
             size *= 2
         return tokenise(text)
 
-    def encode_with_offsets(self, texts: list[str], *, lazy: bool = False) -> tuple[list[Any], set[int]]:
+    def encode_with_offsets(self, texts: list[str], *, lazy: bool = False, twin: BpeTwin | None = None
+                            ) -> tuple[list[Any], set[int]]:
         """`encode_with_offsets` of the texts, the long ones (returned by index) as a prefix (as arrays)."""
         long = self._long(texts)
         if not long:
-            return encode_with_offsets(self.tokenizer, texts, lazy=lazy), set()
-        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)], lazy=lazy)
+            return encode_with_offsets(self.tokenizer, texts, lazy=lazy, twin=twin), set()
+        out = encode_with_offsets(self.tokenizer, ["" if k in long else t for k, t in enumerate(texts)], lazy=lazy,
+                                  twin=twin)
         for k in long:
             out[k] = self._prefix(texts[k], lambda t: encode_with_offsets(self.tokenizer, [t])[0],
                                   lambda e: len(e[0]))
@@ -922,15 +933,68 @@ class Tokens:
         return mask
 
 
-def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, lazy: bool = False
-                         ) -> list[Any]:
+class TwinTokens:
+    """One text's tokens from the tokenizer's tiktoken twin (toolkit/data/bpe.py): the same ids, and the same
+    masks as `Tokens`, from each token's first character (`starts`; ASCII: a byte is a character)."""
+
+    __slots__ = ("ends", "ids", "starts")
+
+    def __init__(self, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.ids, self.starts, self.ends = ids, starts, ends
+
+    def mask(self, spans: list[tuple[int, int]], *, overlap: bool) -> np.ndarray:
+        if overlap:
+            return span_mask(self.starts, self.ends, spans, overlap=True)
+        mask = np.zeros(len(self.ids), dtype=np.uint8)
+        for lo, hi in spans:  # the tokens that start inside the span: `span_mask`'s rule without overlap
+            mask[np.searchsorted(self.starts, lo):np.searchsorted(self.starts, hi)] = 1
+        return mask
+
+
+def twin_tokens(twin: BpeTwin, texts: list[str]) -> list[TwinTokens | None]:
+    """The twin's tokens of each text it takes (None for the others), their offsets worked out for all texts at
+    once from the tokens' byte lengths (one lookup and one cumulative sum, not one per text)."""
+    ids = [twin.encode(text) for text in texts]
+    taken = [x for x in ids if x is not None]
+    if not taken:
+        return [None] * len(texts)
+    flat = np.concatenate(taken)
+    sizes = twin.lengths[flat]
+    ends = np.cumsum(sizes)
+    counts = np.fromiter((len(x) for x in taken), np.int64, len(taken))
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    base = np.concatenate([[0], ends])[bounds[:-1]]  # the characters before each text, in the running sum
+    out: list[TwinTokens | None] = []
+    k = 0
+    for x in ids:
+        if x is None:
+            out.append(None)
+            continue
+        a, b = bounds[k], bounds[k + 1]
+        stop = ends[a:b] - base[k]
+        out.append(TwinTokens(x, stop - sizes[a:b], stop))
+        k += 1
+    return out
+
+
+def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, lazy: bool = False,
+                        twin: BpeTwin | None = None) -> list[Any]:
     """(ids, start offsets, end offsets) of each text, tokenised without special tokens in one batch: the fast
     tokenizer's own batch call (Rust, parallel when allowed) where there is one, else transformers' call. With
-    `lazy`, a fast tokenizer's texts come as `Tokens` (offsets read where a mask needs them)."""
+    `lazy`, a fast tokenizer's texts come as `Tokens` (offsets read where a mask needs them), and with a `twin`
+    too, those it takes come as `TwinTokens` (the same ids, about 3.5x faster)."""
     if not texts:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
+        if lazy and twin is not None:
+            mixed: list[Any] = twin_tokens(twin, texts)
+            rest = [k for k, t in enumerate(mixed) if t is None]  # tokenised by the fast tokenizer, in one batch
+            if rest:
+                for k, enc in zip(rest, backend.encode_batch([texts[k] for k in rest], add_special_tokens=False),
+                                  strict=True):
+                    mixed[k] = Tokens(enc)
+            return mixed
         if lazy:
             return [Tokens(enc) for enc in backend.encode_batch(texts, add_special_tokens=False)]
         out = []

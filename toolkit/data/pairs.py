@@ -16,7 +16,9 @@ is rendered and masked by the encoder like any other row. The shapes are rows of
   `history`, string `chosen` / `rejected`) or sharegpt (`conversations` / `messages` turns, `chosen` / `rejected`
   one turn each).
 * ms-swift: `messages` ending with the chosen assistant turn and `rejected_response` (a string), or
-  `rejected_messages` (the whole rejected conversation).
+  `rejected_messages` (the whole rejected conversation); its `rejected_images` / `rejected_videos` /
+  `rejected_audios` (the rejected side's media, which ms-swift asks for beside `rejected_messages`) are read by
+  `shared_media`: the row's own media again, or refused.
 * axolotl `chat_template.default`: `messages` (the prompt) with `chosen` / `rejected` one assistant message each.
 
 The fit (`fit_pair`): the two encoded sides share their prompt tokens. Over `max_seq_len`, `overlength: error`
@@ -46,6 +48,8 @@ NOT_A_PAIR = ("the stage trains on preference pairs (objective dpo, orpo or simp
 MEDIA_IN_COMPLETION = ("a pair's images and videos belong to its prompt, which both sides share; a completion that "
                        "shows one is no pair of answers to one question: move it into the prompt")
 """Why a pair whose chosen or rejected side holds an image or video placeholder is refused."""
+MEDIA_KEYS = ("images", "videos", "audios")
+"""A row's media keys; ms-swift names the rejected side's own as `rejected_<key>`."""
 
 
 def pair_shape(keys: list[str]) -> tuple[str, list[str]] | None:
@@ -251,22 +255,42 @@ def to_pair(row: dict[str, Any], where: str, roles: dict[str, str] | None = None
     raise ValueError(f"pair shape reader {reader!r} is not one of toolkit/data/pairs.py's")
 
 
+def shared_media(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """The row without ms-swift's `rejected_images` / `rejected_videos` / `rejected_audios` when each is the row's
+    own `images` / `videos` / `audios` again (ms-swift >= 3.8 asks for them beside `rejected_messages`, the same
+    files for a pair of answers to one picture): the media both sides share, read once, as the prompt's. Media of
+    the rejected side that differ (ms-swift's image-preference rows: one answer, two pictures) are refused in one
+    line: a pair here is two answers to one prompt, and its media are that prompt's."""
+    for media in MEDIA_KEYS:
+        key = f"rejected_{media}"
+        if row.get(key) is None:
+            continue
+        if row[key] != row.get(media):
+            raise ToolkitError(f"{where}: '{key}' is not the row's '{media}' ({str(row[key])[:60]} against "
+                               f"{str(row.get(media))[:60]}): a pair whose sides show different media is not built; a "
+                               "pair's images and videos belong to its prompt, which both sides share.")
+        row = {k: v for k, v in row.items() if k != key}
+    return row
+
+
 def pair_rows(row: dict[str, Any], source: Source, where: str, roles: dict[str, str] | None = None
               ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A preference stage's source row as its chosen and rejected rows, each mapped as any row is
     (`toolkit.data.shapes.shape_row`) after the entry's columns and ignore keys (`prepare_row`): what its store
     encodes, two rows per source row. A row that is no pair is refused in one line, and so is a pair with an image
-    or video placeholder in a completion (media are the shared prompt's). A vision pair's `images` and `videos` go
+    or video placeholder in a completion, or other media on its rejected side (`shared_media`: media are the shared
+    prompt's). A vision pair's `images` and `videos` go
     to both sides (`_sides` keeps the row's other keys on each): the encoder checks that the prompt's `<image>` /
     `<video>` placeholders match them, side by side (a video's frames come from the frame store, sampled once), and
     the collator passes their pixels once per pair (toolkit/data/collate.py `PairCollator`). `roles` are the file's
     column roles (`file_roles`, by its stored names), which refusals advise by."""
     row, original = prepare_row(row, source, where)
+    row = shared_media(row, where)
     if not is_pair(row):
         raise ToolkitError(f"{where}: {NOT_A_PAIR}; the row has keys {original}.")
     chosen, rejected = to_pair(row, where, mapped_roles(roles, source))
-    for kind in ("image", "video"):
-        if row.get(f"{kind}s") not in (None, []):
+    if any(row.get(media) not in (None, []) for media in MEDIA_KEYS):  # a placeholder of either kind: VideoDPO's
+        for kind in ("image", "video"):  # rows tag the frames of their answer videos `<image>` beside `videos`
             for side, name in ((chosen, "chosen"), (rejected, "rejected")):
                 if _shows(side["completion"], kind):
                     raise ToolkitError(f"{where}: the {name} completion holds {'an' if kind == 'image' else 'a'} "

@@ -502,6 +502,8 @@ def encode_source(source: Source, encoder: Any, *, num_proc: int, write: Callabl
     work = list(pieces(source, PIECE_ROWS))
     total = sum(p.rows for p in work)
     processes = max(1, min(num_proc, math.ceil(total / ROWS_PER_PROCESS), len(work)))
+    if hasattr(encoder, "prepare_for"):  # before the workers fork: they inherit what it builds
+        encoder.prepare_for(total)
     counts: dict[str, Any] = {"rows": 0, "tokens": 0, "label_tokens": 0}
     unread: Counter[str] = Counter()
     notes: Counter[str] = Counter()
