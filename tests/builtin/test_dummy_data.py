@@ -211,3 +211,48 @@ def test_dummy_video_rows_are_prepared_without_a_video_decoder(tmp_path: Path, m
             answer = row["messages"][1]["content"]
             assert f"square is {colour}." in answer or f"both are {colour}." in answer or \
                 f"The {colour} square moves {'right' if last > first else 'left'}." == answer, (i, answer)
+
+
+def test_dummy_vision_pairs_ask_about_their_prompt_s_image_and_video(tmp_path: Path) -> None:
+    """`dummy:vl_pairs` (the VL strategy matrix's dpo stage): deterministic TRL vision pairs whose prompts hold an
+    image, a frame-list video (with `VIDEO_PIXELS`), or both, in turn; the chosen answer is right about the picture's
+    colour and the square's direction (read back from the written pixels), the rejected one is not."""
+    from PIL import Image
+
+    from toolkit.builtin.dummy_data import VIDEO_PIXELS, write_dummy_vl_pairs
+
+    path = write_dummy_vl_pairs(tmp_path / "a", 9, seed=7)
+    assert path == tmp_path / "a" / "vl_pairs.jsonl"
+    assert path.read_bytes() == write_dummy_vl_pairs(tmp_path / "b", 9, seed=7).read_bytes()
+    assert path.read_bytes() != write_dummy_vl_pairs(tmp_path / "c", 9, seed=8).read_bytes()
+
+    def colour_of(rgb: np.ndarray) -> str:
+        return min(COLOURS, key=lambda c: float(np.abs(rgb - COLOURS[c]).sum()))
+
+    def square(frame: Path) -> tuple[float, str]:
+        pixels = np.asarray(Image.open(tmp_path / "a" / frame).convert("RGB")).astype(int)
+        ys, xs = np.nonzero(np.abs(pixels - 128).sum(-1) > 30)
+        return float(xs.mean()), colour_of(np.median(pixels[ys, xs], axis=0))
+
+    rows = _rows(path)
+    for i, row in enumerate(rows):
+        [user] = row["prompt"]
+        parts = [p["type"] for p in user["content"]]
+        assert parts == [["image", "text"], ["video", "text"], ["image", "video", "text"]][i % 3]
+        good, bad = row["chosen"][0]["content"][0]["text"], row["rejected"][0]["content"][0]["text"]
+        assert good != bad
+        if "image" in parts:
+            [image] = row["images"]
+            centre = np.asarray(Image.open(tmp_path / "a" / image).convert("RGB"))
+            picture = colour_of(centre[centre.shape[0] // 2, centre.shape[1] // 2].astype(int))
+        if "video" in parts:
+            [video] = row["videos"]
+            assert video == {"video": video["video"], **VIDEO_PIXELS} and len(video["video"]) in (3, 4)
+            (first, colour), (last, _) = square(video["video"][0]), square(video["video"][-1])
+            direction = "right" if last > first else "left"
+        if parts[0] == "image" and len(parts) == 2:
+            assert good == f"It is {picture}.", (i, good)
+        elif parts[0] == "video":
+            assert good == f"The {colour} square moves {direction}.", (i, good)
+        else:
+            assert good == ("Yes." if picture == colour else "No."), (i, good, picture, colour)

@@ -457,9 +457,15 @@ def test_video_pairs_share_their_prompt_s_video_from_the_frame_store(tmp_path: P
     folder = video_pair_folder(tmp_path)
     stage, recipe = stage_of(tmp_path, models["vl"], [folder / "trl.jsonl"], **VIDEO_DATA)
     stores = run_stores([stage], recipe.data, processor.tokenizer, processor, tmp_path, None)
-    got = load_stage(dataclasses.replace(stage, entries=video_pair_entries(folder)), recipe.data, stores)
+    both = dataclasses.replace(stage, entries=video_pair_entries(folder))
+    got = load_stage(both, recipe.data, stores)
     assert got.stats.kept == 3
     sides = PairSides(got.samples.parts)
+    grids = [g for k in range(0, 6, 2) for r, g in zip(sides[k]["images"], sides[k]["image_grid_thw"], strict=True)
+             if r.startswith(VIDEO_REF)]  # the chosen sides' videos: a pair's two sides show the same ones
+    tokens, frames = sum(t * h * w // 4 for t, h, w in grids), sum(2 * t for t, _, _ in grids)
+    assert stage_summary(both, got, recipe.data).endswith(f"; {tokens} video tokens ({frames} frames) in its kept "
+                                                          "pairs")  # each pair's counted once
     refs = []
     for k in range(3):
         chosen, rejected = sides[2 * k], sides[2 * k + 1]

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -491,28 +492,75 @@ def videos_trained(run: Path) -> int:
     sampler = StageSampler(sizes=[64, 64], weights=None, replacement=False, order="shuffle", difficulty=None,
                            lengths=np.ones(128), pacing=None, seed=7, stage_index=1, global_batch=8, total_steps=4)
     return sum(bool(rows[i].get("videos")) for step in range(4) for i in sampler.batch(step))
+
+
+# A third stage after the VL curriculum's two: dpo on vision pairs (`dummy:vl_pairs`: 16 pairs whose prompts hold an
+# image, a frame-list video, or both; toolkit/builtin/dummy_data.py write_dummy_vl_pairs), LoRA and the projector
+# training from its first step (no warmup), its reference the policy entering the stage. Every VL launch below runs
+# it, so the launches that prove video and multi-image rows prove vision pairs too, the reference pass included, with
+# no launch of their own.
+PAIRS_STAGE = {"name": "pairs", "objective": "dpo", "data": ["dummy:vl_pairs"], "max_steps": 2, "lr": 1.0e-3,
+               "warmup_ratio": 0.0, "trainable": ["lora", "visual.merger"]}  # no warmup: step 1 moves the policy
+PAIRS_LINE = "stage 'pairs' data (dpo): 16 pairs, 16 kept"
+VL_STAGES = ["align"] * 4 + ["instruct"] * 4 + ["pairs"] * 2
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def vl_pairs_recipe(runs: Path) -> str:
+    """recipes/smoke_vl.yaml with `PAIRS_STAGE` after its stages."""
+    recipe = yaml.safe_load((REPO / VL).read_text())
+    recipe["stages"].append(PAIRS_STAGE)
+    path = runs / "smoke_vl_pairs.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return str(path)
+
+
+def check_pairs_stage(output: str, run: Path, reference: Path | None = None) -> None:
+    """The run's stage 'pairs' read the 16 vision pairs, their prompts' videos among them (a pair's video tokens
+    counted once: 10 of its pairs hold a 4-frame video, 2 frame pairs of 4 tokens each), scored them all in its
+    reference pass and trained 2 dpo steps, the first at ln 2 (the policy is its reference); with `reference`,
+    TRL's metrics of those steps are its."""
+    line = next((x for x in output.splitlines() if PAIRS_LINE in x), "")
+    assert line.endswith("80 video tokens (40 frames) in its kept pairs"), line or output[-3000:]
+    assert "stage 'pairs': entry-policy reference log-probs of 16 pairs" in output, output[-3000:]
+    records = read_metrics(run / "metrics.jsonl", "train")
+    assert [r["stage"] for r in records] == VL_STAGES
+    assert records[8]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert records[9]["loss"] != pytest.approx(math.log(2), abs=1e-5)
+    if reference is not None:
+        expected = read_metrics(reference / "metrics.jsonl", "train")
+        for got, want in zip(records[8:], expected[8:], strict=True):
+            for key in PAIR_METRICS:
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+
+
 # Liger's fused loss head runs in the ZeRO-3 launch, its kernels in Triton's interpreter (tests/conftest.py).
 LIGER = liger_available() and triton_interpreted()
 
 
 @pytest.fixture(scope="module")
-def vl_reference(runs: Path) -> Path:
+def vl_reference(runs: Path, vl_pairs_recipe: str) -> Path:
     out = runs / "vl-single"
-    check_video_stage(train_forked("single", 1, out, *REFERENCE_OVERRIDES, WITH_VIDEO, recipe=VL).stderr)
+    output = train_forked("single", 1, out, *REFERENCE_OVERRIDES, WITH_VIDEO, recipe=vl_pairs_recipe).stderr
+    check_video_stage(output)
+    check_pairs_stage(output, out)
     assert videos_trained(out) > 0
     return out
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_reference: Path) -> None:
-    """Tiny Qwen2.5-VL, padded rows, text-only, image, multi-image and video rows mixed (`WITH_VIDEO`):
-    single-process losses; LoRA frozen in stage 1; the projector trains in full in both stages and is saved with the
-    adapter."""
+def test_vl_curriculum_matches_single_process(strategy: str, runs: Path, vl_reference: Path,
+                                              vl_pairs_recipe: str) -> None:
+    """Tiny Qwen2.5-VL, padded rows, text-only, image, multi-image and video rows mixed (`WITH_VIDEO`), then a dpo
+    stage on vision pairs with images and videos in their prompts (`PAIRS_STAGE`): single-process losses and TRL's
+    metrics; LoRA frozen in stage 1; the projector trains in full in every stage and is saved with the adapter."""
     out = runs / f"vl-{strategy}"
     liger = ("model.loss_head=liger",) if strategy == "zero3" and LIGER else ()  # Triton's interpreter on CPU
-    proc = train_forked(strategy, 2, out, *liger, WITH_VIDEO, recipe=VL)
+    proc = train_forked(strategy, 2, out, *liger, WITH_VIDEO, KEEP_STAGE_ENDS, recipe=vl_pairs_recipe)
     assert bool(liger) == ("loss head: liger" in proc.stderr)
     check_video_stage(proc.stderr)
+    check_pairs_stage(proc.stderr, out, vl_reference)
     assert losses(out) == pytest.approx(losses(vl_reference), rel=1e-4)  # the reference's head is the chunked one
     first = portable_state(out, 4)
     lora_b = [k for k in first if k.startswith("param/") and "lora_B" in k]
@@ -541,23 +589,28 @@ QWEN3_VL_PACKED = (QWEN3_VL, PACKED, "train.grad_accum=1")
 
 
 @pytest.fixture(scope="module")
-def qwen3_vl_reference(runs: Path) -> Path:
+def qwen3_vl_reference(runs: Path, vl_pairs_recipe: str) -> Path:
     out = runs / "qwen3-vl-single"
-    check_video_stage(train_forked("single", 1, out, *QWEN3_VL_PACKED, *REFERENCE_OVERRIDES, WITH_VIDEO,
-                                   recipe=VL).stderr)
+    output = train_forked("single", 1, out, *QWEN3_VL_PACKED, *REFERENCE_OVERRIDES, WITH_VIDEO,
+                          recipe=vl_pairs_recipe).stderr
+    check_video_stage(output)
+    check_pairs_stage(output, out)
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
-def test_qwen3_vl_curriculum_matches_single_process(strategy: str, runs: Path, qwen3_vl_reference: Path) -> None:
-    """The same VL curriculum, video rows included, on a tiny Qwen3-VL (DeepStack features, 16-px patches, a
-    timestamp before each frame pair) under the sharding strategies, packed (`data.packing`: whole samples per row,
-    each with its own rotary ids), where the Qwen2.5-VL matrix above is padded: the single process's losses and
-    final adapter."""
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_qwen3_vl_curriculum_matches_single_process(strategy: str, runs: Path, qwen3_vl_reference: Path,
+                                                    vl_pairs_recipe: str) -> None:
+    """The same VL curriculum, video rows and the vision pairs' dpo stage included, on a tiny Qwen3-VL (DeepStack
+    features, 16-px patches, a timestamp before each frame pair) under every strategy, packed (`data.packing`: whole
+    samples per row, each with its own rotary ids; each micro-batch of pairs one row), where the Qwen2.5-VL matrix
+    above is padded: the single process's losses, TRL's metrics and final adapter."""
     out = runs / f"qwen3-vl-{strategy}"
-    proc = train_forked(strategy, 2, out, *QWEN3_VL_PACKED, WITH_VIDEO, recipe=VL)
+    proc = train_forked(strategy, 2, out, *QWEN3_VL_PACKED, WITH_VIDEO, recipe=vl_pairs_recipe)
     assert "packed into" in proc.stderr and "attention: sdpa_packed" in proc.stderr
+    assert "each micro-batch of pairs flattened into one row" in proc.stderr
     check_video_stage(proc.stderr)
+    check_pairs_stage(proc.stderr, out, qwen3_vl_reference)
     assert losses(out) == pytest.approx(losses(qwen3_vl_reference), rel=1e-4)
     final, ref_final = adapter(out), adapter(qwen3_vl_reference)
     assert any("visual.merger" in k for k in final) and all(t.numel() > 0 for t in final.values())

@@ -380,6 +380,50 @@ def write_dummy_vl_video(out_dir: str | Path, num_samples: int, *, seed: int = 0
     return path
 
 
+def write_dummy_vl_pairs(out_dir: str | Path, num_samples: int, *, seed: int = 0) -> Path:
+    """`vl_pairs.jsonl`: vision preference pairs in TRL's conversational vision shape (`images`, `videos`, `prompt`,
+    `chosen`, `rejected`), whose prompts hold, in equal shares, an image; a video; an image and a video. The right
+    answer is chosen, a wrong one rejected (another colour, the other direction, the other verdict). Videos are
+    frame lists under `out_dir/videos` (each with `VIDEO_PIXELS`), images go to `out_dir/images`, named apart from
+    the other VL files'. Seeded apart from them, so adding it changes none of their rows. Returns the JSONL path."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"vl-pairs-{seed}")
+
+    def user(parts: tuple[str, ...], text: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": [*({"type": p} for p in parts), {"type": "text", "text": text}]}]
+
+    def said(text: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+    rows = []
+    for i in range(num_samples):
+        kind = i % 3
+        media: dict[str, Any] = {}
+        if kind != 1:
+            colour, _ = _draw(out / "images" / f"p{i:05d}.png", rng)
+            media["images"] = [f"images/p{i:05d}.png"]
+        if kind != 0:
+            frames, square, direction = _clip(out / "videos" / f"p{i:05d}", rng)
+            media["videos"] = [{"video": frames, **VIDEO_PIXELS}]
+        if kind == 0:
+            wrong = rng.choice([c for c in _COLOURS if c != colour])
+            prompt, good, bad = user(("image",), "What colour is this?"), f"It is {colour}.", f"It is {wrong}."
+        elif kind == 1:
+            other = _DIRECTIONS[1 - _DIRECTIONS.index(direction)]
+            prompt = user(("video",), "Where does the square go?")
+            good, bad = f"The {square} square moves {direction}.", f"The {square} square moves {other}."
+        else:
+            same = colour == square
+            prompt = user(("image", "video"), "Is the square in the clip the picture's colour?")
+            good, bad = ("Yes." if same else "No."), ("No." if same else "Yes.")
+        rows.append({**media, "prompt": prompt, "chosen": said(good), "rejected": said(bad),
+                     "difficulty": float(kind + 1)})
+    path = out / "vl_pairs.jsonl"
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 DUMMY_PREFIX = "dummy:"
 """A data entry `dummy:NAME` reads the generated file NAME.jsonl (`write_dummy_files`)."""
 DUMMY_PAIRS = DUMMY_PREFIX + "pairs"
@@ -415,3 +459,6 @@ def write_dummy_files(dummy_dir: Path, num_samples: int, *, seed: int, vision: b
     if vision:
         write_dummy_vl_data(dummy_dir, num_samples, seed=seed)
         write_dummy_vl_video(dummy_dir, num_samples, seed=seed)
+        # a quarter as many vision pairs: a preference stage scores all its pairs (the reference pass) before its
+        # first step, and a smoke run's trains on a few
+        write_dummy_vl_pairs(dummy_dir, max(num_samples // 4, 1), seed=seed)

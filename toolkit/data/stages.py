@@ -289,15 +289,16 @@ def stage_summary(stage: ResolvedStage, src: TrainingSet, data: DataConfig) -> s
         what = "pairs" if stage.pairs else "rows"
         by_score = (f"; drop by {stage.difficulty.by} of the {stage.difficulty.model} model: {easy} easiest and "
                     f"{hard} hardest of {len(src.samples)} {what} once scored, {src.planned_rows} kept")
-    if stage.pairs:
-        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
-                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}{by_score}")
     videos = ""
     parts = [p for p in getattr(src.samples, "parts", ()) if getattr(p.store, "videos", False)]
     if parts:  # what a video stage's frame caps buy: its rows' video tokens (the short-to-long curriculum's lever)
-        counted = [p.store.video_tokens(p.selection.index) for p in parts]
+        # a pair's two sides share its prompt's videos: counted once, on the chosen side (store row 2k)
+        counted = [p.store.video_tokens(2 * p.selection.index if stage.pairs else p.selection.index) for p in parts]
         videos = (f"; {sum(t for t, _ in counted)} video tokens ({sum(f for _, f in counted)} frames) in its "
-                  "kept rows")
+                  f"kept {'pairs' if stage.pairs else 'rows'}")
+    if stage.pairs:
+        return (f"stage '{stage.name}' data ({stage.objective}): {src.stats.summary()}"
+                f"{'; each micro-batch of pairs flattened into one row' if data.packing else ''}{by_score}{videos}")
     return (f"stage '{stage.name}' data: {src.stats.summary()}"
             f"{f'; packed into {len(src.samples)} rows' if data.packing else ''}{by_score}{videos}")
 
