@@ -243,7 +243,7 @@ def _check_unread(row: dict[str, Any], where: str, original: list[str], notes: l
         content = [k for k, v in row.items() if not k.startswith("_") and holds_content(k, v)]
         if content:
             _no_shape(row, where, original, content, roles)
-    turns_text = {str(c).strip() for c in _texts(row)}
+    turns_text = {str(c).strip() for c in _texts(row)} if unread else set()  # read only when a key is unread
     repeated = [k for k in unread if isinstance(row[k], str) and row[k].strip() and
                 any(row[k].strip() == t or (len(row[k].strip()) > 40 and row[k].strip() in t) for t in turns_text)]
     if repeated and notes is not None:
