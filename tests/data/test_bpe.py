@@ -192,11 +192,22 @@ def test_a_tokenizer_the_twin_does_not_equal_keeps_the_fast_tokenizer(
     assert encoder.twin is None
 
 
-def test_the_twin_is_built_only_for_a_large_preparation_and_not_under_jinja(qwen_tokenizer: Any) -> None:
+def test_the_twin_is_built_only_for_a_large_preparation_and_not_under_jinja(
+        qwen_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Built (and said) once per process and tokenizer, for a preparation of TWIN_MIN_ROWS rows or more, never
+    under data.renderer: jinja."""
+    monkeypatch.setattr(bpe, "_TWINS", {})  # as in a fresh process
     small = TextEncoder(qwen_tokenizer, train_on="assistant")
     small.prepare_for(bpe.TWIN_MIN_ROWS - 1)
     large = TextEncoder(qwen_tokenizer, train_on="assistant")
-    large.prepare_for(bpe.TWIN_MIN_ROWS)
+    with caplog.at_level(logging.INFO, logger="toolkit.data.bpe"):
+        large.prepare_for(bpe.TWIN_MIN_ROWS)
+    assert caplog.messages == ["data: chat rows tokenised by the fast tokenizer's tiktoken twin (the same ids)"]
+    caplog.clear()
     forced = TextEncoder(qwen_tokenizer, train_on="assistant", renderer="jinja")
     forced.prepare_for(10**6)
     assert small.twin is None and large.twin is not None and forced.twin is None
+    again = TextEncoder(qwen_tokenizer, train_on="assistant")
+    with caplog.at_level(logging.INFO, logger="toolkit.data.bpe"):
+        again.prepare_for(bpe.TWIN_MIN_ROWS)
+    assert again.twin is large.twin and "twin" not in caplog.text  # said when it was built, not again
