@@ -6,8 +6,8 @@ leaves almost no padding, the padded contenders trained exactly the batches the 
 results file was written.
 
 Fast tests (no multi-process launch), as tests/e2e/test_bench_gpu.py: each benchmark runs one process at a time
-(one-process launches, workers, `datasets.map` with 2). In the slow run, one test at a time, they used about one of
-CI's 2 cores (about 240 CPU-seconds over 195 s); beside the fast run's other xdist worker the second core works.
+(one-process launches, workers, `datasets.map` with 2). In the slow run, one test at a time, they took over 3 minutes
+of CI's time on about one of its 2 cores (2026-11-29); beside the fast run's other xdist worker both cores work.
 """
 
 from __future__ import annotations
