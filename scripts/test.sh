@@ -24,22 +24,25 @@ done
 within() { if [ -n "$marker" ]; then echo "($marker) and ($1)"; else echo "$1"; fi; }
 reports=$(mktemp -d)
 trap 'rm -rf "$reports"' EXIT
-# DeepSpeed JIT-builds its CPU Adam (optimizer offload) into torch's extensions folder the first time a launch
-# needs it, while that launch waits: 70-90 s of both cores on a fresh machine (CI's first offload launch took 91-116
-# s, the other launches of its test under 32 s). When the slow tests will run, it is built in the background during
-# the fast ones, at a low CPU priority (below the tests, above the floors' install in .ci/run): the build takes the
-# cycles the fast tests leave idle (none of them uses it). The slow run starts once it is done, so no launch under a
-# timeout waits on a low-priority build; a build that failed here is built again (and reported) by the first launch
-# that needs it.
+# DeepSpeed JIT-builds its CPU ops (CPU Adam for optimizer offload; the shared-memory comm op of every launch) into
+# torch's extensions folder the first time a launch needs them, while that launch waits: CPU Adam is 70-90 s of both
+# cores on a fresh machine (CI's first offload launch took 91-116 s, the other launches of its test under 32 s), the
+# comm op about 40. When the slow tests will run, both are built in the background during the fast ones, at a low
+# CPU priority (below the tests, above the floors' install in .ci/run): the build takes the cycles the fast tests
+# leave idle (none of them loads either op). The slow run starts once it is done, so no launch under a timeout waits
+# on a low-priority build; an op that failed to build here is built again (and reported) by the first launch that
+# needs it.
 ops=""
 if [ "$marker" != "not slow" ]; then
   nice -n 15 python - > "$reports/ops.log" 2>&1 <<'PYEOF' &
 import importlib.util
 
 if importlib.util.find_spec("deepspeed") is not None:  # setup.sh installs it on Linux only
+    from deepspeed.comm.torch import build_shm_op  # as every DeepSpeed launch's comm backend loads it
     from deepspeed.ops.op_builder import CPUAdamBuilder  # as DeepSpeedCPUAdam loads it
 
     CPUAdamBuilder().load()
+    build_shm_op()
 PYEOF
   ops=$!
 fi
@@ -63,10 +66,10 @@ if [ -n "$ops" ]; then
   renice -n "$(nice)" -p "$ops" $(tree "$ops") > /dev/null 2>&1 || true
   waited=$SECONDS
   if wait "$ops"; then
-    echo "== DeepSpeed's CPU Adam is built (waited $((SECONDS - waited)) s for it after the fast tests)"
+    echo "== DeepSpeed's CPU ops are built (waited $((SECONDS - waited)) s for them after the fast tests)"
   else
     tail -n 5 "$reports/ops.log"
-    echo "== DeepSpeed's CPU Adam did not build (above): the first launch that needs it builds it"
+    echo "== DeepSpeed's CPU ops did not build (above): the first launch that needs one builds it"
   fi
 fi
 [ "$marker" = "not slow" ] || run slow "$(within "slow")"
