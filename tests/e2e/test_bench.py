@@ -4,6 +4,10 @@ Only that it works is checked, never the timings (they are noise at this size): 
 positive throughput (the TRL ones may be skipped, with a reason, where TRL is not installed, as on CI), packing
 leaves almost no padding, the padded contenders trained exactly the batches the toolkit's order predicts, and the
 results file was written.
+
+Fast tests (no multi-process launch), as tests/e2e/test_bench_gpu.py: each benchmark runs one process at a time
+(one-process launches, workers, `datasets.map` with 2). In the slow run, one test at a time, they took over 3 minutes
+of CI's time on about one of its 2 cores (2026-11-29); beside the fast run's other xdist worker both cores work.
 """
 
 from __future__ import annotations
@@ -14,11 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO, run_env
-
-pytestmark = pytest.mark.slow
 
 CONTENDERS = ("bare", "toolkit", "toolkit_packed", "trl", "trl_packed")
 TRL_CONTENDERS = ("trl", "trl_packed")
