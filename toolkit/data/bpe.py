@@ -60,19 +60,24 @@ class BpeTwin:
     def __init__(self, encoding: Any, lengths: np.ndarray) -> None:
         self.encoding = encoding
         self.lengths = lengths  # int64 per id: bytes in the token (added tokens included)
+        self.special = frozenset(encoding.special_tokens_set)  # split out as the HF tokenizer splits added tokens
 
     @classmethod
-    def of(cls, tokenizer: Any) -> BpeTwin | None:
+    def of(cls, tokenizer: Any, key: str | None = None) -> BpeTwin | None:
         """The tokenizer's twin, built once per process (None: the tokenizer is not one the twin equals, or
-        tiktoken is not installed; the reason is logged once)."""
+        tiktoken is not installed; the reason is logged once). `key`: a digest of everything the twin depends on
+        (the token store's tokenizer fingerprint), else one is taken of the tokenizer's serialisation, so a
+        tokenizer changed in place is never served a stale twin."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None
-        text = backend.to_str()  # the key is all the twin depends on, so a tokenizer changed in place is seen
-        added = sorted((i, str(t)) for i, t in tokenizer.added_tokens_decoder.items())
-        key = hashlib.sha256(f"{text}{added}".encode()).hexdigest()
+        text = None
+        if key is None:
+            text = backend.to_str()
+            added = sorted((i, str(t)) for i, t in tokenizer.added_tokens_decoder.items())
+            key = hashlib.sha256(f"{text}{added}".encode()).hexdigest()
         if key not in _TWINS:
-            twin, why = _build(tokenizer, text)
+            twin, why = _build(tokenizer, backend.to_str() if text is None else text)
             if twin is None:
                 log.info("data: chat rows tokenised by the fast tokenizer alone (its tiktoken twin is not used: "
                          "%s)", why)
@@ -85,7 +90,8 @@ class BpeTwin:
         """The text's ids (int32), no special tokens added; None where the twin does not take it (not ASCII)."""
         if not text.isascii():
             return None
-        return np.asarray(self.encoding.encode(text, allowed_special="all"), dtype=np.int32)
+        # tiktoken's buffer as it is (no Python list of ints); ids are far below 2**31, so int32 reads them unchanged
+        return self.encoding.encode_to_numpy(text, allowed_special=self.special, disallowed_special=()).view(np.int32)
 
 
 def _build(tokenizer: Any, text: str) -> tuple[BpeTwin | None, str]:

@@ -622,7 +622,7 @@ class TextEncoder:
         tiktoken twin (toolkit/data/bpe.py) where the preparation is large enough to repay it. Its ids are the
         tokenizer's; `data.renderer: jinja` keeps the fast tokenizer alone, as before."""
         if self.renderer != "jinja" and rows >= TWIN_MIN_ROWS and self.tokenizer is not None:
-            self.twin = BpeTwin.of(self.tokenizer)
+            self.twin = BpeTwin.of(self.tokenizer, key=self.fingerprint)  # the store key's, where one was taken
 
     def options(self) -> dict[str, Any]:
         """What besides the tokenizer and the row decides the encoding (part of the store's key)."""

@@ -749,13 +749,11 @@ def _turn_keys(turns: list[Any], name: str, where: str, tags: dict[str, str]) ->
     with neither are another tool's shape: the error names the keys it saw and the tags that map them."""
     dicts = [t for t in turns if isinstance(t, dict)]
     inferred = [k for k in (vocab.turn_keys(t, tags.get("role_tag")) for t in dicts) if k is not None]
-    held = max(TURN_KEYS.values(), key=lambda ks: sum(k in t for t in dicts for k in ks))
     if inferred:
         found = max(dict.fromkeys(inferred), key=inferred.count)  # the most turns' pair, the first on a tie
-    elif any(k in t for t in dicts for k in held):
-        found = held
-    else:
-        found = None
+    else:  # the TURN_KEYS pair the turns hold most keys of
+        held = max(TURN_KEYS.values(), key=lambda ks: sum(k in t for t in dicts for k in ks))
+        found = held if any(k in t for t in dicts for k in held) else None
     if "role_tag" in tags or "content_tag" in tags:
         default = found or TURN_KEYS["messages"]
         return tags.get("role_tag", default[0]), tags.get("content_tag", default[1])
