@@ -456,6 +456,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--no-peer-masks", action="store_true", help="skip the datasets.map peer that builds the "
                         "same masks through the Jinja template")
+    parser.add_argument("--no-peer-template", action="store_true", help="skip the datasets.map peer that renders "
+                        "and tokenises with apply_chat_template (no masks), keeping the one with the same masks")
     parser.add_argument("--ceiling-rows", type=int, default=0, help="also time one process on one core against a "
                         "bare tokenizer(texts) call, on this many rows (0: skip)")
     parser.add_argument("--vl-rows", type=int, default=0, help="also time image rows' preparation in one process "
@@ -497,9 +499,10 @@ def main() -> None:
             result["rank_uss_growth_gb"] = rank_growth(result["baseline"]["rank_uss_gb"],
                                                        result["cold"]["rank_uss_gb"], result["warm"]["rank_uss_gb"])
     if not args.no_peer:
-        result["peer"] = run_peer(data, cores, work / "peer-cache")
-        if "cold" in result:
-            result["cold_vs_peer"] = round(result["peer"]["cold_s"] / result["cold"]["data_s"], 2)
+        if not args.no_peer_template:
+            result["peer"] = run_peer(data, cores, work / "peer-cache")
+            if "cold" in result:
+                result["cold_vs_peer"] = round(result["peer"]["cold_s"] / result["cold"]["data_s"], 2)
         if not args.no_peer_masks:
             result["peer_masks"] = run_peer(data, cores, work / "peer-masks-cache", "masks")
             if "cold" in result:
