@@ -4,8 +4,8 @@
 # scripts/test.sh (.ci/run). Extra arguments go to pytest (they replace the subset below); `--install-only` (alone)
 # builds the environment and stops (CI builds it while the main suite runs; a second call finds it done).
 #
-# A representative subset, not the fast suite: the whole CI must stay under 45 minutes on 2 cores (it took about 39
-# on 2026-11-29, the main suite 37 of them; 49 before the fast tests ran on both cores), the install here about 7
+# A representative subset, not the fast suite: the whole CI must stay under 45 minutes on 2 cores (it took about 32
+# on 2026-11-29, the main suite 29 of them; 49 before the fast tests ran on both cores), the install here about 7
 # (torch, a DeepSpeed build; beside the main suite) and the fast suite at these versions would add several more. The
 # subset (under a minute, on both cores) runs the code that touches the APIs the floors were set for:
 #   transformers >= 5.18  the attention and mask interfaces (q_length/q_offset) of the packed kernels
