@@ -1,7 +1,7 @@
 """A tiktoken twin of a byte-level BPE fast tokenizer, used only where it provably gives the same tokens.
 
 Why a second tokenizer: after the direct renderers (render.py), the HF tokenizer's batch call is about three
-quarters of preparing chat rows, and tiktoken's BPE (also Rust, OpenAI's) encodes Qwen's text about 3.5x faster
+quarters of preparing chat rows, and tiktoken's BPE (also Rust, OpenAI's) encodes Qwen's text several times faster
 with the same ids (docs/benchmarks.md, issue 52). The Qwen2.5 / Qwen3 / Qwen-VL tokenizers come from tiktoken ranks:
 byte-level BPE after a Split regex, their merges ranked by the merged token's id (the hub's files keep one merge
 per token; transformers' `TikTokenConverter` writes every split of every token).
