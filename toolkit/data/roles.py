@@ -400,8 +400,13 @@ def _may_contradict(keys: tuple[str, ...], roles: tuple[tuple[str, str], ...]) -
     """Whether any of a row's keys could contradict the file's roles (`contradiction`'s tests that read no value):
     once per key set, so a file's rows of its usual keys skip inferring their roles (a third of reading them)."""
     file_roles, names = dict(roles), shape_names()
-    return any(file_roles.get(k) not in (None, "metadata") and k not in names
-               and not set(named_roles(k)) - {"turns", "metadata"} for k in keys)
+    return any(_may_differ(k, file_roles.get(k), names) for k in keys)
+
+
+def _may_differ(key: str, theirs: str | None, names: set[str]) -> bool:
+    """Whether a key could hold content of another role than the file's by its values: the file gives it a role
+    that is not metadata, no shape reads it by name, and the vocabulary names it no role but turns or metadata."""
+    return theirs not in (None, "metadata") and key not in names and not set(named_roles(key)) - {"turns", "metadata"}
 
 
 def contradiction(row: dict[str, Any], roles: dict[str, str], content: Any) -> tuple[str, str, str] | None:
@@ -416,8 +421,7 @@ def contradiction(row: dict[str, Any], roles: dict[str, str], content: Any) -> t
     mine = infer_roles(row, content)
     for key, role in mine.items():
         theirs = roles.get(key)
-        if theirs in (None, "metadata") or key in names or theirs == role or \
-                set(named_roles(key)) - {"turns", "metadata"}:
+        if theirs == role or not _may_differ(key, theirs, names):
             continue
         value = row[key]
         if content(key, value) or is_turns(value) or is_tree(value):
